@@ -1,0 +1,1 @@
+//! The simulated loopback fabric: an adversarial, deterministic in-process weft backend

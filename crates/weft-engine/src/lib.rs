@@ -1,0 +1,1 @@
+//! TransferEngine: DomainGroups, ImmCounter, sharding and peer groups over any weft backend
