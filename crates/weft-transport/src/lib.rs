@@ -63,7 +63,7 @@ mod types;
 mod wire;
 
 pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
-pub use memory::{Access, Device, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
+pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
 pub use types::{
     Capabilities, Completion, Imm, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages, PeerId,
     RemoteSlice, ScatterDst, WrId, WriteWr,

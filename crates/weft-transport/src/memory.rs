@@ -167,6 +167,26 @@ pub struct LocalSlice {
     pub len: u64,
 }
 
+/// Copies bytes between memories of any [`Device`]s (host↔host, host↔GPU,
+/// GPU↔GPU). Backends that move bytes in software (the loopback fabric) use
+/// it for regions that are not host memory; `weft-cuda` provides one backed by
+/// the CUDA copy engine.
+pub trait DeviceCopy: Send + Sync {
+    /// Copies `len` bytes from `src` on `src_dev` to `dst` on `dst_dev` and
+    /// returns when the bytes are visible at `dst`.
+    ///
+    /// Callers guarantee both spans lie inside registered [`MemRegion`]s of
+    /// the stated devices.
+    fn copy(
+        &self,
+        dst: u64,
+        dst_dev: Device,
+        src: u64,
+        src_dev: Device,
+        len: u64,
+    ) -> Result<(), crate::TransportError>;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
