@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every test of the workspace (the README's test command).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+export RUST_BACKTRACE=1
+# Unit, integration, property and conformance tests of every crate
+# (loopback conformance runs 50+ seeds; libfabric runs over tcp and shm).
+cargo test --workspace
+
+# Model-checked lock-free parts (loom), in their own target dir so the
+# cfg(loom) build does not invalidate the normal one.
+if [ -f crates/weft-engine/tests/loom.rs ]; then
+  RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test -p weft-engine --release --test loom
+fi
