@@ -1,1 +1,311 @@
-//! The backend conformance suite: one set of tests run unchanged against every weft backend
+//! # weft-conformance: one suite for every weft backend
+//!
+//! The semantics contract of [`weft_transport`] (reliable, unordered across
+//! and within writes, immediate only after payload, delivery-complete write
+//! completions, failures without immediates, peer death, receive rules, flow
+//! control) written as executable cases. The cases are written once against
+//! the [`Domain`](weft_transport::Domain) trait and run unchanged for every
+//! backend: the loopback simulator, libfabric (tcp/shm, endpoints possibly in
+//! separate processes) and verbs over a simulated device.
+//!
+//! ## Plugging a backend in
+//!
+//! 1. Implement [`Harness`] (or, when every host lives in the test process,
+//!    the smaller [`InProcessBackend`] and wrap it in [`InProcess`]). The
+//!    suite does *everything* through the harness: memory is allocated,
+//!    filled, read and registered by the harness, domains are reached through
+//!    [`Harness::domain`] (which may return a proxy to another process), and
+//!    time advances only through [`Harness::progress`].
+//! 2. Add one test file to the backend crate:
+//!
+//! ```ignore
+//! // backends/weft-foo/tests/conformance.rs
+//! weft_conformance::conformance_tests!(|seed| my_harness(seed), seeds = 0..50, heavy_seeds = 0..3);
+//! ```
+//!
+//! This generates one `#[test]` per case (named like the case), each running
+//! the case once per seed on a fresh harness. [`Weight::Heavy`] cases (64 MiB
+//! writes) use `heavy_seeds`. `conformance_tests!(factory)` alone runs every
+//! case with seed 0.
+//!
+//! Failures name the backend ([`Harness::name`]), the case and the seed.
+//! A case that needs a hook the harness lacks (e.g. [`Harness::kill_host`])
+//! is skipped with a message written straight to stderr (visible even when
+//! the test harness captures output), never passed silently.
+//!
+//! ## Bounded waits
+//!
+//! Every wait polls the domains involved and calls [`Harness::progress`] at
+//! most [`Harness::wait_budget`] times, then fails with what is still
+//! outstanding. No case reads a clock.
+
+#![deny(unsafe_code)]
+
+mod cases;
+mod ctx;
+// The in-process harness owns raw memory that NICs write into.
+#[allow(unsafe_code)]
+mod harness;
+mod pattern;
+
+pub use harness::{
+    BufId, Harness, HarnessError, HostId, InProcess, InProcessBackend, DEFAULT_SETTLE_ROUNDS,
+    DEFAULT_WAIT_BUDGET,
+};
+
+use std::fmt;
+use std::io::Write as _;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Why a case did not pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CaseFailure {
+    /// The backend broke the contract (or hung): what, where, which WR.
+    Failed(String),
+    /// The harness cannot run this case (missing fault hook, too few NICs).
+    Skipped(String),
+}
+
+impl fmt::Display for CaseFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CaseFailure::Failed(m) => write!(f, "FAILED: {m}"),
+            CaseFailure::Skipped(m) => write!(f, "SKIPPED: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for CaseFailure {}
+
+/// How expensive a case is; lets backends run heavy ones on fewer seeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weight {
+    /// Cheap enough to run under every seed.
+    Normal,
+    /// Large transfers (tens of MiB); run under fewer seeds in debug builds.
+    Heavy,
+}
+
+/// One conformance case.
+#[derive(Clone, Copy)]
+pub struct Case {
+    /// Stable name (also the generated `#[test]`'s name).
+    pub name: &'static str,
+    /// Cost class.
+    pub weight: Weight,
+    /// The case body.
+    pub run: fn(&mut dyn Harness) -> Result<(), CaseFailure>,
+}
+
+impl fmt::Debug for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Case")
+            .field("name", &self.name)
+            .field("weight", &self.weight)
+            .finish()
+    }
+}
+
+/// The case list, the single source of truth for [`cases`] and
+/// [`conformance_tests!`]. Calls `$crate::$cb! { {args} name: Weight, ... }`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __weft_conformance_cases {
+    ($cb:ident { $($args:tt)* }) => {
+        $crate::$cb! { { $($args)* }
+            capabilities_sane: Normal,
+            send_recv_sizes: Normal,
+            recv_buffer_pool: Normal,
+            message_too_long: Normal,
+            receiver_not_ready: Normal,
+            write_sizes: Normal,
+            write_large: Heavy,
+            imm_only_writes: Normal,
+            batch_writes_queue_full: Normal,
+            imm_exactly_once: Normal,
+            payload_visible_at_imm: Normal,
+            concurrent_writes: Normal,
+            multi_nic: Normal,
+            remote_access_violations: Normal,
+            usable_after_remote_error: Normal,
+            local_access_errors: Normal,
+            deregistered_memory: Normal,
+            unknown_peer: Normal,
+            peer_death: Normal,
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __weft_conformance_table {
+    ({} $($name:ident : $w:ident),* $(,)?) => {
+        /// Every case of the suite, in a stable order.
+        pub fn cases() -> Vec<Case> {
+            vec![$(Case { name: stringify!($name), weight: Weight::$w, run: cases::$name }),*]
+        }
+    };
+}
+
+__weft_conformance_cases!(__weft_conformance_table {});
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __weft_conformance_gen_tests {
+    ({ ($factory:expr) ($seeds:expr) ($heavy:expr) } $($name:ident : $w:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                let seeds: ::std::vec::Vec<u64> = match $crate::Weight::$w {
+                    $crate::Weight::Heavy => ::std::iter::IntoIterator::into_iter($heavy).collect(),
+                    $crate::Weight::Normal => ::std::iter::IntoIterator::into_iter($seeds).collect(),
+                };
+                $crate::run_case_for_seeds(&$factory, stringify!($name), seeds);
+            }
+        )*
+    };
+}
+
+/// Generates one `#[test]` per conformance case.
+///
+/// `factory` is an expression of a type `Fn(u64) -> H` with `H:`
+/// [`Harness`]; it is called once per seed for a fresh harness.
+///
+/// ```ignore
+/// weft_conformance::conformance_tests!(|seed| make(seed), seeds = 0..50, heavy_seeds = 0..3);
+/// weft_conformance::conformance_tests!(|_| make_real());   // seed 0 only
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($factory:expr $(,)?) => {
+        $crate::conformance_tests!($factory, seeds = 0..1u64, heavy_seeds = 0..1u64);
+    };
+    ($factory:expr, seeds = $seeds:expr, heavy_seeds = $heavy:expr $(,)?) => {
+        $crate::__weft_conformance_cases!(__weft_conformance_gen_tests { ($factory) ($seeds) ($heavy) });
+    };
+}
+
+/// The case called `name`.
+pub fn case(name: &str) -> Option<Case> {
+    cases().into_iter().find(|c| c.name == name)
+}
+
+/// Runs one case on one harness.
+pub fn run_case(h: &mut dyn Harness, case: &Case) -> Result<(), CaseFailure> {
+    (case.run)(h)
+}
+
+/// The outcome of one case under one seed.
+#[derive(Debug, Clone)]
+pub struct SeedOutcome {
+    /// Case name.
+    pub case: &'static str,
+    /// Seed the harness was built with.
+    pub seed: u64,
+    /// Backend name as reported by the harness (`?` if the factory panicked).
+    pub backend: String,
+    /// `Ok` or why not.
+    pub result: Result<(), CaseFailure>,
+}
+
+impl fmt::Display for SeedOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.result {
+            Ok(()) => write!(
+                f,
+                "[{}] case {} seed {}: ok",
+                self.backend, self.case, self.seed
+            ),
+            Err(e) => write!(
+                f,
+                "[{}] case {} seed {}: {e}",
+                self.backend, self.case, self.seed
+            ),
+        }
+    }
+}
+
+/// Runs `case` once on a fresh harness from `factory(seed)`, catching panics
+/// (of the backend or the harness) as failures.
+pub fn run_seed<H: Harness, F: Fn(u64) -> H>(factory: &F, case: &Case, seed: u64) -> SeedOutcome {
+    let mut backend = String::from("?");
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let mut h = factory(seed);
+        backend = h.name();
+        run_case(&mut h, case)
+    }))
+    .unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "non-string panic".into());
+        Err(CaseFailure::Failed(format!("panicked: {msg}")))
+    });
+    SeedOutcome {
+        case: case.name,
+        seed,
+        backend,
+        result,
+    }
+}
+
+fn note(line: &str) {
+    // Straight to the process's stderr, bypassing libtest's output capture,
+    // so skips are visible in every test run.
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Runs the case `name` for every seed (fresh harness each) and panics with
+/// backend, case and seed of every failing seed. Skips are printed.
+pub fn run_case_for_seeds<H: Harness, F: Fn(u64) -> H>(
+    factory: &F,
+    name: &str,
+    seeds: impl IntoIterator<Item = u64>,
+) {
+    let Some(case) = case(name) else {
+        panic!("weft-conformance: no case named {name:?}");
+    };
+    let mut failed = Vec::new();
+    let mut ran = 0usize;
+    for seed in seeds {
+        ran += 1;
+        let o = run_seed(factory, &case, seed);
+        match &o.result {
+            Ok(()) => {}
+            Err(CaseFailure::Skipped(_)) => note(&format!("weft-conformance {o}")),
+            Err(CaseFailure::Failed(_)) => failed.push(o),
+        }
+    }
+    if !failed.is_empty() {
+        let seeds: Vec<String> = failed.iter().map(|o| o.seed.to_string()).collect();
+        let details: Vec<String> = failed.iter().take(5).map(|o| o.to_string()).collect();
+        panic!(
+            "weft-conformance: case {name} failed for {} of {ran} seeds (seeds: {})\n{}",
+            failed.len(),
+            seeds.join(", "),
+            details.join("\n")
+        );
+    }
+}
+
+/// Runs every case for `seeds` (heavy cases for `heavy_seeds`) and returns
+/// every outcome, in case order then seed order. Does not panic.
+pub fn run_suite<H: Harness, F: Fn(u64) -> H>(
+    factory: &F,
+    seeds: &[u64],
+    heavy_seeds: &[u64],
+) -> Vec<SeedOutcome> {
+    let mut out = Vec::new();
+    for case in cases() {
+        let s = match case.weight {
+            Weight::Normal => seeds,
+            Weight::Heavy => heavy_seeds,
+        };
+        for &seed in s {
+            out.push(run_seed(factory, &case, seed));
+        }
+    }
+    out
+}

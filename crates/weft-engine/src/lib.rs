@@ -1,1 +1,49 @@
-//! TransferEngine: DomainGroups, ImmCounter, sharding and peer groups over any weft backend
+//! # weft-engine: the TransferEngine
+//!
+//! The paper's TransferEngine over any [`weft_transport::Provider`]: one
+//! DomainGroup (one worker thread, 1..=8 NICs) per GPU, an ImmCounter that
+//! turns "N immediates arrived" into an ordering-free completion signal,
+//! sharding of large writes across a group's NICs, peer groups for
+//! scatter/barrier, a shared callback thread and a UVM watcher thread.
+//!
+//! See `docs/engine.md` for the threading model, the backpressure scheme and
+//! the immediate-count contract; [`shard`] has the counting functions.
+//!
+//! ```no_run
+//! # use weft_engine::*;
+//! # fn demo(provider: std::sync::Arc<dyn weft_transport::Provider>, peer: GroupAddress,
+//! #         src: MrHandle, dst: weft_transport::MrDesc) -> Result<(), EngineError> {
+//! let engine = TransferEngine::builder()
+//!     .group(DomainGroupSpec::new(provider, vec![0, 1]))
+//!     .build()?;
+//! let (on_done, flag) = OnDone::flag();
+//! engine.submit_single_write(1 << 20, Some(7), (&src, 0), (&dst, 0), on_done)?;
+//! flag.wait()?;
+//! engine.shutdown();
+//! # Ok(()) }
+//! ```
+
+mod affinity;
+mod core;
+mod engine;
+mod error;
+mod imm;
+mod mem;
+mod ondone;
+#[cfg(feature = "latency-probe")]
+pub mod probe;
+pub mod shard;
+mod sync;
+mod watcher;
+
+pub use crate::core::{GroupAddress, RecvCallback, MAX_NICS};
+pub use engine::{
+    DomainGroupSpec, EngineBuilder, EngineConfig, EngineStats, ExcessHandler, ImmCounts,
+    PeerGroupHandle, QueueFullPolicy, TransferEngine,
+};
+pub use error::{EngineError, TransferId};
+pub use mem::MrHandle;
+pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
+pub use shard::{Piece, ScatterMode, ShardConfig};
+pub use watcher::{UvmWatcher, WatchCallback};
+pub use weft_transport::{Imm, MrDesc, Pages, ScatterDst};

@@ -14,6 +14,9 @@ pub enum RemoteAccessReason {
     NotWritable,
     /// `[offset, offset+len)` is outside the registration.
     OutOfBounds,
+    /// The target NIC rejected the access without saying which check failed
+    /// (verbs `IBV_WC_REM_ACCESS_ERR` covers all of the above).
+    Unspecified,
 }
 
 impl fmt::Display for RemoteAccessReason {
@@ -22,6 +25,7 @@ impl fmt::Display for RemoteAccessReason {
             RemoteAccessReason::UnknownKey => "unknown rkey",
             RemoteAccessReason::NotWritable => "region not remotely writable",
             RemoteAccessReason::OutOfBounds => "access out of bounds",
+            RemoteAccessReason::Unspecified => "reason not reported by the NIC",
         })
     }
 }

@@ -56,7 +56,7 @@ impl FromStr for NetAddr {
             reason,
         };
         let s = s.trim();
-        if s.len() % 2 != 0 {
+        if !s.len().is_multiple_of(2) {
             return Err(err("odd number of hex digits"));
         }
         let digits = s.as_bytes();

@@ -1,0 +1,1046 @@
+//! [`LibfabricDomain`]: one NIC (fabric + domain + RDM endpoint + AV + CQ)
+//! as a weft [`Domain`]. No `unsafe` here: every native call goes through
+//! [`crate::ffi`].
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use weft_transport::{
+    Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
+    NetAddr, NicInfo, PeerId, PostError, RemoteAccessReason, Rkey, TransportError, WrId, WriteWr,
+};
+
+use crate::ffi::{self, CqEntry, CqError, CqRead, Desc, Info, Lib, Mr, Resources};
+
+/// Options fixed when a domain is opened (derived from the provider config).
+#[derive(Debug, Clone)]
+pub(crate) struct DomainOptions {
+    pub(crate) max_inflight: usize,
+    pub(crate) max_recvs: usize,
+    pub(crate) max_batch: usize,
+    pub(crate) fi_more: bool,
+    pub(crate) hmem: bool,
+    pub(crate) connect_timeout: Duration,
+}
+
+/// How often `poll` checks that `shm` peers with operations in flight are
+/// still alive.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone, Copy)]
+enum SlotUse {
+    Free,
+    Write {
+        wr: WrId,
+        peer: PeerId,
+        rkey: u64,
+        raddr: u64,
+        len: u64,
+    },
+    Send {
+        wr: WrId,
+        peer: PeerId,
+        len: u64,
+    },
+    Recv {
+        wr: WrId,
+        capacity: u64,
+    },
+    /// Reported failed (dead peer) but not yet returned by the provider:
+    /// the slot is reused only once libfabric hands its context back.
+    Zombie,
+}
+
+struct Peer {
+    addr: NetAddr,
+    fi_addr: u64,
+    /// Why the peer is considered unreachable; posts to it then fail at once.
+    dead: Option<String>,
+    /// Our operations to it not yet completed.
+    inflight: usize,
+    /// Since when posts to it (with nothing in flight) keep failing with
+    /// EAGAIN: the provider is still trying to connect.
+    eagain_since: Option<Instant>,
+    /// Process id of an `shm` peer, for liveness checks.
+    pid: Option<i32>,
+}
+
+/// What to hand to libfabric for one reserved slot.
+#[derive(Debug, Clone, Copy)]
+enum Native {
+    Write {
+        src: u64,
+        len: usize,
+        desc: Desc,
+        dest: u64,
+        raddr: u64,
+        key: u64,
+        data: Option<u64>,
+    },
+    Send {
+        addr: u64,
+        len: usize,
+        desc: Desc,
+        dest: u64,
+    },
+    Recv {
+        addr: u64,
+        len: usize,
+        desc: Desc,
+    },
+}
+
+struct MrEntry {
+    mr: Mr,
+    addr: u64,
+    len: u64,
+    device: Device,
+}
+
+/// One NIC driven through libfabric. Created by
+/// [`crate::LibfabricProvider`]'s `open`.
+///
+/// Memory-registration modes are handled per the provider's `mr_mode`:
+/// descriptors are always passed (`FI_MR_LOCAL`), remote addresses are
+/// `base + offset` with `FI_MR_VIRT_ADDR` and `offset` otherwise, keys come
+/// from `fi_mr_key` with `FI_MR_PROV_KEY` and from a per-domain counter
+/// otherwise, and with `FI_MR_ENDPOINT` every registration is bound to the
+/// endpoint and enabled.
+pub struct LibfabricDomain {
+    // First field, dropped first: closes the endpoint (cancelling work) and
+    // every registration before the memory below is freed.
+    res: Resources,
+    lib: &'static Lib,
+    _info: Arc<Info>,
+    nic: NicInfo,
+    caps: Capabilities,
+    opts: DomainOptions,
+    virt_addr: bool,
+    prov_key: bool,
+    hmem: bool,
+    is_shm: bool,
+    mrs: BTreeMap<MrKey, MrEntry>,
+    next_key: u64,
+    peers: BTreeMap<NetAddr, PeerId>,
+    peer_table: Vec<Peer>,
+    last_sweep: Instant,
+    slots: Vec<SlotUse>,
+    free_tx: Vec<usize>,
+    free_rx: Vec<usize>,
+    stash: Vec<Completion>,
+    /// SEND/WRITE completions in `stash`: their slots are free again but
+    /// they still count as outstanding until `poll` returns them.
+    stashed_tx: usize,
+    /// Accepted work the provider answered EAGAIN for (e.g. while
+    /// tcp;ofi_rxm connects to a new peer): slots reserved, re-issued by
+    /// `poll` in order, failed if the peer turns out unreachable.
+    backlog: VecDeque<(usize, Native)>,
+    cq_scratch: Vec<CqEntry>,
+    dummy: Box<[u8; 64]>,
+    dummy_desc: Desc,
+}
+
+impl std::fmt::Debug for LibfabricDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LibfabricDomain")
+            .field("nic", &self.nic)
+            .field("caps", &self.caps)
+            .finish_non_exhaustive()
+    }
+}
+
+const LOCAL_ACCESS: u64 = ffi::FI_SEND | ffi::FI_RECV | ffi::FI_WRITE | ffi::FI_READ;
+
+impl LibfabricDomain {
+    pub(crate) fn open(
+        lib: &'static Lib,
+        info: Arc<Info>,
+        name: String,
+        opts: DomainOptions,
+    ) -> Result<LibfabricDomain, TransportError> {
+        let slots = opts.max_inflight + opts.max_recvs;
+        let res = Resources::open(lib, &name, &info, slots)?;
+        let addr = NetAddr(res.getname()?);
+        let numa_node = info.pci.and_then(|(d, b, dev, f)| {
+            std::fs::read_to_string(format!(
+                "/sys/bus/pci/devices/{d:04x}:{b:02x}:{dev:02x}.{f:x}/numa_node"
+            ))
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .and_then(|n| u32::try_from(n).ok())
+        });
+        let nic = NicInfo {
+            name: name.clone(),
+            addr,
+            numa_node,
+            link_gbps: info.link_bps.map(|b| b as f64 / 1e9),
+        };
+        let max_msg = u64::try_from(info.max_msg_size).unwrap_or(u64::MAX);
+        let max_msg = if max_msg == 0 { 1 << 30 } else { max_msg };
+        let caps = Capabilities {
+            max_write_len: max_msg,
+            max_send_len: max_msg,
+            max_inflight: opts.max_inflight,
+            max_recvs: opts.max_recvs,
+            max_batch: opts.max_batch,
+            ordered: false,
+            device_memory: opts.hmem && info.caps & ffi::FI_HMEM != 0,
+        };
+        let mr_mode = info.mr_mode;
+        let basic = mr_mode & ffi::FI_MR_BASIC != 0;
+        let virt_addr = basic || mr_mode & ffi::FI_MR_VIRT_ADDR != 0;
+        let prov_key = basic || mr_mode & ffi::FI_MR_PROV_KEY != 0;
+        tracing::info!(
+            nic = %name,
+            provider = %info.prov_name,
+            fabric = %info.fabric_name,
+            mr_mode = format_args!("{mr_mode:#x}"),
+            mode = format_args!("{:#x}", info.mode),
+            mr_key_size = info.mr_key_size,
+            virt_addr,
+            prov_key,
+            delivery_complete = info.tx_op_flags & ffi::FI_DELIVERY_COMPLETE != 0,
+            addr = %nic.addr,
+            "libfabric domain open"
+        );
+        let mut d = LibfabricDomain {
+            lib,
+            hmem: caps.device_memory,
+            is_shm: info.prov_name == "shm",
+            _info: info,
+            nic,
+            caps,
+            virt_addr,
+            prov_key,
+            mrs: BTreeMap::new(),
+            next_key: 1,
+            peers: BTreeMap::new(),
+            peer_table: Vec::new(),
+            last_sweep: Instant::now(),
+            slots: vec![SlotUse::Free; slots],
+            free_tx: (0..opts.max_inflight).rev().collect(),
+            free_rx: (opts.max_inflight..slots).rev().collect(),
+            opts,
+            stash: Vec::new(),
+            stashed_tx: 0,
+            backlog: VecDeque::new(),
+            cq_scratch: Vec::with_capacity(64),
+            dummy: Box::new([0u8; 64]),
+            dummy_desc: Desc::null(),
+            res,
+        };
+        // A small registered buffer: the valid source descriptor of
+        // zero-length (immediate-only) WRITEs, which EFA requires.
+        let dummy_addr = d.dummy.as_ptr() as usize as u64;
+        let key = d.alloc_key();
+        let mr = d
+            .res
+            .mr_reg(dummy_addr, d.dummy.len(), LOCAL_ACCESS, key, None)?;
+        d.dummy_desc = mr.desc;
+        Ok(d)
+    }
+
+    fn alloc_key(&mut self) -> u64 {
+        let k = self.next_key;
+        self.next_key = self.next_key.wrapping_add(1).max(1);
+        k
+    }
+
+    fn nic_name(&self) -> String {
+        self.nic.name.clone()
+    }
+
+    fn invalid(&self, what: impl Into<String>) -> TransportError {
+        TransportError::InvalidArgument {
+            nic: self.nic_name(),
+            what: what.into(),
+        }
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<&Peer, TransportError> {
+        usize::try_from(peer.0)
+            .ok()
+            .and_then(|i| self.peer_table.get(i))
+            .ok_or_else(|| self.invalid(format!("unknown peer handle {}", peer.0)))
+    }
+
+    fn peer_addr(&self, peer: PeerId) -> NetAddr {
+        self.peer(peer)
+            .map(|p| p.addr.clone())
+            .unwrap_or_else(|_| NetAddr(Vec::new()))
+    }
+
+    /// Checks that `s` lies in a registration of this domain and returns its
+    /// descriptor.
+    fn local(&self, s: &LocalSlice, what: &str) -> Result<Desc, TransportError> {
+        let e = self
+            .mrs
+            .get(&s.mr)
+            .ok_or_else(|| TransportError::LocalAccess {
+                nic: self.nic_name(),
+                what: format!("{what}: unknown or deregistered local key {}", s.mr.0),
+            })?;
+        let inside = s
+            .addr
+            .checked_sub(e.addr)
+            .and_then(|off| off.checked_add(s.len))
+            .is_some_and(|end| end <= e.len);
+        if !inside {
+            return Err(TransportError::LocalAccess {
+                nic: self.nic_name(),
+                what: format!(
+                    "{what}: [{:#x}, +{}) outside registration {} [{:#x}, +{})",
+                    s.addr, s.len, s.mr.0, e.addr, e.len
+                ),
+            });
+        }
+        if let Device::Cuda(_) = e.device {
+            if !self.hmem {
+                return Err(TransportError::LocalAccess {
+                    nic: self.nic_name(),
+                    what: format!("{what}: CUDA memory without FI_HMEM"),
+                });
+            }
+        }
+        Ok(e.mr.desc)
+    }
+
+    /// Maps a failed operation to a typed error.
+    fn op_error(&self, slot: SlotUse, err: i64, message: String, olen: usize) -> TransportError {
+        let nic = self.nic_name();
+        let errno = err.unsigned_abs() as i32;
+        let (peer, op): (Option<PeerId>, &'static str) = match slot {
+            SlotUse::Write { peer, .. } => (Some(peer), "fi_writemsg"),
+            SlotUse::Send { peer, .. } => (Some(peer), "fi_send"),
+            SlotUse::Recv { .. } => (None, "fi_recv"),
+            SlotUse::Free | SlotUse::Zombie => (None, "completion"),
+        };
+        let peer_addr = peer.map(|p| self.peer_addr(p));
+        if is_unreachable(errno) {
+            if let Some(peer) = peer_addr {
+                return TransportError::PeerUnreachable {
+                    nic,
+                    peer,
+                    reason: message,
+                };
+            }
+        }
+        if errno == libc::ECANCELED {
+            return TransportError::Canceled { nic };
+        }
+        match slot {
+            SlotUse::Write {
+                rkey, raddr, len, ..
+            } if is_remote_access(errno) => TransportError::RemoteAccess {
+                nic,
+                peer: peer_addr.unwrap_or(NetAddr(Vec::new())),
+                rkey,
+                addr: raddr,
+                len,
+                reason: if errno == libc::EKEYREJECTED || errno == libc::ENOKEY {
+                    RemoteAccessReason::UnknownKey
+                } else if errno == libc::ERANGE || errno == libc::EFAULT {
+                    RemoteAccessReason::OutOfBounds
+                } else {
+                    // tcp/shm report every key or bounds violation as
+                    // EINVAL/EACCES: the cause is not distinguishable.
+                    RemoteAccessReason::UnknownKey
+                },
+            },
+            SlotUse::Recv { capacity, .. } if i64::from(errno) == ffi::FI_ETRUNC => {
+                TransportError::MessageTooLong {
+                    nic,
+                    peer: NetAddr(Vec::new()),
+                    len: capacity.saturating_add(olen as u64),
+                    capacity,
+                }
+            }
+            SlotUse::Send { len, .. } if i64::from(errno) == ffi::FI_ETRUNC => {
+                TransportError::MessageTooLong {
+                    nic,
+                    peer: peer_addr.unwrap_or(NetAddr(Vec::new())),
+                    len,
+                    capacity: len.saturating_sub(olen as u64),
+                }
+            }
+            _ => TransportError::Provider {
+                nic,
+                op,
+                code: -i64::from(errno),
+                message,
+            },
+        }
+    }
+
+    fn post_error(&self, slot: SlotUse, rc: i64) -> TransportError {
+        self.op_error(slot, rc, self.lib.strerror(rc), 0)
+    }
+
+    fn release(&mut self, i: usize) -> SlotUse {
+        let Some(s) = self.slots.get_mut(i) else {
+            return SlotUse::Free;
+        };
+        let used = std::mem::replace(s, SlotUse::Free);
+        match used {
+            SlotUse::Free => {}
+            SlotUse::Recv { .. } => self.free_rx.push(i),
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } => {
+                self.free_tx.push(i);
+                if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+                    p.inflight = p.inflight.saturating_sub(1);
+                }
+            }
+            SlotUse::Zombie => {
+                if i < self.opts.max_inflight {
+                    self.free_tx.push(i);
+                } else {
+                    self.free_rx.push(i);
+                }
+            }
+        }
+        used
+    }
+
+    fn complete(
+        &mut self,
+        slot: SlotUse,
+        result: Result<u64, TransportError>,
+        out: &mut Vec<Completion>,
+    ) {
+        match slot {
+            SlotUse::Write { wr, .. } => out.push(Completion::Write {
+                wr,
+                result: result.map(|_| ()),
+            }),
+            SlotUse::Send { wr, .. } => out.push(Completion::Send {
+                wr,
+                result: result.map(|_| ()),
+            }),
+            SlotUse::Recv { wr, .. } => out.push(Completion::Recv { wr, result }),
+            SlotUse::Free | SlotUse::Zombie => {}
+        }
+    }
+
+    /// Drains the CQ (bounded) into `out`.
+    fn drain_cq(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
+        let before = out.len();
+        for _ in 0..8 {
+            let mut scratch = std::mem::take(&mut self.cq_scratch);
+            scratch.clear();
+            let r = self.res.cq_read(&mut scratch, 64);
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    self.cq_scratch = scratch;
+                    return Err(e);
+                }
+            };
+            for e in &scratch {
+                self.on_entry(*e, out);
+            }
+            self.cq_scratch = scratch;
+            match r {
+                CqRead::Entries(n) if n >= 64 => continue,
+                CqRead::Entries(_) | CqRead::Empty => break,
+                CqRead::ErrorAvailable => {
+                    // Bounded: at most a batch of error entries per round.
+                    for _ in 0..64 {
+                        match self.res.cq_readerr()? {
+                            Some(err) => self.on_error(err, out),
+                            None => break,
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out.len() - before)
+    }
+
+    fn on_entry(&mut self, e: CqEntry, out: &mut Vec<Completion>) {
+        tracing::trace!(nic = %self.nic.name, flags = format_args!("{:#x}", e.flags), slot = ?e.slot, len = e.len, data = e.data, "cq entry");
+        if ffi::is_remote_write(e.flags) {
+            // The peer's immediate: remote CQ data, 32 bits on the wire.
+            match u32::try_from(e.data) {
+                Ok(imm) => out.push(Completion::Imm { imm }),
+                Err(_) => {
+                    tracing::warn!(nic = %self.nic.name, data = e.data, "remote CQ data wider than 32 bits ignored")
+                }
+            }
+            return;
+        }
+        let Some(i) = e.slot else {
+            tracing::debug!(nic = %self.nic.name, flags = format_args!("{:#x}", e.flags), "CQ entry without our context ignored");
+            return;
+        };
+        let used = self.release(i);
+        match used {
+            SlotUse::Free => {
+                tracing::warn!(nic = %self.nic.name, slot = i, "completion for a free slot ignored");
+            }
+            SlotUse::Zombie => {}
+            SlotUse::Recv { capacity, .. } => {
+                let len = (e.len as u64).min(capacity);
+                self.complete(used, Ok(len), out);
+            }
+            _ => self.complete(used, Ok(0), out),
+        }
+    }
+
+    fn on_error(&mut self, err: CqError, out: &mut Vec<Completion>) {
+        let Some(i) = err.slot else {
+            tracing::warn!(
+                nic = %self.nic.name,
+                flags = format_args!("{:#x}", err.flags),
+                err = err.err,
+                prov_errno = err.prov_errno,
+                message = %err.message,
+                "CQ error entry without our context (target-side error?)"
+            );
+            return;
+        };
+        let used = self.release(i);
+        match used {
+            SlotUse::Free => {
+                tracing::warn!(nic = %self.nic.name, slot = i, message = %err.message, "error for a free slot ignored");
+                return;
+            }
+            SlotUse::Zombie => return,
+            _ => {}
+        }
+        let e = self.op_error(used, err.err, err.message, err.olen);
+        if let TransportError::PeerUnreachable { reason, .. } = &e {
+            if let SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } = used {
+                self.mark_dead(peer, reason.clone());
+            }
+        }
+        tracing::debug!(nic = %self.nic.name, error = %e, "operation failed");
+        self.complete(used, Err(e), out);
+    }
+
+    fn mark_dead(&mut self, peer: PeerId, reason: String) {
+        if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+            if p.dead.is_none() {
+                tracing::warn!(nic = %self.nic.name, peer = %p.addr, %reason, "peer unreachable");
+                p.dead = Some(reason);
+            }
+        }
+    }
+
+    /// The peer's fi_addr, or PeerUnreachable if it is known dead.
+    fn live_peer(&self, peer: PeerId) -> Result<u64, TransportError> {
+        let p = self.peer(peer)?;
+        match &p.dead {
+            Some(reason) => Err(TransportError::PeerUnreachable {
+                nic: self.nic_name(),
+                peer: p.addr.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(p.fi_addr),
+        }
+    }
+
+    /// A post to `peer` got EAGAIN even after progress. With nothing in
+    /// flight to the peer that means the provider is still (re)connecting;
+    /// past the connect timeout the peer is declared unreachable.
+    fn on_eagain(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        let timeout = self.opts.connect_timeout;
+        let Some(p) = self.peer_table.get_mut(peer.0 as usize) else {
+            return Ok(());
+        };
+        if p.inflight > 0 {
+            p.eagain_since = None;
+            return Ok(());
+        }
+        let since = *p.eagain_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < timeout {
+            return Ok(());
+        }
+        let reason = format!(
+            "no connection after {:.1} s (provider kept answering EAGAIN)",
+            since.elapsed().as_secs_f64()
+        );
+        self.mark_dead(peer, reason);
+        self.live_peer(peer).map(|_| ())
+    }
+
+    fn on_posted(&mut self, peer: PeerId) {
+        if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+            p.inflight += 1;
+            p.eagain_since = None;
+        }
+    }
+
+    /// Fails every in-flight operation to `shm` peers whose process is gone
+    /// (the shm provider never completes them).
+    fn sweep(&mut self, out: &mut Vec<Completion>) {
+        if self.last_sweep.elapsed() < SWEEP_INTERVAL {
+            return;
+        }
+        self.last_sweep = Instant::now();
+        let mut newly_dead = Vec::new();
+        for (k, p) in self.peer_table.iter().enumerate() {
+            if let Some(pid) = p.pid {
+                if p.dead.is_none() && p.inflight > 0 && !ffi::process_alive(pid) {
+                    newly_dead.push(PeerId(k as u32));
+                }
+            }
+        }
+        for peer in newly_dead {
+            self.mark_dead(peer, "peer process exited".into());
+            for i in 0..self.slots.len() {
+                let used = self.slots[i];
+                let to_peer = matches!(used, SlotUse::Write { peer: p, .. } | SlotUse::Send { peer: p, .. } if p == peer);
+                if to_peer {
+                    self.slots[i] = SlotUse::Zombie;
+                    if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+                        p.inflight = p.inflight.saturating_sub(1);
+                    }
+                    let e = self
+                        .live_peer(peer)
+                        .err()
+                        .unwrap_or(TransportError::NicDown {
+                            nic: self.nic_name(),
+                        });
+                    self.complete(used, Err(e), out);
+                }
+            }
+        }
+    }
+
+    fn issue(&mut self, i: usize, n: Native, more: bool) -> Result<i64, TransportError> {
+        match n {
+            Native::Write {
+                src,
+                len,
+                desc,
+                dest,
+                raddr,
+                key,
+                data,
+            } => self
+                .res
+                .writemsg(i, src, len, desc, dest, raddr, key, data, more),
+            Native::Send {
+                addr,
+                len,
+                desc,
+                dest,
+            } => self.res.send(i, addr, len, desc, dest),
+            Native::Recv { addr, len, desc } => self.res.recv(i, addr, len, desc),
+        }
+    }
+
+    /// Returns a reserved, never-issued slot to its free list.
+    fn unreserve(&mut self, i: usize) {
+        let Some(s) = self.slots.get_mut(i) else {
+            return;
+        };
+        *s = SlotUse::Free;
+        if i < self.opts.max_inflight {
+            self.free_tx.push(i);
+        } else {
+            self.free_rx.push(i);
+        }
+    }
+
+    fn slot_peer(slot: SlotUse) -> Option<PeerId> {
+        match slot {
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+
+    /// Issues reserved slot `i` (already taken off its free list). On EAGAIN
+    /// after one progress round the work joins the backlog and is still
+    /// accepted; on any other error the slot is released and the error
+    /// returned.
+    fn submit(
+        &mut self,
+        i: usize,
+        slot: SlotUse,
+        n: Native,
+        more: bool,
+    ) -> Result<(), TransportError> {
+        self.slots[i] = slot;
+        let peer = Self::slot_peer(slot);
+        for attempt in 0..2 {
+            let rc = match self.issue(i, n, more) {
+                Ok(rc) => rc,
+                Err(e) => {
+                    self.unreserve(i);
+                    return Err(e);
+                }
+            };
+            if rc == 0 {
+                if let Some(p) = peer {
+                    self.on_posted(p);
+                }
+                return Ok(());
+            }
+            if rc != -ffi::FI_EAGAIN {
+                self.unreserve(i);
+                return Err(self.post_error(slot, rc));
+            }
+            if attempt == 0 {
+                if let Err(e) = self.progress_into_stash() {
+                    self.unreserve(i);
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(p) = peer {
+            if let Err(e) = self.on_eagain(p) {
+                self.unreserve(i);
+                return Err(e);
+            }
+        }
+        self.backlog.push_back((i, n));
+        Ok(())
+    }
+
+    /// Fails a backlogged (never issued) slot with `e`.
+    fn fail_backlogged(&mut self, i: usize, e: TransportError, out: &mut Vec<Completion>) {
+        let used = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
+        self.unreserve(i);
+        self.complete(used, Err(e), out);
+    }
+
+    /// Re-issues backlogged work (one pass, no FI_MORE).
+    fn flush_backlog(&mut self, out: &mut Vec<Completion>) -> Result<(), TransportError> {
+        for _ in 0..self.backlog.len() {
+            let Some((i, n)) = self.backlog.pop_front() else {
+                break;
+            };
+            let slot = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
+            let peer = Self::slot_peer(slot);
+            if let Some(p) = peer {
+                if let Err(e) = self.live_peer(p) {
+                    self.fail_backlogged(i, e, out);
+                    continue;
+                }
+            }
+            let rc = self.issue(i, n, false)?;
+            if rc == 0 {
+                if let Some(p) = peer {
+                    self.on_posted(p);
+                }
+            } else if rc == -ffi::FI_EAGAIN {
+                match peer.map(|p| self.on_eagain(p)) {
+                    Some(Err(e)) => self.fail_backlogged(i, e, out),
+                    _ => self.backlog.push_back((i, n)),
+                }
+            } else {
+                let e = self.post_error(slot, rc);
+                if let TransportError::PeerUnreachable { reason, .. } = &e {
+                    if let Some(p) = peer {
+                        self.mark_dead(p, reason.clone());
+                    }
+                }
+                self.fail_backlogged(i, e, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the CQ into the stash (used when the provider says EAGAIN).
+    fn progress_into_stash(&mut self) -> Result<(), TransportError> {
+        let mut stash = std::mem::take(&mut self.stash);
+        let before = stash.len();
+        let r = self.drain_cq(&mut stash);
+        self.stashed_tx += stash[before..]
+            .iter()
+            .filter(|c| matches!(c, Completion::Send { .. } | Completion::Write { .. }))
+            .count();
+        self.stash = stash;
+        r.map(|_| ())
+    }
+}
+
+/// For an `shm` address (`fi_shm://<pid>:...`): the peer's pid, and whether
+/// it is already known unreachable (its region is gone: the 1.17 shm
+/// provider crashes when posting to such an address, so it must never be
+/// used).
+fn shm_peer(addr: &[u8]) -> (Option<i32>, Option<String>) {
+    let Some(rest) = addr.strip_prefix(b"fi_shm://") else {
+        return (None, Some("not an shm endpoint name (fi_shm://...)".into()));
+    };
+    let name: Vec<u8> = rest.iter().copied().take_while(|&b| b != 0).collect();
+    let name = String::from_utf8_lossy(&name).into_owned();
+    let pid = name.split(':').next().and_then(|p| p.parse::<i32>().ok());
+    let region = std::path::Path::new("/dev/shm").join(&name);
+    let dead = if name.is_empty() || name.contains('/') || !region.exists() {
+        Some(format!("shm region {} does not exist", region.display()))
+    } else if pid.is_some_and(|p| !ffi::process_alive(p)) {
+        Some("shm peer process has exited".to_string())
+    } else {
+        None
+    };
+    (pid, dead)
+}
+
+fn is_unreachable(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ECONNREFUSED
+            | libc::ECONNRESET
+            | libc::ECONNABORTED
+            | libc::EHOSTUNREACH
+            | libc::EHOSTDOWN
+            | libc::ENETUNREACH
+            | libc::ENETDOWN
+            | libc::ENOTCONN
+            | libc::ETIMEDOUT
+            | libc::EPIPE
+            | libc::ESHUTDOWN
+            | libc::EADDRNOTAVAIL
+    )
+}
+
+fn is_remote_access(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::EACCES
+            | libc::EPERM
+            | libc::EKEYREJECTED
+            | libc::ENOKEY
+            | libc::EINVAL
+            | libc::EFAULT
+            | libc::ERANGE
+            | libc::EREMOTEIO
+    )
+}
+
+impl Domain for LibfabricDomain {
+    fn info(&self) -> &NicInfo {
+        &self.nic
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn register(&mut self, region: &MemRegion, access: Access) -> Result<LocalMr, TransportError> {
+        let cuda = match region.device() {
+            Device::Host => None,
+            Device::Cuda(i) if self.hmem => Some(i),
+            Device::Cuda(i) => {
+                return Err(TransportError::Unsupported {
+                    nic: self.nic_name(),
+                    what: format!(
+                        "registering cuda:{i} memory: provider lacks FI_HMEM or the domain \
+                         was not opened with hmem enabled"
+                    ),
+                })
+            }
+        };
+        let flags = match access {
+            Access::LocalOnly => LOCAL_ACCESS,
+            Access::RemoteWrite => LOCAL_ACCESS | ffi::FI_REMOTE_WRITE | ffi::FI_REMOTE_READ,
+        };
+        let requested = self.alloc_key();
+        let mr = self
+            .res
+            .mr_reg(region.addr(), region.len(), flags, requested, cuda)?;
+        let rkey = if self.prov_key { mr.key } else { requested };
+        let key = MrKey(requested);
+        let local = LocalMr {
+            key,
+            rkey: Rkey(rkey),
+            addr: region.addr(),
+            len: region.len() as u64,
+            device: region.device(),
+        };
+        self.mrs.insert(
+            key,
+            MrEntry {
+                mr,
+                addr: local.addr,
+                len: local.len,
+                device: local.device,
+            },
+        );
+        Ok(local)
+    }
+
+    fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
+        let e = self
+            .mrs
+            .remove(&mr)
+            .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
+        self.res.mr_close(e.mr)
+    }
+
+    fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.peers.get(addr) {
+            return Ok(*p);
+        }
+        if addr.0.is_empty() || addr.0.len() > 4096 {
+            return Err(self.invalid(format!(
+                "peer address of {} bytes is not a libfabric endpoint name",
+                addr.0.len()
+            )));
+        }
+        let id =
+            u32::try_from(self.peer_table.len()).map_err(|_| self.invalid("too many peers"))?;
+        let (pid, dead) = if self.is_shm {
+            shm_peer(&addr.0)
+        } else {
+            (None, None)
+        };
+        let fi_addr = self.res.av_insert(&addr.0).map_err(|e| match e {
+            TransportError::Provider { message, code, .. } => TransportError::PeerUnreachable {
+                nic: self.nic_name(),
+                peer: addr.clone(),
+                reason: format!("fi_av_insert rejected the address: {message} (code {code})"),
+            },
+            other => other,
+        })?;
+        self.peer_table.push(Peer {
+            addr: addr.clone(),
+            fi_addr,
+            dead,
+            inflight: 0,
+            eagain_since: None,
+            pid,
+        });
+        self.peers.insert(addr.clone(), PeerId(id));
+        Ok(PeerId(id))
+    }
+
+    fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
+        let dest = self.live_peer(peer)?;
+        if src.len > self.caps.max_send_len {
+            return Err(self.invalid(format!(
+                "SEND of {} bytes exceeds max_send_len {}",
+                src.len, self.caps.max_send_len
+            )));
+        }
+        let len = usize::try_from(src.len).map_err(|_| self.invalid("SEND too long"))?;
+        let (addr, desc) = if src.len == 0 {
+            (self.dummy.as_ptr() as usize as u64, self.dummy_desc)
+        } else {
+            (src.addr, self.local(&src, "SEND source")?)
+        };
+        if self.free_tx.len() <= self.stashed_tx {
+            return Err(TransportError::QueueFull {
+                nic: self.nic_name(),
+            });
+        }
+        let Some(i) = self.free_tx.pop() else {
+            return Err(TransportError::QueueFull {
+                nic: self.nic_name(),
+            });
+        };
+        let slot = SlotUse::Send {
+            wr,
+            peer,
+            len: src.len,
+        };
+        self.submit(
+            i,
+            slot,
+            Native::Send {
+                addr,
+                len,
+                desc,
+                dest,
+            },
+            false,
+        )
+    }
+
+    fn post_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
+        let desc = self.local(&buf, "RECV buffer")?;
+        let len = usize::try_from(buf.len).map_err(|_| self.invalid("RECV buffer too long"))?;
+        let Some(i) = self.free_rx.pop() else {
+            return Err(TransportError::QueueFull {
+                nic: self.nic_name(),
+            });
+        };
+        let slot = SlotUse::Recv {
+            wr,
+            capacity: buf.len,
+        };
+        self.submit(
+            i,
+            slot,
+            Native::Recv {
+                addr: buf.addr,
+                len,
+                desc,
+            },
+            false,
+        )
+    }
+
+    fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
+        let n = wrs.len().min(self.caps.max_batch);
+        for (k, wr) in wrs.iter().take(n).enumerate() {
+            let fail = |error| PostError { posted: k, error };
+            let dest = self.live_peer(wr.peer).map_err(fail)?;
+            if wr.src.len > self.caps.max_write_len {
+                return Err(fail(self.invalid(format!(
+                    "WRITE of {} bytes exceeds max_write_len {}",
+                    wr.src.len, self.caps.max_write_len
+                ))));
+            }
+            let len =
+                usize::try_from(wr.src.len).map_err(|_| fail(self.invalid("WRITE too long")))?;
+            let (src, desc) = if wr.src.len == 0 {
+                (self.dummy.as_ptr() as usize as u64, self.dummy_desc)
+            } else {
+                (
+                    wr.src.addr,
+                    self.local(&wr.src, "WRITE source").map_err(fail)?,
+                )
+            };
+            let raddr = if self.virt_addr {
+                wr.dst.addr().ok_or_else(|| {
+                    fail(self.invalid(format!(
+                        "remote address {:#x} + {:#x} overflows",
+                        wr.dst.base, wr.dst.offset
+                    )))
+                })?
+            } else {
+                wr.dst.offset
+            };
+            if self.free_tx.len() <= self.stashed_tx {
+                return Ok(k);
+            }
+            let Some(i) = self.free_tx.pop() else {
+                return Ok(k);
+            };
+            let slot = SlotUse::Write {
+                wr: wr.wr,
+                peer: wr.peer,
+                rkey: wr.dst.rkey.0,
+                raddr,
+                len: wr.src.len,
+            };
+            let more = self.opts.fi_more && k + 1 < n && !self.free_tx.is_empty();
+            let native = Native::Write {
+                src,
+                len,
+                desc,
+                dest,
+                raddr,
+                key: wr.dst.rkey.0,
+                data: wr.imm.map(u64::from),
+            };
+            self.submit(i, slot, native, more).map_err(fail)?;
+        }
+        Ok(n)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
+        let before = out.len();
+        out.append(&mut self.stash);
+        self.stashed_tx = 0;
+        self.flush_backlog(out)?;
+        self.drain_cq(out)?;
+        self.sweep(out);
+        Ok(out.len() - before)
+    }
+}

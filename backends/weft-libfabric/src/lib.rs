@@ -1,0 +1,290 @@
+//! # weft-libfabric: the libfabric backend (AWS EFA, and tcp/shm everywhere)
+//!
+//! One [`LibfabricDomain`] per NIC: an `FI_EP_RDM` endpoint with
+//! `FI_MSG | FI_RMA` (and `FI_HMEM` on request), its own address vector and
+//! one CQ in `FI_CQ_FORMAT_DATA`. WRITEs go out through `fi_writemsg` with a
+//! pre-filled `fi_msg_rma` template per operation slot (only addresses,
+//! lengths, key and immediate change per post); immediates travel as remote
+//! CQ data (`FI_REMOTE_CQ_DATA`, 4 bytes) and come back at the target as
+//! [`weft_transport::Completion::Imm`]. SEND/RECV use `fi_send`/`fi_recv`.
+//!
+//! The provider is chosen by name: `efa` in production, `tcp` (layered as
+//! `tcp;ofi_rxm`) and `shm` for CI and single hosts. libfabric itself is
+//! loaded at run time, so this crate builds without it; a missing library is
+//! reported as [`TransportError::LibraryUnavailable`].
+//!
+//! ## Progress
+//!
+//! Software providers (tcp, shm) and EFA's emulated protocols progress only
+//! when the CQ is read: **both** sides must keep calling
+//! [`weft_transport::Domain::poll`], the target too, even when it expects no
+//! completion of its own.
+//!
+//! ## Delivery-complete
+//!
+//! Domains are opened with `FI_DELIVERY_COMPLETE` as default TX op flag (and
+//! every WRITE passes it), so a WRITE or SEND completion means the data is in
+//! the target's memory, as the contract requires. A provider that cannot
+//! offer it is only used when [`LibfabricConfig::require_delivery_complete`]
+//! is off, with a warning.
+
+#![deny(unsafe_code)]
+
+mod domain;
+#[allow(unsafe_code)]
+mod ffi;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use domain::DomainOptions;
+pub use domain::LibfabricDomain;
+use weft_transport::{Domain, NetAddr, NicInfo, Provider, TransportError};
+
+/// How to pick and open NICs.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct LibfabricConfig {
+    /// libfabric provider name: `"efa"`, `"tcp"` (= `tcp;ofi_rxm`), `"shm"`, ...
+    pub provider: String,
+    /// Domain names to use, in order; a name may repeat to open several
+    /// endpoints on one NIC (e.g. `["lo", "lo"]` for two "NICs" per process
+    /// over tcp). `None`: every distinct domain the provider reports.
+    pub domains: Option<Vec<String>>,
+    /// Ask for `FI_HMEM` so CUDA memory can be registered.
+    pub hmem: bool,
+    /// Set `FI_MORE` on all but the last WRITE of a batch. Default: on for
+    /// `efa`, off for software providers (which gain nothing from it).
+    pub fi_more: Option<bool>,
+    /// Upper bound on outstanding SEND + WRITE WRs per domain (the provider's
+    /// TX queue size bounds it too).
+    pub max_inflight: usize,
+    /// Upper bound on posted receives per domain.
+    pub max_recvs: usize,
+    /// Refuse providers that cannot do `FI_DELIVERY_COMPLETE`.
+    pub require_delivery_complete: bool,
+    /// How long posts to a peer with nothing in flight may keep failing with
+    /// `EAGAIN` (the provider still connecting; `tcp;ofi_rxm` retries a
+    /// refused connection forever) before the peer is declared unreachable.
+    pub connect_timeout: Duration,
+}
+
+impl LibfabricConfig {
+    /// Defaults for `provider`.
+    pub fn new(provider: impl Into<String>) -> Self {
+        LibfabricConfig {
+            provider: provider.into(),
+            domains: None,
+            hmem: false,
+            fi_more: None,
+            max_inflight: 1024,
+            max_recvs: 1024,
+            require_delivery_complete: false,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Restricts (and orders) the domains used.
+    pub fn with_domains<S: Into<String>>(mut self, domains: impl IntoIterator<Item = S>) -> Self {
+        self.domains = Some(domains.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Enables `FI_HMEM` (CUDA memory registration).
+    pub fn with_hmem(mut self, hmem: bool) -> Self {
+        self.hmem = hmem;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::connect_timeout`].
+    pub fn with_connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Sets the outstanding-WR bound.
+    pub fn with_max_inflight(mut self, n: usize) -> Self {
+        self.max_inflight = n;
+        self
+    }
+}
+
+struct Nic {
+    name: String,
+    info: Arc<ffi::Info>,
+}
+
+/// A [`Provider`] over one libfabric provider (`efa`, `tcp`, `shm`, ...).
+pub struct LibfabricProvider {
+    config: LibfabricConfig,
+    name: String,
+    lib: &'static ffi::Lib,
+    nics: Vec<Nic>,
+    delivery_complete: bool,
+}
+
+impl std::fmt::Debug for LibfabricProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LibfabricProvider")
+            .field("name", &self.name)
+            .field(
+                "nics",
+                &self.nics.iter().map(|n| &n.name).collect::<Vec<_>>(),
+            )
+            .field("delivery_complete", &self.delivery_complete)
+            .finish()
+    }
+}
+
+/// The loaded libfabric's version as `(major, minor)`, or why it cannot be
+/// loaded.
+pub fn library_version() -> Result<(u32, u32), TransportError> {
+    let lib = ffi::lib()?;
+    Ok((lib.version >> 16, lib.version & 0xffff))
+}
+
+impl LibfabricProvider {
+    /// Discovers all NICs of `provider` with default settings.
+    pub fn new(provider: &str) -> Result<Self, TransportError> {
+        Self::with_config(LibfabricConfig::new(provider))
+    }
+
+    /// Discovers NICs per `config` (runs `fi_getinfo`).
+    pub fn with_config(config: LibfabricConfig) -> Result<Self, TransportError> {
+        let lib = ffi::lib()?;
+        let mut hints = ffi::Hints {
+            provider: &config.provider,
+            hmem: config.hmem,
+            delivery_complete: true,
+        };
+        let mut infos = ffi::getinfo(lib, &hints)?;
+        let mut delivery_complete = true;
+        if infos.is_empty() && !config.require_delivery_complete {
+            hints.delivery_complete = false;
+            infos = ffi::getinfo(lib, &hints)?;
+            delivery_complete = false;
+            if !infos.is_empty() {
+                tracing::warn!(
+                    provider = %config.provider,
+                    "provider does not offer FI_DELIVERY_COMPLETE: a WRITE completion may \
+                     precede placement at the target"
+                );
+            }
+        }
+        // Usable entries: 32-bit remote CQ data; one per domain name (the
+        // provider lists its preferred address format first).
+        let mut distinct: Vec<Arc<ffi::Info>> = Vec::new();
+        for info in infos {
+            if info.cq_data_size < 4 {
+                tracing::debug!(domain = %info.domain_name, "skipped: cq_data_size < 4");
+                continue;
+            }
+            if !distinct.iter().any(|d| d.domain_name == info.domain_name) {
+                distinct.push(Arc::new(info));
+            }
+        }
+        let nics = match &config.domains {
+            None => distinct
+                .into_iter()
+                .map(|info| Nic {
+                    name: info.domain_name.clone(),
+                    info,
+                })
+                .collect(),
+            Some(wanted) => {
+                let mut nics = Vec::with_capacity(wanted.len());
+                for (k, w) in wanted.iter().enumerate() {
+                    let info = distinct
+                        .iter()
+                        .find(|d| &d.domain_name == w)
+                        .cloned()
+                        .ok_or_else(|| TransportError::NoDevice {
+                            what: format!(
+                                "libfabric {} domain {w:?} (available: {})",
+                                config.provider,
+                                distinct
+                                    .iter()
+                                    .map(|d| d.domain_name.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        })?;
+                    let repeats = wanted[..k].iter().filter(|x| *x == w).count();
+                    let name = if repeats == 0 {
+                        w.clone()
+                    } else {
+                        format!("{w}#{repeats}")
+                    };
+                    nics.push(Nic { name, info });
+                }
+                nics
+            }
+        };
+        Ok(LibfabricProvider {
+            name: format!("libfabric:{}", config.provider),
+            config,
+            lib,
+            nics,
+            delivery_complete,
+        })
+    }
+
+    /// Whether the NICs were found with `FI_DELIVERY_COMPLETE`.
+    pub fn delivery_complete(&self) -> bool {
+        self.delivery_complete
+    }
+
+    /// Opens NIC `nic` as the concrete domain type.
+    pub fn open_domain(&self, nic: usize) -> Result<LibfabricDomain, TransportError> {
+        let n = self
+            .nics
+            .get(nic)
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: self.name.clone(),
+                what: format!("NIC index {nic} out of range ({} NICs)", self.nics.len()),
+            })?;
+        let info = &n.info;
+        let tx = if info.tx_size == 0 { 256 } else { info.tx_size };
+        let rx = if info.rx_size == 0 { 256 } else { info.rx_size };
+        let max_inflight = self.config.max_inflight.clamp(1, tx);
+        let opts = DomainOptions {
+            max_inflight,
+            max_recvs: self.config.max_recvs.clamp(1, rx),
+            max_batch: max_inflight.min(64),
+            fi_more: self
+                .config
+                .fi_more
+                .unwrap_or_else(|| info.prov_name.starts_with("efa")),
+            hmem: self.config.hmem,
+            connect_timeout: self.config.connect_timeout,
+        };
+        LibfabricDomain::open(self.lib, Arc::clone(info), n.name.clone(), opts)
+    }
+}
+
+impl Provider for LibfabricProvider {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The NICs in configuration order. Their `addr` is the provider's
+    /// source address before the endpoint exists (for tcp the port is still
+    /// 0); the address peers use is [`Domain::local_addr`] of the opened
+    /// domain.
+    fn nics(&self) -> Result<Vec<NicInfo>, TransportError> {
+        Ok(self
+            .nics
+            .iter()
+            .map(|n| NicInfo {
+                name: n.name.clone(),
+                addr: NetAddr(n.info.src_addr.clone()),
+                numa_node: None,
+                link_gbps: n.info.link_bps.map(|b| b as f64 / 1e9),
+            })
+            .collect())
+    }
+
+    fn open(&self, nic: usize) -> Result<Box<dyn Domain>, TransportError> {
+        Ok(Box::new(self.open_domain(nic)?))
+    }
+}

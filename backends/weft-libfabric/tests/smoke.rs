@@ -1,0 +1,301 @@
+//! Direct tests of the libfabric domain over tcp (on `lo`) and shm, in one
+//! process, beyond what the conformance suite checks: provider-specific
+//! behaviour (dead peers, malformed addresses, error mapping).
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_transport::{
+    Access, Completion, Device, Domain, MemRegion, MrDesc, NetAddr, Provider, Rkey, TransportError,
+    WrId, WriteWr,
+};
+
+fn provider(name: &str) -> Option<LibfabricProvider> {
+    let cfg = match name {
+        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
+        other => LibfabricConfig::new(other),
+    }
+    .with_connect_timeout(Duration::from_secs(2));
+    match LibfabricProvider::with_config(cfg) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("SKIP: libfabric {name} unavailable: {e}");
+            None
+        }
+    }
+}
+
+struct Buf(Vec<u8>);
+
+impl Buf {
+    fn region(&mut self) -> MemRegion {
+        // SAFETY: each buffer outlives the domains that register it (they
+        // are declared after it in every test, so they drop first).
+        unsafe {
+            MemRegion::new(
+                NonNull::new(self.0.as_mut_ptr()).unwrap(),
+                self.0.len(),
+                Device::Host,
+            )
+        }
+    }
+}
+
+/// Polls every domain until `done` holds; fails after a generous deadline.
+fn wait(
+    doms: &mut [&mut dyn Domain],
+    out: &mut Vec<Completion>,
+    mut done: impl FnMut(&[Completion]) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done(out) {
+        assert!(
+            Instant::now() < deadline,
+            "timed out; completions so far: {out:?}"
+        );
+        for d in doms.iter_mut() {
+            d.poll(out).unwrap();
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Posts one WRITE, polling both domains while the queue is full.
+fn post(
+    a: &mut dyn Domain,
+    b: &mut dyn Domain,
+    wr: &WriteWr,
+    out: &mut Vec<Completion>,
+) -> Result<(), TransportError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match a.post_write(wr) {
+            Err(e) if e.is_retryable() => {
+                assert!(Instant::now() < deadline, "queue stayed full for 60 s");
+                a.poll(out).unwrap();
+                b.poll(out).unwrap();
+                std::thread::yield_now();
+            }
+            r => return r,
+        }
+    }
+}
+
+fn has_write(o: &[Completion], id: u64) -> bool {
+    o.iter()
+        .any(|c| matches!(c, Completion::Write { wr: WrId(w), .. } if *w == id))
+}
+
+fn basic(name: &str) {
+    let Some(p) = provider(name) else { return };
+    assert_eq!(p.nics().unwrap().len(), 1);
+    let mut src = Buf(vec![7u8; 1 << 20]);
+    let mut dst = Buf(vec![0u8; 1 << 20]);
+    let mut rbuf = Buf(vec![0u8; 64]);
+    let mut a = p.open(0).unwrap();
+    let mut b = p.open(0).unwrap();
+    assert_ne!(a.local_addr(), b.local_addr());
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
+    let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+    assert_eq!(
+        a.add_peer(&b.local_addr().clone()).unwrap(),
+        peer,
+        "add_peer is idempotent"
+    );
+    let desc = MrDesc {
+        addr: dmr.addr,
+        len: dmr.len,
+        rkeys: vec![(b.local_addr().clone(), dmr.rkey)],
+    };
+    let mut out = Vec::new();
+
+    // A 1 MiB WRITE with immediate and a zero-length immediate-only WRITE.
+    let wr = WriteWr {
+        wr: WrId(1),
+        peer,
+        src: smr.slice(0, 1 << 20).unwrap(),
+        dst: desc.slice(0, 0, 1 << 20).unwrap(),
+        imm: Some(42),
+    };
+    post(&mut *a, &mut *b, &wr, &mut out).unwrap();
+    let zero = WriteWr {
+        wr: WrId(2),
+        peer,
+        src: smr.slice(0, 0).unwrap(),
+        dst: desc.slice(0, 0, 0).unwrap(),
+        imm: Some(43),
+    };
+    post(&mut *a, &mut *b, &zero, &mut out).unwrap();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| o.len() >= 4);
+    assert!(out.contains(&Completion::Imm { imm: 42 }), "{out:?}");
+    assert!(out.contains(&Completion::Imm { imm: 43 }), "{out:?}");
+    assert!(
+        out.contains(&Completion::Write {
+            wr: WrId(1),
+            result: Ok(())
+        }),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&Completion::Write {
+            wr: WrId(2),
+            result: Ok(())
+        }),
+        "{out:?}"
+    );
+    assert!(dst.0.iter().all(|&x| x == 7));
+
+    // SEND/RECV.
+    let rmr = b.register(&rbuf.region(), Access::LocalOnly).unwrap();
+    b.post_recv(WrId(10), rmr.slice(0, 64).unwrap()).unwrap();
+    a.post_send(WrId(11), peer, smr.slice(0, 5).unwrap())
+        .unwrap();
+    out.clear();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| o.len() >= 2);
+    assert!(
+        out.contains(&Completion::Recv {
+            wr: WrId(10),
+            result: Ok(5)
+        }),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&Completion::Send {
+            wr: WrId(11),
+            result: Ok(())
+        }),
+        "{out:?}"
+    );
+    assert_eq!(&rbuf.0[..5], &[7; 5]);
+
+    // Local errors are caught before the provider sees them.
+    let mut oob_src = wr;
+    oob_src.src.len += 1;
+    assert!(matches!(
+        a.post_write(&oob_src),
+        Err(TransportError::LocalAccess { .. })
+    ));
+    let mut bad_peer = wr;
+    bad_peer.peer = weft_transport::PeerId(99);
+    assert!(matches!(
+        a.post_write(&bad_peer),
+        Err(TransportError::InvalidArgument { .. })
+    ));
+
+    // A peer that existed and is gone: unreachable (at post or completion).
+    let c = p.open(0).unwrap();
+    let gone = c.local_addr().clone();
+    drop(c);
+    let dead = a.add_peer(&gone).unwrap();
+    let mut dw = wr;
+    dw.wr = WrId(20);
+    dw.peer = dead;
+    out.clear();
+    match post(&mut *a, &mut *b, &dw, &mut out) {
+        Err(TransportError::PeerUnreachable { .. }) => {}
+        Ok(()) => {
+            wait(&mut [&mut *a, &mut *b], &mut out, |o| has_write(o, 20));
+            assert!(
+                out.iter().any(|c| matches!(
+                    c,
+                    Completion::Write {
+                        wr: WrId(20),
+                        result: Err(TransportError::PeerUnreachable { .. })
+                    }
+                )),
+                "{out:?}"
+            );
+        }
+        Err(e) => panic!("unexpected error {e}"),
+    }
+    // ...and the live peer keeps working.
+    let mut again = wr;
+    again.wr = WrId(21);
+    again.imm = Some(44);
+    post(&mut *a, &mut *b, &again, &mut out).unwrap();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| {
+        has_write(o, 21) && o.contains(&Completion::Imm { imm: 44 })
+    });
+    assert!(
+        out.contains(&Completion::Write {
+            wr: WrId(21),
+            result: Ok(())
+        }),
+        "{out:?}"
+    );
+
+    // Garbage addresses never reach the wire.
+    match a.add_peer(&NetAddr(b"garbage".to_vec())) {
+        Err(_) => {}
+        Ok(g) => {
+            let mut gw = wr;
+            gw.peer = g;
+            gw.wr = WrId(30);
+            let r = post(&mut *a, &mut *b, &gw, &mut out);
+            assert!(
+                matches!(r, Err(TransportError::PeerUnreachable { .. })),
+                "{r:?}"
+            );
+        }
+    }
+    assert!(a.add_peer(&NetAddr(Vec::new())).is_err());
+}
+
+#[test]
+fn tcp_basic() {
+    basic("tcp");
+}
+
+#[test]
+fn shm_basic() {
+    basic("shm");
+}
+
+/// tcp;ofi_rxm reports a write with an unknown rkey by tearing down the
+/// connection: the WRITE fails (never silently succeeds, no immediate).
+#[test]
+fn tcp_bad_rkey_fails_without_imm() {
+    let Some(p) = provider("tcp") else { return };
+    let mut src = Buf(vec![1u8; 4096]);
+    let mut dst = Buf(vec![0u8; 4096]);
+    let mut a = p.open(0).unwrap();
+    let mut b = p.open(0).unwrap();
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
+    let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+    let desc = MrDesc {
+        addr: dmr.addr,
+        len: dmr.len,
+        rkeys: vec![(b.local_addr().clone(), Rkey(dmr.rkey.0 + 1000))],
+    };
+    let wr = WriteWr {
+        wr: WrId(1),
+        peer,
+        src: smr.slice(0, 4096).unwrap(),
+        dst: desc.slice(0, 0, 4096).unwrap(),
+        imm: Some(5),
+    };
+    let mut out = Vec::new();
+    post(&mut *a, &mut *b, &wr, &mut out).unwrap();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| has_write(o, 1));
+    for _ in 0..1000 {
+        b.poll(&mut out).unwrap();
+    }
+    assert!(
+        out.iter().any(|c| matches!(
+            c,
+            Completion::Write {
+                wr: WrId(1),
+                result: Err(_)
+            }
+        )),
+        "{out:?}"
+    );
+    assert!(
+        !out.iter().any(|c| matches!(c, Completion::Imm { .. })),
+        "{out:?}"
+    );
+    assert!(dst.0.iter().all(|&x| x == 0));
+}

@@ -1,0 +1,173 @@
+//! A sender and a receiver TransferEngine on two fresh hosts of a testbed.
+
+use crate::backend::Testbed;
+use crate::buf::HostBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_engine::{
+    DomainGroupSpec, DoneCounter, EngineConfig, EngineError, MrDesc, MrHandle, OnDone, Pages,
+    TransferEngine,
+};
+
+/// The engine settings the benchmarks use: defaults, except a worker that
+/// never sleeps longer than 20 µs when idle.
+pub fn bench_config() -> EngineConfig {
+    EngineConfig {
+        idle_sleep: Some(Duration::from_micros(20)),
+        ..EngineConfig::default()
+    }
+}
+
+/// Builds one engine over a fresh host of `tb` with all its NICs.
+pub fn engine(tb: &Testbed) -> Result<TransferEngine, String> {
+    let p = tb.host()?;
+    TransferEngine::builder()
+        .group(DomainGroupSpec::new(p, (0..tb.nics()).collect::<Vec<_>>()))
+        .config(bench_config())
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+/// Sender and receiver engines with a registered source (sender) and
+/// destination (receiver) buffer.
+pub struct EnginePair {
+    /// The sender.
+    pub tx: TransferEngine,
+    /// The receiver.
+    pub rx: TransferEngine,
+    /// Source registration on `tx`.
+    pub src: MrHandle,
+    /// Destination descriptor (registered on `rx`).
+    pub dst: MrDesc,
+    _src_buf: HostBuf,
+    _dst_buf: HostBuf,
+}
+
+impl Drop for EnginePair {
+    fn drop(&mut self) {
+        // Before the buffers go (they drop after this body).
+        self.tx.shutdown();
+        self.rx.shutdown();
+    }
+}
+
+fn e2s(e: EngineError) -> String {
+    e.to_string()
+}
+
+impl EnginePair {
+    /// Two engines on fresh hosts of `tb`.
+    pub fn new(tb: &Testbed, src_len: usize, dst_len: usize) -> Result<Self, String> {
+        let tx = engine(tb)?;
+        let rx = engine(tb)?;
+        let src_buf = HostBuf::new(src_len);
+        let dst_buf = HostBuf::new(dst_len);
+        let (src, _) = tx.reg_mr(src_buf.region()).map_err(e2s)?;
+        let (_, dst) = rx.reg_mr(dst_buf.region()).map_err(e2s)?;
+        Ok(EnginePair {
+            tx,
+            rx,
+            src,
+            dst,
+            _src_buf: src_buf,
+            _dst_buf: dst_buf,
+        })
+    }
+
+    /// `count` single writes of `len` bytes, at most `window` outstanding.
+    pub fn single_writes(
+        &self,
+        len: u64,
+        count: u64,
+        window: u64,
+        imm: Option<u32>,
+    ) -> Result<Duration, String> {
+        let counter = Arc::new(DoneCounter::new());
+        let start = Instant::now();
+        for i in 0..count {
+            wait_until(|| i - counter.total() < window.max(1))?;
+            self.tx
+                .submit_single_write(len, imm, (&self.src, 0), (&self.dst, 0), OnDone::counter(&counter))
+                .map_err(e2s)?;
+        }
+        wait_until(|| counter.total() >= count)?;
+        let t = start.elapsed();
+        check(&counter)?;
+        Ok(t)
+    }
+
+    /// `count` paged-write submits of `src`→`dst` pages, `window` outstanding.
+    pub fn paged_writes(
+        &self,
+        page_len: u64,
+        src: &Pages,
+        dst: &Pages,
+        count: u64,
+        window: u64,
+    ) -> Result<Duration, String> {
+        let counter = Arc::new(DoneCounter::new());
+        let start = Instant::now();
+        for i in 0..count {
+            wait_until(|| i - counter.total() < window.max(1))?;
+            self.tx
+                .submit_paged_writes(
+                    page_len,
+                    None,
+                    (&self.src, src),
+                    (&self.dst, dst),
+                    OnDone::counter(&counter),
+                )
+                .map_err(e2s)?;
+        }
+        wait_until(|| counter.total() >= count)?;
+        let t = start.elapsed();
+        check(&counter)?;
+        Ok(t)
+    }
+}
+
+fn check(c: &DoneCounter) -> Result<(), String> {
+    if c.failed() > 0 {
+        return Err(format!(
+            "{} transfers failed, first: {}",
+            c.failed(),
+            c.first_error().map(|e| e.to_string()).unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
+/// Spins (yielding) until `f()`, failing after 60 s.
+pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while !f() {
+        spins = spins.wrapping_add(1);
+        if spins % 64 == 0 {
+            std::thread::yield_now();
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err("timed out after 60 s waiting for completions".into());
+            }
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    Ok(())
+}
+
+/// Shuts its engine down when dropped (before buffers declared earlier go).
+#[derive(Debug)]
+pub struct Shutdown(pub TransferEngine);
+
+impl std::ops::Deref for Shutdown {
+    type Target = TransferEngine;
+    fn deref(&self) -> &TransferEngine {
+        &self.0
+    }
+}
+
+impl Drop for Shutdown {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
+}

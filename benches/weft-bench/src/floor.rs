@@ -1,0 +1,104 @@
+//! The floor for the proxy path: a bare cross-thread hand-off through a
+//! lock-free queue (what "submit → worker picked it up" costs at best).
+
+use crossbeam_queue::ArrayQueue;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// A consumer thread spinning on an `ArrayQueue<Instant>`; each pop records
+/// `now - stamp` and acknowledges, so hand-offs are measured one at a time
+/// (like a request reaching an idle-but-spinning worker).
+pub struct HandoffFloor {
+    q: Arc<ArrayQueue<Instant>>,
+    last_ns: Arc<AtomicU64>,
+    acks: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for HandoffFloor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandoffFloor").finish_non_exhaustive()
+    }
+}
+
+impl Default for HandoffFloor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HandoffFloor {
+    /// Starts the consumer thread.
+    pub fn new() -> Self {
+        let q: Arc<ArrayQueue<Instant>> = Arc::new(ArrayQueue::new(1024));
+        let last_ns = Arc::new(AtomicU64::new(0));
+        let acks = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (q2, l2, a2, s2) = (q.clone(), last_ns.clone(), acks.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("weft-bench-floor".into())
+            .spawn(move || {
+                let mut idle = 0u32;
+                while !s2.load(Ordering::Relaxed) {
+                    match q2.pop() {
+                        Some(t) => {
+                            let d = t.elapsed().as_nanos();
+                            l2.store(u64::try_from(d).unwrap_or(u64::MAX), Ordering::Relaxed);
+                            a2.fetch_add(1, Ordering::Release);
+                            idle = 0;
+                        }
+                        None => {
+                            idle = idle.wrapping_add(1);
+                            if idle % 64 == 0 {
+                                std::thread::yield_now();
+                            } else {
+                                std::hint::spin_loop();
+                            }
+                        }
+                    }
+                }
+            })
+            .ok();
+        HandoffFloor {
+            q,
+            last_ns,
+            acks,
+            stop,
+            thread,
+        }
+    }
+
+    /// One hand-off; returns its latency in ns (push → pop on the other
+    /// thread), or `None` if the consumer thread could not be started.
+    pub fn once(&self) -> Option<f64> {
+        self.thread.as_ref()?;
+        let before = self.acks.load(Ordering::Acquire);
+        let mut t = Instant::now();
+        while let Err(back) = self.q.push(t) {
+            t = back;
+            std::hint::spin_loop();
+        }
+        let mut spins = 0u32;
+        while self.acks.load(Ordering::Acquire) == before {
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Some(self.last_ns.load(Ordering::Relaxed) as f64)
+    }
+}
+
+impl Drop for HandoffFloor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! `imm`: ImmCounter throughput (immediates counted per second until a
+//! round of N fires) against the raw backend counting the same immediates,
+//! and early-arrival handling (all N arrive before `expect_imm_count`; the
+//! round must fire at arm time, exactly once) against the hand-off floor.
+
+use crate::backend::{BackendKind, Testbed};
+use crate::engines::{wait_until, EnginePair};
+use crate::floor::HandoffFloor;
+use crate::raw::RawPair;
+use crate::report::Row;
+use crate::stats::{median, ns, percentiles};
+use crate::{Config, Progress};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use weft_engine::{OnDone, Pages};
+
+const BENCH: &str = "imm";
+/// Payload of each counted WRITE.
+pub const IMM_WRITE_LEN: u64 = 64;
+
+type Fired = Arc<Mutex<Option<(Instant, bool)>>>;
+
+fn arm(ep: &EnginePair, imm: u32, count: u32) -> Result<Fired, String> {
+    let fired: Fired = Arc::new(Mutex::new(None));
+    let f2 = Arc::clone(&fired);
+    ep.rx
+        .expect_imm_count(imm, count, move |r| {
+            if let Ok(mut g) = f2.lock() {
+                // A second firing would be a bug: remember it.
+                let again = g.is_some();
+                *g = Some((Instant::now(), r.is_ok() && !again));
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(fired)
+}
+
+fn fired_at(f: &Fired) -> Option<(Instant, bool)> {
+    f.lock().ok().and_then(|g| *g)
+}
+
+/// Runs `imm` on `kind` (1 NIC).
+pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row> {
+    let backend = kind.to_string();
+    progress.step(&format!("imm {backend} counter throughput"));
+    let tb = match Testbed::new(kind, 1) {
+        Ok(t) => t,
+        Err(why) => {
+            progress.step("");
+            return vec![Row::unavailable(BENCH, "all", &backend, 1, why)];
+        }
+    };
+    let n: u64 = if cfg.quick { 10_000 } else { 100_000 };
+    let mem = (n * IMM_WRITE_LEN).min(16 << 20);
+    let setup = EnginePair::new(&tb, mem as usize, mem as usize)
+        .and_then(|e| RawPair::new(&tb, mem as usize, mem as usize).map(|r| (e, r)));
+    let (ep, mut raw) = match setup {
+        Ok(x) => x,
+        Err(why) => {
+            progress.step("");
+            return vec![Row::failed(BENCH, "setup", &backend, 1, why)];
+        }
+    };
+    let mut rows = Vec::new();
+    match throughput(cfg, &ep, &mut raw, &backend, n, mem) {
+        Ok(r) => rows.push(r),
+        Err(why) => rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why)),
+    }
+    progress.step(&format!("imm {backend} early arrivals"));
+    match early(cfg, &ep, &backend) {
+        Ok(r) => rows.push(r),
+        Err(why) => rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why)),
+    }
+    rows
+}
+
+fn pages(n: u64, mem: u64) -> Pages {
+    let slots = (mem / IMM_WRITE_LEN).max(1);
+    Pages {
+        indices: (0..n).map(|i| u32::try_from(i % slots).unwrap_or(0)).collect(),
+        stride: IMM_WRITE_LEN,
+        offset: 0,
+    }
+}
+
+fn throughput(cfg: &Config, ep: &EnginePair, raw: &mut RawPair, backend: &str, n: u64, mem: u64) -> Result<Row, String> {
+    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+    let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
+    let expect = counts.paged_writes(IMM_WRITE_LEN, n);
+    let expect32 = u32::try_from(expect).map_err(|_| "too many immediates")?;
+    let pg = pages(n, mem);
+    let slots = (mem / IMM_WRITE_LEN).max(1);
+    let (mut e, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds() {
+        let fired = arm(ep, imm, expect32)?;
+        let t0 = Instant::now();
+        ep.tx
+            .submit_paged_writes(IMM_WRITE_LEN, Some(imm), (&ep.src, &pg), (&ep.dst, &pg), OnDone::Ignore)
+            .map_err(|e| e.to_string())?;
+        wait_until(|| fired_at(&fired).is_some())?;
+        let (t, ok) = fired_at(&fired).ok_or("not fired")?;
+        if !ok {
+            return Err("round failed or fired twice".into());
+        }
+        e.push(expect as f64 / ns(t.saturating_duration_since(t0)) * 1e3);
+        let lanes = raw.lanes();
+        let t = raw.drive(n, 1024, n, |rp, i| {
+            let off = (i % slots) * IMM_WRITE_LEN;
+            let lane = (i % lanes as u64) as usize;
+            Ok((lane, rp.wr(i, lane, off, off, IMM_WRITE_LEN, Some(imm))?))
+        })?;
+        r.push(n as f64 / ns(t.imms_seen) * 1e3);
+    }
+    // Let stragglers settle before the value is released.
+    std::thread::sleep(Duration::from_millis(5));
+    ep.rx.free_imm(imm);
+    let (em, rm) = (median(&mut e), median(&mut r));
+    Ok(Row::new(
+        BENCH,
+        "counter_throughput",
+        backend,
+        1,
+        format!("{expect} x {IMM_WRITE_LEN} B"),
+        "imm completions",
+        "M/s",
+        em,
+        Some((rm, "raw backend")),
+    ))
+}
+
+fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
+    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+    let n: u64 = if cfg.quick { 100 } else { 1000 };
+    let reps = if cfg.quick { 10 } else { 50 };
+    let pg = pages(n, n * IMM_WRITE_LEN);
+    let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
+    let expect = counts.paged_writes(IMM_WRITE_LEN, n);
+    let expect32 = u32::try_from(expect).map_err(|_| "too many immediates")?;
+    let floor = HandoffFloor::new();
+    let (mut lat, mut fl) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds() {
+        for _ in 0..reps {
+            ep.tx
+                .submit_paged_writes(IMM_WRITE_LEN, Some(imm), (&ep.src, &pg), (&ep.dst, &pg), OnDone::Ignore)
+                .map_err(|e| e.to_string())?;
+            wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
+            let t0 = Instant::now();
+            let fired = arm(ep, imm, expect32)?;
+            wait_until(|| fired_at(&fired).is_some())?;
+            let (t, ok) = fired_at(&fired).ok_or("not fired")?;
+            if !ok {
+                return Err("early-arrival round failed or fired twice".into());
+            }
+            if ep.rx.imm_pending(imm) != 0 || ep.rx.imm_armed(imm) {
+                return Err(format!(
+                    "after firing: {} arrivals pending, armed={} (expected 0, false)",
+                    ep.rx.imm_pending(imm),
+                    ep.rx.imm_armed(imm)
+                ));
+            }
+            lat.push(ns(t.saturating_duration_since(t0)) / 1e3);
+            if let Some(v) = floor.once() {
+                fl.push(v / 1e3);
+            }
+        }
+    }
+    ep.rx.free_imm(imm);
+    let (p, f) = (percentiles(&mut lat), percentiles(&mut fl));
+    Ok(Row::new(
+        BENCH,
+        "early_arrival",
+        backend,
+        1,
+        format!("{expect} arrived before arm"),
+        "arm->fire p50",
+        "us",
+        p.p50,
+        Some((f.p50, "queue hand-off floor")),
+    )
+    .extra("p99_us", p.p99)
+    .extra("rounds_fired_exactly_once", p.n as f64))
+}

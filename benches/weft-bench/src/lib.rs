@@ -1,0 +1,150 @@
+//! # weft-bench: the paper's microbenchmarks on any backend
+//!
+//! The core of the `weft-bench` binary, as a library so tests (and other
+//! harnesses) can run it: [`run`] takes a [`Config`] and returns a
+//! [`Report`] with one [`Row`] per measurement. Every row that measures
+//! weft also carries its baseline, measured in the same run in alternating
+//! rounds: the backend driven directly without the engine (`p2p`, `imm`),
+//! the backend's own posting cost and a bare cross-thread queue hand-off
+//! (`proxy`). See `docs/benchmarks.md`.
+
+#![deny(unsafe_code)]
+
+pub mod backend;
+#[allow(unsafe_code)]
+pub mod buf;
+pub mod engines;
+pub mod floor;
+pub mod imm;
+pub mod p2p;
+mod progress;
+pub mod proxy;
+pub mod raw;
+pub mod report;
+pub mod stats;
+
+pub use backend::{BackendKind, Testbed};
+pub use progress::Progress;
+pub use report::{Breakdown, Report, Row, Status, Target};
+
+use std::time::Instant;
+
+/// Which benchmarks to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Suite {
+    /// Point-to-point WRITEs.
+    P2p,
+    /// Host-path breakdown of scatters.
+    Proxy,
+    /// ImmCounter.
+    Imm,
+    /// All of the above.
+    All,
+}
+
+/// What to run and how long.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Benchmarks.
+    pub suite: Suite,
+    /// Backends, each run in turn.
+    pub backends: Vec<BackendKind>,
+    /// Short run for CI smoke tests.
+    pub quick: bool,
+    /// NIC counts for `p2p` (default: 1, 2, 4; quick: 1, 2).
+    pub nics: Option<Vec<usize>>,
+    /// Interleaved rounds (weft batch, baseline batch) per case.
+    pub rounds: Option<usize>,
+    /// Show progress on stderr.
+    pub progress: bool,
+    /// The command line, recorded in the report.
+    pub command: String,
+}
+
+impl Config {
+    /// Defaults for `suite` on loopback-null.
+    pub fn new(suite: Suite, quick: bool) -> Self {
+        Config {
+            suite,
+            backends: vec![BackendKind::LoopbackNull],
+            quick,
+            nics: None,
+            rounds: None,
+            progress: false,
+            command: String::new(),
+        }
+    }
+
+    /// NIC counts of `p2p`.
+    pub fn nic_counts(&self) -> Vec<usize> {
+        match &self.nics {
+            Some(v) if !v.is_empty() => v.clone(),
+            _ if self.quick => vec![1, 2],
+            _ => vec![1, 2, 4],
+        }
+    }
+
+    /// Rounds per case.
+    pub fn rounds(&self) -> usize {
+        self.rounds
+            .unwrap_or(if self.quick { 2 } else { 5 })
+            .max(1)
+    }
+}
+
+/// A one-line description of this machine.
+pub fn machine() -> String {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{cpus} CPUs ({model}), {} {}", std::env::consts::OS, std::env::consts::ARCH)
+}
+
+/// Runs the configured benchmarks.
+pub fn run(cfg: &Config) -> Report {
+    let start = Instant::now();
+    let (p2p, proxy, imm) = match cfg.suite {
+        Suite::P2p => (true, false, false),
+        Suite::Proxy => (false, true, false),
+        Suite::Imm => (false, false, true),
+        Suite::All => (true, true, true),
+    };
+    let plan = p2p::P2pPlan::new(cfg.quick);
+    let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
+        + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
+        + usize::from(imm) * 2;
+    let mut progress = Progress::new(per_backend * cfg.backends.len(), cfg.progress);
+    let mut rows = Vec::new();
+    let mut bds = Vec::new();
+    for kind in &cfg.backends {
+        if p2p {
+            rows.extend(p2p::run(cfg, kind, &mut progress));
+        }
+        if proxy {
+            let (r, b) = proxy::run(cfg, kind, &mut progress);
+            rows.extend(r);
+            bds.extend(b);
+        }
+        if imm {
+            rows.extend(imm::run(cfg, kind, &mut progress));
+        }
+    }
+    progress.finish();
+    Report {
+        command: cfg.command.clone(),
+        quick: cfg.quick,
+        machine: machine(),
+        elapsed_s: start.elapsed().as_secs_f64(),
+        rows,
+        proxy_breakdown: bds,
+    }
+}

@@ -1,0 +1,103 @@
+//! `weft-bench`: weft's microbenchmarks (p2p, proxy, imm) on any backend,
+//! each next to its raw baseline. See `docs/benchmarks.md`.
+
+#![forbid(unsafe_code)]
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use weft_bench::{BackendKind, Config, Suite};
+
+#[derive(Parser, Debug)]
+#[command(name = "weft-bench", version, about = "weft microbenchmarks, side by side with raw baselines")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+    /// Backend(s): loopback, loopback-null, libfabric:tcp, libfabric:shm,
+    /// libfabric:efa, verbs. Repeat or comma-separate for several.
+    #[arg(long, global = true, value_delimiter = ',', default_value = "loopback-null")]
+    backend: Vec<BackendKind>,
+    /// Short run for CI smoke tests (numbers are not meaningful).
+    #[arg(long, global = true)]
+    quick: bool,
+    /// NIC counts for p2p (default 1,2,4; quick 1,2).
+    #[arg(long, global = true, value_delimiter = ',')]
+    nics: Vec<usize>,
+    /// Interleaved rounds per case (default 5; quick 2).
+    #[arg(long, global = true)]
+    rounds: Option<usize>,
+    /// Write the report as JSON.
+    #[arg(long, global = true, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write the rows as CSV.
+    #[arg(long, global = true, value_name = "FILE")]
+    csv: Option<PathBuf>,
+    /// Write an SVG plot of p2p bandwidth vs size.
+    #[arg(long, global = true, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// No progress line on stderr.
+    #[arg(long, global = true)]
+    no_progress: bool,
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+enum Cmd {
+    /// Single WRITE bandwidth/latency 64 B … 64 MiB, paged WRITEs, imm-only latency.
+    P2p,
+    /// Host-path breakdown (submit → enqueued → pickup → first WR → all posted) of scatters to 8…128 peers.
+    Proxy,
+    /// ImmCounter throughput and early-arrival handling.
+    Imm,
+    /// Everything.
+    All,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let suite = match cli.cmd {
+        Cmd::P2p => Suite::P2p,
+        Cmd::Proxy => Suite::Proxy,
+        Cmd::Imm => Suite::Imm,
+        Cmd::All => Suite::All,
+    };
+    let mut cfg = Config::new(suite, cli.quick);
+    cfg.backends = cli.backend.clone();
+    cfg.nics = (!cli.nics.is_empty()).then(|| cli.nics.clone());
+    cfg.rounds = cli.rounds;
+    cfg.progress = !cli.no_progress;
+    cfg.command = std::env::args().collect::<Vec<_>>().join(" ");
+    let report = weft_bench::run(&cfg);
+    println!(
+        "weft-bench on {} ({}; {:.1} s)\n",
+        report.machine,
+        if report.quick { "quick" } else { "full" },
+        report.elapsed_s
+    );
+    print!("{}", report.table());
+    let mut ok = true;
+    let mut write = |path: &Option<PathBuf>, body: String, what: &str| {
+        if let Some(p) = path {
+            if let Err(e) = std::fs::write(p, body) {
+                eprintln!("error: writing {what} to {}: {e}", p.display());
+                ok = false;
+            }
+        }
+    };
+    write(&cli.json, report.json(), "JSON");
+    write(&cli.csv, report.csv(), "CSV");
+    write(&cli.plot, report.svg(), "plot");
+    let failed = report
+        .rows
+        .iter()
+        .filter(|r| matches!(r.status, weft_bench::Status::Failed(_)))
+        .count();
+    if failed > 0 {
+        eprintln!("{failed} measurement(s) failed");
+        ok = false;
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,311 @@
+//! `p2p`: single WRITE bandwidth and latency (64 B … 64 MiB), paged WRITEs
+//! (1–64 KiB pages, 100 and 10 000 pages), immediate-only latency; one set
+//! of rows per NIC count. Every weft measurement alternates, round by round,
+//! with the same WRs posted on the raw backend.
+
+use crate::backend::{BackendKind, Testbed};
+use crate::engines::{wait_until, EnginePair};
+use crate::raw::RawPair;
+use crate::report::{fmt_bytes, Row, Target};
+use crate::stats::{median, ns, percentiles};
+use crate::{Config, Progress};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use weft_engine::shard::{plan_page, plan_single_write, Piece};
+use weft_engine::{OnDone, Pages, ShardConfig};
+
+const BENCH: &str = "p2p";
+const RAW: &str = "raw backend";
+
+/// The sizes, counts and budgets of one run.
+#[derive(Debug, Clone)]
+pub struct P2pPlan {
+    /// Single-write sizes.
+    pub sizes: Vec<u64>,
+    /// Page sizes of the paged case.
+    pub page_lens: Vec<u64>,
+    /// Pages per paged submit.
+    pub page_counts: Vec<u64>,
+    /// Bytes moved per bandwidth batch.
+    pub bw_bytes: u64,
+    /// Most transfers per bandwidth batch.
+    pub bw_max_ops: u64,
+    /// Bytes per latency batch.
+    pub lat_bytes: u64,
+    /// Most transfers per latency batch.
+    pub lat_max_ops: u64,
+    /// Pages per paged batch.
+    pub paged_pages: u64,
+    /// Transfers in flight in bandwidth batches.
+    pub window: u64,
+    /// Distinct memory the paged case touches.
+    pub paged_mem: u64,
+}
+
+impl P2pPlan {
+    /// The plan for `quick` or full runs.
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            P2pPlan {
+                sizes: vec![64, 64 << 10, 1 << 20],
+                page_lens: vec![4 << 10],
+                page_counts: vec![100, 10_000],
+                bw_bytes: 4 << 20,
+                bw_max_ops: 256,
+                lat_bytes: 1 << 20,
+                lat_max_ops: 30,
+                paged_pages: 20_000,
+                window: 16,
+                paged_mem: 16 << 20,
+            }
+        } else {
+            P2pPlan {
+                sizes: (0..11).map(|i| 64u64 << (2 * i)).collect(),
+                page_lens: vec![1 << 10, 4 << 10, 16 << 10, 64 << 10],
+                page_counts: vec![100, 10_000],
+                bw_bytes: 256 << 20,
+                bw_max_ops: 20_000,
+                lat_bytes: 16 << 20,
+                lat_max_ops: 300,
+                paged_pages: 200_000,
+                window: 16,
+                paged_mem: 64 << 20,
+            }
+        }
+    }
+
+    /// Progress steps of one NIC count.
+    pub fn steps(&self) -> usize {
+        self.sizes.len() + self.page_lens.len() * self.page_counts.len() + 1
+    }
+}
+
+/// Runs `p2p` on `kind` for every NIC count of `cfg`.
+pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row> {
+    let plan = P2pPlan::new(cfg.quick);
+    let mut rows = Vec::new();
+    let backend = kind.to_string();
+    for &nics in &cfg.nic_counts() {
+        let tb = match Testbed::new(kind, nics) {
+            Ok(tb) => tb,
+            Err(why) => {
+                progress.add_total(0);
+                rows.push(Row::unavailable(BENCH, "all", &backend, nics, why));
+                continue;
+            }
+        };
+        let max = plan.sizes.iter().copied().max().unwrap_or(64).max(plan.paged_mem);
+        let setup = EnginePair::new(&tb, max as usize, max as usize)
+            .and_then(|e| RawPair::new(&tb, max as usize, max as usize).map(|r| (e, r)));
+        let (ep, mut raw) = match setup {
+            Ok(x) => x,
+            Err(why) => {
+                rows.push(Row::failed(BENCH, "setup", &backend, nics, why));
+                continue;
+            }
+        };
+        for &size in &plan.sizes {
+            progress.step(&format!("p2p {backend} {nics}nic single_write {}", fmt_bytes(size)));
+            match single(cfg, &plan, &tb, &ep, &mut raw, size) {
+                Ok(mut r) => rows.append(&mut r),
+                Err(why) => rows.push(Row::failed(BENCH, "single_write", &backend, nics, why).size(size)),
+            }
+        }
+        for &pl in &plan.page_lens {
+            for &n in &plan.page_counts {
+                progress.step(&format!("p2p {backend} {nics}nic paged {n} x {}", fmt_bytes(pl)));
+                match paged(cfg, &plan, &tb, &ep, &mut raw, pl, n) {
+                    Ok(mut r) => rows.append(&mut r),
+                    Err(why) => rows.push(Row::failed(BENCH, "paged_write", &backend, nics, why)),
+                }
+            }
+        }
+        progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
+        match imm_only(cfg, &plan, &tb, &ep, &mut raw) {
+            Ok(r) => rows.push(r),
+            Err(why) => rows.push(Row::failed(BENCH, "imm_only", &backend, nics, why)),
+        }
+    }
+    rows
+}
+
+fn tcp_target(tb: &Testbed, row: Row) -> Row {
+    if *tb.kind() == BackendKind::Libfabric("tcp".into()) {
+        if let Some(r) = row.ratio {
+            return row.target(Target::at_least(r, 0.90, "x raw"));
+        }
+    }
+    row
+}
+
+/// Raw WRs of transfer `t` of a single write of `len`: the engine's own
+/// sharding plan, so both sides post the same WR set.
+fn single_pieces(len: u64, lanes: usize, mwl: u64, t: u64) -> Vec<Piece> {
+    plan_single_write(len, lanes, mwl, t as usize % lanes.max(1), &ShardConfig::default())
+}
+
+fn raw_single(raw: &mut RawPair, len: u64, count: u64, window: u64, imm: Option<u32>) -> Result<f64, String> {
+    let lanes = raw.lanes();
+    let mwl = raw.max_write_len();
+    // Pieces per transfer are identical for every transfer except the lane
+    // rotation of unsharded writes; precompute transfer 0's shape.
+    let per = single_pieces(len, lanes, mwl, 0).len().max(1) as u64;
+    let mut cache: Vec<Vec<Piece>> = (0..lanes as u64).map(|t| single_pieces(len, lanes, mwl, t)).collect();
+    if cache.is_empty() {
+        cache.push(single_pieces(len, 1, mwl, 0));
+    }
+    let total = count * per;
+    let t = raw.drive(total, window * per, 0, |r, i| {
+        let tr = i / per;
+        let k = (i % per) as usize;
+        let ps = &cache[(tr % cache.len() as u64) as usize];
+        let p = ps.get(k).ok_or("piece index")?;
+        Ok((p.lane, r.wr(i, p.lane, p.offset, p.offset, p.len, imm)?))
+    })?;
+    Ok(ns(t.all_done))
+}
+
+fn single(
+    cfg: &Config,
+    plan: &P2pPlan,
+    tb: &Testbed,
+    ep: &EnginePair,
+    raw: &mut RawPair,
+    size: u64,
+) -> Result<Vec<Row>, String> {
+    let backend = tb.kind().to_string();
+    let nics = tb.nics();
+    let bw_ops = (plan.bw_bytes / size).clamp(4, plan.bw_max_ops);
+    let lat_ops = (plan.lat_bytes / size).clamp(2, plan.lat_max_ops);
+    let (mut e_bw, mut r_bw) = (Vec::new(), Vec::new());
+    let (mut e_lat, mut r_lat) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds() {
+        let te = ep.single_writes(size, bw_ops, plan.window, None)?;
+        e_bw.push((size * bw_ops) as f64 / ns(te));
+        let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
+        r_bw.push((size * bw_ops) as f64 / tr);
+        for _ in 0..lat_ops {
+            e_lat.push(ns(ep.single_writes(size, 1, 1, None)?) / 1e3);
+            r_lat.push(raw_single(raw, size, 1, 1, None)? / 1e3);
+        }
+    }
+    let (eb, rb) = (median(&mut e_bw), median(&mut r_bw));
+    let bw = Row::new(BENCH, "single_write", &backend, nics, fmt_bytes(size), "bandwidth", "GB/s", eb, Some((rb, RAW)))
+        .size(size)
+        .extra("weft_mops", eb * 1e3 / size as f64)
+        .extra("raw_mops", rb * 1e3 / size as f64);
+    let el = percentiles(&mut e_lat);
+    let rl = percentiles(&mut r_lat);
+    let lat = Row::new(BENCH, "single_write", &backend, nics, fmt_bytes(size), "latency p50", "us", el.p50, Some((rl.p50, RAW)))
+        .size(size)
+        .extra("weft_p99_us", el.p99)
+        .extra("raw_p99_us", rl.p99);
+    Ok(vec![tcp_target(tb, bw), lat])
+}
+
+fn paged(
+    cfg: &Config,
+    plan: &P2pPlan,
+    tb: &Testbed,
+    ep: &EnginePair,
+    raw: &mut RawPair,
+    page_len: u64,
+    n: u64,
+) -> Result<Vec<Row>, String> {
+    let backend = tb.kind().to_string();
+    let nics = tb.nics();
+    let slots = (plan.paged_mem / page_len).clamp(1, n);
+    let idx = |i: u64, mul: u64| u32::try_from((i * mul) % slots).unwrap_or(0);
+    let sp = Pages {
+        indices: (0..n).map(|i| idx(i, 1)).collect(),
+        stride: page_len,
+        offset: 0,
+    };
+    // A coprime multiplier scatters destination pages (when slots allow).
+    let mul = if slots % 7919 == 0 { 1 } else { 7919 };
+    let dp = Pages {
+        indices: (0..n).map(|i| idx(i, mul)).collect(),
+        stride: page_len,
+        offset: 0,
+    };
+    let submits = (plan.paged_pages / n).max(1);
+    let lanes = raw.lanes();
+    let mwl = raw.max_write_len();
+    let per_page = plan_page(0, page_len, lanes, mwl, ShardConfig::default().align).len().max(1) as u64;
+    let total_pages = submits * n;
+    // Page j's pieces depend only on j % lanes.
+    let lane_pieces: Vec<Vec<Piece>> = (0..lanes.max(1))
+        .map(|j| plan_page(j, page_len, lanes, mwl, ShardConfig::default().align))
+        .collect();
+    let (mut e_rate, mut r_rate) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds() {
+        let te = ep.paged_writes(page_len, &sp, &dp, submits, 4)?;
+        e_rate.push(total_pages as f64 / ns(te) * 1e3); // Mpages/s
+        let window = (4 * n * per_page).min(1024 * lanes as u64);
+        let t = raw.drive(total_pages * per_page, window, 0, |r, i| {
+            let page = i / per_page;
+            let k = (i % per_page) as usize;
+            let j = (page % n) as usize;
+            let so = sp.page_offset(j).ok_or("src page")?;
+            let dof = dp.page_offset(j).ok_or("dst page")?;
+            let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
+            let p = pieces.get(k).ok_or("piece")?;
+            Ok((p.lane, r.wr(i, p.lane, so + p.offset, dof + p.offset, p.len, None)?))
+        })?;
+        r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
+    }
+    let (em, rm) = (median(&mut e_rate), median(&mut r_rate));
+    let param = format!("{n} x {}", fmt_bytes(page_len));
+    let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
+    let mut ops = Row::new(BENCH, "paged_write", &backend, nics, param.clone(), "page rate", "Mops/s", em, Some((rm, RAW)))
+        .extra("pages_per_batch", total_pages as f64);
+    if *tb.kind() == BackendKind::LoopbackNull && page_len <= 4096 {
+        ops = ops.target(Target::at_least(em, 10.0, "Mops/s"));
+    } else {
+        ops = tcp_target(tb, ops);
+    }
+    let bw = tcp_target(
+        tb,
+        Row::new(BENCH, "paged_write", &backend, nics, param, "bandwidth", "GB/s", gb(em), Some((gb(rm), RAW))),
+    );
+    Ok(vec![ops, bw])
+}
+
+fn imm_only(cfg: &Config, plan: &P2pPlan, tb: &Testbed, ep: &EnginePair, raw: &mut RawPair) -> Result<Row, String> {
+    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+    let ops = plan.lat_max_ops;
+    let (mut e, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds() {
+        for _ in 0..ops {
+            let fired = Arc::new(AtomicBool::new(false));
+            let f2 = Arc::clone(&fired);
+            ep.rx
+                .expect_imm_count(imm, 1, move |_| f2.store(true, Ordering::Release))
+                .map_err(|e| e.to_string())?;
+            let t0 = Instant::now();
+            ep.tx
+                .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
+                .map_err(|e| e.to_string())?;
+            wait_until(|| fired.load(Ordering::Acquire))?;
+            e.push(ns(t0.elapsed()) / 1e3);
+            let t = raw.drive(1, 1, 1, |r, i| Ok((0, r.wr(i, 0, 0, 0, 0, Some(imm))?)))?;
+            r.push(ns(t.imms_seen) / 1e3);
+        }
+    }
+    ep.rx.free_imm(imm);
+    let (ep50, rp) = (percentiles(&mut e), percentiles(&mut r));
+    Ok(Row::new(
+        BENCH,
+        "imm_only",
+        &tb.kind().to_string(),
+        tb.nics(),
+        "0 B + imm",
+        "latency p50",
+        "us",
+        ep50.p50,
+        Some((rp.p50, RAW)),
+    )
+    .extra("weft_p99_us", ep50.p99)
+    .extra("raw_p99_us", rp.p99))
+}

@@ -1,0 +1,352 @@
+//! `proxy`: the host-path breakdown of a scatter (paper Tables 8/9):
+//! submit → enqueued → worker picked up → first WR accepted by the backend
+//! → all WRs posted, as p50/p99/p99.9, for 8…128 peers. Interleaved with
+//! two baselines: the backend's own posting of the same WRs (raw), and a
+//! bare cross-thread queue hand-off (the floor of submit → pickup).
+
+use crate::backend::{BackendKind, Testbed};
+use crate::buf::HostBuf;
+use crate::engines::{engine, wait_until, Shutdown};
+use crate::floor::HandoffFloor;
+use crate::report::{Breakdown, Row, Target};
+use crate::stats::{ns, percentiles, Percentiles};
+use crate::{Config, Progress};
+use std::sync::Arc;
+use std::time::Instant;
+use weft_engine::{DoneCounter, GroupAddress, MrDesc, OnDone, ScatterDst, TransferEngine};
+use weft_transport::{Access, Completion, Domain, PeerId, RemoteSlice, WrId, WriteWr};
+
+const BENCH: &str = "proxy";
+
+/// Peer counts (Table 9 shape).
+pub fn peer_counts(quick: bool) -> Vec<usize> {
+    if quick {
+        vec![8, 64]
+    } else {
+        vec![8, 16, 32, 64, 128]
+    }
+}
+
+/// Bytes written to each peer by one scatter.
+pub const SCATTER_LEN: u64 = 1024;
+
+struct Peers {
+    // Domains before buffers (drop order).
+    _domains: Vec<Box<dyn Domain>>,
+    descs: Vec<MrDesc>,
+    addrs: Vec<GroupAddress>,
+    _bufs: Vec<HostBuf>,
+}
+
+fn peers(tb: &Testbed, n: usize) -> Result<Peers, String> {
+    let mut domains = Vec::new();
+    let mut descs = Vec::new();
+    let mut addrs = Vec::new();
+    let mut bufs = Vec::new();
+    for _ in 0..n {
+        let p = tb.host_with(1)?;
+        let mut d = p.open(0).map_err(|e| e.to_string())?;
+        let b = HostBuf::new(SCATTER_LEN as usize);
+        let mr = d
+            .register(&b.region(), Access::RemoteWrite)
+            .map_err(|e| e.to_string())?;
+        let a = d.local_addr().clone();
+        descs.push(MrDesc {
+            addr: mr.addr,
+            len: mr.len,
+            rkeys: vec![(a.clone(), mr.rkey)],
+        });
+        addrs.push(GroupAddress { nics: vec![a] });
+        domains.push(d);
+        bufs.push(b);
+    }
+    Ok(Peers {
+        _domains: domains,
+        descs,
+        addrs,
+        _bufs: bufs,
+    })
+}
+
+/// Runs `proxy` on `kind`.
+pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> (Vec<Row>, Vec<Breakdown>) {
+    let backend = kind.to_string();
+    let counts = peer_counts(cfg.quick);
+    if !kind.is_loopback() {
+        for _ in &counts {
+            progress.step(&format!("proxy {backend} (skipped)"));
+        }
+        return (
+            vec![Row::unavailable(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                "the proxy breakdown runs 128 peers in one process; it is measured on \
+                 loopback-null (engine cost) and loopback; on hardware use `p2p` or run \
+                 `proxy` against a loopback build next to the NIC (see docs/benchmarks.md)"
+                    .into(),
+            )],
+            Vec::new(),
+        );
+    }
+    if !cfg!(feature = "probe") {
+        return (
+            vec![Row::unavailable(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                "built without the `probe` feature (weft-engine/latency-probe)".into(),
+            )],
+            Vec::new(),
+        );
+    }
+    match run_inner(cfg, kind, &counts, progress) {
+        Ok(x) => x,
+        Err(why) => (vec![Row::failed(BENCH, "scatter", &backend, 1, why)], Vec::new()),
+    }
+}
+
+/// One stage's samples (ns).
+#[derive(Default)]
+struct Stages {
+    enqueue: Vec<f64>,
+    pickup: Vec<f64>,
+    prepare: Vec<f64>,
+    first_wr: Vec<f64>,
+    post_rest: Vec<f64>,
+    total: Vec<f64>,
+}
+
+#[cfg(feature = "probe")]
+fn collect(eng: &TransferEngine, st: &mut Stages) {
+    for r in eng.take_probe_records() {
+        let (Some(f), Some(a)) = (r.first_wr, r.all_posted) else {
+            continue;
+        };
+        st.enqueue.push(ns(r.enqueued.saturating_duration_since(r.submit)));
+        st.pickup.push(ns(r.pickup.saturating_duration_since(r.enqueued)));
+        st.prepare.push(ns(f.saturating_duration_since(r.pickup)));
+        st.first_wr.push(ns(f.saturating_duration_since(r.submit)));
+        st.post_rest.push(ns(a.saturating_duration_since(f)));
+        st.total.push(ns(a.saturating_duration_since(r.submit)));
+    }
+}
+
+#[cfg(not(feature = "probe"))]
+fn collect(_eng: &TransferEngine, _st: &mut Stages) {}
+
+fn us(p: Percentiles) -> Percentiles {
+    Percentiles {
+        n: p.n,
+        p50: p.p50 / 1e3,
+        p99: p.p99 / 1e3,
+        p999: p.p999 / 1e3,
+        mean: p.mean / 1e3,
+    }
+}
+
+fn run_inner(
+    cfg: &Config,
+    kind: &BackendKind,
+    counts: &[usize],
+    progress: &mut Progress,
+) -> Result<(Vec<Row>, Vec<Breakdown>), String> {
+    let backend = kind.to_string();
+    let tb = Testbed::new(kind, 1)?;
+    let max_peers = counts.iter().copied().max().unwrap_or(8);
+    let pe = peers(&tb, max_peers)?;
+    let src_buf = HostBuf::new(SCATTER_LEN as usize * max_peers);
+    let eng = Shutdown(engine(&tb)?);
+    let (src, _) = eng.reg_mr(src_buf.region()).map_err(|e| e.to_string())?;
+    // Raw sender on its own host.
+    let mut raw = tb.raw_host()?;
+    let rd = raw.first_mut().ok_or("no raw domain")?;
+    let rsrc = rd
+        .register(&src_buf.region(), Access::LocalOnly)
+        .map_err(|e| e.to_string())?;
+    let mut rpeers: Vec<PeerId> = Vec::new();
+    for a in &pe.addrs {
+        let addr = a.nics.first().ok_or("peer without NIC")?;
+        rpeers.push(rd.add_peer(addr).map_err(|e| e.to_string())?);
+    }
+    let max_batch = rd.capabilities().max_batch.max(1);
+    let floor = HandoffFloor::new();
+    let per_round = if cfg.quick { 200 } else { 2000 };
+    let mut rows = Vec::new();
+    let mut bds = Vec::new();
+    let mut comps: Vec<Completion> = Vec::new();
+    let mut next_wr = 0u64;
+    for &n in counts {
+        progress.step(&format!("proxy {backend} scatter to {n} peers"));
+        let group = eng
+            .add_peer_group(&pe.addrs[..n])
+            .map_err(|e| e.to_string())?;
+        let dsts: Vec<ScatterDst> = (0..n)
+            .map(|j| ScatterDst {
+                len: SCATTER_LEN,
+                src_offset: j as u64 * SCATTER_LEN,
+                dst: pe.descs[j].clone(),
+                dst_offset: 0,
+            })
+            .collect();
+        let mut st = Stages::default();
+        let mut raw_post = Vec::new();
+        let mut floor_ns = Vec::new();
+        let _ = eng.take_probe_records_compat();
+        for _ in 0..cfg.rounds() {
+            // weft
+            let counter = Arc::new(DoneCounter::new());
+            for i in 0..per_round {
+                eng.submit_scatter(&group, OnDone::counter(&counter), None, &src, &dsts)
+                    .map_err(|e| e.to_string())?;
+                wait_until(|| counter.total() > i)?;
+            }
+            if counter.failed() > 0 {
+                return Err(format!(
+                    "scatter failed: {}",
+                    counter.first_error().map(|e| e.to_string()).unwrap_or_default()
+                ));
+            }
+            collect(&eng, &mut st);
+            // raw posting of the same WRs
+            for _ in 0..per_round {
+                let wrs: Vec<WriteWr> = (0..n)
+                    .map(|j| {
+                        next_wr += 1;
+                        WriteWr {
+                            wr: WrId(next_wr),
+                            peer: rpeers[j],
+                            src: weft_transport::LocalSlice {
+                                mr: rsrc.key,
+                                addr: rsrc.addr + j as u64 * SCATTER_LEN,
+                                len: SCATTER_LEN,
+                            },
+                            dst: RemoteSlice {
+                                base: pe.descs[j].addr,
+                                offset: 0,
+                                rkey: pe.descs[j].rkeys[0].1,
+                            },
+                            imm: None,
+                        }
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                let mut off = 0;
+                while off < wrs.len() {
+                    let end = (off + max_batch).min(wrs.len());
+                    match rd.post_writes(&wrs[off..end]) {
+                        Ok(k) => off += k,
+                        Err(e) if e.error.is_retryable() => off += e.posted,
+                        Err(e) => return Err(e.to_string()),
+                    }
+                    if off < end {
+                        comps.clear();
+                        rd.poll(&mut comps).map_err(|e| e.to_string())?;
+                    }
+                }
+                raw_post.push(ns(t0.elapsed()));
+                let mut done = 0;
+                let t1 = Instant::now();
+                while done < n {
+                    comps.clear();
+                    rd.poll(&mut comps).map_err(|e| e.to_string())?;
+                    for c in &comps {
+                        if let Completion::Write { result, .. } = c {
+                            result.as_ref().map_err(|e| e.to_string())?;
+                            done += 1;
+                        }
+                    }
+                    if t1.elapsed().as_secs() > 30 {
+                        return Err("raw scatter baseline stalled".into());
+                    }
+                }
+            }
+            // floor
+            for _ in 0..per_round {
+                if let Some(v) = floor.once() {
+                    floor_ns.push(v);
+                }
+            }
+        }
+        let p = |v: &mut Vec<f64>| us(percentiles(v));
+        let (enq, pick, prep, first, rest, total) = (
+            p(&mut st.enqueue),
+            p(&mut st.pickup),
+            p(&mut st.prepare),
+            p(&mut st.first_wr),
+            p(&mut st.post_rest),
+            p(&mut st.total),
+        );
+        let rawp = p(&mut raw_post);
+        let fl = p(&mut floor_ns);
+        if first.n == 0 {
+            return Err("no latency-probe records (engine built without latency-probe?)".into());
+        }
+        for (stage, q) in [
+            ("submit -> enqueued", enq),
+            ("enqueued -> picked up", pick),
+            ("picked up -> first WR", prep),
+            ("submit -> first WR", first),
+            ("first WR -> all posted", rest),
+            ("submit -> all posted", total),
+            ("raw backend posting", rawp),
+            ("queue hand-off floor", fl),
+        ] {
+            bds.push(Breakdown {
+                backend: backend.clone(),
+                peers: n,
+                stage: stage.into(),
+                n: q.n,
+                p50_us: q.p50,
+                p99_us: q.p99,
+                p999_us: q.p999,
+            });
+        }
+        let param = format!("{n} peers");
+        rows.push(
+            Row::new(BENCH, "scatter", &backend, 1, param.clone(), "submit->first WR p50", "us", first.p50, Some((fl.p50, "queue hand-off floor")))
+                .target(Target::at_most(first.p50, 0.5, "us"))
+                .extra("p99_us", first.p99)
+                .extra("p999_us", first.p999),
+        );
+        rows.push(
+            Row::new(BENCH, "scatter", &backend, 1, param.clone(), "enqueued->pickup p50", "us", pick.p50, Some((fl.p50, "queue hand-off floor")))
+                .extra("p99_us", pick.p99)
+                .extra("p999_us", pick.p999),
+        );
+        let overhead = total.p50 - rawp.p50;
+        let mut all = Row::new(BENCH, "scatter", &backend, 1, param, "submit->all posted p50", "us", total.p50, Some((rawp.p50, "raw backend posting")))
+            .extra("engine_overhead_us", overhead)
+            .extra("p99_us", total.p99)
+            .extra("p999_us", total.p999);
+        if n == 64 {
+            all = all.target(Target {
+                text: "engine +<= 3 us".into(),
+                met: overhead <= 3.0,
+            });
+        }
+        rows.push(all);
+    }
+    drop(raw);
+    drop(eng);
+    drop(src_buf);
+    Ok((rows, bds))
+}
+
+/// Drains probe records where the feature exists (no-op otherwise).
+trait ProbeCompat {
+    fn take_probe_records_compat(&self) -> usize;
+}
+
+impl ProbeCompat for TransferEngine {
+    #[cfg(feature = "probe")]
+    fn take_probe_records_compat(&self) -> usize {
+        self.take_probe_records().len()
+    }
+    #[cfg(not(feature = "probe"))]
+    fn take_probe_records_compat(&self) -> usize {
+        0
+    }
+}

@@ -1,0 +1,207 @@
+//! The raw baseline: the backend's domains driven directly, without the
+//! engine, on the bench thread (post, poll initiator, poll target).
+
+use crate::backend::Testbed;
+use crate::buf::HostBuf;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+use weft_transport::{
+    Access, Completion, Domain, LocalMr, PeerId, RemoteSlice, TransportError, WrId, WriteWr,
+};
+
+/// Initiator domains (one per lane) and target domains, lane `i` writing
+/// from `a[i]` to `b[i]`, with one registered source and destination buffer.
+pub struct RawPair {
+    /// Initiator domains, one per NIC.
+    a: Vec<Box<dyn Domain>>,
+    /// Target domains, one per NIC.
+    b: Vec<Box<dyn Domain>>,
+    peers: Vec<PeerId>,
+    src: Vec<LocalMr>,
+    dst: Vec<LocalMr>,
+    pending: Vec<VecDeque<WriteWr>>,
+    max_batch: Vec<usize>,
+    comps: Vec<Completion>,
+    poll_target: bool,
+    // Dropped after the domains (field order).
+    _src_buf: HostBuf,
+    _dst_buf: HostBuf,
+}
+
+/// When a [`RawPair::drive`] finished.
+#[derive(Debug, Clone, Copy)]
+pub struct DriveTimes {
+    /// All WRITE completions seen at the initiator.
+    pub all_done: Duration,
+    /// The requested number of immediates seen at the target.
+    pub imms_seen: Duration,
+}
+
+fn err(e: TransportError) -> String {
+    e.to_string()
+}
+
+impl RawPair {
+    /// Opens two fresh hosts of `tb` and registers `src_len` / `dst_len`
+    /// bytes on every lane.
+    pub fn new(tb: &Testbed, src_len: usize, dst_len: usize) -> Result<Self, String> {
+        let mut a = tb.raw_host()?;
+        let mut b = tb.raw_host()?;
+        let src_buf = HostBuf::new(src_len);
+        let dst_buf = HostBuf::new(dst_len);
+        let mut peers = Vec::new();
+        let mut src = Vec::new();
+        let mut dst = Vec::new();
+        let mut max_batch = Vec::new();
+        for (da, db) in a.iter_mut().zip(b.iter_mut()) {
+            src.push(
+                da.register(&src_buf.region(), Access::LocalOnly)
+                    .map_err(err)?,
+            );
+            dst.push(
+                db.register(&dst_buf.region(), Access::RemoteWrite)
+                    .map_err(err)?,
+            );
+            peers.push(da.add_peer(&db.local_addr().clone()).map_err(err)?);
+            max_batch.push(da.capabilities().max_batch.max(1));
+        }
+        let lanes = a.len();
+        Ok(RawPair {
+            a,
+            b,
+            peers,
+            src,
+            dst,
+            pending: (0..lanes).map(|_| VecDeque::new()).collect(),
+            max_batch,
+            comps: Vec::new(),
+            poll_target: tb.target_needs_polling(),
+            _src_buf: src_buf,
+            _dst_buf: dst_buf,
+        })
+    }
+
+    /// Lanes (NICs).
+    pub fn lanes(&self) -> usize {
+        self.a.len()
+    }
+
+    /// Smallest `max_write_len` of the initiator domains.
+    pub fn max_write_len(&self) -> u64 {
+        self.a
+            .iter()
+            .map(|d| d.capabilities().max_write_len)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    /// A WRITE of `len` bytes on `lane` from source offset `so` to
+    /// destination offset `dof`.
+    pub fn wr(&self, id: u64, lane: usize, so: u64, dof: u64, len: u64, imm: Option<u32>) -> Result<WriteWr, String> {
+        let (Some(s), Some(d), Some(p)) = (self.src.get(lane), self.dst.get(lane), self.peers.get(lane)) else {
+            return Err(format!("no lane {lane}"));
+        };
+        let src = s
+            .slice(so, len)
+            .ok_or_else(|| format!("source slice {so}+{len} outside buffer"))?;
+        if dof.checked_add(len).is_none_or(|e| e > d.len) {
+            return Err(format!("destination slice {dof}+{len} outside buffer"));
+        }
+        Ok(WriteWr {
+            wr: WrId(id),
+            peer: *p,
+            src,
+            dst: RemoteSlice {
+                base: d.addr,
+                offset: dof,
+                rkey: d.rkey,
+            },
+            imm,
+        })
+    }
+
+    /// Posts `total` WRs produced by `gen(i) -> (lane, wr)`, keeping at most
+    /// `window` outstanding, batching per lane, until every WRITE completed
+    /// and `want_imms` immediates were seen at the target.
+    pub fn drive(
+        &mut self,
+        total: u64,
+        window: u64,
+        want_imms: u64,
+        mut gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
+    ) -> Result<DriveTimes, String> {
+        let start = Instant::now();
+        let window = window.max(1);
+        let (mut generated, mut done, mut imms) = (0u64, 0u64, 0u64);
+        let mut all_done = None;
+        let mut imms_seen = (want_imms == 0).then(Duration::default);
+        loop {
+            while generated < total && generated - done < window {
+                let (lane, wr) = gen(self, generated)?;
+                self.pending
+                    .get_mut(lane)
+                    .ok_or_else(|| format!("no lane {lane}"))?
+                    .push_back(wr);
+                generated += 1;
+            }
+            for (lane, d) in self.a.iter_mut().enumerate() {
+                let q = &mut self.pending[lane];
+                while !q.is_empty() {
+                    let n = q.len().min(self.max_batch[lane]);
+                    let batch = &q.make_contiguous()[..n];
+                    let posted = match d.post_writes(batch) {
+                        Ok(k) => k,
+                        Err(e) if e.error.is_retryable() => e.posted,
+                        Err(e) => return Err(e.to_string()),
+                    };
+                    q.drain(..posted);
+                    if posted < n {
+                        break;
+                    }
+                }
+            }
+            for d in self.a.iter_mut() {
+                self.comps.clear();
+                d.poll(&mut self.comps).map_err(err)?;
+                for c in &self.comps {
+                    match c {
+                        Completion::Write { result: Ok(()), .. } => done += 1,
+                        Completion::Write { wr, result: Err(e) } => {
+                            return Err(format!("raw WRITE {wr:?} failed: {e}"))
+                        }
+                        Completion::Imm { .. } => {}
+                        _ => {}
+                    }
+                }
+            }
+            if self.poll_target || want_imms > 0 {
+                for d in self.b.iter_mut() {
+                    self.comps.clear();
+                    d.poll(&mut self.comps).map_err(err)?;
+                    imms += self
+                        .comps
+                        .iter()
+                        .filter(|c| matches!(c, Completion::Imm { .. }))
+                        .count() as u64;
+                }
+            }
+            if imms_seen.is_none() && imms >= want_imms {
+                imms_seen = Some(start.elapsed());
+            }
+            if all_done.is_none() && done >= total {
+                all_done = Some(start.elapsed());
+            }
+            if let (Some(a), Some(i)) = (all_done, imms_seen) {
+                return Ok(DriveTimes {
+                    all_done: a,
+                    imms_seen: i,
+                });
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "raw baseline stalled: {done}/{total} writes, {imms}/{want_imms} immediates after 60 s"
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Thread pinning. NUMA topology comes from sysfs
+//! (`/sys/devices/system/node/node<N>/cpulist`); when it is unknown the
+//! worker is simply not pinned.
+
+/// Parses a Linux cpulist such as `0-3,8,10-11`.
+pub(crate) fn parse_cpulist(s: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
+                    if a <= b && b - a < 65536 {
+                        out.extend(a..=b);
+                    }
+                }
+            }
+            None => {
+                if let Ok(a) = part.trim().parse() {
+                    out.push(a);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The CPUs of NUMA node `node`, if the topology is known.
+pub(crate) fn numa_cpus(node: u32) -> Option<Vec<usize>> {
+    let s = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
+    let v = parse_cpulist(&s);
+    (!v.is_empty()).then_some(v)
+}
+
+/// Chooses a CPU: the explicit one, else the `nth` CPU of the NUMA node.
+pub(crate) fn pick_cpu(cpu: Option<usize>, numa: Option<u32>, nth: usize) -> Option<usize> {
+    if cpu.is_some() {
+        return cpu;
+    }
+    let cpus = numa_cpus(numa?)?;
+    cpus.get(nth % cpus.len()).copied()
+}
+
+/// Pins the calling thread to `cpu`. Returns whether it worked.
+#[cfg(target_os = "linux")]
+pub(crate) fn pin_current(cpu: usize) -> bool {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return false;
+    }
+    // SAFETY: `cpu_set_t` is plain data; zeroed is the empty set, CPU_SET
+    // writes inside it (cpu < CPU_SETSIZE checked), and sched_setaffinity
+    // only reads `size_of::<cpu_set_t>()` bytes of it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// Pinning is not supported on this OS.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn pin_current(_cpu: usize) -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulist() {
+        assert_eq!(parse_cpulist("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpulist(""), Vec::<usize>::new());
+        assert_eq!(parse_cpulist("x,3-1,5"), vec![5]);
+    }
+}

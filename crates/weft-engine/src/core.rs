@@ -1,0 +1,1483 @@
+//! The sans-IO per-group worker core.
+//!
+//! [`WorkerCore`] owns the domains of one group and is driven from outside:
+//! `take_request` (priority 1: new requests and their first WRs),
+//! `post_backlog` (priority 2: more WRs of pending requests as send-queue
+//! room frees) and `poll` (priority 3: completion queues). It never blocks,
+//! never sleeps and never runs user callbacks: those come out as
+//! [`Event`]s for the driver to hand to the callback thread.
+
+use crate::error::{EngineError, TransferId};
+use crate::imm::ImmTable;
+use crate::mem::{RawBuf, SendPayload, SendPool};
+use crate::ondone::{DoneCallback, DoneResult, OnDone};
+use crate::shard::{self, Piece, ScatterMode, ShardConfig};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use weft_transport::{
+    Access, Capabilities, Completion, Domain, Imm, LocalMr, LocalSlice, MemRegion, MrDesc, MrKey,
+    NetAddr, Pages, PeerId, PostError, RemoteSlice, ScatterDst, TransportError, WrId, WriteWr,
+};
+
+/// Most NICs in one group.
+pub const MAX_NICS: usize = 8;
+
+/// Callback type stored in the immediate table.
+pub(crate) type ImmCallback = Box<dyn FnOnce(DoneResult) + Send + 'static>;
+
+/// Receive callback: the filled bytes, or why the buffer came back empty.
+pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
+
+/// What the core hands to the driver.
+pub(crate) enum Event {
+    /// A transfer finished; run its callback.
+    Done(DoneCallback, DoneResult),
+    /// An immediate round fired (or failed at shutdown).
+    Imm(ImmCallback, DoneResult),
+    /// A receive buffer was filled (or failed).
+    Recv {
+        pool: Arc<RecvPool>,
+        idx: u32,
+        result: Result<u64, EngineError>,
+    },
+}
+
+/// A rotating pool of receive buffers on NIC 0 of a group.
+pub(crate) struct RecvPool {
+    pub(crate) id: u16,
+    pub(crate) group: usize,
+    pub(crate) buf: RawBuf,
+    pub(crate) len: u64,
+    pub(crate) count: u32,
+    pub(crate) cb: parking_lot::Mutex<RecvCallback>,
+}
+
+impl RecvPool {
+    /// The bytes of buffer `idx` (first `n`).
+    ///
+    /// # Safety
+    /// The buffer must not be posted (no NIC may write it) for the lifetime
+    /// of the returned slice.
+    pub(crate) unsafe fn bytes(&self, idx: u32, n: u64) -> Option<&[u8]> {
+        if idx >= self.count || n > self.len {
+            return None;
+        }
+        let off = usize::try_from(u64::from(idx) * self.len).ok()?;
+        let n = usize::try_from(n).ok()?;
+        // SAFETY: in bounds (idx < count, n <= len, buffer is count*len);
+        // the caller guarantees no concurrent writer.
+        Some(unsafe { std::slice::from_raw_parts(self.buf.ptr().add(off), n) })
+    }
+}
+
+/// The remote addresses of one peer group member: one per NIC, in NIC order.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct GroupAddress {
+    /// Address of NIC `i` of the peer's group.
+    pub nics: Vec<NetAddr>,
+}
+
+/// The body of one submitted request.
+#[derive(Debug)]
+pub(crate) enum Body {
+    Single {
+        len: u64,
+        imm: Option<Imm>,
+        src: u32,
+        src_off: u64,
+        dst: MrDesc,
+        dst_off: u64,
+    },
+    Paged {
+        page_len: u64,
+        imm: Option<Imm>,
+        src: u32,
+        src_pages: Pages,
+        dst: MrDesc,
+        dst_pages: Pages,
+    },
+    Scatter {
+        imm: Option<Imm>,
+        src: u32,
+        peers: u32,
+        dsts: Vec<ScatterDst>,
+        mode: ScatterMode,
+    },
+    Barrier {
+        imm: Imm,
+        peers: u32,
+        dsts: Vec<MrDesc>,
+    },
+    Send {
+        peer: NetAddr,
+        payload: SendPayload,
+    },
+}
+
+/// One request as it travels through the request queue.
+#[derive(Debug)]
+pub(crate) struct Submitted {
+    pub(crate) id: TransferId,
+    pub(crate) on_done: OnDone,
+    pub(crate) body: Body,
+    #[cfg(feature = "latency-probe")]
+    pub(crate) stamps: crate::probe::Stamps,
+}
+
+/// Control-plane operations (registration, peers, pools).
+pub(crate) enum Control {
+    RegMr {
+        region: MemRegion,
+        reply: crossbeam_channel::Sender<Result<(u32, Vec<LocalMr>), EngineError>>,
+    },
+    UnregMr {
+        id: u32,
+        reply: crossbeam_channel::Sender<Result<(), EngineError>>,
+    },
+    AddPeerGroup {
+        peers: Vec<GroupAddress>,
+        reply: crossbeam_channel::Sender<Result<u32, EngineError>>,
+    },
+    RecvPool {
+        pool: Arc<RecvPool>,
+        reply: crossbeam_channel::Sender<Result<(), EngineError>>,
+    },
+    Repost {
+        pool: u16,
+        idx: u32,
+    },
+}
+
+const KIND_SHIFT: u32 = 62;
+const KIND_WRITE: u64 = 0;
+const KIND_SEND: u64 = 1;
+const KIND_RECV: u64 = 2;
+const GEN_MASK: u64 = (1 << 30) - 1;
+
+fn wr_transfer(kind: u64, slot: u32, gen: u32) -> WrId {
+    WrId((kind << KIND_SHIFT) | ((u64::from(gen) & GEN_MASK) << 32) | u64::from(slot))
+}
+
+fn wr_recv(pool: u16, idx: u32) -> WrId {
+    WrId((KIND_RECV << KIND_SHIFT) | (u64::from(pool) << 32) | u64::from(idx))
+}
+
+enum Decoded {
+    Transfer { slot: u32, gen: u32 },
+    Recv { pool: u16, idx: u32 },
+    Unknown,
+}
+
+fn decode(wr: WrId) -> Decoded {
+    let kind = wr.0 >> KIND_SHIFT;
+    let low = (wr.0 & 0xffff_ffff) as u32;
+    match kind {
+        KIND_WRITE | KIND_SEND => Decoded::Transfer {
+            slot: low,
+            gen: ((wr.0 >> 32) & GEN_MASK) as u32,
+        },
+        KIND_RECV => Decoded::Recv {
+            pool: ((wr.0 >> 32) & 0xffff) as u16,
+            idx: low,
+        },
+        _ => Decoded::Unknown,
+    }
+}
+
+/// A work request waiting for send-queue room.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Write(WriteWr),
+    Send {
+        wr: WrId,
+        peer: PeerId,
+        src: LocalSlice,
+    },
+}
+
+impl Op {
+    fn wr(&self) -> WrId {
+        match self {
+            Op::Write(w) => w.wr,
+            Op::Send { wr, .. } => *wr,
+        }
+    }
+}
+
+struct Nic {
+    domain: Box<dyn Domain>,
+    caps: Capabilities,
+    name: String,
+    inflight: usize,
+    /// WRs of the request being taken right now (priority 1).
+    fresh: VecDeque<Op>,
+    /// WRs of older requests waiting for room (priority 2).
+    backlog: VecDeque<Op>,
+    peers: BTreeMap<NetAddr, PeerId>,
+    peer_addrs: BTreeMap<PeerId, NetAddr>,
+    dead: Option<TransportError>,
+    recvs_posted: usize,
+}
+
+struct SendRes {
+    slot: Option<u32>,
+    owned: Option<(Vec<u8>, MrKey)>,
+}
+
+struct Transfer {
+    gen: u32,
+    live: bool,
+    id: TransferId,
+    on_done: Option<OnDone>,
+    /// Pieces not yet completed (posted or not).
+    remaining: u64,
+    /// Pieces not yet handed to the backend.
+    unposted: u64,
+    /// Posted, not yet completed, per NIC.
+    posted_on: [u32; MAX_NICS],
+    error: Option<EngineError>,
+    send: Option<SendRes>,
+    #[cfg(feature = "latency-probe")]
+    probe: crate::probe::Record,
+}
+
+struct MrEntry {
+    lanes: Vec<LocalMr>,
+}
+
+struct PeerGroup {
+    /// `[member][lane]` resolved peer and the address it was resolved from.
+    members: Vec<Vec<(NetAddr, PeerId)>>,
+}
+
+struct PoolState {
+    pool: Arc<RecvPool>,
+    mr: LocalMr,
+    waiting: VecDeque<u32>,
+}
+
+/// Static facts about a group once its domains are open.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupInfo {
+    pub(crate) addrs: Vec<NetAddr>,
+    pub(crate) names: Vec<String>,
+    pub(crate) max_write_len: u64,
+    pub(crate) max_send_len: u64,
+}
+
+/// Per-group worker state machine. See the module docs.
+pub(crate) struct WorkerCore {
+    group: usize,
+    nics: Vec<Nic>,
+    slab: Vec<Transfer>,
+    free: Vec<u32>,
+    mrs: Vec<Option<MrEntry>>,
+    peer_groups: Vec<PeerGroup>,
+    pools: BTreeMap<u16, PoolState>,
+    send_pool: Arc<SendPool>,
+    send_mr: LocalMr,
+    /// The send pool buffer registered on every NIC: the source of
+    /// zero-length (immediate-only) writes on that NIC.
+    zero_mrs: Vec<LocalMr>,
+    imms: Arc<ImmTable<ImmCallback>>,
+    shard: ShardConfig,
+    max_write_len: u64,
+    rr: usize,
+    events: Vec<Event>,
+    scratch: Vec<WriteWr>,
+    comps: Vec<Completion>,
+    pending_pieces: usize,
+    #[cfg(feature = "latency-probe")]
+    probes: Arc<crate::probe::ProbeSink>,
+}
+
+fn transport(
+    group: usize,
+    nic: usize,
+    transfer: TransferId,
+    peer: Option<NetAddr>,
+    source: TransportError,
+) -> EngineError {
+    EngineError::Transport {
+        transfer,
+        group,
+        nic,
+        peer,
+        source: Box::new(source),
+    }
+}
+
+impl WorkerCore {
+    /// Builds the core from freshly opened domains (call on the worker
+    /// thread, after pinning).
+    pub(crate) fn new(
+        group: usize,
+        domains: Vec<Box<dyn Domain>>,
+        imms: Arc<ImmTable<ImmCallback>>,
+        shard: ShardConfig,
+        send_slots: u32,
+        send_slot_len: u64,
+        #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
+    ) -> Result<Self, EngineError> {
+        if domains.is_empty() || domains.len() > MAX_NICS {
+            return Err(EngineError::Setup {
+                group,
+                what: format!("a group needs 1..={MAX_NICS} NICs, got {}", domains.len()),
+                source: None,
+            });
+        }
+        let mut nics: Vec<Nic> = domains
+            .into_iter()
+            .map(|d| {
+                let caps = d.capabilities().clone();
+                let name = d.info().name.clone();
+                Nic {
+                    domain: d,
+                    caps,
+                    name,
+                    inflight: 0,
+                    fresh: VecDeque::new(),
+                    backlog: VecDeque::new(),
+                    peers: BTreeMap::new(),
+                    peer_addrs: BTreeMap::new(),
+                    dead: None,
+                    recvs_posted: 0,
+                }
+            })
+            .collect();
+        let max_write_len = nics
+            .iter()
+            .map(|n| n.caps.max_write_len)
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        let send_pool = Arc::new(SendPool::new(send_slots, send_slot_len)?);
+        let send_mr = nics[0]
+            .domain
+            .register(&send_pool.buf.region(), Access::LocalOnly)
+            .map_err(|e| EngineError::Setup {
+                group,
+                what: "registering the send pool".into(),
+                source: Some(Box::new(e)),
+            })?;
+        let mut zero_mrs = vec![send_mr];
+        for (i, n) in nics.iter_mut().enumerate().skip(1) {
+            let mr = n
+                .domain
+                .register(&send_pool.buf.region(), Access::LocalOnly)
+                .map_err(|e| EngineError::Setup {
+                    group,
+                    what: format!("registering the zero-length source on NIC {i}"),
+                    source: Some(Box::new(e)),
+                })?;
+            zero_mrs.push(mr);
+        }
+        for n in &mut nics {
+            n.caps.max_inflight = n.caps.max_inflight.max(1);
+            n.caps.max_batch = n.caps.max_batch.max(1);
+        }
+        Ok(Self {
+            group,
+            nics,
+            slab: Vec::new(),
+            free: Vec::new(),
+            mrs: Vec::new(),
+            peer_groups: Vec::new(),
+            pools: BTreeMap::new(),
+            send_pool,
+            send_mr,
+            zero_mrs,
+            imms,
+            shard,
+            max_write_len,
+            rr: 0,
+            events: Vec::new(),
+            scratch: Vec::new(),
+            comps: Vec::new(),
+            pending_pieces: 0,
+            #[cfg(feature = "latency-probe")]
+            probes,
+        })
+    }
+
+    pub(crate) fn info(&self) -> GroupInfo {
+        GroupInfo {
+            addrs: self
+                .nics
+                .iter()
+                .map(|n| n.domain.local_addr().clone())
+                .collect(),
+            names: self.nics.iter().map(|n| n.name.clone()).collect(),
+            max_write_len: self.max_write_len,
+            max_send_len: self.nics[0].caps.max_send_len,
+        }
+    }
+
+    pub(crate) fn send_pool(&self) -> Arc<SendPool> {
+        Arc::clone(&self.send_pool)
+    }
+
+    /// Events produced since the last call.
+    pub(crate) fn take_events(&mut self, out: &mut Vec<Event>) {
+        out.append(&mut self.events);
+    }
+
+    /// WRs planned but not yet handed to the backend (backpressure signal).
+    pub(crate) fn pending_pieces(&self) -> usize {
+        self.pending_pieces
+    }
+
+    /// Whether any transfer is still unfinished.
+    pub(crate) fn busy(&self) -> bool {
+        self.slab.iter().any(|t| t.live)
+    }
+
+    // ---------------------------------------------------------------- control
+
+    pub(crate) fn handle_control(&mut self, c: Control) {
+        match c {
+            Control::RegMr { region, reply } => {
+                let _ = reply.send(self.reg_mr(&region));
+            }
+            Control::UnregMr { id, reply } => {
+                let _ = reply.send(self.unreg_mr(id));
+            }
+            Control::AddPeerGroup { peers, reply } => {
+                let _ = reply.send(self.add_peer_group(peers));
+            }
+            Control::RecvPool { pool, reply } => {
+                let _ = reply.send(self.add_recv_pool(pool));
+            }
+            Control::Repost { pool, idx } => self.repost(pool, idx),
+        }
+    }
+
+    fn reg_mr(&mut self, region: &MemRegion) -> Result<(u32, Vec<LocalMr>), EngineError> {
+        let mut lanes = Vec::with_capacity(self.nics.len());
+        for (i, n) in self.nics.iter_mut().enumerate() {
+            match n.domain.register(region, Access::RemoteWrite) {
+                Ok(mr) => lanes.push(mr),
+                Err(e) => {
+                    for (j, mr) in lanes.iter().enumerate() {
+                        let _ = self.nics_dereg(j, mr.key);
+                    }
+                    return Err(EngineError::Control {
+                        group: self.group,
+                        nic: i,
+                        op: "register",
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        let id = match self.mrs.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.mrs.push(None);
+                self.mrs.len() - 1
+            }
+        };
+        let id32 = u32::try_from(id).map_err(|_| EngineError::InvalidArgument {
+            what: "too many registrations".into(),
+        })?;
+        if let Some(slot) = self.mrs.get_mut(id) {
+            *slot = Some(MrEntry {
+                lanes: lanes.clone(),
+            });
+        }
+        Ok((id32, lanes))
+    }
+
+    fn nics_dereg(&mut self, nic: usize, key: MrKey) -> Result<(), TransportError> {
+        match self.nics.get_mut(nic) {
+            Some(n) => n.domain.deregister(key),
+            None => Ok(()),
+        }
+    }
+
+    fn unreg_mr(&mut self, id: u32) -> Result<(), EngineError> {
+        let entry = self
+            .mrs
+            .get_mut(id as usize)
+            .and_then(Option::take)
+            .ok_or(EngineError::UnknownMr(u64::from(id)))?;
+        let mut first = Ok(());
+        for (i, mr) in entry.lanes.iter().enumerate() {
+            if let Err(e) = self.nics_dereg(i, mr.key) {
+                if first.is_ok() {
+                    first = Err(EngineError::Control {
+                        group: self.group,
+                        nic: i,
+                        op: "deregister",
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        first
+    }
+
+    fn resolve(&mut self, lane: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        let n = self
+            .nics
+            .get_mut(lane)
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: String::new(),
+                what: format!("no NIC {lane}"),
+            })?;
+        if let Some(p) = n.peers.get(addr) {
+            return Ok(*p);
+        }
+        let p = n.domain.add_peer(addr)?;
+        n.peers.insert(addr.clone(), p);
+        n.peer_addrs.insert(p, addr.clone());
+        Ok(p)
+    }
+
+    fn add_peer_group(&mut self, peers: Vec<GroupAddress>) -> Result<u32, EngineError> {
+        let mut members = Vec::with_capacity(peers.len());
+        for p in peers {
+            let lanes = p.nics.len().min(self.nics.len());
+            let mut m = Vec::with_capacity(lanes);
+            for (lane, addr) in p.nics.into_iter().take(lanes).enumerate() {
+                let id = self
+                    .resolve(lane, &addr)
+                    .map_err(|e| EngineError::Control {
+                        group: self.group,
+                        nic: lane,
+                        op: "add_peer",
+                        source: Box::new(e),
+                    })?;
+                m.push((addr, id));
+            }
+            members.push(m);
+        }
+        let id =
+            u32::try_from(self.peer_groups.len()).map_err(|_| EngineError::InvalidArgument {
+                what: "too many peer groups".into(),
+            })?;
+        self.peer_groups.push(PeerGroup { members });
+        Ok(id)
+    }
+
+    fn add_recv_pool(&mut self, pool: Arc<RecvPool>) -> Result<(), EngineError> {
+        let mr = self.nics[0]
+            .domain
+            .register(&pool.buf.region(), Access::LocalOnly)
+            .map_err(|e| EngineError::Control {
+                group: self.group,
+                nic: 0,
+                op: "register receive pool",
+                source: Box::new(e),
+            })?;
+        let id = pool.id;
+        let count = pool.count;
+        self.pools.insert(
+            id,
+            PoolState {
+                pool,
+                mr,
+                waiting: VecDeque::new(),
+            },
+        );
+        for idx in 0..count {
+            self.repost(id, idx);
+        }
+        Ok(())
+    }
+
+    fn repost(&mut self, pool: u16, idx: u32) {
+        let Some(ps) = self.pools.get_mut(&pool) else {
+            return;
+        };
+        let nic = &mut self.nics[0];
+        if nic.dead.is_some() {
+            return;
+        }
+        if nic.recvs_posted >= nic.caps.max_recvs.max(1) {
+            ps.waiting.push_back(idx);
+            return;
+        }
+        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.len, ps.pool.len) else {
+            return;
+        };
+        match nic.domain.post_recv(wr_recv(pool, idx), buf) {
+            Ok(()) => nic.recvs_posted += 1,
+            Err(e) if e.is_retryable() => ps.waiting.push_back(idx),
+            Err(e) => {
+                let err = EngineError::Control {
+                    group: self.group,
+                    nic: 0,
+                    op: "post_recv",
+                    source: Box::new(e),
+                };
+                self.events.push(Event::Recv {
+                    pool: Arc::clone(&ps.pool),
+                    idx,
+                    result: Err(err),
+                });
+            }
+        }
+    }
+
+    // --------------------------------------------------------------- requests
+
+    fn alloc_transfer(&mut self, id: TransferId, on_done: OnDone) -> (u32, u32) {
+        if let Some(slot) = self.free.pop() {
+            let t = &mut self.slab[slot as usize];
+            t.gen = t.gen.wrapping_add(1) & GEN_MASK as u32;
+            t.live = true;
+            t.id = id;
+            t.on_done = Some(on_done);
+            t.remaining = 0;
+            t.unposted = 0;
+            t.posted_on = [0; MAX_NICS];
+            t.error = None;
+            t.send = None;
+            return (slot, t.gen);
+        }
+        let slot = self.slab.len() as u32;
+        self.slab.push(Transfer {
+            gen: 0,
+            live: true,
+            id,
+            on_done: Some(on_done),
+            remaining: 0,
+            unposted: 0,
+            posted_on: [0; MAX_NICS],
+            error: None,
+            send: None,
+            #[cfg(feature = "latency-probe")]
+            probe: crate::probe::Record::default(),
+        });
+        (slot, 0)
+    }
+
+    /// Takes one new request and posts its first WRs (priority 1).
+    #[allow(clippy::boxed_local)] // boxes travel through the queue
+    pub(crate) fn take_request(&mut self, req: Box<Submitted>) {
+        let Submitted {
+            id,
+            on_done,
+            body,
+            #[cfg(feature = "latency-probe")]
+            stamps,
+        } = *req;
+        let (slot, gen) = self.alloc_transfer(id, on_done);
+        #[cfg(feature = "latency-probe")]
+        {
+            self.slab[slot as usize].probe = crate::probe::Record::start(id, stamps);
+        }
+        let kind = if matches!(body, Body::Send { .. }) {
+            KIND_SEND
+        } else {
+            KIND_WRITE
+        };
+        let wr = wr_transfer(kind, slot, gen);
+        if let Err(e) = self.plan(slot, wr, body) {
+            self.fail_transfer(slot, e);
+        }
+        // Post the fresh WRs now; what does not fit joins the backlog.
+        for i in 0..self.nics.len() {
+            if !self.nics[i].fresh.is_empty() {
+                self.post_ring(i, true);
+                let n = &mut self.nics[i];
+                let mut fresh = std::mem::take(&mut n.fresh);
+                n.backlog.append(&mut fresh);
+                n.fresh = fresh;
+            }
+        }
+        self.maybe_finish(slot);
+    }
+
+    fn push_op(&mut self, slot: u32, lane: usize, op: Op) {
+        let t = &mut self.slab[slot as usize];
+        t.remaining += 1;
+        t.unposted += 1;
+        self.pending_pieces += 1;
+        self.nics[lane].fresh.push_back(op);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_write(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        lane: usize,
+        src: u32,
+        src_off: u64,
+        dst: &MrDesc,
+        dst_off: u64,
+        len: u64,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        // The one place a piece becomes a WR: domain, lkey, remote NIC
+        // address and rkey all come from `lane`.
+        let tid = self.slab[slot as usize].id;
+        let group = self.group;
+        let local = self
+            .mrs
+            .get(src as usize)
+            .and_then(Option::as_ref)
+            .ok_or(EngineError::UnknownMr(u64::from(src)))?
+            .lanes
+            .get(lane)
+            .and_then(|mr| mr.slice(src_off, len))
+            .ok_or_else(|| EngineError::OutOfBounds {
+                what: format!("source on NIC {lane}"),
+                offset: src_off,
+                len,
+                region_len: 0,
+            })?;
+        let (addr, rkey) = dst
+            .rkeys
+            .get(lane)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {lane}"),
+            })?;
+        if dst_off.checked_add(len).is_none_or(|e| e > dst.len) {
+            return Err(EngineError::OutOfBounds {
+                what: "destination".into(),
+                offset: dst_off,
+                len,
+                region_len: dst.len,
+            });
+        }
+        let peer = self
+            .resolve(lane, addr)
+            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
+        let w = WriteWr {
+            wr,
+            peer,
+            src: local,
+            dst: RemoteSlice {
+                base: dst.addr,
+                offset: dst_off,
+                rkey: *rkey,
+            },
+            imm,
+        };
+        self.push_op(slot, lane, Op::Write(w));
+        Ok(())
+    }
+
+    fn lanes_for(&self, dst: &MrDesc) -> Result<usize, EngineError> {
+        let l = self.nics.len().min(dst.rkeys.len());
+        if l == 0 {
+            return Err(EngineError::InvalidArgument {
+                what: "destination descriptor has no rkeys".into(),
+            });
+        }
+        Ok(l)
+    }
+
+    fn plan(&mut self, slot: u32, wr: WrId, body: Body) -> Result<(), EngineError> {
+        match body {
+            Body::Single {
+                len,
+                imm,
+                src,
+                src_off,
+                dst,
+                dst_off,
+            } => {
+                let lanes = self.lanes_for(&dst)?;
+                self.rr = self.rr.wrapping_add(1);
+                let pieces =
+                    shard::plan_single_write(len, lanes, self.max_write_len, self.rr, &self.shard);
+                for Piece { lane, offset, len } in pieces {
+                    self.push_write(
+                        slot,
+                        wr,
+                        lane,
+                        src,
+                        src_off + offset,
+                        &dst,
+                        dst_off + offset,
+                        len,
+                        imm,
+                    )?;
+                }
+                Ok(())
+            }
+            Body::Paged {
+                page_len,
+                imm,
+                src,
+                src_pages,
+                dst,
+                dst_pages,
+            } => {
+                let lanes = self.lanes_for(&dst)?;
+                for i in 0..src_pages.len() {
+                    let (Some(so), Some(d_o)) =
+                        (src_pages.page_offset(i), dst_pages.page_offset(i))
+                    else {
+                        return Err(EngineError::InvalidArgument {
+                            what: format!("page {i} offset overflows"),
+                        });
+                    };
+                    for p in
+                        shard::plan_page(i, page_len, lanes, self.max_write_len, self.shard.align)
+                    {
+                        self.push_write(
+                            slot,
+                            wr,
+                            p.lane,
+                            src,
+                            so + p.offset,
+                            &dst,
+                            d_o + p.offset,
+                            p.len,
+                            imm,
+                        )?;
+                    }
+                }
+                Ok(())
+            }
+            Body::Scatter {
+                imm,
+                src,
+                peers,
+                dsts,
+                mode,
+            } => {
+                self.check_peer_group(peers, dsts.len())?;
+                for (j, d) in dsts.iter().enumerate() {
+                    let lanes = self.lanes_for(&d.dst)?;
+                    self.warm_peer(peers, j, &d.dst);
+                    for p in shard::plan_scatter_dst(
+                        j,
+                        d.len,
+                        lanes,
+                        self.max_write_len,
+                        mode,
+                        &self.shard,
+                    ) {
+                        self.push_write(
+                            slot,
+                            wr,
+                            p.lane,
+                            src,
+                            d.src_offset + p.offset,
+                            &d.dst,
+                            d.dst_offset + p.offset,
+                            p.len,
+                            imm,
+                        )?;
+                    }
+                }
+                Ok(())
+            }
+            Body::Barrier { imm, peers, dsts } => {
+                self.check_peer_group(peers, dsts.len())?;
+                for (j, d) in dsts.iter().enumerate() {
+                    let lanes = self.lanes_for(d)?;
+                    self.warm_peer(peers, j, d);
+                    // Zero-length, immediate-only: source is the send pool
+                    // (any valid local key of that NIC works for 0 bytes).
+                    let lane = j % lanes;
+                    self.push_zero_write(slot, wr, lane, d, imm)?;
+                }
+                Ok(())
+            }
+            Body::Send { peer, payload } => self.plan_send(slot, wr, peer, payload),
+        }
+    }
+
+    fn push_zero_write(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        lane: usize,
+        dst: &MrDesc,
+        imm: Imm,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        let group = self.group;
+        // A zero-length local slice of a registration made on *this* lane.
+        let local = self.zero_slice(lane)?;
+        let (addr, rkey) = dst
+            .rkeys
+            .get(lane)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {lane}"),
+            })?;
+        let peer = self
+            .resolve(lane, addr)
+            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
+        let w = WriteWr {
+            wr,
+            peer,
+            src: local,
+            dst: RemoteSlice {
+                base: dst.addr,
+                offset: 0,
+                rkey: *rkey,
+            },
+            imm: Some(imm),
+        };
+        self.push_op(slot, lane, Op::Write(w));
+        Ok(())
+    }
+
+    fn zero_slice(&mut self, lane: usize) -> Result<LocalSlice, EngineError> {
+        self.zero_mrs
+            .get(lane)
+            .and_then(|mr| mr.slice(0, 0))
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("no NIC {lane}"),
+            })
+    }
+
+    fn check_peer_group(&self, peers: u32, n: usize) -> Result<(), EngineError> {
+        let g =
+            self.peer_groups
+                .get(peers as usize)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("unknown peer group {peers}"),
+                })?;
+        if g.members.len() != n {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "peer group {peers} has {} members, got {n} destinations",
+                    g.members.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Uses the peer group's pre-resolved handles as a cache: only when the
+    /// destination's address for a lane is the one the group resolved.
+    fn warm_peer(&mut self, peers: u32, j: usize, dst: &MrDesc) {
+        let Some(m) = self
+            .peer_groups
+            .get(peers as usize)
+            .and_then(|g| g.members.get(j))
+        else {
+            return;
+        };
+        for (lane, (addr, id)) in m.iter().enumerate() {
+            if dst.rkeys.get(lane).is_some_and(|(a, _)| a == addr) {
+                if let Some(n) = self.nics.get_mut(lane) {
+                    if !n.peers.contains_key(addr) {
+                        n.peers.insert(addr.clone(), *id);
+                        n.peer_addrs.insert(*id, addr.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    fn plan_send(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        peer: NetAddr,
+        payload: SendPayload,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        let group = self.group;
+        let pid = self
+            .resolve(0, &peer)
+            .map_err(|e| transport(group, 0, tid, Some(peer.clone()), e));
+        let (src, res) = match payload {
+            SendPayload::Slot { slot: s, len } => {
+                let res = SendRes {
+                    slot: Some(s),
+                    owned: None,
+                };
+                let src = self.send_mr.slice(self.send_pool.slot_offset(s), len);
+                (src, res)
+            }
+            SendPayload::Owned(v) => {
+                if let Some(s) = self.send_pool.try_fill(&v) {
+                    let src = self
+                        .send_mr
+                        .slice(self.send_pool.slot_offset(s), v.len() as u64);
+                    (
+                        src,
+                        SendRes {
+                            slot: Some(s),
+                            owned: None,
+                        },
+                    )
+                } else {
+                    // Oversize (or pool empty): register the message itself.
+                    // SAFETY: the Vec's heap buffer stays allocated and
+                    // untouched (it is moved into the transfer state, which
+                    // never reallocates it) until the SEND completes and
+                    // the registration is removed.
+                    let region = unsafe {
+                        MemRegion::new(
+                            std::ptr::NonNull::new(v.as_ptr().cast_mut())
+                                .unwrap_or(std::ptr::NonNull::dangling()),
+                            v.len().max(1),
+                            weft_transport::Device::Host,
+                        )
+                    };
+                    let mr = self.nics[0]
+                        .domain
+                        .register(&region, Access::LocalOnly)
+                        .map_err(|e| EngineError::Control {
+                            group,
+                            nic: 0,
+                            op: "register send buffer",
+                            source: Box::new(e),
+                        });
+                    match mr {
+                        Ok(mr) => {
+                            let src = mr.slice(0, v.len() as u64);
+                            (
+                                src,
+                                SendRes {
+                                    slot: None,
+                                    owned: Some((v, mr.key)),
+                                },
+                            )
+                        }
+                        Err(e) => {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        };
+        self.slab[slot as usize].send = Some(res);
+        let pid = pid?;
+        let src = src.ok_or_else(|| EngineError::InvalidArgument {
+            what: "send buffer slice".into(),
+        })?;
+        self.push_op(slot, 0, Op::Send { wr, peer: pid, src });
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- posting
+
+    /// Posts more WRs of pending requests as room frees (priority 2).
+    pub(crate) fn post_backlog(&mut self) -> bool {
+        let mut any = false;
+        for i in 0..self.nics.len() {
+            if !self.nics[i].backlog.is_empty() {
+                any |= self.post_ring(i, false);
+            }
+        }
+        any
+    }
+
+    fn ring(&mut self, nic: usize, fresh: bool) -> &mut VecDeque<Op> {
+        let n = &mut self.nics[nic];
+        if fresh {
+            &mut n.fresh
+        } else {
+            &mut n.backlog
+        }
+    }
+
+    /// Posts from one ring of one NIC while there is room. Returns whether
+    /// anything was posted or resolved.
+    fn post_ring(&mut self, nic: usize, fresh: bool) -> bool {
+        let mut progressed = false;
+        loop {
+            if let Some(e) = self.nics[nic].dead.clone() {
+                // Everything queued on a dead NIC fails.
+                while let Some(op) = self.ring(nic, fresh).pop_front() {
+                    self.unposted_failed(nic, op, e.clone());
+                }
+                return true;
+            }
+            let n = &self.nics[nic];
+            let room = n.caps.max_inflight.saturating_sub(n.inflight);
+            if room == 0 {
+                return progressed;
+            }
+            // Skip (and resolve) pieces of transfers that already failed.
+            let Some(front) = self.ring(nic, fresh).front().copied() else {
+                return progressed;
+            };
+            if self.transfer_failed(front.wr()) {
+                self.ring(nic, fresh).pop_front();
+                self.skip_piece(front.wr());
+                progressed = true;
+                continue;
+            }
+            match front {
+                Op::Send { wr, peer, src } => {
+                    self.ring(nic, fresh).pop_front();
+                    match self.nics[nic].domain.post_send(wr, peer, src) {
+                        Ok(()) => {
+                            self.posted(nic, wr);
+                            progressed = true;
+                        }
+                        Err(e) if e.is_retryable() => {
+                            self.ring(nic, fresh).push_front(front);
+                            return progressed;
+                        }
+                        Err(e) => {
+                            self.post_failed(nic, wr, Some(peer), e);
+                            progressed = true;
+                        }
+                    }
+                }
+                Op::Write(_) => {
+                    let max = room.min(self.nics[nic].caps.max_batch);
+                    self.scratch.clear();
+                    while self.scratch.len() < max {
+                        let Some(Op::Write(w)) = self.ring(nic, fresh).front().copied() else {
+                            break;
+                        };
+                        if self.transfer_failed(w.wr) {
+                            self.ring(nic, fresh).pop_front();
+                            self.skip_piece(w.wr);
+                            continue;
+                        }
+                        self.scratch.push(w);
+                        self.ring(nic, fresh).pop_front();
+                    }
+                    if self.scratch.is_empty() {
+                        continue;
+                    }
+                    let batch = std::mem::take(&mut self.scratch);
+                    let (accepted, err) = match self.nics[nic].domain.post_writes(&batch) {
+                        Ok(k) => (k.min(batch.len()), None),
+                        Err(PostError { posted, error }) => (posted.min(batch.len()), Some(error)),
+                    };
+                    for w in &batch[..accepted] {
+                        self.posted(nic, w.wr);
+                    }
+                    progressed |= accepted > 0;
+                    let mut rest = accepted;
+                    let mut stop = accepted < batch.len() && err.is_none();
+                    if let Some(e) = err {
+                        if e.is_retryable() {
+                            stop = true;
+                        } else if let Some(w) = batch.get(accepted) {
+                            let fatal = matches!(e, TransportError::NicDown { .. });
+                            self.post_failed(nic, w.wr, Some(w.peer), e.clone());
+                            rest += 1;
+                            progressed = true;
+                            if fatal {
+                                self.nics[nic].dead = Some(e);
+                            }
+                        }
+                    }
+                    // Put back what was not taken, in order, at the front.
+                    for w in batch[rest.min(batch.len())..].iter().rev() {
+                        self.ring(nic, fresh).push_front(Op::Write(*w));
+                    }
+                    self.scratch = batch;
+                    if stop {
+                        return progressed;
+                    }
+                }
+            }
+        }
+    }
+
+    fn transfer_failed(&self, wr: WrId) -> bool {
+        match decode(wr) {
+            Decoded::Transfer { slot, .. } => self
+                .slab
+                .get(slot as usize)
+                .is_some_and(|t| t.error.is_some()),
+            _ => false,
+        }
+    }
+
+    fn lookup(&mut self, wr: WrId) -> Option<u32> {
+        match decode(wr) {
+            Decoded::Transfer { slot, gen } => {
+                let t = self.slab.get(slot as usize)?;
+                (t.live && t.gen == gen).then_some(slot)
+            }
+            _ => None,
+        }
+    }
+
+    fn posted(&mut self, nic: usize, wr: WrId) {
+        self.nics[nic].inflight += 1;
+        self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        if let Some(slot) = self.lookup(wr) {
+            let t = &mut self.slab[slot as usize];
+            t.posted_on[nic] += 1;
+            t.unposted = t.unposted.saturating_sub(1);
+            #[cfg(feature = "latency-probe")]
+            {
+                t.probe.posted(t.unposted == 0);
+                if t.unposted == 0 {
+                    self.probes.push(t.probe);
+                }
+            }
+        }
+    }
+
+    /// A piece never reached the backend (failed transfer): resolve it.
+    fn skip_piece(&mut self, wr: WrId) {
+        self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        if let Some(slot) = self.lookup(wr) {
+            let t = &mut self.slab[slot as usize];
+            t.unposted = t.unposted.saturating_sub(1);
+            t.remaining = t.remaining.saturating_sub(1);
+            self.maybe_finish(slot);
+        }
+    }
+
+    fn unposted_failed(&mut self, nic: usize, op: Op, e: TransportError) {
+        let peer = match op {
+            Op::Write(w) => Some(w.peer),
+            Op::Send { peer, .. } => Some(peer),
+        };
+        self.post_failed(nic, op.wr(), peer, e);
+    }
+
+    /// The backend rejected a WR at post time.
+    fn post_failed(&mut self, nic: usize, wr: WrId, peer: Option<PeerId>, e: TransportError) {
+        self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        let Some(slot) = self.lookup(wr) else { return };
+        let addr = peer.and_then(|p| self.nics[nic].peer_addrs.get(&p).cloned());
+        let t = &mut self.slab[slot as usize];
+        t.unposted = t.unposted.saturating_sub(1);
+        t.remaining = t.remaining.saturating_sub(1);
+        if t.error.is_none() {
+            t.error = Some(transport(self.group, nic, t.id, addr, e));
+        }
+        self.maybe_finish(slot);
+    }
+
+    fn fail_transfer(&mut self, slot: u32, e: EngineError) {
+        if let Some(t) = self.slab.get_mut(slot as usize) {
+            if t.error.is_none() {
+                t.error = Some(e);
+            }
+        }
+    }
+
+    /// Resolves a transfer whose pieces have all completed.
+    fn maybe_finish(&mut self, slot: u32) {
+        let Some(t) = self.slab.get_mut(slot as usize) else {
+            return;
+        };
+        if !t.live || t.remaining != 0 {
+            return;
+        }
+        // Pieces never planned because planning failed part-way may still
+        // sit in `fresh`/`backlog`; they are skipped when reached, and they
+        // hold `remaining` up, so we only get here when all are accounted.
+        t.live = false;
+        let result = match t.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        let on_done = t.on_done.take();
+        let send = t.send.take();
+        self.free.push(slot);
+        if let Some(res) = send {
+            if let Some(s) = res.slot {
+                let _ = self.send_pool.free.push(s);
+            }
+            if let Some((buf, key)) = res.owned {
+                let _ = self.nics[0].domain.deregister(key);
+                drop(buf);
+            }
+        }
+        if let Some(od) = on_done {
+            if let Some((cb, r)) = od.resolve_inline(result) {
+                self.events.push(Event::Done(cb, r));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- polling
+
+    /// Polls every domain's completion queue (priority 3). Returns how many
+    /// completions were handled.
+    pub(crate) fn poll(&mut self) -> usize {
+        let mut handled = 0;
+        for nic in 0..self.nics.len() {
+            if self.nics[nic].dead.is_some() {
+                continue;
+            }
+            let mut comps = std::mem::take(&mut self.comps);
+            comps.clear();
+            let r = self.nics[nic].domain.poll(&mut comps);
+            handled += comps.len();
+            for c in comps.drain(..) {
+                self.on_completion(nic, c);
+            }
+            self.comps = comps;
+            if let Err(e) = r {
+                tracing::error!(group = self.group, nic, error = %e, "domain failed");
+                self.nic_died(nic, e);
+                handled += 1;
+            }
+        }
+        handled
+    }
+
+    fn on_completion(&mut self, nic: usize, c: Completion) {
+        match c {
+            Completion::Write { wr, result } | Completion::Send { wr, result } => {
+                self.nics[nic].inflight = self.nics[nic].inflight.saturating_sub(1);
+                let Some(slot) = self.lookup(wr) else {
+                    tracing::warn!(group = self.group, nic, ?wr, "completion for unknown WR");
+                    return;
+                };
+                let group = self.group;
+                let t = &mut self.slab[slot as usize];
+                t.posted_on[nic] = t.posted_on[nic].saturating_sub(1);
+                t.remaining = t.remaining.saturating_sub(1);
+                if let Err(e) = result {
+                    if t.error.is_none() {
+                        let peer = peer_of(&e);
+                        t.error = Some(transport(group, nic, t.id, peer, e));
+                    }
+                }
+                self.maybe_finish(slot);
+            }
+            Completion::Recv { wr, result } => {
+                let Decoded::Recv { pool, idx } = decode(wr) else {
+                    tracing::warn!(
+                        group = self.group,
+                        nic,
+                        ?wr,
+                        "receive completion for unknown WR"
+                    );
+                    return;
+                };
+                let n = &mut self.nics[nic];
+                n.recvs_posted = n.recvs_posted.saturating_sub(1);
+                // A freed receive slot: post a waiting buffer.
+                if let Some(next) = self
+                    .pools
+                    .values_mut()
+                    .find_map(|p| p.waiting.pop_front().map(|i| (p.pool.id, i)))
+                {
+                    self.repost(next.0, next.1);
+                }
+                let Some(ps) = self.pools.get(&pool) else {
+                    return;
+                };
+                let group = self.group;
+                let result = result.map_err(|e| EngineError::Control {
+                    group,
+                    nic,
+                    op: "receive",
+                    source: Box::new(e),
+                });
+                if matches!(
+                    result.as_ref().err().and_then(EngineError::transport),
+                    Some(TransportError::Canceled { .. })
+                ) {
+                    // Flushed at close: not an event.
+                    return;
+                }
+                self.events.push(Event::Recv {
+                    pool: Arc::clone(&ps.pool),
+                    idx,
+                    result,
+                });
+            }
+            Completion::Imm { imm } => {
+                if let Some(cb) = self.imms.arrive(imm) {
+                    self.events.push(Event::Imm(cb, Ok(())));
+                }
+            }
+        }
+    }
+
+    fn nic_died(&mut self, nic: usize, e: TransportError) {
+        self.nics[nic].dead = Some(e.clone());
+        self.nics[nic].inflight = 0;
+        // Fail every posted piece on that NIC.
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if !t.live || t.posted_on[nic] == 0 {
+                continue;
+            }
+            let k = u64::from(t.posted_on[nic]);
+            t.posted_on[nic] = 0;
+            t.remaining = t.remaining.saturating_sub(k);
+            if t.error.is_none() {
+                t.error = Some(EngineError::NicDown {
+                    group: self.group,
+                    nic,
+                    source: Box::new(e.clone()),
+                });
+            }
+            self.maybe_finish(slot as u32);
+        }
+        // And everything still queued on it.
+        self.post_ring(nic, false);
+    }
+
+    /// Fails everything not yet handed to the backend (shutdown).
+    pub(crate) fn fail_unposted(&mut self, e: &EngineError) {
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if t.live && t.unposted > 0 && t.error.is_none() {
+                t.error = Some(e.clone());
+            }
+        }
+        for nic in 0..self.nics.len() {
+            while let Some(op) = self.nics[nic].backlog.pop_front() {
+                self.skip_piece(op.wr());
+            }
+        }
+    }
+
+    /// Fails everything still in flight (shutdown after the drain timeout).
+    /// The backend may still complete those WRs later; they are ignored.
+    pub(crate) fn abandon_inflight(&mut self, e: &EngineError) {
+        self.fail_unposted(e);
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if !t.live {
+                continue;
+            }
+            if t.error.is_none() {
+                t.error = Some(e.clone());
+            }
+            t.remaining = 0;
+            self.maybe_finish(slot as u32);
+        }
+    }
+
+    /// Fails a request that never reached planning (shutdown).
+    #[allow(clippy::boxed_local)] // boxes travel through the queue
+    pub(crate) fn reject(&mut self, req: Box<Submitted>, e: EngineError) {
+        if let Some((cb, r)) = req.on_done.resolve_inline(Err(e)) {
+            self.events.push(Event::Done(cb, r));
+        }
+    }
+
+    /// Deregisters everything and closes the domains.
+    pub(crate) fn close(mut self) {
+        for (_, ps) in std::mem::take(&mut self.pools) {
+            let _ = self.nics[0].domain.deregister(ps.mr.key);
+        }
+        for id in 0..self.mrs.len() {
+            if let Some(e) = self.mrs[id].take() {
+                for (i, mr) in e.lanes.iter().enumerate() {
+                    let _ = self.nics_dereg(i, mr.key);
+                }
+            }
+        }
+        for (i, mr) in std::mem::take(&mut self.zero_mrs).iter().enumerate() {
+            let _ = self.nics_dereg(i, mr.key);
+        }
+        self.nics.clear();
+    }
+}
+
+fn peer_of(e: &TransportError) -> Option<NetAddr> {
+    match e {
+        TransportError::PeerUnreachable { peer, .. }
+        | TransportError::RemoteAccess { peer, .. }
+        | TransportError::ReceiverNotReady { peer, .. }
+        | TransportError::MessageTooLong { peer, .. } => Some(peer.clone()),
+        _ => None,
+    }
+}

@@ -1,0 +1,130 @@
+//! Engine errors.
+
+use thiserror::Error;
+use weft_transport::{NetAddr, TransportError};
+
+/// Identifies one submitted transfer (unique per engine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferId(pub u64);
+
+impl std::fmt::Display for TransferId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// Everything the engine can report. Transport failures carry the group,
+/// NIC, peer and transfer they belong to.
+#[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A work request of a transfer failed in the transport.
+    #[error("transfer {transfer}: group {group} NIC {nic} to peer {peer:?}: {source}")]
+    Transport {
+        /// The transfer the failed WR belonged to.
+        transfer: TransferId,
+        /// Domain group index.
+        group: usize,
+        /// NIC index inside the group.
+        nic: usize,
+        /// Remote NIC address, when the WR had one.
+        peer: Option<NetAddr>,
+        /// What the backend said.
+        #[source]
+        source: Box<TransportError>,
+    },
+    /// A NIC of a group is dead (its domain returned an error from `poll` or
+    /// a fatal post error); work on it fails with this.
+    #[error("group {group} NIC {nic} is down: {source}")]
+    NicDown {
+        /// Domain group index.
+        group: usize,
+        /// NIC index inside the group.
+        nic: usize,
+        /// The error that took it down.
+        #[source]
+        source: Box<TransportError>,
+    },
+    /// The request queue of a group is full and the engine is configured to
+    /// fail rather than wait ([`crate::QueueFullPolicy::Fail`]). The
+    /// `on_done` of the rejected submit is never called.
+    #[error("request queue of group {group} is full")]
+    QueueFull {
+        /// Domain group index.
+        group: usize,
+    },
+    /// The engine is shut down (or shutting down).
+    #[error("engine is shut down")]
+    ShutDown,
+    /// A caller error: bad length, wrong group, mismatched page counts...
+    #[error("invalid argument: {what}")]
+    InvalidArgument {
+        /// What is wrong.
+        what: String,
+    },
+    /// A span does not fit its memory region.
+    #[error("{what}: [{offset}, +{len}) outside region of {region_len} bytes")]
+    OutOfBounds {
+        /// Which side (source, destination, page i...).
+        what: String,
+        /// Offset of the span.
+        offset: u64,
+        /// Length of the span.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+    /// The memory handle is unknown (never registered or deregistered).
+    #[error("unknown memory region {0}")]
+    UnknownMr(u64),
+    /// The immediate already has an armed round that has not fired.
+    #[error("immediate {imm} is already armed")]
+    ImmAlreadyArmed {
+        /// The immediate.
+        imm: u32,
+    },
+    /// `alloc_imm` found no free value.
+    #[error("no free immediate values (capacity {capacity})")]
+    ImmExhausted {
+        /// Size of the allocator.
+        capacity: u32,
+    },
+    /// Building the engine or opening a domain failed.
+    #[error("group {group}: setup failed: {what}")]
+    Setup {
+        /// Domain group index.
+        group: usize,
+        /// What failed.
+        what: String,
+        /// The backend error, if any.
+        #[source]
+        source: Option<Box<TransportError>>,
+    },
+    /// A transport call on behalf of a control operation (register, add
+    /// peer) failed.
+    #[error("group {group} NIC {nic}: {op} failed: {source}")]
+    Control {
+        /// Domain group index.
+        group: usize,
+        /// NIC index inside the group.
+        nic: usize,
+        /// The operation.
+        op: &'static str,
+        /// What the backend said.
+        #[source]
+        source: Box<TransportError>,
+    },
+}
+
+impl EngineError {
+    /// The underlying transport error, if there is one.
+    pub fn transport(&self) -> Option<&TransportError> {
+        match self {
+            EngineError::Transport { source, .. }
+            | EngineError::NicDown { source, .. }
+            | EngineError::Control { source, .. } => Some(source),
+            EngineError::Setup { source, .. } => source.as_deref(),
+            _ => None,
+        }
+    }
+}

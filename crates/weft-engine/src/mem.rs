@@ -1,0 +1,170 @@
+//! Engine-owned registered buffers (send slots, receive pools) and memory
+//! handles.
+
+use crate::error::EngineError;
+use crossbeam_queue::ArrayQueue;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+use weft_transport::{Device, MemRegion};
+
+/// A local registration made through the engine: registered with every NIC
+/// of one domain group. `Copy`; pass it to submits as the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MrHandle {
+    pub(crate) group: u32,
+    pub(crate) id: u32,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) device: Device,
+}
+
+impl MrHandle {
+    /// The domain group the memory is registered with.
+    pub fn group(&self) -> usize {
+        self.group as usize
+    }
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub(crate) fn check(&self, what: &str, offset: u64, len: u64) -> Result<(), EngineError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(EngineError::OutOfBounds {
+                what: what.to_string(),
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+}
+
+/// A zeroed, page-aligned heap buffer the engine registers with NICs. It is
+/// only ever accessed through raw pointers (NICs write into it), never
+/// through long-lived Rust references.
+#[derive(Debug)]
+pub(crate) struct RawBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `RawBuf` owns its allocation exclusively; all accesses go through
+// raw pointers whose synchronisation is handled by the engine's protocol
+// (a slot or buffer is owned by exactly one party at a time).
+unsafe impl Send for RawBuf {}
+// SAFETY: see `Send`; `&RawBuf` only exposes the pointer and length.
+unsafe impl Sync for RawBuf {}
+
+const BUF_ALIGN: usize = 4096;
+
+impl RawBuf {
+    pub(crate) fn new(len: usize) -> Result<Self, EngineError> {
+        let size = len.max(1);
+        let layout =
+            Layout::from_size_align(size, BUF_ALIGN).map_err(|_| EngineError::InvalidArgument {
+                what: format!("buffer of {len} bytes"),
+            })?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| EngineError::InvalidArgument {
+            what: format!("allocation of {len} bytes failed"),
+        })?;
+        Ok(Self { ptr, len })
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn region(&self) -> MemRegion {
+        // SAFETY: the buffer is valid for reads and writes for its whole
+        // length until `self` is dropped, and the engine drops it only
+        // after deregistering it (domains are closed first).
+        unsafe { MemRegion::new(self.ptr, self.len.max(1), Device::Host) }
+    }
+}
+
+impl Drop for RawBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = Layout::from_size_align(self.len.max(1), BUF_ALIGN) {
+            // SAFETY: allocated in `new` with exactly this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+/// Fixed-size send slots on NIC 0 of a group. Submitters pop a free slot,
+/// copy the message in, and hand the slot index to the worker; the worker
+/// pushes it back when the SEND completes.
+#[derive(Debug)]
+pub(crate) struct SendPool {
+    pub(crate) buf: RawBuf,
+    pub(crate) slot_len: u64,
+    pub(crate) free: ArrayQueue<u32>,
+}
+
+impl SendPool {
+    pub(crate) fn new(slots: u32, slot_len: u64) -> Result<Self, EngineError> {
+        let slots = slots.max(1);
+        let total = slot_len
+            .checked_mul(u64::from(slots))
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: "send pool size overflows".into(),
+            })?;
+        let buf = RawBuf::new(total)?;
+        let free = ArrayQueue::new(slots as usize);
+        for i in 0..slots {
+            let _ = free.push(i);
+        }
+        Ok(Self {
+            buf,
+            slot_len,
+            free,
+        })
+    }
+
+    pub(crate) fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_len
+    }
+
+    /// Copies `msg` into a free slot; `None` if none is free or it does not fit.
+    pub(crate) fn try_fill(&self, msg: &[u8]) -> Option<u32> {
+        if msg.len() as u64 > self.slot_len {
+            return None;
+        }
+        let slot = self.free.pop()?;
+        let off = usize::try_from(self.slot_offset(slot)).ok()?;
+        // SAFETY: `slot` was popped from the free list, so this thread owns
+        // the slot's bytes exclusively until it hands the slot to the worker;
+        // `off + msg.len() <= buf.len()` because `msg.len() <= slot_len` and
+        // the buffer holds `slots * slot_len` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), self.buf.ptr().add(off), msg.len());
+        }
+        Some(slot)
+    }
+}
+
+/// A message handed to the worker for a SEND.
+#[derive(Debug)]
+pub(crate) enum SendPayload {
+    /// Already copied into this send slot, `len` bytes.
+    Slot { slot: u32, len: u64 },
+    /// Not in a slot (pool empty or message larger than a slot).
+    Owned(Vec<u8>),
+}

@@ -1,0 +1,340 @@
+//! Pure sharding plans and the immediate-count functions receivers use.
+//!
+//! Every plan is a list of [`Piece`]s. A piece names the *lane* that carries
+//! it; lane `i` is NIC `i` of the sending group **and** entry `i` of the
+//! destination [`MrDesc::rkeys`](weft_transport::MrDesc). The engine turns a
+//! piece into a work request in exactly one place, taking the domain, the
+//! local key, the remote NIC address and the rkey all from that one lane
+//! index, so a key of one NIC can never be posted on another.
+//!
+//! Every piece of a transfer that carries an immediate carries it, so the
+//! number of immediates a submit produces at the receiver equals its number
+//! of pieces. The `imm_count_*` functions compute it from what the receiver
+//! knows (lengths, page counts, the group's NIC count and `max_write_len`,
+//! and the [`ShardConfig`], which all peers of a deployment share).
+
+/// Knobs of the sharding plan. All peers of a deployment must use the same
+/// values (they are part of the immediate-count contract).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardConfig {
+    /// Single writes (and by-bytes scatter destinations) shorter than this go
+    /// on one NIC; longer ones are split across all lanes.
+    pub min_shard_len: u64,
+    /// Lane boundaries are multiples of this (and so are piece boundaries
+    /// inside a lane, when `max_write_len >= align`). Must be > 0.
+    pub align: u64,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        Self {
+            min_shard_len: 64 * 1024,
+            align: 4096,
+        }
+    }
+}
+
+/// One contiguous piece of a transfer, carried by one lane (NIC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Lane index: local NIC `lane` and destination rkey entry `lane`.
+    pub lane: usize,
+    /// Byte offset of the piece inside the transfer.
+    pub offset: u64,
+    /// Length in bytes (0 only for a zero-length transfer).
+    pub len: u64,
+}
+
+/// The largest piece length used for a given `max_write_len`: rounded down to
+/// `align` when that keeps it positive.
+fn piece_cap(max_write_len: u64, align: u64) -> u64 {
+    let m = max_write_len.max(1);
+    if align > 0 && m >= align {
+        m - m % align
+    } else {
+        m
+    }
+}
+
+/// Number of pieces `[0, len)` is cut into with pieces of at most `cap`.
+fn pieces_of(len: u64, cap: u64) -> u64 {
+    if len == 0 {
+        1
+    } else {
+        len.div_ceil(cap.max(1))
+    }
+}
+
+/// Per-lane chunk length of a sharded write, and the number of lanes used.
+fn lane_layout(len: u64, lanes: usize, cfg: &ShardConfig) -> (u64, u64) {
+    let lanes = lanes.max(1) as u64;
+    if lanes == 1 || len < cfg.min_shard_len || len == 0 {
+        return (len, 1);
+    }
+    let align = cfg.align.max(1);
+    let per = len.div_ceil(lanes);
+    // Round up to the alignment; saturate (a chunk >= len just means one lane).
+    let chunk = per
+        .checked_add(align - 1)
+        .map_or(len, |v| v - v % align)
+        .max(1);
+    let used = len.div_ceil(chunk);
+    (chunk, used)
+}
+
+/// Plans a single write of `len` bytes over `lanes` lanes.
+///
+/// Writes shorter than `cfg.min_shard_len` (or with one lane) go whole on
+/// lane `first_lane % lanes`; longer ones are cut into `lanes` contiguous,
+/// `align`-aligned chunks (the last one shorter), chunk `k` on lane `k`.
+/// Every chunk is further cut into pieces of at most `max_write_len`. The
+/// pieces cover `[0, len)` exactly once, in order.
+pub fn plan_single_write(
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    first_lane: usize,
+    cfg: &ShardConfig,
+) -> Vec<Piece> {
+    let lanes = lanes.max(1);
+    let cap = piece_cap(max_write_len, cfg.align);
+    let (chunk, used) = lane_layout(len, lanes, cfg);
+    let mut out = Vec::new();
+    if used == 1 {
+        let lane = first_lane % lanes;
+        push_pieces(&mut out, lane, 0, len, cap);
+        return out;
+    }
+    let mut start = 0u64;
+    let mut lane = 0usize;
+    while start < len {
+        let end = start.saturating_add(chunk).min(len);
+        push_pieces(&mut out, lane, start, end - start, cap);
+        start = end;
+        lane += 1;
+    }
+    out
+}
+
+fn push_pieces(out: &mut Vec<Piece>, lane: usize, start: u64, len: u64, cap: u64) {
+    if len == 0 {
+        out.push(Piece {
+            lane,
+            offset: start,
+            len: 0,
+        });
+        return;
+    }
+    let mut off = 0u64;
+    while off < len {
+        let l = cap.min(len - off);
+        out.push(Piece {
+            lane,
+            offset: start + off,
+            len: l,
+        });
+        off += l;
+    }
+}
+
+/// Immediates at the receiver for one `submit_single_write` of `len` bytes
+/// with an immediate, sent by a group of `lanes` NICs (the minimum of the
+/// sender's NIC count and the destination descriptor's rkey count) whose
+/// smallest `max_write_len` is `max_write_len`.
+pub fn imm_count_single_write(
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    cfg: &ShardConfig,
+) -> u64 {
+    let cap = piece_cap(max_write_len, cfg.align);
+    let (chunk, used) = lane_layout(len, lanes, cfg);
+    if used == 1 {
+        return pieces_of(len, cap);
+    }
+    // All chunks but the last are `chunk` long.
+    let last = len - chunk * (used - 1);
+    (used - 1) * pieces_of(chunk, cap) + pieces_of(last, cap)
+}
+
+/// Plans one page of a paged write: page `i` of the list goes on lane
+/// `i % lanes`, cut into pieces of at most `max_write_len`.
+pub fn plan_page(
+    page: usize,
+    page_len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    align: u64,
+) -> Vec<Piece> {
+    let mut out = Vec::new();
+    push_pieces(
+        &mut out,
+        page % lanes.max(1),
+        0,
+        page_len,
+        piece_cap(max_write_len, align),
+    );
+    out
+}
+
+/// Immediates at the receiver for one `submit_paged_writes` of `pages`
+/// pages of `page_len` bytes with an immediate: every page produces
+/// `ceil(page_len / max_write_len)` (at least one).
+pub fn imm_count_paged_writes(
+    page_len: u64,
+    pages: u64,
+    max_write_len: u64,
+    cfg: &ShardConfig,
+) -> u64 {
+    pages.saturating_mul(pieces_of(page_len, piece_cap(max_write_len, cfg.align)))
+}
+
+/// How a scatter spreads its destinations over the group's NICs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScatterMode {
+    /// Destination `j` goes whole on lane `j % lanes` (cut only by
+    /// `max_write_len`). Best for many small destinations.
+    #[default]
+    ByPeer,
+    /// Every destination is sharded across all lanes like a single write.
+    /// Best for few large destinations.
+    ByBytes,
+}
+
+/// Plans destination `j` (of `len` bytes) of a scatter.
+pub fn plan_scatter_dst(
+    j: usize,
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    mode: ScatterMode,
+    cfg: &ShardConfig,
+) -> Vec<Piece> {
+    match mode {
+        ScatterMode::ByPeer => {
+            let mut out = Vec::new();
+            push_pieces(
+                &mut out,
+                j % lanes.max(1),
+                0,
+                len,
+                piece_cap(max_write_len, cfg.align),
+            );
+            out
+        }
+        ScatterMode::ByBytes => plan_single_write(len, lanes, max_write_len, j, cfg),
+    }
+}
+
+/// Immediates one scatter destination of `len` bytes receives (with an
+/// immediate). A barrier produces exactly 1 per destination.
+pub fn imm_count_scatter_dst(
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    mode: ScatterMode,
+    cfg: &ShardConfig,
+) -> u64 {
+    match mode {
+        ScatterMode::ByPeer => pieces_of(len, piece_cap(max_write_len, cfg.align)),
+        ScatterMode::ByBytes => imm_count_single_write(len, lanes, max_write_len, cfg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn check_cover(pieces: &[Piece], len: u64, lanes: usize, cap: u64) {
+        let mut next = 0u64;
+        for p in pieces {
+            assert_eq!(p.offset, next, "gap or overlap in {pieces:?}");
+            assert!(p.lane < lanes);
+            assert!(p.len <= cap.max(1) || (len == 0 && p.len == 0));
+            next = p.offset + p.len;
+        }
+        assert_eq!(next, len, "plan does not end at len");
+        if len > 0 {
+            assert!(pieces.iter().all(|p| p.len > 0));
+        }
+    }
+
+    #[test]
+    fn zero_length_is_one_piece() {
+        let cfg = ShardConfig::default();
+        assert_eq!(
+            plan_single_write(0, 4, 1 << 30, 2, &cfg),
+            vec![Piece {
+                lane: 2,
+                offset: 0,
+                len: 0
+            }]
+        );
+        assert_eq!(imm_count_single_write(0, 4, 1 << 30, &cfg), 1);
+    }
+
+    #[test]
+    fn five_gib_over_three_nics_no_truncation() {
+        let cfg = ShardConfig::default();
+        let len = 5u64 << 30;
+        let max = 1u64 << 30;
+        let p = plan_single_write(len, 3, max, 0, &cfg);
+        check_cover(&p, len, 3, max);
+        assert_eq!(p.len() as u64, imm_count_single_write(len, 3, max, &cfg));
+        assert!(p.iter().any(|x| x.offset > u64::from(u32::MAX)));
+        for lane in 0..3 {
+            assert!(p.iter().any(|x| x.lane == lane));
+        }
+    }
+
+    #[test]
+    fn lane_chunks_aligned() {
+        let cfg = ShardConfig::default();
+        let p = plan_single_write(1_000_000, 3, u64::MAX, 0, &cfg);
+        assert_eq!(p.len(), 3);
+        assert_eq!(p[1].offset % 4096, 0);
+        assert_eq!(p[2].offset % 4096, 0);
+        check_cover(&p, 1_000_000, 3, u64::MAX);
+    }
+
+    proptest! {
+        #[test]
+        fn single_write_covers_exactly(len in 0u64..(1u64 << 36), lanes in 1usize..=8,
+                                       max in 1u64..(1u64 << 34), first in 0usize..8,
+                                       min_shard in 0u64..(1 << 20), align_pow in 0u32..16) {
+            let cfg = ShardConfig { min_shard_len: min_shard, align: 1 << align_pow };
+            // keep the piece count bounded for the test
+            prop_assume!(len / max.max(1) < 100_000);
+            let p = plan_single_write(len, lanes, max, first, &cfg);
+            check_cover(&p, len, lanes, max);
+            prop_assert_eq!(p.len() as u64, imm_count_single_write(len, lanes, max, &cfg));
+            // lane chunks are aligned
+            for w in p.windows(2) {
+                if w[0].lane != w[1].lane {
+                    prop_assert_eq!(w[1].offset % cfg.align, 0);
+                }
+            }
+        }
+
+        #[test]
+        fn pages_and_scatter_counts_match_plans(page_len in 0u64..(1u64 << 33), pages in 0u64..64,
+                                                lanes in 1usize..=8, max in 1u64..(1u64 << 32),
+                                                by_bytes: bool) {
+            prop_assume!(page_len / max.max(1) < 10_000);
+            let cfg = ShardConfig::default();
+            let mut n = 0u64;
+            for i in 0..pages as usize {
+                let p = plan_page(i, page_len, lanes, max, cfg.align);
+                check_cover(&p, page_len, lanes, max);
+                prop_assert!(p.iter().all(|x| x.lane == i % lanes));
+                n += p.len() as u64;
+            }
+            prop_assert_eq!(n, imm_count_paged_writes(page_len, pages, max, &cfg));
+            let mode = if by_bytes { ScatterMode::ByBytes } else { ScatterMode::ByPeer };
+            let p = plan_scatter_dst(3, page_len, lanes, max, mode, &cfg);
+            check_cover(&p, page_len, lanes, max);
+            prop_assert_eq!(p.len() as u64, imm_count_scatter_dst(page_len, lanes, max, mode, &cfg));
+        }
+    }
+}

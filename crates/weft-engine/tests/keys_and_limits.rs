@@ -1,0 +1,389 @@
+//! Per-NIC key pairing checked by a wrapping provider, ≥ 4 GiB writes over
+//! the null fabric, the UVM watcher, and the blocking/async waits.
+
+#![allow(clippy::type_complexity)]
+
+mod common;
+
+use common::*;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, TransferEngine};
+use weft_loopback::{Fabric, FabricConfig, LoopbackProvider};
+use weft_transport::{
+    Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
+    NetAddr, NicInfo, PeerId, PostError, Provider, TransportError, WrId, WriteWr,
+};
+
+/// Who registered each key: local keys per domain, rkeys fabric-wide.
+#[derive(Default)]
+struct Registry {
+    rkey_owner: BTreeMap<u64, NetAddr>,
+    violations: Vec<String>,
+    writes_per_nic: BTreeMap<NetAddr, u64>,
+}
+
+struct CheckingProvider {
+    inner: LoopbackProvider,
+    reg: Arc<Mutex<Registry>>,
+}
+
+struct CheckingDomain {
+    inner: Box<dyn Domain>,
+    reg: Arc<Mutex<Registry>>,
+    lkeys: BTreeMap<u64, ()>,
+    peers: BTreeMap<PeerId, NetAddr>,
+}
+
+impl Provider for CheckingProvider {
+    fn name(&self) -> &str {
+        "checking-loopback"
+    }
+    fn nics(&self) -> Result<Vec<NicInfo>, TransportError> {
+        self.inner.nics()
+    }
+    fn open(&self, nic: usize) -> Result<Box<dyn Domain>, TransportError> {
+        Ok(Box::new(CheckingDomain {
+            inner: self.inner.open(nic)?,
+            reg: self.reg.clone(),
+            lkeys: BTreeMap::new(),
+            peers: BTreeMap::new(),
+        }))
+    }
+}
+
+impl CheckingDomain {
+    fn check_local(&self, s: &LocalSlice, what: &str) {
+        if !self.lkeys.contains_key(&s.mr.0) {
+            self.reg.lock().violations.push(format!(
+                "{}: {what} posted with a local key of another NIC",
+                self.inner.info().name
+            ));
+        }
+    }
+}
+
+impl Domain for CheckingDomain {
+    fn info(&self) -> &NicInfo {
+        self.inner.info()
+    }
+    fn capabilities(&self) -> &Capabilities {
+        self.inner.capabilities()
+    }
+    fn register(&mut self, region: &MemRegion, access: Access) -> Result<LocalMr, TransportError> {
+        let mr = self.inner.register(region, access)?;
+        self.lkeys.insert(mr.key.0, ());
+        self.reg
+            .lock()
+            .rkey_owner
+            .insert(mr.rkey.0, self.inner.local_addr().clone());
+        Ok(mr)
+    }
+    fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
+        self.inner.deregister(mr)
+    }
+    fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        let p = self.inner.add_peer(addr)?;
+        self.peers.insert(p, addr.clone());
+        Ok(p)
+    }
+    fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
+        self.check_local(&src, "send");
+        self.inner.post_send(wr, peer, src)
+    }
+    fn post_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
+        self.check_local(&buf, "recv");
+        self.inner.post_recv(wr, buf)
+    }
+    fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
+        for w in wrs {
+            self.check_local(&w.src, "write");
+            let mut reg = self.reg.lock();
+            let target = self.peers.get(&w.peer).cloned();
+            let owner = reg.rkey_owner.get(&w.dst.rkey.0).cloned();
+            if target.is_none() || owner != target {
+                let name = self.inner.info().name.clone();
+                reg.violations.push(format!(
+                    "{name}: rkey {:#x} of {owner:?} posted to {target:?}",
+                    w.dst.rkey.0
+                ));
+            }
+            *reg.writes_per_nic
+                .entry(self.inner.local_addr().clone())
+                .or_default() += 1;
+        }
+        self.inner.post_writes(wrs)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
+        self.inner.poll(out)
+    }
+}
+
+fn checked_engine(
+    fabric: &Fabric,
+    nics: usize,
+    reg: &Arc<Mutex<Registry>>,
+    cfg: EngineConfig,
+) -> TransferEngine {
+    let h = fabric.add_host(nics);
+    let p = Arc::new(CheckingProvider {
+        inner: fabric.provider(h),
+        reg: reg.clone(),
+    });
+    TransferEngine::builder()
+        .group(DomainGroupSpec::new(p, (0..nics).collect::<Vec<_>>()))
+        .config(cfg)
+        .manual()
+        .build()
+        .unwrap()
+}
+
+/// Every WR goes out with the lkey of the NIC that posts it and the rkey
+/// of the remote NIC it targets (pplx-garden's bug made impossible), and
+/// sharded writes really use every NIC.
+#[test]
+fn every_piece_uses_its_own_nics_keys() {
+    for seed in seeds(&[111, 112]) {
+        let _g = SeedGuard(seed, "every_piece_uses_its_own_nics_keys");
+        for nics in [2usize, 3, 4] {
+            let fabric = Fabric::new(FabricConfig {
+                max_write_len: 32 * 1024,
+                ..FabricConfig::adversarial(seed)
+            });
+            let reg: Arc<Mutex<Registry>> = Arc::default();
+            let ea = checked_engine(&fabric, nics, &reg, test_config());
+            let eb = checked_engine(&fabric, nics, &reg, test_config());
+            let src = HostBuf::filled(1 << 20, |i| pat(seed, i));
+            let dst = HostBuf::new(1 << 20);
+            let (sh, _) = ea.reg_mr(src.region()).unwrap();
+            let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+            let pg = ea.add_peer_group(&[eb.main_address()]).unwrap();
+            let done = Arc::new(weft_engine::DoneCounter::new());
+            ea.submit_single_write(1 << 20, Some(1), (&sh, 0), (&dd, 0), OnDone::counter(&done))
+                .unwrap();
+            let pages = weft_engine::Pages {
+                indices: (0..16).collect(),
+                stride: 8192,
+                offset: 0,
+            };
+            ea.submit_paged_writes(
+                8192,
+                Some(2),
+                (&sh, &pages),
+                (&dd, &pages),
+                OnDone::counter(&done),
+            )
+            .unwrap();
+            ea.submit_barrier(&pg, OnDone::counter(&done), 3, std::slice::from_ref(&dd))
+                .unwrap();
+            ea.submit_send(&eb.main_address(), b"hello", OnDone::counter(&done))
+                .unwrap();
+            eb.submit_recvs(64, 2, |_| {}).unwrap();
+            let engines = [ea.clone(), eb.clone()];
+            drive(&fabric, &engines, || done.total() == 4);
+            assert_eq!(done.failed(), 0, "{:?}", done.first_error());
+            assert_eq!(dst.read(0, 1 << 20), src.read(0, 1 << 20));
+            let r = reg.lock();
+            assert!(r.violations.is_empty(), "{:?}", r.violations);
+            assert_eq!(
+                r.writes_per_nic.len(),
+                nics,
+                "sharded writes use every NIC: {:?}",
+                r.writes_per_nic
+            );
+            drop(r);
+            ea.shutdown();
+            eb.shutdown();
+        }
+    }
+}
+
+/// A 5 GiB single write over 3 NICs (null fabric: nothing is copied, the
+/// memory is reserved but never touched): offsets past 4 GiB, no
+/// truncation, the receiver's imm count matches.
+#[cfg(target_os = "linux")]
+#[test]
+fn five_gib_write_null_fabric() {
+    let len: usize = 5 << 30;
+    // SAFETY: anonymous private mapping, reserved without backing; unmapped
+    // at the end after both engines are shut down.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        eprintln!("skipping: cannot reserve 5 GiB of address space");
+        return;
+    }
+    let ptr = NonNull::new(p.cast::<u8>()).unwrap();
+    let fabric = Fabric::new(FabricConfig {
+        max_write_len: 1 << 30,
+        ..FabricConfig::null()
+    });
+    let (a, b) = (fabric.add_host(3), fabric.add_host(3));
+    let ea = engine(&fabric, a, 3, test_config(), true);
+    let eb = engine(&fabric, b, 3, test_config(), true);
+    // SAFETY: the mapping is valid for `len` bytes until munmap below; the
+    // null fabric never reads or writes it.
+    let region = unsafe { MemRegion::new(ptr, len, Device::Host) };
+    let (sh, _) = ea.reg_mr(region).unwrap();
+    let (_, dd) = eb.reg_mr(region).unwrap();
+    let n = eb.imm_counts(0).unwrap().single_write(len as u64);
+    assert!(n >= 6, "at least 5 pieces of 1 GiB plus lane splits: {n}");
+    let fired = Arc::new(AtomicU64::new(0));
+    let f = fired.clone();
+    eb.expect_imm_count(4, n as u32, move |r| {
+        assert!(r.is_ok());
+        f.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    let (od, flag) = OnDone::flag();
+    ea.submit_single_write(len as u64, Some(4), (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    let engines = [ea.clone(), eb.clone()];
+    drive(&fabric, &engines, || {
+        flag.is_done() && fired.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(flag.result(), Some(Ok(())));
+    assert_eq!(eb.imm_pending(4), 0);
+    // Out of bounds by one byte is rejected at submit.
+    let (od, _f) = OnDone::flag();
+    assert!(ea
+        .submit_single_write(len as u64, None, (&sh, 1), (&dd, 0), od)
+        .is_err());
+    ea.shutdown();
+    eb.shutdown();
+    // SAFETY: mapped above with this length; nothing references it now.
+    unsafe { libc::munmap(p, len) };
+}
+
+/// The watcher reports changes as (old, new) pairs forming a chain ending
+/// at the final value; dropping the handle stops it; external words work.
+#[test]
+fn uvm_watcher_reports_changes() {
+    let fabric = Fabric::new_realtime(FabricConfig::ideal(1));
+    let e = engine(&fabric, fabric.add_host(1), 1, test_config(), false);
+    let seen: Arc<Mutex<Vec<(u64, u64)>>> = Arc::default();
+    let s2 = seen.clone();
+    let w = e.alloc_uvm_watcher(move |old, new| s2.lock().push((old, new)));
+    for v in 1..=500u64 {
+        w.word().store(v, Ordering::Release);
+        if v % 50 == 0 {
+            std::thread::yield_now();
+        }
+    }
+    wait_until("final value seen", || {
+        seen.lock().last().map(|p| p.1) == Some(500)
+    });
+    let v = seen.lock().clone();
+    assert_eq!(v[0].0, 0);
+    for pair in v.windows(2) {
+        assert_eq!(
+            pair[0].1, pair[1].0,
+            "old of each report is the previous new"
+        );
+        assert!(pair[1].1 > pair[1].0);
+    }
+    drop(w);
+    // External word.
+    let word = Box::new(std::sync::atomic::AtomicU64::new(7));
+    let hits = Arc::new(AtomicU64::new(0));
+    let h2 = hits.clone();
+    // SAFETY: `word` outlives the watcher handle (dropped below first).
+    let ext = unsafe {
+        e.watch_word(NonNull::from(&*word), move |old, new| {
+            assert_eq!((old, new), (7, 8));
+            h2.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    word.store(8, Ordering::Release);
+    wait_until("external change", || hits.load(Ordering::SeqCst) == 1);
+    drop(ext);
+    word.store(9, Ordering::Release);
+    e.shutdown();
+    assert_eq!(hits.load(Ordering::SeqCst), 1, "no callback after drop");
+}
+
+/// Blocking and async waits on a DoneFlag.
+#[test]
+fn blocking_and_async_wait() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    fn block_on<F: Future>(f: F) -> F::Output {
+        let mut f = std::pin::pin!(f);
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        loop {
+            if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park();
+        }
+    }
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(5));
+    let (a, b) = (fabric.add_host(2), fabric.add_host(2));
+    let ea = engine(&fabric, a, 2, test_config(), false);
+    let eb = engine(&fabric, b, 2, test_config(), false);
+    let src = HostBuf::filled(1 << 18, |i| pat(5, i));
+    let dst = HostBuf::new(1 << 18);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (od, flag) = OnDone::flag();
+    ea.submit_single_write(1 << 18, None, (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    assert_eq!(flag.wait(), Ok(()));
+    assert_eq!(dst.read(0, 1 << 18), src.read(0, 1 << 18));
+    let (od, flag) = OnDone::flag();
+    ea.submit_single_write(1000, None, (&sh, 5), (&dd, 9), od)
+        .unwrap();
+    assert_eq!(block_on(flag.wait_async()), Ok(()));
+    assert_eq!(dst.read(9, 1000), src.read(5, 1000));
+    ea.shutdown();
+    eb.shutdown();
+}
+
+/// The latency probe records every stage of a request, in order.
+#[cfg(feature = "latency-probe")]
+#[test]
+fn latency_probe_records_stages() {
+    let fabric = Fabric::new_realtime(FabricConfig::null());
+    let (a, b) = (fabric.add_host(2), fabric.add_host(2));
+    let ea = engine(&fabric, a, 2, test_config(), false);
+    let eb = engine(&fabric, b, 2, test_config(), false);
+    let src = HostBuf::new(1 << 16);
+    let dst = HostBuf::new(1 << 16);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let done = Arc::new(weft_engine::DoneCounter::new());
+    for _ in 0..100 {
+        ea.submit_single_write(64, Some(1), (&sh, 0), (&dd, 0), OnDone::counter(&done))
+            .unwrap();
+    }
+    wait_until("writes done", || done.total() == 100);
+    let recs = ea.take_probe_records();
+    assert_eq!(recs.len(), 100);
+    for r in recs {
+        let first = r.first_wr.unwrap();
+        let all = r.all_posted.unwrap();
+        assert!(
+            r.submit <= r.enqueued && r.enqueued <= r.pickup && r.pickup <= first && first <= all
+        );
+    }
+    ea.shutdown();
+    eb.shutdown();
+}
