@@ -327,13 +327,18 @@ impl LibfabricDomain {
                 };
             }
         }
-        if errno == libc::ECANCELED {
+        // We never cancel operations ourselves (closing the domain drops
+        // them unreported), so ECANCELED on a WRITE means the target tore
+        // the connection down: that is how tcp;ofi_rxm rejects a remote
+        // access with a bad key or out of bounds.
+        let canceled_write = errno == libc::ECANCELED && matches!(slot, SlotUse::Write { .. });
+        if errno == libc::ECANCELED && !canceled_write {
             return TransportError::Canceled { nic };
         }
         match slot {
             SlotUse::Write {
                 rkey, raddr, len, ..
-            } if is_remote_access(errno) => TransportError::RemoteAccess {
+            } if canceled_write || is_remote_access(errno) => TransportError::RemoteAccess {
                 nic,
                 peer: peer_addr.unwrap_or(NetAddr(Vec::new())),
                 rkey,
@@ -517,6 +522,32 @@ impl LibfabricDomain {
         }
         tracing::debug!(nic = %self.nic.name, error = %e, "operation failed");
         self.complete(used, Err(e), out);
+    }
+
+    /// Rejects addresses that cannot be endpoint names of this provider
+    /// before libfabric sees them (tcp;ofi_rxm's AV misbehaves after
+    /// inserting garbage sockaddrs).
+    fn check_addr_format(&self, addr: &NetAddr) -> Result<(), TransportError> {
+        let own = &self.nic.addr.0;
+        let fmt = self._info.addr_format;
+        let bad = |why: &str| TransportError::InvalidArgument {
+            nic: self.nic_name(),
+            what: format!("peer address {addr}: {why}"),
+        };
+        if fmt == ffi::FI_ADDR_STR {
+            return Ok(());
+        }
+        if addr.0.len() != own.len() {
+            return Err(bad(&format!(
+                "{} bytes, this provider's addresses have {}",
+                addr.0.len(),
+                own.len()
+            )));
+        }
+        if ffi::SOCKADDR_FORMATS.contains(&fmt) && addr.0.get(..2) != own.get(..2) {
+            return Err(bad("wrong socket address family"));
+        }
+        Ok(())
     }
 
     fn mark_dead(&mut self, peer: PeerId, reason: String) {
@@ -884,6 +915,7 @@ impl Domain for LibfabricDomain {
         }
         let id =
             u32::try_from(self.peer_table.len()).map_err(|_| self.invalid("too many peers"))?;
+        self.check_addr_format(addr)?;
         let (pid, dead) = if self.is_shm {
             shm_peer(&addr.0)
         } else {

@@ -80,6 +80,11 @@ pub(crate) const FI_ENOSYS: i64 = libc::ENOSYS as i64;
 /// Spare zeroed bytes behind every struct we allocate for the provider.
 const PAD: usize = 256;
 
+/// `FI_SOCKADDR`, `FI_SOCKADDR_IN`, `FI_SOCKADDR_IN6`: `struct sockaddr*`.
+pub(crate) const SOCKADDR_FORMATS: [u32; 3] = [1, 2, 3];
+/// `FI_ADDR_STR`: a NUL-terminated string.
+pub(crate) const FI_ADDR_STR: u32 = 16;
+
 const LIBRARY: &str = "libfabric.so.1";
 
 const fn fi_version(major: u32, minor: u32) -> u32 {
@@ -723,6 +728,8 @@ pub(crate) struct Info {
     pub(crate) tx_op_flags: u64,
     pub(crate) max_msg_size: usize,
     pub(crate) src_addr: Vec<u8>,
+    /// `fi_info::addr_format` (FI_SOCKADDR_IN = 2, FI_ADDR_STR = 16, ...).
+    pub(crate) addr_format: u32,
     pub(crate) link_bps: Option<u64>,
     pub(crate) pci: Option<(u16, u8, u8, u8)>,
 }
@@ -882,6 +889,7 @@ impl Info {
                 tx_op_flags: tx.map(|t| t.op_flags).unwrap_or(0),
                 max_msg_size: ep.map(|e| e.max_msg_size).unwrap_or(0),
                 src_addr,
+                addr_format: i.addr_format,
                 link_bps,
                 pci,
             }

@@ -25,6 +25,8 @@ struct Loopback {
     /// Deliberate bug injected around every domain (suite self-test only).
     mutant: Option<Mutation>,
     early_imms: EarlyImms,
+    /// Pretend the fault hook is missing (self-test of skipping).
+    no_kill_hook: bool,
 }
 
 impl InProcessBackend for Loopback {
@@ -80,6 +82,9 @@ impl InProcessBackend for Loopback {
     }
 
     fn kill_host(&mut self, host: HostId) -> Result<(), HarnessError> {
+        if self.no_kill_hook {
+            return Err(HarnessError::Unsupported("kill hook disabled".into()));
+        }
         let h = self
             .hosts
             .get(host.0)
@@ -102,6 +107,7 @@ fn loopback(profile: &'static str, config: FabricConfig, seed: u64) -> InProcess
         hosts: Vec::new(),
         mutant: None,
         early_imms: EarlyImms::default(),
+        no_kill_hook: false,
     })
 }
 
@@ -282,5 +288,20 @@ mod mutants {
     fn imm_before_payload_is_caught() {
         let msg = failure(Mutation::ImmBeforePayload, "payload_visible_at_imm");
         assert!(msg.contains("when that immediate was polled"), "{msg}");
+    }
+
+    #[test]
+    fn missing_fault_hook_skips_instead_of_passing() {
+        let factory = |seed| {
+            let mut h = loopback("no-kill-hook", FabricConfig::ideal(seed), seed);
+            h.backend().no_kill_hook = true;
+            h
+        };
+        let case = weft_conformance::case("peer_death").expect("case exists");
+        let o = weft_conformance::run_seed(&factory, &case, 0);
+        assert!(
+            matches!(o.result, Err(weft_conformance::CaseFailure::Skipped(_))),
+            "{o}"
+        );
     }
 }

@@ -7,7 +7,9 @@
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
-use weft_transport::{Access, Completion, Device, Domain, MemRegion, Provider, RemoteSlice, WrId, WriteWr};
+use weft_transport::{
+    Access, Completion, Device, Domain, MemRegion, Provider, RemoteSlice, WrId, WriteWr,
+};
 use weft_verbs::{VerbsConfig, VerbsProvider};
 
 fn main() {
@@ -19,15 +21,22 @@ fn main() {
             return;
         }
     };
-    println!("verbs: {} device(s): {:?}", nics.len(), nics.iter().map(|n| &n.name).collect::<Vec<_>>());
-    let want: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
-    for i in 0..nics.len() {
+    println!(
+        "verbs: {} device(s): {:?}",
+        nics.len(),
+        nics.iter().map(|n| &n.name).collect::<Vec<_>>()
+    );
+    let want: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(usize::MAX);
+    for (i, nic) in nics.iter().enumerate() {
         if want != usize::MAX && i != want {
             continue;
         }
         match probe(&p, i) {
-            Ok(()) => println!("  [{i}] {}: OK", nics[i].name),
-            Err(e) => println!("  [{i}] {}: {e}", nics[i].name),
+            Ok(()) => println!("  [{i}] {}: OK", nic.name),
+            Err(e) => println!("  [{i}] {}: {e}", nic.name),
         }
     }
 }
@@ -53,46 +62,84 @@ fn probe(p: &VerbsProvider, i: usize) -> Result<(), String> {
     let (sr, dr) = unsafe {
         (
             MemRegion::new(NonNull::new(src.as_mut_ptr()).unwrap(), len, Device::Host),
-            MemRegion::new(NonNull::new(dst.as_ptr() as *mut u8).unwrap(), len, Device::Host),
+            MemRegion::new(
+                NonNull::new(dst.as_ptr() as *mut u8).unwrap(),
+                len,
+                Device::Host,
+            ),
         )
     };
-    let smr = d.register(&sr, Access::LocalOnly).map_err(|e| e.to_string())?;
-    let dmr = d.register(&dr, Access::RemoteWrite).map_err(|e| e.to_string())?;
+    let smr = d
+        .register(&sr, Access::LocalOnly)
+        .map_err(|e| e.to_string())?;
+    let dmr = d
+        .register(&dr, Access::RemoteWrite)
+        .map_err(|e| e.to_string())?;
     let me = d.local_addr().clone();
     let peer = d.add_peer(&me).map_err(|e| e.to_string())?;
     let wr = WriteWr {
         wr: WrId(1),
         peer,
-        src: smr.slice(0, len as u64).unwrap(),
-        dst: RemoteSlice { base: dmr.addr, offset: 0, rkey: dmr.rkey },
+        src: smr.slice(4096, len as u64 - 4096).unwrap(),
+        dst: RemoteSlice {
+            base: dmr.addr,
+            offset: 4096,
+            rkey: dmr.rkey,
+        },
         imm: Some(0xabc),
     };
     d.post_write(&wr).map_err(|e| e.to_string())?;
-    d.post_recv(WrId(3), dmr.slice(0, 64).unwrap()).map_err(|e| e.to_string())?;
-    d.post_send(WrId(2), peer, smr.slice(100, 32).unwrap()).map_err(|e| e.to_string())?;
+    d.post_recv(WrId(3), dmr.slice(0, 64).unwrap())
+        .map_err(|e| e.to_string())?;
+    d.post_send(WrId(2), peer, smr.slice(100, 32).unwrap())
+        .map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut out = Vec::new();
     let (mut w, mut imm, mut s, mut r) = (false, false, false, false);
     while !(w && imm && s && r) {
         if start.elapsed() > Duration::from_secs(10) {
-            return Err(format!("timeout; completions so far: {out:?}; stats {:?}", d.stats()));
+            return Err(format!(
+                "timeout; completions so far: {out:?}; stats {:?}",
+                d.stats()
+            ));
         }
         let n = out.len();
         d.poll(&mut out).map_err(|e| e.to_string())?;
         for c in &out[n..] {
             match c {
-                Completion::Write { result, .. } => { result.clone().map_err(|e| e.to_string())?; w = true }
-                Completion::Imm { imm: v } => { if *v != 0xabc { return Err(format!("imm {v:#x}")) } imm = true }
-                Completion::Send { result, .. } => { result.clone().map_err(|e| e.to_string())?; s = true }
-                Completion::Recv { result, .. } => { if result.clone().map_err(|e| e.to_string())? != 32 { return Err("recv len".into()) } r = true }
+                Completion::Write { result, .. } => {
+                    result.clone().map_err(|e| e.to_string())?;
+                    w = true
+                }
+                Completion::Imm { imm: v } => {
+                    if *v != 0xabc {
+                        return Err(format!("imm {v:#x}"));
+                    }
+                    imm = true
+                }
+                Completion::Send { result, .. } => {
+                    result.clone().map_err(|e| e.to_string())?;
+                    s = true
+                }
+                Completion::Recv { result, .. } => {
+                    if result.clone().map_err(|e| e.to_string())? != 32 {
+                        return Err("recv len".into());
+                    }
+                    r = true
+                }
             }
         }
     }
-    // The SEND landed in dst[0..32] after the write, both from src.
-    if dst[32..] != src[32..] || dst[..32] != src[100..132] {
+    // The WRITE filled dst[4096..], the SEND dst[0..32] (different QPs: no
+    // order between them, so they do not overlap).
+    if dst[4096..] != src[4096..] || dst[..32] != src[100..132] {
         return Err("data mismatch".into());
     }
-    println!("  [{i}] loopback write 1 MiB + imm + send/recv in {:?}; stats {:?}", start.elapsed(), d.stats());
+    println!(
+        "  [{i}] loopback write 1 MiB + imm + send/recv in {:?}; stats {:?}",
+        start.elapsed(),
+        d.stats()
+    );
     drop(d);
     drop(dst);
     Ok(())

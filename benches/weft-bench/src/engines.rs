@@ -137,7 +137,10 @@ fn check(c: &DoneCounter) -> Result<(), String> {
     Ok(())
 }
 
-/// Spins (yielding) until `f()`, failing after 60 s.
+/// How long a benchmark waits for progress before reporting a stall.
+pub const STALL: Duration = Duration::from_secs(10);
+
+/// Spins (yielding) until `f()`, failing after [`STALL`].
 pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
     let start = Instant::now();
     let mut spins = 0u32;
@@ -145,8 +148,8 @@ pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
         spins = spins.wrapping_add(1);
         if spins % 64 == 0 {
             std::thread::yield_now();
-            if start.elapsed() > Duration::from_secs(60) {
-                return Err("timed out after 60 s waiting for completions".into());
+            if start.elapsed() > STALL {
+                return Err("timed out after 10 s waiting for completions".into());
             }
         } else {
             std::hint::spin_loop();

@@ -44,6 +44,21 @@ pub struct P2pPlan {
 }
 
 impl P2pPlan {
+    /// The plan for `quick` or full runs on `kind`: software and hardware
+    /// transports get smaller batches than the simulated fabric so a full
+    /// run stays in minutes.
+    pub fn for_backend(quick: bool, kind: &BackendKind) -> Self {
+        let mut p = Self::new(quick);
+        if !quick && !kind.is_loopback() {
+            p.bw_bytes = 64 << 20;
+            p.bw_max_ops = 4096;
+            p.lat_bytes = 4 << 20;
+            p.lat_max_ops = 100;
+            p.paged_pages = 20_000;
+        }
+        p
+    }
+
     /// The plan for `quick` or full runs.
     pub fn new(quick: bool) -> Self {
         if quick {
@@ -83,7 +98,7 @@ impl P2pPlan {
 
 /// Runs `p2p` on `kind` for every NIC count of `cfg`.
 pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row> {
-    let plan = P2pPlan::new(cfg.quick);
+    let plan = P2pPlan::for_backend(cfg.quick, kind);
     let mut rows = Vec::new();
     let backend = kind.to_string();
     for &nics in &cfg.nic_counts() {
@@ -105,27 +120,38 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 continue;
             }
         };
+        // After a stall the engine/backend pair is in an unknown state:
+        // the remaining cases of this NIC count are reported, not run.
+        let mut stalled: Option<String> = None;
+        let mut case = |rows: &mut Vec<Row>, name: &str, size: Option<u64>, f: &mut dyn FnMut() -> Result<Vec<Row>, String>| {
+            if let Some(why) = &stalled {
+                rows.push(Row::failed(BENCH, name, &backend, nics, format!("skipped after an earlier stall: {why}")));
+                return;
+            }
+            match f() {
+                Ok(mut r) => rows.append(&mut r),
+                Err(why) => {
+                    if why.contains("stalled") || why.contains("timed out") {
+                        stalled = Some(why.clone());
+                    }
+                    let mut row = Row::failed(BENCH, name, &backend, nics, why);
+                    row.size_bytes = size;
+                    rows.push(row);
+                }
+            }
+        };
         for &size in &plan.sizes {
             progress.step(&format!("p2p {backend} {nics}nic single_write {}", fmt_bytes(size)));
-            match single(cfg, &plan, &tb, &ep, &mut raw, size) {
-                Ok(mut r) => rows.append(&mut r),
-                Err(why) => rows.push(Row::failed(BENCH, "single_write", &backend, nics, why).size(size)),
-            }
+            case(&mut rows, "single_write", Some(size), &mut || single(cfg, &plan, &tb, &ep, &mut raw, size));
         }
         for &pl in &plan.page_lens {
             for &n in &plan.page_counts {
                 progress.step(&format!("p2p {backend} {nics}nic paged {n} x {}", fmt_bytes(pl)));
-                match paged(cfg, &plan, &tb, &ep, &mut raw, pl, n) {
-                    Ok(mut r) => rows.append(&mut r),
-                    Err(why) => rows.push(Row::failed(BENCH, "paged_write", &backend, nics, why)),
-                }
+                case(&mut rows, "paged_write", None, &mut || paged(cfg, &plan, &tb, &ep, &mut raw, pl, n));
             }
         }
         progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
-        match imm_only(cfg, &plan, &tb, &ep, &mut raw) {
-            Ok(r) => rows.push(r),
-            Err(why) => rows.push(Row::failed(BENCH, "imm_only", &backend, nics, why)),
-        }
+        case(&mut rows, "imm_only", None, &mut || imm_only(cfg, &plan, &tb, &ep, &mut raw).map(|r| vec![r]));
     }
     rows
 }

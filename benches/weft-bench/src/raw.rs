@@ -3,6 +3,7 @@
 
 use crate::backend::Testbed;
 use crate::buf::HostBuf;
+use crate::engines::STALL;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 use weft_transport::{
@@ -197,9 +198,9 @@ impl RawPair {
                     imms_seen: i,
                 });
             }
-            if start.elapsed() > Duration::from_secs(60) {
+            if start.elapsed() > STALL {
                 return Err(format!(
-                    "raw baseline stalled: {done}/{total} writes, {imms}/{want_imms} immediates after 60 s"
+                    "raw baseline stalled: {done}/{total} writes, {imms}/{want_imms} immediates after 10 s"
                 ));
             }
         }

@@ -401,7 +401,16 @@ impl Report {
     pub fn svg(&self) -> String {
         // series name -> points (size, GB/s)
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        // Null-mode "bandwidth" moves no bytes: leave it out next to real
+        // backends (it would flatten them), keep it when it is all we have.
+        let real = self
+            .rows
+            .iter()
+            .any(|r| r.bench == "p2p" && r.status == Status::Ok && r.backend != "loopback-null");
         for r in &self.rows {
+            if real && r.backend == "loopback-null" {
+                continue;
+            }
             if r.status != Status::Ok || r.bench != "p2p" || r.case != "single_write" {
                 continue;
             }

@@ -33,6 +33,38 @@
 //! is skipped with a message written straight to stderr (visible even when
 //! the test harness captures output), never passed silently.
 //!
+//! ## What the cases check
+//!
+//! Every case also checks, on every poll: each completion belongs to a WR
+//! posted on that domain and not yet completed, with the right kind;
+//! `poll` returns the number it appended; every immediate was expected
+//! (counted per value and target NIC, never exceeded); registered payload
+//! checks run at the instant an immediate or a write completion is polled.
+//! Most cases end with a quiescence check (settle, then nothing more may
+//! arrive, every SEND/WRITE completed, immediate counts exact).
+//!
+//! | case | checks |
+//! |---|---|
+//! | `capabilities_sane` | limits ≥ 1, stable; addresses non-empty and distinct; `add_peer` idempotent; `poll` appends; empty batch |
+//! | `send_recv_sizes` | 0 B, 1 B, odd sizes .. `max_send_len` (≤ 8 MiB): exact-size buffers (nothing written past), then all at once |
+//! | `recv_buffer_pool` | 8 buffers, 240 SENDs from 2 senders, reposted on completion; each message once, intact, buffer identified by WR id |
+//! | `message_too_long` | SEND > buffer fails `MessageTooLong`, nothing past the buffer; SEND > `max_send_len` rejected |
+//! | `receiver_not_ready` | SEND with no buffer fails `ReceiverNotReady`; later traffic fine, failed message never delivered |
+//! | `write_sizes` | 0 B .. 1 MiB+17, odd offsets, with/without imm; guards untouched |
+//! | `write_large` (heavy) | 16 MiB+5 and 64 MiB, byte for byte |
+//! | `imm_only_writes` | zero-length writes with/without imm (also at the region's end); memory untouched |
+//! | `batch_writes_queue_full` | flood without polling stops by `max_inflight`, ≤ `max_batch` per call, QueueFull/short counts retried; nothing lost |
+//! | `imm_exactly_once` | repeated imm values from 2 senders, exact counts at quiescence |
+//! | `payload_visible_at_imm` | multi-chunk writes: all bytes in place when the imm (and the write completion) is polled |
+//! | `concurrent_writes` | 3 senders, private + overlapping targets: every byte from some covering write |
+//! | `multi_nic` | NIC i → peer NIC i with per-NIC rkeys; imm on the receiving NIC only; SEND on NIC 1 |
+//! | `remote_access_violations` | out of bounds, overflow, foreign rkey, local-only, deregistered: `RemoteAccess`, nothing written, no imm |
+//! | `usable_after_remote_error` | same peer works after a rejected write |
+//! | `local_access_errors` | bad local slices/keys (incl. another NIC's key) for WRITE/SEND/RECV: `LocalAccess`, nothing touched |
+//! | `deregistered_memory` | stale lkey → `LocalAccess`; double/unknown deregister → error; write into deregistered region → `RemoteAccess`; re-register works |
+//! | `unknown_peer` | unreachable address → `PeerUnreachable`; malformed addresses → errors; never hangs |
+//! | `peer_death` | in-flight ops to a killed host: once, Ok or `PeerUnreachable`; later ops `PeerUnreachable`; survivors unaffected |
+//!
 //! ## Bounded waits
 //!
 //! Every wait polls the domains involved and calls [`Harness::progress`] at
@@ -308,4 +340,22 @@ pub fn run_suite<H: Harness, F: Fn(u64) -> H>(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn case_table_is_consistent() {
+        let all = cases();
+        let mut names: Vec<_> = all.iter().map(|c| c.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len(), "duplicate case names");
+        assert!(all.len() >= 19);
+        assert_eq!(case("write_large").map(|c| c.weight), Some(Weight::Heavy));
+        assert_eq!(case("write_sizes").map(|c| c.weight), Some(Weight::Normal));
+        assert!(case("no_such_case").is_none());
+    }
 }

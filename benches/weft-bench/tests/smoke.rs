@@ -1,0 +1,112 @@
+//! Smoke test of the benchmark core in quick mode on loopback-null: checks
+//! the output structure (rows present, JSON parses, CSV and SVG shaped
+//! right), never timings.
+
+use weft_bench::{BackendKind, Config, Status, Suite};
+
+fn quick_all() -> weft_bench::Report {
+    let mut cfg = Config::new(Suite::All, true);
+    cfg.backends = vec![BackendKind::LoopbackNull];
+    cfg.nics = Some(vec![1, 2]);
+    cfg.rounds = Some(1);
+    cfg.command = "smoke".into();
+    weft_bench::run(&cfg)
+}
+
+#[test]
+fn quick_all_on_loopback_null_has_every_row() {
+    let rep = quick_all();
+    let failed: Vec<_> = rep
+        .rows
+        .iter()
+        .filter(|r| r.status != Status::Ok)
+        .map(|r| format!("{} {} {:?}", r.bench, r.case, r.status))
+        .collect();
+    assert!(failed.is_empty(), "rows not measured: {failed:#?}");
+    let has = |bench: &str, case: &str, metric: &str, nics: usize| {
+        rep.rows
+            .iter()
+            .filter(|r| r.bench == bench && r.case == case && r.metric == metric && r.nics == nics)
+            .count()
+    };
+    for nics in [1, 2] {
+        // Quick plan: 3 sizes, 1 page size x 2 page counts.
+        assert_eq!(has("p2p", "single_write", "bandwidth", nics), 3);
+        assert_eq!(has("p2p", "single_write", "latency p50", nics), 3);
+        assert_eq!(has("p2p", "paged_write", "page rate", nics), 2);
+        assert_eq!(has("p2p", "paged_write", "bandwidth", nics), 2);
+        assert_eq!(has("p2p", "imm_only", "latency p50", nics), 1);
+    }
+    assert_eq!(has("proxy", "scatter", "submit->first WR p50", 1), 2);
+    assert_eq!(has("proxy", "scatter", "submit->all posted p50", 1), 2);
+    assert_eq!(has("imm", "counter_throughput", "imm completions", 1), 1);
+    assert_eq!(has("imm", "early_arrival", "arm->fire p50", 1), 1);
+    // Every weft row carries a baseline from the same run, and the
+    // proxy/null-WR-rate targets are attached.
+    for r in &rep.rows {
+        let (Some(m), Some(b)) = (r.measured, r.baseline) else {
+            panic!("row without measurement or baseline: {r:?}");
+        };
+        assert!(m.is_finite() && b.is_finite() && m >= 0.0 && b >= 0.0, "{r:?}");
+        assert!(!r.baseline_name.is_empty(), "{r:?}");
+    }
+    assert!(rep
+        .rows
+        .iter()
+        .any(|r| r.bench == "proxy" && r.target.as_ref().is_some_and(|t| t.text.contains("0.5"))));
+    // The breakdown has every stage for both peer counts.
+    assert_eq!(rep.proxy_breakdown.len(), 2 * 8);
+    assert!(rep.proxy_breakdown.iter().all(|b| b.n > 0));
+
+    // JSON parses and holds the same rows.
+    let v: serde_json::Value = serde_json::from_str(&rep.json()).expect("report JSON parses");
+    assert_eq!(v["rows"].as_array().map(|a| a.len()), Some(rep.rows.len()));
+    assert_eq!(v["rows"][0]["bench"], "p2p");
+    assert_eq!(v["rows"][0]["status"]["state"], "ok");
+    assert!(v["machine"].is_string());
+    // CSV: header + one line per row, constant column count.
+    let csv = rep.csv();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), rep.rows.len() + 1);
+    assert!(lines[0].starts_with("bench,case,backend,nics,"));
+    // SVG: one weft and one raw series per NIC count.
+    let svg = rep.svg();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<polyline").count(), 4, "{svg}");
+    // Table: header + separator + rows (+ breakdown).
+    let t = rep.table();
+    assert!(t.lines().count() >= rep.rows.len() + 2);
+    assert!(t.contains("target"));
+}
+
+#[test]
+fn missing_backends_are_reported_not_failed() {
+    let mut cfg = Config::new(Suite::Imm, true);
+    cfg.backends = vec![BackendKind::Verbs];
+    cfg.rounds = Some(1);
+    let rep = weft_bench::run(&cfg);
+    assert!(!rep.rows.is_empty());
+    // Without RDMA hardware (CI) the row says why; with it, it measures.
+    for r in &rep.rows {
+        assert!(
+            matches!(r.status, Status::Unavailable(_) | Status::Ok),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn backend_names_parse() {
+    for (s, k) in [
+        ("loopback", BackendKind::Loopback),
+        ("loopback-null", BackendKind::LoopbackNull),
+        ("libfabric:tcp", BackendKind::Libfabric("tcp".into())),
+        ("libfabric:efa", BackendKind::Libfabric("efa".into())),
+        ("verbs", BackendKind::Verbs),
+    ] {
+        assert_eq!(s.parse::<BackendKind>().as_ref(), Ok(&k));
+        assert_eq!(k.to_string(), s);
+    }
+    assert!("libfabric:".parse::<BackendKind>().is_err());
+    assert!("rdma".parse::<BackendKind>().is_err());
+}
