@@ -82,8 +82,8 @@ const PAD: usize = 256;
 
 /// `FI_SOCKADDR`, `FI_SOCKADDR_IN`, `FI_SOCKADDR_IN6`: `struct sockaddr*`.
 pub(crate) const SOCKADDR_FORMATS: [u32; 3] = [1, 2, 3];
-/// `FI_ADDR_STR`: a NUL-terminated string.
-pub(crate) const FI_ADDR_STR: u32 = 16;
+/// `FI_ADDR_STR` (enum value 9 in 1.17 and 2.x): a NUL-terminated string.
+pub(crate) const FI_ADDR_STR: u32 = 9;
 
 const LIBRARY: &str = "libfabric.so.1";
 
@@ -728,7 +728,7 @@ pub(crate) struct Info {
     pub(crate) tx_op_flags: u64,
     pub(crate) max_msg_size: usize,
     pub(crate) src_addr: Vec<u8>,
-    /// `fi_info::addr_format` (FI_SOCKADDR_IN = 2, FI_ADDR_STR = 16, ...).
+    /// `fi_info::addr_format` (FI_SOCKADDR_IN = 2, FI_ADDR_STR = 9, ...).
     pub(crate) addr_format: u32,
     pub(crate) link_bps: Option<u64>,
     pub(crate) pci: Option<(u16, u8, u8, u8)>,

@@ -48,7 +48,13 @@ fn bench(c: &mut Criterion) {
                 }
                 if ep
                     .tx
-                    .submit_paged_writes(64, Some(imm), (&ep.src, &pg), (&ep.dst, &pg), OnDone::Ignore)
+                    .submit_paged_writes(
+                        64,
+                        Some(imm),
+                        (&ep.src, &pg),
+                        (&ep.dst, &pg),
+                        OnDone::Ignore,
+                    )
                     .is_err()
                 {
                     break;

@@ -8,15 +8,18 @@ use weft_bench::floor::HandoffFloor;
 
 fn bench(c: &mut Criterion) {
     let floor = HandoffFloor::new();
-    c.bench_function("queue_handoff/one-way (push -> pop on a spinning thread)", |b| {
-        b.iter_custom(|iters| {
-            let mut total = 0.0;
-            for _ in 0..iters {
-                total += floor.once().unwrap_or(0.0);
-            }
-            Duration::from_nanos(total as u64)
-        })
-    });
+    c.bench_function(
+        "queue_handoff/one-way (push -> pop on a spinning thread)",
+        |b| {
+            b.iter_custom(|iters| {
+                let mut total = 0.0;
+                for _ in 0..iters {
+                    total += floor.once().unwrap_or(0.0);
+                }
+                Duration::from_nanos(total as u64)
+            })
+        },
+    );
 }
 
 criterion_group!(benches, bench);

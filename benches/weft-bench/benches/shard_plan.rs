@@ -23,7 +23,10 @@ fn bench(c: &mut Criterion) {
     g.bench_function("scatter 64 peers by-peer", |b| {
         b.iter(|| {
             (0..64)
-                .map(|j| plan_scatter_dst(j, black_box(7168), 2, 1 << 30, ScatterMode::ByPeer, &cfg).len())
+                .map(|j| {
+                    plan_scatter_dst(j, black_box(7168), 2, 1 << 30, ScatterMode::ByPeer, &cfg)
+                        .len()
+                })
                 .sum::<usize>()
         })
     });

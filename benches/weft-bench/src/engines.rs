@@ -87,7 +87,13 @@ impl EnginePair {
         for i in 0..count {
             wait_until(|| i - counter.total() < window.max(1))?;
             self.tx
-                .submit_single_write(len, imm, (&self.src, 0), (&self.dst, 0), OnDone::counter(&counter))
+                .submit_single_write(
+                    len,
+                    imm,
+                    (&self.src, 0),
+                    (&self.dst, 0),
+                    OnDone::counter(&counter),
+                )
                 .map_err(e2s)?;
         }
         wait_until(|| counter.total() >= count)?;
@@ -146,7 +152,7 @@ pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
     let mut spins = 0u32;
     while !f() {
         spins = spins.wrapping_add(1);
-        if spins % 64 == 0 {
+        if spins.is_multiple_of(64) {
             std::thread::yield_now();
             if start.elapsed() > STALL {
                 return Err("timed out after 10 s waiting for completions".into());

@@ -52,7 +52,7 @@ impl HandoffFloor {
                         }
                         None => {
                             idle = idle.wrapping_add(1);
-                            if idle % 64 == 0 {
+                            if idle.is_multiple_of(64) {
                                 std::thread::yield_now();
                             } else {
                                 std::hint::spin_loop();
@@ -84,7 +84,7 @@ impl HandoffFloor {
         let mut spins = 0u32;
         while self.acks.load(Ordering::Acquire) == before {
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 {
+            if spins.is_multiple_of(64) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();

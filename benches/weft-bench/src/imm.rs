@@ -77,13 +77,22 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
 fn pages(n: u64, mem: u64) -> Pages {
     let slots = (mem / IMM_WRITE_LEN).max(1);
     Pages {
-        indices: (0..n).map(|i| u32::try_from(i % slots).unwrap_or(0)).collect(),
+        indices: (0..n)
+            .map(|i| u32::try_from(i % slots).unwrap_or(0))
+            .collect(),
         stride: IMM_WRITE_LEN,
         offset: 0,
     }
 }
 
-fn throughput(cfg: &Config, ep: &EnginePair, raw: &mut RawPair, backend: &str, n: u64, mem: u64) -> Result<Row, String> {
+fn throughput(
+    cfg: &Config,
+    ep: &EnginePair,
+    raw: &mut RawPair,
+    backend: &str,
+    n: u64,
+    mem: u64,
+) -> Result<Row, String> {
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
     let expect = counts.paged_writes(IMM_WRITE_LEN, n);
@@ -95,7 +104,13 @@ fn throughput(cfg: &Config, ep: &EnginePair, raw: &mut RawPair, backend: &str, n
         let fired = arm(ep, imm, expect32)?;
         let t0 = Instant::now();
         ep.tx
-            .submit_paged_writes(IMM_WRITE_LEN, Some(imm), (&ep.src, &pg), (&ep.dst, &pg), OnDone::Ignore)
+            .submit_paged_writes(
+                IMM_WRITE_LEN,
+                Some(imm),
+                (&ep.src, &pg),
+                (&ep.dst, &pg),
+                OnDone::Ignore,
+            )
             .map_err(|e| e.to_string())?;
         wait_until(|| fired_at(&fired).is_some())?;
         let (t, ok) = fired_at(&fired).ok_or("not fired")?;
@@ -141,7 +156,13 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
     for _ in 0..cfg.rounds() {
         for _ in 0..reps {
             ep.tx
-                .submit_paged_writes(IMM_WRITE_LEN, Some(imm), (&ep.src, &pg), (&ep.dst, &pg), OnDone::Ignore)
+                .submit_paged_writes(
+                    IMM_WRITE_LEN,
+                    Some(imm),
+                    (&ep.src, &pg),
+                    (&ep.dst, &pg),
+                    OnDone::Ignore,
+                )
                 .map_err(|e| e.to_string())?;
             wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
             let t0 = Instant::now();

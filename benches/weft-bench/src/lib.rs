@@ -86,9 +86,7 @@ impl Config {
 
     /// Rounds per case.
     pub fn rounds(&self) -> usize {
-        self.rounds
-            .unwrap_or(if self.quick { 2 } else { 5 })
-            .max(1)
+        self.rounds.unwrap_or(if self.quick { 2 } else { 5 }).max(1)
     }
 }
 
@@ -106,7 +104,11 @@ pub fn machine() -> String {
                 .map(|(_, m)| m.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into());
-    format!("{cpus} CPUs ({model}), {} {}", std::env::consts::OS, std::env::consts::ARCH)
+    format!(
+        "{cpus} CPUs ({model}), {} {}",
+        std::env::consts::OS,
+        std::env::consts::ARCH
+    )
 }
 
 /// Runs the configured benchmarks.

@@ -9,13 +9,22 @@ use std::process::ExitCode;
 use weft_bench::{BackendKind, Config, Suite};
 
 #[derive(Parser, Debug)]
-#[command(name = "weft-bench", version, about = "weft microbenchmarks, side by side with raw baselines")]
+#[command(
+    name = "weft-bench",
+    version,
+    about = "weft microbenchmarks, side by side with raw baselines"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
     /// Backend(s): loopback, loopback-null, libfabric:tcp, libfabric:shm,
     /// libfabric:efa, verbs. Repeat or comma-separate for several.
-    #[arg(long, global = true, value_delimiter = ',', default_value = "loopback-null")]
+    #[arg(
+        long,
+        global = true,
+        value_delimiter = ',',
+        default_value = "loopback-null"
+    )]
     backend: Vec<BackendKind>,
     /// Short run for CI smoke tests (numbers are not meaningful).
     #[arg(long, global = true)]

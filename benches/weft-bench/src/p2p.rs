@@ -110,7 +110,13 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 continue;
             }
         };
-        let max = plan.sizes.iter().copied().max().unwrap_or(64).max(plan.paged_mem);
+        let max = plan
+            .sizes
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(64)
+            .max(plan.paged_mem);
         let setup = EnginePair::new(&tb, max as usize, max as usize)
             .and_then(|e| RawPair::new(&tb, max as usize, max as usize).map(|r| (e, r)));
         let (ep, mut raw) = match setup {
@@ -123,9 +129,18 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
         // After a stall the engine/backend pair is in an unknown state:
         // the remaining cases of this NIC count are reported, not run.
         let mut stalled: Option<String> = None;
-        let mut case = |rows: &mut Vec<Row>, name: &str, size: Option<u64>, f: &mut dyn FnMut() -> Result<Vec<Row>, String>| {
+        let mut case = |rows: &mut Vec<Row>,
+                        name: &str,
+                        size: Option<u64>,
+                        f: &mut dyn FnMut() -> Result<Vec<Row>, String>| {
             if let Some(why) = &stalled {
-                rows.push(Row::failed(BENCH, name, &backend, nics, format!("skipped after an earlier stall: {why}")));
+                rows.push(Row::failed(
+                    BENCH,
+                    name,
+                    &backend,
+                    nics,
+                    format!("skipped after an earlier stall: {why}"),
+                ));
                 return;
             }
             match f() {
@@ -141,17 +156,29 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
             }
         };
         for &size in &plan.sizes {
-            progress.step(&format!("p2p {backend} {nics}nic single_write {}", fmt_bytes(size)));
-            case(&mut rows, "single_write", Some(size), &mut || single(cfg, &plan, &tb, &ep, &mut raw, size));
+            progress.step(&format!(
+                "p2p {backend} {nics}nic single_write {}",
+                fmt_bytes(size)
+            ));
+            case(&mut rows, "single_write", Some(size), &mut || {
+                single(cfg, &plan, &tb, &ep, &mut raw, size)
+            });
         }
         for &pl in &plan.page_lens {
             for &n in &plan.page_counts {
-                progress.step(&format!("p2p {backend} {nics}nic paged {n} x {}", fmt_bytes(pl)));
-                case(&mut rows, "paged_write", None, &mut || paged(cfg, &plan, &tb, &ep, &mut raw, pl, n));
+                progress.step(&format!(
+                    "p2p {backend} {nics}nic paged {n} x {}",
+                    fmt_bytes(pl)
+                ));
+                case(&mut rows, "paged_write", None, &mut || {
+                    paged(cfg, &plan, &tb, &ep, &mut raw, pl, n)
+                });
             }
         }
         progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
-        case(&mut rows, "imm_only", None, &mut || imm_only(cfg, &plan, &tb, &ep, &mut raw).map(|r| vec![r]));
+        case(&mut rows, "imm_only", None, &mut || {
+            imm_only(cfg, &plan, &tb, &ep, &mut raw).map(|r| vec![r])
+        });
     }
     rows
 }
@@ -168,16 +195,30 @@ fn tcp_target(tb: &Testbed, row: Row) -> Row {
 /// Raw WRs of transfer `t` of a single write of `len`: the engine's own
 /// sharding plan, so both sides post the same WR set.
 fn single_pieces(len: u64, lanes: usize, mwl: u64, t: u64) -> Vec<Piece> {
-    plan_single_write(len, lanes, mwl, t as usize % lanes.max(1), &ShardConfig::default())
+    plan_single_write(
+        len,
+        lanes,
+        mwl,
+        t as usize % lanes.max(1),
+        &ShardConfig::default(),
+    )
 }
 
-fn raw_single(raw: &mut RawPair, len: u64, count: u64, window: u64, imm: Option<u32>) -> Result<f64, String> {
+fn raw_single(
+    raw: &mut RawPair,
+    len: u64,
+    count: u64,
+    window: u64,
+    imm: Option<u32>,
+) -> Result<f64, String> {
     let lanes = raw.lanes();
     let mwl = raw.max_write_len();
     // Pieces per transfer are identical for every transfer except the lane
     // rotation of unsharded writes; precompute transfer 0's shape.
     let per = single_pieces(len, lanes, mwl, 0).len().max(1) as u64;
-    let mut cache: Vec<Vec<Piece>> = (0..lanes as u64).map(|t| single_pieces(len, lanes, mwl, t)).collect();
+    let mut cache: Vec<Vec<Piece>> = (0..lanes as u64)
+        .map(|t| single_pieces(len, lanes, mwl, t))
+        .collect();
     if cache.is_empty() {
         cache.push(single_pieces(len, 1, mwl, 0));
     }
@@ -217,16 +258,36 @@ fn single(
         }
     }
     let (eb, rb) = (median(&mut e_bw), median(&mut r_bw));
-    let bw = Row::new(BENCH, "single_write", &backend, nics, fmt_bytes(size), "bandwidth", "GB/s", eb, Some((rb, RAW)))
-        .size(size)
-        .extra("weft_mops", eb * 1e3 / size as f64)
-        .extra("raw_mops", rb * 1e3 / size as f64);
+    let bw = Row::new(
+        BENCH,
+        "single_write",
+        &backend,
+        nics,
+        fmt_bytes(size),
+        "bandwidth",
+        "GB/s",
+        eb,
+        Some((rb, RAW)),
+    )
+    .size(size)
+    .extra("weft_mops", eb * 1e3 / size as f64)
+    .extra("raw_mops", rb * 1e3 / size as f64);
     let el = percentiles(&mut e_lat);
     let rl = percentiles(&mut r_lat);
-    let lat = Row::new(BENCH, "single_write", &backend, nics, fmt_bytes(size), "latency p50", "us", el.p50, Some((rl.p50, RAW)))
-        .size(size)
-        .extra("weft_p99_us", el.p99)
-        .extra("raw_p99_us", rl.p99);
+    let lat = Row::new(
+        BENCH,
+        "single_write",
+        &backend,
+        nics,
+        fmt_bytes(size),
+        "latency p50",
+        "us",
+        el.p50,
+        Some((rl.p50, RAW)),
+    )
+    .size(size)
+    .extra("weft_p99_us", el.p99)
+    .extra("raw_p99_us", rl.p99);
     Ok(vec![tcp_target(tb, bw), lat])
 }
 
@@ -249,7 +310,7 @@ fn paged(
         offset: 0,
     };
     // A coprime multiplier scatters destination pages (when slots allow).
-    let mul = if slots % 7919 == 0 { 1 } else { 7919 };
+    let mul = if slots.is_multiple_of(7919) { 1 } else { 7919 };
     let dp = Pages {
         indices: (0..n).map(|i| idx(i, mul)).collect(),
         stride: page_len,
@@ -258,7 +319,9 @@ fn paged(
     let submits = (plan.paged_pages / n).max(1);
     let lanes = raw.lanes();
     let mwl = raw.max_write_len();
-    let per_page = plan_page(0, page_len, lanes, mwl, ShardConfig::default().align).len().max(1) as u64;
+    let per_page = plan_page(0, page_len, lanes, mwl, ShardConfig::default().align)
+        .len()
+        .max(1) as u64;
     let total_pages = submits * n;
     // Page j's pieces depend only on j % lanes.
     let lane_pieces: Vec<Vec<Piece>> = (0..lanes.max(1))
@@ -277,15 +340,28 @@ fn paged(
             let dof = dp.page_offset(j).ok_or("dst page")?;
             let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
             let p = pieces.get(k).ok_or("piece")?;
-            Ok((p.lane, r.wr(i, p.lane, so + p.offset, dof + p.offset, p.len, None)?))
+            Ok((
+                p.lane,
+                r.wr(i, p.lane, so + p.offset, dof + p.offset, p.len, None)?,
+            ))
         })?;
         r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
     }
     let (em, rm) = (median(&mut e_rate), median(&mut r_rate));
     let param = format!("{n} x {}", fmt_bytes(page_len));
     let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
-    let mut ops = Row::new(BENCH, "paged_write", &backend, nics, param.clone(), "page rate", "Mops/s", em, Some((rm, RAW)))
-        .extra("pages_per_batch", total_pages as f64);
+    let mut ops = Row::new(
+        BENCH,
+        "paged_write",
+        &backend,
+        nics,
+        param.clone(),
+        "page rate",
+        "Mops/s",
+        em,
+        Some((rm, RAW)),
+    )
+    .extra("pages_per_batch", total_pages as f64);
     if *tb.kind() == BackendKind::LoopbackNull && page_len <= 4096 {
         ops = ops.target(Target::at_least(em, 10.0, "Mops/s"));
     } else {
@@ -293,12 +369,28 @@ fn paged(
     }
     let bw = tcp_target(
         tb,
-        Row::new(BENCH, "paged_write", &backend, nics, param, "bandwidth", "GB/s", gb(em), Some((gb(rm), RAW))),
+        Row::new(
+            BENCH,
+            "paged_write",
+            &backend,
+            nics,
+            param,
+            "bandwidth",
+            "GB/s",
+            gb(em),
+            Some((gb(rm), RAW)),
+        ),
     );
     Ok(vec![ops, bw])
 }
 
-fn imm_only(cfg: &Config, plan: &P2pPlan, tb: &Testbed, ep: &EnginePair, raw: &mut RawPair) -> Result<Row, String> {
+fn imm_only(
+    cfg: &Config,
+    plan: &P2pPlan,
+    tb: &Testbed,
+    ep: &EnginePair,
+    raw: &mut RawPair,
+) -> Result<Row, String> {
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let ops = plan.lat_max_ops;
     let (mut e, mut r) = (Vec::new(), Vec::new());

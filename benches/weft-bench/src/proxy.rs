@@ -69,7 +69,11 @@ fn peers(tb: &Testbed, n: usize) -> Result<Peers, String> {
 }
 
 /// Runs `proxy` on `kind`.
-pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> (Vec<Row>, Vec<Breakdown>) {
+pub fn run(
+    cfg: &Config,
+    kind: &BackendKind,
+    progress: &mut Progress,
+) -> (Vec<Row>, Vec<Breakdown>) {
     let backend = kind.to_string();
     let counts = peer_counts(cfg.quick);
     if !kind.is_loopback() {
@@ -104,7 +108,10 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> (Vec<Ro
     }
     match run_inner(cfg, kind, &counts, progress) {
         Ok(x) => x,
-        Err(why) => (vec![Row::failed(BENCH, "scatter", &backend, 1, why)], Vec::new()),
+        Err(why) => (
+            vec![Row::failed(BENCH, "scatter", &backend, 1, why)],
+            Vec::new(),
+        ),
     }
 }
 
@@ -125,8 +132,10 @@ fn collect(eng: &TransferEngine, st: &mut Stages) {
         let (Some(f), Some(a)) = (r.first_wr, r.all_posted) else {
             continue;
         };
-        st.enqueue.push(ns(r.enqueued.saturating_duration_since(r.submit)));
-        st.pickup.push(ns(r.pickup.saturating_duration_since(r.enqueued)));
+        st.enqueue
+            .push(ns(r.enqueued.saturating_duration_since(r.submit)));
+        st.pickup
+            .push(ns(r.pickup.saturating_duration_since(r.enqueued)));
         st.prepare.push(ns(f.saturating_duration_since(r.pickup)));
         st.first_wr.push(ns(f.saturating_duration_since(r.submit)));
         st.post_rest.push(ns(a.saturating_duration_since(f)));
@@ -206,7 +215,10 @@ fn run_inner(
             if counter.failed() > 0 {
                 return Err(format!(
                     "scatter failed: {}",
-                    counter.first_error().map(|e| e.to_string()).unwrap_or_default()
+                    counter
+                        .first_error()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default()
                 ));
             }
             collect(&eng, &mut st);
@@ -306,21 +318,51 @@ fn run_inner(
         }
         let param = format!("{n} peers");
         rows.push(
-            Row::new(BENCH, "scatter", &backend, 1, param.clone(), "submit->first WR p50", "us", first.p50, Some((fl.p50, "queue hand-off floor")))
-                .target(Target::at_most(first.p50, 0.5, "us"))
-                .extra("p99_us", first.p99)
-                .extra("p999_us", first.p999),
+            Row::new(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                param.clone(),
+                "submit->first WR p50",
+                "us",
+                first.p50,
+                Some((fl.p50, "queue hand-off floor")),
+            )
+            .target(Target::at_most(first.p50, 0.5, "us"))
+            .extra("p99_us", first.p99)
+            .extra("p999_us", first.p999),
         );
         rows.push(
-            Row::new(BENCH, "scatter", &backend, 1, param.clone(), "enqueued->pickup p50", "us", pick.p50, Some((fl.p50, "queue hand-off floor")))
-                .extra("p99_us", pick.p99)
-                .extra("p999_us", pick.p999),
+            Row::new(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                param.clone(),
+                "enqueued->pickup p50",
+                "us",
+                pick.p50,
+                Some((fl.p50, "queue hand-off floor")),
+            )
+            .extra("p99_us", pick.p99)
+            .extra("p999_us", pick.p999),
         );
         let overhead = total.p50 - rawp.p50;
-        let mut all = Row::new(BENCH, "scatter", &backend, 1, param, "submit->all posted p50", "us", total.p50, Some((rawp.p50, "raw backend posting")))
-            .extra("engine_overhead_us", overhead)
-            .extra("p99_us", total.p99)
-            .extra("p999_us", total.p999);
+        let mut all = Row::new(
+            BENCH,
+            "scatter",
+            &backend,
+            1,
+            param,
+            "submit->all posted p50",
+            "us",
+            total.p50,
+            Some((rawp.p50, "raw backend posting")),
+        )
+        .extra("engine_overhead_us", overhead)
+        .extra("p99_us", total.p99)
+        .extra("p999_us", total.p999);
         if n == 64 {
             all = all.target(Target {
                 text: "engine +<= 3 us".into(),

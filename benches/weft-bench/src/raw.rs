@@ -98,8 +98,18 @@ impl RawPair {
 
     /// A WRITE of `len` bytes on `lane` from source offset `so` to
     /// destination offset `dof`.
-    pub fn wr(&self, id: u64, lane: usize, so: u64, dof: u64, len: u64, imm: Option<u32>) -> Result<WriteWr, String> {
-        let (Some(s), Some(d), Some(p)) = (self.src.get(lane), self.dst.get(lane), self.peers.get(lane)) else {
+    pub fn wr(
+        &self,
+        id: u64,
+        lane: usize,
+        so: u64,
+        dof: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<WriteWr, String> {
+        let (Some(s), Some(d), Some(p)) =
+            (self.src.get(lane), self.dst.get(lane), self.peers.get(lane))
+        else {
             return Err(format!("no lane {lane}"));
         };
         let src = s

@@ -219,9 +219,9 @@ pub fn fmt_num(v: f64) -> String {
 
 /// `1 KiB`, `64 MiB`, `100 B`.
 pub fn fmt_bytes(b: u64) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
         format!("{} KiB", b >> 10)
     } else {
         format!("{b} B")
@@ -251,11 +251,17 @@ impl Report {
                     opt(r.measured),
                 ),
                 Status::Unavailable(why) => {
-                    notes.push(format!("{} {} on {}: unavailable: {why}", r.bench, r.case, r.backend));
+                    notes.push(format!(
+                        "{} {} on {}: unavailable: {why}",
+                        r.bench, r.case, r.backend
+                    ));
                     (String::new(), "unavailable".into())
                 }
                 Status::Failed(why) => {
-                    notes.push(format!("{} {} on {}: FAILED: {why}", r.bench, r.case, r.backend));
+                    notes.push(format!(
+                        "{} {} on {}: FAILED: {why}",
+                        r.bench, r.case, r.backend
+                    ));
                     (String::new(), "FAILED".into())
                 }
             };
@@ -274,8 +280,13 @@ impl Report {
                 r.unit.clone(),
                 weft,
                 baseline,
-                r.ratio.map(|x| format!("{x:.2}")).unwrap_or_else(|| "-".into()),
-                r.target.as_ref().map(|t| t.text.clone()).unwrap_or_default(),
+                r.ratio
+                    .map(|x| format!("{x:.2}"))
+                    .unwrap_or_else(|| "-".into()),
+                r.target
+                    .as_ref()
+                    .map(|t| t.text.clone())
+                    .unwrap_or_default(),
                 met,
             ]);
         }
@@ -447,7 +458,9 @@ const COLORS: [&str; 10] = [
 ];
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// A log-x / linear-y line chart in plain SVG.

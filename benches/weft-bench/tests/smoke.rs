@@ -47,7 +47,10 @@ fn quick_all_on_loopback_null_has_every_row() {
         let (Some(m), Some(b)) = (r.measured, r.baseline) else {
             panic!("row without measurement or baseline: {r:?}");
         };
-        assert!(m.is_finite() && b.is_finite() && m >= 0.0 && b >= 0.0, "{r:?}");
+        assert!(
+            m.is_finite() && b.is_finite() && m >= 0.0 && b >= 0.0,
+            "{r:?}"
+        );
         assert!(!r.baseline_name.is_empty(), "{r:?}");
     }
     assert!(rep

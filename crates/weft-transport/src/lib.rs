@@ -45,7 +45,10 @@
 //! 8. **Flow control.** A domain accepts at most [`Capabilities::max_inflight`]
 //!    outstanding SEND + WRITE work requests; posting beyond that returns
 //!    [`TransportError::QueueFull`] (or a short count from
-//!    [`Domain::post_writes`]), never blocks and never drops work.
+//!    [`Domain::post_writes`]), never blocks and never drops work. A work
+//!    request stops counting as outstanding when [`Domain::poll`] *returns*
+//!    its completion (not when the NIC generates it), so a caller that never
+//!    polls can never have more than `max_inflight` WRs accepted.
 //! 9. **Progress.** Completions are produced only by [`Domain::poll`]; a
 //!    backend may need `poll` to be called to make progress at all.
 //!

@@ -920,3 +920,34 @@ impl Harness for CrossProcess {
     }
 }
 
+
+/// Generates one `#[test]` per conformance case (seed 0) for `$factory`;
+/// cases listed under `known_failures` are `#[ignore]`d with the provider
+/// limitation that breaks them (run them with `-- --ignored`). A further
+/// test checks that every case of the suite is listed exactly once.
+#[macro_export]
+macro_rules! lf_conformance {
+    ($factory:expr; pass: $($name:ident),* $(,)?; known_failures: $($iname:ident = $why:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                weft_conformance::run_case_for_seeds(&$factory, stringify!($name), [0u64]);
+            }
+        )*
+        $(
+            #[test]
+            #[ignore = $why]
+            fn $iname() {
+                weft_conformance::run_case_for_seeds(&$factory, stringify!($iname), [0u64]);
+            }
+        )*
+        #[test]
+        fn every_case_listed() {
+            let mut listed: Vec<&str> = vec![$(stringify!($name),)* $(stringify!($iname),)*];
+            listed.sort_unstable();
+            let mut all: Vec<&str> = weft_conformance::cases().iter().map(|c| c.name).collect();
+            all.sort_unstable();
+            assert_eq!(listed, all, "conformance case list out of date");
+        }
+    };
+}
