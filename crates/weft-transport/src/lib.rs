@@ -31,8 +31,10 @@
 //! 5. **Failed operations.** A WRITE that fails (bad rkey, out-of-bounds
 //!    access, dead peer, injected fault) reports an error completion on the
 //!    initiator and **no** immediate at the target. Whether some of its bytes
-//!    were written is unspecified for peer death, but a remote-access violation
-//!    writes nothing.
+//!    were written is unspecified for peer death and for a target region
+//!    deregistered while the WRITE is landing; a remote-access violation that
+//!    holds for the whole WRITE (unknown or foreign rkey, out of bounds, not
+//!    writable, already deregistered) writes nothing.
 //! 6. **Peer death.** When a peer becomes unreachable, every operation posted to
 //!    it that has not completed fails with [`TransportError::PeerUnreachable`];
 //!    later posts to it fail the same way (either at post time or as an error

@@ -81,7 +81,11 @@ impl LfInProcess {
     /// The conformance harness for provider `name` (cases are skipped with
     /// a message when libfabric is missing).
     pub fn harness(name: &str, seed: u64) -> weft_conformance::InProcess<LfInProcess> {
-        weft_conformance::InProcess::new(LfInProcess { name: name.to_string(), provider: provider(name), seed })
+        weft_conformance::InProcess::new(LfInProcess {
+            name: name.to_string(),
+            provider: provider(name),
+            seed,
+        })
     }
 }
 
@@ -96,9 +100,15 @@ impl InProcessBackend for LfInProcess {
     fn seed(&self) -> u64 {
         self.seed
     }
-    fn add_host(&mut self, _host: HostId, nics: usize) -> Result<Vec<Box<dyn Domain>>, HarnessError> {
+    fn add_host(
+        &mut self,
+        _host: HostId,
+        nics: usize,
+    ) -> Result<Vec<Box<dyn Domain>>, HarnessError> {
         if nics > MAX_NICS {
-            return Err(HarnessError::Unsupported(format!("{nics} NICs per host (max {MAX_NICS})")));
+            return Err(HarnessError::Unsupported(format!(
+                "{nics} NICs per host (max {MAX_NICS})"
+            )));
         }
         let provider = self.provider.as_ref().ok_or_else(missing)?;
         (0..nics)
@@ -128,39 +138,114 @@ impl InProcessBackend for LfInProcess {
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 enum ErrW {
-    PeerUnreachable { nic: String, peer: Vec<u8>, reason: String },
-    RemoteAccess { nic: String, peer: Vec<u8>, rkey: u64, addr: u64, len: u64, reason: u8 },
-    LocalAccess { nic: String, what: String },
-    ReceiverNotReady { nic: String, peer: Vec<u8> },
-    MessageTooLong { nic: String, peer: Vec<u8>, len: u64, capacity: u64 },
-    QueueFull { nic: String },
-    InvalidArgument { nic: String, what: String },
-    Unsupported { nic: String, what: String },
-    LibraryUnavailable { library: String, reason: String },
-    NoDevice { what: String },
-    Provider { nic: String, op: String, code: i64, message: String },
-    Failed { nic: String, wr: Option<u64>, what: String },
-    NicDown { nic: String },
-    Canceled { nic: String },
-    Other { text: String },
+    PeerUnreachable {
+        nic: String,
+        peer: Vec<u8>,
+        reason: String,
+    },
+    RemoteAccess {
+        nic: String,
+        peer: Vec<u8>,
+        rkey: u64,
+        addr: u64,
+        len: u64,
+        reason: u8,
+    },
+    LocalAccess {
+        nic: String,
+        what: String,
+    },
+    ReceiverNotReady {
+        nic: String,
+        peer: Vec<u8>,
+    },
+    MessageTooLong {
+        nic: String,
+        peer: Vec<u8>,
+        len: u64,
+        capacity: u64,
+    },
+    QueueFull {
+        nic: String,
+    },
+    InvalidArgument {
+        nic: String,
+        what: String,
+    },
+    Unsupported {
+        nic: String,
+        what: String,
+    },
+    LibraryUnavailable {
+        library: String,
+        reason: String,
+    },
+    NoDevice {
+        what: String,
+    },
+    Provider {
+        nic: String,
+        op: String,
+        code: i64,
+        message: String,
+    },
+    Failed {
+        nic: String,
+        wr: Option<u64>,
+        what: String,
+    },
+    NicDown {
+        nic: String,
+    },
+    Canceled {
+        nic: String,
+    },
+    Other {
+        text: String,
+    },
 }
 
 fn leak_op(op: String) -> &'static str {
     // Provider op names are a small fixed set of libfabric call names.
     const KNOWN: &[&str] = &[
-        "fi_writemsg", "fi_send", "fi_recv", "completion", "fi_mr_reg", "fi_mr_regattr",
-        "fi_mr_bind", "fi_mr_enable", "fi_close(mr)", "fi_cq_read", "fi_cq_readerr",
-        "fi_av_insert", "fi_getname",
+        "fi_writemsg",
+        "fi_send",
+        "fi_recv",
+        "completion",
+        "fi_mr_reg",
+        "fi_mr_regattr",
+        "fi_mr_bind",
+        "fi_mr_enable",
+        "fi_close(mr)",
+        "fi_cq_read",
+        "fi_cq_readerr",
+        "fi_av_insert",
+        "fi_getname",
     ];
-    KNOWN.iter().copied().find(|k| *k == op).unwrap_or("libfabric (remote)")
+    KNOWN
+        .iter()
+        .copied()
+        .find(|k| *k == op)
+        .unwrap_or("libfabric (remote)")
 }
 
 impl From<&TransportError> for ErrW {
     fn from(e: &TransportError) -> Self {
         use TransportError as T;
         match e.clone() {
-            T::PeerUnreachable { nic, peer, reason } => ErrW::PeerUnreachable { nic, peer: peer.0, reason },
-            T::RemoteAccess { nic, peer, rkey, addr, len, reason } => ErrW::RemoteAccess {
+            T::PeerUnreachable { nic, peer, reason } => ErrW::PeerUnreachable {
+                nic,
+                peer: peer.0,
+                reason,
+            },
+            T::RemoteAccess {
+                nic,
+                peer,
+                rkey,
+                addr,
+                len,
+                reason,
+            } => ErrW::RemoteAccess {
                 nic,
                 peer: peer.0,
                 rkey,
@@ -175,17 +260,45 @@ impl From<&TransportError> for ErrW {
             },
             T::LocalAccess { nic, what } => ErrW::LocalAccess { nic, what },
             T::ReceiverNotReady { nic, peer } => ErrW::ReceiverNotReady { nic, peer: peer.0 },
-            T::MessageTooLong { nic, peer, len, capacity } => ErrW::MessageTooLong { nic, peer: peer.0, len, capacity },
+            T::MessageTooLong {
+                nic,
+                peer,
+                len,
+                capacity,
+            } => ErrW::MessageTooLong {
+                nic,
+                peer: peer.0,
+                len,
+                capacity,
+            },
             T::QueueFull { nic } => ErrW::QueueFull { nic },
             T::InvalidArgument { nic, what } => ErrW::InvalidArgument { nic, what },
             T::Unsupported { nic, what } => ErrW::Unsupported { nic, what },
-            T::LibraryUnavailable { library, reason } => ErrW::LibraryUnavailable { library, reason },
+            T::LibraryUnavailable { library, reason } => {
+                ErrW::LibraryUnavailable { library, reason }
+            }
             T::NoDevice { what } => ErrW::NoDevice { what },
-            T::Provider { nic, op, code, message } => ErrW::Provider { nic, op: op.to_string(), code, message },
-            T::Failed { nic, wr, what } => ErrW::Failed { nic, wr: wr.map(|w| w.0), what },
+            T::Provider {
+                nic,
+                op,
+                code,
+                message,
+            } => ErrW::Provider {
+                nic,
+                op: op.to_string(),
+                code,
+                message,
+            },
+            T::Failed { nic, wr, what } => ErrW::Failed {
+                nic,
+                wr: wr.map(|w| w.0),
+                what,
+            },
             T::NicDown { nic } => ErrW::NicDown { nic },
             T::Canceled { nic } => ErrW::Canceled { nic },
-            other => ErrW::Other { text: other.to_string() },
+            other => ErrW::Other {
+                text: other.to_string(),
+            },
         }
     }
 }
@@ -194,8 +307,19 @@ impl From<ErrW> for TransportError {
     fn from(e: ErrW) -> Self {
         use TransportError as T;
         match e {
-            ErrW::PeerUnreachable { nic, peer, reason } => T::PeerUnreachable { nic, peer: NetAddr(peer), reason },
-            ErrW::RemoteAccess { nic, peer, rkey, addr, len, reason } => T::RemoteAccess {
+            ErrW::PeerUnreachable { nic, peer, reason } => T::PeerUnreachable {
+                nic,
+                peer: NetAddr(peer),
+                reason,
+            },
+            ErrW::RemoteAccess {
+                nic,
+                peer,
+                rkey,
+                addr,
+                len,
+                reason,
+            } => T::RemoteAccess {
                 nic,
                 peer: NetAddr(peer),
                 rkey,
@@ -208,18 +332,51 @@ impl From<ErrW> for TransportError {
                 },
             },
             ErrW::LocalAccess { nic, what } => T::LocalAccess { nic, what },
-            ErrW::ReceiverNotReady { nic, peer } => T::ReceiverNotReady { nic, peer: NetAddr(peer) },
-            ErrW::MessageTooLong { nic, peer, len, capacity } => T::MessageTooLong { nic, peer: NetAddr(peer), len, capacity },
+            ErrW::ReceiverNotReady { nic, peer } => T::ReceiverNotReady {
+                nic,
+                peer: NetAddr(peer),
+            },
+            ErrW::MessageTooLong {
+                nic,
+                peer,
+                len,
+                capacity,
+            } => T::MessageTooLong {
+                nic,
+                peer: NetAddr(peer),
+                len,
+                capacity,
+            },
             ErrW::QueueFull { nic } => T::QueueFull { nic },
             ErrW::InvalidArgument { nic, what } => T::InvalidArgument { nic, what },
             ErrW::Unsupported { nic, what } => T::Unsupported { nic, what },
-            ErrW::LibraryUnavailable { library, reason } => T::LibraryUnavailable { library, reason },
+            ErrW::LibraryUnavailable { library, reason } => {
+                T::LibraryUnavailable { library, reason }
+            }
             ErrW::NoDevice { what } => T::NoDevice { what },
-            ErrW::Provider { nic, op, code, message } => T::Provider { nic, op: leak_op(op), code, message },
-            ErrW::Failed { nic, wr, what } => T::Failed { nic, wr: wr.map(WrId), what },
+            ErrW::Provider {
+                nic,
+                op,
+                code,
+                message,
+            } => T::Provider {
+                nic,
+                op: leak_op(op),
+                code,
+                message,
+            },
+            ErrW::Failed { nic, wr, what } => T::Failed {
+                nic,
+                wr: wr.map(WrId),
+                what,
+            },
             ErrW::NicDown { nic } => T::NicDown { nic },
             ErrW::Canceled { nic } => T::Canceled { nic },
-            ErrW::Other { text } => T::Failed { nic: "remote".into(), wr: None, what: text },
+            ErrW::Other { text } => T::Failed {
+                nic: "remote".into(),
+                wr: None,
+                what: text,
+            },
         }
     }
 }
@@ -233,12 +390,20 @@ struct SliceW {
 
 impl From<LocalSlice> for SliceW {
     fn from(s: LocalSlice) -> Self {
-        SliceW { mr: s.mr.0, addr: s.addr, len: s.len }
+        SliceW {
+            mr: s.mr.0,
+            addr: s.addr,
+            len: s.len,
+        }
     }
 }
 impl From<SliceW> for LocalSlice {
     fn from(s: SliceW) -> Self {
-        LocalSlice { mr: MrKey(s.mr), addr: s.addr, len: s.len }
+        LocalSlice {
+            mr: MrKey(s.mr),
+            addr: s.addr,
+            len: s.len,
+        }
     }
 }
 
@@ -272,7 +437,11 @@ impl From<WriteW> for WriteWr {
             wr: WrId(w.wr),
             peer: PeerId(w.peer),
             src: w.src.into(),
-            dst: RemoteSlice { base: w.base, offset: w.offset, rkey: Rkey(w.rkey) },
+            dst: RemoteSlice {
+                base: w.base,
+                offset: w.offset,
+                rkey: Rkey(w.rkey),
+            },
             imm: w.imm,
         }
     }
@@ -289,9 +458,15 @@ enum CompW {
 impl From<&Completion> for CompW {
     fn from(c: &Completion) -> Self {
         match c {
-            Completion::Send { wr, result } => CompW::Send(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from)),
-            Completion::Recv { wr, result } => CompW::Recv(wr.0, result.as_ref().map(|n| *n).map_err(ErrW::from)),
-            Completion::Write { wr, result } => CompW::Write(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from)),
+            Completion::Send { wr, result } => {
+                CompW::Send(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from))
+            }
+            Completion::Recv { wr, result } => {
+                CompW::Recv(wr.0, result.as_ref().map(|n| *n).map_err(ErrW::from))
+            }
+            Completion::Write { wr, result } => {
+                CompW::Write(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from))
+            }
             Completion::Imm { imm } => CompW::Imm(*imm),
         }
     }
@@ -299,9 +474,18 @@ impl From<&Completion> for CompW {
 impl From<CompW> for Completion {
     fn from(c: CompW) -> Self {
         match c {
-            CompW::Send(wr, r) => Completion::Send { wr: WrId(wr), result: r.map_err(Into::into) },
-            CompW::Recv(wr, r) => Completion::Recv { wr: WrId(wr), result: r.map_err(Into::into) },
-            CompW::Write(wr, r) => Completion::Write { wr: WrId(wr), result: r.map_err(Into::into) },
+            CompW::Send(wr, r) => Completion::Send {
+                wr: WrId(wr),
+                result: r.map_err(Into::into),
+            },
+            CompW::Recv(wr, r) => Completion::Recv {
+                wr: WrId(wr),
+                result: r.map_err(Into::into),
+            },
+            CompW::Write(wr, r) => Completion::Write {
+                wr: WrId(wr),
+                result: r.map_err(Into::into),
+            },
             CompW::Imm(imm) => Completion::Imm { imm },
         }
     }
@@ -326,14 +510,46 @@ struct InfoW {
 enum Req {
     Info(u32),
     Alloc(u64),
-    WriteMem { buf: u64, offset: u64, data: Vec<u8> },
-    ReadMem { buf: u64, offset: u64, len: u64 },
-    Register { nic: u32, buf: u64, start: u64, end: u64, remote: bool },
-    Deregister { nic: u32, key: u64 },
-    AddPeer { nic: u32, addr: Vec<u8> },
-    PostSend { nic: u32, wr: u64, peer: u32, src: SliceW },
-    PostRecv { nic: u32, wr: u64, buf: SliceW },
-    PostWrites { nic: u32, wrs: Vec<WriteW> },
+    WriteMem {
+        buf: u64,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    ReadMem {
+        buf: u64,
+        offset: u64,
+        len: u64,
+    },
+    Register {
+        nic: u32,
+        buf: u64,
+        start: u64,
+        end: u64,
+        remote: bool,
+    },
+    Deregister {
+        nic: u32,
+        key: u64,
+    },
+    AddPeer {
+        nic: u32,
+        addr: Vec<u8>,
+    },
+    PostSend {
+        nic: u32,
+        wr: u64,
+        peer: u32,
+        src: SliceW,
+    },
+    PostRecv {
+        nic: u32,
+        wr: u64,
+        buf: SliceW,
+    },
+    PostWrites {
+        nic: u32,
+        wrs: Vec<WriteW>,
+    },
     Poll(u32),
 }
 
@@ -423,19 +639,51 @@ fn codec_selftest() {
     let reqs = vec![
         Req::PostWrites {
             nic: 1,
-            wrs: vec![WriteW { wr: 9, peer: 2, src: SliceW { mr: 1, addr: 2, len: 3 }, base: 4, offset: 5, rkey: 6, imm: Some(7) }],
+            wrs: vec![WriteW {
+                wr: 9,
+                peer: 2,
+                src: SliceW {
+                    mr: 1,
+                    addr: 2,
+                    len: 3,
+                },
+                base: 4,
+                offset: 5,
+                rkey: 6,
+                imm: Some(7),
+            }],
         },
-        Req::WriteMem { buf: 1, offset: 2, data: vec![1, 2, 3] },
+        Req::WriteMem {
+            buf: 1,
+            offset: 2,
+            data: vec![1, 2, 3],
+        },
     ];
     for r in reqs {
         let b = postcard::to_allocvec(&r).unwrap();
         assert_eq!(postcard::from_bytes::<Req>(&b).unwrap(), r);
     }
     let errs = [
-        TransportError::PeerUnreachable { nic: "n".into(), peer: NetAddr(vec![1]), reason: "r".into() },
-        TransportError::RemoteAccess { nic: "n".into(), peer: NetAddr(vec![2]), rkey: 1, addr: 2, len: 3, reason: RemoteAccessReason::OutOfBounds },
+        TransportError::PeerUnreachable {
+            nic: "n".into(),
+            peer: NetAddr(vec![1]),
+            reason: "r".into(),
+        },
+        TransportError::RemoteAccess {
+            nic: "n".into(),
+            peer: NetAddr(vec![2]),
+            rkey: 1,
+            addr: 2,
+            len: 3,
+            reason: RemoteAccessReason::OutOfBounds,
+        },
         TransportError::QueueFull { nic: "n".into() },
-        TransportError::Provider { nic: "n".into(), op: "fi_writemsg", code: -5, message: "m".into() },
+        TransportError::Provider {
+            nic: "n".into(),
+            op: "fi_writemsg",
+            code: -5,
+            message: "m".into(),
+        },
     ];
     for e in errs {
         let w = ErrW::from(&e);
@@ -504,10 +752,12 @@ fn serve(path: &str) -> Result<(), String> {
 
 fn handle(st: &mut ChildState, req: Req) -> Resp {
     fn dom(st: &mut ChildState, nic: u32) -> Result<&mut Box<dyn Domain>, TransportError> {
-        st.domains.get_mut(nic as usize).ok_or_else(|| TransportError::InvalidArgument {
-            nic: format!("nic{nic}"),
-            what: "no such nic in child".into(),
-        })
+        st.domains
+            .get_mut(nic as usize)
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: format!("nic{nic}"),
+                what: "no such nic in child".into(),
+            })
     }
     fn mem(st: &ChildState, buf: u64, offset: u64, len: u64) -> Result<*mut u8, String> {
         let m = st.mem.get(buf as usize).ok_or("no such buffer")?;
@@ -546,22 +796,33 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 // SAFETY: non-zero size.
                 let p = unsafe { std::alloc::alloc_zeroed(layout) };
                 let ptr = NonNull::new(p).ok_or("out of memory")?;
-                st.mem.push(ChildMem { ptr, len: len as usize });
+                st.mem.push(ChildMem {
+                    ptr,
+                    len: len as usize,
+                });
                 Ok(st.mem.len() as u64 - 1)
             })();
             Resp::Buf(r)
         }
-        Req::WriteMem { buf, offset, data } => Resp::Unit(mem(st, buf, offset, data.len() as u64).map(|p| {
-            // SAFETY: the span is inside the allocation; `data` is separate.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) }
-        })),
+        Req::WriteMem { buf, offset, data } => {
+            Resp::Unit(mem(st, buf, offset, data.len() as u64).map(|p| {
+                // SAFETY: the span is inside the allocation; `data` is separate.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) }
+            }))
+        }
         Req::ReadMem { buf, offset, len } => Resp::Bytes(mem(st, buf, offset, len).map(|p| {
             let mut out = vec![0u8; len as usize];
             // SAFETY: the span is inside the allocation; `out` is separate.
             unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), len as usize) };
             out
         })),
-        Req::Register { nic, buf, start, end, remote } => {
+        Req::Register {
+            nic,
+            buf,
+            start,
+            end,
+            remote,
+        } => {
             let r = (|| {
                 let len = end.checked_sub(start).ok_or_else(|| fail("bad range"))?;
                 let p = mem(st, buf, start, len).map_err(|e| fail(&e))?;
@@ -569,14 +830,20 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 // SAFETY: the allocation lives until the child exits and is
                 // only accessed through raw pointers.
                 let region = unsafe { MemRegion::new(ptr, len as usize, Device::Host) };
-                let access = if remote { Access::RemoteWrite } else { Access::LocalOnly };
+                let access = if remote {
+                    Access::RemoteWrite
+                } else {
+                    Access::LocalOnly
+                };
                 let mr = dom(st, nic)?.register(&region, access)?;
                 Ok((mr.key.0, mr.rkey.0, mr.addr, mr.len))
             })();
             Resp::Mr(r.map_err(|e: TransportError| (&e).into()))
         }
         Req::Deregister { nic, key } => Resp::Done(
-            dom(st, nic).and_then(|d| d.deregister(MrKey(key))).map_err(|e| (&e).into()),
+            dom(st, nic)
+                .and_then(|d| d.deregister(MrKey(key)))
+                .map_err(|e| (&e).into()),
         ),
         Req::AddPeer { nic, addr } => Resp::Peer(
             dom(st, nic)
@@ -589,7 +856,9 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 let used = st.outstanding.get(nic as usize).copied().unwrap_or(0);
                 let d = dom(st, nic)?;
                 if used >= d.capabilities().max_inflight {
-                    return Err(TransportError::QueueFull { nic: d.info().name.clone() });
+                    return Err(TransportError::QueueFull {
+                        nic: d.info().name.clone(),
+                    });
                 }
                 d.post_send(WrId(wr), PeerId(peer), src.into())?;
                 if let Some(o) = st.outstanding.get_mut(nic as usize) {
@@ -630,7 +899,8 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
         Req::Poll(nic) => {
             let idx = nic as usize;
             let r = (|| {
-                let mut out = std::mem::take(st.pending.get_mut(idx).ok_or_else(|| fail("no nic"))?);
+                let mut out =
+                    std::mem::take(st.pending.get_mut(idx).ok_or_else(|| fail("no nic"))?);
                 dom(st, nic)?.poll(&mut out)?;
                 let done = out
                     .iter()
@@ -647,7 +917,11 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
 }
 
 fn fail(what: &str) -> TransportError {
-    TransportError::Failed { nic: "child".into(), wr: None, what: what.into() }
+    TransportError::Failed {
+        nic: "child".into(),
+        wr: None,
+        what: what.into(),
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -689,41 +963,78 @@ impl Domain for ProxyDomain {
     fn capabilities(&self) -> &Capabilities {
         &self.caps
     }
-    fn register(&mut self, _region: &MemRegion, _access: Access) -> Result<LocalMr, TransportError> {
+    fn register(
+        &mut self,
+        _region: &MemRegion,
+        _access: Access,
+    ) -> Result<LocalMr, TransportError> {
         Err(TransportError::Unsupported {
             nic: self.info.name.clone(),
             what: "register through the harness (memory lives in the peer process)".into(),
         })
     }
     fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
-        match call(&self.conn, &Req::Deregister { nic: self.nic, key: mr.0 }) {
+        match call(
+            &self.conn,
+            &Req::Deregister {
+                nic: self.nic,
+                key: mr.0,
+            },
+        ) {
             Resp::Done(r) => r.map_err(Into::into),
             r => unexpected(r),
         }
     }
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        match call(&self.conn, &Req::AddPeer { nic: self.nic, addr: addr.0.clone() }) {
+        match call(
+            &self.conn,
+            &Req::AddPeer {
+                nic: self.nic,
+                addr: addr.0.clone(),
+            },
+        ) {
             Resp::Peer(r) => r.map(PeerId).map_err(Into::into),
             r => unexpected(r),
         }
     }
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
-        match call(&self.conn, &Req::PostSend { nic: self.nic, wr: wr.0, peer: peer.0, src: src.into() }) {
+        match call(
+            &self.conn,
+            &Req::PostSend {
+                nic: self.nic,
+                wr: wr.0,
+                peer: peer.0,
+                src: src.into(),
+            },
+        ) {
             Resp::Done(r) => r.map_err(Into::into),
             r => unexpected(r),
         }
     }
     fn post_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
-        match call(&self.conn, &Req::PostRecv { nic: self.nic, wr: wr.0, buf: buf.into() }) {
+        match call(
+            &self.conn,
+            &Req::PostRecv {
+                nic: self.nic,
+                wr: wr.0,
+                buf: buf.into(),
+            },
+        ) {
             Resp::Done(r) => r.map_err(Into::into),
             r => unexpected(r),
         }
     }
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
-        let req = Req::PostWrites { nic: self.nic, wrs: wrs.iter().map(WriteW::from).collect() };
+        let req = Req::PostWrites {
+            nic: self.nic,
+            wrs: wrs.iter().map(WriteW::from).collect(),
+        };
         match call(&self.conn, &req) {
             Resp::Posted(Ok(n)) => Ok(n as usize),
-            Resp::Posted(Err((posted, e))) => Err(PostError { posted: posted as usize, error: e.into() }),
+            Resp::Posted(Err((posted, e))) => Err(PostError {
+                posted: posted as usize,
+                error: e.into(),
+            }),
             r => unexpected(r),
         }
     }
@@ -771,7 +1082,13 @@ impl CrossProcess {
         static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("weft-lf-{}-{n}", std::process::id()));
-        CrossProcess { name: name.to_string(), provider: provider(name), seed, dir, hosts: Vec::new() }
+        CrossProcess {
+            name: name.to_string(),
+            provider: provider(name),
+            seed,
+            dir,
+            hosts: Vec::new(),
+        }
     }
 
     fn host(&mut self, host: HostId) -> &mut ChildHost {
@@ -802,15 +1119,19 @@ impl Harness for CrossProcess {
     }
     fn add_host(&mut self, nics: usize) -> Result<HostId, HarnessError> {
         if nics > MAX_NICS {
-            return Err(HarnessError::Unsupported(format!("{nics} NICs per host (max {MAX_NICS})")));
+            return Err(HarnessError::Unsupported(format!(
+                "{nics} NICs per host (max {MAX_NICS})"
+            )));
         }
         if self.provider.is_none() {
             return Err(missing());
         }
-        std::fs::create_dir_all(&self.dir).map_err(|e| HarnessError::Failed(format!("mkdir: {e}")))?;
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| HarnessError::Failed(format!("mkdir: {e}")))?;
         let id = HostId(self.hosts.len());
         let path = self.dir.join(format!("host{}.sock", id.0));
-        let listener = UnixListener::bind(&path).map_err(|e| HarnessError::Failed(format!("bind {}: {e}", path.display())))?;
+        let listener = UnixListener::bind(&path)
+            .map_err(|e| HarnessError::Failed(format!("bind {}: {e}", path.display())))?;
         let exe = std::env::current_exe().map_err(|e| HarnessError::Failed(e.to_string()))?;
         let child = Command::new(exe)
             .args([ENTRY_TEST, "--exact", "--nocapture", "--test-threads=1"])
@@ -822,28 +1143,47 @@ impl Harness for CrossProcess {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| HarnessError::Failed(format!("spawn peer process: {e}")))?;
-        let mut host = ChildHost { child, conn: Arc::new(Mutex::new(UnixStream::pair().map_err(|e| HarnessError::Failed(e.to_string()))?.0)), domains: Vec::new(), killed: false };
+        let mut host = ChildHost {
+            child,
+            conn: Arc::new(Mutex::new(
+                UnixStream::pair()
+                    .map_err(|e| HarnessError::Failed(e.to_string()))?
+                    .0,
+            )),
+            domains: Vec::new(),
+            killed: false,
+        };
         // Accept with a deadline: the child might fail before connecting.
-        listener.set_nonblocking(true).map_err(|e| HarnessError::Failed(e.to_string()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| HarnessError::Failed(e.to_string()))?;
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         let stream = loop {
             match listener.accept() {
                 Ok((s, _)) => break s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if let Ok(Some(status)) = host.child.try_wait() {
-                        return Err(HarnessError::Failed(format!("peer process exited early: {status}")));
+                        return Err(HarnessError::Failed(format!(
+                            "peer process exited early: {status}"
+                        )));
                     }
                     if std::time::Instant::now() > deadline {
-                        return Err(HarnessError::Failed("peer process did not connect within 60 s".into()));
+                        return Err(HarnessError::Failed(
+                            "peer process did not connect within 60 s".into(),
+                        ));
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(e) => return Err(HarnessError::Failed(format!("accept: {e}"))),
             }
         };
-        stream.set_nonblocking(false).map_err(|e| HarnessError::Failed(e.to_string()))?;
+        stream
+            .set_nonblocking(false)
+            .map_err(|e| HarnessError::Failed(e.to_string()))?;
         // A generous bound so a wedged child fails the case instead of hanging it.
-        stream.set_read_timeout(Some(Duration::from_secs(120))).map_err(|e| HarnessError::Failed(e.to_string()))?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .map_err(|e| HarnessError::Failed(e.to_string()))?;
         host.conn = Arc::new(Mutex::new(stream));
         for nic in 0..nics {
             let info = match call(&host.conn, &Req::Info(nic as u32)) {
@@ -853,7 +1193,12 @@ impl Harness for CrossProcess {
             host.domains.push(ProxyDomain {
                 conn: Arc::clone(&host.conn),
                 nic: nic as u32,
-                info: NicInfo { name: info.name, addr: NetAddr(info.addr), numa_node: info.numa, link_gbps: info.link },
+                info: NicInfo {
+                    name: info.name,
+                    addr: NetAddr(info.addr),
+                    numa_node: info.numa,
+                    link_gbps: info.link,
+                },
                 caps: Capabilities {
                     max_write_len: info.max_write_len,
                     max_send_len: info.max_send_len,
@@ -874,23 +1219,68 @@ impl Harness for CrossProcess {
             r => unexpected(r),
         }
     }
-    fn write_mem(&mut self, host: HostId, buf: weft_conformance::BufId, offset: usize, data: &[u8]) -> Result<(), HarnessError> {
-        match call(&self.conn(host), &Req::WriteMem { buf: buf.0, offset: offset as u64, data: data.to_vec() }) {
+    fn write_mem(
+        &mut self,
+        host: HostId,
+        buf: weft_conformance::BufId,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), HarnessError> {
+        match call(
+            &self.conn(host),
+            &Req::WriteMem {
+                buf: buf.0,
+                offset: offset as u64,
+                data: data.to_vec(),
+            },
+        ) {
             Resp::Unit(r) => r.map_err(HarnessError::Failed),
             r => unexpected(r),
         }
     }
-    fn read_mem(&mut self, host: HostId, buf: weft_conformance::BufId, offset: usize, len: usize) -> Result<Vec<u8>, HarnessError> {
-        match call(&self.conn(host), &Req::ReadMem { buf: buf.0, offset: offset as u64, len: len as u64 }) {
+    fn read_mem(
+        &mut self,
+        host: HostId,
+        buf: weft_conformance::BufId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>, HarnessError> {
+        match call(
+            &self.conn(host),
+            &Req::ReadMem {
+                buf: buf.0,
+                offset: offset as u64,
+                len: len as u64,
+            },
+        ) {
             Resp::Bytes(r) => r.map_err(HarnessError::Failed),
             r => unexpected(r),
         }
     }
-    fn register(&mut self, host: HostId, nic: usize, buf: weft_conformance::BufId, range: Range<usize>, access: Access) -> Result<LocalMr, TransportError> {
-        let req = Req::Register { nic: nic as u32, buf: buf.0, start: range.start as u64, end: range.end as u64, remote: access == Access::RemoteWrite };
+    fn register(
+        &mut self,
+        host: HostId,
+        nic: usize,
+        buf: weft_conformance::BufId,
+        range: Range<usize>,
+        access: Access,
+    ) -> Result<LocalMr, TransportError> {
+        let req = Req::Register {
+            nic: nic as u32,
+            buf: buf.0,
+            start: range.start as u64,
+            end: range.end as u64,
+            remote: access == Access::RemoteWrite,
+        };
         match call(&self.conn(host), &req) {
             Resp::Mr(r) => r
-                .map(|(key, rkey, addr, len)| LocalMr { key: MrKey(key), rkey: Rkey(rkey), addr, len, device: Device::Host })
+                .map(|(key, rkey, addr, len)| LocalMr {
+                    key: MrKey(key),
+                    rkey: Rkey(rkey),
+                    addr,
+                    len,
+                    device: Device::Host,
+                })
                 .map_err(Into::into),
             r => unexpected(r),
         }
@@ -910,7 +1300,9 @@ impl Harness for CrossProcess {
     }
     fn kill_host(&mut self, host: HostId) -> Result<(), HarnessError> {
         let h = self.host(host);
-        h.child.kill().map_err(|e| HarnessError::Failed(format!("kill: {e}")))?;
+        h.child
+            .kill()
+            .map_err(|e| HarnessError::Failed(format!("kill: {e}")))?;
         let _ = h.child.wait();
         h.killed = true;
         Ok(())
@@ -919,7 +1311,6 @@ impl Harness for CrossProcess {
         unreachable_addr_for(self.provider.as_ref().ok_or_else(missing)?, &self.name)
     }
 }
-
 
 /// Generates one `#[test]` per conformance case (seed 0) for `$factory`;
 /// cases listed under `known_failures` are `#[ignore]`d with the provider
