@@ -79,13 +79,23 @@ pub struct GroupAddress {
     pub nics: Vec<NetAddr>,
 }
 
+/// Packs a registration slot id and its generation into one key.
+pub(crate) fn mr_key(id: u32, gen: u32) -> u64 {
+    (u64::from(gen) << 32) | u64::from(id)
+}
+
+/// Splits [`mr_key`]'s key into (slot id, generation).
+pub(crate) fn split_mr_key(key: u64) -> (u32, u32) {
+    ((key & 0xffff_ffff) as u32, (key >> 32) as u32)
+}
+
 /// The body of one submitted request.
 #[derive(Debug)]
 pub(crate) enum Body {
     Single {
         len: u64,
         imm: Option<Imm>,
-        src: u32,
+        src: u64,
         src_off: u64,
         dst: MrDesc,
         dst_off: u64,
@@ -93,14 +103,14 @@ pub(crate) enum Body {
     Paged {
         page_len: u64,
         imm: Option<Imm>,
-        src: u32,
+        src: u64,
         src_pages: Pages,
         dst: MrDesc,
         dst_pages: Pages,
     },
     Scatter {
         imm: Option<Imm>,
-        src: u32,
+        src: u64,
         peers: u32,
         dsts: Vec<ScatterDst>,
         mode: ScatterMode,
@@ -130,10 +140,10 @@ pub(crate) struct Submitted {
 pub(crate) enum Control {
     RegMr {
         region: MemRegion,
-        reply: crossbeam_channel::Sender<Result<(u32, Vec<LocalMr>), EngineError>>,
+        reply: crossbeam_channel::Sender<Result<(u64, Vec<LocalMr>), EngineError>>,
     },
     UnregMr {
-        id: u32,
+        id: u64,
         reply: crossbeam_channel::Sender<Result<(), EngineError>>,
     },
     AddPeerGroup {
@@ -274,6 +284,8 @@ pub(crate) struct WorkerCore {
     slab: Vec<Transfer>,
     free: Vec<u32>,
     mrs: Vec<Option<MrEntry>>,
+    /// Generation of each `mrs` slot, bumped on every deregistration.
+    mr_gens: Vec<u32>,
     peer_groups: Vec<PeerGroup>,
     pools: BTreeMap<u16, PoolState>,
     send_pool: Arc<SendPool>,
@@ -384,6 +396,7 @@ impl WorkerCore {
             slab: Vec::new(),
             free: Vec::new(),
             mrs: Vec::new(),
+            mr_gens: Vec::new(),
             peer_groups: Vec::new(),
             pools: BTreeMap::new(),
             send_pool,
@@ -454,7 +467,7 @@ impl WorkerCore {
         }
     }
 
-    fn reg_mr(&mut self, region: &MemRegion) -> Result<(u32, Vec<LocalMr>), EngineError> {
+    fn reg_mr(&mut self, region: &MemRegion) -> Result<(u64, Vec<LocalMr>), EngineError> {
         let mut lanes = Vec::with_capacity(self.nics.len());
         for (i, n) in self.nics.iter_mut().enumerate() {
             match n.domain.register(region, Access::RemoteWrite) {
@@ -476,6 +489,7 @@ impl WorkerCore {
             Some(i) => i,
             None => {
                 self.mrs.push(None);
+                self.mr_gens.push(0);
                 self.mrs.len() - 1
             }
         };
@@ -487,7 +501,8 @@ impl WorkerCore {
                 lanes: lanes.clone(),
             });
         }
-        Ok((id32, lanes))
+        let gen = self.mr_gens.get(id).copied().unwrap_or(0);
+        Ok((mr_key(id32, gen), lanes))
     }
 
     fn nics_dereg(&mut self, nic: usize, key: MrKey) -> Result<(), TransportError> {
@@ -497,12 +512,36 @@ impl WorkerCore {
         }
     }
 
-    fn unreg_mr(&mut self, id: u32) -> Result<(), EngineError> {
+    /// The live registration `key` names; a key whose generation is not
+    /// the slot's current one is stale.
+    fn mr_entry(&self, key: u64) -> Result<&MrEntry, EngineError> {
+        let (id, gen) = split_mr_key(key);
+        let current = self.mr_gens.get(id as usize).copied();
+        match current {
+            Some(c) if c != gen => Err(EngineError::StaleMr {
+                id: u64::from(id),
+                gen,
+                current: c,
+            }),
+            _ => self
+                .mrs
+                .get(id as usize)
+                .and_then(Option::as_ref)
+                .ok_or(EngineError::UnknownMr(u64::from(id))),
+        }
+    }
+
+    fn unreg_mr(&mut self, key: u64) -> Result<(), EngineError> {
+        self.mr_entry(key)?;
+        let id = split_mr_key(key).0 as usize;
         let entry = self
             .mrs
-            .get_mut(id as usize)
+            .get_mut(id)
             .and_then(Option::take)
-            .ok_or(EngineError::UnknownMr(u64::from(id)))?;
+            .ok_or(EngineError::UnknownMr(id as u64))?;
+        if let Some(g) = self.mr_gens.get_mut(id) {
+            *g = g.wrapping_add(1);
+        }
         let mut first = Ok(());
         for (i, mr) in entry.lanes.iter().enumerate() {
             if let Err(e) = self.nics_dereg(i, mr.key) {
@@ -706,7 +745,7 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         lane: usize,
-        src: u32,
+        src: u64,
         src_off: u64,
         dst: &MrDesc,
         dst_off: u64,
@@ -717,19 +756,14 @@ impl WorkerCore {
         // address and rkey all come from `lane`.
         let tid = self.slab[slot as usize].id;
         let group = self.group;
-        let local = self
-            .mrs
-            .get(src as usize)
-            .and_then(Option::as_ref)
-            .ok_or(EngineError::UnknownMr(u64::from(src)))?
-            .lanes
-            .get(lane)
+        let lane_mr = self.mr_entry(src)?.lanes.get(lane).copied();
+        let local = lane_mr
             .and_then(|mr| mr.slice(src_off, len))
             .ok_or_else(|| EngineError::OutOfBounds {
                 what: format!("source on NIC {lane}"),
                 offset: src_off,
                 len,
-                region_len: 0,
+                region_len: lane_mr.map_or(0, |mr| mr.len),
             })?;
         let (addr, rkey) = dst
             .rkeys
@@ -1005,6 +1039,16 @@ impl WorkerCore {
                             owned: None,
                         },
                     )
+                } else if v.is_empty() {
+                    // Nothing to register: use the zero-length slice of the
+                    // engine's own registered buffer.
+                    (
+                        self.zero_slice(0).ok(),
+                        SendRes {
+                            slot: None,
+                            owned: None,
+                        },
+                    )
                 } else {
                     // Oversize (or pool empty): register the message itself.
                     // SAFETY: the Vec's heap buffer stays allocated and
@@ -1015,7 +1059,7 @@ impl WorkerCore {
                         MemRegion::new(
                             std::ptr::NonNull::new(v.as_ptr().cast_mut())
                                 .unwrap_or(std::ptr::NonNull::dangling()),
-                            v.len().max(1),
+                            v.len(),
                             weft_transport::Device::Host,
                         )
                     };
@@ -1151,6 +1195,7 @@ impl WorkerCore {
                     progressed |= accepted > 0;
                     let mut rest = accepted;
                     let mut stop = accepted < batch.len() && err.is_none();
+                    let mut died = None;
                     if let Some(e) = err {
                         if e.is_retryable() {
                             stop = true;
@@ -1160,7 +1205,7 @@ impl WorkerCore {
                             rest += 1;
                             progressed = true;
                             if fatal {
-                                self.nics[nic].dead = Some(e);
+                                died = Some(e);
                             }
                         }
                     }
@@ -1169,6 +1214,12 @@ impl WorkerCore {
                         self.ring(nic, fresh).push_front(Op::Write(*w));
                     }
                     self.scratch = batch;
+                    if let Some(e) = died {
+                        // Resolve what is already posted on this NIC too:
+                        // `poll` skips dead NICs, so nothing else would.
+                        tracing::error!(group = self.group, nic, error = %e, "NIC down on post");
+                        self.nic_died(nic, e);
+                    }
                     if stop {
                         return progressed;
                     }

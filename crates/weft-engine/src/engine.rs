@@ -15,6 +15,8 @@ use crossbeam_channel::{Receiver, Sender};
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::Backoff;
 use parking_lot::Mutex;
+use std::cell::Cell;
+use std::panic::AssertUnwindSafe;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -232,6 +234,7 @@ impl EngineBuilder {
                 closing: AtomicBool::new(false),
                 sleeping: AtomicBool::new(false),
                 thread: OnceLock::new(),
+                failed: OnceLock::new(),
             }));
             ctrl_rxs.push(ctrl_rx);
         }
@@ -374,6 +377,8 @@ struct GroupShared {
     closing: AtomicBool,
     sleeping: AtomicBool,
     thread: OnceLock<Thread>,
+    /// Set once the worker panicked: later submits fail with it.
+    failed: OnceLock<EngineError>,
 }
 
 impl GroupShared {
@@ -590,6 +595,9 @@ impl TransferEngine {
         if self.inner.shut.load(Ordering::SeqCst) {
             return Err(EngineError::ShutDown);
         }
+        if let Some(e) = g.failed.get() {
+            return Err(e.clone());
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         g.ctrl.send(make(tx)).map_err(|_| EngineError::ShutDown)?;
         if let Some(m) = &self.inner.manual {
@@ -606,7 +614,8 @@ impl TransferEngine {
                 t.unpark();
             }
         }
-        rx.recv().map_err(|_| EngineError::ShutDown)?
+        rx.recv()
+            .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?
     }
 
     /// Registers memory with every NIC of the group serving its device
@@ -648,7 +657,8 @@ impl TransferEngine {
         region: MemRegion,
     ) -> Result<(MrHandle, MrDesc), EngineError> {
         let gs = self.group(g)?;
-        let (id, lanes) = self.control(gs, |reply| Control::RegMr { region, reply })?;
+        let (key, lanes) = self.control(gs, |reply| Control::RegMr { region, reply })?;
+        let (id, gen) = crate::core::split_mr_key(key);
         let info = self.info(g)?;
         let desc = MrDesc {
             addr: region.addr(),
@@ -663,6 +673,7 @@ impl TransferEngine {
         let h = MrHandle {
             group: g as u32,
             id,
+            gen,
             addr: region.addr(),
             len: region.len() as u64,
             device: region.device(),
@@ -674,7 +685,7 @@ impl TransferEngine {
     /// using it fail with a local-access error.
     pub fn unreg_mr(&self, h: MrHandle) -> Result<(), EngineError> {
         let gs = self.group(h.group as usize)?;
-        self.control(gs, |reply| Control::UnregMr { id: h.id, reply })
+        self.control(gs, |reply| Control::UnregMr { id: h.key(), reply })
     }
 
     /// Resolves a set of peers on every group, for scatter and barrier.
@@ -712,7 +723,15 @@ impl TransferEngine {
             .ok_or_else(|| EngineError::InvalidArgument {
                 what: "receive pool size overflows".into(),
             })?;
-        let id = self.inner.next_pool.fetch_add(1, Ordering::Relaxed);
+        // Pool ids are part of receive WR ids and never reused: refuse
+        // rather than wrap onto a live pool.
+        let id = self
+            .inner
+            .next_pool
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_add(1))
+            .map_err(|_| EngineError::RecvPoolsExhausted {
+                limit: u32::from(u16::MAX),
+            })?;
         let pool = Arc::new(RecvPool {
             id,
             group: 0,
@@ -761,6 +780,9 @@ impl TransferEngine {
             if self.inner.shut.load(Ordering::SeqCst) {
                 return Err((EngineError::ShutDown, req));
             }
+            if let Some(e) = gs.failed.get() {
+                return Err((e.clone(), req));
+            }
             #[cfg(feature = "latency-probe")]
             {
                 req.stamps.enqueued = Instant::now();
@@ -803,6 +825,20 @@ impl TransferEngine {
                 enqueued: now,
             },
         })
+    }
+
+    /// The receiver's [`ImmCounts`] assume the sender spreads over as many
+    /// NICs as the receiver has: refuse a destination with another count.
+    fn check_lanes(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
+        let local = self.nic_count(g)?;
+        if dst.rkeys.len() != local {
+            return Err(EngineError::NicCountMismatch {
+                group: g,
+                local,
+                remote: dst.rkeys.len(),
+            });
+        }
+        Ok(())
     }
 
     fn check_dst(dst: &MrDesc, what: &str, offset: u64, len: u64) -> Result<(), EngineError> {
@@ -879,13 +915,14 @@ impl TransferEngine {
         let (d, dst_off) = dst;
         h.check("source", src_off, len)?;
         Self::check_dst(d, "destination", dst_off, len)?;
+        self.check_lanes(h.group as usize, d)?;
         let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
             Body::Single {
                 len,
                 imm,
-                src: h.id,
+                src: h.key(),
                 src_off,
                 dst: d.clone(),
                 dst_off,
@@ -925,13 +962,14 @@ impl TransferEngine {
             h.check(&format!("source page {i}"), so, page_len)?;
             Self::check_dst(d, &format!("destination page {i}"), d_o, page_len)?;
         }
+        self.check_lanes(h.group as usize, d)?;
         let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
             Body::Paged {
                 page_len,
                 imm,
-                src: h.id,
+                src: h.key(),
                 src_pages: sp.clone(),
                 dst: d.clone(),
                 dst_pages: dp.clone(),
@@ -989,13 +1027,16 @@ impl TransferEngine {
             )?;
         }
         let g = src.group as usize;
+        for d in dsts {
+            self.check_lanes(g, &d.dst)?;
+        }
         let gs = self.group(g)?;
         let pg = *peers.ids.get(g).ok_or_else(|| no_group(g))?;
         let req = self.new_req(
             on_done,
             Body::Scatter {
                 imm,
-                src: src.id,
+                src: src.key(),
                 peers: pg,
                 dsts: dsts.to_vec(),
                 mode,
@@ -1203,8 +1244,20 @@ impl TransferEngine {
     /// from a callback.
     pub fn shutdown(&self) {
         if self.inner.shut.swap(true, Ordering::SeqCst) {
-            // Someone else is/was shutting down; wait for them in threaded
-            // mode by joining nothing.
+            // Someone else is/was shutting down: return only once that
+            // shutdown has finished (unless called from inside a callback,
+            // which that shutdown may be waiting for).
+            if IN_CALLBACK.with(Cell::get) {
+                return;
+            }
+            let b = Backoff::new();
+            while !self.inner.done.load(Ordering::SeqCst) {
+                if b.is_completed() {
+                    std::thread::sleep(Duration::from_micros(100));
+                } else {
+                    b.snooze();
+                }
+            }
             return;
         }
         // No submitter may be between its shutdown check and its push.
@@ -1423,6 +1476,40 @@ impl Worker {
         }
     }
 
+    /// The worker panicked: fail everything it holds with `WorkerFailed`,
+    /// mark the group failed, then refuse work until shutdown.
+    fn failed(&mut self, payload: &(dyn std::any::Any + Send)) {
+        let g = self.shared.index;
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".to_string());
+        tracing::error!(group = g, what = %what, "worker panicked; failing the group");
+        let e = EngineError::WorkerFailed { group: g, what };
+        let _ = self.shared.failed.set(e.clone());
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.core.abandon_inflight(&e);
+        }));
+        if r.is_err() {
+            tracing::error!(group = g, "failing in-flight work panicked too");
+        }
+        loop {
+            while let Some(r) = self.shared.queue.pop() {
+                self.core.reject(r, e.clone());
+            }
+            // Control requests are dropped: their callers see a closed
+            // reply channel.
+            while self.ctrl_rx.try_recv().is_ok() {}
+            self.flush();
+            if self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty() {
+                break;
+            }
+            std::thread::park_timeout(Duration::from_millis(1));
+        }
+        self.finished = true;
+    }
+
     /// Shutdown handling; call after `iterate` while closing.
     fn drain_step(&mut self, deadline: Instant) {
         if self.finished || !self.shared.closing.load(Ordering::SeqCst) {
@@ -1486,7 +1573,13 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     drop(init);
     let mut idle_n = 0u32;
     loop {
-        let did = w.iterate();
+        let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
+            Ok(did) => did,
+            Err(p) => {
+                w.failed(&*p);
+                break;
+            }
+        };
         if w.shared.closing.load(Ordering::SeqCst) {
             w.drain_step(Instant::now() + drain);
             if w.finished {
@@ -1509,18 +1602,32 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
         }
     }
     // Leftover control requests get an answer.
-    while let Ok(c) = w.ctrl_rx.try_recv() {
-        w.core.handle_control(c);
+    if w.shared.failed.get().is_none() {
+        while let Ok(c) = w.ctrl_rx.try_recv() {
+            w.core.handle_control(c);
+        }
     }
     w.flush();
     let Worker { core, .. } = w;
-    core.close();
+    if std::panic::catch_unwind(AssertUnwindSafe(|| core.close())).is_err() {
+        tracing::error!(group = g, "closing the group's domains panicked");
+    }
+}
+
+thread_local! {
+    /// Set while this thread runs a user callback.
+    static IN_CALLBACK: Cell<bool> = const { Cell::new(false) };
 }
 
 fn run_msg(groups: &[Arc<GroupShared>], excess: &ExcessHandler, msg: CbMsg) {
+    let outer = IN_CALLBACK.with(|c| c.replace(true));
+    // A receive buffer is re-posted after its callback returned, even when
+    // the callback panicked (the repost runs outside the unwind boundary).
+    let mut repost = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match msg {
         CbMsg::Event(Event::Done(cb, r)) | CbMsg::Event(Event::Imm(cb, r)) => cb(r),
         CbMsg::Event(Event::Recv { pool, idx, result }) => {
+            repost = Some((pool.group, pool.id, idx));
             {
                 let mut cb = pool.cb.lock();
                 match result {
@@ -1537,16 +1644,19 @@ fn run_msg(groups: &[Arc<GroupShared>], excess: &ExcessHandler, msg: CbMsg) {
                     Err(e) => cb(Err(e)),
                 }
             }
-            if let Some(g) = groups.get(pool.group) {
-                let _ = g.ctrl.send(Control::Repost { pool: pool.id, idx });
-                g.wake();
-            }
         }
         CbMsg::Excess(imm, n) => excess(imm, n),
         CbMsg::Stop => {}
     }));
+    IN_CALLBACK.with(|c| c.set(outer));
     if r.is_err() {
         tracing::error!("a weft callback panicked");
+    }
+    if let Some((group, pool, idx)) = repost {
+        if let Some(g) = groups.get(group) {
+            let _ = g.ctrl.send(Control::Repost { pool, idx });
+            g.wake();
+        }
     }
 }
 

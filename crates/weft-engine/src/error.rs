@@ -77,6 +77,44 @@ pub enum EngineError {
     /// The memory handle is unknown (never registered or deregistered).
     #[error("unknown memory region {0}")]
     UnknownMr(u64),
+    /// The memory handle refers to a registration that was deregistered;
+    /// its slot now holds a newer registration (generation mismatch).
+    #[error("stale memory handle {id} (generation {gen}, slot now at generation {current})")]
+    StaleMr {
+        /// The handle's slot id.
+        id: u64,
+        /// The handle's generation.
+        gen: u32,
+        /// The slot's current generation.
+        current: u32,
+    },
+    /// Every receive pool id has been used (ids are never reused, so a live
+    /// pool is never replaced).
+    #[error("receive pool ids exhausted ({limit} pools)")]
+    RecvPoolsExhausted {
+        /// How many pools an engine can create.
+        limit: u32,
+    },
+    /// The destination descriptor has a different NIC count than the
+    /// sending group: the receiver's immediate counts assume equal counts.
+    #[error("group {group} has {local} NICs but the destination has {remote} rkeys")]
+    NicCountMismatch {
+        /// Sending domain group index.
+        group: usize,
+        /// NICs of the sending group.
+        local: usize,
+        /// rkeys in the destination descriptor.
+        remote: usize,
+    },
+    /// The group's worker panicked; its in-flight work failed with this and
+    /// later submits to the group fail with it too.
+    #[error("group {group}: worker failed: {what}")]
+    WorkerFailed {
+        /// Domain group index.
+        group: usize,
+        /// The panic message.
+        what: String,
+    },
     /// The immediate already has an armed round that has not fired.
     #[error("immediate {imm} is already armed")]
     ImmAlreadyArmed {

@@ -13,6 +13,9 @@ use weft_transport::{Device, MemRegion};
 pub struct MrHandle {
     pub(crate) group: u32,
     pub(crate) id: u32,
+    /// Generation of slot `id` at registration: a handle kept past its
+    /// `unreg_mr` never reaches a later registration in the same slot.
+    pub(crate) gen: u32,
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) device: Device,
@@ -38,6 +41,11 @@ impl MrHandle {
     /// The device the memory is on.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The engine-internal key: slot id and generation.
+    pub(crate) fn key(&self) -> u64 {
+        crate::core::mr_key(self.id, self.gen)
     }
 
     pub(crate) fn check(&self, what: &str, offset: u64, len: u64) -> Result<(), EngineError> {

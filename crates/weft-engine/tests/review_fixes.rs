@@ -1,0 +1,289 @@
+//! Regression tests for reviewed engine defects: manual-mode engines over the
+//! loopback fabric in step mode.
+
+mod common;
+
+use common::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use weft_engine::{EngineError, OnDone};
+use weft_loopback::{Fabric, FabricConfig};
+
+/// A NIC that dies on `post_writes` (before `poll` notices) still resolves
+/// the pieces already posted on it.
+#[test]
+fn nic_down_on_post_resolves_posted_pieces() {
+    for seed in seeds(&[21, 22]) {
+        let _g = SeedGuard(seed, "nic_down_on_post_resolves_posted_pieces");
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, test_config(), true);
+        let eb = engine(&fabric, b, 1, test_config(), true);
+        let src = Arc::new(HostBuf::filled(8192, |i| pat(seed, i)));
+        let dst = Arc::new(HostBuf::new(8192));
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        // T1 is posted (the fabric is never stepped, so it cannot complete).
+        let (od1, f1) = OnDone::flag();
+        ea.submit_single_write(4096, None, (&sh, 0), (&dd, 0), od1)
+            .unwrap();
+        ea.progress();
+        assert!(!f1.is_done(), "seed {seed}: T1 completed too early");
+        fabric.kill_nic(a, 0);
+        // T2's post hits the dead NIC first.
+        let (od2, f2) = OnDone::flag();
+        ea.submit_single_write(4096, None, (&sh, 4096), (&dd, 4096), od2)
+            .unwrap();
+        for _ in 0..4 {
+            ea.progress();
+        }
+        assert!(
+            matches!(f2.result(), Some(Err(_))),
+            "seed {seed}: T2 {:?}",
+            f2.result()
+        );
+        assert!(
+            matches!(f1.result(), Some(Err(_))),
+            "seed {seed}: posted T1 never resolved: {:?}",
+            f1.result()
+        );
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
+
+/// A receive callback that panics still gets its buffer re-posted: with a
+/// pool of one buffer, the second message is received too.
+#[test]
+fn panicking_recv_callback_reposts_buffer() {
+    for seed in seeds(&[31]) {
+        let _g = SeedGuard(seed, "panicking_recv_callback_reposts_buffer");
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, test_config(), true);
+        let eb = engine(&fabric, b, 1, test_config(), true);
+        let got = Arc::new(AtomicUsize::new(0));
+        {
+            let got = got.clone();
+            eb.submit_recvs(64, 1, move |r| {
+                assert!(r.is_ok());
+                let n = got.fetch_add(1, Ordering::SeqCst);
+                if n == 0 {
+                    panic!("deliberate panic in a receive callback");
+                }
+            })
+            .unwrap();
+        }
+        let engines = [ea.clone(), eb.clone()];
+        let to = eb.main_address();
+        for i in 0..2 {
+            let (od, f) = OnDone::flag();
+            ea.submit_send(&to, &[i as u8; 8], od).unwrap();
+            drive(&fabric, &engines, || {
+                f.is_done() && got.load(Ordering::SeqCst) > i
+            });
+            assert_eq!(f.result(), Some(Ok(())), "seed {seed}: send {i}");
+        }
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
+
+/// A handle kept past `unreg_mr` does not reach the registration that
+/// reuses its slot.
+#[test]
+fn stale_mr_handle_is_rejected() {
+    let fabric = Fabric::new(FabricConfig::adversarial(41));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let ea = engine(&fabric, a, 1, test_config(), true);
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let s1 = HostBuf::new(4096);
+    let s2 = HostBuf::new(4096);
+    let dst = HostBuf::new(4096);
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (h1, _) = ea.reg_mr(s1.region()).unwrap();
+    ea.unreg_mr(h1).unwrap();
+    let (h2, _) = ea.reg_mr(s2.region()).unwrap();
+    let engines = [ea.clone(), eb.clone()];
+    let (od, f) = OnDone::flag();
+    // Submits check only the handle's own bounds; the worker checks the
+    // generation.
+    match ea.submit_single_write(16, None, (&h1, 0), (&dd, 0), od) {
+        Ok(_) => {
+            drive(&fabric, &engines, || f.is_done());
+            assert!(
+                matches!(f.result(), Some(Err(EngineError::StaleMr { .. }))),
+                "{:?}",
+                f.result()
+            );
+        }
+        Err(e) => assert!(matches!(e, EngineError::StaleMr { .. }), "{e}"),
+    }
+    assert!(matches!(ea.unreg_mr(h1), Err(EngineError::StaleMr { .. })));
+    // The live handle still works.
+    let (od, f) = OnDone::flag();
+    ea.submit_single_write(16, None, (&h2, 0), (&dd, 0), od)
+        .unwrap();
+    drive(&fabric, &engines, || f.is_done());
+    assert_eq!(f.result(), Some(Ok(())));
+    ea.unreg_mr(h2).unwrap();
+    ea.shutdown();
+    eb.shutdown();
+}
+
+/// A destination with another NIC count than the sending group is refused.
+#[test]
+fn nic_count_mismatch_is_refused() {
+    let fabric = Fabric::new(FabricConfig::adversarial(51));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(2));
+    let ea = engine(&fabric, a, 1, test_config(), true);
+    let eb = engine(&fabric, b, 2, test_config(), true);
+    let src = HostBuf::new(4096);
+    let dst = HostBuf::new(4096);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (od, _f) = OnDone::flag();
+    let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
+    assert!(
+        matches!(
+            r,
+            Err(EngineError::NicCountMismatch {
+                local: 1,
+                remote: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    ea.shutdown();
+    eb.shutdown();
+}
+
+/// Wraps a provider so its domains panic in `poll` once `boom` is set.
+struct PanicProvider {
+    inner: weft_loopback::LoopbackProvider,
+    boom: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct PanicDomain {
+    inner: Box<dyn weft_transport::Domain>,
+    boom: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl weft_transport::Provider for PanicProvider {
+    fn name(&self) -> &str {
+        "panic"
+    }
+    fn nics(&self) -> Result<Vec<weft_transport::NicInfo>, weft_transport::TransportError> {
+        self.inner.nics()
+    }
+    fn open(
+        &self,
+        nic: usize,
+    ) -> Result<Box<dyn weft_transport::Domain>, weft_transport::TransportError> {
+        Ok(Box::new(PanicDomain {
+            inner: self.inner.open(nic)?,
+            boom: self.boom.clone(),
+        }))
+    }
+}
+
+impl weft_transport::Domain for PanicDomain {
+    fn info(&self) -> &weft_transport::NicInfo {
+        self.inner.info()
+    }
+    fn local_addr(&self) -> &weft_transport::NetAddr {
+        self.inner.local_addr()
+    }
+    fn capabilities(&self) -> &weft_transport::Capabilities {
+        self.inner.capabilities()
+    }
+    fn register(
+        &mut self,
+        region: &weft_transport::MemRegion,
+        access: weft_transport::Access,
+    ) -> Result<weft_transport::LocalMr, weft_transport::TransportError> {
+        self.inner.register(region, access)
+    }
+    fn deregister(
+        &mut self,
+        mr: weft_transport::MrKey,
+    ) -> Result<(), weft_transport::TransportError> {
+        self.inner.deregister(mr)
+    }
+    fn add_peer(
+        &mut self,
+        addr: &weft_transport::NetAddr,
+    ) -> Result<weft_transport::PeerId, weft_transport::TransportError> {
+        self.inner.add_peer(addr)
+    }
+    fn post_send(
+        &mut self,
+        wr: weft_transport::WrId,
+        peer: weft_transport::PeerId,
+        src: weft_transport::LocalSlice,
+    ) -> Result<(), weft_transport::TransportError> {
+        self.inner.post_send(wr, peer, src)
+    }
+    fn post_recv(
+        &mut self,
+        wr: weft_transport::WrId,
+        buf: weft_transport::LocalSlice,
+    ) -> Result<(), weft_transport::TransportError> {
+        self.inner.post_recv(wr, buf)
+    }
+    fn post_writes(
+        &mut self,
+        wrs: &[weft_transport::WriteWr],
+    ) -> Result<usize, weft_transport::PostError> {
+        self.inner.post_writes(wrs)
+    }
+    fn poll(
+        &mut self,
+        out: &mut Vec<weft_transport::Completion>,
+    ) -> Result<usize, weft_transport::TransportError> {
+        if self.boom.load(Ordering::SeqCst) {
+            panic!("deliberate backend panic");
+        }
+        self.inner.poll(out)
+    }
+}
+
+/// A backend panic in the worker fails the in-flight transfer with
+/// `WorkerFailed` and later submits fail too (threaded engine; the fabric
+/// is in step mode and never stepped, so the transfer cannot complete).
+#[test]
+fn worker_panic_fails_inflight_and_later_submits() {
+    let fabric = Fabric::new(FabricConfig::adversarial(61));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let p = Arc::new(PanicProvider {
+        inner: fabric.provider(a),
+        boom: boom.clone(),
+    });
+    let ea = weft_engine::TransferEngine::builder()
+        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+        .config(test_config())
+        .build()
+        .unwrap();
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let src = HostBuf::new(4096);
+    let dst = HostBuf::new(4096);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (od, f) = OnDone::flag();
+    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    boom.store(true, Ordering::SeqCst);
+    wait_until("in-flight transfer resolved", || f.is_done());
+    assert!(
+        matches!(f.result(), Some(Err(EngineError::WorkerFailed { .. }))),
+        "{:?}",
+        f.result()
+    );
+    let (od, _f2) = OnDone::flag();
+    let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
+    assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
+    ea.shutdown();
+    eb.shutdown();
+}
