@@ -503,6 +503,10 @@ impl PeerGroupHandle {
 pub struct EngineStats {
     /// Immediates reported as never consumed.
     pub imm_excess: u64,
+    /// Immediates of values outside the allocator's range that were not
+    /// tracked because too many distinct such values were outstanding
+    /// (a misbehaving peer); they are counted here and never fire a round.
+    pub imm_dropped: u64,
 }
 
 /// The TransferEngine. Cheap to clone (a handle); callbacks may capture a
@@ -582,6 +586,7 @@ impl TransferEngine {
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             imm_excess: self.inner.excess_total.load(Ordering::Relaxed),
+            imm_dropped: self.inner.imms.dropped(),
         }
     }
 

@@ -182,7 +182,16 @@ fn take<C>(cb: &mut Option<C>) -> C {
 pub(crate) struct ImmTable<C> {
     dense: Box<[ImmSlot<C>]>,
     sparse: Mutex<BTreeMap<u32, Arc<ImmSlot<C>>>>,
+    /// Arrivals of values outside the dense range that found the sparse map
+    /// full and no slot of their own: counted here, never stored, so a peer
+    /// spraying random immediates cannot grow our memory without bound.
+    dropped: AtomicU64,
 }
+
+/// Most values outside the dense range tracked at once. Values a local
+/// caller arms always get a slot; peer-driven arrivals beyond this bound are
+/// only counted (see [`ImmTable::dropped`]).
+pub(crate) const SPARSE_MAX: usize = 1 << 16;
 
 impl<C> ImmTable<C> {
     /// A table with `capacity` fast slots (values `0..capacity`).
@@ -191,6 +200,7 @@ impl<C> ImmTable<C> {
         Self {
             dense,
             sparse: Mutex::new(BTreeMap::new()),
+            dropped: AtomicU64::new(0),
         }
     }
 
@@ -210,9 +220,34 @@ impl<C> ImmTable<C> {
         f(&slot)
     }
 
-    /// Counts one arrival of `imm`.
+    /// Counts one arrival of `imm`. An arrival of a value outside the dense
+    /// range with no slot yet, while [`SPARSE_MAX`] sparse values are already
+    /// tracked, is counted in [`ImmTable::dropped`] instead.
     pub(crate) fn arrive(&self, imm: u32) -> Option<C> {
-        self.with_slot(imm, |s| s.arrive())
+        if let Some(slot) = usize::try_from(imm).ok().and_then(|i| self.dense.get(i)) {
+            return slot.arrive();
+        }
+        let slot = {
+            let mut map = self.sparse.lock();
+            match map.get(&imm) {
+                Some(slot) => Arc::clone(slot),
+                None if map.len() < SPARSE_MAX => {
+                    Arc::clone(map.entry(imm).or_insert_with(|| Arc::new(ImmSlot::new())))
+                }
+                None => {
+                    drop(map);
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(imm, "immediate dropped: too many distinct unarmed values");
+                    return None;
+                }
+            }
+        };
+        slot.arrive()
+    }
+
+    /// Arrivals not tracked because the sparse map was full.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     /// Arms a round of `imm` expecting `count` (> 0) arrivals.
@@ -289,6 +324,22 @@ mod tests {
         }
         assert_eq!(t.arm(2, 5, 9), Ok(Some(9)));
         assert_eq!(t.pending(2), 0);
+    }
+
+    #[test]
+    fn sparse_arrivals_are_bounded() {
+        let t: ImmTable<u32> = ImmTable::new(4);
+        for v in 0..(SPARSE_MAX as u32 + 100) {
+            assert!(t.arrive(1000 + v).is_none());
+        }
+        assert_eq!(t.sparse.lock().len(), SPARSE_MAX);
+        assert_eq!(t.dropped(), 100);
+        // Values already tracked keep counting; dense values are unaffected.
+        assert!(t.arrive(1000).is_none());
+        assert_eq!(t.pending(1000), 2);
+        assert!(t.arrive(1).is_none());
+        assert_eq!(t.pending(1), 1);
+        assert_eq!(t.dropped(), 100);
     }
 
     #[test]
