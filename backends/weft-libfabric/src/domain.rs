@@ -610,10 +610,18 @@ impl LibfabricDomain {
             return;
         }
         self.last_sweep = Instant::now();
+        // Peers with work in the EAGAIN backlog (reserved, never issued, so
+        // not counted in `inflight`) are checked too.
+        let backlogged: Vec<PeerId> = self
+            .backlog
+            .iter()
+            .filter_map(|(i, _)| self.slots.get(*i).copied().and_then(Self::slot_peer))
+            .collect();
         let mut newly_dead = Vec::new();
         for (k, p) in self.peer_table.iter().enumerate() {
             if let Some(pid) = p.pid {
-                if p.dead.is_none() && p.inflight > 0 && !ffi::process_alive(pid) {
+                let busy = p.inflight > 0 || backlogged.contains(&PeerId(k as u32));
+                if p.dead.is_none() && busy && !ffi::process_alive(pid) {
                     newly_dead.push(PeerId(k as u32));
                 }
             }
@@ -745,6 +753,12 @@ impl LibfabricDomain {
                 break;
             };
             let slot = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
+            if matches!(slot, SlotUse::Zombie | SlotUse::Free) {
+                // Already failed by `sweep` (dead peer) while still queued:
+                // never issued, so nothing of it is left in libfabric.
+                self.unreserve(i);
+                continue;
+            }
             let peer = Self::slot_peer(slot);
             if let Some(p) = peer {
                 if let Err(e) = self.live_peer(p) {
