@@ -1,0 +1,1069 @@
+//! # weft-kvcache: disaggregated prefill/decode KvCache transfer
+//!
+//! A [`Decoder`] owns a paged KvCache (host memory standing in for GPU
+//! memory), registered once with its engine. For each request it takes free
+//! pages and a tail slot, arms `expect_imm_count` with the exact number of
+//! immediates the prefiller's submits produce (computed with
+//! [`weft_engine::ImmCounts`], not guessed) and SENDs the [`Prefiller`] a
+//! postcard-encoded [`KvRequest`] (its [`MrDesc`]s, page indices, imm).
+//!
+//! The prefiller "computes" each layer on a thread (writes pattern data into
+//! its source buffer), then bumps a UVM watcher word
+//! ([`TransferEngine::alloc_uvm_watcher`]); the watcher callback posts that
+//! layer's paged WRITEs (one `submit_paged_writes` per layer over all heads)
+//! and, after the last layer, the tail (logits / hidden state). When the
+//! decoder's immediate count is reached its callback verifies every byte of
+//! the request (against [`expected_kv_byte`] / [`expected_tail_byte`]) and
+//! completes the [`RequestHandle`].
+//!
+//! ## Layout
+//! KvCache bytes are `[layer][head][page][page_len]`: heads before pages,
+//! so consecutive pages of one head are contiguous. Page `p` of head `h` in
+//! layer `l` is at `((l * heads + h) * num_pages + p) * page_len`.
+//!
+//! ## Cancellation and liveness
+//! [`Decoder::cancel`] sends a cancel; pages stay reserved until the
+//! prefiller confirms that no write of the request can still land
+//! ([`Msg::CancelAck`], sent only after every posted write's delivery
+//! completion). Both sides send heartbeats; a decoder that hears nothing
+//! for [`KvConfig::heartbeat_timeout`] (or whose SEND to the prefiller
+//! fails) fails every pending request with [`KvError::PeerDead`]. The pages
+//! of such requests are released: a dead NIC's pending writes are dropped
+//! (weft's peer-death contract), so none can land later.
+
+mod buf;
+
+pub use buf::{pattern, HostBuf};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use weft_engine::{
+    DoneCounter, EngineError, GroupAddress, MrDesc, MrHandle, OnDone, Pages, TransferEngine,
+};
+
+/// Shape of the KvCache (identical on both sides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Transformer layers (one paged-write submit each).
+    pub layers: u32,
+    /// KV heads per layer on this rank.
+    pub heads: u32,
+    /// Bytes of one page of one head (e.g. 32 KiB in the paper).
+    pub page_len: u64,
+    /// Bytes of the tail (logits / hidden state), written last.
+    pub tail_len: u64,
+}
+
+impl KvLayout {
+    /// Bytes of one layer-head-page cube with `pages` pages, checked.
+    pub fn kv_bytes(&self, pages: u32) -> Option<u64> {
+        u64::from(self.layers)
+            .checked_mul(u64::from(self.heads))?
+            .checked_mul(u64::from(pages))?
+            .checked_mul(self.page_len)
+    }
+
+    /// Offset of (layer, head, page) in a buffer of `num_pages` pages.
+    pub fn offset(&self, num_pages: u32, layer: u32, head: u32, page: u32) -> Option<u64> {
+        u64::from(layer)
+            .checked_mul(u64::from(self.heads))?
+            .checked_add(u64::from(head))?
+            .checked_mul(u64::from(num_pages))?
+            .checked_add(u64::from(page))?
+            .checked_mul(self.page_len)
+    }
+
+    /// The paged-write page sets of `layer` for a request: prefiller source
+    /// (a dense `[head][j]` cube of `pages.len()` pages) and decoder
+    /// destination (`num_pages` pages per head).
+    pub fn layer_pages(&self, layer: u32, pages: &[u32], num_pages: u32) -> Option<(Pages, Pages)> {
+        let n = u32::try_from(pages.len()).ok()?;
+        let mut si = Vec::with_capacity(pages.len() * self.heads as usize);
+        let mut di = Vec::with_capacity(si.capacity());
+        for h in 0..self.heads {
+            for (j, &p) in pages.iter().enumerate() {
+                if p >= num_pages {
+                    return None;
+                }
+                si.push(h.checked_mul(n)?.checked_add(u32::try_from(j).ok()?)?);
+                di.push(h.checked_mul(num_pages)?.checked_add(p)?);
+            }
+        }
+        let src = Pages {
+            indices: si,
+            stride: self.page_len,
+            offset: self.offset(n, layer, 0, 0)?,
+        };
+        let dst = Pages {
+            indices: di,
+            stride: self.page_len,
+            offset: self.offset(num_pages, layer, 0, 0)?,
+        };
+        Some((src, dst))
+    }
+}
+
+/// Expected content of KV byte `i` of page-slot `j` (the request's `j`-th
+/// page), head `h`, layer `l` of a prompt with `seed`.
+pub fn expected_kv_byte(seed: u64, l: u32, h: u32, j: u32, i: u64) -> u8 {
+    let tag = seed ^ (u64::from(l) << 40) ^ (u64::from(h) << 20) ^ u64::from(j);
+    pattern(tag, i)
+}
+
+/// Expected content of tail byte `i` of a prompt with `seed`.
+pub fn expected_tail_byte(seed: u64, i: u64) -> u8 {
+    pattern(seed ^ 0x7a11_0000_0000_0000, i)
+}
+
+/// One transfer request, decoder → prefiller.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvRequest {
+    /// Request id (unique per decoder).
+    pub id: u64,
+    /// Where the prefiller sends acks and heartbeats.
+    pub reply_to: GroupAddress,
+    /// The layout the decoder expects.
+    pub layout: KvLayout,
+    /// Decoder KvCache region.
+    pub kv: MrDesc,
+    /// Pages per head in the decoder KvCache.
+    pub num_pages: u32,
+    /// Destination page indices, in prompt order.
+    pub pages: Vec<u32>,
+    /// Decoder tail region and offset of this request's tail slot.
+    pub tail: MrDesc,
+    /// Offset of the tail slot in `tail`.
+    pub tail_off: u64,
+    /// Immediate every write carries.
+    pub imm: u32,
+    /// Prompt identity (drives the "computed" content).
+    pub prompt_seed: u64,
+}
+
+/// Wire messages (postcard).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg {
+    /// Decoder announces itself (prefiller starts heartbeating it).
+    Hello {
+        /// Decoder address.
+        from: GroupAddress,
+    },
+    /// A transfer request.
+    Request(KvRequest),
+    /// Cancel a request.
+    Cancel {
+        /// Decoder address.
+        from: GroupAddress,
+        /// Request id.
+        id: u64,
+    },
+    /// No write of request `id` can land any more.
+    CancelAck {
+        /// Request id.
+        id: u64,
+    },
+    /// The prefiller refused or aborted a request.
+    Failed {
+        /// Request id.
+        id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Liveness.
+    Heartbeat,
+}
+
+/// Errors of KvCache transfers.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvError {
+    /// Engine failure.
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    /// The peer stopped answering (heartbeat timeout or failed SEND).
+    #[error("peer {peer:?} is dead: {why}")]
+    PeerDead {
+        /// The peer.
+        peer: GroupAddress,
+        /// How it was detected.
+        why: String,
+    },
+    /// Not enough free pages or tail slots.
+    #[error("need {need} pages, {free} free")]
+    NoPages {
+        /// Requested.
+        need: u32,
+        /// Available.
+        free: u32,
+    },
+    /// The request was cancelled (and the prefiller confirmed it).
+    #[error("request {0} cancelled")]
+    Cancelled(u64),
+    /// The prefiller reported a failure.
+    #[error("request {id} failed at the prefiller: {reason}")]
+    Remote {
+        /// Request id.
+        id: u64,
+        /// Its reason.
+        reason: String,
+    },
+    /// Received bytes differ from the expected content.
+    #[error("request {id}: {what}")]
+    Corrupt {
+        /// Request id.
+        id: u64,
+        /// First mismatch.
+        what: String,
+    },
+    /// A size computation overflowed or did not fit.
+    #[error("invalid size: {0}")]
+    Size(String),
+    /// A message could not be encoded or decoded.
+    #[error("codec: {0}")]
+    Codec(String),
+}
+
+/// Settings shared by both sides.
+#[derive(Debug, Clone)]
+pub struct KvConfig {
+    /// Heartbeat period.
+    pub heartbeat_interval: Duration,
+    /// Silence after which the peer is declared dead.
+    pub heartbeat_timeout: Duration,
+    /// Receive buffer size (bytes) and count.
+    pub recv_len: u64,
+    /// Receive buffers.
+    pub recv_count: u32,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_interval: Duration::from_millis(20),
+            heartbeat_timeout: Duration::from_millis(1000),
+            recv_len: 16 * 1024,
+            recv_count: 32,
+        }
+    }
+}
+
+fn encode(m: &Msg) -> Result<Vec<u8>, KvError> {
+    postcard::to_stdvec(m).map_err(|e| KvError::Codec(e.to_string()))
+}
+
+/// Outcome of a finished request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// Request id.
+    pub id: u64,
+    /// Pages (per head) it filled.
+    pub pages: Vec<u32>,
+    /// Bytes verified (KV + tail).
+    pub bytes: u64,
+    /// Immediates consumed.
+    pub imms: u32,
+}
+
+/// A pending request; [`RequestHandle::wait`] blocks for its outcome.
+#[derive(Debug)]
+pub struct RequestHandle {
+    /// Request id.
+    pub id: u64,
+    rx: Receiver<Result<Completed, KvError>>,
+}
+
+impl RequestHandle {
+    /// Blocks until the request completed, failed or was cancelled.
+    pub fn wait(&self) -> Result<Completed, KvError> {
+        self.rx
+            .recv()
+            .unwrap_or(Err(KvError::Engine(EngineError::ShutDown)))
+    }
+}
+
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+enum ReqState {
+    Active,
+    Cancelling,
+}
+
+struct DecReq {
+    pages: Vec<u32>,
+    tail_slot: u32,
+    imm: u32,
+    seed: u64,
+    state: ReqState,
+    tx: Sender<Result<Completed, KvError>>,
+}
+
+struct DecShared {
+    engine: Arc<TransferEngine>,
+    layout: KvLayout,
+    num_pages: u32,
+    kv: HostBuf,
+    tail: HostBuf,
+    kv_desc: MrDesc,
+    tail_desc: MrDesc,
+    handles: Mutex<Option<(MrHandle, MrHandle)>>,
+    me: GroupAddress,
+    peer: GroupAddress,
+    free_pages: Mutex<BTreeSet<u32>>,
+    free_tails: Mutex<BTreeSet<u32>>,
+    reqs: Mutex<BTreeMap<u64, DecReq>>,
+    next_id: AtomicU64,
+    last_seen: Mutex<Instant>,
+    dead: Mutex<Option<String>>,
+    stop: AtomicBool,
+    cfg: KvConfig,
+}
+
+/// The decode side: owns the paged KvCache.
+pub struct Decoder {
+    sh: Arc<DecShared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Decoder {
+    /// Allocates and registers a KvCache of `num_pages` pages per head (and
+    /// as many tail slots), posts receive buffers and starts heartbeats to
+    /// `prefiller`.
+    pub fn new(
+        engine: Arc<TransferEngine>,
+        layout: KvLayout,
+        num_pages: u32,
+        prefiller: GroupAddress,
+        cfg: KvConfig,
+    ) -> Result<Self, KvError> {
+        let kv_len = layout
+            .kv_bytes(num_pages)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| KvError::Size("kv cache".into()))?;
+        let tail_len = layout
+            .tail_len
+            .checked_mul(u64::from(num_pages))
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| KvError::Size("tail slots".into()))?;
+        let kv = HostBuf::new(kv_len);
+        let tail = HostBuf::new(tail_len);
+        let (kh, kv_desc) = engine.reg_mr(kv.region())?;
+        let (th, tail_desc) = engine.reg_mr(tail.region())?;
+        let me = engine.main_address();
+        let sh = Arc::new(DecShared {
+            engine: engine.clone(),
+            layout,
+            num_pages,
+            kv,
+            tail,
+            kv_desc,
+            tail_desc,
+            handles: Mutex::new(Some((kh, th))),
+            me: me.clone(),
+            peer: prefiller.clone(),
+            free_pages: Mutex::new((0..num_pages).collect()),
+            free_tails: Mutex::new((0..num_pages).collect()),
+            reqs: Mutex::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+            last_seen: Mutex::new(Instant::now()),
+            dead: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            cfg: cfg.clone(),
+        });
+        let weak = Arc::downgrade(&sh);
+        engine.submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
+            let Some(sh) = weak.upgrade() else { return };
+            match r {
+                Ok(bytes) => match postcard::from_bytes::<Msg>(bytes) {
+                    Ok(m) => sh.on_msg(m),
+                    Err(e) => tracing::warn!("decoder: undecodable message: {e}"),
+                },
+                Err(e) => tracing::warn!("decoder: receive error: {e}"),
+            }
+        })?;
+        sh.send(&Msg::Hello { from: me })?;
+        let hb = {
+            let sh = sh.clone();
+            std::thread::Builder::new()
+                .name("kv-decoder-hb".into())
+                .spawn(move || sh.heartbeat_loop())
+                .map_err(|e| KvError::Size(format!("spawn: {e}")))?
+        };
+        Ok(Self {
+            sh,
+            threads: Mutex::new(vec![hb]),
+        })
+    }
+
+    /// Free pages now.
+    pub fn free_pages(&self) -> u32 {
+        u32::try_from(self.sh.free_pages.lock().len()).unwrap_or(u32::MAX)
+    }
+
+    /// Immediates a request of `pages` pages produces at this decoder.
+    pub fn imm_count(&self, pages: u32) -> Result<u32, KvError> {
+        self.sh.imm_count(pages)
+    }
+
+    /// Starts the transfer of a prompt of `pages` pages.
+    pub fn submit(&self, pages: u32, prompt_seed: u64) -> Result<RequestHandle, KvError> {
+        self.sh.submit(pages, prompt_seed)
+    }
+
+    /// Asks the prefiller to cancel `id`. Its pages return to the pool only
+    /// once the prefiller confirms (or the request completes anyway).
+    pub fn cancel(&self, id: u64) -> Result<(), KvError> {
+        {
+            let mut reqs = self.sh.reqs.lock();
+            match reqs.get_mut(&id) {
+                Some(r) => r.state = ReqState::Cancelling,
+                None => return Ok(()),
+            }
+        }
+        self.sh.send(&Msg::Cancel {
+            from: self.sh.me.clone(),
+            id,
+        })
+    }
+
+    /// Stops heartbeats, fails pending requests and unregisters the cache.
+    pub fn shutdown(&self) {
+        self.sh.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+        self.sh.fail_all("decoder shut down");
+        if let Some((a, b)) = self.sh.handles.lock().take() {
+            let _ = self.sh.engine.unreg_mr(a);
+            let _ = self.sh.engine.unreg_mr(b);
+        }
+    }
+}
+
+impl Drop for Decoder {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl DecShared {
+    /// SENDs `m` to the prefiller; a failed SEND declares it dead.
+    fn send(self: &Arc<Self>, m: &Msg) -> Result<(), KvError> {
+        let bytes = encode(m)?;
+        let weak = Arc::downgrade(self);
+        self.engine.submit_send(
+            &self.peer,
+            &bytes,
+            OnDone::callback(move |r| {
+                if let (Err(e), Some(sh)) = (r, weak.upgrade()) {
+                    tracing::warn!(peer = ?sh.peer, "decoder: send failed: {e}");
+                    sh.declare_dead(&format!("send failed: {e}"));
+                }
+            }),
+        )?;
+        Ok(())
+    }
+
+    fn imm_count(&self, pages: u32) -> Result<u32, KvError> {
+        let c = self.engine.imm_counts(0)?;
+        let per_layer = c.paged_writes(
+            self.layout.page_len,
+            u64::from(pages) * u64::from(self.layout.heads),
+        );
+        let total = per_layer
+            .checked_mul(u64::from(self.layout.layers))
+            .and_then(|t| t.checked_add(c.single_write(self.layout.tail_len)))
+            .ok_or_else(|| KvError::Size("imm count".into()))?;
+        u32::try_from(total).map_err(|_| KvError::Size("imm count exceeds u32".into()))
+    }
+
+    fn submit(self: &Arc<Self>, n: u32, seed: u64) -> Result<RequestHandle, KvError> {
+        if let Some(why) = self.dead.lock().clone() {
+            return Err(KvError::PeerDead {
+                peer: self.peer.clone(),
+                why,
+            });
+        }
+        if n == 0 {
+            return Err(KvError::Size("a request needs at least one page".into()));
+        }
+        let count = self.imm_count(n)?;
+        let pages: Vec<u32> = {
+            let mut fp = self.free_pages.lock();
+            let free = u32::try_from(fp.len()).unwrap_or(u32::MAX);
+            if free < n {
+                return Err(KvError::NoPages { need: n, free });
+            }
+            (0..n).filter_map(|_| fp.pop_first()).collect()
+        };
+        let Some(tail_slot) = self.free_tails.lock().pop_first() else {
+            self.free_pages.lock().extend(pages);
+            return Err(KvError::NoPages { need: n, free: 0 });
+        };
+        let imm = match self.engine.alloc_imm() {
+            Ok(i) => i,
+            Err(e) => {
+                self.free_pages.lock().extend(pages);
+                self.free_tails.lock().insert(tail_slot);
+                return Err(e.into());
+            }
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.reqs.lock().insert(
+            id,
+            DecReq {
+                pages: pages.clone(),
+                tail_slot,
+                imm,
+                seed,
+                state: ReqState::Active,
+                tx,
+            },
+        );
+        let weak = Arc::downgrade(self);
+        let armed = self.engine.expect_imm_count(imm, count, move |r| {
+            if let Some(sh) = weak.upgrade() {
+                sh.on_imms(id, r);
+            }
+        });
+        if let Err(e) = armed {
+            self.finish(id, Err(e.into()));
+            return Ok(RequestHandle { id, rx });
+        }
+        let req = KvRequest {
+            id,
+            reply_to: self.me.clone(),
+            layout: self.layout,
+            kv: self.kv_desc.clone(),
+            num_pages: self.num_pages,
+            pages,
+            tail: self.tail_desc.clone(),
+            tail_off: u64::from(tail_slot) * self.layout.tail_len,
+            imm,
+            prompt_seed: seed,
+        };
+        tracing::debug!(id, pages = n, imm, count, "decoder: request");
+        if let Err(e) = self.send(&Msg::Request(req)) {
+            self.finish(id, Err(e));
+        }
+        Ok(RequestHandle { id, rx })
+    }
+
+    /// Removes request `id`, releases its resources, reports `res`.
+    fn finish(&self, id: u64, res: Result<Completed, KvError>) {
+        let Some(r) = self.reqs.lock().remove(&id) else {
+            return;
+        };
+        self.engine.free_imm(r.imm);
+        self.free_pages.lock().extend(r.pages.iter().copied());
+        self.free_tails.lock().insert(r.tail_slot);
+        let _ = r.tx.send(res);
+    }
+
+    fn on_imms(&self, id: u64, r: Result<(), EngineError>) {
+        let info = {
+            let reqs = self.reqs.lock();
+            reqs.get(&id)
+                .map(|q| (q.pages.clone(), q.tail_slot, q.seed, q.state))
+        };
+        let Some((pages, tail_slot, seed, _state)) = info else {
+            return; // already finished (cancel ack, death): stale callback
+        };
+        if let Err(e) = r {
+            self.finish(id, Err(e.into()));
+            return;
+        }
+        // All immediates arrived: every payload byte is in place.
+        let res = self.verify(id, &pages, tail_slot, seed);
+        self.finish(id, res);
+    }
+
+    fn verify(
+        &self,
+        id: u64,
+        pages: &[u32],
+        tail_slot: u32,
+        seed: u64,
+    ) -> Result<Completed, KvError> {
+        let l = self.layout;
+        let corrupt = |what: String| KvError::Corrupt { id, what };
+        let plen = usize::try_from(l.page_len).map_err(|_| KvError::Size("page".into()))?;
+        let mut bytes = 0u64;
+        for layer in 0..l.layers {
+            for h in 0..l.heads {
+                for (j, &p) in pages.iter().enumerate() {
+                    let j = u32::try_from(j).map_err(|_| KvError::Size("pages".into()))?;
+                    let off = l
+                        .offset(self.num_pages, layer, h, p)
+                        .and_then(|o| usize::try_from(o).ok())
+                        .ok_or_else(|| KvError::Size("offset".into()))?;
+                    let got = self
+                        .kv
+                        .read(off, plen)
+                        .ok_or_else(|| corrupt("page out of bounds".into()))?;
+                    for (i, &b) in got.iter().enumerate() {
+                        let want = expected_kv_byte(seed, layer, h, j, i as u64);
+                        if b != want {
+                            return Err(corrupt(format!(
+                                "layer {layer} head {h} page {p} byte {i}: {b:#04x} != {want:#04x}"
+                            )));
+                        }
+                    }
+                    bytes += l.page_len;
+                }
+            }
+        }
+        let toff = usize::try_from(u64::from(tail_slot) * l.tail_len)
+            .map_err(|_| KvError::Size("tail".into()))?;
+        let tlen = usize::try_from(l.tail_len).map_err(|_| KvError::Size("tail".into()))?;
+        let got = self
+            .tail
+            .read(toff, tlen)
+            .ok_or_else(|| corrupt("tail out of bounds".into()))?;
+        for (i, &b) in got.iter().enumerate() {
+            let want = expected_tail_byte(seed, i as u64);
+            if b != want {
+                return Err(corrupt(format!("tail byte {i}: {b:#04x} != {want:#04x}")));
+            }
+        }
+        bytes += l.tail_len;
+        Ok(Completed {
+            id,
+            pages: pages.to_vec(),
+            bytes,
+            imms: self.imm_count(u32::try_from(pages.len()).unwrap_or(u32::MAX))?,
+        })
+    }
+
+    fn on_msg(&self, m: Msg) {
+        *self.last_seen.lock() = Instant::now();
+        match m {
+            Msg::Heartbeat => {}
+            Msg::CancelAck { id } => {
+                tracing::debug!(id, "decoder: cancel confirmed");
+                self.finish(id, Err(KvError::Cancelled(id)));
+            }
+            Msg::Failed { id, reason } => self.finish(id, Err(KvError::Remote { id, reason })),
+            other => tracing::warn!("decoder: unexpected message {other:?}"),
+        }
+    }
+
+    fn declare_dead(&self, why: &str) {
+        {
+            let mut d = self.dead.lock();
+            if d.is_some() {
+                return;
+            }
+            *d = Some(why.to_string());
+        }
+        tracing::warn!(peer = ?self.peer, "decoder: prefiller dead: {why}");
+        self.fail_all(why);
+    }
+
+    fn fail_all(&self, why: &str) {
+        let ids: Vec<u64> = self.reqs.lock().keys().copied().collect();
+        for id in ids {
+            self.finish(
+                id,
+                Err(KvError::PeerDead {
+                    peer: self.peer.clone(),
+                    why: why.to_string(),
+                }),
+            );
+        }
+    }
+
+    fn heartbeat_loop(self: Arc<Self>) {
+        while !self.stop.load(Ordering::SeqCst) {
+            std::thread::sleep(self.cfg.heartbeat_interval);
+            if self.dead.lock().is_some() {
+                continue;
+            }
+            let silent = self.last_seen.lock().elapsed();
+            if silent > self.cfg.heartbeat_timeout {
+                self.declare_dead(&format!("no heartbeat for {silent:?}"));
+                continue;
+            }
+            if let Err(e) = self.send(&Msg::Heartbeat) {
+                self.declare_dead(&format!("heartbeat send failed: {e}"));
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ prefill
+
+/// Called by the prefiller's compute thread before "computing" a layer
+/// (request id, layer); tests use it to hold a request at a layer.
+pub type LayerHook = Arc<dyn Fn(u64, u32) + Send + Sync + 'static>;
+
+struct PostState {
+    posted: u64,
+    closed: bool,
+}
+
+struct PreReq {
+    req: KvRequest,
+    cancelled: AtomicBool,
+    post: Mutex<PostState>,
+    done: Arc<DoneCounter>,
+    src: HostBuf,
+    src_h: Mutex<Option<MrHandle>>,
+}
+
+struct PreShared {
+    engine: Arc<TransferEngine>,
+    layout: KvLayout,
+    active: Mutex<BTreeMap<(GroupAddress, u64), Arc<PreReq>>>,
+    decoders: Mutex<BTreeSet<GroupAddress>>,
+    hook: Option<LayerHook>,
+    stop: AtomicBool,
+    stats: PrefillStats,
+    cfg: KvConfig,
+}
+
+/// Counters of a prefiller.
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Requests fully transferred.
+    pub completed: AtomicU64,
+    /// Requests cancelled (acked).
+    pub cancelled: AtomicU64,
+    /// Write submits posted (paged per layer + tail).
+    pub submits: AtomicU64,
+    /// Payload bytes posted.
+    pub bytes: AtomicU64,
+    /// Cancel messages received.
+    pub cancel_requests: AtomicU64,
+}
+
+/// The prefill side: computes layers and pushes them into decoders.
+pub struct Prefiller {
+    sh: Arc<PreShared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Prefiller {
+    /// Posts receive buffers and starts serving requests.
+    pub fn new(
+        engine: Arc<TransferEngine>,
+        layout: KvLayout,
+        cfg: KvConfig,
+        hook: Option<LayerHook>,
+    ) -> Result<Self, KvError> {
+        let sh = Arc::new(PreShared {
+            engine: engine.clone(),
+            layout,
+            active: Mutex::new(BTreeMap::new()),
+            decoders: Mutex::new(BTreeSet::new()),
+            hook,
+            stop: AtomicBool::new(false),
+            stats: PrefillStats::default(),
+            cfg: cfg.clone(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<Msg>();
+        engine.submit_recvs(cfg.recv_len, cfg.recv_count, move |r| match r {
+            Ok(bytes) => match postcard::from_bytes::<Msg>(bytes) {
+                Ok(m) => {
+                    let _ = tx.send(m);
+                }
+                Err(e) => tracing::warn!("prefiller: undecodable message: {e}"),
+            },
+            Err(e) => tracing::warn!("prefiller: receive error: {e}"),
+        })?;
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| KvError::Size(format!("spawn: {e}")))
+        };
+        let s1 = sh.clone();
+        let t1 = spawn("kv-prefill-serve", Box::new(move || s1.serve(rx)))?;
+        let s2 = sh.clone();
+        let t2 = spawn("kv-prefill-hb", Box::new(move || s2.heartbeat_loop()))?;
+        Ok(Self {
+            sh,
+            threads: Mutex::new(vec![t1, t2]),
+        })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &PrefillStats {
+        &self.sh.stats
+    }
+
+    /// Stops serving (in-flight requests finish on their own threads).
+    pub fn shutdown(&self) {
+        self.sh.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Prefiller {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl PreShared {
+    fn send_to(&self, to: &GroupAddress, m: &Msg) {
+        match encode(m) {
+            Ok(b) => {
+                if let Err(e) = self.engine.submit_send(to, &b, OnDone::callback(|_| {})) {
+                    tracing::warn!("prefiller: send to {to:?} failed: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("prefiller: {e}"),
+        }
+    }
+
+    fn serve(self: Arc<Self>, rx: Receiver<Msg>) {
+        while !self.stop.load(Ordering::SeqCst) {
+            let m = match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(m) => m,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+                Err(_) => return,
+            };
+            match m {
+                Msg::Hello { from } => {
+                    self.decoders.lock().insert(from);
+                }
+                Msg::Request(req) => {
+                    self.decoders.lock().insert(req.reply_to.clone());
+                    let to = req.reply_to.clone();
+                    let id = req.id;
+                    if let Err(e) = self.clone().start(req) {
+                        tracing::warn!(id, "prefiller: request refused: {e}");
+                        self.send_to(
+                            &to,
+                            &Msg::Failed {
+                                id,
+                                reason: e.to_string(),
+                            },
+                        );
+                    }
+                }
+                Msg::Cancel { from, id } => {
+                    self.stats.cancel_requests.fetch_add(1, Ordering::SeqCst);
+                    let r = self.active.lock().get(&(from.clone(), id)).cloned();
+                    match r {
+                        Some(r) => r.cancelled.store(true, Ordering::SeqCst),
+                        // Unknown or finished: nothing of it can land any more.
+                        None => self.send_to(&from, &Msg::CancelAck { id }),
+                    }
+                }
+                other => tracing::warn!("prefiller: unexpected message {other:?}"),
+            }
+        }
+    }
+
+    fn start(self: Arc<Self>, req: KvRequest) -> Result<(), KvError> {
+        if req.layout != self.layout {
+            return Err(KvError::Size(format!(
+                "layout mismatch: decoder {:?}, prefiller {:?}",
+                req.layout, self.layout
+            )));
+        }
+        let n = u32::try_from(req.pages.len()).map_err(|_| KvError::Size("pages".into()))?;
+        if n == 0 || req.pages.iter().any(|&p| p >= req.num_pages) {
+            return Err(KvError::Size("page index out of range".into()));
+        }
+        let kv_len = self
+            .layout
+            .kv_bytes(n)
+            .and_then(|k| k.checked_add(self.layout.tail_len))
+            .and_then(|k| usize::try_from(k).ok())
+            .ok_or_else(|| KvError::Size("source buffer".into()))?;
+        let src = HostBuf::new(kv_len);
+        let (h, _) = self.engine.reg_mr(src.region())?;
+        let key = (req.reply_to.clone(), req.id);
+        let r = Arc::new(PreReq {
+            req,
+            cancelled: AtomicBool::new(false),
+            post: Mutex::new(PostState {
+                posted: 0,
+                closed: false,
+            }),
+            done: Arc::new(DoneCounter::new()),
+            src,
+            src_h: Mutex::new(Some(h)),
+        });
+        self.active.lock().insert(key.clone(), r.clone());
+        let sh = self.clone();
+        std::thread::Builder::new()
+            .name("kv-prefill-compute".into())
+            .spawn(move || sh.compute(key, r))
+            .map_err(|e| KvError::Size(format!("spawn: {e}")))?;
+        Ok(())
+    }
+
+    /// Posts the writes of layers `from..to` (and the tail when `to` is
+    /// past the last layer). Runs on the UVM watcher thread.
+    fn post_layers(&self, r: &PreReq, from: u64, to: u64) {
+        let l = self.layout;
+        let mut ps = r.post.lock();
+        if ps.closed || r.cancelled.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(h) = *r.src_h.lock() else {
+            return;
+        };
+        let n = u32::try_from(r.req.pages.len()).unwrap_or(0);
+        let last = u64::from(l.layers);
+        for layer in from..to.min(last) {
+            let layer = layer as u32;
+            let Some((sp, dp)) = l.layer_pages(layer, &r.req.pages, r.req.num_pages) else {
+                ps.closed = true;
+                return;
+            };
+            let res = self.engine.submit_paged_writes(
+                l.page_len,
+                Some(r.req.imm),
+                (&h, &sp),
+                (&r.req.kv, &dp),
+                OnDone::counter(&r.done),
+            );
+            match res {
+                Ok(_) => {
+                    ps.posted += 1;
+                    self.stats.submits.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .bytes
+                        .fetch_add(l.page_len * sp.indices.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(id = r.req.id, layer, "prefiller: layer post failed: {e}");
+                    ps.closed = true;
+                    return;
+                }
+            }
+        }
+        if to > last {
+            let Some(off) = l.kv_bytes(n) else { return };
+            let res = self.engine.submit_single_write(
+                l.tail_len,
+                Some(r.req.imm),
+                (&h, off),
+                (&r.req.tail, r.req.tail_off),
+                OnDone::counter(&r.done),
+            );
+            match res {
+                Ok(_) => {
+                    ps.posted += 1;
+                    self.stats.submits.fetch_add(1, Ordering::Relaxed);
+                    self.stats.bytes.fetch_add(l.tail_len, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(id = r.req.id, "prefiller: tail post failed: {e}");
+                }
+            }
+            ps.closed = true;
+        }
+    }
+
+    fn compute(self: Arc<Self>, key: (GroupAddress, u64), r: Arc<PreReq>) {
+        let l = self.layout;
+        let id = r.req.id;
+        let n = u32::try_from(r.req.pages.len()).unwrap_or(0);
+        let plen = usize::try_from(l.page_len).unwrap_or(0);
+        let watch = {
+            let sh = self.clone();
+            let r2 = r.clone();
+            self.engine
+                .alloc_uvm_watcher(move |old, new| sh.post_layers(&r2, old, new))
+        };
+        let mut page = vec![0u8; plen];
+        for layer in 0..l.layers {
+            if let Some(h) = &self.hook {
+                h(id, layer);
+            }
+            if r.cancelled.load(Ordering::SeqCst) || self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            for head in 0..l.heads {
+                for j in 0..n {
+                    for (i, b) in page.iter_mut().enumerate() {
+                        *b = expected_kv_byte(r.req.prompt_seed, layer, head, j, i as u64);
+                    }
+                    let off = l
+                        .offset(n, layer, head, j)
+                        .and_then(|o| usize::try_from(o).ok());
+                    if let Some(off) = off {
+                        r.src.write(off, &page);
+                    }
+                }
+            }
+            let mut value = u64::from(layer) + 1;
+            if layer + 1 == l.layers {
+                // The tail is produced with the last layer; it goes last.
+                let tail: Vec<u8> = (0..l.tail_len)
+                    .map(|i| expected_tail_byte(r.req.prompt_seed, i))
+                    .collect();
+                if let Some(off) = l.kv_bytes(n).and_then(|o| usize::try_from(o).ok()) {
+                    r.src.write(off, &tail);
+                }
+                value += 1;
+            }
+            // The "GPU" signals the layer (a release store the watcher sees).
+            watch.word().store(value, Ordering::Release);
+        }
+        // Wait until the watcher posted everything (or we stop posting).
+        loop {
+            let cancelled = r.cancelled.load(Ordering::SeqCst);
+            {
+                let mut ps = r.post.lock();
+                if cancelled || self.stop.load(Ordering::SeqCst) {
+                    ps.closed = true;
+                }
+                if ps.closed {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        drop(watch);
+        let posted = r.post.lock().posted;
+        // Delivery-complete: after this no write of the request can land.
+        r.done.wait_for(posted);
+        let failed = r.done.failed();
+        if let Some(h) = r.src_h.lock().take() {
+            let _ = self.engine.unreg_mr(h);
+        }
+        self.active.lock().remove(&key);
+        let expected = u64::from(l.layers) + 1;
+        if r.cancelled.load(Ordering::SeqCst) && (posted < expected || failed > 0) {
+            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.send_to(&key.0, &Msg::CancelAck { id });
+        } else if failed > 0 || posted < expected {
+            let reason = match r.done.first_error() {
+                Some(e) => e.to_string(),
+                None => "request aborted".into(),
+            };
+            self.send_to(&key.0, &Msg::Failed { id, reason });
+        } else {
+            self.stats.completed.fetch_add(1, Ordering::Relaxed);
+            if r.cancelled.load(Ordering::SeqCst) {
+                // Everything landed; the decoder's count completes it, but
+                // confirm the cancel so it never waits for an ack.
+                self.send_to(&key.0, &Msg::CancelAck { id });
+            }
+        }
+    }
+
+    fn heartbeat_loop(self: Arc<Self>) {
+        while !self.stop.load(Ordering::SeqCst) {
+            std::thread::sleep(self.cfg.heartbeat_interval);
+            let ds: Vec<GroupAddress> = self.decoders.lock().iter().cloned().collect();
+            for d in ds {
+                self.send_to(&d, &Msg::Heartbeat);
+            }
+        }
+    }
+}
