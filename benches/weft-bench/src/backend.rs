@@ -66,11 +66,39 @@ impl BackendKind {
     }
 }
 
+/// Outstanding WRs per libfabric domain used by the bench (engine and raw
+/// baseline alike), overridable with `WEFT_BENCH_MAX_INFLIGHT`.
+///
+/// `shm` gets 8: libfabric 1.17's shm stages every WRITE of at most
+/// `inject_size` (4 KiB) in a small pool of inject buffers that only the
+/// *target's* progress (its `fi_cq_read`) frees. Past that pool
+/// `fi_writemsg` answers EAGAIN, the backend parks the WR in its EAGAIN
+/// backlog, and every `poll` re-issues the *whole* backlog (each attempt
+/// failing again while the target has not caught up), so a poll costs
+/// O(backlog): with the backend's default of 1024 in flight, 4 KiB WRITEs
+/// ran at ~6 k/s instead of ~150–400 k/s (raw, one thread polling both
+/// sides; 8 was the best of 4/8/16/24/32/64 here). Larger WRITEs (CMA path)
+/// are unaffected. Other providers keep the backend's default of 1024.
+pub fn max_inflight_for(kind: &BackendKind) -> usize {
+    if let Some(n) = std::env::var("WEFT_BENCH_MAX_INFLIGHT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return n;
+    }
+    match kind {
+        BackendKind::Libfabric(p) if p == "shm" => 8,
+        _ => 1024,
+    }
+}
+
 /// A source of hosts on one backend, each with `nics` NICs.
 pub struct Testbed {
     kind: BackendKind,
     nics: usize,
     fabric: Option<Fabric>,
+    max_inflight: usize,
 }
 
 impl fmt::Debug for Testbed {
@@ -95,6 +123,7 @@ impl Testbed {
             kind: kind.clone(),
             nics,
             fabric,
+            max_inflight: max_inflight_for(kind),
         };
         // Probe once so an unavailable backend is reported up front.
         let p = tb.host()?;
@@ -138,7 +167,7 @@ impl Testbed {
             BackendKind::Libfabric(prov) => {
                 let mut cfg = LibfabricConfig::new(prov.clone())
                     .with_connect_timeout(Duration::from_secs(5))
-                    .with_max_inflight(1024);
+                    .with_max_inflight(self.max_inflight);
                 let domain = match prov.as_str() {
                     "tcp" => Some("lo"),
                     "shm" => Some("shm"),
@@ -152,6 +181,20 @@ impl Testbed {
             }
             BackendKind::Verbs => Ok(Arc::new(VerbsProvider::new(VerbsConfig::default()))),
         }
+    }
+
+    /// The per-domain bound on outstanding WRs the bench configures for
+    /// libfabric hosts (see [`max_inflight_for`]).
+    pub fn max_inflight(&self) -> usize {
+        self.max_inflight
+    }
+
+    /// Whether domains that only receive (scatter peers, raw targets) must
+    /// be polled for WRITEs to them to complete: libfabric's software
+    /// providers (tcp, shm) and EFA's emulated protocols progress only
+    /// inside `fi_cq_read`, on both sides.
+    pub fn peers_need_progress(&self) -> bool {
+        matches!(self.kind, BackendKind::Libfabric(_))
     }
 
     /// Opens all NICs of a fresh host as raw domains (for baselines).

@@ -6,7 +6,7 @@
 
 use crate::backend::{BackendKind, Testbed};
 use crate::buf::HostBuf;
-use crate::engines::{engine, wait_until, Shutdown};
+use crate::engines::{engine, wait_until, Shutdown, STALL};
 use crate::floor::HandoffFloor;
 use crate::report::{Breakdown, Row, Target};
 use crate::stats::{ns, percentiles, Percentiles};
@@ -32,40 +32,80 @@ pub const SCATTER_LEN: u64 = 1024;
 
 struct Peers {
     // Domains before buffers (drop order).
-    _domains: Vec<Box<dyn Domain>>,
+    domains: Vec<Box<dyn Domain>>,
     descs: Vec<MrDesc>,
     addrs: Vec<GroupAddress>,
     _bufs: Vec<HostBuf>,
+    /// Whether the peers' domains must be polled for WRITEs to them to
+    /// complete (libfabric software providers progress only in
+    /// `fi_cq_read`, on the target too).
+    progress: bool,
+    comps: Vec<Completion>,
 }
 
-fn peers(tb: &Testbed, n: usize) -> Result<Peers, String> {
-    let mut domains = Vec::new();
-    let mut descs = Vec::new();
-    let mut addrs = Vec::new();
-    let mut bufs = Vec::new();
-    for _ in 0..n {
-        let p = tb.host_with(1)?;
-        let mut d = p.open(0).map_err(|e| e.to_string())?;
-        let b = HostBuf::new(SCATTER_LEN as usize);
-        let mr = d
-            .register(&b.region(), Access::RemoteWrite)
-            .map_err(|e| e.to_string())?;
-        let a = d.local_addr().clone();
-        descs.push(MrDesc {
-            addr: mr.addr,
-            len: mr.len,
-            rkeys: vec![(a.clone(), mr.rkey)],
-        });
-        addrs.push(GroupAddress { nics: vec![a] });
-        domains.push(d);
-        bufs.push(b);
+impl Peers {
+    fn len(&self) -> usize {
+        self.domains.len()
     }
-    Ok(Peers {
-        _domains: domains,
-        descs,
-        addrs,
-        _bufs: bufs,
-    })
+
+    /// Progresses the first `n` peers (no-op where the backend needs no
+    /// target-side polling). Their completions (none expected: the
+    /// scatters carry no immediate) are discarded.
+    fn progress(&mut self, n: usize) -> Result<(), String> {
+        if !self.progress {
+            return Ok(());
+        }
+        for d in self.domains.iter_mut().take(n) {
+            self.comps.clear();
+            d.poll(&mut self.comps).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// Up to `n` scatter peers, each a fresh 1-NIC host of `tb` (for libfabric:
+/// one more endpoint in this process). Stops at the first peer that cannot
+/// be created and returns the peers made so far with the reason.
+fn peers(tb: &Testbed, n: usize) -> (Peers, Option<String>) {
+    let mut pe = Peers {
+        domains: Vec::new(),
+        descs: Vec::new(),
+        addrs: Vec::new(),
+        _bufs: Vec::new(),
+        progress: tb.peers_need_progress(),
+        comps: Vec::new(),
+    };
+    for k in 0..n {
+        if let Err(why) = add_peer(tb, &mut pe) {
+            return (
+                pe,
+                Some(format!(
+                    "creating scatter peer {} of {n} failed: {why}",
+                    k + 1
+                )),
+            );
+        }
+    }
+    (pe, None)
+}
+
+fn add_peer(tb: &Testbed, pe: &mut Peers) -> Result<(), String> {
+    let p = tb.host_with(1)?;
+    let mut d = p.open(0).map_err(|e| e.to_string())?;
+    let b = HostBuf::new(SCATTER_LEN as usize);
+    let mr = d
+        .register(&b.region(), Access::RemoteWrite)
+        .map_err(|e| e.to_string())?;
+    let a = d.local_addr().clone();
+    pe.descs.push(MrDesc {
+        addr: mr.addr,
+        len: mr.len,
+        rkeys: vec![(a.clone(), mr.rkey)],
+    });
+    pe.addrs.push(GroupAddress { nics: vec![a] });
+    pe.domains.push(d);
+    pe._bufs.push(b);
+    Ok(())
 }
 
 /// Runs `proxy` on `kind`.
@@ -76,24 +116,6 @@ pub fn run(
 ) -> (Vec<Row>, Vec<Breakdown>) {
     let backend = kind.to_string();
     let counts = peer_counts(cfg.quick);
-    if !kind.is_loopback() {
-        for _ in &counts {
-            progress.step(&format!("proxy {backend} (skipped)"));
-        }
-        return (
-            vec![Row::unavailable(
-                BENCH,
-                "scatter",
-                &backend,
-                1,
-                "the proxy breakdown runs 128 peers in one process; it is measured on \
-                 loopback-null (engine cost) and loopback; on hardware use `p2p` or run \
-                 `proxy` against a loopback build next to the NIC (see docs/benchmarks.md)"
-                    .into(),
-            )],
-            Vec::new(),
-        );
-    }
     if !cfg!(feature = "probe") {
         return (
             vec![Row::unavailable(
@@ -156,6 +178,73 @@ fn us(p: Percentiles) -> Percentiles {
     }
 }
 
+/// Scatters per round (weft, and as many raw postings).
+fn per_round(cfg: &Config, kind: &BackendKind) -> usize {
+    match (cfg.quick, kind.is_loopback()) {
+        (true, true) => 200,
+        (true, false) => 50,
+        (false, true) => 2000,
+        // Software transports complete a scatter in hundreds of µs to ms
+        // (every peer's WRITE is delivery-complete): fewer samples.
+        (false, false) => 500,
+    }
+}
+
+/// The raw baseline of one scatter: posts `wrs` on `rd` (batched), then
+/// waits for their completions while progressing the peers. Returns the
+/// posting time in ns.
+fn raw_scatter(
+    rd: &mut dyn Domain,
+    wrs: &[WriteWr],
+    pe: &mut Peers,
+    comps: &mut Vec<Completion>,
+) -> Result<f64, String> {
+    let n = wrs.len();
+    let max_batch = rd.capabilities().max_batch.max(1);
+    let mut done = 0;
+    let mut reap = |rd: &mut dyn Domain, done: &mut usize| -> Result<(), String> {
+        comps.clear();
+        rd.poll(comps).map_err(|e| e.to_string())?;
+        for c in comps.iter() {
+            if let Completion::Write { result, .. } = c {
+                result.as_ref().map_err(|e| e.to_string())?;
+                *done += 1;
+            }
+        }
+        Ok(())
+    };
+    let t0 = Instant::now();
+    let mut off = 0;
+    while off < n {
+        let end = (off + max_batch).min(n);
+        match rd.post_writes(&wrs[off..end]) {
+            Ok(k) => off += k,
+            Err(e) if e.error.is_retryable() => off += e.posted,
+            Err(e) => return Err(e.to_string()),
+        }
+        if off < end {
+            // Send queue full: reap and progress the peers, then go on.
+            reap(rd, &mut done)?;
+            pe.progress(n)?;
+        }
+        if t0.elapsed() > STALL {
+            return Err("raw scatter baseline stalled while posting".into());
+        }
+    }
+    let posted = ns(t0.elapsed());
+    let t1 = Instant::now();
+    while done < n {
+        reap(rd, &mut done)?;
+        pe.progress(n)?;
+        if t1.elapsed() > STALL {
+            return Err(format!(
+                "raw scatter baseline stalled: {done}/{n} WRITEs completed after 10 s"
+            ));
+        }
+    }
+    Ok(posted)
+}
+
 fn run_inner(
     cfg: &Config,
     kind: &BackendKind,
@@ -165,7 +254,7 @@ fn run_inner(
     let backend = kind.to_string();
     let tb = Testbed::new(kind, 1)?;
     let max_peers = counts.iter().copied().max().unwrap_or(8);
-    let pe = peers(&tb, max_peers)?;
+    let (mut pe, limit) = peers(&tb, max_peers);
     let src_buf = HostBuf::new(SCATTER_LEN as usize * max_peers);
     let eng = Shutdown(engine(&tb)?);
     let (src, _) = eng.reg_mr(src_buf.region()).map_err(|e| e.to_string())?;
@@ -180,15 +269,30 @@ fn run_inner(
         let addr = a.nics.first().ok_or("peer without NIC")?;
         rpeers.push(rd.add_peer(addr).map_err(|e| e.to_string())?);
     }
-    let max_batch = rd.capabilities().max_batch.max(1);
     let floor = HandoffFloor::new();
-    let per_round = if cfg.quick { 200 } else { 2000 };
+    let per_round = per_round(cfg, kind);
     let mut rows = Vec::new();
     let mut bds = Vec::new();
     let mut comps: Vec<Completion> = Vec::new();
     let mut next_wr = 0u64;
     for &n in counts {
         progress.step(&format!("proxy {backend} scatter to {n} peers"));
+        if n > pe.len() {
+            let why = limit.clone().unwrap_or_else(|| "too few peers".into());
+            let mut row = Row::unavailable(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                format!(
+                    "{n} peers in one process: only {} endpoints could be created ({why})",
+                    pe.len()
+                ),
+            );
+            row.param = format!("{n} peers");
+            rows.push(row);
+            continue;
+        }
         let group = eng
             .add_peer_group(&pe.addrs[..n])
             .map_err(|e| e.to_string())?;
@@ -200,17 +304,69 @@ fn run_inner(
                 dst_offset: 0,
             })
             .collect();
+        let descs = pe.descs.clone();
+        let raw_wrs = |next_wr: &mut u64| -> Vec<WriteWr> {
+            (0..n)
+                .map(|j| {
+                    *next_wr += 1;
+                    WriteWr {
+                        wr: WrId(*next_wr),
+                        peer: rpeers[j],
+                        src: weft_transport::LocalSlice {
+                            mr: rsrc.key,
+                            addr: rsrc.addr + j as u64 * SCATTER_LEN,
+                            len: SCATTER_LEN,
+                        },
+                        dst: RemoteSlice {
+                            base: descs[j].addr,
+                            offset: 0,
+                            rkey: descs[j].rkeys[0].1,
+                        },
+                        imm: None,
+                    }
+                })
+                .collect()
+        };
         let mut st = Stages::default();
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
+        // Warm-up: connections to new peers (tcp;ofi_rxm connects lazily,
+        // on the first WRITE) are not part of the host path measured.
+        let warm = Arc::new(DoneCounter::new());
+        eng.submit_scatter(&group, OnDone::counter(&warm), None, &src, &dsts)
+            .map_err(|e| e.to_string())?;
+        let mut perr = None;
+        wait_until(|| {
+            if let Err(e) = pe.progress(n) {
+                perr = Some(e);
+                return true;
+            }
+            warm.total() > 0
+        })
+        .map_err(|e| format!("warm-up scatter to {n} peers: {e}"))?;
+        if let Some(e) = perr.take() {
+            return Err(e);
+        }
+        let wrs = raw_wrs(&mut next_wr);
+        raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)
+            .map_err(|e| format!("warm-up raw scatter to {n} peers: {e}"))?;
         let _ = eng.take_probe_records_compat();
         for _ in 0..cfg.rounds() {
             // weft
             let counter = Arc::new(DoneCounter::new());
-            for i in 0..per_round {
+            for i in 0..per_round as u64 {
                 eng.submit_scatter(&group, OnDone::counter(&counter), None, &src, &dsts)
                     .map_err(|e| e.to_string())?;
-                wait_until(|| counter.total() > i)?;
+                wait_until(|| {
+                    if let Err(e) = pe.progress(n) {
+                        perr = Some(e);
+                        return true;
+                    }
+                    counter.total() > i
+                })?;
+                if let Some(e) = perr.take() {
+                    return Err(e);
+                }
             }
             if counter.failed() > 0 {
                 return Err(format!(
@@ -224,56 +380,8 @@ fn run_inner(
             collect(&eng, &mut st);
             // raw posting of the same WRs
             for _ in 0..per_round {
-                let wrs: Vec<WriteWr> = (0..n)
-                    .map(|j| {
-                        next_wr += 1;
-                        WriteWr {
-                            wr: WrId(next_wr),
-                            peer: rpeers[j],
-                            src: weft_transport::LocalSlice {
-                                mr: rsrc.key,
-                                addr: rsrc.addr + j as u64 * SCATTER_LEN,
-                                len: SCATTER_LEN,
-                            },
-                            dst: RemoteSlice {
-                                base: pe.descs[j].addr,
-                                offset: 0,
-                                rkey: pe.descs[j].rkeys[0].1,
-                            },
-                            imm: None,
-                        }
-                    })
-                    .collect();
-                let t0 = Instant::now();
-                let mut off = 0;
-                while off < wrs.len() {
-                    let end = (off + max_batch).min(wrs.len());
-                    match rd.post_writes(&wrs[off..end]) {
-                        Ok(k) => off += k,
-                        Err(e) if e.error.is_retryable() => off += e.posted,
-                        Err(e) => return Err(e.to_string()),
-                    }
-                    if off < end {
-                        comps.clear();
-                        rd.poll(&mut comps).map_err(|e| e.to_string())?;
-                    }
-                }
-                raw_post.push(ns(t0.elapsed()));
-                let mut done = 0;
-                let t1 = Instant::now();
-                while done < n {
-                    comps.clear();
-                    rd.poll(&mut comps).map_err(|e| e.to_string())?;
-                    for c in &comps {
-                        if let Completion::Write { result, .. } = c {
-                            result.as_ref().map_err(|e| e.to_string())?;
-                            done += 1;
-                        }
-                    }
-                    if t1.elapsed().as_secs() > 30 {
-                        return Err("raw scatter baseline stalled".into());
-                    }
-                }
+                let wrs = raw_wrs(&mut next_wr);
+                raw_post.push(raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)?);
             }
             // floor
             for _ in 0..per_round {

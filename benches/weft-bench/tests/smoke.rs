@@ -113,3 +113,48 @@ fn backend_names_parse() {
     assert!("libfabric:".parse::<BackendKind>().is_err());
     assert!("rdma".parse::<BackendKind>().is_err());
 }
+
+/// `proxy --quick` on libfabric:tcp: the scatter peers are extra tcp
+/// endpoints in this process, progressed by the bench thread. Skipped (with
+/// a message) where libfabric or its tcp provider is not installed.
+#[test]
+fn quick_proxy_on_libfabric_tcp() {
+    let kind = BackendKind::Libfabric("tcp".into());
+    if let Err(why) = weft_bench::Testbed::new(&kind, 1) {
+        println!("skipped: libfabric:tcp unavailable here: {why}");
+        return;
+    }
+    let mut cfg = Config::new(Suite::Proxy, true);
+    cfg.backends = vec![kind];
+    cfg.rounds = Some(1);
+    cfg.command = "smoke".into();
+    let rep = weft_bench::run(&cfg);
+    let bad: Vec<_> = rep
+        .rows
+        .iter()
+        .filter(|r| r.status != Status::Ok)
+        .map(|r| format!("{} {:?}", r.param, r.status))
+        .collect();
+    assert!(bad.is_empty(), "proxy rows not measured: {bad:#?}");
+    for peers in ["8 peers", "64 peers"] {
+        let rows: Vec<_> = rep
+            .rows
+            .iter()
+            .filter(|r| r.bench == "proxy" && r.param == peers)
+            .collect();
+        assert_eq!(rows.len(), 3, "{peers}: {rows:#?}");
+        for r in rows {
+            assert_eq!(r.backend, "libfabric:tcp");
+            assert!(
+                r.measured.is_some_and(|m| m.is_finite() && m > 0.0),
+                "{r:?}"
+            );
+            assert!(
+                r.baseline.is_some_and(|b| b.is_finite() && b > 0.0),
+                "{r:?}"
+            );
+        }
+    }
+    assert_eq!(rep.proxy_breakdown.len(), 2 * 8);
+    assert!(rep.proxy_breakdown.iter().all(|b| b.n > 0));
+}
