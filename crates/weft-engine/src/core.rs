@@ -16,7 +16,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use weft_transport::{
     Access, Capabilities, Completion, Domain, Imm, LocalMr, LocalSlice, MemRegion, MrDesc, MrKey,
-    NetAddr, Pages, PeerId, PostError, RemoteSlice, ScatterDst, TransportError, WrId, WriteWr,
+    NetAddr, Pages, PeerId, PostError, RemoteSlice, Rkey, ScatterDst, TransportError, WrId,
+    WriteWr,
 };
 
 /// Most NICs in one group.
@@ -112,18 +113,120 @@ pub(crate) enum Body {
         imm: Option<Imm>,
         src: u64,
         peers: u32,
-        dsts: Vec<ScatterDst>,
+        dsts: Dsts,
         mode: ScatterMode,
     },
     Barrier {
         imm: Imm,
         peers: u32,
-        dsts: Vec<MrDesc>,
+        dsts: Dsts,
     },
     Send {
         peer: NetAddr,
         payload: SendPayload,
     },
+}
+
+/// A scatter or barrier destination whose per-lane NIC addresses were
+/// matched, at submit, to the peer group member it goes to. It holds plain
+/// values only, so no descriptor is cloned into the request queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RoutedDst {
+    pub(crate) len: u64,
+    pub(crate) src_offset: u64,
+    pub(crate) dst_offset: u64,
+    /// The destination region's base address and length.
+    pub(crate) base: u64,
+    pub(crate) region_len: u64,
+    /// How many of `rkeys` are valid (the descriptor's rkey count).
+    pub(crate) lanes: usize,
+    pub(crate) rkeys: [Rkey; MAX_NICS],
+}
+
+impl RoutedDst {
+    /// `dst` as seen through `member`: `Some` when each of its rkeys' NIC
+    /// addresses is `member`'s address of the same lane.
+    pub(crate) fn matched(
+        member: &GroupAddress,
+        dst: &MrDesc,
+        len: u64,
+        src_offset: u64,
+        dst_offset: u64,
+    ) -> Option<Self> {
+        if dst.rkeys.len() > MAX_NICS {
+            return None;
+        }
+        let mut rkeys = [Rkey(0); MAX_NICS];
+        for (lane, (addr, rkey)) in dst.rkeys.iter().enumerate() {
+            if member.nics.get(lane) != Some(addr) {
+                return None;
+            }
+            rkeys[lane] = *rkey;
+        }
+        Some(Self {
+            len,
+            src_offset,
+            dst_offset,
+            base: dst.addr,
+            region_len: dst.len,
+            lanes: dst.rkeys.len(),
+            rkeys,
+        })
+    }
+}
+
+/// The destinations of a scatter or barrier.
+#[derive(Debug)]
+pub(crate) enum Dsts {
+    /// Every descriptor matched its peer group member (the common case):
+    /// the member's pre-resolved peers are used, nothing is looked up.
+    Routed(Vec<RoutedDst>),
+    /// Some descriptor names NIC addresses other than its member's: each
+    /// destination is resolved by its descriptor's addresses.
+    Described(Vec<ScatterDst>),
+}
+
+impl Dsts {
+    fn len(&self) -> usize {
+        match self {
+            Dsts::Routed(v) => v.len(),
+            Dsts::Described(v) => v.len(),
+        }
+    }
+}
+
+/// Where the pieces of one destination go.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    /// A descriptor; with `(peer group, member)`, that member's
+    /// pre-resolved peers are used where their address is the descriptor's.
+    Desc(&'a MrDesc, Option<(u32, usize)>),
+    /// A destination matched at submit to member `.2` of peer group `.1`.
+    Member(&'a RoutedDst, u32, usize),
+}
+
+impl Target<'_> {
+    fn base(&self) -> u64 {
+        match self {
+            Target::Desc(d, _) => d.addr,
+            Target::Member(r, ..) => r.base,
+        }
+    }
+
+    fn region_len(&self) -> u64 {
+        match self {
+            Target::Desc(d, _) => d.len,
+            Target::Member(r, ..) => r.region_len,
+        }
+    }
+
+    /// Number of remote NICs the destination has keys for.
+    fn rkey_count(&self) -> usize {
+        match self {
+            Target::Desc(d, _) => d.rkeys.len(),
+            Target::Member(r, ..) => r.lanes,
+        }
+    }
 }
 
 /// One request as it travels through the request queue.
@@ -253,6 +356,20 @@ struct Transfer {
     probe: crate::probe::Record,
 }
 
+/// What one lane of one destination needs to turn pieces into WRs.
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    /// The source registration on this lane's NIC (`None`: not registered
+    /// there; pieces fail with `OutOfBounds`).
+    mr: Option<LocalMr>,
+    peer: PeerId,
+    rkey: Rkey,
+}
+
+/// Per-lane routes of one destination, filled on first use.
+#[derive(Default)]
+struct Routes([Option<Route>; MAX_NICS]);
+
 struct MrEntry {
     lanes: Vec<LocalMr>,
 }
@@ -299,6 +416,8 @@ pub(crate) struct WorkerCore {
     rr: usize,
     events: Vec<Event>,
     scratch: Vec<WriteWr>,
+    /// Reused buffer of planned pieces.
+    pieces: Vec<Piece>,
     comps: Vec<Completion>,
     pending_pieces: usize,
     #[cfg(feature = "latency-probe")]
@@ -408,6 +527,7 @@ impl WorkerCore {
             rr: 0,
             events: Vec::new(),
             scratch: Vec::new(),
+            pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
             #[cfg(feature = "latency-probe")]
@@ -715,20 +835,38 @@ impl WorkerCore {
             KIND_WRITE
         };
         let wr = wr_transfer(kind, slot, gen);
+        // Planning holds one count of `remaining`, so a piece that fails
+        // when posted early (see the scatter plan) cannot finish the
+        // transfer before all its pieces are planned.
+        self.slab[slot as usize].remaining += 1;
         if let Err(e) = self.plan(slot, wr, body) {
             self.fail_transfer(slot, e);
         }
+        self.slab[slot as usize].remaining -= 1;
         // Post the fresh WRs now; what does not fit joins the backlog.
+        self.post_fresh();
         for i in 0..self.nics.len() {
             if !self.nics[i].fresh.is_empty() {
-                self.post_ring(i, true);
                 let n = &mut self.nics[i];
-                let mut fresh = std::mem::take(&mut n.fresh);
-                n.backlog.append(&mut fresh);
-                n.fresh = fresh;
+                if n.backlog.is_empty() {
+                    // Common case: no copy, the rings trade buffers.
+                    std::mem::swap(&mut n.fresh, &mut n.backlog);
+                } else {
+                    n.backlog.append(&mut n.fresh);
+                }
             }
         }
         self.maybe_finish(slot);
+    }
+
+    /// Posts what the fresh rings hold while there is room; the rest stays
+    /// there, in order, ahead of pieces planned later.
+    fn post_fresh(&mut self) {
+        for i in 0..self.nics.len() {
+            if !self.nics[i].fresh.is_empty() {
+                self.post_ring(i, true);
+            }
+        }
     }
 
     fn push_op(&mut self, slot: u32, lane: usize, op: Op) {
@@ -739,57 +877,110 @@ impl WorkerCore {
         self.nics[lane].fresh.push_back(op);
     }
 
+    /// The route of `lane` toward `target` from source registration `src`
+    /// (`None`: zero-length writes, whose source is the engine's own):
+    /// looked up once per destination (cached in `routes`), not per piece.
+    fn route(
+        &mut self,
+        routes: &mut Routes,
+        tid: TransferId,
+        lane: usize,
+        src: Option<u64>,
+        target: Target<'_>,
+    ) -> Result<Route, EngineError> {
+        if let Some(r) = routes.0.get(lane).copied().flatten() {
+            return Ok(r);
+        }
+        let mr = match src {
+            Some(key) => self.mr_entry(key)?.lanes.get(lane).copied(),
+            None => None,
+        };
+        let no_rkey = || EngineError::InvalidArgument {
+            what: format!("destination has no rkey for NIC {lane}"),
+        };
+        let (peer, rkey) = match target {
+            Target::Member(d, g, j) => {
+                let rkey = *d
+                    .rkeys
+                    .get(lane)
+                    .filter(|_| lane < d.lanes)
+                    .ok_or_else(no_rkey)?;
+                let peer = self
+                    .peer_groups
+                    .get(g as usize)
+                    .and_then(|pg| pg.members.get(j)?.get(lane))
+                    .map(|(_, id)| *id)
+                    .ok_or_else(|| EngineError::InvalidArgument {
+                        what: format!("peer group {g} member {j} has no NIC {lane}"),
+                    })?;
+                (peer, rkey)
+            }
+            Target::Desc(dst, hint) => {
+                let (addr, rkey) = dst.rkeys.get(lane).ok_or_else(no_rkey)?;
+                let hinted = hint
+                    .and_then(|(g, j)| self.peer_groups.get(g as usize)?.members.get(j)?.get(lane))
+                    .and_then(|(a, id)| (a == addr).then_some(*id));
+                let peer = match hinted {
+                    Some(p) => p,
+                    None => {
+                        let group = self.group;
+                        self.resolve(lane, addr)
+                            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?
+                    }
+                };
+                (peer, *rkey)
+            }
+        };
+        let r = Route { mr, peer, rkey };
+        if let Some(slot) = routes.0.get_mut(lane) {
+            *slot = Some(r);
+        }
+        Ok(r)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn push_write(
         &mut self,
         slot: u32,
         wr: WrId,
+        route: Route,
         lane: usize,
-        src: u64,
         src_off: u64,
-        dst: &MrDesc,
+        target: Target<'_>,
         dst_off: u64,
         len: u64,
         imm: Option<Imm>,
     ) -> Result<(), EngineError> {
         // The one place a piece becomes a WR: domain, lkey, remote NIC
-        // address and rkey all come from `lane`.
-        let tid = self.slab[slot as usize].id;
-        let group = self.group;
-        let lane_mr = self.mr_entry(src)?.lanes.get(lane).copied();
-        let local = lane_mr
+        // address and rkey all come from `lane` (its `Route`).
+        let local = route
+            .mr
             .and_then(|mr| mr.slice(src_off, len))
             .ok_or_else(|| EngineError::OutOfBounds {
                 what: format!("source on NIC {lane}"),
                 offset: src_off,
                 len,
-                region_len: lane_mr.map_or(0, |mr| mr.len),
+                region_len: route.mr.map_or(0, |mr| mr.len),
             })?;
-        let (addr, rkey) = dst
-            .rkeys
-            .get(lane)
-            .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {lane}"),
-            })?;
-        if dst_off.checked_add(len).is_none_or(|e| e > dst.len) {
+        if dst_off
+            .checked_add(len)
+            .is_none_or(|e| e > target.region_len())
+        {
             return Err(EngineError::OutOfBounds {
                 what: "destination".into(),
                 offset: dst_off,
                 len,
-                region_len: dst.len,
+                region_len: target.region_len(),
             });
         }
-        let peer = self
-            .resolve(lane, addr)
-            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
         let w = WriteWr {
             wr,
-            peer,
+            peer: route.peer,
             src: local,
             dst: RemoteSlice {
-                base: dst.addr,
+                base: target.base(),
                 offset: dst_off,
-                rkey: *rkey,
+                rkey: route.rkey,
             },
             imm,
         };
@@ -797,8 +988,50 @@ impl WorkerCore {
         Ok(())
     }
 
-    fn lanes_for(&self, dst: &MrDesc) -> Result<usize, EngineError> {
-        let l = self.nics.len().min(dst.rkeys.len());
+    /// Routes and pushes every planned piece of `self.pieces` (offsets
+    /// relative to `src_off` / `dst_off`).
+    #[allow(clippy::too_many_arguments)]
+    fn push_pieces(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        routes: &mut Routes,
+        target: Target<'_>,
+        src: u64,
+        src_off: u64,
+        dst_off: u64,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        let pieces = std::mem::take(&mut self.pieces);
+        let mut r = Ok(());
+        for p in &pieces {
+            r = self
+                .route(routes, tid, p.lane, Some(src), target)
+                .and_then(|route| {
+                    self.push_write(
+                        slot,
+                        wr,
+                        route,
+                        p.lane,
+                        src_off + p.offset,
+                        target,
+                        dst_off + p.offset,
+                        p.len,
+                        imm,
+                    )
+                });
+            if r.is_err() {
+                break;
+            }
+        }
+        self.pieces = pieces;
+        self.pieces.clear();
+        r
+    }
+
+    fn lanes_for(&self, target: Target<'_>) -> Result<usize, EngineError> {
+        let l = self.nics.len().min(target.rkey_count());
         if l == 0 {
             return Err(EngineError::InvalidArgument {
                 what: "destination descriptor has no rkeys".into(),
@@ -817,24 +1050,27 @@ impl WorkerCore {
                 dst,
                 dst_off,
             } => {
-                let lanes = self.lanes_for(&dst)?;
+                let lanes = self.lanes_for(Target::Desc(&dst, None))?;
                 self.rr = self.rr.wrapping_add(1);
-                let pieces =
-                    shard::plan_single_write(len, lanes, self.max_write_len, self.rr, &self.shard);
-                for Piece { lane, offset, len } in pieces {
-                    self.push_write(
-                        slot,
-                        wr,
-                        lane,
-                        src,
-                        src_off + offset,
-                        &dst,
-                        dst_off + offset,
-                        len,
-                        imm,
-                    )?;
-                }
-                Ok(())
+                shard::plan_single_write_into(
+                    &mut self.pieces,
+                    len,
+                    lanes,
+                    self.max_write_len,
+                    self.rr,
+                    &self.shard,
+                );
+                let mut routes = Routes::default();
+                self.push_pieces(
+                    slot,
+                    wr,
+                    &mut routes,
+                    Target::Desc(&dst, None),
+                    src,
+                    src_off,
+                    dst_off,
+                    imm,
+                )
             }
             Body::Paged {
                 page_len,
@@ -844,7 +1080,8 @@ impl WorkerCore {
                 dst,
                 dst_pages,
             } => {
-                let lanes = self.lanes_for(&dst)?;
+                let lanes = self.lanes_for(Target::Desc(&dst, None))?;
+                let mut routes = Routes::default();
                 for i in 0..src_pages.len() {
                     let (Some(so), Some(d_o)) =
                         (src_pages.page_offset(i), dst_pages.page_offset(i))
@@ -853,21 +1090,16 @@ impl WorkerCore {
                             what: format!("page {i} offset overflows"),
                         });
                     };
-                    for p in
-                        shard::plan_page(i, page_len, lanes, self.max_write_len, self.shard.align)
-                    {
-                        self.push_write(
-                            slot,
-                            wr,
-                            p.lane,
-                            src,
-                            so + p.offset,
-                            &dst,
-                            d_o + p.offset,
-                            p.len,
-                            imm,
-                        )?;
-                    }
+                    shard::plan_page_into(
+                        &mut self.pieces,
+                        i,
+                        page_len,
+                        lanes,
+                        self.max_write_len,
+                        self.shard.align,
+                    );
+                    let target = Target::Desc(&dst, None);
+                    self.push_pieces(slot, wr, &mut routes, target, src, so, d_o, imm)?;
                 }
                 Ok(())
             }
@@ -879,41 +1111,51 @@ impl WorkerCore {
                 mode,
             } => {
                 self.check_peer_group(peers, dsts.len())?;
-                for (j, d) in dsts.iter().enumerate() {
-                    let lanes = self.lanes_for(&d.dst)?;
-                    self.warm_peer(peers, j, &d.dst);
-                    for p in shard::plan_scatter_dst(
+                for j in 0..dsts.len() {
+                    let (target, len, src_off, dst_off) = match &dsts {
+                        Dsts::Routed(v) => {
+                            let d = &v[j];
+                            let t = Target::Member(d, peers, j);
+                            (t, d.len, d.src_offset, d.dst_offset)
+                        }
+                        Dsts::Described(v) => {
+                            let d = &v[j];
+                            let t = Target::Desc(&d.dst, Some((peers, j)));
+                            (t, d.len, d.src_offset, d.dst_offset)
+                        }
+                    };
+                    let lanes = self.lanes_for(target)?;
+                    shard::plan_scatter_dst_into(
+                        &mut self.pieces,
                         j,
-                        d.len,
+                        len,
                         lanes,
                         self.max_write_len,
                         mode,
                         &self.shard,
-                    ) {
-                        self.push_write(
-                            slot,
-                            wr,
-                            p.lane,
-                            src,
-                            d.src_offset + p.offset,
-                            &d.dst,
-                            d.dst_offset + p.offset,
-                            p.len,
-                            imm,
-                        )?;
+                    );
+                    let mut routes = Routes::default();
+                    self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)?;
+                    if j == 0 {
+                        // The first WRITE goes out before the other
+                        // destinations are planned (scatter latency).
+                        self.post_fresh();
                     }
                 }
                 Ok(())
             }
             Body::Barrier { imm, peers, dsts } => {
                 self.check_peer_group(peers, dsts.len())?;
-                for (j, d) in dsts.iter().enumerate() {
-                    let lanes = self.lanes_for(d)?;
-                    self.warm_peer(peers, j, d);
+                for j in 0..dsts.len() {
+                    let target = match &dsts {
+                        Dsts::Routed(v) => Target::Member(&v[j], peers, j),
+                        Dsts::Described(v) => Target::Desc(&v[j].dst, Some((peers, j))),
+                    };
+                    let lanes = self.lanes_for(target)?;
                     // Zero-length, immediate-only: source is the send pool
                     // (any valid local key of that NIC works for 0 bytes).
                     let lane = j % lanes;
-                    self.push_zero_write(slot, wr, lane, d, imm)?;
+                    self.push_zero_write(slot, wr, lane, target, imm)?;
                 }
                 Ok(())
             }
@@ -926,30 +1168,21 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         lane: usize,
-        dst: &MrDesc,
+        target: Target<'_>,
         imm: Imm,
     ) -> Result<(), EngineError> {
         let tid = self.slab[slot as usize].id;
-        let group = self.group;
         // A zero-length local slice of a registration made on *this* lane.
         let local = self.zero_slice(lane)?;
-        let (addr, rkey) = dst
-            .rkeys
-            .get(lane)
-            .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {lane}"),
-            })?;
-        let peer = self
-            .resolve(lane, addr)
-            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
+        let route = self.route(&mut Routes::default(), tid, lane, None, target)?;
         let w = WriteWr {
             wr,
-            peer,
+            peer: route.peer,
             src: local,
             dst: RemoteSlice {
-                base: dst.addr,
+                base: target.base(),
                 offset: 0,
-                rkey: *rkey,
+                rkey: route.rkey,
             },
             imm: Some(imm),
         };
@@ -982,28 +1215,6 @@ impl WorkerCore {
             });
         }
         Ok(())
-    }
-
-    /// Uses the peer group's pre-resolved handles as a cache: only when the
-    /// destination's address for a lane is the one the group resolved.
-    fn warm_peer(&mut self, peers: u32, j: usize, dst: &MrDesc) {
-        let Some(m) = self
-            .peer_groups
-            .get(peers as usize)
-            .and_then(|g| g.members.get(j))
-        else {
-            return;
-        };
-        for (lane, (addr, id)) in m.iter().enumerate() {
-            if dst.rkeys.get(lane).is_some_and(|(a, _)| a == addr) {
-                if let Some(n) = self.nics.get_mut(lane) {
-                    if !n.peers.contains_key(addr) {
-                        n.peers.insert(addr.clone(), *id);
-                        n.peer_addrs.insert(*id, addr.clone());
-                    }
-                }
-            }
-        }
     }
 
     fn plan_send(

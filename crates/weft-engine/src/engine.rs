@@ -2,8 +2,8 @@
 
 use crate::affinity;
 use crate::core::{
-    Body, Control, Event, GroupAddress, GroupInfo, ImmCallback, RecvCallback, RecvPool, Submitted,
-    WorkerCore, MAX_NICS,
+    Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmCallback, RecvCallback, RecvPool,
+    RoutedDst, Submitted, WorkerCore, MAX_NICS,
 };
 use crate::error::{EngineError, TransferId};
 use crate::imm::{ArmError, ImmTable};
@@ -485,6 +485,8 @@ impl ImmCounts {
 pub struct PeerGroupHandle {
     ids: Vec<u32>,
     len: usize,
+    /// The members' addresses, to match destinations to members at submit.
+    members: Arc<[GroupAddress]>,
 }
 
 impl PeerGroupHandle {
@@ -704,6 +706,7 @@ impl TransferEngine {
         Ok(PeerGroupHandle {
             ids,
             len: addrs.len(),
+            members: addrs.into(),
         })
     }
 
@@ -846,7 +849,12 @@ impl TransferEngine {
         Ok(())
     }
 
-    fn check_dst(dst: &MrDesc, what: &str, offset: u64, len: u64) -> Result<(), EngineError> {
+    fn check_dst(
+        dst: &MrDesc,
+        what: impl std::fmt::Display,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
         if dst.rkeys.is_empty() {
             return Err(EngineError::InvalidArgument {
                 what: format!("{what}: descriptor has no rkeys"),
@@ -964,8 +972,8 @@ impl TransferEngine {
                     what: format!("page {i} offset overflows"),
                 });
             };
-            h.check(&format!("source page {i}"), so, page_len)?;
-            Self::check_dst(d, &format!("destination page {i}"), d_o, page_len)?;
+            h.check(format_args!("source page {i}"), so, page_len)?;
+            Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
         }
         self.check_lanes(h.group as usize, d)?;
         let gs = self.group(h.group as usize)?;
@@ -1023,10 +1031,10 @@ impl TransferEngine {
             });
         }
         for (j, d) in dsts.iter().enumerate() {
-            src.check(&format!("scatter source {j}"), d.src_offset, d.len)?;
+            src.check(format_args!("scatter source {j}"), d.src_offset, d.len)?;
             Self::check_dst(
                 &d.dst,
-                &format!("scatter destination {j}"),
+                format_args!("scatter destination {j}"),
                 d.dst_offset,
                 d.len,
             )?;
@@ -1043,7 +1051,12 @@ impl TransferEngine {
                 imm,
                 src: src.key(),
                 peers: pg,
-                dsts: dsts.to_vec(),
+                dsts: routed_dsts(
+                    &peers.members,
+                    dsts.iter()
+                        .map(|d| (&d.dst, d.len, d.src_offset, d.dst_offset)),
+                )
+                .unwrap_or_else(|| Dsts::Described(dsts.to_vec())),
                 mode,
             },
         );
@@ -1069,7 +1082,7 @@ impl TransferEngine {
             });
         }
         for (j, d) in dsts.iter().enumerate() {
-            Self::check_dst(d, &format!("barrier destination {j}"), 0, 0)?;
+            Self::check_dst(d, format_args!("barrier destination {j}"), 0, 0)?;
         }
         let gs = self.group(0)?;
         let pg = *peers.ids.first().ok_or_else(|| no_group(0))?;
@@ -1078,7 +1091,19 @@ impl TransferEngine {
             Body::Barrier {
                 imm,
                 peers: pg,
-                dsts: dsts.to_vec(),
+                dsts: routed_dsts(&peers.members, dsts.iter().map(|d| (d, 0, 0, 0)))
+                    .unwrap_or_else(|| {
+                        Dsts::Described(
+                            dsts.iter()
+                                .map(|d| ScatterDst {
+                                    len: 0,
+                                    src_offset: 0,
+                                    dst: d.clone(),
+                                    dst_offset: 0,
+                                })
+                                .collect(),
+                        )
+                    }),
             },
         );
         self.enqueue(gs, req)
@@ -1697,4 +1722,17 @@ fn watcher_main(w: &Arc<WatcherShared>, idle: Idle) {
         }
     }
     w.running.store(false, Ordering::SeqCst);
+}
+
+/// Matches every destination `(descriptor, len, src_offset, dst_offset)`
+/// to its peer group member ([`RoutedDst::matched`]); `None` if any does
+/// not match (then the worker resolves descriptors by address).
+fn routed_dsts<'a>(
+    members: &[GroupAddress],
+    dsts: impl Iterator<Item = (&'a MrDesc, u64, u64, u64)>,
+) -> Option<Dsts> {
+    dsts.zip(members)
+        .map(|((d, len, so, doff), m)| RoutedDst::matched(m, d, len, so, doff))
+        .collect::<Option<Vec<_>>>()
+        .map(Dsts::Routed)
 }

@@ -48,7 +48,15 @@ impl MrHandle {
         crate::core::mr_key(self.id, self.gen)
     }
 
-    pub(crate) fn check(&self, what: &str, offset: u64, len: u64) -> Result<(), EngineError> {
+    /// Bounds check of `[offset, offset + len)`; `what` names the range in
+    /// the error and is only formatted on failure (hot path: one check per
+    /// page of a paged submit).
+    pub(crate) fn check(
+        &self,
+        what: impl std::fmt::Display,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
             _ => Err(EngineError::OutOfBounds {

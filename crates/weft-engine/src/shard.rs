@@ -96,24 +96,37 @@ pub fn plan_single_write(
     first_lane: usize,
     cfg: &ShardConfig,
 ) -> Vec<Piece> {
+    let mut out = Vec::new();
+    plan_single_write_into(&mut out, len, lanes, max_write_len, first_lane, cfg);
+    out
+}
+
+/// [`plan_single_write`], appending to `out` (no allocation once `out` has
+/// room: the engine reuses one buffer).
+pub fn plan_single_write_into(
+    out: &mut Vec<Piece>,
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    first_lane: usize,
+    cfg: &ShardConfig,
+) {
     let lanes = lanes.max(1);
     let cap = piece_cap(max_write_len, cfg.align);
     let (chunk, used) = lane_layout(len, lanes, cfg);
-    let mut out = Vec::new();
     if used == 1 {
         let lane = first_lane % lanes;
-        push_pieces(&mut out, lane, 0, len, cap);
-        return out;
+        push_pieces(out, lane, 0, len, cap);
+        return;
     }
     let mut start = 0u64;
     let mut lane = 0usize;
     while start < len {
         let end = start.saturating_add(chunk).min(len);
-        push_pieces(&mut out, lane, start, end - start, cap);
+        push_pieces(out, lane, start, end - start, cap);
         start = end;
         lane += 1;
     }
-    out
 }
 
 fn push_pieces(out: &mut Vec<Piece>, lane: usize, start: u64, len: u64, cap: u64) {
@@ -167,14 +180,26 @@ pub fn plan_page(
     align: u64,
 ) -> Vec<Piece> {
     let mut out = Vec::new();
+    plan_page_into(&mut out, page, page_len, lanes, max_write_len, align);
+    out
+}
+
+/// [`plan_page`], appending to `out`.
+pub fn plan_page_into(
+    out: &mut Vec<Piece>,
+    page: usize,
+    page_len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    align: u64,
+) {
     push_pieces(
-        &mut out,
+        out,
         page % lanes.max(1),
         0,
         page_len,
         piece_cap(max_write_len, align),
     );
-    out
 }
 
 /// Immediates at the receiver for one `submit_paged_writes` of `pages`
@@ -210,19 +235,30 @@ pub fn plan_scatter_dst(
     mode: ScatterMode,
     cfg: &ShardConfig,
 ) -> Vec<Piece> {
+    let mut out = Vec::new();
+    plan_scatter_dst_into(&mut out, j, len, lanes, max_write_len, mode, cfg);
+    out
+}
+
+/// [`plan_scatter_dst`], appending to `out`.
+pub fn plan_scatter_dst_into(
+    out: &mut Vec<Piece>,
+    j: usize,
+    len: u64,
+    lanes: usize,
+    max_write_len: u64,
+    mode: ScatterMode,
+    cfg: &ShardConfig,
+) {
     match mode {
-        ScatterMode::ByPeer => {
-            let mut out = Vec::new();
-            push_pieces(
-                &mut out,
-                j % lanes.max(1),
-                0,
-                len,
-                piece_cap(max_write_len, cfg.align),
-            );
-            out
-        }
-        ScatterMode::ByBytes => plan_single_write(len, lanes, max_write_len, j, cfg),
+        ScatterMode::ByPeer => push_pieces(
+            out,
+            j % lanes.max(1),
+            0,
+            len,
+            piece_cap(max_write_len, cfg.align),
+        ),
+        ScatterMode::ByBytes => plan_single_write_into(out, len, lanes, max_write_len, j, cfg),
     }
 }
 

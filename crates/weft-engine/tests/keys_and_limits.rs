@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, TransferEngine};
+use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, ScatterDst, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig, LoopbackProvider};
 use weft_transport::{
     Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
@@ -24,6 +24,8 @@ struct Registry {
     rkey_owner: BTreeMap<u64, NetAddr>,
     violations: Vec<String>,
     writes_per_nic: BTreeMap<NetAddr, u64>,
+    /// WRITEs to this NIC are rejected at post time (non-retryable).
+    reject_to: Option<NetAddr>,
 }
 
 struct CheckingProvider {
@@ -99,6 +101,30 @@ impl Domain for CheckingDomain {
         self.inner.post_recv(wr, buf)
     }
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
+        let reject_to = self.reg.lock().reject_to.clone();
+        if let Some(bad) = reject_to {
+            if let Some(i) = wrs
+                .iter()
+                .position(|w| self.peers.get(&w.peer) == Some(&bad))
+            {
+                let posted = if i == 0 {
+                    0
+                } else {
+                    self.post_writes(&wrs[..i])?
+                };
+                if posted < i {
+                    return Ok(posted);
+                }
+                return Err(PostError {
+                    posted,
+                    error: TransportError::PeerUnreachable {
+                        nic: self.inner.info().name.clone(),
+                        peer: bad,
+                        reason: "rejected at post by the test".into(),
+                    },
+                });
+            }
+        }
         for w in wrs {
             self.check_local(&w.src, "write");
             let mut reg = self.reg.lock();
@@ -386,4 +412,155 @@ fn latency_probe_records_stages() {
     }
     ea.shutdown();
     eb.shutdown();
+}
+
+/// Scatter destinations are routed through the peer group's resolved
+/// members when their descriptors name the members' NICs, and by the
+/// descriptors' own addresses otherwise (here: descriptors handed to the
+/// members in rotated order); both land every byte where the descriptor
+/// says, with the right keys per NIC.
+#[test]
+fn scatter_routes_by_member_or_by_descriptor() {
+    for seed in seeds(&[121, 122]) {
+        let _g = SeedGuard(seed, "scatter_routes_by_member_or_by_descriptor");
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let reg: Arc<Mutex<Registry>> = Arc::default();
+        let tx = checked_engine(&fabric, 2, &reg, test_config());
+        let rxs: Vec<TransferEngine> = (0..3)
+            .map(|_| checked_engine(&fabric, 2, &reg, test_config()))
+            .collect();
+        let src = HostBuf::filled(3 * 4096, |i| pat(seed, i));
+        let dsts: Vec<HostBuf> = (0..3).map(|_| HostBuf::new(2 * 4096)).collect();
+        let (sh, _) = tx.reg_mr(src.region()).unwrap();
+        let descs: Vec<_> = rxs
+            .iter()
+            .zip(&dsts)
+            .map(|(e, b)| e.reg_mr(b.region()).unwrap().1)
+            .collect();
+        let addrs: Vec<_> = rxs.iter().map(TransferEngine::main_address).collect();
+        let pg = tx.add_peer_group(&addrs).unwrap();
+        let done = Arc::new(weft_engine::DoneCounter::new());
+        // Matched: destination j is member j's memory; first half of each
+        // destination buffer.
+        let matched: Vec<ScatterDst> = (0..3)
+            .map(|j| ScatterDst {
+                len: 4096,
+                src_offset: j as u64 * 4096,
+                dst: descs[j].clone(),
+                dst_offset: 0,
+            })
+            .collect();
+        tx.submit_scatter(&pg, OnDone::counter(&done), Some(5), &sh, &matched)
+            .unwrap();
+        // Rotated: member j is given member (j+1)%3's descriptor; the
+        // bytes must follow the descriptor. Second half of each buffer.
+        let rotated: Vec<ScatterDst> = (0..3)
+            .map(|j| ScatterDst {
+                len: 4096,
+                src_offset: j as u64 * 4096,
+                dst: descs[(j + 1) % 3].clone(),
+                dst_offset: 4096,
+            })
+            .collect();
+        tx.submit_scatter(&pg, OnDone::counter(&done), Some(6), &sh, &rotated)
+            .unwrap();
+        let mut engines = vec![tx.clone()];
+        engines.extend(rxs.iter().cloned());
+        drive(&fabric, &engines, || done.total() == 2);
+        assert_eq!(done.failed(), 0, "{:?}", done.first_error());
+        for (j, d) in dsts.iter().enumerate() {
+            assert_eq!(d.read(0, 4096), src.read(j * 4096, 4096), "matched {j}");
+            let from = (j + 2) % 3; // member whose rotated entry names j
+            assert_eq!(
+                d.read(4096, 4096),
+                src.read(from * 4096, 4096),
+                "rotated {j}"
+            );
+        }
+        let r = reg.lock();
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        drop(r);
+        tx.shutdown();
+        for e in &rxs {
+            e.shutdown();
+        }
+    }
+}
+
+/// A scatter's first WRITE is posted before the other destinations are
+/// planned; when that early post is rejected, the transfer still resolves
+/// exactly once, failed, and only after every posted piece completed.
+#[test]
+fn scatter_first_post_rejected_resolves_once() {
+    for seed in seeds(&[131]) {
+        let _g = SeedGuard(seed, "scatter_first_post_rejected_resolves_once");
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let reg: Arc<Mutex<Registry>> = Arc::default();
+        let tx = checked_engine(&fabric, 1, &reg, test_config());
+        let rxs: Vec<TransferEngine> = (0..4)
+            .map(|_| checked_engine(&fabric, 1, &reg, test_config()))
+            .collect();
+        let src = HostBuf::filled(4096, |i| pat(seed, i));
+        let bufs: Vec<HostBuf> = (0..4).map(|_| HostBuf::new(4096)).collect();
+        let (sh, _) = tx.reg_mr(src.region()).unwrap();
+        let dsts: Vec<ScatterDst> = rxs
+            .iter()
+            .zip(&bufs)
+            .map(|(e, b)| ScatterDst {
+                len: 4096,
+                src_offset: 0,
+                dst: e.reg_mr(b.region()).unwrap().1,
+                dst_offset: 0,
+            })
+            .collect();
+        let addrs: Vec<_> = rxs.iter().map(TransferEngine::main_address).collect();
+        let pg = tx.add_peer_group(&addrs).unwrap();
+        reg.lock().reject_to = Some(addrs[0].nics[0].clone());
+        let calls = Arc::new(AtomicU64::new(0));
+        let result = Arc::new(Mutex::new(None));
+        let (c, r) = (calls.clone(), result.clone());
+        tx.submit_scatter(
+            &pg,
+            OnDone::callback(move |res| {
+                c.fetch_add(1, Ordering::SeqCst);
+                *r.lock() = Some(res);
+            }),
+            None,
+            &sh,
+            &dsts,
+        )
+        .unwrap();
+        let mut engines = vec![tx.clone()];
+        engines.extend(rxs.iter().cloned());
+        drive(&fabric, &engines, || calls.load(Ordering::SeqCst) > 0);
+        // Let anything still in flight settle: no second resolution.
+        fabric.run_until_idle();
+        for e in &engines {
+            e.progress();
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        let res = result.lock().take().expect("resolved");
+        assert!(res.is_err(), "a rejected piece fails the scatter");
+        // The failed scatter's not-yet-posted pieces are never posted (a
+        // piece posted after `on_done` could land in reused memory).
+        let r = reg.lock();
+        let posted: u64 = r.writes_per_nic.values().sum();
+        assert_eq!(
+            posted,
+            0,
+            "pieces posted after the failure: {r:?}",
+            r = r.writes_per_nic
+        );
+        drop(r);
+        for (j, b) in bufs.iter().enumerate() {
+            assert!(
+                b.read(0, 4096).iter().all(|&x| x == 0),
+                "member {j} written"
+            );
+        }
+        tx.shutdown();
+        for e in &rxs {
+            e.shutdown();
+        }
+    }
 }

@@ -1,0 +1,134 @@
+//! A profiling driver for the engine's hot path (not a benchmark with
+//! baselines: `weft-bench` is). Runs paged writes and scatters over the
+//! loopback fabric's null mode so that a profiler (`perf record -g`) sees
+//! engine cost only.
+//!
+//! ```sh
+//! cargo build --release -p weft-engine --example hotpath
+//! perf record -g target/release/examples/hotpath paged 200
+//! perf record -g target/release/examples/hotpath scatter 20000
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_engine::{
+    DomainGroupSpec, DoneCounter, EngineConfig, GroupAddress, MrDesc, OnDone, Pages, ScatterDst,
+    TransferEngine,
+};
+use weft_loopback::{Fabric, FabricConfig};
+use weft_transport::{Access, Device, MemRegion, Provider};
+
+fn engine(fabric: &Fabric) -> TransferEngine {
+    let host = fabric.add_host(1);
+    TransferEngine::builder()
+        .group(DomainGroupSpec::new(
+            Arc::new(fabric.provider(host)),
+            vec![0],
+        ))
+        .config(EngineConfig {
+            idle_sleep: Some(Duration::from_micros(20)),
+            ..EngineConfig::default()
+        })
+        .build()
+        .expect("engine")
+}
+
+fn region(buf: &mut [u8]) -> MemRegion {
+    let ptr = std::ptr::NonNull::new(buf.as_mut_ptr()).expect("non-null");
+    // SAFETY: the buffers live until the end of `main`, after shutdown.
+    unsafe { MemRegion::new(ptr, buf.len(), Device::Host) }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let what = args.next().unwrap_or_else(|| "paged".into());
+    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(100);
+    let fabric = Fabric::new_realtime(FabricConfig::null());
+    let tx = engine(&fabric);
+    let mut src = vec![0u8; 16 << 20];
+    let (src_mr, _) = tx.reg_mr(region(&mut src)).expect("reg src");
+    let counter = Arc::new(DoneCounter::new());
+    let start = Instant::now();
+    let mut dst_bufs: Vec<Vec<u8>> = Vec::new();
+    let mut rxs = Vec::new();
+    let mut domains = Vec::new();
+    let ops = match what.as_str() {
+        "paged" => {
+            let rx = engine(&fabric);
+            dst_bufs.push(vec![0u8; 16 << 20]);
+            let (_, desc) = rx.reg_mr(region(&mut dst_bufs[0])).expect("reg dst");
+            let pages = Pages {
+                indices: (0..10_000u32).map(|i| (i * 7) % 10_000).collect(),
+                stride: 1024,
+                offset: 0,
+            };
+            for i in 0..n {
+                while i - counter.total() >= 4 {
+                    std::hint::spin_loop();
+                }
+                tx.submit_paged_writes(
+                    1024,
+                    None,
+                    (&src_mr, &pages),
+                    (&desc, &pages),
+                    OnDone::counter(&counter),
+                )
+                .expect("submit");
+            }
+            rxs.push(rx);
+            n * 10_000
+        }
+        _ => {
+            let mut addrs = Vec::new();
+            let mut dsts = Vec::new();
+            for _ in 0..64 {
+                // Receivers are bare domains: the null fabric completes
+                // WRs at the sender's poll, so only the sender's engine runs.
+                let host = fabric.add_host(1);
+                let mut d = fabric.provider(host).open(0).expect("domain");
+                dst_bufs.push(vec![0u8; 1 << 16]);
+                let last = dst_bufs.len() - 1;
+                let mr = d
+                    .register(&region(&mut dst_bufs[last]), Access::RemoteWrite)
+                    .expect("reg dst");
+                let a = d.local_addr().clone();
+                addrs.push(GroupAddress {
+                    nics: vec![a.clone()],
+                });
+                dsts.push(ScatterDst {
+                    len: 1024,
+                    src_offset: 0,
+                    dst: MrDesc {
+                        addr: mr.addr,
+                        len: mr.len,
+                        rkeys: vec![(a, mr.rkey)],
+                    },
+                    dst_offset: 0,
+                });
+                domains.push(d);
+            }
+            let h = tx.add_peer_group(&addrs).expect("peer group");
+            for i in 0..n {
+                while i - counter.total() >= 16 {
+                    std::hint::spin_loop();
+                }
+                tx.submit_scatter(&h, OnDone::counter(&counter), None, &src_mr, &dsts)
+                    .expect("scatter");
+            }
+            n * 64
+        }
+    };
+    counter.wait_for(n);
+    let t = start.elapsed();
+    assert_eq!(counter.failed(), 0, "{:?}", counter.first_error());
+    println!(
+        "{what}: {ops} WRs in {:.3} s = {:.2} M WRs/s",
+        t.as_secs_f64(),
+        ops as f64 / t.as_secs_f64() / 1e6
+    );
+    tx.shutdown();
+    drop(domains);
+    for rx in rxs {
+        rx.shutdown();
+    }
+}
