@@ -562,6 +562,11 @@ impl WorkerCore {
         self.pending_pieces
     }
 
+    /// Whether WRs are posted and not yet completed, or waiting for room.
+    pub(crate) fn in_flight(&self) -> bool {
+        self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)
+    }
+
     /// Whether any transfer is still unfinished.
     pub(crate) fn busy(&self) -> bool {
         self.slab.iter().any(|t| t.live)

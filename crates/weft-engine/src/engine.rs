@@ -63,7 +63,8 @@ pub struct EngineConfig {
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
     /// Sleep of an idle worker/watcher; `None` = never sleep (lowest
-    /// latency, burns a core).
+    /// latency, burns a core). A worker with WRs in flight never sleeps
+    /// (it yields between polls), so completions are not delayed.
     pub idle_sleep: Option<Duration>,
     /// How long `shutdown` waits for in-flight WRs before failing them.
     pub drain_timeout: Duration,
@@ -1621,6 +1622,12 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
             continue;
         }
         if let Some(d) = idle.step(&mut idle_n) {
+            if w.core.in_flight() {
+                // Completions are due (and software providers progress
+                // only while polled): keep polling, only yield the core.
+                std::thread::yield_now();
+                continue;
+            }
             w.shared.sleeping.store(true, Ordering::SeqCst);
             if w.shared.queue.is_empty()
                 && w.ctrl_rx.is_empty()
