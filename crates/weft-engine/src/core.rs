@@ -1087,6 +1087,12 @@ impl WorkerCore {
             } => {
                 let lanes = self.lanes_for(Target::Desc(&dst, None))?;
                 let mut routes = Routes::default();
+                let target = Target::Desc(&dst, None);
+                let tid = self.slab[slot as usize].id;
+                // A page that fits one WR is one piece on lane `i % lanes`
+                // (what `plan_page` says): pushed without the piece list.
+                let one_piece = page_len > 0
+                    && page_len <= shard::piece_cap(self.max_write_len, self.shard.align);
                 for i in 0..src_pages.len() {
                     let (Some(so), Some(d_o)) =
                         (src_pages.page_offset(i), dst_pages.page_offset(i))
@@ -1095,6 +1101,12 @@ impl WorkerCore {
                             what: format!("page {i} offset overflows"),
                         });
                     };
+                    if one_piece {
+                        let lane = i % lanes;
+                        let route = self.route(&mut routes, tid, lane, Some(src), target)?;
+                        self.push_write(slot, wr, route, lane, so, target, d_o, page_len, imm)?;
+                        continue;
+                    }
                     shard::plan_page_into(
                         &mut self.pieces,
                         i,
@@ -1103,7 +1115,6 @@ impl WorkerCore {
                         self.max_write_len,
                         self.shard.align,
                     );
-                    let target = Target::Desc(&dst, None);
                     self.push_pieces(slot, wr, &mut routes, target, src, so, d_o, imm)?;
                 }
                 Ok(())

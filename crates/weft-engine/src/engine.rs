@@ -967,13 +967,23 @@ impl TransferEngine {
                 ),
             });
         }
-        for i in 0..sp.len() {
-            let (Some(so), Some(d_o)) = (sp.page_offset(i), dp.page_offset(i)) else {
-                return Err(EngineError::InvalidArgument {
-                    what: format!("page {i} offset overflows"),
-                });
-            };
+        // Page offsets grow with the page index, so checking the page with
+        // the largest index of each side checks them all (one pass over
+        // the indices instead of checked arithmetic per page).
+        if let Some(i) = last_max_index(sp) {
+            let so = sp
+                .page_offset(i)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("source page {i} offset overflows"),
+                })?;
             h.check(format_args!("source page {i}"), so, page_len)?;
+        }
+        if let Some(i) = last_max_index(dp) {
+            let d_o = dp
+                .page_offset(i)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("destination page {i} offset overflows"),
+                })?;
             Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
         }
         self.check_lanes(h.group as usize, d)?;
@@ -1742,4 +1752,13 @@ fn routed_dsts<'a>(
         .map(|((d, len, so, doff), m)| RoutedDst::matched(m, d, len, so, doff))
         .collect::<Option<Vec<_>>>()
         .map(Dsts::Routed)
+}
+
+/// Position of a largest page index of `p` (`None` when `p` is empty).
+fn last_max_index(p: &Pages) -> Option<usize> {
+    p.indices
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, &idx)| idx)
+        .map(|(i, _)| i)
 }

@@ -47,7 +47,7 @@ pub struct Piece {
 
 /// The largest piece length used for a given `max_write_len`: rounded down to
 /// `align` when that keeps it positive.
-fn piece_cap(max_write_len: u64, align: u64) -> u64 {
+pub(crate) fn piece_cap(max_write_len: u64, align: u64) -> u64 {
     let m = max_write_len.max(1);
     if align > 0 && m >= align {
         m - m % align
@@ -364,6 +364,10 @@ mod tests {
                 let p = plan_page(i, page_len, lanes, max, cfg.align);
                 check_cover(&p, page_len, lanes, max);
                 prop_assert!(p.iter().all(|x| x.lane == i % lanes));
+                // The engine's one-piece fast path relies on this.
+                if page_len > 0 && page_len <= piece_cap(max, cfg.align) {
+                    prop_assert_eq!(&p, &vec![Piece { lane: i % lanes, offset: 0, len: page_len }]);
+                }
                 n += p.len() as u64;
             }
             prop_assert_eq!(n, imm_count_paged_writes(page_len, pages, max, &cfg));

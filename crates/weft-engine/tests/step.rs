@@ -484,6 +484,38 @@ fn api_errors_and_allocation() {
         ea.submit_single_write(u64::MAX, None, (&sh, 2), (&dd, 0), od()),
         Err(EngineError::OutOfBounds { .. })
     ));
+    // Paged: any page past the end (not only the first or the last
+    // listed) is refused, on either side; offsets that overflow too.
+    let pages = |indices: Vec<u32>, stride: u64| weft_engine::Pages {
+        indices,
+        stride,
+        offset: 0,
+    };
+    let ok = pages(vec![3, 0, 1], 1024);
+    let past = pages(vec![0, 4, 1], 1024);
+    let huge = pages(vec![0, u32::MAX, 1], u64::MAX / 2);
+    for (sp, dp) in [(&past, &ok), (&ok, &past)] {
+        assert!(matches!(
+            ea.submit_paged_writes(1024, None, (&sh, sp), (&dd, dp), od()),
+            Err(EngineError::OutOfBounds { .. })
+        ));
+    }
+    assert!(matches!(
+        ea.submit_paged_writes(
+            1000,
+            None,
+            (&sh, &ok),
+            (&dd, &pages(vec![0, 3, 1], 1100)),
+            od()
+        ),
+        Err(EngineError::OutOfBounds { .. })
+    ));
+    for (sp, dp) in [(&huge, &ok), (&ok, &huge)] {
+        assert!(matches!(
+            ea.submit_paged_writes(1024, None, (&sh, sp), (&dd, dp), od()),
+            Err(EngineError::InvalidArgument { .. })
+        ));
+    }
     ea.submit_single_write(10, Some(1), (&sh, 0), (&dd, 0), od())
         .unwrap();
     ea.submit_single_write(10, Some(1), (&sh, 0), (&dd, 0), od())
