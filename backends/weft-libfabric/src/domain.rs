@@ -121,6 +121,9 @@ pub struct LibfabricDomain {
     prov_key: bool,
     hmem: bool,
     is_shm: bool,
+    /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
+    /// EFA, whose provider errnos are its own status codes).
+    prov_errno_is_errno: bool,
     mrs: BTreeMap<MrKey, MrEntry>,
     next_key: u64,
     peers: BTreeMap<NetAddr, PeerId>,
@@ -209,6 +212,7 @@ impl LibfabricDomain {
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
+            prov_errno_is_errno: !info.prov_name.starts_with("efa"),
             _info: info,
             nic,
             caps,
@@ -307,8 +311,16 @@ impl LibfabricDomain {
         Ok(e.mr.desc)
     }
 
-    /// Maps a failed operation to a typed error.
-    fn op_error(&self, slot: SlotUse, err: i64, message: String, olen: usize) -> TransportError {
+    /// Maps a failed operation to a typed error. `prov_errno` is the CQ
+    /// error entry's provider errno (0 for post-time errors).
+    fn op_error(
+        &self,
+        slot: SlotUse,
+        err: i64,
+        prov_errno: i64,
+        message: String,
+        olen: usize,
+    ) -> TransportError {
         let nic = self.nic_name();
         let errno = err.unsigned_abs() as i32;
         let (peer, op): (Option<PeerId>, &'static str) = match slot {
@@ -318,7 +330,17 @@ impl LibfabricDomain {
             SlotUse::Free | SlotUse::Zombie => (None, "completion"),
         };
         let peer_addr = peer.map(|p| self.peer_addr(p));
-        if is_unreachable(errno) {
+        // We never cancel operations ourselves (closing the domain drops
+        // them unreported). tcp;ofi_rxm cancels (ECANCELED) the operations
+        // of a connection that broke: the one the target rejected (bad key
+        // or out of bounds: provider errno ENOENT or another access errno)
+        // is a remote access error; the others carry the socket error
+        // (ENOTCONN, EPIPE, ECONNRESET, or none): the peer is gone (e.g.
+        // its process was killed mid-transfer) or the pair is unusable.
+        let prov = i32::try_from(prov_errno.unsigned_abs()).unwrap_or(0);
+        let rejected = !self.prov_errno_is_errno || prov == libc::ENOENT || is_remote_access(prov);
+        let canceled = errno == libc::ECANCELED && peer.is_some();
+        if is_unreachable(errno) || (canceled && !rejected) {
             if let Some(peer) = peer_addr {
                 return TransportError::PeerUnreachable {
                     nic,
@@ -327,10 +349,6 @@ impl LibfabricDomain {
                 };
             }
         }
-        // We never cancel operations ourselves (closing the domain drops
-        // them unreported), so ECANCELED on a WRITE means the target tore
-        // the connection down: that is how tcp;ofi_rxm rejects a remote
-        // access with a bad key or out of bounds.
         let canceled_write = errno == libc::ECANCELED && matches!(slot, SlotUse::Write { .. });
         if errno == libc::ECANCELED && !canceled_write {
             return TransportError::Canceled { nic };
@@ -380,7 +398,7 @@ impl LibfabricDomain {
     }
 
     fn post_error(&self, slot: SlotUse, rc: i64) -> TransportError {
-        self.op_error(slot, rc, self.lib.strerror(rc), 0)
+        self.op_error(slot, rc, 0, self.lib.strerror(rc), 0)
     }
 
     fn release(&mut self, i: usize) -> SlotUse {
@@ -514,7 +532,14 @@ impl LibfabricDomain {
             SlotUse::Zombie => return,
             _ => {}
         }
-        let e = self.op_error(used, err.err, err.message, err.olen);
+        tracing::debug!(
+            nic = %self.nic.name,
+            err = err.err,
+            prov_errno = err.prov_errno,
+            message = %err.message,
+            "CQ error entry"
+        );
+        let e = self.op_error(used, err.err, err.prov_errno, err.message, err.olen);
         if let TransportError::PeerUnreachable { reason, .. } = &e {
             if let SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } = used {
                 self.mark_dead(peer, reason.clone());
