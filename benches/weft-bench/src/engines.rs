@@ -10,10 +10,19 @@ use weft_engine::{
 };
 
 /// The engine settings the benchmarks use: defaults, except a worker that
-/// never sleeps longer than 20 µs when idle.
+/// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`
+/// sets that sleep (0: never sleep, spin/yield only).
 pub fn bench_config() -> EngineConfig {
+    let idle_sleep = match std::env::var("WEFT_BENCH_IDLE_SLEEP_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(0) => None,
+        Some(us) => Some(Duration::from_micros(us)),
+        None => Some(Duration::from_micros(20)),
+    };
     EngineConfig {
-        idle_sleep: Some(Duration::from_micros(20)),
+        idle_sleep,
         ..EngineConfig::default()
     }
 }
