@@ -149,8 +149,27 @@ struct Stages {
 }
 
 #[cfg(feature = "probe")]
-fn collect(eng: &TransferEngine, st: &mut Stages) {
+fn collect(eng: &TransferEngine, st: &mut Stages) -> usize {
+    // The engine may emit more than one record per transfer (since it posts
+    // a scatter's first WRITE before planning the rest, "all posted" is
+    // momentarily true after the first WR): keep, per transfer, the record
+    // with the latest `all_posted`, i.e. the one covering every WR.
+    let mut last: std::collections::BTreeMap<weft_engine::TransferId, weft_engine::probe::Record> =
+        std::collections::BTreeMap::new();
+    let mut early = 0;
     for r in eng.take_probe_records() {
+        match last.get(&r.transfer) {
+            Some(prev) if prev.all_posted >= r.all_posted => early += 1,
+            Some(_) => {
+                early += 1;
+                last.insert(r.transfer, r);
+            }
+            None => {
+                last.insert(r.transfer, r);
+            }
+        }
+    }
+    for r in last.into_values() {
         let (Some(f), Some(a)) = (r.first_wr, r.all_posted) else {
             continue;
         };
@@ -163,10 +182,13 @@ fn collect(eng: &TransferEngine, st: &mut Stages) {
         st.post_rest.push(ns(a.saturating_duration_since(f)));
         st.total.push(ns(a.saturating_duration_since(r.submit)));
     }
+    early
 }
 
 #[cfg(not(feature = "probe"))]
-fn collect(_eng: &TransferEngine, _st: &mut Stages) {}
+fn collect(_eng: &TransferEngine, _st: &mut Stages) -> usize {
+    0
+}
 
 fn us(p: Percentiles) -> Percentiles {
     Percentiles {
@@ -328,6 +350,7 @@ fn run_inner(
                 .collect()
         };
         let mut st = Stages::default();
+        let mut early_records = 0usize;
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
         // Warm-up: connections to new peers (tcp;ofi_rxm connects lazily,
@@ -377,7 +400,7 @@ fn run_inner(
                         .unwrap_or_default()
                 ));
             }
-            collect(&eng, &mut st);
+            early_records += collect(&eng, &mut st);
             // raw posting of the same WRs
             for _ in 0..per_round {
                 let wrs = raw_wrs(&mut next_wr);
@@ -469,6 +492,7 @@ fn run_inner(
             Some((rawp.p50, "raw backend posting")),
         )
         .extra("engine_overhead_us", overhead)
+        .extra("superseded_probe_records", early_records as f64)
         .extra("p99_us", total.p99)
         .extra("p999_us", total.p999);
         if n == 64 {
