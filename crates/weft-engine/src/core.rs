@@ -840,14 +840,29 @@ impl WorkerCore {
             KIND_WRITE
         };
         let wr = wr_transfer(kind, slot, gen);
-        // Planning holds one count of `remaining`, so a piece that fails
-        // when posted early (see the scatter plan) cannot finish the
-        // transfer before all its pieces are planned.
-        self.slab[slot as usize].remaining += 1;
+        // Planning holds one count of `remaining` and of `unposted`, so
+        // pieces posted early (see the scatter plan) can neither finish the
+        // transfer nor count as "all posted" before every piece is planned.
+        {
+            let t = &mut self.slab[slot as usize];
+            t.remaining += 1;
+            t.unposted += 1;
+        }
         if let Err(e) = self.plan(slot, wr, body) {
             self.fail_transfer(slot, e);
         }
-        self.slab[slot as usize].remaining -= 1;
+        {
+            let t = &mut self.slab[slot as usize];
+            t.remaining -= 1;
+            t.unposted -= 1;
+            // Every piece was posted during planning: the probe's "all
+            // posted" is now (`posted` saw the hold and did not record it).
+            #[cfg(feature = "latency-probe")]
+            if t.unposted == 0 && t.probe.first_wr.is_some() {
+                t.probe.posted(true);
+                self.probes.push(t.probe);
+            }
+        }
         // Post the fresh WRs now; what does not fit joins the backlog.
         self.post_fresh();
         for i in 0..self.nics.len() {
@@ -1152,10 +1167,18 @@ impl WorkerCore {
                     );
                     let mut routes = Routes::default();
                     self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)?;
-                    if j == 0 {
+                    if j == 0 && matches!(dsts, Dsts::Routed(_)) {
                         // The first WRITE goes out before the other
-                        // destinations are planned (scatter latency).
+                        // destinations are planned (scatter latency). Only
+                        // for routed destinations: their planning cannot
+                        // fail later (peers resolved, bounds checked at
+                        // submit), so no destination is written for a
+                        // scatter that then fails in planning.
                         self.post_fresh();
+                    }
+                    if self.slab[slot as usize].error.is_some() {
+                        // Failed (an early post was rejected): plan no more.
+                        break;
                     }
                 }
                 Ok(())
@@ -1757,5 +1780,49 @@ fn peer_of(e: &TransportError) -> Option<NetAddr> {
         | TransportError::ReceiverNotReady { peer, .. }
         | TransportError::MessageTooLong { peer, .. } => Some(peer.clone()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(b: u8) -> NetAddr {
+        NetAddr(vec![b, b])
+    }
+
+    fn desc(addrs: &[u8]) -> MrDesc {
+        MrDesc {
+            addr: 0x1000,
+            len: 64,
+            rkeys: addrs
+                .iter()
+                .map(|&b| (addr(b), Rkey(u64::from(b) + 100)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn routed_dst_only_when_every_lane_matches() {
+        let member = GroupAddress {
+            nics: vec![addr(1), addr(2)],
+        };
+        let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
+        assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
+        assert_eq!((r.base, r.region_len, r.lanes), (0x1000, 64, 2));
+        assert_eq!(&r.rkeys[..2], &[Rkey(101), Rkey(102)]);
+        // Another member's NICs, lanes swapped, one lane different, more
+        // rkeys than the member has NICs: resolved by address instead.
+        for d in [&[3, 4][..], &[2, 1], &[1, 3], &[1, 2, 3]] {
+            assert!(
+                RoutedDst::matched(&member, &desc(d), 8, 0, 0).is_none(),
+                "{d:?}"
+            );
+        }
+        let many = GroupAddress {
+            nics: (0..=MAX_NICS as u8).map(addr).collect(),
+        };
+        let all: Vec<u8> = (0..=MAX_NICS as u8).collect();
+        assert!(RoutedDst::matched(&many, &desc(&all), 8, 0, 0).is_none());
     }
 }

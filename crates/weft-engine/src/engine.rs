@@ -63,9 +63,15 @@ pub struct EngineConfig {
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
     /// Sleep of an idle worker/watcher; `None` = never sleep (lowest
-    /// latency, burns a core). A worker with WRs in flight never sleeps
-    /// (it yields between polls), so completions are not delayed.
+    /// latency, burns a core). A worker with WRs in flight does not sleep
+    /// (it yields between polls, so completions are not delayed) until
+    /// `inflight_spin` passes without any progress.
     pub idle_sleep: Option<Duration>,
+    /// How long a worker with WRs in flight keeps polling without sleeping
+    /// while nothing completes or gets posted. Past it (a WR that never
+    /// completes, e.g. to a peer that hangs) the worker falls back to
+    /// `idle_sleep` between polls instead of burning a core indefinitely.
+    pub inflight_spin: Duration,
     /// How long `shutdown` waits for in-flight WRs before failing them.
     pub drain_timeout: Duration,
 }
@@ -84,6 +90,7 @@ impl Default for EngineConfig {
             idle_spins: 64,
             idle_yields: 256,
             idle_sleep: Some(Duration::from_micros(200)),
+            inflight_spin: Duration::from_millis(100),
             drain_timeout: Duration::from_secs(5),
         }
     }
@@ -240,6 +247,7 @@ impl EngineBuilder {
             ctrl_rxs.push(ctrl_rx);
         }
         let inner = Arc::new(Inner {
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             groups: groups.clone(),
             imms: Arc::clone(&imms),
             imm_free: Mutex::new(ImmAlloc {
@@ -411,7 +419,12 @@ struct ManualState {
     cb_rx: Receiver<CbMsg>,
 }
 
+/// Source of [`Inner::id`].
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
 struct Inner {
+    /// Process-unique engine id: peer group handles name their engine.
+    id: u64,
     groups: Vec<Arc<GroupShared>>,
     imms: Arc<ImmTable<ImmCallback>>,
     imm_free: Mutex<ImmAlloc>,
@@ -484,8 +497,9 @@ impl ImmCounts {
 /// A set of peers for scatter and barrier, resolved on every group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerGroupHandle {
+    /// The engine that resolved the group (handles are per engine).
+    engine: u64,
     ids: Vec<u32>,
-    len: usize,
     /// The members' addresses, to match destinations to members at submit.
     members: Arc<[GroupAddress]>,
 }
@@ -493,11 +507,11 @@ pub struct PeerGroupHandle {
 impl PeerGroupHandle {
     /// Number of peers.
     pub fn len(&self) -> usize {
-        self.len
+        self.members.len()
     }
     /// Whether the group is empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.members.is_empty()
     }
 }
 
@@ -705,8 +719,8 @@ impl TransferEngine {
             ids.push(self.control(gs, |reply| Control::AddPeerGroup { peers, reply })?);
         }
         Ok(PeerGroupHandle {
+            engine: self.inner.id,
             ids,
-            len: addrs.len(),
             members: addrs.into(),
         })
     }
@@ -838,6 +852,21 @@ impl TransferEngine {
 
     /// The receiver's [`ImmCounts`] assume the sender spreads over as many
     /// NICs as the receiver has: refuse a destination with another count.
+    /// The handle was made by this engine and has `n` members.
+    fn check_peer_group(&self, peers: &PeerGroupHandle, n: usize) -> Result<(), EngineError> {
+        if peers.engine != self.inner.id {
+            return Err(EngineError::InvalidArgument {
+                what: "peer group handle of another engine".into(),
+            });
+        }
+        if n != peers.len() {
+            return Err(EngineError::InvalidArgument {
+                what: format!("{n} destinations for a peer group of {}", peers.len()),
+            });
+        }
+        Ok(())
+    }
+
     fn check_lanes(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
         let local = self.nic_count(g)?;
         if dst.rkeys.len() != local {
@@ -1032,15 +1061,7 @@ impl TransferEngine {
         dsts: &[ScatterDst],
         mode: ScatterMode,
     ) -> Result<TransferId, EngineError> {
-        if dsts.len() != peers.len {
-            return Err(EngineError::InvalidArgument {
-                what: format!(
-                    "{} destinations for a peer group of {}",
-                    dsts.len(),
-                    peers.len
-                ),
-            });
-        }
+        self.check_peer_group(peers, dsts.len())?;
         for (j, d) in dsts.iter().enumerate() {
             src.check(format_args!("scatter source {j}"), d.src_offset, d.len)?;
             Self::check_dst(
@@ -1083,15 +1104,7 @@ impl TransferEngine {
         imm: Imm,
         dsts: &[MrDesc],
     ) -> Result<TransferId, EngineError> {
-        if dsts.len() != peers.len {
-            return Err(EngineError::InvalidArgument {
-                what: format!(
-                    "{} destinations for a peer group of {}",
-                    dsts.len(),
-                    peers.len
-                ),
-            });
-        }
+        self.check_peer_group(peers, dsts.len())?;
         for (j, d) in dsts.iter().enumerate() {
             Self::check_dst(d, format_args!("barrier destination {j}"), 0, 0)?;
         }
@@ -1600,6 +1613,7 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
         None => tracing::debug!(group = g, "topology unknown: worker not pinned"),
     }
     let idle = Idle::from(&ctx.cfg);
+    let inflight_spin = ctx.cfg.inflight_spin;
     let drain = ctx.cfg.drain_timeout;
     let mut w = match ctx.open() {
         Ok(w) => {
@@ -1613,6 +1627,7 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     };
     drop(init);
     let mut idle_n = 0u32;
+    let mut last_progress = Instant::now();
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
@@ -1629,10 +1644,11 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
         }
         if did {
             idle_n = 0;
+            last_progress = Instant::now();
             continue;
         }
         if let Some(d) = idle.step(&mut idle_n) {
-            if w.core.in_flight() {
+            if w.core.in_flight() && last_progress.elapsed() < inflight_spin {
                 // Completions are due (and software providers progress
                 // only while polled): keep polling, only yield the core.
                 std::thread::yield_now();
