@@ -299,3 +299,20 @@ fn tcp_bad_rkey_fails_without_imm() {
     );
     assert!(dst.0.iter().all(|&x| x == 0));
 }
+
+/// The library these tests run against. With `WEFT_EXPECT_LIBFABRIC_MAJOR`
+/// set (scripts/libfabric2.sh sets it to 2), the loaded library must be of
+/// that major version, so a run meant for libfabric 2.x cannot silently
+/// test the system's 1.x.
+#[test]
+fn loaded_library_version() {
+    let v = weft_libfabric::library_version();
+    eprintln!("libfabric: {v:?}");
+    if let Ok(want) = std::env::var("WEFT_EXPECT_LIBFABRIC_MAJOR") {
+        let want: u32 = want
+            .parse()
+            .expect("WEFT_EXPECT_LIBFABRIC_MAJOR is a number");
+        let (major, _) = v.expect("libfabric must load when a version is expected");
+        assert_eq!(major, want, "loaded libfabric major version");
+    }
+}
