@@ -153,10 +153,11 @@ struct Stages {
 
 #[cfg(feature = "probe")]
 fn collect(eng: &TransferEngine, st: &mut Stages) -> usize {
-    // The engine may emit more than one record per transfer (since it posts
-    // a scatter's first WRITE before planning the rest, "all posted" is
-    // momentarily true after the first WR): keep, per transfer, the record
-    // with the latest `all_posted`, i.e. the one covering every WR.
+    // The engine emits one record per transfer, after its last WR. Should
+    // a transfer ever show up twice (an engine regression: a scatter's
+    // first WRITE is posted before the rest is planned), keep the record
+    // covering every WR and count the others: the JSON reports them as
+    // `superseded_probe_records`, which must be 0.
     let mut last: std::collections::BTreeMap<weft_engine::TransferId, weft_engine::probe::Record> =
         std::collections::BTreeMap::new();
     let mut early = 0;
