@@ -920,20 +920,8 @@ impl WorkerCore {
         };
         let (peer, rkey) = match target {
             Target::Member(d, g, j) => {
-                let rkey = *d
-                    .rkeys
-                    .get(lane)
-                    .filter(|_| lane < d.lanes)
-                    .ok_or_else(no_rkey)?;
-                let peer = self
-                    .peer_groups
-                    .get(g as usize)
-                    .and_then(|pg| pg.members.get(j)?.get(lane))
-                    .map(|(_, id)| *id)
-                    .ok_or_else(|| EngineError::InvalidArgument {
-                        what: format!("peer group {g} member {j} has no NIC {lane}"),
-                    })?;
-                (peer, rkey)
+                let r = self.member_route(d, g, j, lane, mr)?;
+                (r.peer, r.rkey)
             }
             Target::Desc(dst, hint) => {
                 let (addr, rkey) = dst.rkeys.get(lane).ok_or_else(no_rkey)?;
@@ -956,6 +944,34 @@ impl WorkerCore {
             *slot = Some(r);
         }
         Ok(r)
+    }
+
+    /// The route of `lane` to member `j` of peer group `g` for a
+    /// destination matched to it at submit.
+    fn member_route(
+        &self,
+        d: &RoutedDst,
+        g: u32,
+        j: usize,
+        lane: usize,
+        mr: Option<LocalMr>,
+    ) -> Result<Route, EngineError> {
+        let rkey = *d
+            .rkeys
+            .get(lane)
+            .filter(|_| lane < d.lanes)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {lane}"),
+            })?;
+        let peer = self
+            .peer_groups
+            .get(g as usize)
+            .and_then(|pg| pg.members.get(j)?.get(lane))
+            .map(|(_, id)| *id)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("peer group {g} member {j} has no NIC {lane}"),
+            })?;
+        Ok(Route { mr, peer, rkey })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1142,7 +1158,47 @@ impl WorkerCore {
                 mode,
             } => {
                 self.check_peer_group(peers, dsts.len())?;
+                // Fast path: a destination matched to its member whose
+                // ByPeer plan is one piece (lane `j % lanes`, the whole
+                // length: what `plan_scatter_dst` says) is pushed directly
+                // with the source registration looked up once per request.
+                let cap = shard::piece_cap(self.max_write_len, self.shard.align);
+                let mut src_mrs = [None; MAX_NICS];
+                if matches!(dsts, Dsts::Routed(_)) && dsts.len() > 0 {
+                    let lanes = &self.mr_entry(src)?.lanes;
+                    for (l, mr) in lanes.iter().take(MAX_NICS).enumerate() {
+                        src_mrs[l] = Some(*mr);
+                    }
+                }
                 for j in 0..dsts.len() {
+                    if let (Dsts::Routed(v), ScatterMode::ByPeer) = (&dsts, mode) {
+                        let d = &v[j];
+                        if d.len <= cap {
+                            let target = Target::Member(d, peers, j);
+                            let lane = j % self.lanes_for(target)?;
+                            let mr = src_mrs.get(lane).copied().flatten();
+                            let route = self.member_route(d, peers, j, lane, mr)?;
+                            self.push_write(
+                                slot,
+                                wr,
+                                route,
+                                lane,
+                                d.src_offset,
+                                target,
+                                d.dst_offset,
+                                d.len,
+                                imm,
+                            )?;
+                            if j == 0 {
+                                // Early first WRITE (see below).
+                                self.post_fresh();
+                            }
+                            if self.slab[slot as usize].error.is_some() {
+                                break;
+                            }
+                            continue;
+                        }
+                    }
                     let (target, len, src_off, dst_off) = match &dsts {
                         Dsts::Routed(v) => {
                             let d = &v[j];
