@@ -65,6 +65,19 @@ struct Peer {
     eagain_since: Option<Instant>,
     /// Process id of an `shm` peer, for liveness checks.
     pid: Option<i32>,
+    /// Its entries in the EAGAIN backlog: while there are any, new work to
+    /// the peer joins the backlog behind them without a futile attempt.
+    backlogged: usize,
+}
+
+/// Work the provider answered EAGAIN for: reserved slot `i`, never issued.
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    i: usize,
+    native: Native,
+    /// Target peer (`None` for receives); kept here because `sweep` may
+    /// turn the slot into a zombie while the entry is still queued.
+    peer: Option<PeerId>,
 }
 
 /// What to hand to libfabric for one reserved slot.
@@ -137,9 +150,14 @@ pub struct LibfabricDomain {
     /// they still count as outstanding until `poll` returns them.
     stashed_tx: usize,
     /// Accepted work the provider answered EAGAIN for (e.g. while
-    /// tcp;ofi_rxm connects to a new peer): slots reserved, re-issued by
-    /// `poll` in order, failed if the peer turns out unreachable.
-    backlog: VecDeque<(usize, Native)>,
+    /// tcp;ofi_rxm connects to a new peer, or while shm's inject pool is
+    /// full): slots reserved, re-issued by `poll` in order (per peer), failed
+    /// if the peer turns out unreachable.
+    backlog: VecDeque<Parked>,
+    /// Receives in `backlog`.
+    backlogged_recvs: usize,
+    /// Scratch for `flush_backlog`: peers that answered EAGAIN in this pass.
+    blocked: Vec<PeerId>,
     cq_scratch: Vec<CqEntry>,
     dummy: Box<[u8; 64]>,
     dummy_desc: Desc,
@@ -230,6 +248,8 @@ impl LibfabricDomain {
             stash: Vec::new(),
             stashed_tx: 0,
             backlog: VecDeque::new(),
+            backlogged_recvs: 0,
+            blocked: Vec::new(),
             cq_scratch: Vec::with_capacity(64),
             dummy: Box::new([0u8; 64]),
             dummy_desc: Desc::null(),
@@ -637,15 +657,10 @@ impl LibfabricDomain {
         self.last_sweep = Instant::now();
         // Peers with work in the EAGAIN backlog (reserved, never issued, so
         // not counted in `inflight`) are checked too.
-        let backlogged: Vec<PeerId> = self
-            .backlog
-            .iter()
-            .filter_map(|(i, _)| self.slots.get(*i).copied().and_then(Self::slot_peer))
-            .collect();
         let mut newly_dead = Vec::new();
         for (k, p) in self.peer_table.iter().enumerate() {
             if let Some(pid) = p.pid {
-                let busy = p.inflight > 0 || backlogged.contains(&PeerId(k as u32));
+                let busy = p.inflight > 0 || p.backlogged > 0;
                 if p.dead.is_none() && busy && !ffi::process_alive(pid) {
                     newly_dead.push(PeerId(k as u32));
                 }
@@ -719,7 +734,9 @@ impl LibfabricDomain {
     /// Issues reserved slot `i` (already taken off its free list). On EAGAIN
     /// after one progress round the work joins the backlog and is still
     /// accepted; on any other error the slot is released and the error
-    /// returned.
+    /// returned. Work for a peer (or receives) with entries already in the
+    /// backlog joins it directly, behind them: issuing it first would
+    /// overtake them, and the attempt would most likely fail anyway.
     fn submit(
         &mut self,
         i: usize,
@@ -729,6 +746,17 @@ impl LibfabricDomain {
     ) -> Result<(), TransportError> {
         self.slots[i] = slot;
         let peer = Self::slot_peer(slot);
+        let queued = match peer {
+            Some(p) => self
+                .peer_table
+                .get(p.0 as usize)
+                .is_some_and(|p| p.backlogged > 0),
+            None => self.backlogged_recvs > 0,
+        };
+        if queued {
+            self.park(i, n, peer);
+            return Ok(());
+        }
         for attempt in 0..2 {
             let rc = match self.issue(i, n, more) {
                 Ok(rc) => rc,
@@ -760,8 +788,25 @@ impl LibfabricDomain {
                 return Err(e);
             }
         }
-        self.backlog.push_back((i, n));
+        self.park(i, n, peer);
         Ok(())
+    }
+
+    /// Appends never-issued work to the backlog.
+    fn park(&mut self, i: usize, native: Native, peer: Option<PeerId>) {
+        self.count_parked(peer, true);
+        self.backlog.push_back(Parked { i, native, peer });
+    }
+
+    fn count_parked(&mut self, peer: Option<PeerId>, add: bool) {
+        let n = match peer {
+            Some(p) => match self.peer_table.get_mut(p.0 as usize) {
+                Some(p) => &mut p.backlogged,
+                None => return,
+            },
+            None => &mut self.backlogged_recvs,
+        };
+        *n = if add { *n + 1 } else { n.saturating_sub(1) };
     }
 
     /// Fails a backlogged (never issued) slot with `e`.
@@ -771,47 +816,108 @@ impl LibfabricDomain {
         self.complete(used, Err(e), out);
     }
 
-    /// Re-issues backlogged work (one pass, no FI_MORE).
-    fn flush_backlog(&mut self, out: &mut Vec<Completion>) -> Result<(), TransportError> {
-        for _ in 0..self.backlog.len() {
-            let Some((i, n)) = self.backlog.pop_front() else {
+    /// Re-issues backlogged work (one pass, no FI_MORE), in order. Once the
+    /// provider answers EAGAIN for a peer (or for a receive), the rest of
+    /// that peer's entries stay queued untried until the next pass: its
+    /// resources (shm's inject pool, tcp;ofi_rxm's pending connection) are
+    /// not freed within the pass, and retrying every entry would make each
+    /// `poll` cost O(backlog). Every entry ends exactly once: issued (its
+    /// completion comes from the CQ), failed into `out`, or queued again.
+    fn flush_backlog(&mut self, out: &mut Vec<Completion>) {
+        let mut blocked = std::mem::take(&mut self.blocked);
+        blocked.clear();
+        let mut recvs_blocked = false;
+        // Entries still ahead in this pass that belong to blocked peers:
+        // once only those are left, the pass ends without touching them.
+        let mut skippable = 0usize;
+        let mut left = self.backlog.len();
+        while left > 0 {
+            if left == skippable {
+                // Keep the order: the untouched entries go behind the ones
+                // already queued again in this pass (all earlier work).
+                self.backlog.rotate_left(left);
+                break;
+            }
+            left -= 1;
+            let Some(e) = self.backlog.pop_front() else {
                 break;
             };
+            let Parked { i, native, peer } = e;
             let slot = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
             if matches!(slot, SlotUse::Zombie | SlotUse::Free) {
                 // Already failed by `sweep` (dead peer) while still queued:
                 // never issued, so nothing of it is left in libfabric.
+                self.count_parked(peer, false);
                 self.unreserve(i);
                 continue;
             }
-            let peer = Self::slot_peer(slot);
             if let Some(p) = peer {
-                if let Err(e) = self.live_peer(p) {
-                    self.fail_backlogged(i, e, out);
+                if let Err(err) = self.live_peer(p) {
+                    self.count_parked(peer, false);
+                    self.fail_backlogged(i, err, out);
                     continue;
                 }
             }
-            let rc = self.issue(i, n, false)?;
+            let skip = match peer {
+                Some(p) => blocked.contains(&p),
+                None => recvs_blocked,
+            };
+            if skip {
+                skippable = skippable.saturating_sub(1);
+                self.backlog.push_back(e);
+                continue;
+            }
+            let rc = match self.issue(i, native, false) {
+                Ok(rc) => rc,
+                Err(err) => {
+                    self.count_parked(peer, false);
+                    self.fail_backlogged(i, err, out);
+                    continue;
+                }
+            };
             if rc == 0 {
+                self.count_parked(peer, false);
                 if let Some(p) = peer {
                     self.on_posted(p);
                 }
             } else if rc == -ffi::FI_EAGAIN {
-                match peer.map(|p| self.on_eagain(p)) {
-                    Some(Err(e)) => self.fail_backlogged(i, e, out),
-                    _ => self.backlog.push_back((i, n)),
+                match peer {
+                    Some(p) => match self.on_eagain(p) {
+                        Err(err) => {
+                            // Declared unreachable: this entry fails here,
+                            // the peer's later ones by `live_peer` above.
+                            self.count_parked(peer, false);
+                            self.fail_backlogged(i, err, out);
+                        }
+                        Ok(()) => {
+                            // This entry and the peer's later ones, all
+                            // still ahead (none was skipped before).
+                            blocked.push(p);
+                            skippable += self
+                                .peer_table
+                                .get(p.0 as usize)
+                                .map_or(0, |p| p.backlogged.saturating_sub(1));
+                            self.backlog.push_back(e);
+                        }
+                    },
+                    None => {
+                        recvs_blocked = true;
+                        skippable += self.backlogged_recvs.saturating_sub(1);
+                        self.backlog.push_back(e);
+                    }
                 }
             } else {
-                let e = self.post_error(slot, rc);
-                if let TransportError::PeerUnreachable { reason, .. } = &e {
+                let err = self.post_error(slot, rc);
+                if let TransportError::PeerUnreachable { reason, .. } = &err {
                     if let Some(p) = peer {
                         self.mark_dead(p, reason.clone());
                     }
                 }
-                self.fail_backlogged(i, e, out);
+                self.count_parked(peer, false);
+                self.fail_backlogged(i, err, out);
             }
         }
-        Ok(())
+        self.blocked = blocked;
     }
 
     /// Reads the CQ into the stash (used when the provider says EAGAIN).
@@ -975,6 +1081,7 @@ impl Domain for LibfabricDomain {
             inflight: 0,
             eagain_since: None,
             pid,
+            backlogged: 0,
         });
         self.peers.insert(addr.clone(), PeerId(id));
         Ok(PeerId(id))
@@ -1090,7 +1197,10 @@ impl Domain for LibfabricDomain {
                 raddr,
                 len: wr.src.len,
             };
-            let more = self.opts.fi_more && k + 1 < n && !self.free_tx.is_empty();
+            let more = self.opts.fi_more
+                && k + 1 < n
+                && !self.free_tx.is_empty()
+                && self.backlog.is_empty();
             let native = Native::Write {
                 src,
                 len,
@@ -1109,8 +1219,13 @@ impl Domain for LibfabricDomain {
         let before = out.len();
         out.append(&mut self.stash);
         self.stashed_tx = 0;
-        self.flush_backlog(out)?;
+        // Completions first: they drive the software providers' progress
+        // and free the resources (slots, shm inject buffers) the backlog
+        // waits for.
         self.drain_cq(out)?;
+        if !self.backlog.is_empty() {
+            self.flush_backlog(out);
+        }
         self.sweep(out);
         Ok(out.len() - before)
     }

@@ -1381,11 +1381,10 @@ impl Resources {
         // SAFETY: the endpoint is open; `rma` is its RMA ops table.
         let rma = unsafe { (*self.ep).rma };
         let writemsg = op!(self, rma, FiOpsRma, writemsg, "fi_writemsg")?;
-        let nic = self.nic.clone();
         let s = self
             .slots
             .get_mut(i)
-            .ok_or_else(|| self_error_slot(&nic, i))?;
+            .ok_or_else(|| self_error_slot(&self.nic, i))?;
         s.iov.iov_base = src as usize as *mut c_void;
         s.iov.iov_len = len;
         s.desc = desc.0;
@@ -1433,11 +1432,10 @@ impl Resources {
         if self.delivery_complete && len > 0 {
             flags |= FI_DELIVERY_COMPLETE;
         }
-        let nic = self.nic.clone();
         let s = self
             .slots
             .get_mut(i)
-            .ok_or_else(|| self_error_slot(&nic, i))?;
+            .ok_or_else(|| self_error_slot(&self.nic, i))?;
         s.iov.iov_base = src as usize as *mut c_void;
         s.iov.iov_len = len;
         s.desc = desc.0;
