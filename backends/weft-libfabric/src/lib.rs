@@ -57,7 +57,10 @@ pub struct LibfabricConfig {
     /// `efa`, off for software providers (which gain nothing from it).
     pub fi_more: Option<bool>,
     /// Upper bound on outstanding SEND + WRITE WRs per domain (the provider's
-    /// TX queue size bounds it too).
+    /// TX queue size bounds it too). Default 1024 for every provider, `shm`
+    /// included: WRs the provider answers EAGAIN for (shm's small inject
+    /// pool for WRITEs of at most 4 KiB) wait in the domain's backlog at no
+    /// cost per `poll`, so a smaller window gains nothing.
     pub max_inflight: usize,
     /// Upper bound on posted receives per domain.
     pub max_recvs: usize,
