@@ -208,6 +208,7 @@ impl LibfabricDomain {
             max_batch: opts.max_batch,
             ordered: false,
             device_memory: opts.hmem && info.caps & ffi::FI_HMEM != 0,
+            software_progress: info.data_progress == ffi::FI_PROGRESS_MANUAL,
         };
         let mr_mode = info.mr_mode;
         let basic = mr_mode & ffi::FI_MR_BASIC != 0;

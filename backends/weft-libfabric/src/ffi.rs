@@ -48,6 +48,8 @@ pub(crate) const FI_MORE: u64 = 1 << 18;
 pub(crate) const FI_COMPLETION: u64 = 1 << 24;
 pub(crate) const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
 pub(crate) const FI_HMEM: u64 = 1 << 47;
+/// `enum fi_progress`: progress happens only inside the app's calls.
+pub(crate) const FI_PROGRESS_MANUAL: i32 = 2;
 pub(crate) const FI_CONTEXT: u64 = 1 << 59;
 pub(crate) const FI_CONTEXT2: u64 = 1 << 52;
 
@@ -722,6 +724,8 @@ pub(crate) struct Info {
     pub(crate) mode: u64,
     pub(crate) mr_mode: i32,
     pub(crate) mr_key_size: usize,
+    /// `fi_domain_attr::data_progress` (`FI_PROGRESS_*`).
+    pub(crate) data_progress: i32,
     pub(crate) cq_data_size: usize,
     pub(crate) tx_size: usize,
     pub(crate) rx_size: usize,
@@ -883,6 +887,7 @@ impl Info {
                 mode: i.mode,
                 mr_mode: da.map(|d| d.mr_mode).unwrap_or(0),
                 mr_key_size: da.map(|d| d.mr_key_size).unwrap_or(0),
+                data_progress: da.map(|d| d.data_progress).unwrap_or(0),
                 cq_data_size: da.map(|d| d.cq_data_size).unwrap_or(0),
                 tx_size: tx.map(|t| t.size).unwrap_or(0),
                 rx_size: rx.map(|r| r.size).unwrap_or(0),

@@ -572,6 +572,8 @@ impl State {
 
     pub(crate) fn capabilities(&self, device_memory: bool) -> weft_transport::Capabilities {
         weft_transport::Capabilities {
+            // Every call into the fabric, from any host, moves it forward.
+            software_progress: false,
             max_write_len: self.cfg.max_write_len,
             max_send_len: self.cfg.max_send_len,
             max_inflight: self.cfg.max_inflight,

@@ -431,6 +431,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
             link_gbps: link_gbps(port_attr.active_width, port_attr.active_speed),
         };
         let caps = Capabilities {
+            // RC QPs: the NIC moves data without the host.
+            software_progress: false,
             max_write_len: u64::MAX,
             max_send_len: max_wr_len,
             max_inflight: cfg.max_inflight,

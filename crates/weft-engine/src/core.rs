@@ -562,6 +562,12 @@ impl WorkerCore {
         self.pending_pieces
     }
 
+    /// Whether a NIC of the group moves data only while polled
+    /// ([`Capabilities::software_progress`]).
+    pub(crate) fn software_progress(&self) -> bool {
+        self.nics.iter().any(|n| n.caps.software_progress)
+    }
+
     /// Whether WRs are posted and not yet completed, or waiting for room.
     pub(crate) fn in_flight(&self) -> bool {
         self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)

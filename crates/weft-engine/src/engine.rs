@@ -1628,6 +1628,7 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     drop(init);
     let mut idle_n = 0u32;
     let mut last_progress = Instant::now();
+    let software_progress = w.core.software_progress();
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
@@ -1648,9 +1649,11 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
             continue;
         }
         if let Some(d) = idle.step(&mut idle_n) {
-            if w.core.in_flight() && last_progress.elapsed() < inflight_spin {
-                // Completions are due (and software providers progress
-                // only while polled): keep polling, only yield the core.
+            if software_progress || (w.core.in_flight() && last_progress.elapsed() < inflight_spin)
+            {
+                // Completions are due, or the NIC moves data (also what
+                // peers write into this host) only while polled: keep
+                // polling, only yield the core.
                 std::thread::yield_now();
                 continue;
             }

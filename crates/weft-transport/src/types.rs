@@ -263,6 +263,11 @@ pub struct Capabilities {
     pub ordered: bool,
     /// Whether memory on CUDA devices can be registered.
     pub device_memory: bool,
+    /// Whether data moves only while the domain is polled, including the
+    /// WRITEs *peers* make into this host's memory (libfabric providers
+    /// with manual data progress: tcp, shm). An engine keeps polling such
+    /// a NIC instead of sleeping when idle, or incoming transfers stall.
+    pub software_progress: bool,
 }
 
 #[cfg(test)]

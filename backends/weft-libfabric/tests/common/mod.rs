@@ -504,6 +504,7 @@ struct InfoW {
     max_batch: u64,
     ordered: bool,
     device_memory: bool,
+    software_progress: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -787,6 +788,7 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 max_batch: c.max_batch as u64,
                 ordered: c.ordered,
                 device_memory: c.device_memory,
+                software_progress: c.software_progress,
             })
         }
         Req::Alloc(len) => {
@@ -1207,6 +1209,7 @@ impl Harness for CrossProcess {
                     max_batch: info.max_batch as usize,
                     ordered: info.ordered,
                     device_memory: info.device_memory,
+                    software_progress: info.software_progress,
                 },
             });
         }
