@@ -67,19 +67,11 @@ impl BackendKind {
 }
 
 /// Outstanding WRs per libfabric domain used by the bench (engine and raw
-/// baseline alike), overridable with `WEFT_BENCH_MAX_INFLIGHT`.
-///
-/// `shm` gets 8: libfabric 1.17's shm stages every WRITE of at most
-/// `inject_size` (4 KiB) in a small pool of inject buffers that only the
-/// *target's* progress (its `fi_cq_read`) frees. Past that pool
-/// `fi_writemsg` answers EAGAIN, the backend parks the WR in its EAGAIN
-/// backlog, and every `poll` re-issues the *whole* backlog (each attempt
-/// failing again while the target has not caught up), so a poll costs
-/// O(backlog): with the backend's default of 1024 in flight, 4 KiB WRITEs
-/// ran at ~6 k/s instead of ~150–400 k/s (raw, one thread polling both
-/// sides; 8 was the best of 4/8/16/24/32/64 here). Larger WRITEs (CMA path)
-/// are unaffected. Other providers keep the backend's default of 1024.
-pub fn max_inflight_for(kind: &BackendKind) -> usize {
+/// baseline alike): the backend's default of 1024, overridable with
+/// `WEFT_BENCH_MAX_INFLIGHT`. (shm used to need 8: its EAGAIN backlog was
+/// re-issued whole on every poll; the backend now stops at the first
+/// EAGAIN per peer, see docs/backends.md.)
+pub fn max_inflight() -> usize {
     if let Some(n) = std::env::var("WEFT_BENCH_MAX_INFLIGHT")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -87,10 +79,7 @@ pub fn max_inflight_for(kind: &BackendKind) -> usize {
     {
         return n;
     }
-    match kind {
-        BackendKind::Libfabric(p) if p == "shm" => 8,
-        _ => 1024,
-    }
+    1024
 }
 
 /// A source of hosts on one backend, each with `nics` NICs.
@@ -123,7 +112,7 @@ impl Testbed {
             kind: kind.clone(),
             nics,
             fabric,
-            max_inflight: max_inflight_for(kind),
+            max_inflight: max_inflight(),
         };
         // Probe once so an unavailable backend is reported up front.
         let p = tb.host()?;
@@ -184,7 +173,7 @@ impl Testbed {
     }
 
     /// The per-domain bound on outstanding WRs the bench configures for
-    /// libfabric hosts (see [`max_inflight_for`]).
+    /// libfabric hosts (see [`max_inflight`]).
     pub fn max_inflight(&self) -> usize {
         self.max_inflight
     }
