@@ -2,7 +2,6 @@
 //! every engine in this process with one group of 2 NICs (two endpoints of
 //! `lo`). Skipped (printed) when libfabric is unavailable.
 
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft_engine::{
@@ -10,58 +9,14 @@ use weft_engine::{
     ScatterMode, TransferEngine,
 };
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{Device, MemRegion, Provider};
+use weft_transport::Provider;
 
 /// Generous bound on every wait (no speed assertion: only a hang fails).
 const DEADLINE: Duration = Duration::from_secs(60);
 
-struct HostBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a plain heap allocation accessed through raw pointers only.
-unsafe impl Send for HostBuf {}
-// SAFETY: see Send.
-unsafe impl Sync for HostBuf {}
-
-impl HostBuf {
-    fn new(len: usize) -> Self {
-        let b: Box<[u8]> = vec![0u8; len].into_boxed_slice();
-        let ptr = NonNull::new(Box::into_raw(b).cast::<u8>()).expect("non-null");
-        Self { ptr, len }
-    }
-
-    fn filled(len: usize, f: impl Fn(usize) -> u8) -> Self {
-        let b = Self::new(len);
-        let v: Vec<u8> = (0..len).map(f).collect();
-        // SAFETY: in bounds, nothing else touches the fresh buffer.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), b.ptr.as_ptr(), len) };
-        b
-    }
-
-    fn region(&self) -> MemRegion {
-        // SAFETY: the buffer outlives the engines (every test shuts them
-        // down before its buffers are dropped).
-        unsafe { MemRegion::new(self.ptr, self.len, Device::Host) }
-    }
-
-    fn read(&self, off: usize, len: usize) -> Vec<u8> {
-        assert!(off + len <= self.len, "read out of bounds");
-        let mut v = vec![0u8; len];
-        // SAFETY: in bounds; read only after the engine said the bytes are final.
-        unsafe { std::ptr::copy(self.ptr.as_ptr().add(off), v.as_mut_ptr(), len) };
-        v
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        let slice = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
-        // SAFETY: allocated by `Box<[u8]>` of this length in `new`.
-        drop(unsafe { Box::from_raw(slice) });
-    }
-}
+#[path = "support/host_buf.rs"]
+mod host_buf;
+use host_buf::HostBuf;
 
 fn pat(seed: u64, i: usize) -> u8 {
     let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
@@ -138,7 +93,10 @@ fn arm_check(
             Err(e) => Err(format!("imm round failed: {e}")),
             Ok(()) => regions
                 .iter()
-                .find(|&&(so, d_o, l)| src.read(so, l) != dst.read(d_o, l))
+                .find(|&&(so, d_o, l)| {
+                    src.read(so, l).expect("source range in bounds")
+                        != dst.read(d_o, l).expect("destination range in bounds")
+                })
                 .map_or(Ok(()), |r| {
                     Err(format!("bytes not in place at imm time: {r:?}"))
                 }),
@@ -161,7 +119,7 @@ fn two_engines_writes_paged_and_send_recv() {
     let Some(es) = engines(2) else { return };
     let (a, b) = (&es[0], &es[1]);
     const LEN: usize = 4 << 20;
-    let src = Arc::new(HostBuf::filled(LEN, |i| pat(1, i)));
+    let src = Arc::new(HostBuf::from_fn(LEN, |i| pat(1, i)));
     let dst = Arc::new(HostBuf::new(LEN));
     let (smr, _) = a.reg_mr(src.region()).expect("reg src");
     let (_, ddesc) = b.reg_mr(dst.region()).expect("reg dst");
@@ -274,7 +232,7 @@ fn scatter_and_barrier_to_three_peers() {
     let Some(es) = engines(4) else { return };
     let (s, peers) = (&es[0], &es[1..]);
     const LEN: usize = 1 << 20;
-    let src = Arc::new(HostBuf::filled(LEN, |i| pat(7, i)));
+    let src = Arc::new(HostBuf::from_fn(LEN, |i| pat(7, i)));
     let (smr, _) = s.reg_mr(src.region()).expect("reg src");
     let dsts: Vec<Arc<HostBuf>> = peers.iter().map(|_| Arc::new(HostBuf::new(LEN))).collect();
     let descs: Vec<_> = peers

@@ -21,7 +21,6 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::ptr::NonNull;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -32,7 +31,7 @@ use weft_engine::{
     OnDone, Pages, ScatterDst, ScatterMode, TransferEngine,
 };
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{Device, MemRegion, Provider, TransportError};
+use weft_transport::{Provider, TransportError};
 
 /// Generous bound on every wait (no speed assertion: only a hang fails).
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -47,55 +46,9 @@ const IMMS: usize = 4;
 // Buffers and patterns
 // ---------------------------------------------------------------------------
 
-struct HostBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a plain heap allocation accessed through raw pointers only.
-unsafe impl Send for HostBuf {}
-// SAFETY: see Send.
-unsafe impl Sync for HostBuf {}
-
-impl HostBuf {
-    fn new(len: usize) -> Self {
-        let b: Box<[u8]> = vec![0u8; len].into_boxed_slice();
-        let ptr = NonNull::new(Box::into_raw(b).cast::<u8>()).expect("non-null");
-        Self { ptr, len }
-    }
-
-    fn filled(len: usize, seed: u64) -> Self {
-        let b = Self::new(len);
-        let v: Vec<u8> = (0..len).map(|i| pat(seed, i as u64)).collect();
-        // SAFETY: in bounds, nothing else touches the fresh buffer.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), b.ptr.as_ptr(), len) };
-        b
-    }
-
-    fn region(&self) -> MemRegion {
-        // SAFETY: the buffer outlives the engine (it is shut down before the
-        // buffer is dropped).
-        unsafe { MemRegion::new(self.ptr, self.len, Device::Host) }
-    }
-
-    fn read(&self, off: usize, len: usize) -> Option<Vec<u8>> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        let mut v = vec![0u8; len];
-        // SAFETY: in bounds; read only after the engine said the bytes are final.
-        unsafe { std::ptr::copy(self.ptr.as_ptr().add(off), v.as_mut_ptr(), len) };
-        Some(v)
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        let slice = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
-        // SAFETY: allocated by `Box<[u8]>` of this length in `new`.
-        drop(unsafe { Box::from_raw(slice) });
-    }
-}
+#[path = "support/host_buf.rs"]
+mod host_buf;
+use host_buf::HostBuf;
 
 /// Byte `i` of the source pattern `seed` (the parent fills its source with
 /// it; peers check their destination against it).
@@ -580,7 +533,7 @@ impl Parent {
     fn new(peers: usize, src_len: usize, peer_buf: usize, seed: u64) -> Option<Parent> {
         let p = provider()?;
         let engine = engine(p);
-        let src = HostBuf::filled(src_len, seed);
+        let src = HostBuf::from_fn(src_len, |i| pat(seed, i as u64));
         let (smr, _) = engine.reg_mr(src.region()).expect("reg src");
         let peers: Vec<PeerProc> = (0..peers).map(|j| PeerProc::spawn(j, peer_buf)).collect();
         let imms = peers[0].imms.clone();
