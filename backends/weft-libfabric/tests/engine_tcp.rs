@@ -3,20 +3,19 @@
 //! `lo`). Skipped (printed) when libfabric is unavailable.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weft_engine::{
-    DomainGroupSpec, DoneFlag, EngineConfig, EngineError, Imm, OnDone, Pages, ScatterDst,
-    ScatterMode, TransferEngine,
+    DomainGroupSpec, EngineConfig, Imm, OnDone, Pages, ScatterDst, ScatterMode, TransferEngine,
 };
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
 use weft_transport::Provider;
 
-/// Generous bound on every wait (no speed assertion: only a hang fails).
-const DEADLINE: Duration = Duration::from_secs(60);
-
 #[path = "support/host_buf.rs"]
 mod host_buf;
+#[path = "support/wait.rs"]
+mod wait;
 use host_buf::HostBuf;
+use wait::{wait_flag, wait_until};
 
 fn pat(seed: u64, i: usize) -> u8 {
     let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
@@ -55,22 +54,6 @@ fn engines(n: usize) -> Option<Vec<TransferEngine>> {
         v.push(e);
     }
     Some(v)
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
-    wait_until(what, || f.is_done());
-    f.result().expect("done flag has a result")
 }
 
 type Slot = Arc<Mutex<Option<Result<(), String>>>>;

@@ -33,8 +33,6 @@ use weft_engine::{
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
 use weft_transport::{Provider, TransportError};
 
-/// Generous bound on every wait (no speed assertion: only a hang fails).
-const DEADLINE: Duration = Duration::from_secs(60);
 /// Role of a re-executed child: the size of its buffer in bytes.
 const ENV_PEER_BUF: &str = "WEFT_LF_XPROC_PEER_BUF";
 /// Prefix of protocol lines on the child's stdout (libtest prints there too).
@@ -48,7 +46,10 @@ const IMMS: usize = 4;
 
 #[path = "support/host_buf.rs"]
 mod host_buf;
+#[path = "support/wait.rs"]
+mod wait;
 use host_buf::HostBuf;
+use wait::{wait_flag, wait_until, DEADLINE};
 
 /// Byte `i` of the source pattern `seed` (the parent fills its source with
 /// it; peers check their destination against it).
@@ -491,22 +492,6 @@ impl PeerProc {
         }
         self.dead = true;
     }
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
-    wait_until(what, || f.is_done());
-    f.result().expect("done flag has a result")
 }
 
 fn wait_ok(what: &str, f: &Arc<DoneFlag>) {

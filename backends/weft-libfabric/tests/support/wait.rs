@@ -1,0 +1,27 @@
+//! Bounded waits for the engine tests (no speed assertion: only a hang
+//! fails). Shared by `engine_tcp.rs` and `engine_xproc.rs`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_engine::{DoneFlag, EngineError};
+
+/// Generous bound on every wait.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Polls `f` every millisecond until it holds; panics after [`DEADLINE`].
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits for `f` to be resolved and returns its result.
+pub fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
+    wait_until(what, || f.is_done());
+    f.result().expect("done flag has a result")
+}
