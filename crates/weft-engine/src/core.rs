@@ -1177,58 +1177,29 @@ impl WorkerCore {
                     }
                 }
                 for j in 0..dsts.len() {
-                    if let (Dsts::Routed(v), ScatterMode::ByPeer) = (&dsts, mode) {
-                        let d = &v[j];
-                        if d.len <= cap {
-                            let target = Target::Member(d, peers, j);
-                            let lane = j % self.lanes_for(target)?;
-                            let mr = src_mrs.get(lane).copied().flatten();
-                            let route = self.member_route(d, peers, j, lane, mr)?;
-                            self.push_write(
-                                slot,
-                                wr,
-                                route,
-                                lane,
-                                d.src_offset,
-                                target,
-                                d.dst_offset,
-                                d.len,
-                                imm,
-                            )?;
-                            if j == 0 {
-                                // Early first WRITE (see below).
-                                self.post_fresh();
-                            }
-                            if self.slab[slot as usize].error.is_some() {
-                                break;
-                            }
-                            continue;
-                        }
-                    }
-                    let (target, len, src_off, dst_off) = match &dsts {
-                        Dsts::Routed(v) => {
-                            let d = &v[j];
-                            let t = Target::Member(d, peers, j);
-                            (t, d.len, d.src_offset, d.dst_offset)
-                        }
-                        Dsts::Described(v) => {
-                            let d = &v[j];
-                            let t = Target::Desc(&d.dst, Some((peers, j)));
-                            (t, d.len, d.src_offset, d.dst_offset)
-                        }
+                    let one_piece = match (&dsts, mode) {
+                        (Dsts::Routed(v), ScatterMode::ByPeer) if v[j].len <= cap => Some(&v[j]),
+                        _ => None,
                     };
-                    let lanes = self.lanes_for(target)?;
-                    shard::plan_scatter_dst_into(
-                        &mut self.pieces,
-                        j,
-                        len,
-                        lanes,
-                        self.max_write_len,
-                        mode,
-                        &self.shard,
-                    );
-                    let mut routes = Routes::default();
-                    self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)?;
+                    if let Some(d) = one_piece {
+                        let target = Target::Member(d, peers, j);
+                        let lane = j % self.lanes_for(target)?;
+                        let mr = src_mrs.get(lane).copied().flatten();
+                        let route = self.member_route(d, peers, j, lane, mr)?;
+                        self.push_write(
+                            slot,
+                            wr,
+                            route,
+                            lane,
+                            d.src_offset,
+                            target,
+                            d.dst_offset,
+                            d.len,
+                            imm,
+                        )?;
+                    } else {
+                        self.push_scatter_dst(slot, wr, src, &dsts, peers, j, mode, imm)?;
+                    }
                     if j == 0 && matches!(dsts, Dsts::Routed(_)) {
                         // The first WRITE goes out before the other
                         // destinations are planned (scatter latency). Only
@@ -1262,6 +1233,50 @@ impl WorkerCore {
             }
             Body::Send { peer, payload } => self.plan_send(slot, wr, peer, payload),
         }
+    }
+
+    /// Plans and pushes destination `j` of a scatter by the general path
+    /// (any mode, any number of pieces, routed or resolved by address).
+    #[allow(clippy::too_many_arguments)]
+    fn push_scatter_dst(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        src: u64,
+        dsts: &Dsts,
+        peers: u32,
+        j: usize,
+        mode: ScatterMode,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        let (target, len, src_off, dst_off) = match dsts {
+            Dsts::Routed(v) => {
+                let d = &v[j];
+                (
+                    Target::Member(d, peers, j),
+                    d.len,
+                    d.src_offset,
+                    d.dst_offset,
+                )
+            }
+            Dsts::Described(v) => {
+                let d = &v[j];
+                let t = Target::Desc(&d.dst, Some((peers, j)));
+                (t, d.len, d.src_offset, d.dst_offset)
+            }
+        };
+        let lanes = self.lanes_for(target)?;
+        shard::plan_scatter_dst_into(
+            &mut self.pieces,
+            j,
+            len,
+            lanes,
+            self.max_write_len,
+            mode,
+            &self.shard,
+        );
+        let mut routes = Routes::default();
+        self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)
     }
 
     fn push_zero_write(
