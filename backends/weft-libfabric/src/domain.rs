@@ -12,7 +12,10 @@ use weft_transport::{
     NetAddr, NicInfo, PeerId, PostError, RemoteAccessReason, Rkey, TransportError, WrId, WriteWr,
 };
 
-use crate::ffi::{self, CqEntry, CqError, CqRead, Desc, Info, Lib, Mr, Resources};
+use crate::ffi::{
+    self, CqEntry, CqError, CqRead, CtlBuf, Desc, HostWindow, Info, Lib, Mr, Resources,
+};
+use crate::msg::{self, AckStatus, Header};
 
 /// Options fixed when a domain is opened (derived from the provider config).
 #[derive(Debug, Clone)]
@@ -23,6 +26,16 @@ pub(crate) struct DomainOptions {
     pub(crate) fi_more: bool,
     pub(crate) hmem: bool,
     pub(crate) connect_timeout: Duration,
+    /// Largest SEND payload (bounce buffers hold this plus a header).
+    pub(crate) max_send_len: u64,
+    /// How long an incoming message waits for a receive buffer.
+    pub(crate) rnr_timeout: Duration,
+    /// How long a sent message waits for the receiver's answer.
+    pub(crate) ack_timeout: Duration,
+    /// Internal bounce buffers posted for incoming messages.
+    pub(crate) bounces: usize,
+    /// Internal slots for the ACKs this domain sends.
+    pub(crate) acks: usize,
 }
 
 /// How often `poll` checks that `shm` peers with operations in flight are
@@ -39,14 +52,26 @@ enum SlotUse {
         raddr: u64,
         len: u64,
     },
+    /// A SEND: done when the provider has completed it (`sent`) and the
+    /// receiver has answered (`ack`), in either order.
     Send {
         wr: WrId,
         peer: PeerId,
         len: u64,
+        /// Sequence number in the header (slot index | generation << 32).
+        seq: u64,
+        /// When the provider completed it.
+        sent: Option<Instant>,
+        /// The receiver's answer.
+        ack: Option<AckStatus>,
     },
-    Recv {
-        wr: WrId,
-        capacity: u64,
+    /// Internal bounce buffer `j`, posted as a receive.
+    Bounce {
+        j: usize,
+    },
+    /// An ACK to `peer`, in flight.
+    Ack {
+        peer: PeerId,
     },
     /// Reported failed (dead peer) but not yet returned by the provider:
     /// the slot is reused only once libfabric hands its context back.
@@ -92,10 +117,10 @@ enum Native {
         key: u64,
         data: Option<u64>,
     },
+    /// A message: our header, then (unless empty) the payload.
     Send {
-        addr: u64,
-        len: usize,
-        desc: Desc,
+        hdr: (u64, usize, Desc),
+        payload: Option<(u64, usize, Desc)>,
         dest: u64,
     },
     Recv {
@@ -105,11 +130,32 @@ enum Native {
     },
 }
 
+/// A receive buffer posted by the user: filled by the message layer.
+#[derive(Debug, Clone, Copy)]
+struct UserRecv {
+    wr: WrId,
+    mr: MrKey,
+    addr: u64,
+    len: u64,
+}
+
+/// An incoming message that found no receive buffer posted, waiting for one
+/// until `since + rnr_timeout`.
+#[derive(Debug)]
+struct Held {
+    from: PeerId,
+    seq: u64,
+    payload: Vec<u8>,
+    since: Instant,
+}
+
 struct MrEntry {
     mr: Mr,
     addr: u64,
     len: u64,
     device: Device,
+    /// Where received messages are copied (host memory only).
+    window: Option<HostWindow>,
 }
 
 /// One NIC driven through libfabric. Created by
@@ -144,7 +190,6 @@ pub struct LibfabricDomain {
     last_sweep: Instant,
     slots: Vec<SlotUse>,
     free_tx: Vec<usize>,
-    free_rx: Vec<usize>,
     stash: Vec<Completion>,
     /// SEND/WRITE completions in `stash`: their slots are free again but
     /// they still count as outstanding until `poll` returns them.
@@ -161,6 +206,24 @@ pub struct LibfabricDomain {
     cq_scratch: Vec<CqEntry>,
     dummy: Box<[u8; 64]>,
     dummy_desc: Desc,
+    /// SEND headers (one `HDR_MAX` area per TX and ACK slot), then the
+    /// bounce buffers; registered, freed after `res` is closed.
+    ctl: CtlBuf,
+    ctl_desc: Desc,
+    /// Start of the bounce buffers in `ctl`, and the size of each.
+    bounce_off: usize,
+    bounce_len: usize,
+    /// First ACK slot (bounce slots lie between `max_inflight` and it).
+    ack_base: usize,
+    free_ack: Vec<usize>,
+    /// ACKs waiting for a free ACK slot.
+    acks_out: VecDeque<(PeerId, u64, AckStatus)>,
+    /// Posted user receive buffers, filled in order.
+    user_recvs: VecDeque<UserRecv>,
+    /// Messages waiting for a receive buffer.
+    held: VecDeque<Held>,
+    /// Generation of SEND sequence numbers (stale ACKs never match).
+    send_gen: u32,
 }
 
 impl std::fmt::Debug for LibfabricDomain {
@@ -181,9 +244,36 @@ impl LibfabricDomain {
         name: String,
         opts: DomainOptions,
     ) -> Result<LibfabricDomain, TransportError> {
-        let slots = opts.max_inflight + opts.max_recvs;
+        let ack_base = opts.max_inflight + opts.bounces;
+        let slots = ack_base + opts.acks;
         let res = Resources::open(lib, &name, &info, slots)?;
         let addr = NetAddr(res.getname()?);
+        if addr.0.len() > msg::MAX_ADDR {
+            return Err(TransportError::Unsupported {
+                nic: name,
+                what: format!(
+                    "endpoint names of {} bytes (the message header carries at most {})",
+                    addr.0.len(),
+                    msg::MAX_ADDR
+                ),
+            });
+        }
+        if info.tx_iov_limit == 1 {
+            return Err(TransportError::Unsupported {
+                nic: name,
+                what: "a provider whose SENDs take one iov (the message layer needs two)".into(),
+            });
+        }
+        let max_send_len = opts.max_send_len.max(1);
+        let bounce_len = (msg::HDR_MAX + usize::try_from(max_send_len).unwrap_or(usize::MAX))
+            .next_multiple_of(64);
+        // Header areas of the TX slots and of the ACK slots, then bounces.
+        let bounce_off = (opts.max_inflight + opts.acks) * msg::HDR_MAX;
+        let ctl_len = bounce_off + opts.bounces * bounce_len;
+        let ctl = CtlBuf::new(ctl_len).ok_or_else(|| TransportError::InvalidArgument {
+            nic: name.clone(),
+            what: format!("cannot allocate {ctl_len} bytes of message buffers"),
+        })?;
         let numa_node = info.pci.and_then(|(d, b, dev, f)| {
             std::fs::read_to_string(format!(
                 "/sys/bus/pci/devices/{d:04x}:{b:02x}:{dev:02x}.{f:x}/numa_node"
@@ -202,7 +292,7 @@ impl LibfabricDomain {
         let max_msg = if max_msg == 0 { 1 << 30 } else { max_msg };
         let caps = Capabilities {
             max_write_len: max_msg,
-            max_send_len: max_msg,
+            max_send_len: max_send_len.min(max_msg.saturating_sub(msg::HDR_MAX as u64).max(1)),
             max_inflight: opts.max_inflight,
             max_recvs: opts.max_recvs,
             max_batch: opts.max_batch,
@@ -244,7 +334,16 @@ impl LibfabricDomain {
             last_sweep: Instant::now(),
             slots: vec![SlotUse::Free; slots],
             free_tx: (0..opts.max_inflight).rev().collect(),
-            free_rx: (opts.max_inflight..slots).rev().collect(),
+            free_ack: (ack_base..slots).rev().collect(),
+            ctl,
+            ctl_desc: Desc::null(),
+            bounce_off,
+            bounce_len,
+            ack_base,
+            acks_out: VecDeque::new(),
+            user_recvs: VecDeque::new(),
+            held: VecDeque::new(),
+            send_gen: 0,
             opts,
             stash: Vec::new(),
             stashed_tx: 0,
@@ -264,7 +363,26 @@ impl LibfabricDomain {
             .res
             .mr_reg(dummy_addr, d.dummy.len(), LOCAL_ACCESS, key, None)?;
         d.dummy_desc = mr.desc;
+        let key = d.alloc_key();
+        let mr = d
+            .res
+            .mr_reg(d.ctl.addr(), d.ctl.len(), LOCAL_ACCESS, key, None)?;
+        d.ctl_desc = mr.desc;
+        for j in 0..d.opts.bounces {
+            d.post_bounce(j)?;
+        }
         Ok(d)
+    }
+
+    /// Posts bounce buffer `j` (slot `max_inflight + j`) as a receive.
+    fn post_bounce(&mut self, j: usize) -> Result<(), TransportError> {
+        let i = self.opts.max_inflight + j;
+        let native = Native::Recv {
+            addr: self.ctl.addr() + (self.bounce_off + j * self.bounce_len) as u64,
+            len: self.bounce_len,
+            desc: self.ctl_desc,
+        };
+        self.submit(i, SlotUse::Bounce { j }, native, false)
     }
 
     fn alloc_key(&mut self) -> u64 {
@@ -347,7 +465,8 @@ impl LibfabricDomain {
         let (peer, op): (Option<PeerId>, &'static str) = match slot {
             SlotUse::Write { peer, .. } => (Some(peer), "fi_writemsg"),
             SlotUse::Send { peer, .. } => (Some(peer), "fi_send"),
-            SlotUse::Recv { .. } => (None, "fi_recv"),
+            SlotUse::Ack { peer } => (Some(peer), "fi_send"),
+            SlotUse::Bounce { .. } => (None, "fi_recv"),
             SlotUse::Free | SlotUse::Zombie => (None, "completion"),
         };
         let peer_addr = peer.map(|p| self.peer_addr(p));
@@ -393,14 +512,6 @@ impl LibfabricDomain {
                     RemoteAccessReason::UnknownKey
                 },
             },
-            SlotUse::Recv { capacity, .. } if i64::from(errno) == ffi::FI_ETRUNC => {
-                TransportError::MessageTooLong {
-                    nic,
-                    peer: NetAddr(Vec::new()),
-                    len: capacity.saturating_add(olen as u64),
-                    capacity,
-                }
-            }
             SlotUse::Send { len, .. } if i64::from(errno) == ffi::FI_ETRUNC => {
                 TransportError::MessageTooLong {
                     nic,
@@ -428,23 +539,68 @@ impl LibfabricDomain {
         };
         let used = std::mem::replace(s, SlotUse::Free);
         match used {
-            SlotUse::Free => {}
-            SlotUse::Recv { .. } => self.free_rx.push(i),
-            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } => {
-                self.free_tx.push(i);
+            SlotUse::Free | SlotUse::Bounce { .. } => {}
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } | SlotUse::Ack { peer } => {
+                self.free_slot(i);
                 if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
                     p.inflight = p.inflight.saturating_sub(1);
                 }
             }
-            SlotUse::Zombie => {
-                if i < self.opts.max_inflight {
-                    self.free_tx.push(i);
-                } else {
-                    self.free_rx.push(i);
-                }
-            }
+            SlotUse::Zombie => self.free_slot(i),
         }
         used
+    }
+
+    /// Puts TX or ACK slot `i` back on its free list (bounce slots have none:
+    /// they are re-posted).
+    fn free_slot(&mut self, i: usize) {
+        if i < self.opts.max_inflight {
+            self.free_tx.push(i);
+        } else if i >= self.ack_base {
+            self.free_ack.push(i);
+        }
+    }
+
+    /// Offset in `ctl` of the header area of TX or ACK slot `i`.
+    fn hdr_off(&self, i: usize) -> usize {
+        let k = if i >= self.ack_base {
+            self.opts.max_inflight + (i - self.ack_base)
+        } else {
+            i
+        };
+        k * msg::HDR_MAX
+    }
+
+    /// The result a SEND reports for the receiver's answer.
+    fn ack_result(
+        &self,
+        peer: PeerId,
+        wr: WrId,
+        len: u64,
+        a: AckStatus,
+    ) -> Result<(), TransportError> {
+        let nic = self.nic_name();
+        match a {
+            AckStatus::Delivered => Ok(()),
+            AckStatus::NotReady => Err(TransportError::ReceiverNotReady {
+                nic,
+                peer: self.peer_addr(peer),
+            }),
+            AckStatus::TooLong { capacity } => Err(TransportError::MessageTooLong {
+                nic,
+                peer: self.peer_addr(peer),
+                len,
+                capacity,
+            }),
+            AckStatus::Failed => Err(TransportError::Failed {
+                nic,
+                wr: Some(wr),
+                what: format!(
+                    "peer {} could not place the message into its receive buffer",
+                    self.peer_addr(peer)
+                ),
+            }),
+        }
     }
 
     fn complete(
@@ -462,8 +618,7 @@ impl LibfabricDomain {
                 wr,
                 result: result.map(|_| ()),
             }),
-            SlotUse::Recv { wr, .. } => out.push(Completion::Recv { wr, result }),
-            SlotUse::Free | SlotUse::Zombie => {}
+            SlotUse::Free | SlotUse::Zombie | SlotUse::Bounce { .. } | SlotUse::Ack { .. } => {}
         }
     }
 
@@ -518,17 +673,235 @@ impl LibfabricDomain {
             tracing::debug!(nic = %self.nic.name, flags = format_args!("{:#x}", e.flags), "CQ entry without our context ignored");
             return;
         };
+        match self.slots.get(i).copied().unwrap_or(SlotUse::Free) {
+            SlotUse::Bounce { j } => {
+                self.on_message(j, e.len, out);
+                self.repost_bounce(j);
+                return;
+            }
+            SlotUse::Send {
+                wr,
+                peer,
+                len,
+                seq,
+                sent: None,
+                ack,
+            } => {
+                match ack {
+                    Some(a) => {
+                        let r = self.ack_result(peer, wr, len, a);
+                        let used = self.release(i);
+                        self.complete(used, r.map(|_| 0), out);
+                    }
+                    // Sent; done when the receiver answers.
+                    None => {
+                        self.slots[i] = SlotUse::Send {
+                            wr,
+                            peer,
+                            len,
+                            seq,
+                            sent: Some(Instant::now()),
+                            ack: None,
+                        }
+                    }
+                }
+                return;
+            }
+            _ => {}
+        }
         let used = self.release(i);
         match used {
             SlotUse::Free => {
                 tracing::warn!(nic = %self.nic.name, slot = i, "completion for a free slot ignored");
             }
-            SlotUse::Zombie => {}
-            SlotUse::Recv { capacity, .. } => {
-                let len = (e.len as u64).min(capacity);
-                self.complete(used, Ok(len), out);
-            }
+            SlotUse::Zombie | SlotUse::Ack { .. } => {}
             _ => self.complete(used, Ok(0), out),
+        }
+    }
+
+    /// Re-posts bounce buffer `j` after its message was handled.
+    fn repost_bounce(&mut self, j: usize) {
+        if let Err(e) = self.post_bounce(j) {
+            tracing::warn!(nic = %self.nic.name, bounce = j, error = %e, "bounce buffer lost: re-posting failed");
+        }
+    }
+
+    /// A message of `len` bytes arrived in bounce buffer `j`.
+    fn on_message(&mut self, j: usize, len: usize, out: &mut Vec<Completion>) {
+        let off = self.bounce_off + j * self.bounce_len;
+        let Some(bytes) = self.ctl.read(off, len.min(self.bounce_len)) else {
+            return;
+        };
+        let (h, hlen) = match msg::decode(&bytes) {
+            Ok(x) => x,
+            Err(why) => {
+                tracing::warn!(nic = %self.nic.name, len, %why, "malformed message dropped");
+                return;
+            }
+        };
+        match h {
+            Header::Ack { seq, status, from } => self.on_ack(seq, status, &from, out),
+            Header::Data {
+                seq,
+                len: plen,
+                from,
+            } => {
+                let Some(payload) = bytes.get(hlen..) else {
+                    return;
+                };
+                if payload.len() as u64 != plen {
+                    tracing::warn!(nic = %self.nic.name, header = plen, got = payload.len(), "message with a wrong length dropped");
+                    return;
+                }
+                let addr = NetAddr(from);
+                let peer = match self.add_peer(&addr) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+                        return;
+                    }
+                };
+                let m = Held {
+                    from: peer,
+                    seq,
+                    payload: payload.to_vec(),
+                    since: Instant::now(),
+                };
+                if let Some(m) = self.deliver(m, out) {
+                    if self.opts.rnr_timeout.is_zero()
+                        || self.held.len() >= self.opts.bounces.max(1) * 4
+                    {
+                        self.acks_out
+                            .push_back((m.from, m.seq, AckStatus::NotReady));
+                    } else {
+                        self.held.push_back(m);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Places `m` into the first posted receive buffer and queues the
+    /// answer; gives `m` back when no buffer is posted.
+    fn deliver(&mut self, m: Held, out: &mut Vec<Completion>) -> Option<Held> {
+        while let Some(r) = self.user_recvs.front().copied() {
+            if m.payload.len() as u64 > r.len {
+                // The buffer stays posted; the message is dropped.
+                self.acks_out
+                    .push_back((m.from, m.seq, AckStatus::TooLong { capacity: r.len }));
+                return None;
+            }
+            self.user_recvs.pop_front();
+            let placed = self.mrs.get(&r.mr).and_then(|e| {
+                let off = usize::try_from(r.addr.checked_sub(e.addr)?).ok()?;
+                e.window.as_ref()?.write(off, &m.payload).then_some(())
+            });
+            match placed {
+                Some(()) => {
+                    out.push(Completion::Recv {
+                        wr: r.wr,
+                        result: Ok(m.payload.len() as u64),
+                    });
+                    self.acks_out
+                        .push_back((m.from, m.seq, AckStatus::Delivered));
+                    return None;
+                }
+                None => {
+                    // Deregistered while posted: that buffer fails, the
+                    // message tries the next one.
+                    out.push(Completion::Recv {
+                        wr: r.wr,
+                        result: Err(TransportError::LocalAccess {
+                            nic: self.nic_name(),
+                            what: format!(
+                                "RECV buffer [{:#x}, +{}): registration {} is gone",
+                                r.addr, r.len, r.mr.0
+                            ),
+                        }),
+                    });
+                }
+            }
+        }
+        Some(m)
+    }
+
+    /// The receiver's answer to our SEND `seq`.
+    fn on_ack(&mut self, seq: u64, status: AckStatus, from: &[u8], out: &mut Vec<Completion>) {
+        let i = (seq & 0xffff_ffff) as usize;
+        let Some(SlotUse::Send {
+            wr,
+            peer,
+            len,
+            seq: s,
+            sent,
+            ack: None,
+        }) = self.slots.get(i).copied()
+        else {
+            tracing::debug!(nic = %self.nic.name, seq, "stale or unknown ACK ignored");
+            return;
+        };
+        if s != seq || self.peer(peer).map(|p| p.addr.0.as_slice()) != Ok(from) {
+            tracing::debug!(nic = %self.nic.name, seq, "ACK for another message ignored");
+            return;
+        }
+        if sent.is_some() {
+            let r = self.ack_result(peer, wr, len, status);
+            let used = self.release(i);
+            self.complete(used, r.map(|_| 0), out);
+        } else {
+            self.slots[i] = SlotUse::Send {
+                wr,
+                peer,
+                len,
+                seq,
+                sent,
+                ack: Some(status),
+            };
+        }
+    }
+
+    /// Sends queued ACKs while ACK slots are free.
+    fn flush_acks(&mut self) {
+        while !self.acks_out.is_empty() {
+            let Some(i) = self.free_ack.pop() else {
+                return;
+            };
+            let Some((peer, seq, status)) = self.acks_out.pop_front() else {
+                self.free_ack.push(i);
+                return;
+            };
+            let dest = match self.live_peer(peer) {
+                Ok(d) => d,
+                Err(_) => {
+                    self.free_ack.push(i);
+                    continue;
+                }
+            };
+            let h = msg::ack(seq, status, &self.nic.addr.0);
+            let off = self.hdr_off(i);
+            if !self.ctl.write(off, &h) {
+                self.free_ack.push(i);
+                continue;
+            }
+            let native = Native::Send {
+                hdr: (self.ctl.addr() + off as u64, h.len(), self.ctl_desc),
+                payload: None,
+                dest,
+            };
+            if let Err(e) = self.submit(i, SlotUse::Ack { peer }, native, false) {
+                tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e, "ACK not sent");
+            }
+        }
+    }
+
+    /// Answers held messages whose RNR timeout passed with `NotReady`.
+    fn expire_held(&mut self) {
+        let t = self.opts.rnr_timeout;
+        while self.held.front().is_some_and(|m| m.since.elapsed() >= t) {
+            if let Some(m) = self.held.pop_front() {
+                self.acks_out
+                    .push_back((m.from, m.seq, AckStatus::NotReady));
+            }
         }
     }
 
@@ -544,6 +917,16 @@ impl LibfabricDomain {
             );
             return;
         };
+        if let Some(SlotUse::Bounce { j }) = self.slots.get(i).copied() {
+            // A message that did not fit (FI_ETRUNC: a peer with a larger
+            // max_send_len) or a cancelled receive at close: nothing to
+            // answer (the sender's SEND times out); the buffer goes back.
+            tracing::warn!(nic = %self.nic.name, err = err.err, message = %err.message, "incoming message failed");
+            if err.err.unsigned_abs() as i32 != libc::ECANCELED {
+                self.repost_bounce(j);
+            }
+            return;
+        }
         let used = self.release(i);
         match used {
             SlotUse::Free => {
@@ -551,6 +934,10 @@ impl LibfabricDomain {
                 return;
             }
             SlotUse::Zombie => return,
+            SlotUse::Ack { peer } => {
+                tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), message = %err.message, "ACK failed");
+                return;
+            }
             _ => {}
         }
         tracing::debug!(
@@ -671,7 +1058,12 @@ impl LibfabricDomain {
             self.mark_dead(peer, "peer process exited".into());
             for i in 0..self.slots.len() {
                 let used = self.slots[i];
-                let to_peer = matches!(used, SlotUse::Write { peer: p, .. } | SlotUse::Send { peer: p, .. } if p == peer);
+                // Still inside libfabric (a SEND already completed there
+                // only waits for the answer: handled below).
+                let to_peer = matches!(used,
+                    SlotUse::Write { peer: p, .. }
+                    | SlotUse::Send { peer: p, sent: None, .. }
+                    | SlotUse::Ack { peer: p } if p == peer);
                 if to_peer {
                     self.slots[i] = SlotUse::Zombie;
                     if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
@@ -686,6 +1078,46 @@ impl LibfabricDomain {
                     self.complete(used, Err(e), out);
                 }
             }
+        }
+        self.sweep_unanswered(out);
+    }
+
+    /// Fails SENDs the provider completed but the receiver never answered:
+    /// at once when the peer is known dead, else after `ack_timeout` (which
+    /// declares the peer unreachable: it neither answers nor reports an
+    /// error).
+    fn sweep_unanswered(&mut self, out: &mut Vec<Completion>) {
+        let timeout = self.opts.ack_timeout;
+        for i in 0..self.opts.max_inflight.min(self.slots.len()) {
+            let SlotUse::Send {
+                peer,
+                sent: Some(at),
+                ..
+            } = self.slots[i]
+            else {
+                continue;
+            };
+            let dead = self.peer(peer).is_ok_and(|p| p.dead.is_some());
+            if !dead && at.elapsed() < timeout {
+                continue;
+            }
+            if !dead {
+                self.mark_dead(
+                    peer,
+                    format!(
+                        "no answer to a SEND within {:.1} s (receiver gone or not polling)",
+                        timeout.as_secs_f64()
+                    ),
+                );
+            }
+            let e = self
+                .live_peer(peer)
+                .err()
+                .unwrap_or(TransportError::NicDown {
+                    nic: self.nic_name(),
+                });
+            let used = self.release(i);
+            self.complete(used, Err(e), out);
         }
     }
 
@@ -702,12 +1134,10 @@ impl LibfabricDomain {
             } => self
                 .res
                 .writemsg(i, src, len, desc, dest, raddr, key, data, more),
-            Native::Send {
-                addr,
-                len,
-                desc,
-                dest,
-            } => self.res.send(i, addr, len, desc, dest),
+            Native::Send { hdr, payload, dest } => match payload {
+                Some(p) => self.res.send(i, &[hdr, p], dest),
+                None => self.res.send(i, &[hdr], dest),
+            },
             Native::Recv { addr, len, desc } => self.res.recv(i, addr, len, desc),
         }
     }
@@ -718,16 +1148,14 @@ impl LibfabricDomain {
             return;
         };
         *s = SlotUse::Free;
-        if i < self.opts.max_inflight {
-            self.free_tx.push(i);
-        } else {
-            self.free_rx.push(i);
-        }
+        self.free_slot(i);
     }
 
     fn slot_peer(slot: SlotUse) -> Option<PeerId> {
         match slot {
-            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } => Some(peer),
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } | SlotUse::Ack { peer } => {
+                Some(peer)
+            }
             _ => None,
         }
     }
@@ -1036,6 +1464,7 @@ impl Domain for LibfabricDomain {
                 addr: local.addr,
                 len: local.len,
                 device: local.device,
+                window: HostWindow::of(region),
             },
         );
         Ok(local)
@@ -1097,10 +1526,10 @@ impl Domain for LibfabricDomain {
             )));
         }
         let len = usize::try_from(src.len).map_err(|_| self.invalid("SEND too long"))?;
-        let (addr, desc) = if src.len == 0 {
-            (self.dummy.as_ptr() as usize as u64, self.dummy_desc)
+        let payload = if src.len == 0 {
+            None
         } else {
-            (src.addr, self.local(&src, "SEND source")?)
+            Some((src.addr, len, self.local(&src, "SEND source")?))
         };
         if self.free_tx.len() <= self.stashed_tx {
             return Err(TransportError::QueueFull {
@@ -1112,46 +1541,66 @@ impl Domain for LibfabricDomain {
                 nic: self.nic_name(),
             });
         };
+        self.send_gen = self.send_gen.wrapping_add(1);
+        let seq = u64::from(self.send_gen) << 32 | i as u64;
+        let h = msg::data(seq, src.len, &self.nic.addr.0);
+        let off = self.hdr_off(i);
+        if !self.ctl.write(off, &h) {
+            self.free_slot(i);
+            return Err(self.invalid("SEND header does not fit its slot"));
+        }
         let slot = SlotUse::Send {
             wr,
             peer,
             len: src.len,
+            seq,
+            sent: None,
+            ack: None,
         };
         self.submit(
             i,
             slot,
             Native::Send {
-                addr,
-                len,
-                desc,
+                hdr: (self.ctl.addr() + off as u64, h.len(), self.ctl_desc),
+                payload,
                 dest,
             },
             false,
         )
     }
 
+    /// Queues `buf` for the next incoming message. The message layer copies
+    /// messages into it, so it must be host memory (CUDA buffers are
+    /// rejected with `Unsupported`).
     fn post_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
-        let desc = self.local(&buf, "RECV buffer")?;
-        let len = usize::try_from(buf.len).map_err(|_| self.invalid("RECV buffer too long"))?;
-        let Some(i) = self.free_rx.pop() else {
+        self.local(&buf, "RECV buffer")?;
+        let host = self.mrs.get(&buf.mr).is_some_and(|e| e.window.is_some());
+        if !host {
+            return Err(TransportError::Unsupported {
+                nic: self.nic_name(),
+                what: "RECV into device memory (messages are copied from bounce buffers)".into(),
+            });
+        }
+        if self.user_recvs.len() >= self.caps.max_recvs {
             return Err(TransportError::QueueFull {
                 nic: self.nic_name(),
             });
-        };
-        let slot = SlotUse::Recv {
+        }
+        self.user_recvs.push_back(UserRecv {
             wr,
-            capacity: buf.len,
-        };
-        self.submit(
-            i,
-            slot,
-            Native::Recv {
-                addr: buf.addr,
-                len,
-                desc,
-            },
-            false,
-        )
+            mr: buf.mr,
+            addr: buf.addr,
+            len: buf.len,
+        });
+        // A message already waiting takes it at once (reported by `poll`).
+        if let Some(m) = self.held.pop_front() {
+            let mut stash = std::mem::take(&mut self.stash);
+            if let Some(m) = self.deliver(m, &mut stash) {
+                self.held.push_front(m);
+            }
+            self.stash = stash;
+        }
+        Ok(())
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
@@ -1224,6 +1673,12 @@ impl Domain for LibfabricDomain {
         // and free the resources (slots, shm inject buffers) the backlog
         // waits for.
         self.drain_cq(out)?;
+        if !self.held.is_empty() {
+            self.expire_held();
+        }
+        if !self.acks_out.is_empty() {
+            self.flush_acks();
+        }
         if !self.backlog.is_empty() {
             self.flush_backlog(out);
         }

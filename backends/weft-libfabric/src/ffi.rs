@@ -730,6 +730,8 @@ pub(crate) struct Info {
     pub(crate) tx_size: usize,
     pub(crate) rx_size: usize,
     pub(crate) tx_op_flags: u64,
+    /// `fi_tx_attr::iov_limit`: source pieces per SEND.
+    pub(crate) tx_iov_limit: usize,
     pub(crate) max_msg_size: usize,
     pub(crate) src_addr: Vec<u8>,
     /// `fi_info::addr_format` (FI_SOCKADDR_IN = 2, FI_ADDR_STR = 9, ...).
@@ -892,6 +894,7 @@ impl Info {
                 tx_size: tx.map(|t| t.size).unwrap_or(0),
                 rx_size: rx.map(|r| r.size).unwrap_or(0),
                 tx_op_flags: tx.map(|t| t.op_flags).unwrap_or(0),
+                tx_iov_limit: tx.map(|t| t.iov_limit).unwrap_or(0),
                 max_msg_size: ep.map(|e| e.max_msg_size).unwrap_or(0),
                 src_addr,
                 addr_format: i.addr_format,
@@ -973,8 +976,9 @@ pub(crate) enum CqRead {
 #[repr(C)]
 struct OpSlot {
     ctx: [*mut c_void; 8],
-    iov: libc::iovec,
-    desc: *mut c_void,
+    /// Up to two source parts: SENDs carry a backend header and the payload.
+    iov: [libc::iovec; 2],
+    desc: [*mut c_void; 2],
     rma_iov: FiRmaIov,
     msg: FiMsgRma,
 }
@@ -1047,11 +1051,11 @@ impl Resources {
             slots: (0..slots)
                 .map(|_| OpSlot {
                     ctx: [ptr::null_mut(); 8],
-                    iov: libc::iovec {
+                    iov: [libc::iovec {
                         iov_base: ptr::null_mut(),
                         iov_len: 0,
-                    },
-                    desc: ptr::null_mut(),
+                    }; 2],
+                    desc: [ptr::null_mut(); 2],
                     rma_iov: FiRmaIov {
                         addr: 0,
                         len: 0,
@@ -1084,8 +1088,8 @@ impl Resources {
         // same slot, whose heap address never changes (boxed slice).
         for s in r.slots.iter_mut() {
             let base: *mut OpSlot = s;
-            s.msg.msg_iov = &s.iov;
-            s.msg.desc = &mut s.desc;
+            s.msg.msg_iov = s.iov.as_ptr();
+            s.msg.desc = s.desc.as_mut_ptr();
             s.msg.rma_iov = &s.rma_iov;
             s.msg.context = base.cast();
         }
@@ -1390,9 +1394,9 @@ impl Resources {
             .slots
             .get_mut(i)
             .ok_or_else(|| self_error_slot(&self.nic, i))?;
-        s.iov.iov_base = src as usize as *mut c_void;
-        s.iov.iov_len = len;
-        s.desc = desc.0;
+        s.iov[0].iov_base = src as usize as *mut c_void;
+        s.iov[0].iov_len = len;
+        s.desc[0] = desc.0;
         s.rma_iov = FiRmaIov {
             addr: raddr,
             len,
@@ -1418,21 +1422,25 @@ impl Resources {
         Ok(rc as i64)
     }
 
-    /// `fi_sendmsg` with slot `i` as context (explicit flags, so a
-    /// zero-length SEND can go without `FI_DELIVERY_COMPLETE`, which shm
-    /// 1.17 never completes for it). Returns the raw code.
+    /// `fi_sendmsg` of `parts` (one or two `(address, length, descriptor)`
+    /// source pieces, sent as one message) with slot `i` as context
+    /// (explicit flags, so a zero-length SEND can go without
+    /// `FI_DELIVERY_COMPLETE`, which shm 1.17 never completes for it).
+    /// Returns the raw code.
     pub(crate) fn send(
         &mut self,
         i: usize,
-        src: u64,
-        len: usize,
-        desc: Desc,
+        parts: &[(u64, usize, Desc)],
         dest: u64,
     ) -> Result<i64, TransportError> {
         // SAFETY: the endpoint is open; `msg` is its MSG ops table.
         let ops = unsafe { (*self.ep).msg };
         let sendmsg = op!(self, ops, FiOpsMsg, sendmsg, "fi_sendmsg")?;
         let ctx = self.slot_ctx(i)?;
+        if parts.is_empty() || parts.len() > 2 {
+            return Err(self.error("fi_sendmsg", -(libc::EINVAL as i64)));
+        }
+        let len: usize = parts.iter().map(|p| p.1).sum();
         let mut flags = FI_COMPLETION;
         if self.delivery_complete && len > 0 {
             flags |= FI_DELIVERY_COMPLETE;
@@ -1441,19 +1449,21 @@ impl Resources {
             .slots
             .get_mut(i)
             .ok_or_else(|| self_error_slot(&self.nic, i))?;
-        s.iov.iov_base = src as usize as *mut c_void;
-        s.iov.iov_len = len;
-        s.desc = desc.0;
+        for (k, &(addr, len, desc)) in parts.iter().enumerate() {
+            s.iov[k].iov_base = addr as usize as *mut c_void;
+            s.iov[k].iov_len = len;
+            s.desc[k] = desc.0;
+        }
         let msg = FiMsg {
-            msg_iov: &s.iov,
-            desc: &mut s.desc,
-            iov_count: 1,
+            msg_iov: s.iov.as_ptr(),
+            desc: s.desc.as_mut_ptr(),
+            iov_count: parts.len(),
             addr: dest,
             context: ctx,
             data: 0,
         };
-        // SAFETY: registered source memory valid until completion; the iov
-        // and descriptor live in the reserved slot; the provider copies the
+        // SAFETY: registered source memory valid until completion; the iovs
+        // and descriptors live in the reserved slot; the provider copies the
         // fi_msg itself during the call.
         let rc = unsafe { sendmsg(self.ep, &msg, flags) };
         Ok(rc as i64)
@@ -1658,4 +1668,127 @@ pub(crate) fn process_alive(pid: i32) -> bool {
     // SAFETY: signal 0 performs only the existence and permission check.
     let rc = unsafe { libc::kill(pid, 0) };
     rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+// ---------------------------------------------------------------------------
+// Backend-owned and registered memory the message layer reads and writes
+// ---------------------------------------------------------------------------
+
+/// A zeroed, page-aligned heap buffer owned by one domain and registered
+/// with it: SEND headers and the bounce buffers incoming messages land in.
+/// The provider (or the NIC) writes into parts of it while they are posted;
+/// this side only copies in and out of parts that are not, and never forms
+/// references to its bytes.
+pub(crate) struct CtlBuf {
+    ptr: ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: plain heap memory owned by this value; access goes through
+// `&self`/`&mut self` methods of the one domain that owns it.
+unsafe impl Send for CtlBuf {}
+
+impl CtlBuf {
+    /// A zeroed buffer of `len` bytes (at least one), or `None` when the
+    /// allocation fails.
+    pub(crate) fn new(len: usize) -> Option<CtlBuf> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        Some(CtlBuf {
+            ptr: ptr::NonNull::new(p)?,
+            layout,
+        })
+    }
+
+    /// Start address (for registration and iovs).
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
+    }
+
+    /// Length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Copies `src` to `off`; false (nothing written) when out of range.
+    pub(crate) fn write(&mut self, off: usize, src: &[u8]) -> bool {
+        if off
+            .checked_add(src.len())
+            .is_none_or(|end| end > self.len())
+        {
+            return false;
+        }
+        // SAFETY: `off..off + src.len()` lies inside the allocation (checked
+        // above); the caller writes only parts no posted operation uses.
+        unsafe {
+            ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len());
+        }
+        true
+    }
+
+    /// A copy of `len` bytes at `off`; `None` when out of range.
+    pub(crate) fn read(&self, off: usize, len: usize) -> Option<Vec<u8>> {
+        if off.checked_add(len).is_none_or(|end| end > self.len()) {
+            return None;
+        }
+        let mut v = vec![0u8; len];
+        // SAFETY: `off..off + len` lies inside the allocation (checked
+        // above) and `v` holds `len` bytes; the caller reads only parts that
+        // no posted operation writes (a completed receive).
+        unsafe {
+            ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), v.as_mut_ptr(), len);
+        }
+        Some(v)
+    }
+}
+
+impl Drop for CtlBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// Host memory of one live registration: where the message layer copies a
+/// received message into the user's receive buffer. Held only while the
+/// region is registered with the domain (dropped on deregistration).
+pub(crate) struct HostWindow {
+    ptr: ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a window onto memory the registrant promised (MemRegion::new) to
+// keep valid for reads and writes while registered, from any thread.
+unsafe impl Send for HostWindow {}
+
+impl HostWindow {
+    /// The window of host region `region`; `None` for device memory (which
+    /// plain copies cannot reach).
+    pub(crate) fn of(region: &weft_transport::MemRegion) -> Option<HostWindow> {
+        match region.device() {
+            weft_transport::Device::Host => Some(HostWindow {
+                ptr: region.ptr(),
+                len: region.len(),
+            }),
+            weft_transport::Device::Cuda(_) => None,
+        }
+    }
+
+    /// Copies `src` to `off` within the region; false (nothing written) when
+    /// out of range.
+    pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
+        if off.checked_add(src.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: the range lies inside the registered region (checked
+        // above), which `MemRegion::new`'s contract keeps valid for writes
+        // while it is registered; this window exists only while it is. The
+        // contract also lets the NIC and peers write it concurrently, so no
+        // reference to it is formed.
+        unsafe {
+            ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len());
+        }
+        true
+    }
 }

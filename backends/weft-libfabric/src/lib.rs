@@ -6,7 +6,17 @@
 //! pre-filled `fi_msg_rma` template per operation slot (only addresses,
 //! lengths, key and immediate change per post); immediates travel as remote
 //! CQ data (`FI_REMOTE_CQ_DATA`, 4 bytes) and come back at the target as
-//! [`weft_transport::Completion::Imm`]. SEND/RECV use `fi_send`/`fi_recv`.
+//! [`weft_transport::Completion::Imm`]. SEND/RECV go through the backend's message layer
+//! (see [`LibfabricConfig::max_send_len`]): each SEND is one `fi_sendmsg`
+//! of a small header and the payload into one of the receiver's internal
+//! bounce buffers; the receiver copies it into the next posted receive
+//! buffer and answers with a header-only ACK, on which the SEND completes.
+//! So a SEND completion means the message is in a receive buffer, a SEND
+//! nobody posted a buffer for fails with `ReceiverNotReady` after
+//! [`LibfabricConfig::rnr_timeout`], and one larger than the receive buffer
+//! fails with `MessageTooLong` — on every provider, although tcp;ofi_rxm,
+//! shm and efa all queue unexpected messages and report neither. Receive
+//! buffers must be host memory.
 //!
 //! The provider is chosen by name: `efa` in production, `tcp` (layered as
 //! `tcp;ofi_rxm`) and `shm` for CI and single hosts. libfabric itself is
@@ -33,6 +43,7 @@
 mod domain;
 #[allow(unsafe_code)]
 mod ffi;
+mod msg;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,6 +75,22 @@ pub struct LibfabricConfig {
     pub max_inflight: usize,
     /// Upper bound on posted receives per domain.
     pub max_recvs: usize,
+    /// Largest SEND payload (`Capabilities::max_send_len`). Every domain
+    /// keeps [`LibfabricConfig::bounce_buffers`] buffers of this size (plus
+    /// a 256-byte header) posted for incoming messages; both sides of a
+    /// connection must use the same value. Default 64 KiB.
+    pub max_send_len: u64,
+    /// Internal receive buffers posted per domain for incoming messages.
+    /// Messages beyond them wait in the provider's unexpected-message queue
+    /// (nothing is lost). Default 32.
+    pub bounce_buffers: usize,
+    /// How long an incoming SEND waits for a posted receive buffer before
+    /// its sender gets `ReceiverNotReady`. Default 100 ms.
+    pub rnr_timeout: Duration,
+    /// How long a SEND the provider has completed waits for the receiver's
+    /// answer (the receiver must be polling) before it fails and the peer
+    /// is declared unreachable. Default 10 s.
+    pub ack_timeout: Duration,
     /// Refuse providers that cannot do `FI_DELIVERY_COMPLETE`.
     pub require_delivery_complete: bool,
     /// How long posts to a peer with nothing in flight may keep failing with
@@ -82,6 +109,10 @@ impl LibfabricConfig {
             fi_more: None,
             max_inflight: 1024,
             max_recvs: 1024,
+            max_send_len: 64 << 10,
+            bounce_buffers: 32,
+            rnr_timeout: Duration::from_millis(100),
+            ack_timeout: Duration::from_secs(10),
             require_delivery_complete: false,
             connect_timeout: Duration::from_secs(10),
         }
@@ -108,6 +139,24 @@ impl LibfabricConfig {
     /// Sets the outstanding-WR bound.
     pub fn with_max_inflight(mut self, n: usize) -> Self {
         self.max_inflight = n;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::rnr_timeout`].
+    pub fn with_rnr_timeout(mut self, t: Duration) -> Self {
+        self.rnr_timeout = t;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::ack_timeout`].
+    pub fn with_ack_timeout(mut self, t: Duration) -> Self {
+        self.ack_timeout = t;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::max_send_len`].
+    pub fn with_max_send_len(mut self, n: u64) -> Self {
+        self.max_send_len = n;
         self
     }
 }
@@ -252,7 +301,7 @@ impl LibfabricProvider {
         let max_inflight = self.config.max_inflight.clamp(1, tx);
         let opts = DomainOptions {
             max_inflight,
-            max_recvs: self.config.max_recvs.clamp(1, rx),
+            max_recvs: self.config.max_recvs.max(1),
             max_batch: max_inflight.min(64),
             fi_more: self
                 .config
@@ -260,6 +309,11 @@ impl LibfabricProvider {
                 .unwrap_or_else(|| info.prov_name.starts_with("efa")),
             hmem: self.config.hmem,
             connect_timeout: self.config.connect_timeout,
+            max_send_len: self.config.max_send_len,
+            rnr_timeout: self.config.rnr_timeout,
+            ack_timeout: self.config.ack_timeout,
+            bounces: self.config.bounce_buffers.clamp(1, rx),
+            acks: 64.min(tx),
         };
         LibfabricDomain::open(self.lib, Arc::clone(info), n.name.clone(), opts)
     }
