@@ -38,6 +38,12 @@ pub(crate) struct DomainOptions {
     pub(crate) acks: usize,
 }
 
+/// tcp: how long an operation cancelled by a broken connection waits to
+/// learn whether an earlier operation's rejection broke it.
+const LIMBO_WAIT: Duration = Duration::from_millis(200);
+/// tcp: the pause before such an operation is issued again.
+const LIMBO_RETRY: Duration = Duration::from_millis(1);
+
 /// How often `poll` checks that `shm` peers with operations in flight are
 /// still alive.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
@@ -93,6 +99,28 @@ struct Peer {
     /// Its entries in the EAGAIN backlog: while there are any, new work to
     /// the peer joins the backlog behind them without a futile attempt.
     backlogged: usize,
+    /// Operations issued to it so far (the issue number of the latest).
+    issued: u64,
+    /// tcp: issue number of the latest operation the peer rejected by
+    /// closing the connection (a remote access violation).
+    rejected: Option<u64>,
+}
+
+/// tcp: an operation that failed because the connection broke, waiting to
+/// learn whether the break was a rejection of an earlier operation (then it
+/// never reached the target and is issued again) or the peer's death.
+#[derive(Debug)]
+struct Limbo {
+    i: usize,
+    peer: PeerId,
+    /// Issue number of the attempt that failed.
+    issue_no: u64,
+    /// The error it failed with.
+    error: TransportError,
+    /// Not re-issued before (lets tcp;ofi_rxm notice the broken connection).
+    not_before: Instant,
+    /// Failed for the peer's death if no rejection is seen by then.
+    until: Instant,
 }
 
 /// Work the provider answered EAGAIN for: reserved slot `i`, never issued.
@@ -224,6 +252,17 @@ pub struct LibfabricDomain {
     held: VecDeque<Held>,
     /// Generation of SEND sequence numbers (stale ACKs never match).
     send_gen: u32,
+    /// tcp;ofi_rxm tears a connection down when the target rejects a
+    /// WRITE (bad key, out of bounds); the operations it cancels with it
+    /// wait in `limbo`.
+    is_tcp: bool,
+    /// Per TX slot: what was handed to libfabric (re-issued from limbo).
+    natives: Vec<Option<Native>>,
+    /// Per TX slot: the peer's issue number of its latest attempt.
+    issue_no: Vec<u64>,
+    /// Per TX slot: when it first failed with a broken connection.
+    first_fail: Vec<Option<Instant>>,
+    limbo: Vec<Limbo>,
 }
 
 impl std::fmt::Debug for LibfabricDomain {
@@ -321,6 +360,7 @@ impl LibfabricDomain {
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
+            is_tcp: info.prov_name.contains("tcp"),
             prov_errno_is_errno: !info.prov_name.starts_with("efa"),
             _info: info,
             nic,
@@ -344,6 +384,10 @@ impl LibfabricDomain {
             user_recvs: VecDeque::new(),
             held: VecDeque::new(),
             send_gen: 0,
+            natives: vec![None; opts.max_inflight],
+            issue_no: vec![0; opts.max_inflight],
+            first_fail: vec![None; opts.max_inflight],
+            limbo: Vec::new(),
             opts,
             stash: Vec::new(),
             stashed_tx: 0,
@@ -948,6 +992,151 @@ impl LibfabricDomain {
             "CQ error entry"
         );
         let e = self.op_error(used, err.err, err.prov_errno, err.message, err.olen);
+        if self.is_tcp {
+            if let Some(e) = self.tcp_failure(i, used, e) {
+                self.finish_error(used, e, out);
+            }
+            return;
+        }
+        self.finish_error(used, e, out);
+    }
+
+    /// tcp: what a failed operation `i` becomes. A rejected WRITE records
+    /// its issue number; an operation cancelled by the broken connection
+    /// goes to limbo (the slot stays reserved) and `None` is returned.
+    fn tcp_failure(
+        &mut self,
+        i: usize,
+        used: SlotUse,
+        e: TransportError,
+    ) -> Option<TransportError> {
+        let peer = Self::slot_peer(used)?;
+        let no = self.issue_no.get(i).copied().unwrap_or(0);
+        match &e {
+            TransportError::RemoteAccess { .. } => {
+                if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+                    p.rejected = Some(p.rejected.map_or(no, |r| r.max(no)));
+                }
+                Some(e)
+            }
+            TransportError::PeerUnreachable { .. }
+                if matches!(
+                    used,
+                    SlotUse::Write { .. } | SlotUse::Send { sent: None, .. }
+                ) && self.peer(peer).is_ok_and(|p| p.dead.is_none()) =>
+            {
+                // `release` ran: the slot is free again; take it back.
+                let now = Instant::now();
+                if let Some(k) = self.free_tx.iter().rposition(|&x| x == i) {
+                    self.free_tx.remove(k);
+                }
+                self.slots[i] = used;
+                if let Some(f) = self.first_fail.get_mut(i) {
+                    f.get_or_insert(now);
+                }
+                self.limbo.push(Limbo {
+                    i,
+                    peer,
+                    issue_no: no,
+                    error: e,
+                    not_before: now + LIMBO_RETRY,
+                    until: now + LIMBO_WAIT,
+                });
+                None
+            }
+            _ => Some(e),
+        }
+    }
+
+    /// tcp: settles operations in limbo. Issued after the latest rejection
+    /// of their peer (so behind it on the closed connection: never
+    /// delivered): issued again, until `connect_timeout` after their first
+    /// failure. Issued before it: they may have been delivered before the
+    /// connection closed, so they fail (`Failed`, outcome unknown) without
+    /// condemning the peer. No rejection within `LIMBO_WAIT`: the peer is
+    /// gone, as the error said.
+    fn settle_limbo(&mut self, out: &mut Vec<Completion>) {
+        let now = Instant::now();
+        let mut k = 0;
+        while k < self.limbo.len() {
+            let l = &self.limbo[k];
+            let (i, peer, no) = (l.i, l.peer, l.issue_no);
+            let (dead, rejected) = match self.peer(peer) {
+                Ok(p) => (p.dead.is_some(), p.rejected),
+                Err(_) => (true, None),
+            };
+            let used = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
+            let behind = rejected.is_some_and(|r| no > r);
+            if !dead && !behind && rejected.is_none() && now < l.until {
+                k += 1;
+                continue;
+            }
+            if behind && !dead && now < l.not_before {
+                k += 1;
+                continue;
+            }
+            let l = self.limbo.swap_remove(k);
+            let first = self.first_fail.get(i).copied().flatten().unwrap_or(now);
+            if behind && !dead && first.elapsed() < self.opts.connect_timeout {
+                let Some(native) = self.natives.get(i).copied().flatten() else {
+                    let _ = self.release_limbo(i);
+                    continue;
+                };
+                tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), slot = i, "re-issuing an operation cancelled by a connection the peer closed");
+                match self.issue(i, native, false) {
+                    Ok(0) => self.on_posted(i, peer),
+                    Ok(rc) if rc == -ffi::FI_EAGAIN => self.park(i, native, Some(peer)),
+                    Ok(rc) => {
+                        let e = self.post_error(used, rc);
+                        let used = self.release_limbo(i);
+                        self.finish_error(used, e, out);
+                    }
+                    Err(e) => {
+                        let used = self.release_limbo(i);
+                        self.complete(used, Err(e), out);
+                    }
+                }
+                continue;
+            }
+            let used = self.release_limbo(i);
+            let e = if dead {
+                self.live_peer(peer).err().unwrap_or(l.error)
+            } else if rejected.is_some() && !behind {
+                TransportError::Failed {
+                    nic: self.nic_name(),
+                    wr: match used {
+                        SlotUse::Write { wr, .. } | SlotUse::Send { wr, .. } => Some(wr),
+                        _ => None,
+                    },
+                    what: format!(
+                        "the connection to {} closed after the peer rejected a later operation; \
+                         whether this one was delivered is unknown ({})",
+                        self.peer_addr(peer),
+                        l.error
+                    ),
+                }
+            } else {
+                l.error
+            };
+            self.finish_error(used, e, out);
+        }
+    }
+
+    /// Frees the slot of a limbo entry (not counted in flight).
+    fn release_limbo(&mut self, i: usize) -> SlotUse {
+        let used = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
+        if let Some(s) = self.slots.get_mut(i) {
+            *s = SlotUse::Free;
+        }
+        if let Some(f) = self.first_fail.get_mut(i) {
+            *f = None;
+        }
+        self.free_slot(i);
+        used
+    }
+
+    /// Reports failed operation `used` (a dead peer is marked so).
+    fn finish_error(&mut self, used: SlotUse, e: TransportError, out: &mut Vec<Completion>) {
         if let TransportError::PeerUnreachable { reason, .. } = &e {
             if let SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } = used {
                 self.mark_dead(peer, reason.clone());
@@ -1029,10 +1218,16 @@ impl LibfabricDomain {
         self.live_peer(peer).map(|_| ())
     }
 
-    fn on_posted(&mut self, peer: PeerId) {
+    /// Slot `i` was issued to `peer`: counts it and gives it the peer's next
+    /// issue number.
+    fn on_posted(&mut self, i: usize, peer: PeerId) {
         if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
             p.inflight += 1;
             p.eagain_since = None;
+            p.issued += 1;
+            if let Some(q) = self.issue_no.get_mut(i) {
+                *q = p.issued;
+            }
         }
     }
 
@@ -1174,6 +1369,12 @@ impl LibfabricDomain {
         more: bool,
     ) -> Result<(), TransportError> {
         self.slots[i] = slot;
+        if let Some(x) = self.natives.get_mut(i) {
+            *x = Some(n);
+        }
+        if let Some(f) = self.first_fail.get_mut(i) {
+            *f = None;
+        }
         let peer = Self::slot_peer(slot);
         let queued = match peer {
             Some(p) => self
@@ -1196,7 +1397,7 @@ impl LibfabricDomain {
             };
             if rc == 0 {
                 if let Some(p) = peer {
-                    self.on_posted(p);
+                    self.on_posted(i, p);
                 }
                 return Ok(());
             }
@@ -1307,7 +1508,7 @@ impl LibfabricDomain {
             if rc == 0 {
                 self.count_parked(peer, false);
                 if let Some(p) = peer {
-                    self.on_posted(p);
+                    self.on_posted(i, p);
                 }
             } else if rc == -ffi::FI_EAGAIN {
                 match peer {
@@ -1512,6 +1713,8 @@ impl Domain for LibfabricDomain {
             eagain_since: None,
             pid,
             backlogged: 0,
+            issued: 0,
+            rejected: None,
         });
         self.peers.insert(addr.clone(), PeerId(id));
         Ok(PeerId(id))
@@ -1673,6 +1876,9 @@ impl Domain for LibfabricDomain {
         // and free the resources (slots, shm inject buffers) the backlog
         // waits for.
         self.drain_cq(out)?;
+        if !self.limbo.is_empty() {
+            self.settle_limbo(out);
+        }
         if !self.held.is_empty() {
             self.expire_held();
         }
