@@ -440,3 +440,130 @@ fn shm_small_writes_large_window() {
 fn shm_small_writes_large_window_two_peers() {
     shm_small_writes(2);
 }
+
+fn msg_provider(name: &str, rnr: Duration, ack: Duration) -> Option<LibfabricProvider> {
+    let cfg = match name {
+        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
+        other => LibfabricConfig::new(other),
+    }
+    .with_connect_timeout(Duration::from_secs(2))
+    .with_rnr_timeout(rnr)
+    .with_ack_timeout(ack);
+    match LibfabricProvider::with_config(cfg) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("SKIP: libfabric {name} unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// A message that arrives before any receive buffer waits (within the RNR
+/// timeout) and goes into the buffer posted later; its SEND completes only
+/// then, and only once.
+fn held_message_delivered(name: &str) {
+    let Some(p) = msg_provider(name, Duration::from_secs(30), Duration::from_secs(30)) else {
+        return;
+    };
+    let mut src = Buf((0..100u8).collect());
+    let mut rbuf = Buf(vec![0u8; 128]);
+    let mut a = p.open(0).unwrap();
+    let mut b = p.open(0).unwrap();
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let rmr = b.register(&rbuf.region(), Access::LocalOnly).unwrap();
+    let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+    let mut out = Vec::new();
+    a.post_send(WrId(1), peer, smr.slice(10, 50).unwrap())
+        .unwrap();
+    // Long enough for the message to reach B (and wait there).
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        a.poll(&mut out).unwrap();
+        b.poll(&mut out).unwrap();
+        std::thread::yield_now();
+    }
+    assert!(
+        !out.iter().any(|c| matches!(c, Completion::Send { .. })),
+        "the SEND completed before any receive buffer was posted: {out:?}"
+    );
+    b.post_recv(WrId(2), rmr.slice(0, 128).unwrap()).unwrap();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| {
+        o.iter().any(|c| matches!(c, Completion::Send { .. }))
+            && o.iter().any(|c| matches!(c, Completion::Recv { .. }))
+    });
+    assert!(
+        out.contains(&Completion::Recv {
+            wr: WrId(2),
+            result: Ok(50)
+        }),
+        "{out:?}"
+    );
+    assert!(
+        out.contains(&Completion::Send {
+            wr: WrId(1),
+            result: Ok(())
+        }),
+        "{out:?}"
+    );
+    assert_eq!(&rbuf.0[..50], &src.0[10..60]);
+    assert!(
+        rbuf.0[50..].iter().all(|&x| x == 0),
+        "written past the message"
+    );
+    let sends = out
+        .iter()
+        .filter(|c| matches!(c, Completion::Send { .. }))
+        .count();
+    assert_eq!(sends, 1, "{out:?}");
+}
+
+#[test]
+fn tcp_held_message_delivered() {
+    held_message_delivered("tcp");
+}
+
+#[test]
+fn shm_held_message_delivered() {
+    held_message_delivered("shm");
+}
+
+/// A SEND the receiver took in but never answered (it holds the message
+/// waiting for a buffer, then its domain closes) fails with
+/// `PeerUnreachable` after the ACK timeout, and later SENDs to it fail at
+/// once.
+#[test]
+fn tcp_unanswered_send_times_out() {
+    let Some(p) = msg_provider("tcp", Duration::from_secs(30), Duration::from_millis(500)) else {
+        return;
+    };
+    let mut src = Buf(vec![5u8; 64]);
+    let mut a = p.open(0).unwrap();
+    let mut b = p.open(0).unwrap();
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+    let mut out = Vec::new();
+    a.post_send(WrId(1), peer, smr.slice(0, 64).unwrap())
+        .unwrap();
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        a.poll(&mut out).unwrap();
+        b.poll(&mut out).unwrap();
+        std::thread::yield_now();
+    }
+    drop(b);
+    wait(&mut [&mut *a], &mut out, |o| {
+        o.iter().any(|c| matches!(c, Completion::Send { .. }))
+    });
+    match &out[..] {
+        [Completion::Send {
+            wr: WrId(1),
+            result: Err(TransportError::PeerUnreachable { .. }),
+        }] => {}
+        other => panic!("expected one PeerUnreachable SEND, got {other:?}"),
+    }
+    match a.post_send(WrId(2), peer, smr.slice(0, 8).unwrap()) {
+        Err(TransportError::PeerUnreachable { .. }) => {}
+        other => panic!("a SEND to the condemned peer: {other:?}"),
+    }
+    let _ = &mut src;
+}
