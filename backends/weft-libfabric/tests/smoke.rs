@@ -12,12 +12,20 @@ use weft_transport::{
 };
 
 fn provider(name: &str) -> Option<LibfabricProvider> {
+    provider_with(name, |c| c)
+}
+
+/// `name` (tcp on `lo`) with a 2 s connect timeout, adjusted by `f`.
+fn provider_with(
+    name: &str,
+    f: impl FnOnce(LibfabricConfig) -> LibfabricConfig,
+) -> Option<LibfabricProvider> {
     let cfg = match name {
         "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
         other => LibfabricConfig::new(other),
     }
     .with_connect_timeout(Duration::from_secs(2));
-    match LibfabricProvider::with_config(cfg) {
+    match LibfabricProvider::with_config(f(cfg)) {
         Ok(p) => Some(p),
         Err(e) => {
             eprintln!("SKIP: libfabric {name} unavailable: {e}");
@@ -442,20 +450,7 @@ fn shm_small_writes_large_window_two_peers() {
 }
 
 fn msg_provider(name: &str, rnr: Duration, ack: Duration) -> Option<LibfabricProvider> {
-    let cfg = match name {
-        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
-        other => LibfabricConfig::new(other),
-    }
-    .with_connect_timeout(Duration::from_secs(2))
-    .with_rnr_timeout(rnr)
-    .with_ack_timeout(ack);
-    match LibfabricProvider::with_config(cfg) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            eprintln!("SKIP: libfabric {name} unavailable: {e}");
-            None
-        }
-    }
+    provider_with(name, |c| c.with_rnr_timeout(rnr).with_ack_timeout(ack))
 }
 
 /// A message that arrives before any receive buffer waits (within the RNR
