@@ -616,13 +616,7 @@ impl LibfabricDomain {
     }
 
     /// The result a SEND reports for the receiver's answer.
-    fn ack_result(
-        &self,
-        peer: PeerId,
-        wr: WrId,
-        len: u64,
-        a: AckStatus,
-    ) -> Result<(), TransportError> {
+    fn ack_result(&self, peer: PeerId, len: u64, a: AckStatus) -> Result<(), TransportError> {
         let nic = self.nic_name();
         match a {
             AckStatus::Delivered => Ok(()),
@@ -635,14 +629,6 @@ impl LibfabricDomain {
                 peer: self.peer_addr(peer),
                 len,
                 capacity,
-            }),
-            AckStatus::Failed => Err(TransportError::Failed {
-                nic,
-                wr: Some(wr),
-                what: format!(
-                    "peer {} could not place the message into its receive buffer",
-                    self.peer_addr(peer)
-                ),
             }),
         }
     }
@@ -724,28 +710,22 @@ impl LibfabricDomain {
                 return;
             }
             SlotUse::Send {
-                wr,
                 peer,
                 len,
-                seq,
                 sent: None,
                 ack,
+                ..
             } => {
                 match ack {
                     Some(a) => {
-                        let r = self.ack_result(peer, wr, len, a);
+                        let r = self.ack_result(peer, len, a);
                         let used = self.release(i);
                         self.complete(used, r.map(|_| 0), out);
                     }
                     // Sent; done when the receiver answers.
                     None => {
-                        self.slots[i] = SlotUse::Send {
-                            wr,
-                            peer,
-                            len,
-                            seq,
-                            sent: Some(Instant::now()),
-                            ack: None,
+                        if let Some(SlotUse::Send { sent, .. }) = self.slots.get_mut(i) {
+                            *sent = Some(Instant::now());
                         }
                     }
                 }
@@ -773,7 +753,7 @@ impl LibfabricDomain {
     /// A message of `len` bytes arrived in bounce buffer `j`.
     fn on_message(&mut self, j: usize, len: usize, out: &mut Vec<Completion>) {
         let off = self.bounce_off + j * self.bounce_len;
-        let Some(bytes) = self.ctl.read(off, len.min(self.bounce_len)) else {
+        let Some(mut bytes) = self.ctl.read(off, len.min(self.bounce_len)) else {
             return;
         };
         let (h, hlen) = match msg::decode(&bytes) {
@@ -790,9 +770,9 @@ impl LibfabricDomain {
                 len: plen,
                 from,
             } => {
-                let Some(payload) = bytes.get(hlen..) else {
-                    return;
-                };
+                // `decode` checked that the header fits.
+                bytes.drain(..hlen);
+                let payload = bytes;
                 if payload.len() as u64 != plen {
                     tracing::warn!(nic = %self.nic.name, header = plen, got = payload.len(), "message with a wrong length dropped");
                     return;
@@ -808,7 +788,7 @@ impl LibfabricDomain {
                 let m = Held {
                     from: peer,
                     seq,
-                    payload: payload.to_vec(),
+                    payload,
                     since: Instant::now(),
                 };
                 if let Some(m) = self.deliver(m, out) {
@@ -873,12 +853,12 @@ impl LibfabricDomain {
     fn on_ack(&mut self, seq: u64, status: AckStatus, from: &[u8], out: &mut Vec<Completion>) {
         let i = (seq & 0xffff_ffff) as usize;
         let Some(SlotUse::Send {
-            wr,
             peer,
             len,
             seq: s,
             sent,
             ack: None,
+            ..
         }) = self.slots.get(i).copied()
         else {
             tracing::debug!(nic = %self.nic.name, seq, "stale or unknown ACK ignored");
@@ -889,31 +869,21 @@ impl LibfabricDomain {
             return;
         }
         if sent.is_some() {
-            let r = self.ack_result(peer, wr, len, status);
+            let r = self.ack_result(peer, len, status);
             let used = self.release(i);
             self.complete(used, r.map(|_| 0), out);
-        } else {
-            self.slots[i] = SlotUse::Send {
-                wr,
-                peer,
-                len,
-                seq,
-                sent,
-                ack: Some(status),
-            };
+        } else if let Some(SlotUse::Send { ack, .. }) = self.slots.get_mut(i) {
+            *ack = Some(status);
         }
     }
 
     /// Sends queued ACKs while ACK slots are free.
     fn flush_acks(&mut self) {
-        while !self.acks_out.is_empty() {
+        while let Some(&(peer, seq, status)) = self.acks_out.front() {
             let Some(i) = self.free_ack.pop() else {
                 return;
             };
-            let Some((peer, seq, status)) = self.acks_out.pop_front() else {
-                self.free_ack.push(i);
-                return;
-            };
+            self.acks_out.pop_front();
             let dest = match self.live_peer(peer) {
                 Ok(d) => d,
                 Err(_) => {
@@ -1125,13 +1095,7 @@ impl LibfabricDomain {
     /// Frees the slot of a limbo entry (not counted in flight).
     fn release_limbo(&mut self, i: usize) -> SlotUse {
         let used = self.slots.get(i).copied().unwrap_or(SlotUse::Free);
-        if let Some(s) = self.slots.get_mut(i) {
-            *s = SlotUse::Free;
-        }
-        if let Some(f) = self.first_fail.get_mut(i) {
-            *f = None;
-        }
-        self.free_slot(i);
+        self.unreserve(i);
         used
     }
 
@@ -1369,11 +1333,14 @@ impl LibfabricDomain {
         more: bool,
     ) -> Result<(), TransportError> {
         self.slots[i] = slot;
-        if let Some(x) = self.natives.get_mut(i) {
-            *x = Some(n);
-        }
-        if let Some(f) = self.first_fail.get_mut(i) {
-            *f = None;
+        if self.is_tcp {
+            // Kept for re-issue from limbo (a new operation: no failure yet).
+            if let Some(x) = self.natives.get_mut(i) {
+                *x = Some(n);
+            }
+            if let Some(f) = self.first_fail.get_mut(i) {
+                *f = None;
+            }
         }
         let peer = Self::slot_peer(slot);
         let queued = match peer {

@@ -1423,10 +1423,9 @@ impl Resources {
     }
 
     /// `fi_sendmsg` of `parts` (one or two `(address, length, descriptor)`
-    /// source pieces, sent as one message) with slot `i` as context
-    /// (explicit flags, so a zero-length SEND can go without
-    /// `FI_DELIVERY_COMPLETE`, which shm 1.17 never completes for it).
-    /// Returns the raw code.
+    /// source pieces, sent as one message) with slot `i` as context, with
+    /// explicit flags (`FI_DELIVERY_COMPLETE` only when there are bytes:
+    /// shm 1.17 never completes a zero-length one). Returns the raw code.
     pub(crate) fn send(
         &mut self,
         i: usize,
@@ -1674,6 +1673,11 @@ pub(crate) fn process_alive(pid: i32) -> bool {
 // Backend-owned and registered memory the message layer reads and writes
 // ---------------------------------------------------------------------------
 
+/// Whether `off..off + len` lies within `0..total`.
+fn fits(off: usize, len: usize, total: usize) -> bool {
+    off.checked_add(len).is_some_and(|end| end <= total)
+}
+
 /// A zeroed, page-aligned heap buffer owned by one domain and registered
 /// with it: SEND headers and the bounce buffers incoming messages land in.
 /// The provider (or the NIC) writes into parts of it while they are posted;
@@ -1713,10 +1717,7 @@ impl CtlBuf {
 
     /// Copies `src` to `off`; false (nothing written) when out of range.
     pub(crate) fn write(&mut self, off: usize, src: &[u8]) -> bool {
-        if off
-            .checked_add(src.len())
-            .is_none_or(|end| end > self.len())
-        {
+        if !fits(off, src.len(), self.len()) {
             return false;
         }
         // SAFETY: `off..off + src.len()` lies inside the allocation (checked
@@ -1729,7 +1730,7 @@ impl CtlBuf {
 
     /// A copy of `len` bytes at `off`; `None` when out of range.
     pub(crate) fn read(&self, off: usize, len: usize) -> Option<Vec<u8>> {
-        if off.checked_add(len).is_none_or(|end| end > self.len()) {
+        if !fits(off, len, self.len()) {
             return None;
         }
         let mut v = vec![0u8; len];
@@ -1778,7 +1779,7 @@ impl HostWindow {
     /// Copies `src` to `off` within the region; false (nothing written) when
     /// out of range.
     pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
-        if off.checked_add(src.len()).is_none_or(|end| end > self.len) {
+        if !fits(off, src.len(), self.len) {
             return false;
         }
         // SAFETY: the range lies inside the registered region (checked

@@ -47,8 +47,6 @@ pub(crate) enum AckStatus {
         /// The buffer's capacity.
         capacity: u64,
     },
-    /// The receiver could not place it (its buffer was deregistered).
-    Failed,
 }
 
 impl AckStatus {
@@ -57,7 +55,6 @@ impl AckStatus {
             AckStatus::Delivered => (0, 0),
             AckStatus::NotReady => (1, 0),
             AckStatus::TooLong { capacity } => (2, capacity),
-            AckStatus::Failed => (3, 0),
         }
     }
 
@@ -66,7 +63,6 @@ impl AckStatus {
             0 => AckStatus::Delivered,
             1 => AckStatus::NotReady,
             2 => AckStatus::TooLong { capacity: arg },
-            3 => AckStatus::Failed,
             _ => return None,
         })
     }
@@ -208,7 +204,6 @@ mod tests {
             AckStatus::Delivered,
             AckStatus::NotReady,
             AckStatus::TooLong { capacity: 16 },
-            AckStatus::Failed,
         ] {
             let a = ack(9, status, &from);
             let (h, _) = decode(&a).unwrap();
