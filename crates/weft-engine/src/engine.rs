@@ -58,7 +58,16 @@ pub struct EngineConfig {
     pub send_slots: u32,
     /// Bytes per send slot; larger messages are registered one by one.
     pub send_slot_len: u64,
-    /// Idle loop iterations spent spinning before yielding.
+    /// Idle loop iterations spent spinning before yielding. A group whose
+    /// NICs need software progress ([`Capabilities::software_progress`]:
+    /// libfabric tcp, shm, EFA's emulated protocols) skips this phase and
+    /// yields after every empty poll instead: each poll already is a round of
+    /// provider progress (system calls), and a worker that keeps the core
+    /// through a run of them starves the threads it is waiting on, such as a
+    /// peer's worker or the submitter on the same core. A yield with nothing
+    /// else runnable returns at once, so a dedicated core loses nothing.
+    ///
+    /// [`Capabilities::software_progress`]: weft_transport::Capabilities::software_progress
     pub idle_spins: u32,
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
@@ -1612,7 +1621,7 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
         }
         None => tracing::debug!(group = g, "topology unknown: worker not pinned"),
     }
-    let idle = Idle::from(&ctx.cfg);
+    let mut idle = Idle::from(&ctx.cfg);
     let inflight_spin = ctx.cfg.inflight_spin;
     let drain = ctx.cfg.drain_timeout;
     let mut w = match ctx.open() {
@@ -1629,6 +1638,10 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     let mut idle_n = 0u32;
     let mut last_progress = Instant::now();
     let software_progress = w.core.software_progress();
+    if software_progress {
+        // See `EngineConfig::idle_spins`.
+        idle.spins = 0;
+    }
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
