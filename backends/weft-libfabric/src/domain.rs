@@ -26,6 +26,9 @@ pub(crate) struct DomainOptions {
     pub(crate) fi_more: bool,
     pub(crate) hmem: bool,
     pub(crate) connect_timeout: Duration,
+    /// How long a peer with operations in flight may go without a
+    /// completion before it is declared unreachable.
+    pub(crate) write_timeout: Duration,
     /// Largest SEND payload (bounce buffers hold this plus a header).
     pub(crate) max_send_len: u64,
     /// How long an incoming message waits for a receive buffer.
@@ -104,6 +107,12 @@ struct Peer {
     /// tcp: issue number of the latest operation the peer rejected by
     /// closing the connection (a remote access violation).
     rejected: Option<u64>,
+    /// Operations to it resolved so far (wrapping): its liveness signal.
+    done: u64,
+    /// `done` at the previous sweep.
+    done_seen: u64,
+    /// Since which sweep it has had work in flight and nothing resolved.
+    stalled_since: Option<Instant>,
 }
 
 /// tcp: an operation that failed because the connection broke, waiting to
@@ -285,6 +294,9 @@ impl LibfabricDomain {
     ) -> Result<LibfabricDomain, TransportError> {
         let ack_base = opts.max_inflight + opts.bounces;
         let slots = ack_base + opts.acks;
+        if info.prov_name == "shm" {
+            remove_stale_shm_regions();
+        }
         let res = Resources::open(lib, &name, &info, slots)?;
         let addr = NetAddr(res.getname()?);
         if addr.0.len() > msg::MAX_ADDR {
@@ -588,6 +600,7 @@ impl LibfabricDomain {
                 self.free_slot(i);
                 if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
                     p.inflight = p.inflight.saturating_sub(1);
+                    p.done = p.done.wrapping_add(1);
                 }
             }
             SlotUse::Zombie => self.free_slot(i),
@@ -726,6 +739,9 @@ impl LibfabricDomain {
                     None => {
                         if let Some(SlotUse::Send { sent, .. }) = self.slots.get_mut(i) {
                             *sent = Some(Instant::now());
+                        }
+                        if let Some(p) = self.peer_table.get_mut(peer.0 as usize) {
+                            p.done = p.done.wrapping_add(1);
                         }
                     }
                 }
@@ -1201,20 +1217,54 @@ impl LibfabricDomain {
         if self.last_sweep.elapsed() < SWEEP_INTERVAL {
             return;
         }
-        self.last_sweep = Instant::now();
+        let now = Instant::now();
+        self.last_sweep = now;
+        let timeout = self.opts.write_timeout;
         // Peers with work in the EAGAIN backlog (reserved, never issued, so
         // not counted in `inflight`) are checked too.
         let mut newly_dead = Vec::new();
-        for (k, p) in self.peer_table.iter().enumerate() {
+        for (k, p) in self.peer_table.iter_mut().enumerate() {
+            if p.dead.is_some() {
+                continue;
+            }
             if let Some(pid) = p.pid {
                 let busy = p.inflight > 0 || p.backlogged > 0;
-                if p.dead.is_none() && busy && !ffi::process_alive(pid) {
-                    newly_dead.push(PeerId(k as u32));
+                if busy && !ffi::process_alive(pid) {
+                    newly_dead.push((PeerId(k as u32), "peer process exited".to_string(), false));
+                    continue;
                 }
             }
+            if p.inflight == 0 || p.done != p.done_seen {
+                p.done_seen = p.done;
+                p.stalled_since = None;
+                continue;
+            }
+            let since = *p.stalled_since.get_or_insert(now);
+            if now.duration_since(since) >= timeout {
+                newly_dead.push((
+                    PeerId(k as u32),
+                    format!(
+                        "none of {} operations in flight completed within {:.1} s (peer hung or gone without closing the connection)",
+                        p.inflight,
+                        timeout.as_secs_f64()
+                    ),
+                    true,
+                ));
+            }
         }
-        for peer in newly_dead {
-            self.mark_dead(peer, "peer process exited".into());
+        for (peer, reason, stalled) in newly_dead {
+            self.mark_dead(peer, reason);
+            if stalled {
+                // The provider still holds the stalled operations (and would
+                // read their buffers if the peer woke up): tear its
+                // connection to the peer down.
+                let fi_addr = self.peer(peer).map(|p| p.fi_addr).ok();
+                if let Some(a) = fi_addr {
+                    if let Err(e) = self.res.av_remove(a) {
+                        tracing::warn!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e, "could not remove a stalled peer from the address vector");
+                    }
+                }
+            }
             for i in 0..self.slots.len() {
                 let used = self.slots[i];
                 // Still inside libfabric (a SEND already completed there
@@ -1531,6 +1581,42 @@ impl LibfabricDomain {
     }
 }
 
+/// The shm provider (1.17) names an endpoint's region
+/// `/dev/shm/<pid>:<domain>:<endpoint>` and fails `fi_enable` with `EBUSY`
+/// when that file exists. A process killed with SIGKILL leaves its regions
+/// behind, so a later process that happens to get the same pid could not
+/// open shm endpoints at all. Before this process opens its first shm
+/// endpoint, no region named after its pid can be its own: those files are
+/// left over from a dead process, and are removed (once per process).
+fn remove_stale_shm_regions() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prefix = format!("{}:", std::process::id());
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else {
+                continue;
+            };
+            let Some(rest) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            // Only the provider's own `<pid>:<n>:<n>` names.
+            let ours = rest.split(':').count() == 2
+                && rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            if !ours {
+                continue;
+            }
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(region = %name, "removed a stale shm region of a dead process with this pid"),
+                Err(e) => tracing::warn!(region = %name, error = %e, "could not remove a stale shm region"),
+            }
+        }
+    });
+}
+
 /// For an `shm` address (`fi_shm://<pid>:...`): the peer's pid, and whether
 /// it is already known unreachable (its region is gone: the 1.17 shm
 /// provider crashes when posting to such an address, so it must never be
@@ -1682,6 +1768,9 @@ impl Domain for LibfabricDomain {
             backlogged: 0,
             issued: 0,
             rejected: None,
+            done: 0,
+            done_seen: 0,
+            stalled_since: None,
         });
         self.peers.insert(addr.clone(), PeerId(id));
         Ok(PeerId(id))

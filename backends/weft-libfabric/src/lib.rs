@@ -97,6 +97,17 @@ pub struct LibfabricConfig {
     /// `EAGAIN` (the provider still connecting; `tcp;ofi_rxm` retries a
     /// refused connection forever) before the peer is declared unreachable.
     pub connect_timeout: Duration,
+    /// How long a peer with operations in flight may go without any of them
+    /// completing before it is declared unreachable: every operation to it
+    /// then fails with `PeerUnreachable`, the provider's connection to it is
+    /// torn down (so the provider lets go of the buffers), and later posts
+    /// to it fail at once. This is how a peer that stops answering without
+    /// closing its connection (a hung process, a host gone without a TCP
+    /// reset) is noticed; verbs gets the same from the NIC's retry timeout.
+    /// It is measured per peer from its last completion, so a deep queue of
+    /// WRITEs that keeps completing never trips it; it must exceed the time
+    /// one WRITE of `max_write_len` takes on the slowest path. Default 30 s.
+    pub write_timeout: Duration,
 }
 
 impl LibfabricConfig {
@@ -115,6 +126,7 @@ impl LibfabricConfig {
             ack_timeout: Duration::from_secs(10),
             require_delivery_complete: false,
             connect_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(30),
         }
     }
 
@@ -145,6 +157,12 @@ impl LibfabricConfig {
     /// Sets [`LibfabricConfig::rnr_timeout`].
     pub fn with_rnr_timeout(mut self, t: Duration) -> Self {
         self.rnr_timeout = t;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::write_timeout`].
+    pub fn with_write_timeout(mut self, t: Duration) -> Self {
+        self.write_timeout = t;
         self
     }
 
@@ -309,6 +327,7 @@ impl LibfabricProvider {
                 .unwrap_or_else(|| info.prov_name.starts_with("efa")),
             hmem: self.config.hmem,
             connect_timeout: self.config.connect_timeout,
+            write_timeout: self.config.write_timeout,
             max_send_len: self.config.max_send_len,
             rnr_timeout: self.config.rnr_timeout,
             ack_timeout: self.config.ack_timeout,

@@ -14,6 +14,10 @@
 //!   every pending op to it resolves with an error, the survivors' writes
 //!   complete byte-exact, and fresh scatter/barrier rounds to the survivors
 //!   work afterwards.
+//! - `peer_process_killed_while_streaming`: the same with a running victim.
+//! - `stopped_peer_times_out`: a peer that stops answering without closing
+//!   its connection (SIGSTOP) fails every WRITE to it with `PeerUnreachable`
+//!   after `write_timeout`, and nothing breaks when it wakes up again.
 //!
 //! Children are killed and reaped by a drop guard when a test fails, and
 //! exit on their own when their stdin closes. Skipped (printed) when
@@ -149,13 +153,22 @@ fn from_line<T: for<'de> Deserialize<'de>>(line: &str) -> Option<Result<T, Strin
 
 /// A tcp provider with 2 endpoints of `lo`, or `None` (printed).
 fn provider() -> Option<Arc<dyn Provider>> {
+    provider_with(|c| c)
+}
+
+/// [`provider`] with `tweak` applied to its configuration.
+fn provider_with(
+    tweak: impl FnOnce(LibfabricConfig) -> LibfabricConfig,
+) -> Option<Arc<dyn Provider>> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .try_init();
-    let cfg = LibfabricConfig::new("tcp")
-        .with_domains(["lo", "lo"])
-        .with_connect_timeout(Duration::from_secs(3));
+    let cfg = tweak(
+        LibfabricConfig::new("tcp")
+            .with_domains(["lo", "lo"])
+            .with_connect_timeout(Duration::from_secs(3)),
+    );
     match LibfabricProvider::with_config(cfg) {
         Ok(p) => Some(Arc::new(p)),
         Err(e) => {
@@ -516,7 +529,16 @@ struct Parent {
 
 impl Parent {
     fn new(peers: usize, src_len: usize, peer_buf: usize, seed: u64) -> Option<Parent> {
-        let p = provider()?;
+        Self::with_provider(provider()?, peers, src_len, peer_buf, seed)
+    }
+
+    fn with_provider(
+        p: Arc<dyn Provider>,
+        peers: usize,
+        src_len: usize,
+        peer_buf: usize,
+        seed: u64,
+    ) -> Option<Parent> {
         let engine = engine(p);
         let src = HostBuf::from_fn(src_len, |i| pat(seed, i as u64));
         let (smr, _) = engine.reg_mr(src.region()).expect("reg src");
@@ -946,6 +968,106 @@ fn peer_process_killed_while_streaming() {
     par.peers[SURVIVOR].quit();
     eprintln!(
         "peer_process_killed_while_streaming: {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn stopped_peer_times_out() {
+    const PEERS: usize = 2;
+    const VICTIM: usize = 0;
+    const SURVIVOR: usize = 1;
+    const WRITES: u64 = 8;
+    const WLEN: u64 = 4 << 20;
+    const LEN: usize = (WRITES * WLEN) as usize + (1 << 20);
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    let t0 = Instant::now();
+    let Some(p) = provider_with(|c| c.with_write_timeout(TIMEOUT)) else {
+        return;
+    };
+    let Some(mut par) = Parent::with_provider(p, PEERS, LEN, LEN, 0x5eed_0004) else {
+        return;
+    };
+    let imms = par.imms.clone();
+    let smr = par.smr;
+    scatter_round(&mut par, &[0, 1], ScatterMode::ByBytes, 1, imms[2], imms[3]);
+
+    // The victim stops answering but keeps its connections (the kernel
+    // still accepts data into its socket buffers).
+    par.peers[VICTIM].signal(libc::SIGSTOP);
+    let kinds = (0..WRITES).map(|_| Kind::Single { len: WLEN }).collect();
+    let regions = (0..WRITES)
+        .map(|k| par.region(k * 512 + 3, k * WLEN, WLEN))
+        .collect();
+    par.peers[SURVIVOR].expect(10, imms[0], kinds, regions);
+    let t_submit = Instant::now();
+    let mut flags: Vec<Vec<Arc<DoneFlag>>> = vec![Vec::new(); PEERS];
+    for k in 0..WRITES {
+        for (j, fl) in flags.iter_mut().enumerate() {
+            let (od, flag) = OnDone::flag();
+            par.engine
+                .submit_single_write(
+                    WLEN,
+                    Some(imms[0]),
+                    (&smr, k * 512 + 3),
+                    (&par.peers[j].desc, k * WLEN),
+                    od,
+                )
+                .expect("submit large write");
+            fl.push(flag);
+        }
+    }
+    for (k, f) in flags[SURVIVOR].iter().enumerate() {
+        wait_ok(&format!("write {k} to the survivor"), f);
+    }
+    par.peers[SURVIVOR].wait_done(10);
+
+    // Every write to the stopped peer fails as unreachable, and not before
+    // the timeout ran out.
+    for (k, f) in flags[VICTIM].iter().enumerate() {
+        match wait_flag(&format!("write {k} to the stopped peer"), f) {
+            Ok(()) => panic!("write {k} to a stopped peer succeeded"),
+            Err(e) => assert!(
+                is_unreachable(&e),
+                "write {k} to the stopped peer: expected Transport/PeerUnreachable, got {e}"
+            ),
+        }
+    }
+    let failed_after = t_submit.elapsed();
+    assert!(
+        failed_after >= TIMEOUT,
+        "writes to the stopped peer failed after {failed_after:?}, before the {TIMEOUT:?} timeout"
+    );
+    eprintln!(
+        "stopped_peer_times_out: {WRITES} writes failed {:.2} s after submit",
+        failed_after.as_secs_f64()
+    );
+
+    // New work to it fails at once.
+    let (od, flag) = OnDone::flag();
+    par.engine
+        .submit_single_write(64, None, (&smr, 0), (&par.peers[VICTIM].desc, 0), od)
+        .expect("submit to the timed-out peer");
+    let e = wait_flag("write to the timed-out peer", &flag)
+        .expect_err("write to a timed-out peer succeeded");
+    assert!(is_unreachable(&e), "write to the timed-out peer: {e}");
+
+    // It wakes up: the parent is unharmed, and the survivor keeps working.
+    par.peers[VICTIM].signal(libc::SIGCONT);
+    for round in 0..2 {
+        scatter_round(
+            &mut par,
+            &[SURVIVOR],
+            ScatterMode::ByPeer,
+            20 + round,
+            imms[2],
+            imms[3],
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    par.peers[SURVIVOR].quit();
+    eprintln!(
+        "stopped_peer_times_out: {:.2} s",
         t0.elapsed().as_secs_f64()
     );
 }

@@ -562,3 +562,84 @@ fn tcp_unanswered_send_times_out() {
     }
     let _ = &mut src;
 }
+
+/// A WRITE to a peer that stops making progress (its shm domain is never
+/// polled, so nothing sent to it completes) fails with `PeerUnreachable`
+/// once `write_timeout` passes without a completion, later WRITEs to it fail
+/// at once, and the target polling again afterwards harms nothing.
+#[test]
+fn shm_stalled_peer_times_out() {
+    const TIMEOUT: Duration = Duration::from_millis(400);
+    let Some(p) = provider_with("shm", |c| c.with_write_timeout(TIMEOUT)) else {
+        return;
+    };
+    let mut src = Buf(vec![9u8; 8192]);
+    let mut dst = Buf(vec![0u8; 8192]);
+    let mut a = p.open(0).unwrap();
+    let mut b = p.open(0).unwrap();
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
+    let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+    let desc = MrDesc {
+        addr: dmr.addr,
+        len: dmr.len,
+        rkeys: vec![(b.local_addr().clone(), dmr.rkey)],
+    };
+    let wr = |id: u64, len: u64| WriteWr {
+        wr: WrId(id),
+        peer,
+        src: smr.slice(0, len).unwrap(),
+        dst: desc.slice(0, 0, len).unwrap(),
+        imm: None,
+    };
+    let mut out = Vec::new();
+    // A first WRITE with the target polled: the peer works.
+    post(&mut *a, &mut *b, &wr(1, 64), &mut out).unwrap();
+    wait(&mut [&mut *a, &mut *b], &mut out, |o| has_write(o, 1));
+    assert!(
+        matches!(out[..], [Completion::Write { result: Ok(()), .. }]),
+        "{out:?}"
+    );
+    out.clear();
+    // Now the target stops polling.
+    let posted = Instant::now();
+    a.post_write(&wr(2, 4096)).unwrap();
+    a.post_write(&wr(3, 8192)).unwrap();
+    wait(&mut [&mut *a], &mut out, |o| {
+        has_write(o, 2) && has_write(o, 3)
+    });
+    let after = posted.elapsed();
+    for c in &out {
+        assert!(
+            matches!(
+                c,
+                Completion::Write {
+                    result: Err(TransportError::PeerUnreachable { .. }),
+                    ..
+                }
+            ),
+            "expected PeerUnreachable for every write to the stalled peer: {out:?}"
+        );
+    }
+    assert!(
+        after >= TIMEOUT,
+        "writes failed after {after:?}, before the {TIMEOUT:?} timeout"
+    );
+    match a.post_write(&wr(4, 64)) {
+        Err(TransportError::PeerUnreachable { .. }) => {}
+        other => panic!("a WRITE to the timed-out peer: {other:?}"),
+    }
+    // The target wakes up and polls: nothing breaks on either side.
+    out.clear();
+    let until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < until {
+        a.poll(&mut out).unwrap();
+        b.poll(&mut out).unwrap();
+        std::thread::yield_now();
+    }
+    assert!(
+        out.iter().all(|c| !matches!(c, Completion::Write { .. })),
+        "a timed-out WRITE completed again: {out:?}"
+    );
+    let _ = (&mut src, &mut dst);
+}

@@ -1064,6 +1064,25 @@ impl Drop for ChildHost {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        remove_shm_regions(self.child.id());
+    }
+}
+
+/// Removes the shm regions (`/dev/shm/<pid>:<n>:<n>`) a reaped child left
+/// behind: SIGKILL skips the provider's clean-up, and the files would pile
+/// up (16 MiB of tmpfs each) and clash with a later process of that pid.
+fn remove_shm_regions(pid: u32) {
+    let prefix = format!("{pid}:");
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for e in dir.flatten() {
+        if e.file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(&prefix))
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -1307,6 +1326,7 @@ impl Harness for CrossProcess {
             .kill()
             .map_err(|e| HarnessError::Failed(format!("kill: {e}")))?;
         let _ = h.child.wait();
+        remove_shm_regions(h.child.id());
         h.killed = true;
         Ok(())
     }
