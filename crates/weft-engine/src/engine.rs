@@ -1658,7 +1658,10 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
         }
         if did {
             idle_n = 0;
-            last_progress = Instant::now();
+            if !software_progress {
+                // Only the hardware path's in-flight spin limit reads it.
+                last_progress = Instant::now();
+            }
             continue;
         }
         if let Some(d) = idle.step(&mut idle_n) {
