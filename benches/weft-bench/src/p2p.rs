@@ -17,6 +17,8 @@ use weft_engine::{OnDone, Pages, ShardConfig};
 
 const BENCH: &str = "p2p";
 const RAW: &str = "raw backend";
+/// The raw baseline with the target progressed by a thread of its own.
+const RAW_SPLIT: &str = "raw, target on own thread";
 
 /// The sizes, counts and budgets of one run.
 #[derive(Debug, Clone)]
@@ -211,6 +213,18 @@ fn raw_single(
     window: u64,
     imm: Option<u32>,
 ) -> Result<f64, String> {
+    raw_single_as(raw, len, count, window, imm, false)
+}
+
+/// [`raw_single`]; `split`: with [`RawPair::drive_split`].
+fn raw_single_as(
+    raw: &mut RawPair,
+    len: u64,
+    count: u64,
+    window: u64,
+    imm: Option<u32>,
+    split: bool,
+) -> Result<f64, String> {
     let lanes = raw.lanes();
     let mwl = raw.max_write_len();
     // Pieces per transfer are identical for every transfer except the lane
@@ -223,13 +237,18 @@ fn raw_single(
         cache.push(single_pieces(len, 1, mwl, 0));
     }
     let total = count * per;
-    let t = raw.drive(total, window * per, 0, |r, i| {
+    let gen = |r: &RawPair, i: u64| {
         let tr = i / per;
         let k = (i % per) as usize;
         let ps = &cache[(tr % cache.len() as u64) as usize];
         let p = ps.get(k).ok_or("piece index")?;
         Ok((p.lane, r.wr(i, p.lane, p.offset, p.offset, p.len, imm)?))
-    })?;
+    };
+    let t = if split {
+        raw.drive_split(total, window * per, 0, gen)?
+    } else {
+        raw.drive(total, window * per, 0, gen)?
+    };
     Ok(ns(t.all_done))
 }
 
@@ -247,11 +266,20 @@ fn single(
     let lat_ops = (plan.lat_bytes / size).clamp(2, plan.lat_max_ops);
     let (mut e_bw, mut r_bw) = (Vec::new(), Vec::new());
     let (mut e_lat, mut r_lat) = (Vec::new(), Vec::new());
+    // Software providers progress only while polled: also measure the raw
+    // loop with the target polled by its own thread, as the engine (and
+    // any deployment with the target in another process) does.
+    let split = matches!(tb.kind(), BackendKind::Libfabric(_));
+    let mut s_bw = Vec::new();
     for _ in 0..cfg.rounds() {
         let te = ep.single_writes(size, bw_ops, plan.window, None)?;
         e_bw.push((size * bw_ops) as f64 / ns(te));
         let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
         r_bw.push((size * bw_ops) as f64 / tr);
+        if split {
+            let ts = raw_single_as(raw, size, bw_ops, plan.window, None, true)?;
+            s_bw.push((size * bw_ops) as f64 / ts);
+        }
         for _ in 0..lat_ops {
             e_lat.push(ns(ep.single_writes(size, 1, 1, None)?) / 1e3);
             r_lat.push(raw_single(raw, size, 1, 1, None)? / 1e3);
@@ -288,7 +316,25 @@ fn single(
     .size(size)
     .extra("weft_p99_us", el.p99)
     .extra("raw_p99_us", rl.p99);
-    Ok(vec![tcp_target(tb, bw), lat])
+    let mut rows = vec![tcp_target(tb, bw)];
+    if split {
+        rows.push(
+            Row::new(
+                BENCH,
+                "single_write",
+                &backend,
+                nics,
+                fmt_bytes(size),
+                "bandwidth",
+                "GB/s",
+                eb,
+                Some((median(&mut s_bw), RAW_SPLIT)),
+            )
+            .size(size),
+        );
+    }
+    rows.push(lat);
+    Ok(rows)
 }
 
 fn paged(

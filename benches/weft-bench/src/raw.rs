@@ -5,6 +5,7 @@ use crate::backend::Testbed;
 use crate::buf::HostBuf;
 use crate::engines::STALL;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use weft_transport::{
     Access, Completion, Domain, LocalMr, PeerId, RemoteSlice, TransportError, WrId, WriteWr,
@@ -139,7 +140,66 @@ impl RawPair {
         total: u64,
         window: u64,
         want_imms: u64,
+        gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
+    ) -> Result<DriveTimes, String> {
+        self.drive_inner(total, window, want_imms, gen, None)
+    }
+
+    /// [`RawPair::drive`] with the target domains polled by a second
+    /// thread instead of between the initiator's posts and polls: what the
+    /// initiator sees when the target progresses on its own (as it does in
+    /// its own process), and how the engine splits the work. For backends
+    /// whose targets need polling ([`Testbed::target_needs_polling`]).
+    pub fn drive_split(
+        &mut self,
+        total: u64,
+        window: u64,
+        want_imms: u64,
+        gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
+    ) -> Result<DriveTimes, String> {
+        let mut targets = std::mem::take(&mut self.b);
+        let stop = AtomicBool::new(false);
+        let imms = AtomicU64::new(0);
+        let r = std::thread::scope(|s| {
+            let poller = s.spawn(|| -> Result<(), String> {
+                let mut comps = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let mut n = 0;
+                    for d in targets.iter_mut() {
+                        comps.clear();
+                        n += d.poll(&mut comps).map_err(err)?;
+                        let k = comps
+                            .iter()
+                            .filter(|c| matches!(c, Completion::Imm { .. }))
+                            .count() as u64;
+                        imms.fetch_add(k, Ordering::Relaxed);
+                    }
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                Ok(())
+            });
+            let r = self.drive_inner(total, window, want_imms, gen, Some(&imms));
+            stop.store(true, Ordering::Relaxed);
+            let polled = poller
+                .join()
+                .unwrap_or_else(|_| Err("target poller panicked".into()));
+            r.and_then(|t| polled.map(|()| t))
+        });
+        self.b = targets;
+        r
+    }
+
+    /// The drive loop; with `split_imms` the targets are polled elsewhere
+    /// and their immediates counted there.
+    fn drive_inner(
+        &mut self,
+        total: u64,
+        window: u64,
+        want_imms: u64,
         mut gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
+        split_imms: Option<&AtomicU64>,
     ) -> Result<DriveTimes, String> {
         let start = Instant::now();
         let window = window.max(1);
@@ -185,7 +245,9 @@ impl RawPair {
                     }
                 }
             }
-            if self.poll_target || want_imms > 0 {
+            if let Some(n) = split_imms {
+                imms = n.load(Ordering::Relaxed);
+            } else if self.poll_target || want_imms > 0 {
                 for d in self.b.iter_mut() {
                     self.comps.clear();
                     d.poll(&mut self.comps).map_err(err)?;
