@@ -516,6 +516,36 @@ fn is_unreachable(e: &EngineError) -> bool {
         && matches!(e.transport(), Some(TransportError::PeerUnreachable { .. }))
 }
 
+/// Submits `writes` single writes of `wlen` bytes with `imm` to every peer
+/// of `par`: write `k` to peer `j` goes from source offset `src_off(k, j)`
+/// to destination offset `k * wlen`. Returns the flags, per peer.
+fn submit_to_all(
+    par: &Parent,
+    writes: u64,
+    wlen: u64,
+    imm: Imm,
+    src_off: impl Fn(u64, u64) -> u64,
+    what: &str,
+) -> Vec<Vec<Arc<DoneFlag>>> {
+    let mut flags: Vec<Vec<Arc<DoneFlag>>> = vec![Vec::new(); par.peers.len()];
+    for k in 0..writes {
+        for (j, fl) in flags.iter_mut().enumerate() {
+            let (od, flag) = OnDone::flag();
+            par.engine
+                .submit_single_write(
+                    wlen,
+                    Some(imm),
+                    (&par.smr, src_off(k, j as u64)),
+                    (&par.peers[j].desc, k * wlen),
+                    od,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            fl.push(flag);
+        }
+    }
+    flags
+}
+
 /// The parent: an engine, a patterned source buffer, and peer processes.
 struct Parent {
     engine: TransferEngine,
@@ -771,22 +801,14 @@ fn peer_process_killed_mid_transfer() {
             .collect();
         par.peers[j].expect(10, imms[0], kinds, regions);
     }
-    let mut flags: Vec<Vec<Arc<DoneFlag>>> = vec![Vec::new(); PEERS];
-    for k in 0..WRITES {
-        for (j, fl) in flags.iter_mut().enumerate() {
-            let (od, flag) = OnDone::flag();
-            par.engine
-                .submit_single_write(
-                    WLEN,
-                    Some(imms[0]),
-                    (&smr, k * 4096 + j as u64),
-                    (&par.peers[j].desc, k * WLEN),
-                    od,
-                )
-                .expect("submit large write");
-            fl.push(flag);
-        }
-    }
+    let flags = submit_to_all(
+        &par,
+        WRITES,
+        WLEN,
+        imms[0],
+        |k, j| k * 4096 + j,
+        "submit large write",
+    );
     // The survivors' writes complete while the victim is stopped.
     for j in all.iter().copied().filter(|&j| j != VICTIM) {
         for (k, f) in flags[j].iter().enumerate() {
@@ -908,7 +930,6 @@ fn peer_process_killed_while_streaming() {
         return;
     };
     let imms = par.imms.clone();
-    let smr = par.smr;
     scatter_round(&mut par, &[0, 1], ScatterMode::ByBytes, 1, imms[2], imms[3]);
 
     // Stream to both peers; kill the victim (running, not stopped) once a
@@ -918,22 +939,14 @@ fn peer_process_killed_while_streaming() {
         .map(|k| par.region(k * 512 + 1, k * WLEN, WLEN))
         .collect();
     par.peers[SURVIVOR].expect(10, imms[0], kinds, regions);
-    let mut flags: Vec<Vec<Arc<DoneFlag>>> = vec![Vec::new(); PEERS];
-    for k in 0..WRITES {
-        for (j, fl) in flags.iter_mut().enumerate() {
-            let (od, flag) = OnDone::flag();
-            par.engine
-                .submit_single_write(
-                    WLEN,
-                    Some(imms[0]),
-                    (&smr, k * 512 + 1),
-                    (&par.peers[j].desc, k * WLEN),
-                    od,
-                )
-                .expect("submit streaming write");
-            fl.push(flag);
-        }
-    }
+    let flags = submit_to_all(
+        &par,
+        WRITES,
+        WLEN,
+        imms[0],
+        |k, _| k * 512 + 1,
+        "submit streaming write",
+    );
     wait_until("a few writes to the victim", || {
         flags[VICTIM].iter().filter(|f| f.is_done()).count() >= 2
     });
@@ -1001,22 +1014,14 @@ fn stopped_peer_times_out() {
         .collect();
     par.peers[SURVIVOR].expect(10, imms[0], kinds, regions);
     let t_submit = Instant::now();
-    let mut flags: Vec<Vec<Arc<DoneFlag>>> = vec![Vec::new(); PEERS];
-    for k in 0..WRITES {
-        for (j, fl) in flags.iter_mut().enumerate() {
-            let (od, flag) = OnDone::flag();
-            par.engine
-                .submit_single_write(
-                    WLEN,
-                    Some(imms[0]),
-                    (&smr, k * 512 + 3),
-                    (&par.peers[j].desc, k * WLEN),
-                    od,
-                )
-                .expect("submit large write");
-            fl.push(flag);
-        }
-    }
+    let flags = submit_to_all(
+        &par,
+        WRITES,
+        WLEN,
+        imms[0],
+        |k, _| k * 512 + 3,
+        "submit large write",
+    );
     for (k, f) in flags[SURVIVOR].iter().enumerate() {
         wait_ok(&format!("write {k} to the survivor"), f);
     }
