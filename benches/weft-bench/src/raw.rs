@@ -231,6 +231,7 @@ impl RawPair {
                     }
                 }
             }
+            let done_before = done;
             for d in self.a.iter_mut() {
                 self.comps.clear();
                 d.poll(&mut self.comps).map_err(err)?;
@@ -247,6 +248,13 @@ impl RawPair {
             }
             if let Some(n) = split_imms {
                 imms = n.load(Ordering::Relaxed);
+                if done == done_before {
+                    // Like the engine's workers: with the target on another
+                    // thread, an initiator that never yields can hold the
+                    // core the target's thread needs (and spin on a
+                    // provider lock that thread holds, preempted).
+                    std::thread::yield_now();
+                }
             } else if self.poll_target || want_imms > 0 {
                 for d in self.b.iter_mut() {
                     self.comps.clear();
