@@ -1216,8 +1216,11 @@ impl LibfabricDomain {
         }
     }
 
-    /// Fails every in-flight operation to `shm` peers whose process is gone
-    /// (the shm provider never completes them).
+    /// Every [`SWEEP_INTERVAL`]: fails every in-flight operation to `shm`
+    /// peers whose process is gone (the shm provider never completes them)
+    /// and to peers of any provider with work in flight and no completion
+    /// for `write_timeout` (hung, or gone without closing the connection);
+    /// then the SENDs whose answer is overdue.
     fn sweep(&mut self, out: &mut Vec<Completion>) {
         // The clock is read every few polls only: an engine polls a
         // software provider continuously, and the deadlines here are coarse.
