@@ -759,7 +759,10 @@ impl LibfabricDomain {
             SlotUse::Free => {
                 tracing::warn!(nic = %self.nic.name, slot = i, "completion for a free slot ignored");
             }
-            SlotUse::Zombie | SlotUse::Ack { .. } => {}
+            SlotUse::Zombie => {
+                tracing::debug!(nic = %self.nic.name, slot = i, "completion of an operation already failed (slot freed)");
+            }
+            SlotUse::Ack { .. } => {}
             _ => self.complete(used, Ok(0), out),
         }
     }
@@ -968,7 +971,10 @@ impl LibfabricDomain {
                 tracing::warn!(nic = %self.nic.name, slot = i, message = %err.message, "error for a free slot ignored");
                 return;
             }
-            SlotUse::Zombie => return,
+            SlotUse::Zombie => {
+                tracing::debug!(nic = %self.nic.name, slot = i, message = %err.message, "error for an operation already failed (slot freed)");
+                return;
+            }
             SlotUse::Ack { peer } => {
                 tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), message = %err.message, "ACK failed");
                 return;
@@ -1245,7 +1251,7 @@ impl LibfabricDomain {
             if let Some(pid) = p.pid {
                 let busy = p.inflight > 0 || p.backlogged > 0;
                 if busy && !ffi::process_alive(pid) {
-                    newly_dead.push((PeerId(k as u32), "peer process exited".to_string(), false));
+                    newly_dead.push((PeerId(k as u32), "peer process exited".to_string()));
                     continue;
                 }
             }
@@ -1263,23 +1269,14 @@ impl LibfabricDomain {
                         p.inflight,
                         timeout.as_secs_f64()
                     ),
-                    true,
                 ));
             }
         }
-        for (peer, reason, stalled) in newly_dead {
+        // A stalled peer's operations stay inside the provider (none of
+        // ours can cancel a WRITE): their slots become zombies until the
+        // provider returns them, which it does if the peer wakes up.
+        for (peer, reason) in newly_dead {
             self.mark_dead(peer, reason);
-            if stalled {
-                // The provider still holds the stalled operations (and would
-                // read their buffers if the peer woke up): tear its
-                // connection to the peer down.
-                let fi_addr = self.peer(peer).map(|p| p.fi_addr).ok();
-                if let Some(a) = fi_addr {
-                    if let Err(e) = self.res.av_remove(a) {
-                        tracing::warn!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e, "could not remove a stalled peer from the address vector");
-                    }
-                }
-            }
             for i in 0..self.slots.len() {
                 let used = self.slots[i];
                 // Still inside libfabric (a SEND already completed there

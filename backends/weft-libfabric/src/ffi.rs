@@ -363,15 +363,10 @@ struct FidMr {
 type AvInsertFn =
     unsafe extern "C" fn(*mut FidAv, *const c_void, usize, *mut u64, u64, *mut c_void) -> c_int;
 
-type AvRemoveFn = unsafe extern "C" fn(*mut FidAv, *mut u64, usize, u64) -> c_int;
-
 #[repr(C)]
 struct FiOpsAv {
     size: usize,
     insert: Option<AvInsertFn>,
-    insertsvc: *mut c_void,
-    insertsym: *mut c_void,
-    remove: Option<AvRemoveFn>,
 }
 
 #[repr(C)]
@@ -585,7 +580,6 @@ const _: () = {
     assert!(offset_of!(FiOpsDomain, endpoint) == 24);
     assert!(offset_of!(FiOpsMr, regattr) == 24);
     assert!(offset_of!(FiOpsAv, insert) == 8);
-    assert!(offset_of!(FiOpsAv, remove) == 32);
     assert!(offset_of!(FiOpsCm, getname) == 16);
     assert!(offset_of!(FiOpsMsg, send) == 32);
     assert!(offset_of!(FiOpsMsg, sendmsg) == 48);
@@ -1272,18 +1266,6 @@ impl Resources {
             return Err(self.error("fi_av_insert", -(libc::EINVAL as i64)));
         }
         Ok(fi_addr)
-    }
-
-    /// Removes `fi_addr` from the address vector (`fi_av_remove`); the
-    /// provider closes its connection to that peer.
-    pub(crate) fn av_remove(&mut self, fi_addr: u64) -> Result<(), TransportError> {
-        // SAFETY: the AV is open.
-        let ops = unsafe { (*self.av).ops };
-        let remove = op!(self, ops, FiOpsAv, remove, "fi_av_remove")?;
-        let mut a = fi_addr;
-        // SAFETY: valid AV, one address from our own fi_av_insert.
-        let rc = unsafe { remove(self.av, &mut a, 1, 0) };
-        self.check("fi_av_remove", i64::from(rc))
     }
 
     /// Registers `[addr, addr+len)`. `cuda` selects FI_HMEM_CUDA memory.

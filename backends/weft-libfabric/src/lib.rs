@@ -99,14 +99,22 @@ pub struct LibfabricConfig {
     pub connect_timeout: Duration,
     /// How long a peer with operations in flight may go without any of them
     /// completing before it is declared unreachable: every operation to it
-    /// then fails with `PeerUnreachable`, the provider's connection to it is
-    /// torn down (so the provider lets go of the buffers), and later posts
-    /// to it fail at once. This is how a peer that stops answering without
-    /// closing its connection (a hung process, a host gone without a TCP
-    /// reset) is noticed; verbs gets the same from the NIC's retry timeout.
-    /// It is measured per peer from its last completion, so a deep queue of
-    /// WRITEs that keeps completing never trips it; it must exceed the time
-    /// one WRITE of `max_write_len` takes on the slowest path. Default 30 s.
+    /// then fails with `PeerUnreachable` and later posts to it fail at once.
+    /// This is how a peer that stops answering without closing its
+    /// connection (a hung process, a host gone without a TCP reset) is
+    /// noticed; verbs gets the same from the NIC's retry timeout. It is
+    /// measured per peer from its last completion, so a deep queue of WRITEs
+    /// that keeps completing never trips it; it must exceed the time one
+    /// WRITE of `max_write_len` takes on the slowest path. Default 30 s.
+    ///
+    /// Unlike a verbs QP going to the error state, libfabric has no way to
+    /// take a WRITE back from the provider (`fi_cancel` covers receives,
+    /// and `fi_av_remove` leaves tcp;ofi_rxm's connection open). So the
+    /// failed operations stay with the provider: if the peer wakes up, they
+    /// may still be delivered, and the provider may still read their source
+    /// buffers until then. Keep the source memory registered and unchanged
+    /// after such a failure if the peer can come back; the domain keeps the
+    /// operations' slots reserved until the provider returns them.
     pub write_timeout: Duration,
 }
 

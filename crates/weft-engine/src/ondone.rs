@@ -20,6 +20,10 @@ pub type DoneCallback = Box<dyn FnOnce(DoneResult) + Send + 'static>;
 ///
 /// A transfer is finished when every work request it posted has completed,
 /// so after `on_done` no byte of it is still in flight, even when it failed.
+/// One exception: a backend that gives up on a hung peer but cannot take
+/// the WRs back from its provider (libfabric's `write_timeout`) fails them
+/// with `PeerUnreachable` while the provider still holds them; if that peer
+/// wakes up they may still be delivered (see that backend's docs).
 pub enum OnDone {
     /// Run this on the callback thread.
     Callback(DoneCallback),
