@@ -47,8 +47,8 @@ const LIMBO_WAIT: Duration = Duration::from_millis(200);
 /// tcp: the pause before such an operation is issued again.
 const LIMBO_RETRY: Duration = Duration::from_millis(1);
 
-/// How often `poll` checks that `shm` peers with operations in flight are
-/// still alive.
+/// How often `poll` sweeps its peers: `shm` peer processes that exited,
+/// peers stalled past `write_timeout`, SENDs whose answer is overdue.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
 /// `poll` calls between two reads of the clock for [`SWEEP_INTERVAL`].
 const SWEEP_CLOCK_EVERY: u32 = 16;
@@ -1616,8 +1616,10 @@ fn remove_stale_shm_regions() {
                 continue;
             };
             // Only the provider's own `<pid>:<n>:<n>` names.
-            let ours = rest.split(':').count() == 2
-                && rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            let number = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+            let ours = rest
+                .split_once(':')
+                .is_some_and(|(d, e)| number(d) && number(e));
             if !ours {
                 continue;
             }

@@ -286,20 +286,24 @@ fn single(
         }
     }
     let (eb, rb) = (median(&mut e_bw), median(&mut r_bw));
-    let bw = Row::new(
-        BENCH,
-        "single_write",
-        &backend,
-        nics,
-        fmt_bytes(size),
-        "bandwidth",
-        "GB/s",
-        eb,
-        Some((rb, RAW)),
-    )
-    .size(size)
-    .extra("weft_mops", eb * 1e3 / size as f64)
-    .extra("raw_mops", rb * 1e3 / size as f64);
+    // weft's bandwidth against one baseline.
+    let bw_row = |base: f64, name: &str| {
+        Row::new(
+            BENCH,
+            "single_write",
+            &backend,
+            nics,
+            fmt_bytes(size),
+            "bandwidth",
+            "GB/s",
+            eb,
+            Some((base, name)),
+        )
+        .size(size)
+    };
+    let bw = bw_row(rb, RAW)
+        .extra("weft_mops", eb * 1e3 / size as f64)
+        .extra("raw_mops", rb * 1e3 / size as f64);
     let el = percentiles(&mut e_lat);
     let rl = percentiles(&mut r_lat);
     let lat = Row::new(
@@ -318,20 +322,7 @@ fn single(
     .extra("raw_p99_us", rl.p99);
     let mut rows = vec![tcp_target(tb, bw)];
     if split {
-        rows.push(
-            Row::new(
-                BENCH,
-                "single_write",
-                &backend,
-                nics,
-                fmt_bytes(size),
-                "bandwidth",
-                "GB/s",
-                eb,
-                Some((median(&mut s_bw), RAW_SPLIT)),
-            )
-            .size(size),
-        );
+        rows.push(bw_row(median(&mut s_bw), RAW_SPLIT));
     }
     rows.push(lat);
     Ok(rows)
