@@ -7,11 +7,11 @@ use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
 use crate::raw::RawPair;
 use crate::report::{fmt_bytes, Row, Target};
-use crate::stats::{median, ns, percentiles};
+use crate::stats::{median, ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use weft_engine::shard::{plan_page, plan_single_write, Piece};
 use weft_engine::{OnDone, Pages, ShardConfig};
 
@@ -179,7 +179,7 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
         }
         progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
         case(&mut rows, "imm_only", None, &mut || {
-            imm_only(cfg, &plan, &tb, &ep, &mut raw).map(|r| vec![r])
+            imm_only(cfg, &plan, &tb, &ep, &mut raw)
         });
     }
     rows
@@ -429,46 +429,73 @@ fn paged(
     Ok(vec![ops, bw])
 }
 
+/// How long the receiver sits idle, with the round armed, before the
+/// `imm_only` "after idle" WRITE is submitted: longer than a worker's spin
+/// and yield phases, so a worker that slept while idle would show it.
+const IMM_IDLE: Duration = Duration::from_millis(1);
+
 fn imm_only(
     cfg: &Config,
     plan: &P2pPlan,
     tb: &Testbed,
     ep: &EnginePair,
     raw: &mut RawPair,
-) -> Result<Row, String> {
+) -> Result<Vec<Row>, String> {
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let ops = plan.lat_max_ops;
-    let (mut e, mut r) = (Vec::new(), Vec::new());
+    let idle_ops = ops.min(100);
+    let (mut e, mut idle, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    // One imm-only WRITE, timed from its submit to the receiver's callback;
+    // with `pause`, the round is armed that long before the submit.
+    let once = |pause: Option<Duration>| -> Result<f64, String> {
+        let fired = Arc::new(AtomicBool::new(false));
+        let f2 = Arc::clone(&fired);
+        ep.rx
+            .expect_imm_count(imm, 1, move |_| f2.store(true, Ordering::Release))
+            .map_err(|e| e.to_string())?;
+        if let Some(p) = pause {
+            std::thread::sleep(p);
+        }
+        let t0 = Instant::now();
+        ep.tx
+            .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
+            .map_err(|e| e.to_string())?;
+        wait_until(|| fired.load(Ordering::Acquire))?;
+        Ok(ns(t0.elapsed()) / 1e3)
+    };
     for _ in 0..cfg.rounds() {
-        for _ in 0..ops {
-            let fired = Arc::new(AtomicBool::new(false));
-            let f2 = Arc::clone(&fired);
-            ep.rx
-                .expect_imm_count(imm, 1, move |_| f2.store(true, Ordering::Release))
-                .map_err(|e| e.to_string())?;
-            let t0 = Instant::now();
-            ep.tx
-                .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
-                .map_err(|e| e.to_string())?;
-            wait_until(|| fired.load(Ordering::Acquire))?;
-            e.push(ns(t0.elapsed()) / 1e3);
+        for k in 0..ops {
+            e.push(once(None)?);
+            if k < idle_ops {
+                idle.push(once(Some(IMM_IDLE))?);
+            }
             let t = raw.drive(1, 1, 1, |r, i| Ok((0, r.wr(i, 0, 0, 0, 0, Some(imm))?)))?;
             r.push(ns(t.imms_seen) / 1e3);
         }
     }
     ep.rx.free_imm(imm);
-    let (ep50, rp) = (percentiles(&mut e), percentiles(&mut r));
-    Ok(Row::new(
-        BENCH,
-        "imm_only",
-        &tb.kind().to_string(),
-        tb.nics(),
-        "0 B + imm",
-        "latency p50",
-        "us",
-        ep50.p50,
-        Some((rp.p50, RAW)),
-    )
-    .extra("weft_p99_us", ep50.p99)
-    .extra("raw_p99_us", rp.p99))
+    let (ep50, ip, rp) = (
+        percentiles(&mut e),
+        percentiles(&mut idle),
+        percentiles(&mut r),
+    );
+    let row = |param: &str, p: &Percentiles| {
+        Row::new(
+            BENCH,
+            "imm_only",
+            &tb.kind().to_string(),
+            tb.nics(),
+            param,
+            "latency p50",
+            "us",
+            p.p50,
+            Some((rp.p50, RAW)),
+        )
+        .extra("weft_p99_us", p.p99)
+        .extra("raw_p99_us", rp.p99)
+    };
+    Ok(vec![
+        row("0 B + imm", &ep50),
+        row("0 B + imm, armed 1 ms before", &ip),
+    ])
 }

@@ -72,12 +72,15 @@ pub struct EngineConfig {
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
     /// Sleep of an idle worker/watcher; `None` = never sleep (lowest
-    /// latency, burns a core). A worker with WRs in flight does not sleep
-    /// (it yields between polls, so completions are not delayed) until
-    /// `inflight_spin` passes without any progress.
+    /// latency, burns a core). A worker with WRs in flight, or while an
+    /// [`TransferEngine::expect_imm_count`] round of its engine waits, does
+    /// not sleep (it yields between polls, so completions and the awaited
+    /// immediates are not delayed) until `inflight_spin` passes without any
+    /// progress or new arm.
     pub idle_sleep: Option<Duration>,
-    /// How long a worker with WRs in flight keeps polling without sleeping
-    /// while nothing completes or gets posted. Past it (a WR that never
+    /// How long a worker with WRs in flight (or an armed immediate round)
+    /// keeps polling without sleeping while nothing completes, gets posted
+    /// or is armed. Past it (a WR that never
     /// completes, e.g. to a peer that hangs) the worker falls back to
     /// `idle_sleep` between polls instead of burning a core indefinitely.
     pub inflight_spin: Duration,
@@ -255,10 +258,12 @@ impl EngineBuilder {
             }));
             ctrl_rxs.push(ctrl_rx);
         }
+        let imm_waits = Arc::new(ImmWaits::default());
         let inner = Arc::new(Inner {
             id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             groups: groups.clone(),
             imms: Arc::clone(&imms),
+            imm_waits: Arc::clone(&imm_waits),
             imm_free: Mutex::new(ImmAlloc {
                 next: 0,
                 free: Vec::new(),
@@ -298,6 +303,7 @@ impl EngineBuilder {
                 shared,
                 ctrl_rx,
                 imms: Arc::clone(&imms),
+                imm_waits: Arc::clone(&imm_waits),
                 cfg: cfg.clone(),
                 cb_tx: cb_tx.clone(),
                 #[cfg(feature = "latency-probe")]
@@ -399,6 +405,39 @@ struct GroupShared {
     failed: OnceLock<EngineError>,
 }
 
+/// The armed `expect_imm_count` rounds, for the workers' idle loop: while a
+/// round waits, a worker with nothing in flight keeps polling (yielding)
+/// rather than sleeping `idle_sleep` between polls, so the immediates it
+/// waits for are seen when they land, not after a sleep. As with WRs in
+/// flight, this lasts `inflight_spin` past the last progress or arm.
+#[derive(Debug, Default)]
+struct ImmWaits {
+    /// Rounds armed and not yet fired (or dropped).
+    armed: AtomicU64,
+    /// Bumped by every arm: a worker that sees it change restarts its
+    /// `inflight_spin` clock.
+    arms: AtomicU64,
+}
+
+/// Holds one count of [`ImmWaits::armed`] for as long as it lives; it
+/// travels inside the round's callback, so the count drops when the
+/// callback has run or was dropped unrun.
+struct ArmedRound(Arc<ImmWaits>);
+
+impl ArmedRound {
+    fn new(w: &Arc<ImmWaits>) -> Self {
+        w.armed.fetch_add(1, Ordering::SeqCst);
+        w.arms.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(w))
+    }
+}
+
+impl Drop for ArmedRound {
+    fn drop(&mut self) {
+        self.0.armed.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl GroupShared {
     fn wake(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
@@ -436,6 +475,7 @@ struct Inner {
     id: u64,
     groups: Vec<Arc<GroupShared>>,
     imms: Arc<ImmTable<ImmCallback>>,
+    imm_waits: Arc<ImmWaits>,
     imm_free: Mutex<ImmAlloc>,
     config: EngineConfig,
     cb_tx: Sender<CbMsg>,
@@ -1205,7 +1245,9 @@ impl TransferEngine {
     /// have arrived, counting arrivals that came before this call. Fires
     /// exactly once, never early; `count == 0` fires at once. Re-arm after
     /// it fired for the next round. Fails if a round is already armed.
-    /// At shutdown an unfired round gets `Err(ShutDown)`.
+    /// At shutdown an unfired round gets `Err(ShutDown)`. While a round
+    /// waits, idle workers poll without sleeping (see
+    /// [`EngineConfig::idle_sleep`]).
     pub fn expect_imm_count(
         &self,
         imm: Imm,
@@ -1215,17 +1257,27 @@ impl TransferEngine {
         if self.inner.shut.load(Ordering::SeqCst) {
             return Err(EngineError::ShutDown);
         }
-        let cb: ImmCallback = Box::new(cb);
         if count == 0 {
-            self.dispatch(Event::Imm(cb, Ok(())));
+            self.dispatch(Event::Imm(Box::new(cb), Ok(())));
             return Ok(());
         }
+        let round = ArmedRound::new(&self.inner.imm_waits);
+        let cb: ImmCallback = Box::new(move |r| {
+            let _round = round;
+            cb(r)
+        });
         match self.inner.imms.arm(imm, count, cb) {
             Ok(Some(cb)) => {
                 self.dispatch(Event::Imm(cb, Ok(())));
                 Ok(())
             }
-            Ok(None) => Ok(()),
+            Ok(None) => {
+                // Sleeping workers poll again now (see `ImmWaits`).
+                for g in &self.inner.groups {
+                    g.wake();
+                }
+                Ok(())
+            }
             Err((ArmError::AlreadyArmed, _)) => Err(EngineError::ImmAlreadyArmed { imm }),
         }
     }
@@ -1233,6 +1285,15 @@ impl TransferEngine {
     /// Whether `imm` has an armed round that has not fired.
     pub fn imm_armed(&self, imm: Imm) -> bool {
         self.inner.imms.is_armed(imm)
+    }
+
+    /// [`expect_imm_count`](Self::expect_imm_count) rounds (of every value)
+    /// armed whose callbacks have not run yet: a round counts from its arm
+    /// until its callback returned, or was dropped unrun (a refused arm).
+    /// While it is non-zero, idle workers poll without sleeping (see
+    /// [`EngineConfig::idle_sleep`]).
+    pub fn armed_imm_rounds(&self) -> u64 {
+        self.inner.imm_waits.armed.load(Ordering::SeqCst)
     }
 
     /// Arrivals of `imm` not yet consumed by a round.
@@ -1446,6 +1507,7 @@ struct WorkerCtx {
     shared: Arc<GroupShared>,
     ctrl_rx: Receiver<Control>,
     imms: Arc<ImmTable<ImmCallback>>,
+    imm_waits: Arc<ImmWaits>,
     cfg: EngineConfig,
     cb_tx: Sender<CbMsg>,
     #[cfg(feature = "latency-probe")]
@@ -1481,6 +1543,7 @@ impl WorkerCtx {
             core,
             ctrl_rx: self.ctrl_rx,
             shared: self.shared,
+            imm_waits: self.imm_waits,
             cb_tx: self.cb_tx,
             events: Vec::new(),
             max_pending: self.cfg.max_pending_wrs.max(1),
@@ -1494,6 +1557,7 @@ struct Worker {
     core: WorkerCore,
     ctrl_rx: Receiver<Control>,
     shared: Arc<GroupShared>,
+    imm_waits: Arc<ImmWaits>,
     cb_tx: Sender<CbMsg>,
     events: Vec<Event>,
     max_pending: usize,
@@ -1637,6 +1701,7 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     drop(init);
     let mut idle_n = 0u32;
     let mut last_progress = Instant::now();
+    let mut seen_arms = w.imm_waits.arms.load(Ordering::SeqCst);
     let software_progress = w.core.software_progress();
     if software_progress {
         // See `EngineConfig::idle_spins`.
@@ -1665,8 +1730,14 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
             continue;
         }
         if let Some(d) = idle.step(&mut idle_n) {
-            if software_progress || (w.core.in_flight() && last_progress.elapsed() < inflight_spin)
-            {
+            let arms = w.imm_waits.arms.load(Ordering::SeqCst);
+            if arms != seen_arms {
+                // A round was armed since: its immediates are due.
+                seen_arms = arms;
+                last_progress = Instant::now();
+            }
+            let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
+            if software_progress || (awaited && last_progress.elapsed() < inflight_spin) {
                 // Completions are due, or the NIC moves data (also what
                 // peers write into this host) only while polled: keep
                 // polling, only yield the core.
@@ -1674,9 +1745,11 @@ fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
                 continue;
             }
             w.shared.sleeping.store(true, Ordering::SeqCst);
+            // Each check pairs with its waker's `wake` after its store.
             if w.shared.queue.is_empty()
                 && w.ctrl_rx.is_empty()
                 && !w.shared.closing.load(Ordering::SeqCst)
+                && w.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
             {
                 std::thread::park_timeout(d);
             }

@@ -552,3 +552,66 @@ fn api_errors_and_allocation() {
     ea.shutdown();
     eb.shutdown();
 }
+
+/// `armed_imm_rounds` counts each armed round from its arm until its
+/// callback ran (fired by arrivals, fired at arm by early arrivals, failed
+/// by `free_imm` or shutdown) or was dropped (a refused second arm); a
+/// zero-count round never counts.
+#[test]
+fn armed_imm_rounds_follow_each_round() {
+    let seed = 21;
+    let _g = SeedGuard(seed, "armed_imm_rounds_follow_each_round");
+    let fabric = Fabric::new(FabricConfig::adversarial(seed));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let ea = engine(&fabric, a, 1, test_config(), true);
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let src = HostBuf::new(64);
+    let dst = HostBuf::new(64);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let engines = [ea.clone(), eb.clone()];
+    let fired = Arc::new(AtomicU64::new(0));
+    let arm = |imm| {
+        let f = fired.clone();
+        eb.expect_imm_count(imm, 1, move |_| {
+            f.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    let write = |imm| {
+        let (od, flag) = OnDone::flag();
+        ea.submit_single_write(0, Some(imm), (&sh, 0), (&dd, 0), od)
+            .unwrap();
+        drive(&fabric, &engines, || flag.is_done());
+        assert_eq!(flag.result(), Some(Ok(())));
+    };
+    let (x, y) = (eb.alloc_imm().unwrap(), eb.alloc_imm().unwrap());
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    eb.expect_imm_count(x, 0, |_| {}).unwrap();
+    assert_eq!(eb.armed_imm_rounds(), 0, "a zero-count round never waits");
+    arm(x).unwrap();
+    arm(y).unwrap();
+    assert_eq!(eb.armed_imm_rounds(), 2);
+    assert!(matches!(arm(x), Err(EngineError::ImmAlreadyArmed { .. })));
+    assert_eq!(eb.armed_imm_rounds(), 2, "a refused arm is not counted");
+    // x fires by its arrival.
+    write(x);
+    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 1);
+    assert_eq!(eb.armed_imm_rounds(), 1);
+    // An early arrival: the round fires at its arm.
+    write(x);
+    drive(&fabric, &engines, || eb.imm_pending(x) == 1);
+    arm(x).unwrap();
+    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 2);
+    assert_eq!(eb.armed_imm_rounds(), 1);
+    // y is freed while armed: its callback fails.
+    eb.free_imm(y);
+    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 3);
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    // A round still armed at shutdown.
+    arm(x).unwrap();
+    assert_eq!(eb.armed_imm_rounds(), 1);
+    eb.shutdown();
+    assert_eq!(fired.load(Ordering::SeqCst), 4, "shutdown ran the callback");
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    ea.shutdown();
+}
