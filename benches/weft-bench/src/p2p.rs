@@ -9,8 +9,6 @@ use crate::raw::RawPair;
 use crate::report::{fmt_bytes, Row, Target};
 use crate::stats::{median, ns, percentiles, Percentiles};
 use crate::{Config, Progress};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_engine::shard::{plan_page, plan_single_write, Piece};
 use weft_engine::{OnDone, Pages, ShardConfig};
@@ -445,13 +443,13 @@ fn imm_only(
     let ops = plan.lat_max_ops;
     let idle_ops = ops.min(100);
     let (mut e, mut idle, mut r) = (Vec::new(), Vec::new(), Vec::new());
-    // One imm-only WRITE, timed from its submit to the receiver's callback;
+    // One imm-only WRITE, timed from its submit to the receiver's round
+    // flag (set by its worker: no callback-thread hop);
     // with `pause`, the round is armed that long before the submit.
     let once = |pause: Option<Duration>| -> Result<f64, String> {
-        let fired = Arc::new(AtomicBool::new(false));
-        let f2 = Arc::clone(&fired);
+        let (od, fired) = OnDone::flag();
         ep.rx
-            .expect_imm_count(imm, 1, move |_| f2.store(true, Ordering::Release))
+            .expect_imm_count_with(imm, 1, od)
             .map_err(|e| e.to_string())?;
         if let Some(p) = pause {
             std::thread::sleep(p);
@@ -460,7 +458,7 @@ fn imm_only(
         ep.tx
             .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
             .map_err(|e| e.to_string())?;
-        wait_until(|| fired.load(Ordering::Acquire))?;
+        wait_until(|| fired.is_done())?;
         Ok(ns(t0.elapsed()) / 1e3)
     };
     for _ in 0..cfg.rounds() {

@@ -13,6 +13,7 @@ use crate::mem::{RawBuf, SendPayload, SendPool};
 use crate::ondone::{DoneCallback, DoneResult, OnDone};
 use crate::shard::{self, Piece, ScatterMode, ShardConfig};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use weft_transport::{
     Access, Capabilities, Completion, Domain, Imm, LocalMr, LocalSlice, MemRegion, MrDesc, MrKey,
@@ -23,8 +24,68 @@ use weft_transport::{
 /// Most NICs in one group.
 pub const MAX_NICS: usize = 8;
 
-/// Callback type stored in the immediate table.
-pub(crate) type ImmCallback = Box<dyn FnOnce(DoneResult) + Send + 'static>;
+/// The armed `expect_imm_count` rounds, for the workers' idle loop: while a
+/// round waits, a worker with nothing in flight keeps polling (yielding)
+/// rather than sleeping `idle_sleep` between polls, so the immediates it
+/// waits for are seen when they land, not after a sleep. As with WRs in
+/// flight, this lasts `inflight_spin` past the last progress or arm.
+#[derive(Debug, Default)]
+pub(crate) struct ImmWaits {
+    /// Rounds armed and not yet fired (or dropped).
+    pub(crate) armed: AtomicU64,
+    /// Bumped by every arm: a worker that sees it change restarts its
+    /// `inflight_spin` clock.
+    pub(crate) arms: AtomicU64,
+}
+
+/// Holds one count of [`ImmWaits::armed`] for as long as it lives; it
+/// travels with the round's `OnDone` (inside the callback, for a callback),
+/// so the count drops once the round was reported, or dropped unreported.
+pub(crate) struct ArmedRound(Arc<ImmWaits>);
+
+impl ArmedRound {
+    pub(crate) fn new(w: &Arc<ImmWaits>) -> Self {
+        w.armed.fetch_add(1, Ordering::SeqCst);
+        w.arms.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(w))
+    }
+}
+
+impl Drop for ArmedRound {
+    fn drop(&mut self) {
+        self.0.armed.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What an armed immediate round reports to, stored in the immediate
+/// table: the caller's `OnDone` and the round's [`ArmedRound`] count.
+pub(crate) struct ImmDone {
+    on_done: OnDone,
+    round: ArmedRound,
+}
+
+impl ImmDone {
+    pub(crate) fn new(on_done: OnDone, waits: &Arc<ImmWaits>) -> Self {
+        Self {
+            on_done,
+            round: ArmedRound::new(waits),
+        }
+    }
+
+    /// Resolves a flag or counter at once; a callback comes back, with the
+    /// round's count inside it, to be run on the callback thread.
+    pub(crate) fn resolve(self, r: DoneResult) -> Option<(DoneCallback, DoneResult)> {
+        let ImmDone { on_done, round } = self;
+        let (cb, r) = on_done.resolve_inline(r)?;
+        Some((
+            Box::new(move |r| {
+                let _round = round;
+                cb(r)
+            }),
+            r,
+        ))
+    }
+}
 
 /// Receive callback: the filled bytes, or why the buffer came back empty.
 pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
@@ -33,8 +94,6 @@ pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'stat
 pub(crate) enum Event {
     /// A transfer finished; run its callback.
     Done(DoneCallback, DoneResult),
-    /// An immediate round fired (or failed at shutdown).
-    Imm(ImmCallback, DoneResult),
     /// A receive buffer was filled (or failed).
     Recv {
         pool: Arc<RecvPool>,
@@ -410,7 +469,7 @@ pub(crate) struct WorkerCore {
     /// The send pool buffer registered on every NIC: the source of
     /// zero-length (immediate-only) writes on that NIC.
     zero_mrs: Vec<LocalMr>,
-    imms: Arc<ImmTable<ImmCallback>>,
+    imms: Arc<ImmTable<ImmDone>>,
     shard: ShardConfig,
     max_write_len: u64,
     rr: usize,
@@ -446,7 +505,7 @@ impl WorkerCore {
     pub(crate) fn new(
         group: usize,
         domains: Vec<Box<dyn Domain>>,
-        imms: Arc<ImmTable<ImmCallback>>,
+        imms: Arc<ImmTable<ImmDone>>,
         shard: ShardConfig,
         send_slots: u32,
         send_slot_len: u64,
@@ -1759,8 +1818,8 @@ impl WorkerCore {
                 });
             }
             Completion::Imm { imm } => {
-                if let Some(cb) = self.imms.arrive(imm) {
-                    self.events.push(Event::Imm(cb, Ok(())));
+                if let Some((cb, r)) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
+                    self.events.push(Event::Done(cb, r));
                 }
             }
         }

@@ -2,7 +2,7 @@
 
 use crate::affinity;
 use crate::core::{
-    Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmCallback, RecvCallback, RecvPool,
+    Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmDone, ImmWaits, RecvCallback, RecvPool,
     RoutedDst, Submitted, WorkerCore, MAX_NICS,
 };
 use crate::error::{EngineError, TransferId};
@@ -227,7 +227,7 @@ impl EngineBuilder {
             });
         }
         let cfg = self.config;
-        let imms: Arc<ImmTable<ImmCallback>> = Arc::new(ImmTable::new(cfg.imm_capacity));
+        let imms: Arc<ImmTable<ImmDone>> = Arc::new(ImmTable::new(cfg.imm_capacity));
         let (cb_tx, cb_rx) = crossbeam_channel::unbounded::<CbMsg>();
         let watcher = WatcherShared::new();
         #[cfg(feature = "latency-probe")]
@@ -405,39 +405,6 @@ struct GroupShared {
     failed: OnceLock<EngineError>,
 }
 
-/// The armed `expect_imm_count` rounds, for the workers' idle loop: while a
-/// round waits, a worker with nothing in flight keeps polling (yielding)
-/// rather than sleeping `idle_sleep` between polls, so the immediates it
-/// waits for are seen when they land, not after a sleep. As with WRs in
-/// flight, this lasts `inflight_spin` past the last progress or arm.
-#[derive(Debug, Default)]
-struct ImmWaits {
-    /// Rounds armed and not yet fired (or dropped).
-    armed: AtomicU64,
-    /// Bumped by every arm: a worker that sees it change restarts its
-    /// `inflight_spin` clock.
-    arms: AtomicU64,
-}
-
-/// Holds one count of [`ImmWaits::armed`] for as long as it lives; it
-/// travels inside the round's callback, so the count drops when the
-/// callback has run or was dropped unrun.
-struct ArmedRound(Arc<ImmWaits>);
-
-impl ArmedRound {
-    fn new(w: &Arc<ImmWaits>) -> Self {
-        w.armed.fetch_add(1, Ordering::SeqCst);
-        w.arms.fetch_add(1, Ordering::SeqCst);
-        Self(Arc::clone(w))
-    }
-}
-
-impl Drop for ArmedRound {
-    fn drop(&mut self) {
-        self.0.armed.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 impl GroupShared {
     fn wake(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
@@ -474,7 +441,7 @@ struct Inner {
     /// Process-unique engine id: peer group handles name their engine.
     id: u64,
     groups: Vec<Arc<GroupShared>>,
-    imms: Arc<ImmTable<ImmCallback>>,
+    imms: Arc<ImmTable<ImmDone>>,
     imm_waits: Arc<ImmWaits>,
     imm_free: Mutex<ImmAlloc>,
     config: EngineConfig,
@@ -1211,13 +1178,13 @@ impl TransferEngine {
     pub fn free_imm(&self, imm: Imm) {
         let (n, unfired) = self.inner.imms.reset(imm);
         self.report_excess(imm, n);
-        for cb in unfired {
-            self.dispatch(Event::Imm(
-                cb,
+        for d in unfired {
+            self.finish_imm(
+                d,
                 Err(EngineError::InvalidArgument {
                     what: format!("immediate {imm} freed while armed"),
                 }),
-            ));
+            );
         }
         let mut a = self.inner.imm_free.lock();
         // Only values handed out and not yet freed return to the pool, so a
@@ -1234,6 +1201,14 @@ impl TransferEngine {
         if n > 0 {
             self.inner.excess_total.fetch_add(n, Ordering::Relaxed);
             let _ = self.inner.cb_tx.send(CbMsg::Excess(imm, n));
+        }
+    }
+
+    /// Reports a round: flags and counters here, callbacks on the callback
+    /// thread.
+    fn finish_imm(&self, d: ImmDone, r: DoneResult) {
+        if let Some((cb, r)) = d.resolve(r) {
+            self.dispatch(Event::Done(cb, r));
         }
     }
 
@@ -1254,21 +1229,33 @@ impl TransferEngine {
         count: u32,
         cb: impl FnOnce(DoneResult) + Send + 'static,
     ) -> Result<(), EngineError> {
+        self.expect_imm_count_with(imm, count, OnDone::callback(cb))
+    }
+
+    /// [`expect_imm_count`](Self::expect_imm_count) reporting to any
+    /// [`OnDone`]: a flag or a counter is set by the worker that counted the
+    /// last immediate (or by this call, when early arrivals already reach
+    /// `count`), with no hop through the callback thread. A refused arm
+    /// drops `on_done` unresolved.
+    pub fn expect_imm_count_with(
+        &self,
+        imm: Imm,
+        count: u32,
+        on_done: OnDone,
+    ) -> Result<(), EngineError> {
         if self.inner.shut.load(Ordering::SeqCst) {
             return Err(EngineError::ShutDown);
         }
         if count == 0 {
-            self.dispatch(Event::Imm(Box::new(cb), Ok(())));
+            if let Some((cb, r)) = on_done.resolve_inline(Ok(())) {
+                self.dispatch(Event::Done(cb, r));
+            }
             return Ok(());
         }
-        let round = ArmedRound::new(&self.inner.imm_waits);
-        let cb: ImmCallback = Box::new(move |r| {
-            let _round = round;
-            cb(r)
-        });
-        match self.inner.imms.arm(imm, count, cb) {
-            Ok(Some(cb)) => {
-                self.dispatch(Event::Imm(cb, Ok(())));
+        let d = ImmDone::new(on_done, &self.inner.imm_waits);
+        match self.inner.imms.arm(imm, count, d) {
+            Ok(Some(d)) => {
+                self.finish_imm(d, Ok(()));
                 Ok(())
             }
             Ok(None) => {
@@ -1424,8 +1411,8 @@ impl TransferEngine {
         // Unfired rounds and unconsumed immediates.
         for (imm, n, cbs) in self.inner.imms.reset_all() {
             self.report_excess(imm, n);
-            for cb in cbs {
-                self.dispatch(Event::Imm(cb, Err(EngineError::ShutDown)));
+            for d in cbs {
+                self.finish_imm(d, Err(EngineError::ShutDown));
             }
         }
         self.inner.watcher.stop.store(true, Ordering::SeqCst);
@@ -1506,7 +1493,7 @@ struct WorkerCtx {
     spec: DomainGroupSpec,
     shared: Arc<GroupShared>,
     ctrl_rx: Receiver<Control>,
-    imms: Arc<ImmTable<ImmCallback>>,
+    imms: Arc<ImmTable<ImmDone>>,
     imm_waits: Arc<ImmWaits>,
     cfg: EngineConfig,
     cb_tx: Sender<CbMsg>,
@@ -1780,7 +1767,7 @@ fn run_msg(groups: &[Arc<GroupShared>], excess: &ExcessHandler, msg: CbMsg) {
     // the callback panicked (the repost runs outside the unwind boundary).
     let mut repost = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match msg {
-        CbMsg::Event(Event::Done(cb, r)) | CbMsg::Event(Event::Imm(cb, r)) => cb(r),
+        CbMsg::Event(Event::Done(cb, r)) => cb(r),
         CbMsg::Event(Event::Recv { pool, idx, result }) => {
             repost = Some((pool.group, pool.id, idx));
             {

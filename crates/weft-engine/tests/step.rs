@@ -615,3 +615,64 @@ fn armed_imm_rounds_follow_each_round() {
     assert_eq!(eb.armed_imm_rounds(), 0);
     ea.shutdown();
 }
+
+/// `expect_imm_count_with` reports to a flag or a counter without the
+/// callback thread: set by the worker that counted the last immediate, or
+/// by the arm itself when early arrivals already reach the count; a
+/// refused arm leaves its flag unset; shutdown fails an unfired round.
+#[test]
+fn imm_rounds_report_to_flags_and_counters() {
+    let seed = 22;
+    let _g = SeedGuard(seed, "imm_rounds_report_to_flags_and_counters");
+    let fabric = Fabric::new(FabricConfig::adversarial(seed));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let ea = engine(&fabric, a, 1, test_config(), true);
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let src = HostBuf::new(64);
+    let dst = HostBuf::new(64);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let engines = [ea.clone(), eb.clone()];
+    let write = |imm| {
+        let (od, flag) = OnDone::flag();
+        ea.submit_single_write(0, Some(imm), (&sh, 0), (&dd, 0), od)
+            .unwrap();
+        drive(&fabric, &engines, || flag.is_done());
+        assert_eq!(flag.result(), Some(Ok(())));
+    };
+    let x = eb.alloc_imm().unwrap();
+    // A flag, set when the second of two immediates is counted.
+    let (od, flag) = OnDone::flag();
+    eb.expect_imm_count_with(x, 2, od).unwrap();
+    let (od2, refused) = OnDone::flag();
+    assert!(matches!(
+        eb.expect_imm_count_with(x, 1, od2),
+        Err(EngineError::ImmAlreadyArmed { .. })
+    ));
+    write(x);
+    assert!(!flag.is_done(), "fired before its count");
+    write(x);
+    drive(&fabric, &engines, || flag.is_done());
+    assert_eq!(flag.result(), Some(Ok(())));
+    assert!(!refused.is_done(), "a refused arm never resolves");
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    // A counter, bumped by the arm itself: the arrivals came first.
+    let counter = Arc::new(weft_engine::DoneCounter::new());
+    write(x);
+    drive(&fabric, &engines, || eb.imm_pending(x) == 1);
+    eb.expect_imm_count_with(x, 1, OnDone::counter(&counter))
+        .unwrap();
+    assert_eq!(counter.ok(), 1, "resolved by the arm");
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    // Shutdown fails a round still armed.
+    let (od, last) = OnDone::flag();
+    eb.expect_imm_count_with(x, 1, od).unwrap();
+    eb.shutdown();
+    assert!(
+        matches!(last.result(), Some(Err(EngineError::ShutDown))),
+        "{:?}",
+        last.result()
+    );
+    assert_eq!(eb.armed_imm_rounds(), 0);
+    ea.shutdown();
+}
