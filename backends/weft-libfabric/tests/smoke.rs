@@ -50,6 +50,15 @@ impl Buf {
     }
 }
 
+/// The descriptor a peer needs to write `mr`, registered on `b`.
+fn desc_of(b: &dyn Domain, mr: &LocalMr) -> MrDesc {
+    MrDesc {
+        addr: mr.addr,
+        len: mr.len,
+        rkeys: vec![(b.local_addr().clone(), mr.rkey)],
+    }
+}
+
 /// Two domains of one provider: `a`'s `src` registered for local use,
 /// `b`'s `dst` for remote writes, `b` added as `a`'s peer `peer`, and
 /// `desc` describing `dst`. Fields drop in declaration order, so the domains
@@ -73,11 +82,7 @@ impl Pair {
         let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
         let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(&b.local_addr().clone()).unwrap();
-        let desc = MrDesc {
-            addr: dmr.addr,
-            len: dmr.len,
-            rkeys: vec![(b.local_addr().clone(), dmr.rkey)],
-        };
+        let desc = desc_of(&*b, &dmr);
         Pair {
             a,
             b,
@@ -371,12 +376,7 @@ fn shm_small_writes(targets: usize) {
     for (b, dst) in bs.iter_mut().zip(&mut dsts) {
         let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(&b.local_addr().clone()).unwrap();
-        let desc = MrDesc {
-            addr: dmr.addr,
-            len: dmr.len,
-            rkeys: vec![(b.local_addr().clone(), dmr.rkey)],
-        };
-        peers.push((peer, desc));
+        peers.push((peer, desc_of(&**b, &dmr)));
     }
     let wr = |k: usize| {
         // Target k % targets, each target's pages in turn.

@@ -553,6 +553,57 @@ fn api_errors_and_allocation() {
     eb.shutdown();
 }
 
+/// Two manual-mode 1-NIC engines over one fabric, for the immediate-round
+/// tests: `ea` writes imm-only WRITEs into `eb`'s registration.
+struct ImmPair {
+    fabric: Fabric,
+    ea: TransferEngine,
+    eb: TransferEngine,
+    sh: weft_engine::MrHandle,
+    dd: weft_engine::MrDesc,
+    _bufs: (HostBuf, HostBuf),
+}
+
+impl ImmPair {
+    fn new(seed: u64) -> Self {
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, test_config(), true);
+        let eb = engine(&fabric, b, 1, test_config(), true);
+        let (src, dst) = (HostBuf::new(64), HostBuf::new(64));
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        ImmPair {
+            fabric,
+            ea,
+            eb,
+            sh,
+            dd,
+            _bufs: (src, dst),
+        }
+    }
+
+    /// Drives both engines until `done`.
+    fn drive(&self, done: impl FnMut() -> bool) {
+        drive(&self.fabric, &[self.ea.clone(), self.eb.clone()], done);
+    }
+
+    /// One zero-length WRITE carrying `imm`, driven until it completed.
+    fn write(&self, imm: u32) {
+        let (od, flag) = OnDone::flag();
+        self.ea
+            .submit_single_write(0, Some(imm), (&self.sh, 0), (&self.dd, 0), od)
+            .unwrap();
+        self.drive(|| flag.is_done());
+        assert_eq!(flag.result(), Some(Ok(())));
+    }
+
+    fn shutdown(&self) {
+        self.eb.shutdown();
+        self.ea.shutdown();
+    }
+}
+
 /// `armed_imm_rounds` counts each armed round from its arm until its
 /// callback ran (fired by arrivals, fired at arm by early arrivals, failed
 /// by `free_imm` or shutdown) or was dropped (a refused second arm); a
@@ -561,28 +612,14 @@ fn api_errors_and_allocation() {
 fn armed_imm_rounds_follow_each_round() {
     let seed = 21;
     let _g = SeedGuard(seed, "armed_imm_rounds_follow_each_round");
-    let fabric = Fabric::new(FabricConfig::adversarial(seed));
-    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-    let ea = engine(&fabric, a, 1, test_config(), true);
-    let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = HostBuf::new(64);
-    let dst = HostBuf::new(64);
-    let (sh, _) = ea.reg_mr(src.region()).unwrap();
-    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-    let engines = [ea.clone(), eb.clone()];
+    let t = ImmPair::new(seed);
+    let eb = &t.eb;
     let fired = Arc::new(AtomicU64::new(0));
     let arm = |imm| {
         let f = fired.clone();
         eb.expect_imm_count(imm, 1, move |_| {
             f.fetch_add(1, Ordering::SeqCst);
         })
-    };
-    let write = |imm| {
-        let (od, flag) = OnDone::flag();
-        ea.submit_single_write(0, Some(imm), (&sh, 0), (&dd, 0), od)
-            .unwrap();
-        drive(&fabric, &engines, || flag.is_done());
-        assert_eq!(flag.result(), Some(Ok(())));
     };
     let (x, y) = (eb.alloc_imm().unwrap(), eb.alloc_imm().unwrap());
     assert_eq!(eb.armed_imm_rounds(), 0);
@@ -594,26 +631,25 @@ fn armed_imm_rounds_follow_each_round() {
     assert!(matches!(arm(x), Err(EngineError::ImmAlreadyArmed { .. })));
     assert_eq!(eb.armed_imm_rounds(), 2, "a refused arm is not counted");
     // x fires by its arrival.
-    write(x);
-    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 1);
+    t.write(x);
+    t.drive(|| fired.load(Ordering::SeqCst) == 1);
     assert_eq!(eb.armed_imm_rounds(), 1);
     // An early arrival: the round fires at its arm.
-    write(x);
-    drive(&fabric, &engines, || eb.imm_pending(x) == 1);
+    t.write(x);
+    t.drive(|| eb.imm_pending(x) == 1);
     arm(x).unwrap();
-    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 2);
+    t.drive(|| fired.load(Ordering::SeqCst) == 2);
     assert_eq!(eb.armed_imm_rounds(), 1);
     // y is freed while armed: its callback fails.
     eb.free_imm(y);
-    drive(&fabric, &engines, || fired.load(Ordering::SeqCst) == 3);
+    t.drive(|| fired.load(Ordering::SeqCst) == 3);
     assert_eq!(eb.armed_imm_rounds(), 0);
     // A round still armed at shutdown.
     arm(x).unwrap();
     assert_eq!(eb.armed_imm_rounds(), 1);
-    eb.shutdown();
+    t.shutdown();
     assert_eq!(fired.load(Ordering::SeqCst), 4, "shutdown ran the callback");
     assert_eq!(eb.armed_imm_rounds(), 0);
-    ea.shutdown();
 }
 
 /// `expect_imm_count_with` reports to a flag or a counter without the
@@ -624,22 +660,8 @@ fn armed_imm_rounds_follow_each_round() {
 fn imm_rounds_report_to_flags_and_counters() {
     let seed = 22;
     let _g = SeedGuard(seed, "imm_rounds_report_to_flags_and_counters");
-    let fabric = Fabric::new(FabricConfig::adversarial(seed));
-    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-    let ea = engine(&fabric, a, 1, test_config(), true);
-    let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = HostBuf::new(64);
-    let dst = HostBuf::new(64);
-    let (sh, _) = ea.reg_mr(src.region()).unwrap();
-    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-    let engines = [ea.clone(), eb.clone()];
-    let write = |imm| {
-        let (od, flag) = OnDone::flag();
-        ea.submit_single_write(0, Some(imm), (&sh, 0), (&dd, 0), od)
-            .unwrap();
-        drive(&fabric, &engines, || flag.is_done());
-        assert_eq!(flag.result(), Some(Ok(())));
-    };
+    let t = ImmPair::new(seed);
+    let eb = &t.eb;
     let x = eb.alloc_imm().unwrap();
     // A flag, set when the second of two immediates is counted.
     let (od, flag) = OnDone::flag();
@@ -649,17 +671,17 @@ fn imm_rounds_report_to_flags_and_counters() {
         eb.expect_imm_count_with(x, 1, od2),
         Err(EngineError::ImmAlreadyArmed { .. })
     ));
-    write(x);
+    t.write(x);
     assert!(!flag.is_done(), "fired before its count");
-    write(x);
-    drive(&fabric, &engines, || flag.is_done());
+    t.write(x);
+    t.drive(|| flag.is_done());
     assert_eq!(flag.result(), Some(Ok(())));
     assert!(!refused.is_done(), "a refused arm never resolves");
     assert_eq!(eb.armed_imm_rounds(), 0);
     // A counter, bumped by the arm itself: the arrivals came first.
     let counter = Arc::new(weft_engine::DoneCounter::new());
-    write(x);
-    drive(&fabric, &engines, || eb.imm_pending(x) == 1);
+    t.write(x);
+    t.drive(|| eb.imm_pending(x) == 1);
     eb.expect_imm_count_with(x, 1, OnDone::counter(&counter))
         .unwrap();
     assert_eq!(counter.ok(), 1, "resolved by the arm");
@@ -667,12 +689,11 @@ fn imm_rounds_report_to_flags_and_counters() {
     // Shutdown fails a round still armed.
     let (od, last) = OnDone::flag();
     eb.expect_imm_count_with(x, 1, od).unwrap();
-    eb.shutdown();
+    t.shutdown();
     assert!(
         matches!(last.result(), Some(Err(EngineError::ShutDown))),
         "{:?}",
         last.result()
     );
     assert_eq!(eb.armed_imm_rounds(), 0);
-    ea.shutdown();
 }
