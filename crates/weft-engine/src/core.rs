@@ -33,8 +33,8 @@ pub const MAX_NICS: usize = 8;
 pub(crate) struct ImmWaits {
     /// Rounds armed and not yet fired (or dropped).
     pub(crate) armed: AtomicU64,
-    /// Bumped by every arm: a worker that sees it change restarts its
-    /// `inflight_spin` clock.
+    /// Bumped by every arm that leaves a round waiting: a worker that sees
+    /// it change restarts its `inflight_spin` clock.
     pub(crate) arms: AtomicU64,
 }
 
@@ -44,9 +44,10 @@ pub(crate) struct ImmWaits {
 pub(crate) struct ArmedRound(Arc<ImmWaits>);
 
 impl ArmedRound {
+    /// Counted before the round is armed, so the count never drops below
+    /// zero when the round fires at once on another thread.
     pub(crate) fn new(w: &Arc<ImmWaits>) -> Self {
         w.armed.fetch_add(1, Ordering::SeqCst);
-        w.arms.fetch_add(1, Ordering::SeqCst);
         Self(Arc::clone(w))
     }
 }

@@ -1259,7 +1259,9 @@ impl TransferEngine {
                 Ok(())
             }
             Ok(None) => {
-                // Sleeping workers poll again now (see `ImmWaits`).
+                // The round waits: sleeping workers poll again now (see
+                // `ImmWaits`).
+                self.inner.imm_waits.arms.fetch_add(1, Ordering::SeqCst);
                 for g in &self.inner.groups {
                     g.wake();
                 }
