@@ -886,15 +886,14 @@ impl WorkerCore {
     }
 
     /// Takes one new request and posts its first WRs (priority 1).
-    #[allow(clippy::boxed_local)] // boxes travel through the queue
-    pub(crate) fn take_request(&mut self, req: Box<Submitted>) {
+    pub(crate) fn take_request(&mut self, req: Submitted) {
         let Submitted {
             id,
             on_done,
             body,
             #[cfg(feature = "latency-probe")]
             stamps,
-        } = *req;
+        } = req;
         let (slot, gen) = self.alloc_transfer(id, on_done);
         #[cfg(feature = "latency-probe")]
         {
@@ -1884,8 +1883,7 @@ impl WorkerCore {
     }
 
     /// Fails a request that never reached planning (shutdown).
-    #[allow(clippy::boxed_local)] // boxes travel through the queue
-    pub(crate) fn reject(&mut self, req: Box<Submitted>, e: EngineError) {
+    pub(crate) fn reject(&mut self, req: Submitted, e: EngineError) {
         if let Some((cb, r)) = req.on_done.resolve_inline(Err(e)) {
             self.events.push(Event::Done(cb, r));
         }
