@@ -158,7 +158,7 @@ pub(crate) enum Body {
         imm: Option<Imm>,
         src: u64,
         src_off: u64,
-        dst: MrDesc,
+        dst: PlainDst,
         dst_off: u64,
     },
     Paged {
@@ -166,7 +166,7 @@ pub(crate) enum Body {
         imm: Option<Imm>,
         src: u64,
         src_pages: Pages,
-        dst: MrDesc,
+        dst: PlainDst,
         dst_pages: Pages,
     },
     Scatter {
@@ -235,6 +235,80 @@ impl RoutedDst {
     }
 }
 
+/// The NIC addresses single and paged writes target, interned engine-wide:
+/// a submit turns each descriptor's addresses into small ids here (one
+/// read lock and hash look-up per address), so no descriptor is cloned
+/// into the request queue; workers map ids to their peers and fetch the
+/// address itself only the first time they meet an id. Addresses are never
+/// removed (one entry per distinct remote NIC address ever written to).
+#[derive(Debug, Default)]
+pub(crate) struct AddrBook {
+    index: parking_lot::RwLock<AddrIndex>,
+}
+
+#[derive(Debug, Default)]
+struct AddrIndex {
+    ids: std::collections::HashMap<NetAddr, u32>,
+    addrs: Vec<NetAddr>,
+}
+
+impl AddrBook {
+    /// The id of `addr`, entered on first sight.
+    fn id(&self, addr: &NetAddr) -> u32 {
+        if let Some(&id) = self.index.read().ids.get(addr) {
+            return id;
+        }
+        let mut ix = self.index.write();
+        if let Some(&id) = ix.ids.get(addr) {
+            return id;
+        }
+        let id = ix.addrs.len() as u32;
+        ix.addrs.push(addr.clone());
+        ix.ids.insert(addr.clone(), id);
+        id
+    }
+
+    /// The address of `id`.
+    fn addr(&self, id: u32) -> Option<NetAddr> {
+        self.index.read().addrs.get(id as usize).cloned()
+    }
+}
+
+/// A single or paged write's destination with its NIC addresses interned
+/// in the [`AddrBook`]: plain values only, nothing allocated per submit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlainDst {
+    base: u64,
+    region_len: u64,
+    /// How many of `rkeys`/`addrs` are valid (the descriptor's rkey count).
+    lanes: usize,
+    rkeys: [Rkey; MAX_NICS],
+    addrs: [u32; MAX_NICS],
+}
+
+impl PlainDst {
+    /// `dst` with its addresses entered in `book`; `None` when it has more
+    /// rkeys than a group can have NICs.
+    pub(crate) fn new(dst: &MrDesc, book: &AddrBook) -> Option<Self> {
+        if dst.rkeys.len() > MAX_NICS {
+            return None;
+        }
+        let mut rkeys = [Rkey(0); MAX_NICS];
+        let mut addrs = [0u32; MAX_NICS];
+        for (lane, (addr, rkey)) in dst.rkeys.iter().enumerate() {
+            rkeys[lane] = *rkey;
+            addrs[lane] = book.id(addr);
+        }
+        Some(Self {
+            base: dst.addr,
+            region_len: dst.len,
+            lanes: dst.rkeys.len(),
+            rkeys,
+            addrs,
+        })
+    }
+}
+
 /// The destinations of a scatter or barrier.
 #[derive(Debug)]
 pub(crate) enum Dsts {
@@ -263,6 +337,8 @@ enum Target<'a> {
     Desc(&'a MrDesc, Option<(u32, usize)>),
     /// A destination matched at submit to member `.2` of peer group `.1`.
     Member(&'a RoutedDst, u32, usize),
+    /// A single or paged write's destination (addresses interned).
+    Plain(&'a PlainDst),
 }
 
 impl Target<'_> {
@@ -270,6 +346,7 @@ impl Target<'_> {
         match self {
             Target::Desc(d, _) => d.addr,
             Target::Member(r, ..) => r.base,
+            Target::Plain(p) => p.base,
         }
     }
 
@@ -277,6 +354,7 @@ impl Target<'_> {
         match self {
             Target::Desc(d, _) => d.len,
             Target::Member(r, ..) => r.region_len,
+            Target::Plain(p) => p.region_len,
         }
     }
 
@@ -285,6 +363,7 @@ impl Target<'_> {
         match self {
             Target::Desc(d, _) => d.rkeys.len(),
             Target::Member(r, ..) => r.lanes,
+            Target::Plain(p) => p.lanes,
         }
     }
 }
@@ -390,6 +469,8 @@ struct Nic {
     backlog: VecDeque<Op>,
     peers: BTreeMap<NetAddr, PeerId>,
     peer_addrs: BTreeMap<PeerId, NetAddr>,
+    /// `peers` by [`AddrBook`] id (filled on first use).
+    by_addr_id: Vec<Option<PeerId>>,
     dead: Option<TransportError>,
     recvs_posted: usize,
 }
@@ -471,6 +552,7 @@ pub(crate) struct WorkerCore {
     /// zero-length (immediate-only) writes on that NIC.
     zero_mrs: Vec<LocalMr>,
     imms: Arc<ImmTable<ImmDone>>,
+    addrs: Arc<AddrBook>,
     shard: ShardConfig,
     max_write_len: u64,
     rr: usize,
@@ -503,10 +585,12 @@ fn transport(
 impl WorkerCore {
     /// Builds the core from freshly opened domains (call on the worker
     /// thread, after pinning).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         group: usize,
         domains: Vec<Box<dyn Domain>>,
         imms: Arc<ImmTable<ImmDone>>,
+        addrs: Arc<AddrBook>,
         shard: ShardConfig,
         send_slots: u32,
         send_slot_len: u64,
@@ -533,6 +617,7 @@ impl WorkerCore {
                     backlog: VecDeque::new(),
                     peers: BTreeMap::new(),
                     peer_addrs: BTreeMap::new(),
+                    by_addr_id: Vec::new(),
                     dead: None,
                     recvs_posted: 0,
                 }
@@ -582,6 +667,7 @@ impl WorkerCore {
             send_mr,
             zero_mrs,
             imms,
+            addrs,
             shard,
             max_write_len,
             rr: 0,
@@ -965,6 +1051,7 @@ impl WorkerCore {
     /// The route of `lane` toward `target` from source registration `src`
     /// (`None`: zero-length writes, whose source is the engine's own):
     /// looked up once per destination (cached in `routes`), not per piece.
+    #[inline]
     fn route(
         &mut self,
         routes: &mut Routes,
@@ -973,9 +1060,23 @@ impl WorkerCore {
         src: Option<u64>,
         target: Target<'_>,
     ) -> Result<Route, EngineError> {
+        // The per-piece fast path (a paged write calls this per page) stays
+        // inlined at its callers; the look-up below runs once per lane.
         if let Some(r) = routes.0.get(lane).copied().flatten() {
             return Ok(r);
         }
+        self.route_uncached(routes, tid, lane, src, target)
+    }
+
+    #[inline(never)]
+    fn route_uncached(
+        &mut self,
+        routes: &mut Routes,
+        tid: TransferId,
+        lane: usize,
+        src: Option<u64>,
+        target: Target<'_>,
+    ) -> Result<Route, EngineError> {
         let mr = match src {
             Some(key) => self.mr_entry(key)?.lanes.get(lane).copied(),
             None => None,
@@ -987,6 +1088,12 @@ impl WorkerCore {
             Target::Member(d, g, j) => {
                 let r = self.member_route(d, g, j, lane, mr)?;
                 (r.peer, r.rkey)
+            }
+            Target::Plain(d) => {
+                if lane >= d.lanes {
+                    return Err(no_rkey());
+                }
+                (self.plain_peer(lane, d.addrs[lane], tid)?, d.rkeys[lane])
             }
             Target::Desc(dst, hint) => {
                 let (addr, rkey) = dst.rkeys.get(lane).ok_or_else(no_rkey)?;
@@ -1009,6 +1116,34 @@ impl WorkerCore {
             *slot = Some(r);
         }
         Ok(r)
+    }
+
+    /// The peer on `lane` at interned address `id` (see [`AddrBook`]):
+    /// cached per lane, resolved by address the first time.
+    fn plain_peer(&mut self, lane: usize, id: u32, tid: TransferId) -> Result<PeerId, EngineError> {
+        if let Some(Some(p)) = self
+            .nics
+            .get(lane)
+            .and_then(|n| n.by_addr_id.get(id as usize))
+        {
+            return Ok(*p);
+        }
+        let group = self.group;
+        let addr = self
+            .addrs
+            .addr(id)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("unknown interned address {id}"),
+            })?;
+        let peer = self
+            .resolve(lane, &addr)
+            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
+        let cache = &mut self.nics[lane].by_addr_id;
+        if cache.len() <= id as usize {
+            cache.resize(id as usize + 1, None);
+        }
+        cache[id as usize] = Some(peer);
+        Ok(peer)
     }
 
     /// The route of `lane` to member `j` of peer group `g` for a
@@ -1151,7 +1286,7 @@ impl WorkerCore {
                 dst,
                 dst_off,
             } => {
-                let lanes = self.lanes_for(Target::Desc(&dst, None))?;
+                let lanes = self.lanes_for(Target::Plain(&dst))?;
                 self.rr = self.rr.wrapping_add(1);
                 shard::plan_single_write_into(
                     &mut self.pieces,
@@ -1166,7 +1301,7 @@ impl WorkerCore {
                     slot,
                     wr,
                     &mut routes,
-                    Target::Desc(&dst, None),
+                    Target::Plain(&dst),
                     src,
                     src_off,
                     dst_off,
@@ -1181,9 +1316,9 @@ impl WorkerCore {
                 dst,
                 dst_pages,
             } => {
-                let lanes = self.lanes_for(Target::Desc(&dst, None))?;
+                let lanes = self.lanes_for(Target::Plain(&dst))?;
                 let mut routes = Routes::default();
-                let target = Target::Desc(&dst, None);
+                let target = Target::Plain(&dst);
                 let tid = self.slab[slot as usize].id;
                 // A page that fits one WR is one piece on lane `i % lanes`
                 // (what `plan_page` says): pushed without the piece list.
@@ -1924,6 +2059,29 @@ mod tests {
 
     fn addr(b: u8) -> NetAddr {
         NetAddr(vec![b, b])
+    }
+
+    /// One id per distinct address, stable, and back to the address; a
+    /// plain destination keeps every lane's rkey and address in order.
+    #[test]
+    fn addr_book_interns_descriptor_addresses() {
+        let book = AddrBook::default();
+        let (a, b) = (book.id(&addr(1)), book.id(&addr(2)));
+        assert_ne!(a, b);
+        assert_eq!(book.id(&addr(1)), a);
+        assert_eq!(book.addr(a), Some(addr(1)));
+        assert_eq!(book.addr(b), Some(addr(2)));
+        assert_eq!(book.addr(99), None);
+        let d = desc(&[2, 3, 1]);
+        let p = PlainDst::new(&d, &book).expect("3 lanes fit");
+        assert_eq!((p.base, p.region_len, p.lanes), (d.addr, d.len, 3));
+        for (lane, (na, rk)) in d.rkeys.iter().enumerate() {
+            assert_eq!(p.rkeys[lane], *rk);
+            assert_eq!(book.addr(p.addrs[lane]).as_ref(), Some(na));
+        }
+        assert_eq!(p.addrs[2], a, "a known address keeps its id");
+        let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
+        assert!(PlainDst::new(&desc(&wide), &book).is_none());
     }
 
     fn desc(addrs: &[u8]) -> MrDesc {

@@ -2,8 +2,8 @@
 
 use crate::affinity;
 use crate::core::{
-    Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmDone, ImmWaits, RecvCallback, RecvPool,
-    RoutedDst, Submitted, WorkerCore, MAX_NICS,
+    AddrBook, Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmDone, ImmWaits, PlainDst,
+    RecvCallback, RecvPool, RoutedDst, Submitted, WorkerCore, MAX_NICS,
 };
 use crate::error::{EngineError, TransferId};
 use crate::imm::{ArmError, ImmTable};
@@ -261,11 +261,13 @@ impl EngineBuilder {
             ctrl_rxs.push(ctrl_rx);
         }
         let imm_waits = Arc::new(ImmWaits::default());
+        let addrs = Arc::new(AddrBook::default());
         let inner = Arc::new(Inner {
             id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             groups: groups.clone(),
             imms: Arc::clone(&imms),
             imm_waits: Arc::clone(&imm_waits),
+            addrs: Arc::clone(&addrs),
             imm_free: Mutex::new(ImmAlloc {
                 next: 0,
                 free: Vec::new(),
@@ -306,6 +308,7 @@ impl EngineBuilder {
                 ctrl_rx,
                 imms: Arc::clone(&imms),
                 imm_waits: Arc::clone(&imm_waits),
+                addrs: Arc::clone(&addrs),
                 cfg: cfg.clone(),
                 cb_tx: cb_tx.clone(),
                 #[cfg(feature = "latency-probe")]
@@ -446,6 +449,7 @@ struct Inner {
     groups: Vec<Arc<GroupShared>>,
     imms: Arc<ImmTable<ImmDone>>,
     imm_waits: Arc<ImmWaits>,
+    addrs: Arc<AddrBook>,
     imm_free: Mutex<ImmAlloc>,
     config: EngineConfig,
     cb_tx: Sender<CbMsg>,
@@ -886,6 +890,16 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// `dst` with its NIC addresses interned (see `AddrBook`).
+    fn plain(&self, dst: &MrDesc) -> Result<PlainDst, EngineError> {
+        PlainDst::new(dst, &self.inner.addrs).ok_or_else(|| EngineError::InvalidArgument {
+            what: format!(
+                "destination has {} rkeys, more than {MAX_NICS} NICs",
+                dst.rkeys.len()
+            ),
+        })
+    }
+
     fn check_lanes(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
         let local = self.nic_count(g)?;
         if dst.rkeys.len() != local {
@@ -986,7 +1000,7 @@ impl TransferEngine {
                 imm,
                 src: h.key(),
                 src_off,
-                dst: d.clone(),
+                dst: self.plain(d)?,
                 dst_off,
             },
         );
@@ -1043,7 +1057,7 @@ impl TransferEngine {
                 imm,
                 src: h.key(),
                 src_pages: sp.clone(),
-                dst: d.clone(),
+                dst: self.plain(d)?,
                 dst_pages: dp.clone(),
             },
         );
@@ -1500,6 +1514,7 @@ struct WorkerCtx {
     ctrl_rx: Receiver<Control>,
     imms: Arc<ImmTable<ImmDone>>,
     imm_waits: Arc<ImmWaits>,
+    addrs: Arc<AddrBook>,
     cfg: EngineConfig,
     cb_tx: Sender<CbMsg>,
     #[cfg(feature = "latency-probe")]
@@ -1523,6 +1538,7 @@ impl WorkerCtx {
             g,
             domains,
             self.imms,
+            self.addrs,
             self.cfg.shard,
             self.cfg.send_slots,
             self.cfg.send_slot_len,
