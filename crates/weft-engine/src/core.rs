@@ -187,6 +187,50 @@ pub(crate) enum Body {
     },
 }
 
+/// A descriptor's region and per-lane rkeys as plain values, the part of
+/// [`RoutedDst`] and [`PlainDst`] that travels instead of a cloned
+/// `MrDesc`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DstKeys {
+    /// The destination region's base address and length.
+    pub(crate) base: u64,
+    pub(crate) region_len: u64,
+    /// How many of `rkeys` are valid (the descriptor's rkey count).
+    pub(crate) lanes: usize,
+    pub(crate) rkeys: [Rkey; MAX_NICS],
+}
+
+impl DstKeys {
+    /// `dst`'s region and rkeys; `None` when it has more rkeys than a
+    /// group can have NICs.
+    fn of(dst: &MrDesc) -> Option<Self> {
+        if dst.rkeys.len() > MAX_NICS {
+            return None;
+        }
+        let mut rkeys = [Rkey(0); MAX_NICS];
+        for (lane, (_, rkey)) in dst.rkeys.iter().enumerate() {
+            rkeys[lane] = *rkey;
+        }
+        Some(Self {
+            base: dst.addr,
+            region_len: dst.len,
+            lanes: dst.rkeys.len(),
+            rkeys,
+        })
+    }
+
+    /// The rkey of `lane`, if the descriptor has one.
+    fn rkey(&self, lane: usize) -> Result<Rkey, EngineError> {
+        self.rkeys
+            .get(lane)
+            .copied()
+            .filter(|_| lane < self.lanes)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {lane}"),
+            })
+    }
+}
+
 /// A scatter or barrier destination whose per-lane NIC addresses were
 /// matched, at submit, to the peer group member it goes to. It holds plain
 /// values only, so no descriptor is cloned into the request queue.
@@ -195,12 +239,7 @@ pub(crate) struct RoutedDst {
     pub(crate) len: u64,
     pub(crate) src_offset: u64,
     pub(crate) dst_offset: u64,
-    /// The destination region's base address and length.
-    pub(crate) base: u64,
-    pub(crate) region_len: u64,
-    /// How many of `rkeys` are valid (the descriptor's rkey count).
-    pub(crate) lanes: usize,
-    pub(crate) rkeys: [Rkey; MAX_NICS],
+    pub(crate) keys: DstKeys,
 }
 
 impl RoutedDst {
@@ -213,24 +252,17 @@ impl RoutedDst {
         src_offset: u64,
         dst_offset: u64,
     ) -> Option<Self> {
-        if dst.rkeys.len() > MAX_NICS {
-            return None;
-        }
-        let mut rkeys = [Rkey(0); MAX_NICS];
-        for (lane, (addr, rkey)) in dst.rkeys.iter().enumerate() {
+        let keys = DstKeys::of(dst)?;
+        for (lane, (addr, _)) in dst.rkeys.iter().enumerate() {
             if member.nics.get(lane) != Some(addr) {
                 return None;
             }
-            rkeys[lane] = *rkey;
         }
         Some(Self {
             len,
             src_offset,
             dst_offset,
-            base: dst.addr,
-            region_len: dst.len,
-            lanes: dst.rkeys.len(),
-            rkeys,
+            keys,
         })
     }
 }
@@ -278,11 +310,8 @@ impl AddrBook {
 /// in the [`AddrBook`]: plain values only, nothing allocated per submit.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PlainDst {
-    base: u64,
-    region_len: u64,
-    /// How many of `rkeys`/`addrs` are valid (the descriptor's rkey count).
-    lanes: usize,
-    rkeys: [Rkey; MAX_NICS],
+    keys: DstKeys,
+    /// The [`AddrBook`] id of each lane's NIC address (`keys.lanes` valid).
     addrs: [u32; MAX_NICS],
 }
 
@@ -290,22 +319,12 @@ impl PlainDst {
     /// `dst` with its addresses entered in `book`; `None` when it has more
     /// rkeys than a group can have NICs.
     pub(crate) fn new(dst: &MrDesc, book: &AddrBook) -> Option<Self> {
-        if dst.rkeys.len() > MAX_NICS {
-            return None;
-        }
-        let mut rkeys = [Rkey(0); MAX_NICS];
+        let keys = DstKeys::of(dst)?;
         let mut addrs = [0u32; MAX_NICS];
-        for (lane, (addr, rkey)) in dst.rkeys.iter().enumerate() {
-            rkeys[lane] = *rkey;
+        for (lane, (addr, _)) in dst.rkeys.iter().enumerate() {
             addrs[lane] = book.id(addr);
         }
-        Some(Self {
-            base: dst.addr,
-            region_len: dst.len,
-            lanes: dst.rkeys.len(),
-            rkeys,
-            addrs,
-        })
+        Some(Self { keys, addrs })
     }
 }
 
@@ -345,16 +364,16 @@ impl Target<'_> {
     fn base(&self) -> u64 {
         match self {
             Target::Desc(d, _) => d.addr,
-            Target::Member(r, ..) => r.base,
-            Target::Plain(p) => p.base,
+            Target::Member(r, ..) => r.keys.base,
+            Target::Plain(p) => p.keys.base,
         }
     }
 
     fn region_len(&self) -> u64 {
         match self {
             Target::Desc(d, _) => d.len,
-            Target::Member(r, ..) => r.region_len,
-            Target::Plain(p) => p.region_len,
+            Target::Member(r, ..) => r.keys.region_len,
+            Target::Plain(p) => p.keys.region_len,
         }
     }
 
@@ -362,8 +381,8 @@ impl Target<'_> {
     fn rkey_count(&self) -> usize {
         match self {
             Target::Desc(d, _) => d.rkeys.len(),
-            Target::Member(r, ..) => r.lanes,
-            Target::Plain(p) => p.lanes,
+            Target::Member(r, ..) => r.keys.lanes,
+            Target::Plain(p) => p.keys.lanes,
         }
     }
 }
@@ -1090,10 +1109,8 @@ impl WorkerCore {
                 (r.peer, r.rkey)
             }
             Target::Plain(d) => {
-                if lane >= d.lanes {
-                    return Err(no_rkey());
-                }
-                (self.plain_peer(lane, d.addrs[lane], tid)?, d.rkeys[lane])
+                let rkey = d.keys.rkey(lane)?;
+                (self.plain_peer(lane, d.addrs[lane], tid)?, rkey)
             }
             Target::Desc(dst, hint) => {
                 let (addr, rkey) = dst.rkeys.get(lane).ok_or_else(no_rkey)?;
@@ -1156,13 +1173,7 @@ impl WorkerCore {
         lane: usize,
         mr: Option<LocalMr>,
     ) -> Result<Route, EngineError> {
-        let rkey = *d
-            .rkeys
-            .get(lane)
-            .filter(|_| lane < d.lanes)
-            .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {lane}"),
-            })?;
+        let rkey = d.keys.rkey(lane)?;
         let peer = self
             .peer_groups
             .get(g as usize)
@@ -2074,9 +2085,12 @@ mod tests {
         assert_eq!(book.addr(99), None);
         let d = desc(&[2, 3, 1]);
         let p = PlainDst::new(&d, &book).expect("3 lanes fit");
-        assert_eq!((p.base, p.region_len, p.lanes), (d.addr, d.len, 3));
+        assert_eq!(
+            (p.keys.base, p.keys.region_len, p.keys.lanes),
+            (d.addr, d.len, 3)
+        );
         for (lane, (na, rk)) in d.rkeys.iter().enumerate() {
-            assert_eq!(p.rkeys[lane], *rk);
+            assert_eq!(p.keys.rkeys[lane], *rk);
             assert_eq!(book.addr(p.addrs[lane]).as_ref(), Some(na));
         }
         assert_eq!(p.addrs[2], a, "a known address keeps its id");
@@ -2102,8 +2116,11 @@ mod tests {
         };
         let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
         assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
-        assert_eq!((r.base, r.region_len, r.lanes), (0x1000, 64, 2));
-        assert_eq!(&r.rkeys[..2], &[Rkey(101), Rkey(102)]);
+        assert_eq!(
+            (r.keys.base, r.keys.region_len, r.keys.lanes),
+            (0x1000, 64, 2)
+        );
+        assert_eq!(&r.keys.rkeys[..2], &[Rkey(101), Rkey(102)]);
         // Another member's NICs, lanes swapped, one lane different, more
         // rkeys than the member has NICs: resolved by address instead.
         for d in [&[3, 4][..], &[2, 1], &[1, 3], &[1, 2, 3]] {
