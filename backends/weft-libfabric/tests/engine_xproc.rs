@@ -598,6 +598,25 @@ impl Parent {
             seed: self.seed,
         }
     }
+
+    /// Arms peer `j` (round `tag`) for what [`submit_to_all`] with the same
+    /// `writes`, `wlen` and `src_off` sends it: single writes `k` of `wlen`
+    /// bytes from source offset `src_off(k, j)` to offset `k * wlen`.
+    fn expect_singles(
+        &mut self,
+        j: usize,
+        tag: u64,
+        imm: Imm,
+        writes: u64,
+        wlen: u64,
+        src_off: impl Fn(u64, u64) -> u64,
+    ) {
+        let kinds = (0..writes).map(|_| Kind::Single { len: wlen }).collect();
+        let regions = (0..writes)
+            .map(|k| self.region(src_off(k, j as u64), k * wlen, wlen))
+            .collect();
+        self.peers[j].expect(tag, imm, kinds, regions);
+    }
 }
 
 impl Drop for Parent {
@@ -794,21 +813,11 @@ fn peer_process_killed_mid_transfer() {
     // it is killed.
     par.peers[VICTIM].signal(libc::SIGSTOP);
     let smr = par.smr;
+    let src_off = |k: u64, j: u64| k * 4096 + j;
     for j in all.iter().copied().filter(|&j| j != VICTIM) {
-        let kinds = (0..WRITES).map(|_| Kind::Single { len: WLEN }).collect();
-        let regions = (0..WRITES)
-            .map(|k| par.region(k * 4096 + j as u64, k * WLEN, WLEN))
-            .collect();
-        par.peers[j].expect(10, imms[0], kinds, regions);
+        par.expect_singles(j, 10, imms[0], WRITES, WLEN, src_off);
     }
-    let flags = submit_to_all(
-        &par,
-        WRITES,
-        WLEN,
-        imms[0],
-        |k, j| k * 4096 + j,
-        "submit large write",
-    );
+    let flags = submit_to_all(&par, WRITES, WLEN, imms[0], src_off, "submit large write");
     // The survivors' writes complete while the victim is stopped.
     for j in all.iter().copied().filter(|&j| j != VICTIM) {
         for (k, f) in flags[j].iter().enumerate() {
@@ -934,17 +943,14 @@ fn peer_process_killed_while_streaming() {
 
     // Stream to both peers; kill the victim (running, not stopped) once a
     // few of its writes landed, with the rest in flight or queued.
-    let kinds = (0..WRITES).map(|_| Kind::Single { len: WLEN }).collect();
-    let regions = (0..WRITES)
-        .map(|k| par.region(k * 512 + 1, k * WLEN, WLEN))
-        .collect();
-    par.peers[SURVIVOR].expect(10, imms[0], kinds, regions);
+    let src_off = |k: u64, _: u64| k * 512 + 1;
+    par.expect_singles(SURVIVOR, 10, imms[0], WRITES, WLEN, src_off);
     let flags = submit_to_all(
         &par,
         WRITES,
         WLEN,
         imms[0],
-        |k, _| k * 512 + 1,
+        src_off,
         "submit streaming write",
     );
     wait_until("a few writes to the victim", || {
@@ -1008,20 +1014,10 @@ fn stopped_peer_times_out() {
     // The victim stops answering but keeps its connections (the kernel
     // still accepts data into its socket buffers).
     par.peers[VICTIM].signal(libc::SIGSTOP);
-    let kinds = (0..WRITES).map(|_| Kind::Single { len: WLEN }).collect();
-    let regions = (0..WRITES)
-        .map(|k| par.region(k * 512 + 3, k * WLEN, WLEN))
-        .collect();
-    par.peers[SURVIVOR].expect(10, imms[0], kinds, regions);
+    let src_off = |k: u64, _: u64| k * 512 + 3;
+    par.expect_singles(SURVIVOR, 10, imms[0], WRITES, WLEN, src_off);
     let t_submit = Instant::now();
-    let flags = submit_to_all(
-        &par,
-        WRITES,
-        WLEN,
-        imms[0],
-        |k, _| k * 512 + 3,
-        "submit large write",
-    );
+    let flags = submit_to_all(&par, WRITES, WLEN, imms[0], src_off, "submit large write");
     for (k, f) in flags[SURVIVOR].iter().enumerate() {
         wait_ok(&format!("write {k} to the survivor"), f);
     }
