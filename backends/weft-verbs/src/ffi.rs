@@ -560,17 +560,17 @@ impl VerbsLib for IbvLib {
             .collect())
     }
 
-    fn open(&self, index: usize) -> Result<IbvDevice, TransportError> {
+    fn open(&self, nic: usize) -> Result<IbvDevice, TransportError> {
         let api = self.api()?;
         let (names, list) = self.list(&api)?;
         let name = names
-            .get(index)
+            .get(nic)
             .cloned()
             .ok_or_else(|| TransportError::NoDevice {
-                what: format!("verbs device index {index} ({} devices)", names.len()),
+                what: format!("verbs device index {nic} ({} devices)", names.len()),
             })?;
-        // SAFETY: index < len, so the entry is a valid device pointer.
-        let dev = unsafe { *list.ptr.add(index) };
+        // SAFETY: nic < len, so the entry is a valid device pointer.
+        let dev = unsafe { *list.ptr.add(nic) };
         // SAFETY: a valid device from the live list.
         let ctx = unsafe { (api.open_device)(dev) };
         let ctx = check_ptr("ibv_open_device", ctx, &name).map_err(|e| e.into_transport(&name))?;

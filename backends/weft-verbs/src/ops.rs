@@ -521,8 +521,8 @@ pub trait VerbsLib: Send + Sync {
     /// an empty list when it loads but finds no devices.
     fn devices(&self) -> Result<Vec<DeviceInfo>, TransportError>;
 
-    /// Opens the device at `index` of [`VerbsLib::devices`].
-    fn open(&self, index: usize) -> Result<Self::Ops, TransportError>;
+    /// Opens the device at index `nic` of [`VerbsLib::devices`].
+    fn open(&self, nic: usize) -> Result<Self::Ops, TransportError>;
 }
 
 /// One opened device (`struct ibv_context`) and every verbs call the backend
