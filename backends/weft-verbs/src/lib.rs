@@ -40,6 +40,11 @@
 //! Everything sits on the [`ops::VerbsOps`] seam. Its two implementations:
 //! [`ffi`] (libibverbs loaded at run time with `libloading`; builds without
 //! rdma-core) and, with the `sim` feature, a simulated RC/UD device.
+//!
+//! Unsafe code is denied crate-wide; it is allowed only in [`ffi`], in the
+//! domain's UD handshake buffer and in the simulator's byte copies.
+
+#![deny(unsafe_code)]
 
 mod domain;
 pub mod ffi;
