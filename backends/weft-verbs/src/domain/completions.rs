@@ -62,7 +62,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         let id = wc.wr_id;
         if wr_kind(id) == KIND_UD {
             let slot = wr_slot(id);
-            self.ud_send_free.push(slot);
+            self.ud.send_free.push(slot);
             return;
         }
         self.hw_outstanding = self.hw_outstanding.saturating_sub(1);
@@ -86,7 +86,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
         let slot = wr_slot(id);
         let gen = wr_gen(id);
         let Some(op) = self
-            .op_slab
+            .op_table
+            .slab
             .get(slot as usize)
             .and_then(Option::as_ref)
             .filter(|o| o.gen == gen)
@@ -142,8 +143,10 @@ impl<O: VerbsOps> VerbsDomain<O> {
                         if !q.contains(&slot) {
                             // Keep post order: insert before the first op
                             // that was accepted after this one.
-                            let seq = self.op_slab[slot as usize].as_ref().map_or(0, |o| o.seq);
-                            let slab = &self.op_slab;
+                            let seq = self.op_table.slab[slot as usize]
+                                .as_ref()
+                                .map_or(0, |o| o.seq);
+                            let slab = &self.op_table.slab;
                             let pos = q
                                 .iter()
                                 .position(|s| {
@@ -172,7 +175,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 let (opid, lane, seq) = (op.peer, op.lane, op.seq);
                 if op.inflight == 0 && op.error.is_none() {
                     self.stats.requeued_ops += 1;
-                    let slab = &self.op_slab;
+                    let slab = &self.op_table.slab;
                     let p = &mut self.peers[opid.0 as usize];
                     let q = match lane {
                         Lane::Send => &mut p.send_q,
@@ -226,6 +229,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     let len = (wc.byte_len as usize).saturating_sub(GRH);
                     let bytes = self
                         .ud
+                        .buf
                         .read(slot as usize * UD_SLOT + GRH, len.min(UD_SLOT - GRH));
                     self.on_handshake(&bytes);
                 }
@@ -234,7 +238,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 }
             }
             KIND_IMM => {
-                self.imm_missing += 1;
+                self.recvs.imm_missing += 1;
                 if wc.status == WcStatus::Success {
                     if let Some(imm) = wc.imm {
                         self.out_q.push_back(Completion::Imm { imm });
@@ -246,15 +250,15 @@ impl<O: VerbsOps> VerbsDomain<O> {
             KIND_RECV => {
                 let slot = wr_slot(id);
                 let gen = wr_gen(id);
-                let Some(&Some((g, user, cap))) = self.recv_slab.get(slot as usize) else {
+                let Some(&Some((g, user, cap))) = self.recvs.slab.get(slot as usize) else {
                     return;
                 };
                 if g != gen {
                     return;
                 }
-                self.recv_slab[slot as usize] = None;
-                self.recv_free.push(slot);
-                self.recvs_posted = self.recvs_posted.saturating_sub(1);
+                self.recvs.slab[slot as usize] = None;
+                self.recvs.free.push(slot);
+                self.recvs.posted = self.recvs.posted.saturating_sub(1);
                 let result = match wc.status {
                     WcStatus::Success => Ok(u64::from(wc.byte_len)),
                     WcStatus::LocLenErr => Err(TransportError::MessageTooLong {

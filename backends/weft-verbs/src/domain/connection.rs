@@ -3,12 +3,23 @@
 //! timers; retiring a connection after an error and reaping retired QPs once
 //! their WRs have completed; declaring a peer unreachable.
 
+use super::dma_buf::DmaBuf;
 use super::{addr_str, wr_id, VerbsDomain, KIND_UD, UD_SEND_BIT, UD_SLOT, WEFT_QKEY};
 use crate::ops::*;
 use crate::wire::{Handshake, QpPair, VerbsAddr, HANDSHAKE_LEN};
 use rand::Rng;
 use std::collections::VecDeque;
 use weft_transport::{NetAddr, PeerId, TransportError};
+
+/// The domain's UD handshake channel: one UD QP, its registered buffer of
+/// slots (receive slots first, then send slots) and the free send slots.
+pub(super) struct Ud {
+    pub(super) qp: Qp,
+    pub(super) buf: DmaBuf,
+    pub(super) mr: Mr,
+    pub(super) lkey: u32,
+    pub(super) send_free: Vec<u32>,
+}
 
 pub(super) struct QpEnd {
     pub(super) qp: Qp,
@@ -195,13 +206,13 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 }
             }
         };
-        let Some(slot) = self.ud_send_free.pop() else {
+        let Some(slot) = self.ud.send_free.pop() else {
             tracing::debug!(nic = %self.nic, "no UD send slot; handshake waits for retransmit");
             return;
         };
         let bytes = msg.encode();
         let off = slot as usize * UD_SLOT;
-        self.ud.write(off, &bytes);
+        self.ud.buf.write(off, &bytes);
         let wr = SendWr {
             wr_id: wr_id(KIND_UD, 0, slot) | UD_SEND_BIT,
             op: SendOp::UdSend {
@@ -210,16 +221,16 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 remote_qkey: WEFT_QKEY,
             },
             sge: Some(Sge {
-                addr: self.ud.addr(off),
+                addr: self.ud.buf.addr(off),
                 length: HANDSHAKE_LEN as u32,
-                lkey: self.ud_lkey,
+                lkey: self.ud.lkey,
             }),
             signaled: true,
         };
-        match self.ops.post_send(self.ud_qp, &[wr]) {
+        match self.ops.post_send(self.ud.qp, &[wr]) {
             Ok(()) => self.stats.handshakes_sent += 1,
             Err(f) => {
-                self.ud_send_free.push(slot);
+                self.ud.send_free.push(slot);
                 tracing::warn!(nic = %self.nic, error = %f.error, "UD post_send failed");
             }
         }

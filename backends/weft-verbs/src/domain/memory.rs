@@ -3,7 +3,15 @@
 
 use super::VerbsDomain;
 use crate::ops::*;
+use std::collections::BTreeMap;
 use weft_transport::{Access, Device, LocalMr, LocalSlice, MemRegion, MrKey, Rkey, TransportError};
+
+/// The domain's registrations by [`MrKey`] value.
+pub(super) struct MrTable {
+    pub(super) by_key: BTreeMap<u64, MrEntry>,
+    /// The key the next registration gets.
+    pub(super) next: u64,
+}
 
 pub(super) struct MrEntry {
     pub(super) mr: Mr,
@@ -61,9 +69,9 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 self.verr(e)
             }
         })?;
-        let key = self.next_mr;
-        self.next_mr += 1;
-        self.mrs.insert(
+        let key = self.mrs.next;
+        self.mrs.next += 1;
+        self.mrs.by_key.insert(
             key,
             MrEntry {
                 mr,
@@ -85,6 +93,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
     pub(super) fn deregister_key(&mut self, mr: MrKey) -> Result<(), TransportError> {
         let e = self
             .mrs
+            .by_key
             .remove(&mr.0)
             .ok_or_else(|| TransportError::InvalidArgument {
                 nic: self.nic.clone(),
@@ -96,6 +105,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
     pub(super) fn resolve_local(&self, s: &LocalSlice) -> Result<u32, TransportError> {
         let m = self
             .mrs
+            .by_key
             .get(&s.mr.0)
             .ok_or_else(|| TransportError::LocalAccess {
                 nic: self.nic.clone(),

@@ -22,13 +22,14 @@ pub use config::{DmaBufExporter, VerbsConfig, MAX_VERBS_WR_LEN, WEFT_QKEY};
 
 use crate::ops::*;
 use crate::wire::VerbsAddr;
-use connection::{Conn, Peer};
+use connection::{Conn, Peer, Ud};
 use dma_buf::DmaBuf;
-use memory::MrEntry;
+use memory::MrTable;
 use port::{link_gbps, select_gid};
-use posting::Op;
+use posting::OpTable;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use recv::Receives;
 use std::collections::{BTreeMap, VecDeque};
 use weft_transport::{
     Access, Capabilities, Completion, Domain, LocalMr, LocalSlice, MemRegion, MrKey, NetAddr,
@@ -96,26 +97,16 @@ pub struct VerbsDomain<O: VerbsOps> {
     recv_cq_depth: u32,
     recv_srq: Srq,
     imm_srq: Srq,
-    ud_qp: Qp,
-    ud: DmaBuf,
-    ud_mr: Mr,
-    ud_lkey: u32,
-    ud_send_free: Vec<u32>,
+    ud: Ud,
     hw_outstanding: u32,
-    mrs: BTreeMap<u64, MrEntry>,
-    next_mr: u64,
+    mrs: MrTable,
     peers: Vec<Peer>,
     by_addr: BTreeMap<NetAddr, PeerId>,
     qpn_peer: BTreeMap<u32, PeerId>,
-    op_slab: Vec<Option<Op>>,
-    op_free: Vec<u32>,
+    op_table: OpTable,
+    /// Generation of the last op or user receive (in their wr_ids).
     op_gen: u32,
-    next_seq: u64,
-    recv_slab: Vec<Option<(u32, WrId, u64)>>,
-    recv_free: Vec<u32>,
-    recvs_posted: u32,
-    inflight: usize,
-    imm_missing: u32,
+    recvs: Receives,
     out_q: VecDeque<Completion>,
     rng: ChaCha8Rng,
     stats: DomainStats,
@@ -244,26 +235,34 @@ impl<O: VerbsOps> VerbsDomain<O> {
             recv_cq_depth,
             recv_srq,
             imm_srq,
-            ud_qp,
-            ud,
-            ud_mr,
-            ud_lkey,
-            ud_send_free: (ud_slots..ud_slots + ud_send_slots).rev().collect(),
+            ud: Ud {
+                qp: ud_qp,
+                buf: ud,
+                mr: ud_mr,
+                lkey: ud_lkey,
+                send_free: (ud_slots..ud_slots + ud_send_slots).rev().collect(),
+            },
             hw_outstanding: 0,
-            mrs: BTreeMap::new(),
-            next_mr: 1,
+            mrs: MrTable {
+                by_key: BTreeMap::new(),
+                next: 1,
+            },
             peers: Vec::new(),
             by_addr: BTreeMap::new(),
             qpn_peer: BTreeMap::new(),
-            op_slab: Vec::new(),
-            op_free: Vec::new(),
+            op_table: OpTable {
+                slab: Vec::new(),
+                free: Vec::new(),
+                next_seq: 0,
+                inflight: 0,
+            },
             op_gen: 0,
-            next_seq: 0,
-            recv_slab: Vec::new(),
-            recv_free: Vec::new(),
-            recvs_posted: 0,
-            inflight: 0,
-            imm_missing: cfg.imm_pool,
+            recvs: Receives {
+                slab: Vec::new(),
+                free: Vec::new(),
+                posted: 0,
+                imm_missing: cfg.imm_pool,
+            },
             out_q: VecDeque::new(),
             rng: ChaCha8Rng::seed_from_u64(seed),
             stats: DomainStats::default(),
@@ -349,7 +348,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if let Some(d) = &self.dead {
             return Err(d.clone());
         }
-        if self.inflight >= self.caps.max_inflight {
+        if self.op_table.inflight >= self.caps.max_inflight {
             return Err(TransportError::QueueFull {
                 nic: self.nic.clone(),
             });
@@ -419,13 +418,13 @@ impl<O: VerbsOps> Drop for VerbsDomain<O> {
                 let _ = self.ops.destroy_ah(ah);
             }
         }
-        let _ = self.ops.destroy_qp(self.ud_qp);
+        let _ = self.ops.destroy_qp(self.ud.qp);
         let _ = self.ops.destroy_srq(self.recv_srq);
         let _ = self.ops.destroy_srq(self.imm_srq);
         let _ = self.ops.destroy_cq(self.send_cq);
         let _ = self.ops.destroy_cq(self.recv_cq);
-        let _ = self.ops.dereg_mr(self.ud_mr);
-        for (_, m) in std::mem::take(&mut self.mrs) {
+        let _ = self.ops.dereg_mr(self.ud.mr);
+        for (_, m) in std::mem::take(&mut self.mrs.by_key) {
             let _ = self.ops.dereg_mr(m.mr);
         }
         let _ = self.ops.dealloc_pd(self.pd);

@@ -15,6 +15,18 @@ pub(super) enum Lane {
     Write,
 }
 
+/// Accepted SENDs and WRITEs until their completion is emitted.
+pub(super) struct OpTable {
+    /// Ops by slot (the slot is in the wr_id of every WR of the op).
+    pub(super) slab: Vec<Option<Op>>,
+    /// Free slots of `slab`.
+    pub(super) free: Vec<u32>,
+    /// Acceptance sequence number of the last op.
+    pub(super) next_seq: u64,
+    /// Ops accepted and not completed (bounded by `max_inflight`).
+    pub(super) inflight: usize,
+}
+
 pub(super) struct Op {
     pub(super) gen: u32,
     pub(super) lane: Lane,
@@ -109,7 +121,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     break;
                 }
                 Ok(Err(completion_error)) => {
-                    self.inflight += 1;
+                    self.op_table.inflight += 1;
                     let slot = self.alloc_op(Op {
                         gen: 0,
                         lane: Lane::Write,
@@ -156,22 +168,30 @@ impl<O: VerbsOps> VerbsDomain<O> {
     pub(super) fn alloc_op(&mut self, mut op: Op) -> u32 {
         self.op_gen = self.op_gen.wrapping_add(1) & 0x1fff_ffff;
         op.gen = self.op_gen;
-        if let Some(s) = self.op_free.pop() {
-            self.op_slab[s as usize] = Some(op);
+        if let Some(s) = self.op_table.free.pop() {
+            self.op_table.slab[s as usize] = Some(op);
             s
         } else {
-            self.op_slab.push(Some(op));
-            (self.op_slab.len() - 1) as u32
+            self.op_table.slab.push(Some(op));
+            (self.op_table.slab.len() - 1) as u32
         }
     }
 
     pub(super) fn op_mut(&mut self, slot: u32) -> Option<&mut Op> {
-        self.op_slab.get_mut(slot as usize).and_then(Option::as_mut)
+        self.op_table
+            .slab
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
     }
 
     /// Emits the op's completion and frees it if it is finished.
     pub(super) fn maybe_finish(&mut self, slot: u32) {
-        let done = match self.op_slab.get(slot as usize).and_then(Option::as_ref) {
+        let done = match self
+            .op_table
+            .slab
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+        {
             Some(op) => {
                 op.inflight == 0 && (op.error.is_some() || (op.posted_all && op.ok_bytes == op.len))
             }
@@ -180,11 +200,11 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if !done {
             return;
         }
-        let Some(op) = self.op_slab[slot as usize].take() else {
+        let Some(op) = self.op_table.slab[slot as usize].take() else {
             return;
         };
-        self.op_free.push(slot);
-        self.inflight = self.inflight.saturating_sub(1);
+        self.op_table.free.push(slot);
+        self.op_table.inflight = self.op_table.inflight.saturating_sub(1);
         if let Some(p) = self.peers.get_mut(op.peer.0 as usize) {
             let q = match op.lane {
                 Lane::Send => &mut p.send_q,
@@ -253,7 +273,12 @@ impl<O: VerbsOps> VerbsDomain<O> {
         // Plan: (slot, offset, len, last) per WR, without mutating ops.
         let mut plan: Vec<(u32, u64, u64, bool)> = Vec::with_capacity(max);
         for &slot in queue.iter() {
-            let Some(op) = self.op_slab.get(slot as usize).and_then(Option::as_ref) else {
+            let Some(op) = self
+                .op_table
+                .slab
+                .get(slot as usize)
+                .and_then(Option::as_ref)
+            else {
                 continue;
             };
             if op.error.is_some() {
@@ -288,7 +313,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         let wrs: Vec<SendWr> = plan
             .iter()
             .filter_map(|&(slot, off, n, last)| {
-                let op = self.op_slab.get(slot as usize)?.as_ref()?;
+                let op = self.op_table.slab.get(slot as usize)?.as_ref()?;
                 let sge = (n > 0).then(|| Sge {
                     addr: op.src_addr + off,
                     length: n as u32,
@@ -368,12 +393,12 @@ impl<O: VerbsOps> VerbsDomain<O> {
     }
 
     pub(super) fn enqueue(&mut self, mut op: Op) -> u32 {
-        self.next_seq += 1;
-        op.seq = self.next_seq;
+        self.op_table.next_seq += 1;
+        op.seq = self.op_table.next_seq;
         let pid = op.peer;
         let lane = op.lane;
         let slot = self.alloc_op(op);
-        self.inflight += 1;
+        self.op_table.inflight += 1;
         let p = &mut self.peers[pid.0 as usize];
         match lane {
             Lane::Send => p.send_q.push_back(slot),

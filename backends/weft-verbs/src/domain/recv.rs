@@ -6,13 +6,26 @@ use super::{wr_id, VerbsDomain, KIND_IMM, KIND_RECV, KIND_UD, MAX_VERBS_WR_LEN, 
 use crate::ops::*;
 use weft_transport::{LocalSlice, TransportError, WrId};
 
+/// The domain's receives: user receives posted to the SEND/RECV SRQ and the
+/// count of zero-byte WRITE_WITH_IMM receives to repost.
+pub(super) struct Receives {
+    /// Posted user receives by slot: `(generation, user wr, capacity)`.
+    pub(super) slab: Vec<Option<(u32, WrId, u64)>>,
+    /// Free slots of `slab`.
+    pub(super) free: Vec<u32>,
+    /// User receives posted and not completed (bounded by `recv_pool`).
+    pub(super) posted: u32,
+    /// WRITE_WITH_IMM receives consumed and not yet reposted.
+    pub(super) imm_missing: u32,
+}
+
 impl<O: VerbsOps> VerbsDomain<O> {
     /// Posts a user receive buffer to the SEND/RECV SRQ.
     pub(super) fn accept_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
         if let Some(d) = &self.dead {
             return Err(d.clone());
         }
-        if self.recvs_posted >= self.cfg.recv_pool {
+        if self.recvs.posted >= self.cfg.recv_pool {
             return Err(TransportError::QueueFull {
                 nic: self.nic.clone(),
             });
@@ -27,11 +40,11 @@ impl<O: VerbsOps> VerbsDomain<O> {
             .min(MAX_VERBS_WR_LEN as u32);
         self.op_gen = self.op_gen.wrapping_add(1) & 0x1fff_ffff;
         let gen = self.op_gen;
-        let slot = match self.recv_free.pop() {
+        let slot = match self.recvs.free.pop() {
             Some(s) => s,
             None => {
-                self.recv_slab.push(None);
-                (self.recv_slab.len() - 1) as u32
+                self.recvs.slab.push(None);
+                (self.recvs.slab.len() - 1) as u32
             }
         };
         let rwr = RecvWr {
@@ -44,12 +57,12 @@ impl<O: VerbsOps> VerbsDomain<O> {
         };
         match self.ops.post_srq_recv(self.recv_srq, &[rwr]) {
             Ok(()) => {
-                self.recv_slab[slot as usize] = Some((gen, wr, u64::from(length)));
-                self.recvs_posted += 1;
+                self.recvs.slab[slot as usize] = Some((gen, wr, u64::from(length)));
+                self.recvs.posted += 1;
                 Ok(())
             }
             Err(f) => {
-                self.recv_free.push(slot);
+                self.recvs.free.push(slot);
                 Err(self.verr(f.error))
             }
         }
@@ -60,21 +73,21 @@ impl<O: VerbsOps> VerbsDomain<O> {
         let wr = RecvWr {
             wr_id: wr_id(KIND_UD, 0, slot),
             sge: Some(Sge {
-                addr: self.ud.addr(off),
+                addr: self.ud.buf.addr(off),
                 length: UD_SLOT as u32,
-                lkey: self.ud_lkey,
+                lkey: self.ud.lkey,
             }),
         };
         self.ops
-            .post_recv(self.ud_qp, &[wr])
+            .post_recv(self.ud.qp, &[wr])
             .map_err(|f| f.error.into_transport(&self.nic))
     }
 
     pub(super) fn replenish_imm(&mut self) -> Result<(), TransportError> {
         let mut chain = Vec::new();
-        while self.imm_missing > 0 {
+        while self.recvs.imm_missing > 0 {
             chain.clear();
-            let n = self.imm_missing.min(32);
+            let n = self.recvs.imm_missing.min(32);
             for _ in 0..n {
                 chain.push(RecvWr {
                     wr_id: wr_id(KIND_IMM, 0, 0),
@@ -82,9 +95,9 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 });
             }
             match self.ops.post_srq_recv(self.imm_srq, &chain) {
-                Ok(()) => self.imm_missing -= n,
+                Ok(()) => self.recvs.imm_missing -= n,
                 Err(f) => {
-                    self.imm_missing -= f.bad_index as u32;
+                    self.recvs.imm_missing -= f.bad_index as u32;
                     return Err(f.error.into_transport(&self.nic));
                 }
             }
