@@ -3,10 +3,13 @@
 //! the [`VerbsOps`] seam.
 //!
 //! One module per piece of state the domain owns: `config` (tunables),
-//! `memory` (registrations), `connection` (peers, their RC QPs and the
-//! UD handshake), `posting` (the op table, lane queues and doorbells),
-//! `recv` (receive buffers) and `completions` (CQ polling and
-//! completion translation). The [`Domain`] impl here only delegates.
+//! `memory` (registrations, `MrTable`), `connection` (peers, their two RC
+//! QPs and the UD handshake channel `Ud`), `posting` (the `OpTable`, lane
+//! queues, WR chains and doorbells), `recv` (receive buffers, `Receives`)
+//! and `completions` (CQ polling and completion translation); `port` picks
+//! the GID and `dma_buf` holds the only unsafe code (the UD slot buffer).
+//! This module keeps the device objects, the constructor and the
+//! [`Domain`] impl, which only delegates.
 
 mod completions;
 mod config;
