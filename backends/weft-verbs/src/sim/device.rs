@@ -2,11 +2,22 @@
 //! fabric's state.
 
 use super::fabric::{Fabric, InFlight, SimCq, SimMr, SimQp, SimSrq};
-use super::{verr, SimFabric, EBUSY, EINVAL, ENOENT, ENOMEM, EOPNOTSUPP, EOVERFLOW};
+use super::SimFabric;
 use crate::ops::*;
 use rand::Rng;
 use std::collections::VecDeque;
 use std::sync::MutexGuard;
+
+const EINVAL: i32 = 22;
+const ENOMEM: i32 = 12;
+const EOVERFLOW: i32 = 75;
+const EOPNOTSUPP: i32 = 95;
+const ENOENT: i32 = 2;
+const EBUSY: i32 = 16;
+
+fn verr(op: &'static str, code: i32, detail: impl Into<String>) -> VerbsError {
+    VerbsError::new(op, code, detail)
+}
 
 /// One opened simulated device.
 pub struct SimDevice {

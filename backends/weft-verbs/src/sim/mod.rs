@@ -42,12 +42,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use weft_transport::TransportError;
 
-const EINVAL: i32 = 22;
-const ENOMEM: i32 = 12;
-const EOVERFLOW: i32 = 75;
-const EOPNOTSUPP: i32 = 95;
-const ENOENT: i32 = 2;
-const EBUSY: i32 = 16;
 /// Size of the GRH in front of every UD receive.
 pub const GRH_LEN: usize = 40;
 
@@ -314,8 +308,4 @@ impl VerbsLib for SimLib {
             name,
         })
     }
-}
-
-fn verr(op: &'static str, code: i32, detail: impl Into<String>) -> VerbsError {
-    VerbsError::new(op, code, detail)
 }
