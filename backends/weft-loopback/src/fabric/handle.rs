@@ -2,7 +2,8 @@
 //! realtime), hosts and NICs, rules, device copier, trace and stats. Each
 //! method locks the shared [`State`] and delegates to it.
 
-use super::{dur_ns, nic_name, unknown_nic, HostState, NicState, RuleState, State};
+use super::state::{HostState, NicState, RuleState, State};
+use super::{dur_ns, nic_name, unknown_nic};
 use crate::config::{FabricConfig, NicModel};
 use crate::rules::Rule;
 use crate::trace::{FabricStats, TraceEvent};
@@ -137,7 +138,7 @@ impl Fabric {
                 }
                 return n;
             }
-            let Some(next) = st.events.peek().map(|e| e.time) else {
+            let Some(next) = st.events.next_time() else {
                 return n;
             };
             n += 1;
