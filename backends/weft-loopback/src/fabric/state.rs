@@ -190,7 +190,7 @@ impl State {
         let cuda = region.device() != Device::Host;
         let has_dc = self.device_copy.is_some();
         let key = self.next_key;
-        let Some(nic) = self.nic_mut(loc).filter(|n| n.alive) else {
+        let Some(n) = self.nic_mut(loc).filter(|n| n.alive) else {
             return Err(TransportError::NicDown { nic: nic_name(loc) });
         };
         if cuda && !has_dc {
@@ -214,7 +214,7 @@ impl State {
                 what: "region wraps the address space".into(),
             });
         }
-        nic.regs.insert(key, reg);
+        n.regs.insert(key, reg);
         self.next_key += 1;
         Ok(LocalMr {
             key: MrKey(key),
@@ -226,23 +226,23 @@ impl State {
     }
 
     pub(crate) fn deregister(&mut self, loc: Loc, key: MrKey) -> Result<(), TransportError> {
-        let Some(nic) = self.nic_mut(loc) else {
+        let Some(n) = self.nic_mut(loc) else {
             return Err(TransportError::NicDown { nic: nic_name(loc) });
         };
-        if nic.regs.remove(&key.0).is_none() {
+        if n.regs.remove(&key.0).is_none() {
             return Err(TransportError::LocalAccess {
                 nic: nic_name(loc),
                 what: format!("deregister of unknown key {}", key.0),
             });
         }
         // Posted receive buffers in this registration are flushed.
-        let alive = nic.alive;
+        let alive = n.alive;
         let mut i = 0;
-        while i < nic.recvs.len() {
-            if nic.recvs[i].key == key.0 {
-                let r = nic.recvs.remove(i);
+        while i < n.recvs.len() {
+            if n.recvs[i].key == key.0 {
+                let r = n.recvs.remove(i);
                 if alive {
-                    nic.cq.push(Completion::Recv {
+                    n.cq.push(Completion::Recv {
                         wr: r.wr,
                         result: Err(TransportError::LocalAccess {
                             nic: nic_name(loc),
@@ -324,13 +324,13 @@ impl State {
     ) -> Result<(), TransportError> {
         self.check_local(loc, buf.mr.0, buf.addr, buf.len)?;
         let max = self.cfg.max_recvs;
-        let Some(nic) = self.nic_mut(loc) else {
+        let Some(n) = self.nic_mut(loc) else {
             return Err(TransportError::NicDown { nic: nic_name(loc) });
         };
-        if nic.recvs.len() >= max {
+        if n.recvs.len() >= max {
             return Err(TransportError::QueueFull { nic: nic_name(loc) });
         }
-        nic.recvs.push(PostedRecv {
+        n.recvs.push(PostedRecv {
             wr,
             key: buf.mr.0,
             addr: buf.addr,
