@@ -190,8 +190,8 @@ impl Provider for LoopbackProvider {
         let n = self.fabric.nic_count(self.host);
         let gbps = self.fabric.config().nic.link_gbps;
         Ok((0..n)
-            .map(|i| {
-                let loc = (self.host.0, u32::try_from(i).unwrap_or(u32::MAX));
+            .map(|nic| {
+                let loc = (self.host.0, u32::try_from(nic).unwrap_or(u32::MAX));
                 NicInfo {
                     name: nic_name(loc),
                     addr: addr::encode(loc.0, loc.1),
