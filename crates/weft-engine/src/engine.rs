@@ -1,16 +1,17 @@
 //! The TransferEngine: builder, handle, worker / callback / watcher threads.
 
 use crate::affinity;
-use crate::core::{
-    AddrBook, Body, Control, Dsts, Event, GroupAddress, GroupInfo, ImmDone, ImmWaits, PlainDst,
-    RecvCallback, RecvPool, RoutedDst, Submitted, WorkerCore, MAX_NICS,
-};
+use crate::core::{Control, Event, GroupInfo, WorkerCore};
 use crate::error::{EngineError, TransferId};
 use crate::imm::{ArmError, ImmTable};
+use crate::imm::{ImmDone, ImmWaits};
 use crate::mem::{MrHandle, RawBuf, SendPayload, SendPool};
+use crate::mem::{RecvCallback, RecvPool};
 use crate::ondone::{DoneResult, OnDone};
+use crate::request::{routed_dsts, AddrBook, Body, Dsts, GroupAddress, PlainDst, Submitted};
 use crate::shard::{self, ScatterMode, ShardConfig};
 use crate::watcher::{UvmWatcher, WatchCallback, WatcherShared};
+use crate::MAX_NICS;
 use crossbeam_channel::{Receiver, Sender};
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::Backoff;
@@ -703,7 +704,7 @@ impl TransferEngine {
     ) -> Result<(MrHandle, MrDesc), EngineError> {
         let gs = self.group(g)?;
         let (key, lanes) = self.control(gs, |reply| Control::RegMr { region, reply })?;
-        let (id, gen) = crate::core::split_mr_key(key);
+        let (id, gen) = crate::wrid::split_mr_key(key);
         let info = self.info(g)?;
         let desc = MrDesc {
             addr: region.addr(),
@@ -1855,19 +1856,6 @@ fn watcher_main(w: &Arc<WatcherShared>, idle: Idle) {
         }
     }
     w.running.store(false, Ordering::SeqCst);
-}
-
-/// Matches every destination `(descriptor, len, src_offset, dst_offset)`
-/// to its peer group member ([`RoutedDst::matched`]); `None` if any does
-/// not match (then the worker resolves descriptors by address).
-fn routed_dsts<'a>(
-    members: &[GroupAddress],
-    dsts: impl Iterator<Item = (&'a MrDesc, u64, u64, u64)>,
-) -> Option<Dsts> {
-    dsts.zip(members)
-        .map(|((d, len, so, doff), m)| RoutedDst::matched(m, d, len, so, doff))
-        .collect::<Option<Vec<_>>>()
-        .map(Dsts::Routed)
 }
 
 /// Position of a largest page index of `p` (`None` when `p` is empty).

@@ -32,18 +32,23 @@ mod mem;
 mod ondone;
 #[cfg(feature = "latency-probe")]
 pub mod probe;
+mod request;
 pub mod shard;
 mod sync;
 mod watcher;
+mod wrid;
 
-pub use crate::core::{GroupAddress, RecvCallback, MAX_NICS};
 pub use engine::{
     DomainGroupSpec, EngineBuilder, EngineConfig, EngineStats, ExcessHandler, ImmCounts,
     PeerGroupHandle, QueueFullPolicy, TransferEngine,
 };
 pub use error::{EngineError, TransferId};
-pub use mem::MrHandle;
+pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
+pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
 pub use watcher::{UvmWatcher, WatchCallback};
 pub use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
+
+/// Most NICs in one group.
+pub const MAX_NICS: usize = 8;
