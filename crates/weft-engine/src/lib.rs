@@ -24,7 +24,10 @@
 //! ```
 
 mod affinity;
+mod builder;
+mod config;
 mod core;
+mod driver;
 mod engine;
 mod error;
 mod imm;
@@ -38,10 +41,9 @@ mod sync;
 mod watcher;
 mod wrid;
 
-pub use engine::{
-    DomainGroupSpec, EngineBuilder, EngineConfig, EngineStats, ExcessHandler, ImmCounts,
-    PeerGroupHandle, QueueFullPolicy, TransferEngine,
-};
+pub use builder::EngineBuilder;
+pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, QueueFullPolicy};
+pub use engine::{EngineStats, ImmCounts, PeerGroupHandle, TransferEngine};
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};

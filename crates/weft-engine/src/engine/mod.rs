@@ -1,0 +1,563 @@
+//! The [`TransferEngine`] handle and the state it shares with the engine's
+//! threads: group info and control, registrations, receive pools, the UVM
+//! watcher API, manual driving and shutdown. Submits are in `submit`,
+//! immediates and their rounds in `rounds`.
+
+mod rounds;
+mod submit;
+
+use crate::builder::EngineBuilder;
+use crate::config::{EngineConfig, ExcessHandler};
+use crate::core::{Control, GroupInfo};
+use crate::driver::callback::{run_msg, IN_CALLBACK};
+use crate::driver::worker::Worker;
+use crate::driver::{CbMsg, GroupShared};
+use crate::error::EngineError;
+use crate::imm::{ImmDone, ImmTable, ImmWaits};
+use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvPool};
+use crate::request::{AddrBook, GroupAddress};
+use crate::shard::{self, ScatterMode, ShardConfig};
+use crate::watcher::{UvmWatcher, WatchCallback, WatcherShared};
+use crossbeam_channel::{Receiver, Sender};
+use crossbeam_utils::Backoff;
+use parking_lot::Mutex;
+use std::cell::Cell;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use weft_transport::{Device, MemRegion, MrDesc};
+
+/// The immediate-value allocator (`alloc_imm` / `free_imm`).
+pub(crate) struct ImmAlloc {
+    pub(crate) next: u32,
+    pub(crate) free: Vec<u32>,
+    /// `in_use[v]` for values handed out and not freed.
+    pub(crate) in_use: Vec<bool>,
+}
+
+/// The engine's threads, joined at shutdown.
+#[derive(Default)]
+pub(crate) struct Threads {
+    pub(crate) workers: Vec<JoinHandle<()>>,
+    pub(crate) callback: Option<JoinHandle<()>>,
+    pub(crate) watcher: Option<JoinHandle<()>>,
+}
+
+/// Manual mode: the workers and the callback queue `progress` drives.
+pub(crate) struct ManualState {
+    pub(crate) workers: Vec<Worker>,
+    pub(crate) cb_rx: Receiver<CbMsg>,
+}
+
+/// Source of [`Inner::id`].
+pub(crate) static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What every handle of one engine shares.
+pub(crate) struct Inner {
+    /// Process-unique engine id: peer group handles name their engine.
+    pub(crate) id: u64,
+    pub(crate) groups: Vec<Arc<GroupShared>>,
+    pub(crate) imms: Arc<ImmTable<ImmDone>>,
+    pub(crate) imm_waits: Arc<ImmWaits>,
+    pub(crate) addrs: Arc<AddrBook>,
+    pub(crate) imm_free: Mutex<ImmAlloc>,
+    pub(crate) config: EngineConfig,
+    pub(crate) cb_tx: Sender<CbMsg>,
+    pub(crate) threads: Mutex<Threads>,
+    pub(crate) watcher: Arc<WatcherShared>,
+    pub(crate) shut: AtomicBool,
+    pub(crate) done: AtomicBool,
+    pub(crate) manual: Option<Mutex<ManualState>>,
+    pub(crate) next_id: AtomicU64,
+    pub(crate) next_pool: AtomicU16,
+    pub(crate) excess: ExcessHandler,
+    pub(crate) excess_total: AtomicU64,
+    #[cfg(feature = "latency-probe")]
+    pub(crate) probes: Arc<crate::probe::ProbeSink>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Last handle gone without `shutdown`: stop the threads. They hold
+        // no `Inner` reference except the callback thread, which exits on
+        // `Stop` once the workers are gone.
+        if !self.done.load(Ordering::SeqCst) {
+            self.shut.store(true, Ordering::SeqCst);
+            for g in &self.groups {
+                g.closing.store(true, Ordering::SeqCst);
+                if let Some(t) = g.thread.get() {
+                    t.unpark();
+                }
+            }
+            self.watcher.stop.store(true, Ordering::SeqCst);
+            self.watcher.unpark();
+            let _ = self.cb_tx.send(CbMsg::Stop);
+        }
+    }
+}
+
+/// The immediate-count parameters of one group, for receivers computing how
+/// many immediates a peer's submit produces (see [`crate::shard`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImmCounts {
+    /// NICs of the group (= lanes when the peer has as many).
+    pub lanes: usize,
+    /// Smallest `max_write_len` of the group's NICs.
+    pub max_write_len: u64,
+    /// The sharding plan.
+    pub shard: ShardConfig,
+}
+
+impl ImmCounts {
+    /// Immediates of one `submit_single_write` of `len` bytes.
+    pub fn single_write(&self, len: u64) -> u64 {
+        shard::imm_count_single_write(len, self.lanes, self.max_write_len, &self.shard)
+    }
+    /// Immediates of one `submit_paged_writes` of `pages` pages.
+    pub fn paged_writes(&self, page_len: u64, pages: u64) -> u64 {
+        shard::imm_count_paged_writes(page_len, pages, self.max_write_len, &self.shard)
+    }
+    /// Immediates one scatter destination of `len` bytes receives.
+    pub fn scatter_dst(&self, len: u64, mode: ScatterMode) -> u64 {
+        shard::imm_count_scatter_dst(len, self.lanes, self.max_write_len, mode, &self.shard)
+    }
+    /// Immediates one barrier produces at each destination: always 1.
+    pub fn barrier(&self) -> u64 {
+        1
+    }
+}
+
+/// A set of peers for scatter and barrier, resolved on every group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerGroupHandle {
+    /// The engine that resolved the group (handles are per engine).
+    pub(super) engine: u64,
+    pub(super) ids: Vec<u32>,
+    /// The members' addresses, to match destinations to members at submit.
+    pub(super) members: Arc<[GroupAddress]>,
+}
+
+impl PeerGroupHandle {
+    /// Number of peers.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+    /// Whether the group is empty.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+}
+
+/// Engine statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineStats {
+    /// Immediates reported as never consumed.
+    pub imm_excess: u64,
+    /// Immediates of values outside the allocator's range that were not
+    /// tracked because too many distinct such values were outstanding
+    /// (a misbehaving peer); they are counted here and never fire a round.
+    pub imm_dropped: u64,
+}
+
+/// The TransferEngine. Cheap to clone (a handle); callbacks may capture a
+/// clone and submit from the callback thread.
+#[derive(Clone)]
+pub struct TransferEngine {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("groups", &self.inner.groups.len())
+            .finish()
+    }
+}
+
+pub(crate) fn no_group(g: usize) -> EngineError {
+    EngineError::InvalidArgument {
+        what: format!("no domain group {g}"),
+    }
+}
+
+impl TransferEngine {
+    /// Starts a builder.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::new()
+    }
+
+    pub(super) fn group(&self, g: usize) -> Result<&Arc<GroupShared>, EngineError> {
+        self.inner.groups.get(g).ok_or_else(|| no_group(g))
+    }
+
+    pub(super) fn info(&self, g: usize) -> Result<&GroupInfo, EngineError> {
+        self.group(g)?.info.get().ok_or(EngineError::ShutDown)
+    }
+
+    /// Number of domain groups.
+    pub fn groups(&self) -> usize {
+        self.inner.groups.len()
+    }
+
+    /// NICs of group `g`.
+    pub fn nic_count(&self, g: usize) -> Result<usize, EngineError> {
+        Ok(self.info(g)?.addrs.len())
+    }
+
+    /// Names of group `g`'s NICs, in NIC order.
+    pub fn nic_names(&self, g: usize) -> Result<Vec<String>, EngineError> {
+        Ok(self.info(g)?.names.clone())
+    }
+
+    /// Addresses of group `g`'s NICs, in NIC order.
+    pub fn group_address(&self, g: usize) -> Result<GroupAddress, EngineError> {
+        Ok(GroupAddress {
+            nics: self.info(g)?.addrs.clone(),
+        })
+    }
+
+    /// Address of group 0 (its NIC 0 takes sends).
+    pub fn main_address(&self) -> GroupAddress {
+        self.group_address(0)
+            .unwrap_or(GroupAddress { nics: Vec::new() })
+    }
+
+    /// Immediate-count parameters of group `g`.
+    pub fn imm_counts(&self, g: usize) -> Result<ImmCounts, EngineError> {
+        let i = self.info(g)?;
+        Ok(ImmCounts {
+            lanes: i.addrs.len(),
+            max_write_len: i.max_write_len,
+            shard: self.inner.config.shard,
+        })
+    }
+
+    /// Statistics.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            imm_excess: self.inner.excess_total.load(Ordering::Relaxed),
+            imm_dropped: self.inner.imms.dropped(),
+        }
+    }
+
+    pub(super) fn control<T>(
+        &self,
+        g: &GroupShared,
+        make: impl FnOnce(Sender<Result<T, EngineError>>) -> Control,
+    ) -> Result<T, EngineError> {
+        if self.inner.shut.load(Ordering::SeqCst) {
+            return Err(EngineError::ShutDown);
+        }
+        if let Some(e) = g.failed.get() {
+            return Err(e.clone());
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        g.ctrl.send(make(tx)).map_err(|_| EngineError::ShutDown)?;
+        if let Some(m) = &self.inner.manual {
+            // Run the worker's control queue inline.
+            let mut st = m.lock();
+            if let Some(w) = st.workers.get_mut(g.index) {
+                while let Ok(c) = w.ctrl_rx.try_recv() {
+                    w.core.handle_control(c);
+                }
+            }
+        } else {
+            g.wake();
+            if let Some(t) = g.thread.get() {
+                t.unpark();
+            }
+        }
+        rx.recv()
+            .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?
+    }
+
+    /// Registers memory with every NIC of the group serving its device
+    /// (group 0 for host memory unless a group declares [`Device::Host`]
+    /// explicitly first). Returns the local handle and the descriptor peers
+    /// need to write into it (one `(NetAddr, rkey)` per NIC, in NIC order).
+    pub fn reg_mr(&self, region: MemRegion) -> Result<(MrHandle, MrDesc), EngineError> {
+        let g = self
+            .inner
+            .groups
+            .iter()
+            .position(|g| g.device == region.device())
+            .or_else(|| (region.device() == Device::Host).then_some(0))
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("no domain group serves {}", region.device()),
+            })?;
+        self.reg_mr_on(g, region)
+    }
+
+    /// [`TransferEngine::reg_mr`] from a raw pointer.
+    ///
+    /// # Safety
+    /// The promises of [`MemRegion::new`] for as long as the memory stays
+    /// registered.
+    pub unsafe fn reg_mr_ptr(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc), EngineError> {
+        // SAFETY: forwarded to the caller.
+        self.reg_mr(unsafe { MemRegion::new(ptr, len, device) })
+    }
+
+    /// Registers memory with every NIC of group `g`.
+    pub fn reg_mr_on(
+        &self,
+        g: usize,
+        region: MemRegion,
+    ) -> Result<(MrHandle, MrDesc), EngineError> {
+        let gs = self.group(g)?;
+        let (key, lanes) = self.control(gs, |reply| Control::RegMr { region, reply })?;
+        let (id, gen) = crate::wrid::split_mr_key(key);
+        let info = self.info(g)?;
+        let desc = MrDesc {
+            addr: region.addr(),
+            len: region.len() as u64,
+            rkeys: info
+                .addrs
+                .iter()
+                .zip(&lanes)
+                .map(|(a, mr)| (a.clone(), mr.rkey))
+                .collect(),
+        };
+        let h = MrHandle {
+            group: g as u32,
+            id,
+            gen,
+            addr: region.addr(),
+            len: region.len() as u64,
+            device: region.device(),
+        };
+        Ok((h, desc))
+    }
+
+    /// Deregisters memory from every NIC of its group. Transfers still
+    /// using it fail with a local-access error.
+    pub fn unreg_mr(&self, h: MrHandle) -> Result<(), EngineError> {
+        let gs = self.group(h.group as usize)?;
+        self.control(gs, |reply| Control::UnregMr { id: h.key(), reply })
+    }
+
+    /// Resolves a set of peers on every group, for scatter and barrier.
+    /// Member `j` is the destination `dsts[j]` of later submits.
+    pub fn add_peer_group(&self, addrs: &[GroupAddress]) -> Result<PeerGroupHandle, EngineError> {
+        let mut ids = Vec::with_capacity(self.inner.groups.len());
+        for gs in &self.inner.groups {
+            let peers = addrs.to_vec();
+            ids.push(self.control(gs, |reply| Control::AddPeerGroup { peers, reply })?);
+        }
+        Ok(PeerGroupHandle {
+            engine: self.inner.id,
+            ids,
+            members: addrs.into(),
+        })
+    }
+
+    /// Posts a rotating pool of `count` receive buffers of `len` bytes on
+    /// NIC 0 of group 0. `cb` runs on the callback thread for every
+    /// received message (or receive error); the buffer is re-posted after
+    /// `cb` returns. Buffers flushed at shutdown are not reported.
+    pub fn submit_recvs(
+        &self,
+        len: u64,
+        count: u32,
+        cb: impl FnMut(Result<&[u8], EngineError>) + Send + 'static,
+    ) -> Result<(), EngineError> {
+        if len == 0 || count == 0 {
+            return Err(EngineError::InvalidArgument {
+                what: "receive pool needs len > 0 and count > 0".into(),
+            });
+        }
+        let total = len
+            .checked_mul(u64::from(count))
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: "receive pool size overflows".into(),
+            })?;
+        // Pool ids are part of receive WR ids and never reused: refuse
+        // rather than wrap onto a live pool.
+        let id = self
+            .inner
+            .next_pool
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_add(1))
+            .map_err(|_| EngineError::RecvPoolsExhausted {
+                limit: u32::from(u16::MAX),
+            })?;
+        let pool = Arc::new(RecvPool {
+            id,
+            group: 0,
+            buf: RawBuf::new(total)?,
+            len,
+            count,
+            cb: parking_lot::Mutex::new(Box::new(cb) as RecvCallback),
+        });
+        let gs = self.group(0)?;
+        self.control(gs, |reply| Control::RecvPool { pool, reply })
+    }
+
+    /// Allocates a host word watched by the UVM watcher thread; `cb(old,
+    /// new)` runs on that thread when it changes (changes may coalesce).
+    pub fn alloc_uvm_watcher(&self, cb: impl FnMut(u64, u64) + Send + 'static) -> UvmWatcher {
+        self.inner.watcher.alloc(Box::new(cb) as WatchCallback)
+    }
+
+    /// Watches an externally allocated word (e.g. host-mapped pinned memory
+    /// a GPU writes).
+    ///
+    /// # Safety
+    /// `ptr` must point to an 8-byte aligned word that stays valid (mapped,
+    /// not freed) until the returned [`UvmWatcher`] is dropped, and that is
+    /// only ever written atomically or by a device.
+    pub unsafe fn watch_word(
+        &self,
+        ptr: NonNull<AtomicU64>,
+        cb: impl FnMut(u64, u64) + Send + 'static,
+    ) -> UvmWatcher {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            self.inner
+                .watcher
+                .external(ptr, Box::new(cb) as WatchCallback)
+        }
+    }
+
+    /// Manual mode only: runs one iteration of every worker, then the
+    /// callbacks it produced, then one watcher scan, all on this thread.
+    /// Returns whether anything happened. Do not call from a callback.
+    pub fn progress(&self) -> bool {
+        let Some(m) = &self.inner.manual else {
+            return false;
+        };
+        let mut did = false;
+        let msgs: Vec<CbMsg> = {
+            let mut st = m.lock();
+            for w in st.workers.iter_mut() {
+                did |= w.iterate();
+            }
+            st.cb_rx.try_iter().collect()
+        };
+        for msg in msgs {
+            did = true;
+            run_msg(&self.inner.groups, &self.inner.excess, msg);
+        }
+        did |= self.inner.watcher.scan();
+        did
+    }
+
+    /// Latency-probe records collected so far (feature `latency-probe`).
+    #[cfg(feature = "latency-probe")]
+    pub fn take_probe_records(&self) -> Vec<crate::probe::Record> {
+        self.inner.probes.drain()
+    }
+
+    /// Stops the engine: new submits fail with `ShutDown`, queued and
+    /// not-yet-posted work fails with `ShutDown`, posted work is drained
+    /// (up to `drain_timeout`, then failed), armed immediate rounds fail,
+    /// unconsumed immediates are reported as excess, every callback already
+    /// due is run, then all threads exit. Idempotent. Must not be called
+    /// from a callback.
+    pub fn shutdown(&self) {
+        if self.inner.shut.swap(true, Ordering::SeqCst) {
+            // Someone else is/was shutting down: return only once that
+            // shutdown has finished (unless called from inside a callback,
+            // which that shutdown may be waiting for).
+            if IN_CALLBACK.with(Cell::get) {
+                return;
+            }
+            let b = Backoff::new();
+            while !self.inner.done.load(Ordering::SeqCst) {
+                if b.is_completed() {
+                    std::thread::sleep(Duration::from_micros(100));
+                } else {
+                    b.snooze();
+                }
+            }
+            return;
+        }
+        // No submitter may be between its shutdown check and its push.
+        for g in &self.inner.groups {
+            let b = Backoff::new();
+            while g.submitting.load(Ordering::SeqCst) != 0 {
+                b.snooze();
+            }
+            g.closing.store(true, Ordering::SeqCst);
+            if let Some(t) = g.thread.get() {
+                t.unpark();
+            }
+        }
+        if let Some(m) = &self.inner.manual {
+            let deadline = Instant::now() + self.inner.config.drain_timeout;
+            loop {
+                let all_done = {
+                    let mut st = m.lock();
+                    for w in st.workers.iter_mut() {
+                        w.iterate();
+                        w.drain_step(deadline);
+                    }
+                    st.workers.iter().all(|w| w.finished)
+                };
+                while self.progress_callbacks() {}
+                if all_done {
+                    break;
+                }
+            }
+            let workers = std::mem::take(&mut m.lock().workers);
+            for w in workers {
+                w.core.close();
+            }
+        } else {
+            let workers = std::mem::take(&mut self.inner.threads.lock().workers);
+            for h in workers {
+                let _ = h.join();
+            }
+        }
+        // Unfired rounds and unconsumed immediates.
+        for (imm, n, cbs) in self.inner.imms.reset_all() {
+            self.report_excess(imm, n);
+            for d in cbs {
+                self.finish_imm(d, Err(EngineError::ShutDown));
+            }
+        }
+        self.inner.watcher.stop.store(true, Ordering::SeqCst);
+        self.inner.watcher.unpark();
+        let _ = self.inner.cb_tx.send(CbMsg::Stop);
+        if self.inner.manual.is_some() {
+            while self.progress_callbacks() {}
+        } else {
+            let (cb, w) = {
+                let mut t = self.inner.threads.lock();
+                (t.callback.take(), t.watcher.take())
+            };
+            let me = std::thread::current().id();
+            if let Some(h) = cb {
+                if h.thread().id() != me {
+                    let _ = h.join();
+                }
+            }
+            if let Some(h) = w {
+                if h.thread().id() != me {
+                    let _ = h.join();
+                }
+            }
+        }
+        self.inner.watcher.clear();
+        self.inner.done.store(true, Ordering::SeqCst);
+    }
+
+    fn progress_callbacks(&self) -> bool {
+        let Some(m) = &self.inner.manual else {
+            return false;
+        };
+        let msgs: Vec<CbMsg> = m.lock().cb_rx.try_iter().collect();
+        let any = !msgs.is_empty();
+        for msg in msgs {
+            run_msg(&self.inner.groups, &self.inner.excess, msg);
+        }
+        any
+    }
+}
