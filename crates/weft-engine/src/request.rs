@@ -65,7 +65,7 @@ pub(crate) enum Body {
     },
 }
 
-/// A descriptor's region and per-lane rkeys as plain values, the part of
+/// A descriptor's region and per-NIC rkeys as plain values, the part of
 /// [`RoutedDst`] and [`PlainDst`] that travels instead of a cloned
 /// `MrDesc`.
 #[derive(Debug, Clone, Copy)]
@@ -74,7 +74,7 @@ pub(crate) struct DstKeys {
     pub(crate) base: u64,
     pub(crate) region_len: u64,
     /// How many of `rkeys` are valid (the descriptor's rkey count).
-    pub(crate) lanes: usize,
+    pub(crate) nics: usize,
     pub(crate) rkeys: [Rkey; MAX_NICS],
 }
 
@@ -86,30 +86,30 @@ impl DstKeys {
             return None;
         }
         let mut rkeys = [Rkey(0); MAX_NICS];
-        for (lane, (_, rkey)) in dst.rkeys.iter().enumerate() {
-            rkeys[lane] = *rkey;
+        for (nic, (_, rkey)) in dst.rkeys.iter().enumerate() {
+            rkeys[nic] = *rkey;
         }
         Some(Self {
             base: dst.addr,
             region_len: dst.len,
-            lanes: dst.rkeys.len(),
+            nics: dst.rkeys.len(),
             rkeys,
         })
     }
 
-    /// The rkey of `lane`, if the descriptor has one.
-    pub(crate) fn rkey(&self, lane: usize) -> Result<Rkey, EngineError> {
+    /// The rkey of `nic`, if the descriptor has one.
+    pub(crate) fn rkey(&self, nic: usize) -> Result<Rkey, EngineError> {
         self.rkeys
-            .get(lane)
+            .get(nic)
             .copied()
-            .filter(|_| lane < self.lanes)
+            .filter(|_| nic < self.nics)
             .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {lane}"),
+                what: format!("destination has no rkey for NIC {nic}"),
             })
     }
 }
 
-/// A scatter or barrier destination whose per-lane NIC addresses were
+/// A scatter or barrier destination whose per-NIC NIC addresses were
 /// matched, at submit, to the peer group member it goes to. It holds plain
 /// values only, so no descriptor is cloned into the request queue.
 #[derive(Debug, Clone, Copy)]
@@ -122,7 +122,7 @@ pub(crate) struct RoutedDst {
 
 impl RoutedDst {
     /// `dst` as seen through `member`: `Some` when each of its rkeys' NIC
-    /// addresses is `member`'s address of the same lane.
+    /// addresses is `member`'s address of the same NIC.
     pub(crate) fn matched(
         member: &GroupAddress,
         dst: &MrDesc,
@@ -131,8 +131,8 @@ impl RoutedDst {
         dst_offset: u64,
     ) -> Option<Self> {
         let keys = DstKeys::of(dst)?;
-        for (lane, (addr, _)) in dst.rkeys.iter().enumerate() {
-            if member.nics.get(lane) != Some(addr) {
+        for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
+            if member.nics.get(nic) != Some(addr) {
                 return None;
             }
         }
@@ -189,7 +189,7 @@ impl AddrBook {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PlainDst {
     pub(crate) keys: DstKeys,
-    /// The [`AddrBook`] id of each lane's NIC address (`keys.lanes` valid).
+    /// The [`AddrBook`] id of each NIC's address (`keys.nics` valid).
     pub(crate) addrs: [u32; MAX_NICS],
 }
 
@@ -199,8 +199,8 @@ impl PlainDst {
     pub(crate) fn new(dst: &MrDesc, book: &AddrBook) -> Option<Self> {
         let keys = DstKeys::of(dst)?;
         let mut addrs = [0u32; MAX_NICS];
-        for (lane, (addr, _)) in dst.rkeys.iter().enumerate() {
-            addrs[lane] = book.id(addr);
+        for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
+            addrs[nic] = book.id(addr);
         }
         Some(Self { keys, addrs })
     }
@@ -248,7 +248,7 @@ mod tests {
     }
 
     /// One id per distinct address, stable, and back to the address; a
-    /// plain destination keeps every lane's rkey and address in order.
+    /// plain destination keeps every NIC's rkey and address in order.
     #[test]
     fn addr_book_interns_descriptor_addresses() {
         let book = AddrBook::default();
@@ -259,14 +259,14 @@ mod tests {
         assert_eq!(book.addr(b), Some(addr(2)));
         assert_eq!(book.addr(99), None);
         let d = desc(&[2, 3, 1]);
-        let p = PlainDst::new(&d, &book).expect("3 lanes fit");
+        let p = PlainDst::new(&d, &book).expect("3 nics fit");
         assert_eq!(
-            (p.keys.base, p.keys.region_len, p.keys.lanes),
+            (p.keys.base, p.keys.region_len, p.keys.nics),
             (d.addr, d.len, 3)
         );
-        for (lane, (na, rk)) in d.rkeys.iter().enumerate() {
-            assert_eq!(p.keys.rkeys[lane], *rk);
-            assert_eq!(book.addr(p.addrs[lane]).as_ref(), Some(na));
+        for (nic, (na, rk)) in d.rkeys.iter().enumerate() {
+            assert_eq!(p.keys.rkeys[nic], *rk);
+            assert_eq!(book.addr(p.addrs[nic]).as_ref(), Some(na));
         }
         assert_eq!(p.addrs[2], a, "a known address keeps its id");
         let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
@@ -285,18 +285,18 @@ mod tests {
     }
 
     #[test]
-    fn routed_dst_only_when_every_lane_matches() {
+    fn routed_dst_only_when_every_nic_matches() {
         let member = GroupAddress {
             nics: vec![addr(1), addr(2)],
         };
         let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
         assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
         assert_eq!(
-            (r.keys.base, r.keys.region_len, r.keys.lanes),
+            (r.keys.base, r.keys.region_len, r.keys.nics),
             (0x1000, 64, 2)
         );
         assert_eq!(&r.keys.rkeys[..2], &[Rkey(101), Rkey(102)]);
-        // Another member's NICs, lanes swapped, one lane different, more
+        // Another member's NICs, NICs swapped, one NIC different, more
         // rkeys than the member has NICs: resolved by address instead.
         for d in [&[3, 4][..], &[2, 1], &[1, 3], &[1, 2, 3]] {
             assert!(

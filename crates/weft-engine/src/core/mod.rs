@@ -364,7 +364,7 @@ impl WorkerCore {
         }
         for id in 0..self.reg.mrs.len() {
             if let Some(e) = self.reg.mrs[id].take() {
-                for (i, mr) in e.lanes.iter().enumerate() {
+                for (i, mr) in e.nics.iter().enumerate() {
                     let _ = self.nics_dereg(i, mr.key);
                 }
             }

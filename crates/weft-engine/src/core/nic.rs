@@ -83,17 +83,13 @@ impl Nic {
 }
 
 impl WorkerCore {
-    pub(super) fn resolve(
-        &mut self,
-        lane: usize,
-        addr: &NetAddr,
-    ) -> Result<PeerId, TransportError> {
+    pub(super) fn resolve(&mut self, nic: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
         let n = self
             .nics
-            .get_mut(lane)
+            .get_mut(nic)
             .ok_or_else(|| TransportError::InvalidArgument {
                 nic: String::new(),
-                what: format!("no NIC {lane}"),
+                what: format!("no NIC {nic}"),
             })?;
         n.resolve(addr)
     }

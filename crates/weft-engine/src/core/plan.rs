@@ -23,12 +23,12 @@ impl WorkerCore {
                 dst,
                 dst_off,
             } => {
-                let lanes = self.lanes_for(Target::Plain(&dst))?;
+                let nics = self.nics_for(Target::Plain(&dst))?;
                 self.rr = self.rr.wrapping_add(1);
                 shard::plan_single_write_into(
                     &mut self.pieces,
                     len,
-                    lanes,
+                    nics,
                     self.max_write_len,
                     self.rr,
                     &self.shard,
@@ -53,11 +53,11 @@ impl WorkerCore {
                 dst,
                 dst_pages,
             } => {
-                let lanes = self.lanes_for(Target::Plain(&dst))?;
+                let nics = self.nics_for(Target::Plain(&dst))?;
                 let mut routes = Routes::default();
                 let target = Target::Plain(&dst);
                 let tid = self.slab[slot as usize].id;
-                // A page that fits one WR is one piece on lane `i % lanes`
+                // A page that fits one WR is one piece on NIC `i % nics`
                 // (what `plan_page` says): pushed without the piece list.
                 let one_piece = page_len > 0
                     && page_len <= shard::piece_cap(self.max_write_len, self.shard.align);
@@ -70,16 +70,16 @@ impl WorkerCore {
                         });
                     };
                     if one_piece {
-                        let lane = i % lanes;
-                        let route = self.route(&mut routes, tid, lane, Some(src), target)?;
-                        self.push_write(slot, wr, route, lane, so, target, d_o, page_len, imm)?;
+                        let nic = i % nics;
+                        let route = self.route(&mut routes, tid, nic, Some(src), target)?;
+                        self.push_write(slot, wr, route, nic, so, target, d_o, page_len, imm)?;
                         continue;
                     }
                     shard::plan_page_into(
                         &mut self.pieces,
                         i,
                         page_len,
-                        lanes,
+                        nics,
                         self.max_write_len,
                         self.shard.align,
                     );
@@ -96,14 +96,14 @@ impl WorkerCore {
             } => {
                 self.reg.check_peer_group(peers, dsts.len())?;
                 // Fast path: a destination matched to its member whose
-                // ByPeer plan is one piece (lane `j % lanes`, the whole
+                // ByPeer plan is one piece (NIC `j % nics`, the whole
                 // length: what `plan_scatter_dst` says) is pushed directly
                 // with the source registration looked up once per request.
                 let cap = shard::piece_cap(self.max_write_len, self.shard.align);
                 let mut src_mrs = [None; MAX_NICS];
                 if matches!(dsts, Dsts::Routed(_)) && dsts.len() > 0 {
-                    let lanes = &self.reg.mr_entry(src)?.lanes;
-                    for (l, mr) in lanes.iter().take(MAX_NICS).enumerate() {
+                    let nics = &self.reg.mr_entry(src)?.nics;
+                    for (l, mr) in nics.iter().take(MAX_NICS).enumerate() {
                         src_mrs[l] = Some(*mr);
                     }
                 }
@@ -114,14 +114,14 @@ impl WorkerCore {
                     };
                     if let Some(d) = one_piece {
                         let target = Target::Member(d, peers, j);
-                        let lane = j % self.lanes_for(target)?;
-                        let mr = src_mrs.get(lane).copied().flatten();
-                        let route = self.member_route(d, peers, j, lane, mr)?;
+                        let nic = j % self.nics_for(target)?;
+                        let mr = src_mrs.get(nic).copied().flatten();
+                        let route = self.member_route(d, peers, j, nic, mr)?;
                         self.push_write(
                             slot,
                             wr,
                             route,
-                            lane,
+                            nic,
                             d.src_offset,
                             target,
                             d.dst_offset,
@@ -154,11 +154,11 @@ impl WorkerCore {
                         Dsts::Routed(v) => Target::Member(&v[j], peers, j),
                         Dsts::Described(v) => Target::Desc(&v[j].dst, Some((peers, j))),
                     };
-                    let lanes = self.lanes_for(target)?;
+                    let nics = self.nics_for(target)?;
                     // Zero-length, immediate-only: source is the send pool
                     // (any valid local key of that NIC works for 0 bytes).
-                    let lane = j % lanes;
-                    self.push_zero_write(slot, wr, lane, target, imm)?;
+                    let nic = j % nics;
+                    self.push_zero_write(slot, wr, nic, target, imm)?;
                 }
                 Ok(())
             }
@@ -196,12 +196,12 @@ impl WorkerCore {
                 (t, d.len, d.src_offset, d.dst_offset)
             }
         };
-        let lanes = self.lanes_for(target)?;
+        let nics = self.nics_for(target)?;
         shard::plan_scatter_dst_into(
             &mut self.pieces,
             j,
             len,
-            lanes,
+            nics,
             self.max_write_len,
             mode,
             &self.shard,
@@ -214,14 +214,14 @@ impl WorkerCore {
         &mut self,
         slot: u32,
         wr: WrId,
-        lane: usize,
+        nic: usize,
         target: Target<'_>,
         imm: Imm,
     ) -> Result<(), EngineError> {
         let tid = self.slab[slot as usize].id;
-        // A zero-length local slice of a registration made on *this* lane.
-        let local = self.zero_slice(lane)?;
-        let route = self.route(&mut Routes::default(), tid, lane, None, target)?;
+        // A zero-length local slice of a registration made on *this* NIC.
+        let local = self.zero_slice(nic)?;
+        let route = self.route(&mut Routes::default(), tid, nic, None, target)?;
         let w = WriteWr {
             wr,
             peer: route.peer,
@@ -233,7 +233,7 @@ impl WorkerCore {
             },
             imm: Some(imm),
         };
-        self.push_op(slot, lane, Op::Write(w));
+        self.push_op(slot, nic, Op::Write(w));
         Ok(())
     }
 

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use weft_transport::{Access, LocalMr, MemRegion, MrKey, NetAddr, PeerId, TransportError};
 
 pub(super) struct MrEntry {
-    pub(super) lanes: Vec<LocalMr>,
+    pub(super) nics: Vec<LocalMr>,
 }
 
 pub(super) struct PeerGroup {
-    /// `[member][lane]` resolved peer and the address it was resolved from.
+    /// `[member][nic]` resolved peer and the address it was resolved from.
     pub(super) members: Vec<Vec<(NetAddr, PeerId)>>,
 }
 
@@ -98,12 +98,12 @@ impl WorkerCore {
         &mut self,
         region: &MemRegion,
     ) -> Result<(u64, Vec<LocalMr>), EngineError> {
-        let mut lanes = Vec::with_capacity(self.nics.len());
+        let mut nics = Vec::with_capacity(self.nics.len());
         for (i, n) in self.nics.iter_mut().enumerate() {
             match n.domain.register(region, Access::RemoteWrite) {
-                Ok(mr) => lanes.push(mr),
+                Ok(mr) => nics.push(mr),
                 Err(e) => {
-                    for (j, mr) in lanes.iter().enumerate() {
+                    for (j, mr) in nics.iter().enumerate() {
                         let _ = self.nics_dereg(j, mr.key);
                     }
                     return Err(EngineError::Control {
@@ -127,12 +127,10 @@ impl WorkerCore {
             what: "too many registrations".into(),
         })?;
         if let Some(slot) = self.reg.mrs.get_mut(id) {
-            *slot = Some(MrEntry {
-                lanes: lanes.clone(),
-            });
+            *slot = Some(MrEntry { nics: nics.clone() });
         }
         let gen = self.reg.mr_gens.get(id).copied().unwrap_or(0);
-        Ok((mr_key(id32, gen), lanes))
+        Ok((mr_key(id32, gen), nics))
     }
 
     pub(super) fn nics_dereg(&mut self, nic: usize, key: MrKey) -> Result<(), TransportError> {
@@ -155,7 +153,7 @@ impl WorkerCore {
             *g = g.wrapping_add(1);
         }
         let mut first = Ok(());
-        for (i, mr) in entry.lanes.iter().enumerate() {
+        for (i, mr) in entry.nics.iter().enumerate() {
             if let Err(e) = self.nics_dereg(i, mr.key) {
                 if first.is_ok() {
                     first = Err(EngineError::Control {
@@ -173,17 +171,15 @@ impl WorkerCore {
     pub(super) fn add_peer_group(&mut self, peers: Vec<GroupAddress>) -> Result<u32, EngineError> {
         let mut members = Vec::with_capacity(peers.len());
         for p in peers {
-            let lanes = p.nics.len().min(self.nics.len());
-            let mut m = Vec::with_capacity(lanes);
-            for (lane, addr) in p.nics.into_iter().take(lanes).enumerate() {
-                let id = self
-                    .resolve(lane, &addr)
-                    .map_err(|e| EngineError::Control {
-                        group: self.group,
-                        nic: lane,
-                        op: "add_peer",
-                        source: Box::new(e),
-                    })?;
+            let nics = p.nics.len().min(self.nics.len());
+            let mut m = Vec::with_capacity(nics);
+            for (nic, addr) in p.nics.into_iter().take(nics).enumerate() {
+                let id = self.resolve(nic, &addr).map_err(|e| EngineError::Control {
+                    group: self.group,
+                    nic,
+                    op: "add_peer",
+                    source: Box::new(e),
+                })?;
                 m.push((addr, id));
             }
             members.push(m);

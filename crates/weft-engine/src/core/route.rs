@@ -42,36 +42,36 @@ impl Target<'_> {
     pub(super) fn rkey_count(&self) -> usize {
         match self {
             Target::Desc(d, _) => d.rkeys.len(),
-            Target::Member(r, ..) => r.keys.lanes,
-            Target::Plain(p) => p.keys.lanes,
+            Target::Member(r, ..) => r.keys.nics,
+            Target::Plain(p) => p.keys.nics,
         }
     }
 }
 
-/// What one lane of one destination needs to turn pieces into WRs.
+/// What one NIC of one destination needs to turn pieces into WRs.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Route {
-    /// The source registration on this lane's NIC (`None`: not registered
+    /// The source registration on this NIC (`None`: not registered
     /// there; pieces fail with `OutOfBounds`).
     pub(super) mr: Option<LocalMr>,
     pub(super) peer: PeerId,
     pub(super) rkey: Rkey,
 }
 
-/// Per-lane routes of one destination, filled on first use.
+/// Per-NIC routes of one destination, filled on first use.
 #[derive(Default)]
 pub(super) struct Routes([Option<Route>; MAX_NICS]);
 
 impl WorkerCore {
-    pub(super) fn push_op(&mut self, slot: u32, lane: usize, op: Op) {
+    pub(super) fn push_op(&mut self, slot: u32, nic: usize, op: Op) {
         let t = &mut self.slab[slot as usize];
         t.remaining += 1;
         t.unposted += 1;
         self.pending_pieces += 1;
-        self.nics[lane].fresh.push_back(op);
+        self.nics[nic].fresh.push_back(op);
     }
 
-    /// The route of `lane` toward `target` from source registration `src`
+    /// The route of `nic` toward `target` from source registration `src`
     /// (`None`: zero-length writes, whose source is the engine's own):
     /// looked up once per destination (cached in `routes`), not per piece.
     #[inline]
@@ -79,16 +79,16 @@ impl WorkerCore {
         &mut self,
         routes: &mut Routes,
         tid: TransferId,
-        lane: usize,
+        nic: usize,
         src: Option<u64>,
         target: Target<'_>,
     ) -> Result<Route, EngineError> {
         // The per-piece fast path (a paged write calls this per page) stays
-        // inlined at its callers; the look-up below runs once per lane.
-        if let Some(r) = routes.0.get(lane).copied().flatten() {
+        // inlined at its callers; the look-up below runs once per NIC.
+        if let Some(r) = routes.0.get(nic).copied().flatten() {
             return Ok(r);
         }
-        self.route_uncached(routes, tid, lane, src, target)
+        self.route_uncached(routes, tid, nic, src, target)
     }
 
     #[inline(never)]
@@ -96,28 +96,28 @@ impl WorkerCore {
         &mut self,
         routes: &mut Routes,
         tid: TransferId,
-        lane: usize,
+        nic: usize,
         src: Option<u64>,
         target: Target<'_>,
     ) -> Result<Route, EngineError> {
         let mr = match src {
-            Some(key) => self.reg.mr_entry(key)?.lanes.get(lane).copied(),
+            Some(key) => self.reg.mr_entry(key)?.nics.get(nic).copied(),
             None => None,
         };
         let no_rkey = || EngineError::InvalidArgument {
-            what: format!("destination has no rkey for NIC {lane}"),
+            what: format!("destination has no rkey for NIC {nic}"),
         };
         let (peer, rkey) = match target {
             Target::Member(d, g, j) => {
-                let r = self.member_route(d, g, j, lane, mr)?;
+                let r = self.member_route(d, g, j, nic, mr)?;
                 (r.peer, r.rkey)
             }
             Target::Plain(d) => {
-                let rkey = d.keys.rkey(lane)?;
-                (self.plain_peer(lane, d.addrs[lane], tid)?, rkey)
+                let rkey = d.keys.rkey(nic)?;
+                (self.plain_peer(nic, d.addrs[nic], tid)?, rkey)
             }
             Target::Desc(dst, hint) => {
-                let (addr, rkey) = dst.rkeys.get(lane).ok_or_else(no_rkey)?;
+                let (addr, rkey) = dst.rkeys.get(nic).ok_or_else(no_rkey)?;
                 let hinted = hint
                     .and_then(|(g, j)| {
                         self.reg
@@ -125,38 +125,38 @@ impl WorkerCore {
                             .get(g as usize)?
                             .members
                             .get(j)?
-                            .get(lane)
+                            .get(nic)
                     })
                     .and_then(|(a, id)| (a == addr).then_some(*id));
                 let peer = match hinted {
                     Some(p) => p,
                     None => {
                         let group = self.group;
-                        self.resolve(lane, addr)
-                            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?
+                        self.resolve(nic, addr)
+                            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?
                     }
                 };
                 (peer, *rkey)
             }
         };
         let r = Route { mr, peer, rkey };
-        if let Some(slot) = routes.0.get_mut(lane) {
+        if let Some(slot) = routes.0.get_mut(nic) {
             *slot = Some(r);
         }
         Ok(r)
     }
 
-    /// The peer on `lane` at interned address `id` (see [`AddrBook`]):
-    /// cached per lane, resolved by address the first time.
+    /// The peer on `nic` at interned address `id` (see [`AddrBook`]):
+    /// cached per NIC, resolved by address the first time.
     pub(super) fn plain_peer(
         &mut self,
-        lane: usize,
+        nic: usize,
         id: u32,
         tid: TransferId,
     ) -> Result<PeerId, EngineError> {
         if let Some(Some(p)) = self
             .nics
-            .get(lane)
+            .get(nic)
             .and_then(|n| n.by_addr_id.get(id as usize))
         {
             return Ok(*p);
@@ -169,9 +169,9 @@ impl WorkerCore {
                 what: format!("unknown interned address {id}"),
             })?;
         let peer = self
-            .resolve(lane, &addr)
-            .map_err(|e| transport(group, lane, tid, Some(addr.clone()), e))?;
-        let cache = &mut self.nics[lane].by_addr_id;
+            .resolve(nic, &addr)
+            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?;
+        let cache = &mut self.nics[nic].by_addr_id;
         if cache.len() <= id as usize {
             cache.resize(id as usize + 1, None);
         }
@@ -179,25 +179,25 @@ impl WorkerCore {
         Ok(peer)
     }
 
-    /// The route of `lane` to member `j` of peer group `g` for a
+    /// The route of `nic` to member `j` of peer group `g` for a
     /// destination matched to it at submit.
     pub(super) fn member_route(
         &self,
         d: &RoutedDst,
         g: u32,
         j: usize,
-        lane: usize,
+        nic: usize,
         mr: Option<LocalMr>,
     ) -> Result<Route, EngineError> {
-        let rkey = d.keys.rkey(lane)?;
+        let rkey = d.keys.rkey(nic)?;
         let peer = self
             .reg
             .peer_groups
             .get(g as usize)
-            .and_then(|pg| pg.members.get(j)?.get(lane))
+            .and_then(|pg| pg.members.get(j)?.get(nic))
             .map(|(_, id)| *id)
             .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("peer group {g} member {j} has no NIC {lane}"),
+                what: format!("peer group {g} member {j} has no NIC {nic}"),
             })?;
         Ok(Route { mr, peer, rkey })
     }
@@ -208,7 +208,7 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         route: Route,
-        lane: usize,
+        nic: usize,
         src_off: u64,
         target: Target<'_>,
         dst_off: u64,
@@ -216,12 +216,12 @@ impl WorkerCore {
         imm: Option<Imm>,
     ) -> Result<(), EngineError> {
         // The one place a piece becomes a WR: domain, lkey, remote NIC
-        // address and rkey all come from `lane` (its `Route`).
+        // address and rkey all come from `nic` (its `Route`).
         let local = route
             .mr
             .and_then(|mr| mr.slice(src_off, len))
             .ok_or_else(|| EngineError::OutOfBounds {
-                what: format!("source on NIC {lane}"),
+                what: format!("source on NIC {nic}"),
                 offset: src_off,
                 len,
                 region_len: route.mr.map_or(0, |mr| mr.len),
@@ -248,7 +248,7 @@ impl WorkerCore {
             },
             imm,
         };
-        self.push_op(slot, lane, Op::Write(w));
+        self.push_op(slot, nic, Op::Write(w));
         Ok(())
     }
 
@@ -294,7 +294,7 @@ impl WorkerCore {
         r
     }
 
-    pub(super) fn lanes_for(&self, target: Target<'_>) -> Result<usize, EngineError> {
+    pub(super) fn nics_for(&self, target: Target<'_>) -> Result<usize, EngineError> {
         let l = self.nics.len().min(target.rkey_count());
         if l == 0 {
             return Err(EngineError::InvalidArgument {
@@ -304,12 +304,12 @@ impl WorkerCore {
         Ok(l)
     }
 
-    pub(super) fn zero_slice(&mut self, lane: usize) -> Result<LocalSlice, EngineError> {
+    pub(super) fn zero_slice(&mut self, nic: usize) -> Result<LocalSlice, EngineError> {
         self.zero_mrs
-            .get(lane)
+            .get(nic)
             .and_then(|mr| mr.slice(0, 0))
             .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("no NIC {lane}"),
+                what: format!("no NIC {nic}"),
             })
     }
 }

@@ -102,7 +102,9 @@ impl Drop for Inner {
 /// many immediates a peer's submit produces (see [`crate::shard`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImmCounts {
-    /// NICs of the group (= lanes when the peer has as many).
+    /// NICs of the group: a submit spreads over this many when the peer has
+    /// as many. (Public name kept; the engine otherwise calls a NIC index
+    /// `nic`.)
     pub lanes: usize,
     /// Smallest `max_write_len` of the group's NICs.
     pub max_write_len: u64,
@@ -312,7 +314,7 @@ impl TransferEngine {
         region: MemRegion,
     ) -> Result<(MrHandle, MrDesc), EngineError> {
         let gs = self.group(g)?;
-        let (key, lanes) = self.control(gs, |reply| Control::RegMr { region, reply })?;
+        let (key, mrs) = self.control(gs, |reply| Control::RegMr { region, reply })?;
         let (id, gen) = crate::wrid::split_mr_key(key);
         let info = self.info(g)?;
         let desc = MrDesc {
@@ -321,7 +323,7 @@ impl TransferEngine {
             rkeys: info
                 .addrs
                 .iter()
-                .zip(&lanes)
+                .zip(&mrs)
                 .map(|(a, mr)| (a.clone(), mr.rkey))
                 .collect(),
         };

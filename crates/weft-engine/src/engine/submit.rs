@@ -126,7 +126,7 @@ impl TransferEngine {
         })
     }
 
-    fn check_lanes(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
+    fn check_nic_count(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
         let local = self.nic_count(g)?;
         if dst.rkeys.len() != local {
             return Err(EngineError::NicCountMismatch {
@@ -217,7 +217,7 @@ impl TransferEngine {
         let (d, dst_off) = dst;
         h.check("source", src_off, len)?;
         Self::check_dst(d, "destination", dst_off, len)?;
-        self.check_lanes(h.group as usize, d)?;
+        self.check_nic_count(h.group as usize, d)?;
         let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
@@ -274,7 +274,7 @@ impl TransferEngine {
                 })?;
             Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
         }
-        self.check_lanes(h.group as usize, d)?;
+        self.check_nic_count(h.group as usize, d)?;
         let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
@@ -332,7 +332,7 @@ impl TransferEngine {
         }
         let g = src.group as usize;
         for d in dsts {
-            self.check_lanes(g, &d.dst)?;
+            self.check_nic_count(g, &d.dst)?;
         }
         let gs = self.group(g)?;
         let pg = *peers.ids.get(g).ok_or_else(|| no_group(g))?;
