@@ -237,6 +237,8 @@ impl WorkerCore {
         Ok(())
     }
 
+    // Registers an oversize SEND buffer in place (`MemRegion::new`).
+    #[allow(unsafe_code)]
     pub(super) fn plan_send(
         &mut self,
         slot: u32,

@@ -16,6 +16,8 @@ thread_local! {
 }
 
 /// Runs one callback-thread message on this thread.
+// Reads a filled receive buffer (`RecvPool::bytes`).
+#[allow(unsafe_code)]
 pub(crate) fn run_msg(groups: &[Arc<GroupShared>], excess: &ExcessHandler, msg: CbMsg) {
     let outer = IN_CALLBACK.with(|c| c.replace(true));
     // A receive buffer is re-posted after its callback returned, even when

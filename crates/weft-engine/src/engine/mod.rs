@@ -297,6 +297,8 @@ impl TransferEngine {
     /// # Safety
     /// The promises of [`MemRegion::new`] for as long as the memory stays
     /// registered.
+    // Unsafe API: forwards the caller's promises to `MemRegion::new`.
+    #[allow(unsafe_code)]
     pub unsafe fn reg_mr_ptr(
         &self,
         ptr: NonNull<u8>,
@@ -415,6 +417,8 @@ impl TransferEngine {
     /// `ptr` must point to an 8-byte aligned word that stays valid (mapped,
     /// not freed) until the returned [`UvmWatcher`] is dropped, and that is
     /// only ever written atomically or by a device.
+    // Unsafe API: forwards the caller's promises to the watcher.
+    #[allow(unsafe_code)]
     pub unsafe fn watch_word(
         &self,
         ptr: NonNull<AtomicU64>,
