@@ -25,6 +25,11 @@
 //! callbacks of successive rounds live in a per-value FIFO that is only
 //! touched when arming and when firing. Model-checked with loom
 //! (module `loom_model` below).
+//!
+//! The engine stores an [`ImmDone`] per armed round: the caller's `OnDone`
+//! and an [`ArmedRound`] that holds one count of [`ImmWaits::armed`] until
+//! the round was reported (or dropped unreported), so idle workers keep
+//! polling while a round waits.
 
 use crate::ondone::{DoneCallback, DoneResult, OnDone};
 use crate::sync::{AtomicU64, Mutex, Ordering};
