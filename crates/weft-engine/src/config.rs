@@ -15,8 +15,8 @@ pub enum QueueFullPolicy {
     /// queue always drains; a callback that re-submits just waits a little.
     #[default]
     Block,
-    /// Return [`EngineError::QueueFull`] at once (the submit's `on_done` is
-    /// not called).
+    /// Return [`EngineError::QueueFull`](crate::EngineError::QueueFull) at once
+    /// (the submit's `on_done` is not called).
     Fail,
 }
 
@@ -56,12 +56,12 @@ pub struct EngineConfig {
     pub idle_spins: u32,
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
-    /// Sleep of an idle worker/watcher; `None` = never sleep (lowest
-    /// latency, burns a core). A worker with WRs in flight, or while an
-    /// [`TransferEngine::expect_imm_count`](crate::TransferEngine::expect_imm_count) round of its engine waits, does
-    /// not sleep (it yields between polls, so completions and the awaited
-    /// immediates are not delayed) until `inflight_spin` passes without any
-    /// progress or new arm.
+    /// Sleep of an idle worker/watcher; `None` = never sleep (lowest latency,
+    /// burns a core). A worker with WRs in flight, or while an
+    /// [`TransferEngine::expect_imm_count`](crate::TransferEngine::expect_imm_count)
+    /// round of its engine waits, does not sleep (it yields between polls, so
+    /// completions and the awaited immediates are not delayed) until
+    /// `inflight_spin` passes without any progress or new arm.
     pub idle_sleep: Option<Duration>,
     /// How long a worker with WRs in flight (or an armed immediate round)
     /// keeps polling without sleeping while nothing completes, gets posted

@@ -62,7 +62,8 @@ pub(crate) enum Event {
     },
 }
 
-/// Control-plane operations (registration, peers, pools).
+/// Control-plane operations (registration, peers, pools): the core's
+/// input besides requests and completions.
 pub(crate) enum Control {
     RegMr {
         region: MemRegion,
@@ -124,6 +125,7 @@ pub(crate) struct WorkerCore {
     probes: Arc<crate::probe::ProbeSink>,
 }
 
+/// A backend error on NIC `nic` of `group` while moving `transfer`.
 fn transport(
     group: usize,
     nic: usize,

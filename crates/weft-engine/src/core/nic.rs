@@ -25,6 +25,8 @@ pub(super) enum Op {
 }
 
 impl Op {
+    /// The WR id the op is posted under.
+    #[inline]
     pub(super) fn wr(&self) -> WrId {
         match self {
             Op::Write(w) => w.wr,
@@ -33,6 +35,7 @@ impl Op {
     }
 }
 
+/// One NIC of the group: its domain, rings, peers and counters.
 pub(super) struct Nic {
     pub(super) domain: Box<dyn Domain>,
     pub(super) caps: Capabilities,
@@ -44,7 +47,8 @@ pub(super) struct Nic {
     pub(super) backlog: VecDeque<Op>,
     pub(super) peers: BTreeMap<NetAddr, PeerId>,
     pub(super) peer_addrs: BTreeMap<PeerId, NetAddr>,
-    /// `peers` by [`AddrBook`] id (filled on first use).
+    /// `peers` by [`AddrBook`](crate::request::AddrBook) id (filled on
+    /// first use).
     pub(super) by_addr_id: Vec<Option<PeerId>>,
     pub(super) dead: Option<TransportError>,
     pub(super) recvs_posted: usize,
@@ -83,6 +87,7 @@ impl Nic {
 }
 
 impl WorkerCore {
+    /// The peer at `addr` on NIC `nic`, added on first use.
     pub(super) fn resolve(&mut self, nic: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
         let n = self
             .nics

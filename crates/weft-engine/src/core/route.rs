@@ -146,7 +146,7 @@ impl WorkerCore {
         Ok(r)
     }
 
-    /// The peer on `nic` at interned address `id` (see [`AddrBook`]):
+    /// The peer on `nic` at interned address `id` (see [`AddrBook`](crate::request::AddrBook)):
     /// cached per NIC, resolved by address the first time.
     pub(super) fn plain_peer(
         &mut self,

@@ -34,8 +34,8 @@ impl TransferEngine {
 
     /// Returns an immediate value to the allocator. Arrivals of it that no
     /// round consumed are reported as excess (to the excess handler, and in
-    /// [`EngineStats::imm_excess`]); an armed, unfired round fails with
-    /// [`EngineError::InvalidArgument`].
+    /// [`EngineStats::imm_excess`](crate::EngineStats::imm_excess)); an armed,
+    /// unfired round fails with [`EngineError::InvalidArgument`].
     pub fn free_imm(&self, imm: Imm) {
         let (n, unfired) = self.inner.imms.reset(imm);
         self.report_excess(imm, n);
@@ -83,7 +83,7 @@ impl TransferEngine {
     /// it fired for the next round. Fails if a round is already armed.
     /// At shutdown an unfired round gets `Err(ShutDown)`. While a round
     /// waits, idle workers poll without sleeping (see
-    /// [`EngineConfig::idle_sleep`]).
+    /// [`EngineConfig::idle_sleep`](crate::EngineConfig::idle_sleep)).
     pub fn expect_imm_count(
         &self,
         imm: Imm,
@@ -141,7 +141,7 @@ impl TransferEngine {
     /// armed whose callbacks have not run yet: a round counts from its arm
     /// until its callback returned, or was dropped unrun (a refused arm).
     /// While it is non-zero, idle workers poll without sleeping (see
-    /// [`EngineConfig::idle_sleep`]).
+    /// [`EngineConfig::idle_sleep`](crate::EngineConfig::idle_sleep)).
     pub fn armed_imm_rounds(&self) -> u64 {
         self.inner.imm_waits.armed.load(Ordering::SeqCst)
     }

@@ -99,7 +99,7 @@ impl TransferEngine {
         }
     }
 
-    /// The receiver's [`ImmCounts`] assume the sender spreads over as many
+    /// The receiver's [`ImmCounts`](crate::ImmCounts) assume the sender spreads over as many
     /// NICs as the receiver has: refuse a destination with another count.
     /// The handle was made by this engine and has `n` members.
     fn check_peer_group(&self, peers: &PeerGroupHandle, n: usize) -> Result<(), EngineError> {
@@ -201,10 +201,11 @@ impl TransferEngine {
         self.enqueue(gs, req)
     }
 
-    /// One WRITE of `len` bytes from `src.0` at offset `src.1` to `dst.0`
-    /// at offset `dst.1`, sharded across the group's NICs (see
-    /// [`crate::shard::plan_single_write`]); with `imm`, every piece
-    /// carries it ([`ImmCounts::single_write`] immediates in total).
+    /// One WRITE of `len` bytes from `src.0` at offset `src.1` to `dst.0` at
+    /// offset `dst.1`, sharded across the group's NICs (see
+    /// [`crate::shard::plan_single_write`]); with `imm`, every piece carries it
+    /// ([`ImmCounts::single_write`](crate::ImmCounts::single_write) immediates
+    /// in total).
     pub fn submit_single_write(
         &self,
         len: u64,
@@ -235,7 +236,7 @@ impl TransferEngine {
 
     /// Page `i` of `src` pages goes to page `i` of `dst` pages (`page_len`
     /// bytes each); pages are spread over the NICs (`i % nics`). With
-    /// `imm`, [`ImmCounts::paged_writes`] immediates in total.
+    /// `imm`, [`ImmCounts::paged_writes`](crate::ImmCounts::paged_writes) immediates in total.
     pub fn submit_paged_writes(
         &self,
         page_len: u64,
