@@ -17,10 +17,13 @@ pub(crate) fn split_mr_key(key: u64) -> (u32, u32) {
     ((key & 0xffff_ffff) as u32, (key >> 32) as u32)
 }
 
+/// A [`WrId`]'s kind sits in its top two bits.
 const KIND_SHIFT: u32 = 62;
-/// Work-request kinds (top two bits of a [`WrId`]).
+/// Kind of a transfer's WRITE WRs.
 pub(crate) const KIND_WRITE: u64 = 0;
+/// Kind of a transfer's SEND WR.
 pub(crate) const KIND_SEND: u64 = 1;
+/// Kind of a receive buffer's WR.
 const KIND_RECV: u64 = 2;
 /// The transfer generation bits a [`WrId`] carries.
 pub(crate) const GEN_MASK: u64 = (1 << 30) - 1;
