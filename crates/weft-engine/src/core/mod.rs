@@ -247,6 +247,8 @@ impl WorkerCore {
 
     /// Whether a NIC of the group moves data only while polled
     /// ([`Capabilities::software_progress`]).
+    ///
+    /// [`Capabilities::software_progress`]: weft_transport::Capabilities::software_progress
     pub(crate) fn software_progress(&self) -> bool {
         self.nics.iter().any(|n| n.caps.software_progress)
     }
