@@ -12,7 +12,7 @@
 //! * Arrivals beyond a round's target are *carried over* as early arrivals of
 //!   the next round of the same value (a peer may legitimately start round
 //!   `k+1` before the receiver re-arms). They are never silently dropped:
-//!   [`ImmTable::release`] (returning the value to the allocator) and engine
+//!   [`ImmTable::reset`] (on `free_imm`, returning the value to the allocator) and engine
 //!   shutdown report every unconsumed arrival as an excess, and
 //!   [`ImmTable::pending`] shows them at any time.
 //! * Per arrival the cost is one compare-and-swap on a per-value word (values
