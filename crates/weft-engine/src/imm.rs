@@ -12,9 +12,9 @@
 //! * Arrivals beyond a round's target are *carried over* as early arrivals of
 //!   the next round of the same value (a peer may legitimately start round
 //!   `k+1` before the receiver re-arms). They are never silently dropped:
-//!   [`ImmTable::reset`] (on `free_imm`, returning the value to the allocator) and engine
-//!   shutdown report every unconsumed arrival as an excess, and
-//!   [`ImmTable::pending`] shows them at any time.
+//!   [`ImmTable::reset`] (on `free_imm`, returning the value to the
+//!   allocator) and engine shutdown report every unconsumed arrival as an
+//!   excess, and [`ImmTable::pending`] shows them at any time.
 //! * Per arrival the cost is one compare-and-swap on a per-value word (values
 //!   below the table capacity, which is what `alloc_imm` hands out); no
 //!   global lock. Values outside the table go through a mutex-protected
