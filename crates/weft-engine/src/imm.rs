@@ -33,7 +33,10 @@
 
 use crate::ondone::{DoneCallback, DoneResult, OnDone};
 use crate::sync::{AtomicU64, Mutex, Ordering};
+// `ImmWaits` is read by the workers' idle loop, outside the loom model:
+// plain std atomics, under loom too.
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic as std_atomic;
 use std::sync::Arc;
 
 const LOW: u64 = 0xffff_ffff;
@@ -315,10 +318,10 @@ impl<C> ImmTable<C> {
 #[derive(Debug, Default)]
 pub(crate) struct ImmWaits {
     /// Rounds armed and not yet fired (or dropped).
-    pub(crate) armed: std::sync::atomic::AtomicU64,
+    pub(crate) armed: std_atomic::AtomicU64,
     /// Bumped by every arm that leaves a round waiting: a worker that sees
     /// it change restarts its `inflight_spin` clock.
-    pub(crate) arms: std::sync::atomic::AtomicU64,
+    pub(crate) arms: std_atomic::AtomicU64,
 }
 
 /// Holds one count of [`ImmWaits::armed`] for as long as it lives; it
@@ -330,16 +333,14 @@ impl ArmedRound {
     /// Counted before the round is armed, so the count never drops below
     /// zero when the round fires at once on another thread.
     pub(crate) fn new(w: &Arc<ImmWaits>) -> Self {
-        w.armed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        w.armed.fetch_add(1, std_atomic::Ordering::SeqCst);
         Self(Arc::clone(w))
     }
 }
 
 impl Drop for ArmedRound {
     fn drop(&mut self) {
-        self.0
-            .armed
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.armed.fetch_sub(1, std_atomic::Ordering::SeqCst);
     }
 }
 
