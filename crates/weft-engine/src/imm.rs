@@ -12,9 +12,9 @@
 //! * Arrivals beyond a round's target are *carried over* as early arrivals of
 //!   the next round of the same value (a peer may legitimately start round
 //!   `k+1` before the receiver re-arms). They are never silently dropped:
-//!   [`ImmTable::release`] (returning the value to the allocator) and engine
-//!   shutdown report every unconsumed arrival as an excess, and
-//!   [`ImmTable::pending`] shows them at any time.
+//!   [`ImmTable::reset`] (on `free_imm`, returning the value to the
+//!   allocator) and engine shutdown report every unconsumed arrival as an
+//!   excess, and [`ImmTable::pending`] shows them at any time.
 //! * Per arrival the cost is one compare-and-swap on a per-value word (values
 //!   below the table capacity, which is what `alloc_imm` hands out); no
 //!   global lock. Values outside the table go through a mutex-protected
@@ -25,9 +25,18 @@
 //! callbacks of successive rounds live in a per-value FIFO that is only
 //! touched when arming and when firing. Model-checked with loom
 //! (module `loom_model` below).
+//!
+//! The engine stores an [`ImmDone`] per armed round: the caller's `OnDone`
+//! and an [`ArmedRound`] that holds one count of [`ImmWaits::armed`] until
+//! the round was reported (or dropped unreported), so idle workers keep
+//! polling while a round waits.
 
+use crate::ondone::{DoneCallback, DoneResult, OnDone};
 use crate::sync::{AtomicU64, Mutex, Ordering};
+// `ImmWaits` is read by the workers' idle loop, outside the loom model:
+// plain std atomics, under loom too.
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic as std_atomic;
 use std::sync::Arc;
 
 const LOW: u64 = 0xffff_ffff;
@@ -298,6 +307,70 @@ impl<C> ImmTable<C> {
             }
         }
         out
+    }
+}
+
+/// The armed `expect_imm_count` rounds, for the workers' idle loop: while a
+/// round waits, a worker with nothing in flight keeps polling (yielding)
+/// rather than sleeping `idle_sleep` between polls, so the immediates it
+/// waits for are seen when they land, not after a sleep. As with WRs in
+/// flight, this lasts `inflight_spin` past the last progress or arm.
+#[derive(Debug, Default)]
+pub(crate) struct ImmWaits {
+    /// Rounds armed and not yet fired (or dropped).
+    pub(crate) armed: std_atomic::AtomicU64,
+    /// Bumped by every arm that leaves a round waiting: a worker that sees
+    /// it change restarts its `inflight_spin` clock.
+    pub(crate) arms: std_atomic::AtomicU64,
+}
+
+/// Holds one count of [`ImmWaits::armed`] for as long as it lives; it
+/// travels with the round's `OnDone` (inside the callback, for a callback),
+/// so the count drops once the round was reported, or dropped unreported.
+pub(crate) struct ArmedRound(Arc<ImmWaits>);
+
+impl ArmedRound {
+    /// Counted before the round is armed, so the count never drops below
+    /// zero when the round fires at once on another thread.
+    pub(crate) fn new(w: &Arc<ImmWaits>) -> Self {
+        w.armed.fetch_add(1, std_atomic::Ordering::SeqCst);
+        Self(Arc::clone(w))
+    }
+}
+
+impl Drop for ArmedRound {
+    fn drop(&mut self) {
+        self.0.armed.fetch_sub(1, std_atomic::Ordering::SeqCst);
+    }
+}
+
+/// What an armed immediate round reports to, stored in the immediate
+/// table: the caller's `OnDone` and the round's [`ArmedRound`] count.
+pub(crate) struct ImmDone {
+    on_done: OnDone,
+    round: ArmedRound,
+}
+
+impl ImmDone {
+    pub(crate) fn new(on_done: OnDone, waits: &Arc<ImmWaits>) -> Self {
+        Self {
+            on_done,
+            round: ArmedRound::new(waits),
+        }
+    }
+
+    /// Resolves a flag or counter at once; a callback comes back, with the
+    /// round's count inside it, to be run on the callback thread.
+    pub(crate) fn resolve(self, r: DoneResult) -> Option<(DoneCallback, DoneResult)> {
+        let ImmDone { on_done, round } = self;
+        let (cb, r) = on_done.resolve_inline(r)?;
+        Some((
+            Box::new(move |r| {
+                let _round = round;
+                cb(r)
+            }),
+            r,
+        ))
     }
 }
 

@@ -45,7 +45,7 @@ impl MrHandle {
 
     /// The engine-internal key: slot id and generation.
     pub(crate) fn key(&self) -> u64 {
-        crate::core::mr_key(self.id, self.gen)
+        crate::wrid::mr_key(self.id, self.gen)
     }
 
     /// Bounds check of `[offset, offset + len)`; `what` names the range in
@@ -183,4 +183,35 @@ pub(crate) enum SendPayload {
     Slot { slot: u32, len: u64 },
     /// Not in a slot (pool empty or message larger than a slot).
     Owned(Vec<u8>),
+}
+
+/// Receive callback: the filled bytes, or why the buffer came back empty.
+pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
+
+/// A rotating pool of receive buffers on NIC 0 of a group.
+pub(crate) struct RecvPool {
+    pub(crate) id: u16,
+    pub(crate) group: usize,
+    pub(crate) buf: RawBuf,
+    pub(crate) len: u64,
+    pub(crate) count: u32,
+    pub(crate) cb: parking_lot::Mutex<RecvCallback>,
+}
+
+impl RecvPool {
+    /// The bytes of buffer `idx` (first `n`).
+    ///
+    /// # Safety
+    /// The buffer must not be posted (no NIC may write it) for the lifetime
+    /// of the returned slice.
+    pub(crate) unsafe fn bytes(&self, idx: u32, n: u64) -> Option<&[u8]> {
+        if idx >= self.count || n > self.len {
+            return None;
+        }
+        let off = usize::try_from(u64::from(idx) * self.len).ok()?;
+        let n = usize::try_from(n).ok()?;
+        // SAFETY: in bounds (idx < count, n <= len, buffer is count*len);
+        // the caller guarantees no concurrent writer.
+        Some(unsafe { std::slice::from_raw_parts(self.buf.ptr().add(off), n) })
+    }
 }

@@ -1,10 +1,10 @@
 //! Pure sharding plans and the immediate-count functions receivers use.
 //!
-//! Every plan is a list of [`Piece`]s. A piece names the *lane* that carries
-//! it; lane `i` is NIC `i` of the sending group **and** entry `i` of the
-//! destination [`MrDesc::rkeys`](weft_transport::MrDesc). The engine turns a
+//! Every plan is a list of [`Piece`]s. A piece names the *NIC index* that
+//! carries it; NIC index `i` is NIC `i` of the sending group **and** entry
+//! `i` of the destination [`MrDesc::rkeys`](weft_transport::MrDesc). The engine turns a
 //! piece into a work request in exactly one place, taking the domain, the
-//! local key, the remote NIC address and the rkey all from that one lane
+//! local key, the remote NIC address and the rkey all from that one NIC
 //! index, so a key of one NIC can never be posted on another.
 //!
 //! Every piece of a transfer that carries an immediate carries it, so the
@@ -18,10 +18,11 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardConfig {
     /// Single writes (and by-bytes scatter destinations) shorter than this go
-    /// on one NIC; longer ones are split across all lanes.
+    /// on one NIC; longer ones are split across all NICs.
     pub min_shard_len: u64,
-    /// Lane boundaries are multiples of this (and so are piece boundaries
-    /// inside a lane, when `max_write_len >= align`). Must be > 0.
+    /// Boundaries between the NICs' chunks are multiples of this (and so
+    /// are piece boundaries inside a chunk, when `max_write_len >= align`).
+    /// Must be > 0.
     pub align: u64,
 }
 
@@ -34,10 +35,11 @@ impl Default for ShardConfig {
     }
 }
 
-/// One contiguous piece of a transfer, carried by one lane (NIC).
+/// One contiguous piece of a transfer, carried by one NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
-    /// Lane index: local NIC `lane` and destination rkey entry `lane`.
+    /// NIC index: local NIC `lane` and destination rkey entry `lane` (the
+    /// field keeps its public name; the engine calls this index `nic`).
     pub lane: usize,
     /// Byte offset of the piece inside the transfer.
     pub offset: u64,
@@ -65,15 +67,15 @@ fn pieces_of(len: u64, cap: u64) -> u64 {
     }
 }
 
-/// Per-lane chunk length of a sharded write, and the number of lanes used.
-fn lane_layout(len: u64, lanes: usize, cfg: &ShardConfig) -> (u64, u64) {
-    let lanes = lanes.max(1) as u64;
-    if lanes == 1 || len < cfg.min_shard_len || len == 0 {
+/// Per-NIC chunk length of a sharded write, and the number of NICs used.
+fn nic_layout(len: u64, nics: usize, cfg: &ShardConfig) -> (u64, u64) {
+    let nics = nics.max(1) as u64;
+    if nics == 1 || len < cfg.min_shard_len || len == 0 {
         return (len, 1);
     }
     let align = cfg.align.max(1);
-    let per = len.div_ceil(lanes);
-    // Round up to the alignment; saturate (a chunk >= len just means one lane).
+    let per = len.div_ceil(nics);
+    // Round up to the alignment; saturate (a chunk >= len just means one NIC).
     let chunk = per
         .checked_add(align - 1)
         .map_or(len, |v| v - v % align)
@@ -82,22 +84,22 @@ fn lane_layout(len: u64, lanes: usize, cfg: &ShardConfig) -> (u64, u64) {
     (chunk, used)
 }
 
-/// Plans a single write of `len` bytes over `lanes` lanes.
+/// Plans a single write of `len` bytes over `nics` NICs.
 ///
-/// Writes shorter than `cfg.min_shard_len` (or with one lane) go whole on
-/// lane `first_lane % lanes`; longer ones are cut into `lanes` contiguous,
-/// `align`-aligned chunks (the last one shorter), chunk `k` on lane `k`.
+/// Writes shorter than `cfg.min_shard_len` (or with one NIC) go whole on
+/// NIC `first_nic % nics`; longer ones are cut into `nics` contiguous,
+/// `align`-aligned chunks (the last one shorter), chunk `k` on NIC `k`.
 /// Every chunk is further cut into pieces of at most `max_write_len`. The
 /// pieces cover `[0, len)` exactly once, in order.
 pub fn plan_single_write(
     len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
-    first_lane: usize,
+    first_nic: usize,
     cfg: &ShardConfig,
 ) -> Vec<Piece> {
     let mut out = Vec::new();
-    plan_single_write_into(&mut out, len, lanes, max_write_len, first_lane, cfg);
+    plan_single_write_into(&mut out, len, nics, max_write_len, first_nic, cfg);
     out
 }
 
@@ -106,33 +108,33 @@ pub fn plan_single_write(
 pub fn plan_single_write_into(
     out: &mut Vec<Piece>,
     len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
-    first_lane: usize,
+    first_nic: usize,
     cfg: &ShardConfig,
 ) {
-    let lanes = lanes.max(1);
+    let nics = nics.max(1);
     let cap = piece_cap(max_write_len, cfg.align);
-    let (chunk, used) = lane_layout(len, lanes, cfg);
+    let (chunk, used) = nic_layout(len, nics, cfg);
     if used == 1 {
-        let lane = first_lane % lanes;
-        push_pieces(out, lane, 0, len, cap);
+        let nic = first_nic % nics;
+        push_pieces(out, nic, 0, len, cap);
         return;
     }
     let mut start = 0u64;
-    let mut lane = 0usize;
+    let mut nic = 0usize;
     while start < len {
         let end = start.saturating_add(chunk).min(len);
-        push_pieces(out, lane, start, end - start, cap);
+        push_pieces(out, nic, start, end - start, cap);
         start = end;
-        lane += 1;
+        nic += 1;
     }
 }
 
-fn push_pieces(out: &mut Vec<Piece>, lane: usize, start: u64, len: u64, cap: u64) {
+fn push_pieces(out: &mut Vec<Piece>, nic: usize, start: u64, len: u64, cap: u64) {
     if len == 0 {
         out.push(Piece {
-            lane,
+            lane: nic,
             offset: start,
             len: 0,
         });
@@ -142,7 +144,7 @@ fn push_pieces(out: &mut Vec<Piece>, lane: usize, start: u64, len: u64, cap: u64
     while off < len {
         let l = cap.min(len - off);
         out.push(Piece {
-            lane,
+            lane: nic,
             offset: start + off,
             len: l,
         });
@@ -151,17 +153,12 @@ fn push_pieces(out: &mut Vec<Piece>, lane: usize, start: u64, len: u64, cap: u64
 }
 
 /// Immediates at the receiver for one `submit_single_write` of `len` bytes
-/// with an immediate, sent by a group of `lanes` NICs (the minimum of the
+/// with an immediate, sent by a group of `nics` NICs (the minimum of the
 /// sender's NIC count and the destination descriptor's rkey count) whose
 /// smallest `max_write_len` is `max_write_len`.
-pub fn imm_count_single_write(
-    len: u64,
-    lanes: usize,
-    max_write_len: u64,
-    cfg: &ShardConfig,
-) -> u64 {
+pub fn imm_count_single_write(len: u64, nics: usize, max_write_len: u64, cfg: &ShardConfig) -> u64 {
     let cap = piece_cap(max_write_len, cfg.align);
-    let (chunk, used) = lane_layout(len, lanes, cfg);
+    let (chunk, used) = nic_layout(len, nics, cfg);
     if used == 1 {
         return pieces_of(len, cap);
     }
@@ -170,17 +167,17 @@ pub fn imm_count_single_write(
     (used - 1) * pieces_of(chunk, cap) + pieces_of(last, cap)
 }
 
-/// Plans one page of a paged write: page `i` of the list goes on lane
-/// `i % lanes`, cut into pieces of at most `max_write_len`.
+/// Plans one page of a paged write: page `i` of the list goes on NIC
+/// `i % nics`, cut into pieces of at most `max_write_len`.
 pub fn plan_page(
     page: usize,
     page_len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
     align: u64,
 ) -> Vec<Piece> {
     let mut out = Vec::new();
-    plan_page_into(&mut out, page, page_len, lanes, max_write_len, align);
+    plan_page_into(&mut out, page, page_len, nics, max_write_len, align);
     out
 }
 
@@ -189,13 +186,13 @@ pub fn plan_page_into(
     out: &mut Vec<Piece>,
     page: usize,
     page_len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
     align: u64,
 ) {
     push_pieces(
         out,
-        page % lanes.max(1),
+        page % nics.max(1),
         0,
         page_len,
         piece_cap(max_write_len, align),
@@ -217,11 +214,11 @@ pub fn imm_count_paged_writes(
 /// How a scatter spreads its destinations over the group's NICs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ScatterMode {
-    /// Destination `j` goes whole on lane `j % lanes` (cut only by
+    /// Destination `j` goes whole on NIC `j % nics` (cut only by
     /// `max_write_len`). Best for many small destinations.
     #[default]
     ByPeer,
-    /// Every destination is sharded across all lanes like a single write.
+    /// Every destination is sharded across all NICs like a single write.
     /// Best for few large destinations.
     ByBytes,
 }
@@ -230,13 +227,13 @@ pub enum ScatterMode {
 pub fn plan_scatter_dst(
     j: usize,
     len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
     mode: ScatterMode,
     cfg: &ShardConfig,
 ) -> Vec<Piece> {
     let mut out = Vec::new();
-    plan_scatter_dst_into(&mut out, j, len, lanes, max_write_len, mode, cfg);
+    plan_scatter_dst_into(&mut out, j, len, nics, max_write_len, mode, cfg);
     out
 }
 
@@ -245,7 +242,7 @@ pub fn plan_scatter_dst_into(
     out: &mut Vec<Piece>,
     j: usize,
     len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
     mode: ScatterMode,
     cfg: &ShardConfig,
@@ -253,12 +250,12 @@ pub fn plan_scatter_dst_into(
     match mode {
         ScatterMode::ByPeer => push_pieces(
             out,
-            j % lanes.max(1),
+            j % nics.max(1),
             0,
             len,
             piece_cap(max_write_len, cfg.align),
         ),
-        ScatterMode::ByBytes => plan_single_write_into(out, len, lanes, max_write_len, j, cfg),
+        ScatterMode::ByBytes => plan_single_write_into(out, len, nics, max_write_len, j, cfg),
     }
 }
 
@@ -266,14 +263,14 @@ pub fn plan_scatter_dst_into(
 /// immediate). A barrier produces exactly 1 per destination.
 pub fn imm_count_scatter_dst(
     len: u64,
-    lanes: usize,
+    nics: usize,
     max_write_len: u64,
     mode: ScatterMode,
     cfg: &ShardConfig,
 ) -> u64 {
     match mode {
         ScatterMode::ByPeer => pieces_of(len, piece_cap(max_write_len, cfg.align)),
-        ScatterMode::ByBytes => imm_count_single_write(len, lanes, max_write_len, cfg),
+        ScatterMode::ByBytes => imm_count_single_write(len, nics, max_write_len, cfg),
     }
 }
 
@@ -282,11 +279,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn check_cover(pieces: &[Piece], len: u64, lanes: usize, cap: u64) {
+    fn check_cover(pieces: &[Piece], len: u64, nics: usize, cap: u64) {
         let mut next = 0u64;
         for p in pieces {
             assert_eq!(p.offset, next, "gap or overlap in {pieces:?}");
-            assert!(p.lane < lanes);
+            assert!(p.lane < nics);
             assert!(p.len <= cap.max(1) || (len == 0 && p.len == 0));
             next = p.offset + p.len;
         }
@@ -319,13 +316,13 @@ mod tests {
         check_cover(&p, len, 3, max);
         assert_eq!(p.len() as u64, imm_count_single_write(len, 3, max, &cfg));
         assert!(p.iter().any(|x| x.offset > u64::from(u32::MAX)));
-        for lane in 0..3 {
-            assert!(p.iter().any(|x| x.lane == lane));
+        for nic in 0..3 {
+            assert!(p.iter().any(|x| x.lane == nic));
         }
     }
 
     #[test]
-    fn lane_chunks_aligned() {
+    fn nic_chunks_aligned() {
         let cfg = ShardConfig::default();
         let p = plan_single_write(1_000_000, 3, u64::MAX, 0, &cfg);
         assert_eq!(p.len(), 3);
@@ -336,16 +333,16 @@ mod tests {
 
     proptest! {
         #[test]
-        fn single_write_covers_exactly(len in 0u64..(1u64 << 36), lanes in 1usize..=8,
+        fn single_write_covers_exactly(len in 0u64..(1u64 << 36), nics in 1usize..=8,
                                        max in 1u64..(1u64 << 34), first in 0usize..8,
                                        min_shard in 0u64..(1 << 20), align_pow in 0u32..16) {
             let cfg = ShardConfig { min_shard_len: min_shard, align: 1 << align_pow };
             // keep the piece count bounded for the test
             prop_assume!(len / max.max(1) < 100_000);
-            let p = plan_single_write(len, lanes, max, first, &cfg);
-            check_cover(&p, len, lanes, max);
-            prop_assert_eq!(p.len() as u64, imm_count_single_write(len, lanes, max, &cfg));
-            // lane chunks are aligned
+            let p = plan_single_write(len, nics, max, first, &cfg);
+            check_cover(&p, len, nics, max);
+            prop_assert_eq!(p.len() as u64, imm_count_single_write(len, nics, max, &cfg));
+            // NIC chunks are aligned
             for w in p.windows(2) {
                 if w[0].lane != w[1].lane {
                     prop_assert_eq!(w[1].offset % cfg.align, 0);
@@ -355,26 +352,26 @@ mod tests {
 
         #[test]
         fn pages_and_scatter_counts_match_plans(page_len in 0u64..(1u64 << 33), pages in 0u64..64,
-                                                lanes in 1usize..=8, max in 1u64..(1u64 << 32),
+                                                nics in 1usize..=8, max in 1u64..(1u64 << 32),
                                                 by_bytes: bool) {
             prop_assume!(page_len / max.max(1) < 10_000);
             let cfg = ShardConfig::default();
             let mut n = 0u64;
             for i in 0..pages as usize {
-                let p = plan_page(i, page_len, lanes, max, cfg.align);
-                check_cover(&p, page_len, lanes, max);
-                prop_assert!(p.iter().all(|x| x.lane == i % lanes));
+                let p = plan_page(i, page_len, nics, max, cfg.align);
+                check_cover(&p, page_len, nics, max);
+                prop_assert!(p.iter().all(|x| x.lane == i % nics));
                 // The engine's one-piece fast path relies on this.
                 if page_len > 0 && page_len <= piece_cap(max, cfg.align) {
-                    prop_assert_eq!(&p, &vec![Piece { lane: i % lanes, offset: 0, len: page_len }]);
+                    prop_assert_eq!(&p, &vec![Piece { lane: i % nics, offset: 0, len: page_len }]);
                 }
                 n += p.len() as u64;
             }
             prop_assert_eq!(n, imm_count_paged_writes(page_len, pages, max, &cfg));
             let mode = if by_bytes { ScatterMode::ByBytes } else { ScatterMode::ByPeer };
-            let p = plan_scatter_dst(3, page_len, lanes, max, mode, &cfg);
-            check_cover(&p, page_len, lanes, max);
-            prop_assert_eq!(p.len() as u64, imm_count_scatter_dst(page_len, lanes, max, mode, &cfg));
+            let p = plan_scatter_dst(3, page_len, nics, max, mode, &cfg);
+            check_cover(&p, page_len, nics, max);
+            prop_assert_eq!(p.len() as u64, imm_count_scatter_dst(page_len, nics, max, mode, &cfg));
         }
     }
 }

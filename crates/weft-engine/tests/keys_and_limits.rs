@@ -264,7 +264,10 @@ fn five_gib_write_null_fabric() {
     let (sh, _) = ea.reg_mr(region).unwrap();
     let (_, dd) = eb.reg_mr(region).unwrap();
     let n = eb.imm_counts(0).unwrap().single_write(len as u64);
-    assert!(n >= 6, "at least 5 pieces of 1 GiB plus lane splits: {n}");
+    assert!(
+        n >= 6,
+        "at least 5 pieces of 1 GiB plus per-NIC splits: {n}"
+    );
     let fired = Arc::new(AtomicU64::new(0));
     let f = fired.clone();
     eb.expect_imm_count(4, n as u32, move |r| {

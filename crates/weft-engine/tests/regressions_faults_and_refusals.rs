@@ -1,5 +1,8 @@
-//! Regression tests for reviewed engine defects: manual-mode engines over the
-//! loopback fabric in step mode.
+//! Regression tests for faults and refusals: a NIC that dies on post, a
+//! receive callback that panics and a backend that panics in the worker
+//! still resolve every transfer and buffer; a stale MR handle and a
+//! destination with another NIC count are refused at submit. Manual-mode
+//! (and one threaded) engines over the loopback fabric in step mode.
 
 mod common;
 

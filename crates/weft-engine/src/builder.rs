@@ -1,0 +1,239 @@
+//! [`EngineBuilder`]: collects the domain groups and settings, then opens
+//! every group (on its worker thread) and starts the engine's threads.
+
+use crate::config::{DomainGroupSpec, EngineConfig, ExcessHandler, Idle};
+use crate::driver::callback::callback_main;
+use crate::driver::worker::{worker_main, WorkerCtx};
+use crate::driver::{watcher_main, CbMsg, GroupShared};
+use crate::engine::{ImmAlloc, Inner, ManualState, Threads, TransferEngine, NEXT_ENGINE_ID};
+use crate::error::EngineError;
+use crate::imm::{ImmDone, ImmTable, ImmWaits};
+use crate::request::AddrBook;
+use crate::watcher::WatcherShared;
+use crate::MAX_NICS;
+use crossbeam_queue::ArrayQueue;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use weft_transport::Imm;
+
+/// Builds a [`TransferEngine`].
+#[derive(Default)]
+pub struct EngineBuilder {
+    groups: Vec<DomainGroupSpec>,
+    config: EngineConfig,
+    manual: bool,
+    excess: Option<ExcessHandler>,
+}
+
+impl std::fmt::Debug for EngineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineBuilder")
+            .field("groups", &self.groups)
+            .field("config", &self.config)
+            .field("manual", &self.manual)
+            .finish()
+    }
+}
+
+impl EngineBuilder {
+    /// An empty builder with default settings.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a domain group. Group `i` is the `i`-th added.
+    pub fn group(mut self, spec: DomainGroupSpec) -> Self {
+        self.groups.push(spec);
+        self
+    }
+
+    /// Replaces the settings.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Manual mode: no threads. The caller drives everything (workers,
+    /// callbacks, watcher) with [`TransferEngine::progress`] on one thread.
+    /// Used for deterministic tests under a step-mode simulator. Full
+    /// request queues always fail with `QueueFull` in this mode.
+    pub fn manual(mut self) -> Self {
+        self.manual = true;
+        self
+    }
+
+    /// Handler for never-consumed immediates (default: a `tracing` warning).
+    pub fn on_imm_excess(mut self, f: impl Fn(Imm, u64) + Send + Sync + 'static) -> Self {
+        self.excess = Some(Arc::new(f));
+        self
+    }
+
+    /// Opens every group (each on its own worker thread, after pinning it)
+    /// and starts the engine.
+    pub fn build(self) -> Result<TransferEngine, EngineError> {
+        if self.groups.is_empty() {
+            return Err(EngineError::InvalidArgument {
+                what: "an engine needs at least one domain group".into(),
+            });
+        }
+        let cfg = self.config;
+        let imms: Arc<ImmTable<ImmDone>> = Arc::new(ImmTable::new(cfg.imm_capacity));
+        let (cb_tx, cb_rx) = crossbeam_channel::unbounded::<CbMsg>();
+        let watcher = WatcherShared::new();
+        #[cfg(feature = "latency-probe")]
+        let probes = Arc::new(crate::probe::ProbeSink::new(1 << 20));
+        let mut groups = Vec::new();
+        let mut ctrl_rxs = Vec::new();
+        for (i, spec) in self.groups.iter().enumerate() {
+            if spec.nics.is_empty() || spec.nics.len() > MAX_NICS {
+                return Err(EngineError::Setup {
+                    group: i,
+                    what: format!("a group needs 1..={MAX_NICS} NICs, got {}", spec.nics.len()),
+                    source: None,
+                });
+            }
+            let (ctrl, ctrl_rx) = crossbeam_channel::unbounded();
+            groups.push(Arc::new(GroupShared {
+                index: i,
+                device: spec.device,
+                queue: ArrayQueue::new(cfg.queue_capacity.max(1)),
+                ctrl,
+                info: OnceLock::new(),
+                send_pool: OnceLock::new(),
+                submitting: AtomicUsize::new(0),
+                closing: AtomicBool::new(false),
+                sleeping: AtomicBool::new(false),
+                thread: OnceLock::new(),
+                failed: OnceLock::new(),
+            }));
+            ctrl_rxs.push(ctrl_rx);
+        }
+        let imm_waits = Arc::new(ImmWaits::default());
+        let addrs = Arc::new(AddrBook::default());
+        let inner = Arc::new(Inner {
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            groups: groups.clone(),
+            imms: Arc::clone(&imms),
+            imm_waits: Arc::clone(&imm_waits),
+            addrs: Arc::clone(&addrs),
+            imm_free: Mutex::new(ImmAlloc {
+                next: 0,
+                free: Vec::new(),
+                in_use: Vec::new(),
+            }),
+            config: cfg.clone(),
+            cb_tx: cb_tx.clone(),
+            threads: Mutex::new(Threads::default()),
+            watcher: Arc::clone(&watcher),
+            shut: AtomicBool::new(false),
+            done: AtomicBool::new(false),
+            manual: self.manual.then(|| {
+                Mutex::new(ManualState {
+                    workers: Vec::new(),
+                    cb_rx: cb_rx.clone(),
+                })
+            }),
+            next_id: AtomicU64::new(1),
+            next_pool: AtomicU16::new(0),
+            excess: self.excess.unwrap_or_else(|| {
+                Arc::new(|imm, n| tracing::warn!(imm, count = n, "immediates never consumed"))
+            }),
+            excess_total: AtomicU64::new(0),
+            #[cfg(feature = "latency-probe")]
+            probes: Arc::clone(&probes),
+        });
+        let engine = TransferEngine {
+            inner: Arc::clone(&inner),
+        };
+
+        let (init_tx, init_rx) = crossbeam_channel::unbounded::<(usize, Result<(), EngineError>)>();
+        let mut manual_workers = Vec::new();
+        for ((i, spec), ctrl_rx) in self.groups.into_iter().enumerate().zip(ctrl_rxs) {
+            let shared = Arc::clone(&groups[i]);
+            let ctx = WorkerCtx {
+                spec,
+                shared,
+                ctrl_rx,
+                imms: Arc::clone(&imms),
+                imm_waits: Arc::clone(&imm_waits),
+                addrs: Arc::clone(&addrs),
+                cfg: cfg.clone(),
+                cb_tx: cb_tx.clone(),
+                #[cfg(feature = "latency-probe")]
+                probes: Arc::clone(&probes),
+            };
+            if self.manual {
+                match ctx.open() {
+                    Ok(w) => manual_workers.push(w),
+                    Err(e) => return Err(e),
+                }
+            } else {
+                let tx = init_tx.clone();
+                let h = std::thread::Builder::new()
+                    .name(format!("weft-worker-{i}"))
+                    .spawn(move || worker_main(ctx, tx))
+                    .map_err(|e| EngineError::Setup {
+                        group: i,
+                        what: format!("spawning worker: {e}"),
+                        source: None,
+                    })?;
+                inner.threads.lock().workers.push(h);
+            }
+        }
+        drop(init_tx);
+        if let Some(m) = &inner.manual {
+            m.lock().workers = manual_workers;
+        } else {
+            let mut first_err = None;
+            for _ in 0..groups.len() {
+                match init_rx.recv() {
+                    Ok((_, Ok(()))) => {}
+                    Ok((_, Err(e))) => {
+                        first_err.get_or_insert(e);
+                    }
+                    Err(_) => {
+                        first_err.get_or_insert(EngineError::Setup {
+                            group: 0,
+                            what: "worker exited during setup".into(),
+                            source: None,
+                        });
+                        break;
+                    }
+                }
+            }
+            // Callback and watcher threads.
+            let cb_groups = inner.groups.clone();
+            let cb_excess = Arc::clone(&inner.excess);
+            let cb = std::thread::Builder::new()
+                .name("weft-callbacks".into())
+                .spawn(move || callback_main(&cb_groups, &cb_excess, &cb_rx))
+                .map_err(|e| EngineError::Setup {
+                    group: 0,
+                    what: format!("spawning callback thread: {e}"),
+                    source: None,
+                })?;
+            let w2 = Arc::clone(&watcher);
+            let idle = Idle::from(&cfg);
+            watcher.running.store(true, Ordering::SeqCst);
+            let wt = std::thread::Builder::new()
+                .name("weft-uvm-watcher".into())
+                .spawn(move || watcher_main(&w2, idle))
+                .map_err(|e| EngineError::Setup {
+                    group: 0,
+                    what: format!("spawning watcher thread: {e}"),
+                    source: None,
+                })?;
+            {
+                let mut t = inner.threads.lock();
+                t.callback = Some(cb);
+                t.watcher = Some(wt);
+            }
+            if let Some(e) = first_err {
+                engine.shutdown();
+                return Err(e);
+            }
+        }
+        Ok(engine)
+    }
+}

@@ -1,0 +1,381 @@
+//! The worker core: the sans-IO state machine of one domain group.
+//!
+//! [`WorkerCore`] is thread- and clock-free: it owns the domains of one
+//! group and is driven from outside (by `driver::worker` on the group's
+//! worker thread, or by `TransferEngine::progress` in manual mode). It
+//! never blocks, never sleeps, never reads a clock and never runs user
+//! callbacks.
+//!
+//! Inputs:
+//! * requests ([`Submitted`], from the group's request queue):
+//!   [`WorkerCore::take_request`] (priority 1: a new request and its
+//!   first WRs);
+//! * control messages ([`Control`]: registrations, peer groups, receive
+//!   pools, receive re-posts): [`WorkerCore::handle_control`];
+//! * send-queue room: [`WorkerCore::post_backlog`] (priority 2: more WRs
+//!   of pending requests as room frees);
+//! * completions: [`WorkerCore::poll`] (priority 3: the domains'
+//!   completion queues).
+//!
+//! Outputs:
+//! * posts: WRITEs, SENDs and receives handed to the domains;
+//! * events ([`Event`]: finished transfers' callbacks, received buffers),
+//!   collected by [`WorkerCore::take_events`] for the driver to hand to the
+//!   callback thread (flags and counters are set inline, not as events).
+//!
+//! One module per piece of state: `nic` (per-NIC rings, posting and
+//! completion queues), `slab` (transfers in flight), `registry`
+//! (registrations, peer groups, receive pools), `route` (per-NIC routes of
+//! a destination) and `plan` (turning a request body into WRs).
+
+mod nic;
+mod plan;
+mod registry;
+mod route;
+mod slab;
+
+use crate::error::{EngineError, TransferId};
+use crate::imm::{ImmDone, ImmTable};
+use crate::mem::{RecvPool, SendPool};
+use crate::ondone::{DoneCallback, DoneResult};
+use crate::request::{AddrBook, Body, GroupAddress, Submitted};
+use crate::shard::{Piece, ShardConfig};
+use crate::wrid::{wr_transfer, KIND_SEND, KIND_WRITE};
+use crate::MAX_NICS;
+use nic::Nic;
+use registry::Registry;
+use slab::Slab;
+use std::sync::Arc;
+use weft_transport::{
+    Access, Completion, Domain, LocalMr, MemRegion, NetAddr, TransportError, WriteWr,
+};
+
+/// What the core hands to the driver.
+pub(crate) enum Event {
+    /// A transfer finished; run its callback.
+    Done(DoneCallback, DoneResult),
+    /// A receive buffer was filled (or failed).
+    Recv {
+        pool: Arc<RecvPool>,
+        idx: u32,
+        result: Result<u64, EngineError>,
+    },
+}
+
+/// Control-plane operations (registration, peers, pools): the core's
+/// input besides requests and completions.
+pub(crate) enum Control {
+    RegMr {
+        region: MemRegion,
+        reply: crossbeam_channel::Sender<Result<(u64, Vec<LocalMr>), EngineError>>,
+    },
+    UnregMr {
+        id: u64,
+        reply: crossbeam_channel::Sender<Result<(), EngineError>>,
+    },
+    AddPeerGroup {
+        peers: Vec<GroupAddress>,
+        reply: crossbeam_channel::Sender<Result<u32, EngineError>>,
+    },
+    RecvPool {
+        pool: Arc<RecvPool>,
+        reply: crossbeam_channel::Sender<Result<(), EngineError>>,
+    },
+    Repost {
+        pool: u16,
+        idx: u32,
+    },
+}
+
+/// Static facts about a group once its domains are open.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupInfo {
+    pub(crate) addrs: Vec<NetAddr>,
+    pub(crate) names: Vec<String>,
+    pub(crate) max_write_len: u64,
+    pub(crate) max_send_len: u64,
+}
+
+/// The per-group worker state machine: thread- and clock-free, driven from
+/// outside. See the module docs.
+pub(crate) struct WorkerCore {
+    group: usize,
+    nics: Vec<Nic>,
+    /// Transfers in flight.
+    slab: Slab,
+    /// Registrations, peer groups and receive pools.
+    reg: Registry,
+    send_pool: Arc<SendPool>,
+    send_mr: LocalMr,
+    /// The send pool buffer registered on every NIC: the source of
+    /// zero-length (immediate-only) writes on that NIC.
+    zero_mrs: Vec<LocalMr>,
+    imms: Arc<ImmTable<ImmDone>>,
+    addrs: Arc<AddrBook>,
+    shard: ShardConfig,
+    max_write_len: u64,
+    rr: usize,
+    events: Vec<Event>,
+    scratch: Vec<WriteWr>,
+    /// Reused buffer of planned pieces.
+    pieces: Vec<Piece>,
+    comps: Vec<Completion>,
+    pending_pieces: usize,
+    #[cfg(feature = "latency-probe")]
+    probes: Arc<crate::probe::ProbeSink>,
+}
+
+/// A backend error on NIC `nic` of `group` while moving `transfer`.
+fn transport(
+    group: usize,
+    nic: usize,
+    transfer: TransferId,
+    peer: Option<NetAddr>,
+    source: TransportError,
+) -> EngineError {
+    EngineError::Transport {
+        transfer,
+        group,
+        nic,
+        peer,
+        source: Box::new(source),
+    }
+}
+
+impl WorkerCore {
+    /// Builds the core from freshly opened domains (call on the worker
+    /// thread, after pinning).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        group: usize,
+        domains: Vec<Box<dyn Domain>>,
+        imms: Arc<ImmTable<ImmDone>>,
+        addrs: Arc<AddrBook>,
+        shard: ShardConfig,
+        send_slots: u32,
+        send_slot_len: u64,
+        #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
+    ) -> Result<Self, EngineError> {
+        if domains.is_empty() || domains.len() > MAX_NICS {
+            return Err(EngineError::Setup {
+                group,
+                what: format!("a group needs 1..={MAX_NICS} NICs, got {}", domains.len()),
+                source: None,
+            });
+        }
+        let mut nics: Vec<Nic> = domains.into_iter().map(Nic::new).collect();
+        let max_write_len = nics
+            .iter()
+            .map(|n| n.caps.max_write_len)
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        let send_pool = Arc::new(SendPool::new(send_slots, send_slot_len)?);
+        let send_mr = nics[0]
+            .domain
+            .register(&send_pool.buf.region(), Access::LocalOnly)
+            .map_err(|e| EngineError::Setup {
+                group,
+                what: "registering the send pool".into(),
+                source: Some(Box::new(e)),
+            })?;
+        let mut zero_mrs = vec![send_mr];
+        for (i, n) in nics.iter_mut().enumerate().skip(1) {
+            let mr = n
+                .domain
+                .register(&send_pool.buf.region(), Access::LocalOnly)
+                .map_err(|e| EngineError::Setup {
+                    group,
+                    what: format!("registering the zero-length source on NIC {i}"),
+                    source: Some(Box::new(e)),
+                })?;
+            zero_mrs.push(mr);
+        }
+        for n in &mut nics {
+            n.caps.max_inflight = n.caps.max_inflight.max(1);
+            n.caps.max_batch = n.caps.max_batch.max(1);
+        }
+        Ok(Self {
+            group,
+            nics,
+            slab: Slab::default(),
+            reg: Registry::default(),
+            send_pool,
+            send_mr,
+            zero_mrs,
+            imms,
+            addrs,
+            shard,
+            max_write_len,
+            rr: 0,
+            events: Vec::new(),
+            scratch: Vec::new(),
+            pieces: Vec::new(),
+            comps: Vec::new(),
+            pending_pieces: 0,
+            #[cfg(feature = "latency-probe")]
+            probes,
+        })
+    }
+
+    pub(crate) fn info(&self) -> GroupInfo {
+        GroupInfo {
+            addrs: self
+                .nics
+                .iter()
+                .map(|n| n.domain.local_addr().clone())
+                .collect(),
+            names: self.nics.iter().map(|n| n.name.clone()).collect(),
+            max_write_len: self.max_write_len,
+            max_send_len: self.nics[0].caps.max_send_len,
+        }
+    }
+
+    pub(crate) fn send_pool(&self) -> Arc<SendPool> {
+        Arc::clone(&self.send_pool)
+    }
+
+    /// Events produced since the last call.
+    pub(crate) fn take_events(&mut self, out: &mut Vec<Event>) {
+        out.append(&mut self.events);
+    }
+
+    /// WRs planned but not yet handed to the backend (backpressure signal).
+    pub(crate) fn pending_pieces(&self) -> usize {
+        self.pending_pieces
+    }
+
+    /// Whether a NIC of the group moves data only while polled
+    /// ([`Capabilities::software_progress`]).
+    ///
+    /// [`Capabilities::software_progress`]: weft_transport::Capabilities::software_progress
+    pub(crate) fn software_progress(&self) -> bool {
+        self.nics.iter().any(|n| n.caps.software_progress)
+    }
+
+    /// Whether WRs are posted and not yet completed, or waiting for room.
+    pub(crate) fn in_flight(&self) -> bool {
+        self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)
+    }
+
+    /// Whether any transfer is still unfinished.
+    pub(crate) fn busy(&self) -> bool {
+        self.slab.any_live()
+    }
+
+    /// Takes one new request and posts its first WRs (priority 1).
+    pub(crate) fn take_request(&mut self, req: Submitted) {
+        let Submitted {
+            id,
+            on_done,
+            body,
+            #[cfg(feature = "latency-probe")]
+            stamps,
+        } = req;
+        let (slot, gen) = self.slab.alloc(id, on_done);
+        #[cfg(feature = "latency-probe")]
+        {
+            self.slab[slot as usize].probe = crate::probe::Record::start(id, stamps);
+        }
+        let kind = if matches!(body, Body::Send { .. }) {
+            KIND_SEND
+        } else {
+            KIND_WRITE
+        };
+        let wr = wr_transfer(kind, slot, gen);
+        // Planning holds one count of `remaining` and of `unposted`, so
+        // pieces posted early (see the scatter plan) can neither finish the
+        // transfer nor count as "all posted" before every piece is planned.
+        {
+            let t = &mut self.slab[slot as usize];
+            t.remaining += 1;
+            t.unposted += 1;
+        }
+        if let Err(e) = self.plan(slot, wr, body) {
+            self.fail_transfer(slot, e);
+        }
+        {
+            let t = &mut self.slab[slot as usize];
+            t.remaining -= 1;
+            t.unposted -= 1;
+            // Every piece was posted during planning: the probe's "all
+            // posted" is now (`posted` saw the hold and did not record it).
+            #[cfg(feature = "latency-probe")]
+            if t.unposted == 0 && t.probe.first_wr.is_some() {
+                t.probe.posted(true);
+                self.probes.push(t.probe);
+            }
+        }
+        // Post the fresh WRs now; what does not fit joins the backlog.
+        self.post_fresh();
+        for i in 0..self.nics.len() {
+            if !self.nics[i].fresh.is_empty() {
+                let n = &mut self.nics[i];
+                if n.backlog.is_empty() {
+                    // Common case: no copy, the rings trade buffers.
+                    std::mem::swap(&mut n.fresh, &mut n.backlog);
+                } else {
+                    n.backlog.append(&mut n.fresh);
+                }
+            }
+        }
+        self.maybe_finish(slot);
+    }
+
+    /// Fails everything not yet handed to the backend (shutdown).
+    pub(crate) fn fail_unposted(&mut self, e: &EngineError) {
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if t.live && t.unposted > 0 && t.error.is_none() {
+                t.error = Some(e.clone());
+            }
+        }
+        for nic in 0..self.nics.len() {
+            while let Some(op) = self.nics[nic].backlog.pop_front() {
+                self.skip_piece(op.wr());
+            }
+        }
+    }
+
+    /// Fails everything still in flight (shutdown after the drain timeout).
+    /// The backend may still complete those WRs later; they are ignored.
+    pub(crate) fn abandon_inflight(&mut self, e: &EngineError) {
+        self.fail_unposted(e);
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if !t.live {
+                continue;
+            }
+            if t.error.is_none() {
+                t.error = Some(e.clone());
+            }
+            t.remaining = 0;
+            self.maybe_finish(slot as u32);
+        }
+    }
+
+    /// Fails a request that never reached planning (shutdown).
+    pub(crate) fn reject(&mut self, req: Submitted, e: EngineError) {
+        if let Some((cb, r)) = req.on_done.resolve_inline(Err(e)) {
+            self.events.push(Event::Done(cb, r));
+        }
+    }
+
+    /// Deregisters everything and closes the domains.
+    pub(crate) fn close(mut self) {
+        for (_, ps) in std::mem::take(&mut self.reg.pools) {
+            let _ = self.nics[0].domain.deregister(ps.mr.key);
+        }
+        for id in 0..self.reg.mrs.len() {
+            if let Some(e) = self.reg.mrs[id].take() {
+                for (i, mr) in e.nics.iter().enumerate() {
+                    let _ = self.nics_dereg(i, mr.key);
+                }
+            }
+        }
+        for (i, mr) in std::mem::take(&mut self.zero_mrs).iter().enumerate() {
+            let _ = self.nics_dereg(i, mr.key);
+        }
+        self.nics.clear();
+    }
+}

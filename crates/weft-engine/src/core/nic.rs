@@ -1,0 +1,370 @@
+//! One NIC of the group: its domain, its two rings of WRs waiting for
+//! send-queue room (`fresh`: the request being taken; `backlog`: older
+//! requests), its peers, and the posting and completion polling that move
+//! WRs through it.
+
+use super::{transport, Event, WorkerCore};
+use crate::error::EngineError;
+use crate::wrid::{decode, Decoded};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use weft_transport::{
+    Capabilities, Completion, Domain, LocalSlice, NetAddr, PeerId, PostError, TransportError, WrId,
+    WriteWr,
+};
+
+/// A work request waiting for send-queue room.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Op {
+    Write(WriteWr),
+    Send {
+        wr: WrId,
+        peer: PeerId,
+        src: LocalSlice,
+    },
+}
+
+impl Op {
+    /// The WR id the op is posted under.
+    #[inline]
+    pub(super) fn wr(&self) -> WrId {
+        match self {
+            Op::Write(w) => w.wr,
+            Op::Send { wr, .. } => *wr,
+        }
+    }
+}
+
+/// One NIC of the group: its domain, rings, peers and counters.
+pub(super) struct Nic {
+    pub(super) domain: Box<dyn Domain>,
+    pub(super) caps: Capabilities,
+    pub(super) name: String,
+    pub(super) inflight: usize,
+    /// WRs of the request being taken right now (priority 1).
+    pub(super) fresh: VecDeque<Op>,
+    /// WRs of older requests waiting for room (priority 2).
+    pub(super) backlog: VecDeque<Op>,
+    pub(super) peers: BTreeMap<NetAddr, PeerId>,
+    pub(super) peer_addrs: BTreeMap<PeerId, NetAddr>,
+    /// `peers` by [`AddrBook`](crate::request::AddrBook) id (filled on
+    /// first use).
+    pub(super) by_addr_id: Vec<Option<PeerId>>,
+    pub(super) dead: Option<TransportError>,
+    pub(super) recvs_posted: usize,
+}
+
+impl Nic {
+    /// A NIC around its freshly opened domain.
+    pub(super) fn new(domain: Box<dyn Domain>) -> Self {
+        let caps = domain.capabilities().clone();
+        let name = domain.info().name.clone();
+        Nic {
+            domain,
+            caps,
+            name,
+            inflight: 0,
+            fresh: VecDeque::new(),
+            backlog: VecDeque::new(),
+            peers: BTreeMap::new(),
+            peer_addrs: BTreeMap::new(),
+            by_addr_id: Vec::new(),
+            dead: None,
+            recvs_posted: 0,
+        }
+    }
+
+    /// The peer at `addr`, added to the domain on first use.
+    pub(super) fn resolve(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.peers.get(addr) {
+            return Ok(*p);
+        }
+        let p = self.domain.add_peer(addr)?;
+        self.peers.insert(addr.clone(), p);
+        self.peer_addrs.insert(p, addr.clone());
+        Ok(p)
+    }
+}
+
+impl WorkerCore {
+    /// The peer at `addr` on NIC `nic`, added on first use.
+    pub(super) fn resolve(&mut self, nic: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        let n = self
+            .nics
+            .get_mut(nic)
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: String::new(),
+                what: format!("no NIC {nic}"),
+            })?;
+        n.resolve(addr)
+    }
+
+    /// Posts what the fresh rings hold while there is room; the rest stays
+    /// there, in order, ahead of pieces planned later.
+    pub(super) fn post_fresh(&mut self) {
+        for i in 0..self.nics.len() {
+            if !self.nics[i].fresh.is_empty() {
+                self.post_ring(i, true);
+            }
+        }
+    }
+
+    /// Posts more WRs of pending requests as room frees (priority 2).
+    pub(crate) fn post_backlog(&mut self) -> bool {
+        let mut any = false;
+        for i in 0..self.nics.len() {
+            if !self.nics[i].backlog.is_empty() {
+                any |= self.post_ring(i, false);
+            }
+        }
+        any
+    }
+
+    pub(super) fn ring(&mut self, nic: usize, fresh: bool) -> &mut VecDeque<Op> {
+        let n = &mut self.nics[nic];
+        if fresh {
+            &mut n.fresh
+        } else {
+            &mut n.backlog
+        }
+    }
+
+    /// Posts from one ring of one NIC while there is room. Returns whether
+    /// anything was posted or resolved.
+    pub(super) fn post_ring(&mut self, nic: usize, fresh: bool) -> bool {
+        let mut progressed = false;
+        loop {
+            if let Some(e) = self.nics[nic].dead.clone() {
+                // Everything queued on a dead NIC fails.
+                while let Some(op) = self.ring(nic, fresh).pop_front() {
+                    self.unposted_failed(nic, op, e.clone());
+                }
+                return true;
+            }
+            let n = &self.nics[nic];
+            let room = n.caps.max_inflight.saturating_sub(n.inflight);
+            if room == 0 {
+                return progressed;
+            }
+            // Skip (and resolve) pieces of transfers that already failed.
+            let Some(front) = self.ring(nic, fresh).front().copied() else {
+                return progressed;
+            };
+            if self.slab.failed(front.wr()) {
+                self.ring(nic, fresh).pop_front();
+                self.skip_piece(front.wr());
+                progressed = true;
+                continue;
+            }
+            match front {
+                Op::Send { wr, peer, src } => {
+                    self.ring(nic, fresh).pop_front();
+                    match self.nics[nic].domain.post_send(wr, peer, src) {
+                        Ok(()) => {
+                            self.posted(nic, wr);
+                            progressed = true;
+                        }
+                        Err(e) if e.is_retryable() => {
+                            self.ring(nic, fresh).push_front(front);
+                            return progressed;
+                        }
+                        Err(e) => {
+                            self.post_failed(nic, wr, Some(peer), e);
+                            progressed = true;
+                        }
+                    }
+                }
+                Op::Write(_) => {
+                    let max = room.min(self.nics[nic].caps.max_batch);
+                    self.scratch.clear();
+                    while self.scratch.len() < max {
+                        let Some(Op::Write(w)) = self.ring(nic, fresh).front().copied() else {
+                            break;
+                        };
+                        if self.slab.failed(w.wr) {
+                            self.ring(nic, fresh).pop_front();
+                            self.skip_piece(w.wr);
+                            continue;
+                        }
+                        self.scratch.push(w);
+                        self.ring(nic, fresh).pop_front();
+                    }
+                    if self.scratch.is_empty() {
+                        continue;
+                    }
+                    let batch = std::mem::take(&mut self.scratch);
+                    let (accepted, err) = match self.nics[nic].domain.post_writes(&batch) {
+                        Ok(k) => (k.min(batch.len()), None),
+                        Err(PostError { posted, error }) => (posted.min(batch.len()), Some(error)),
+                    };
+                    for w in &batch[..accepted] {
+                        self.posted(nic, w.wr);
+                    }
+                    progressed |= accepted > 0;
+                    let mut rest = accepted;
+                    let mut stop = accepted < batch.len() && err.is_none();
+                    let mut died = None;
+                    if let Some(e) = err {
+                        if e.is_retryable() {
+                            stop = true;
+                        } else if let Some(w) = batch.get(accepted) {
+                            let fatal = matches!(e, TransportError::NicDown { .. });
+                            self.post_failed(nic, w.wr, Some(w.peer), e.clone());
+                            rest += 1;
+                            progressed = true;
+                            if fatal {
+                                died = Some(e);
+                            }
+                        }
+                    }
+                    // Put back what was not taken, in order, at the front.
+                    for w in batch[rest.min(batch.len())..].iter().rev() {
+                        self.ring(nic, fresh).push_front(Op::Write(*w));
+                    }
+                    self.scratch = batch;
+                    if let Some(e) = died {
+                        // Resolve what is already posted on this NIC too:
+                        // `poll` skips dead NICs, so nothing else would.
+                        tracing::error!(group = self.group, nic, error = %e, "NIC down on post");
+                        self.nic_died(nic, e);
+                    }
+                    if stop {
+                        return progressed;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Polls every domain's completion queue (priority 3). Returns how many
+    /// completions were handled.
+    pub(crate) fn poll(&mut self) -> usize {
+        let mut handled = 0;
+        for nic in 0..self.nics.len() {
+            if self.nics[nic].dead.is_some() {
+                continue;
+            }
+            let mut comps = std::mem::take(&mut self.comps);
+            comps.clear();
+            let r = self.nics[nic].domain.poll(&mut comps);
+            handled += comps.len();
+            for c in comps.drain(..) {
+                self.on_completion(nic, c);
+            }
+            self.comps = comps;
+            if let Err(e) = r {
+                tracing::error!(group = self.group, nic, error = %e, "domain failed");
+                self.nic_died(nic, e);
+                handled += 1;
+            }
+        }
+        handled
+    }
+
+    pub(super) fn on_completion(&mut self, nic: usize, c: Completion) {
+        match c {
+            Completion::Write { wr, result } | Completion::Send { wr, result } => {
+                self.nics[nic].inflight = self.nics[nic].inflight.saturating_sub(1);
+                let Some(slot) = self.slab.lookup(wr) else {
+                    tracing::warn!(group = self.group, nic, ?wr, "completion for unknown WR");
+                    return;
+                };
+                let group = self.group;
+                let t = &mut self.slab[slot as usize];
+                t.posted_on[nic] = t.posted_on[nic].saturating_sub(1);
+                t.remaining = t.remaining.saturating_sub(1);
+                if let Err(e) = result {
+                    if t.error.is_none() {
+                        let peer = peer_of(&e);
+                        t.error = Some(transport(group, nic, t.id, peer, e));
+                    }
+                }
+                self.maybe_finish(slot);
+            }
+            Completion::Recv { wr, result } => {
+                let Decoded::Recv { pool, idx } = decode(wr) else {
+                    tracing::warn!(
+                        group = self.group,
+                        nic,
+                        ?wr,
+                        "receive completion for unknown WR"
+                    );
+                    return;
+                };
+                let n = &mut self.nics[nic];
+                n.recvs_posted = n.recvs_posted.saturating_sub(1);
+                // A freed receive slot: post a waiting buffer.
+                if let Some(next) = self
+                    .reg
+                    .pools
+                    .values_mut()
+                    .find_map(|p| p.waiting.pop_front().map(|i| (p.pool.id, i)))
+                {
+                    self.repost(next.0, next.1);
+                }
+                let Some(ps) = self.reg.pools.get(&pool) else {
+                    return;
+                };
+                let group = self.group;
+                let result = result.map_err(|e| EngineError::Control {
+                    group,
+                    nic,
+                    op: "receive",
+                    source: Box::new(e),
+                });
+                if matches!(
+                    result.as_ref().err().and_then(EngineError::transport),
+                    Some(TransportError::Canceled { .. })
+                ) {
+                    // Flushed at close: not an event.
+                    return;
+                }
+                self.events.push(Event::Recv {
+                    pool: Arc::clone(&ps.pool),
+                    idx,
+                    result,
+                });
+            }
+            Completion::Imm { imm } => {
+                if let Some((cb, r)) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
+                    self.events.push(Event::Done(cb, r));
+                }
+            }
+        }
+    }
+
+    pub(super) fn nic_died(&mut self, nic: usize, e: TransportError) {
+        self.nics[nic].dead = Some(e.clone());
+        self.nics[nic].inflight = 0;
+        // Fail every posted piece on that NIC.
+        for slot in 0..self.slab.len() {
+            let t = &mut self.slab[slot];
+            if !t.live || t.posted_on[nic] == 0 {
+                continue;
+            }
+            let k = u64::from(t.posted_on[nic]);
+            t.posted_on[nic] = 0;
+            t.remaining = t.remaining.saturating_sub(k);
+            if t.error.is_none() {
+                t.error = Some(EngineError::NicDown {
+                    group: self.group,
+                    nic,
+                    source: Box::new(e.clone()),
+                });
+            }
+            self.maybe_finish(slot as u32);
+        }
+        // And everything still queued on it.
+        self.post_ring(nic, false);
+    }
+}
+
+fn peer_of(e: &TransportError) -> Option<NetAddr> {
+    match e {
+        TransportError::PeerUnreachable { peer, .. }
+        | TransportError::RemoteAccess { peer, .. }
+        | TransportError::ReceiverNotReady { peer, .. }
+        | TransportError::MessageTooLong { peer, .. } => Some(peer.clone()),
+        _ => None,
+    }
+}

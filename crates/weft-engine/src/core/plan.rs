@@ -1,0 +1,334 @@
+//! Planning: a request body becomes pieces (see [`crate::shard`]) and each
+//! piece a WR on the fresh ring of its NIC.
+
+use super::nic::Op;
+use super::route::{Routes, Target};
+use super::slab::SendRes;
+use super::{transport, WorkerCore};
+use crate::error::EngineError;
+use crate::mem::SendPayload;
+use crate::request::{Body, Dsts};
+use crate::shard::{self, ScatterMode};
+use crate::MAX_NICS;
+use weft_transport::{Access, Imm, MemRegion, NetAddr, RemoteSlice, WrId, WriteWr};
+
+impl WorkerCore {
+    pub(super) fn plan(&mut self, slot: u32, wr: WrId, body: Body) -> Result<(), EngineError> {
+        match body {
+            Body::Single {
+                len,
+                imm,
+                src,
+                src_off,
+                dst,
+                dst_off,
+            } => {
+                let nics = self.nics_for(Target::Plain(&dst))?;
+                self.rr = self.rr.wrapping_add(1);
+                shard::plan_single_write_into(
+                    &mut self.pieces,
+                    len,
+                    nics,
+                    self.max_write_len,
+                    self.rr,
+                    &self.shard,
+                );
+                let mut routes = Routes::default();
+                self.push_pieces(
+                    slot,
+                    wr,
+                    &mut routes,
+                    Target::Plain(&dst),
+                    src,
+                    src_off,
+                    dst_off,
+                    imm,
+                )
+            }
+            Body::Paged {
+                page_len,
+                imm,
+                src,
+                src_pages,
+                dst,
+                dst_pages,
+            } => {
+                let nics = self.nics_for(Target::Plain(&dst))?;
+                let mut routes = Routes::default();
+                let target = Target::Plain(&dst);
+                let tid = self.slab[slot as usize].id;
+                // A page that fits one WR is one piece on NIC `i % nics`
+                // (what `plan_page` says): pushed without the piece list.
+                let one_piece = page_len > 0
+                    && page_len <= shard::piece_cap(self.max_write_len, self.shard.align);
+                for i in 0..src_pages.len() {
+                    let (Some(so), Some(d_o)) =
+                        (src_pages.page_offset(i), dst_pages.page_offset(i))
+                    else {
+                        return Err(EngineError::InvalidArgument {
+                            what: format!("page {i} offset overflows"),
+                        });
+                    };
+                    if one_piece {
+                        let nic = i % nics;
+                        let route = self.route(&mut routes, tid, nic, Some(src), target)?;
+                        self.push_write(slot, wr, route, nic, so, target, d_o, page_len, imm)?;
+                        continue;
+                    }
+                    shard::plan_page_into(
+                        &mut self.pieces,
+                        i,
+                        page_len,
+                        nics,
+                        self.max_write_len,
+                        self.shard.align,
+                    );
+                    self.push_pieces(slot, wr, &mut routes, target, src, so, d_o, imm)?;
+                }
+                Ok(())
+            }
+            Body::Scatter {
+                imm,
+                src,
+                peers,
+                dsts,
+                mode,
+            } => {
+                self.reg.check_peer_group(peers, dsts.len())?;
+                // Fast path: a destination matched to its member whose
+                // ByPeer plan is one piece (NIC `j % nics`, the whole
+                // length: what `plan_scatter_dst` says) is pushed directly
+                // with the source registration looked up once per request.
+                let cap = shard::piece_cap(self.max_write_len, self.shard.align);
+                let mut src_mrs = [None; MAX_NICS];
+                if matches!(dsts, Dsts::Routed(_)) && dsts.len() > 0 {
+                    let nics = &self.reg.mr_entry(src)?.nics;
+                    for (l, mr) in nics.iter().take(MAX_NICS).enumerate() {
+                        src_mrs[l] = Some(*mr);
+                    }
+                }
+                for j in 0..dsts.len() {
+                    let one_piece = match (&dsts, mode) {
+                        (Dsts::Routed(v), ScatterMode::ByPeer) if v[j].len <= cap => Some(&v[j]),
+                        _ => None,
+                    };
+                    if let Some(d) = one_piece {
+                        let target = Target::Member(d, peers, j);
+                        let nic = j % self.nics_for(target)?;
+                        let mr = src_mrs.get(nic).copied().flatten();
+                        let route = self.member_route(d, peers, j, nic, mr)?;
+                        self.push_write(
+                            slot,
+                            wr,
+                            route,
+                            nic,
+                            d.src_offset,
+                            target,
+                            d.dst_offset,
+                            d.len,
+                            imm,
+                        )?;
+                    } else {
+                        self.push_scatter_dst(slot, wr, src, &dsts, peers, j, mode, imm)?;
+                    }
+                    if j == 0 && matches!(dsts, Dsts::Routed(_)) {
+                        // The first WRITE goes out before the other
+                        // destinations are planned (scatter latency). Only
+                        // for routed destinations: their planning cannot
+                        // fail later (peers resolved, bounds checked at
+                        // submit), so no destination is written for a
+                        // scatter that then fails in planning.
+                        self.post_fresh();
+                    }
+                    if self.slab[slot as usize].error.is_some() {
+                        // Failed (an early post was rejected): plan no more.
+                        break;
+                    }
+                }
+                Ok(())
+            }
+            Body::Barrier { imm, peers, dsts } => {
+                self.reg.check_peer_group(peers, dsts.len())?;
+                for j in 0..dsts.len() {
+                    let target = match &dsts {
+                        Dsts::Routed(v) => Target::Member(&v[j], peers, j),
+                        Dsts::Described(v) => Target::Desc(&v[j].dst, Some((peers, j))),
+                    };
+                    let nics = self.nics_for(target)?;
+                    // Zero-length, immediate-only: source is the send pool
+                    // (any valid local key of that NIC works for 0 bytes).
+                    let nic = j % nics;
+                    self.push_zero_write(slot, wr, nic, target, imm)?;
+                }
+                Ok(())
+            }
+            Body::Send { peer, payload } => self.plan_send(slot, wr, peer, payload),
+        }
+    }
+
+    /// Plans and pushes destination `j` of a scatter by the general path
+    /// (any mode, any number of pieces, routed or resolved by address).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_scatter_dst(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        src: u64,
+        dsts: &Dsts,
+        peers: u32,
+        j: usize,
+        mode: ScatterMode,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        let (target, len, src_off, dst_off) = match dsts {
+            Dsts::Routed(v) => {
+                let d = &v[j];
+                (
+                    Target::Member(d, peers, j),
+                    d.len,
+                    d.src_offset,
+                    d.dst_offset,
+                )
+            }
+            Dsts::Described(v) => {
+                let d = &v[j];
+                let t = Target::Desc(&d.dst, Some((peers, j)));
+                (t, d.len, d.src_offset, d.dst_offset)
+            }
+        };
+        let nics = self.nics_for(target)?;
+        shard::plan_scatter_dst_into(
+            &mut self.pieces,
+            j,
+            len,
+            nics,
+            self.max_write_len,
+            mode,
+            &self.shard,
+        );
+        let mut routes = Routes::default();
+        self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)
+    }
+
+    pub(super) fn push_zero_write(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        nic: usize,
+        target: Target<'_>,
+        imm: Imm,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        // A zero-length local slice of a registration made on *this* NIC.
+        let local = self.zero_slice(nic)?;
+        let route = self.route(&mut Routes::default(), tid, nic, None, target)?;
+        let w = WriteWr {
+            wr,
+            peer: route.peer,
+            src: local,
+            dst: RemoteSlice {
+                base: target.base(),
+                offset: 0,
+                rkey: route.rkey,
+            },
+            imm: Some(imm),
+        };
+        self.push_op(slot, nic, Op::Write(w));
+        Ok(())
+    }
+
+    // Registers an oversize SEND buffer in place (`MemRegion::new`).
+    #[allow(unsafe_code)]
+    pub(super) fn plan_send(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        peer: NetAddr,
+        payload: SendPayload,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        let group = self.group;
+        let pid = self
+            .resolve(0, &peer)
+            .map_err(|e| transport(group, 0, tid, Some(peer.clone()), e));
+        let (src, res) = match payload {
+            SendPayload::Slot { slot: s, len } => {
+                let res = SendRes {
+                    slot: Some(s),
+                    owned: None,
+                };
+                let src = self.send_mr.slice(self.send_pool.slot_offset(s), len);
+                (src, res)
+            }
+            SendPayload::Owned(v) => {
+                if let Some(s) = self.send_pool.try_fill(&v) {
+                    let src = self
+                        .send_mr
+                        .slice(self.send_pool.slot_offset(s), v.len() as u64);
+                    (
+                        src,
+                        SendRes {
+                            slot: Some(s),
+                            owned: None,
+                        },
+                    )
+                } else if v.is_empty() {
+                    // Nothing to register: use the zero-length slice of the
+                    // engine's own registered buffer.
+                    (
+                        self.zero_slice(0).ok(),
+                        SendRes {
+                            slot: None,
+                            owned: None,
+                        },
+                    )
+                } else {
+                    // Oversize (or pool empty): register the message itself.
+                    // SAFETY: the Vec's heap buffer stays allocated and
+                    // untouched (it is moved into the transfer state, which
+                    // never reallocates it) until the SEND completes and
+                    // the registration is removed.
+                    let region = unsafe {
+                        MemRegion::new(
+                            std::ptr::NonNull::new(v.as_ptr().cast_mut())
+                                .unwrap_or(std::ptr::NonNull::dangling()),
+                            v.len(),
+                            weft_transport::Device::Host,
+                        )
+                    };
+                    let mr = self.nics[0]
+                        .domain
+                        .register(&region, Access::LocalOnly)
+                        .map_err(|e| EngineError::Control {
+                            group,
+                            nic: 0,
+                            op: "register send buffer",
+                            source: Box::new(e),
+                        });
+                    match mr {
+                        Ok(mr) => {
+                            let src = mr.slice(0, v.len() as u64);
+                            (
+                                src,
+                                SendRes {
+                                    slot: None,
+                                    owned: Some((v, mr.key)),
+                                },
+                            )
+                        }
+                        Err(e) => {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        };
+        self.slab[slot as usize].send = Some(res);
+        let pid = pid?;
+        let src = src.ok_or_else(|| EngineError::InvalidArgument {
+            what: "send buffer slice".into(),
+        })?;
+        self.push_op(slot, 0, Op::Send { wr, peer: pid, src });
+        Ok(())
+    }
+}

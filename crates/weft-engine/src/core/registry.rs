@@ -1,0 +1,255 @@
+//! What the control plane sets up on a group: memory registrations (one
+//! per NIC, under a generation-checked key), resolved peer groups and
+//! receive pools.
+
+use super::{Control, Event, WorkerCore};
+use crate::error::EngineError;
+use crate::mem::RecvPool;
+use crate::request::GroupAddress;
+use crate::wrid::{mr_key, split_mr_key, wr_recv};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use weft_transport::{Access, LocalMr, MemRegion, MrKey, NetAddr, PeerId, TransportError};
+
+pub(super) struct MrEntry {
+    pub(super) nics: Vec<LocalMr>,
+}
+
+pub(super) struct PeerGroup {
+    /// `[member][nic]` resolved peer and the address it was resolved from.
+    pub(super) members: Vec<Vec<(NetAddr, PeerId)>>,
+}
+
+pub(super) struct PoolState {
+    pub(super) pool: Arc<RecvPool>,
+    pub(super) mr: LocalMr,
+    pub(super) waiting: VecDeque<u32>,
+}
+
+/// The registrations, peer groups and receive pools of one group.
+#[derive(Default)]
+pub(super) struct Registry {
+    pub(super) mrs: Vec<Option<MrEntry>>,
+    /// Generation of each `mrs` slot, bumped on every deregistration.
+    pub(super) mr_gens: Vec<u32>,
+    pub(super) peer_groups: Vec<PeerGroup>,
+    pub(super) pools: BTreeMap<u16, PoolState>,
+}
+
+impl Registry {
+    /// The live registration `key` names; a key whose generation is not
+    /// the slot's current one is stale.
+    pub(super) fn mr_entry(&self, key: u64) -> Result<&MrEntry, EngineError> {
+        let (id, gen) = split_mr_key(key);
+        let current = self.mr_gens.get(id as usize).copied();
+        match current {
+            Some(c) if c != gen => Err(EngineError::StaleMr {
+                id: u64::from(id),
+                gen,
+                current: c,
+            }),
+            _ => self
+                .mrs
+                .get(id as usize)
+                .and_then(Option::as_ref)
+                .ok_or(EngineError::UnknownMr(u64::from(id))),
+        }
+    }
+
+    pub(super) fn check_peer_group(&self, peers: u32, n: usize) -> Result<(), EngineError> {
+        let g =
+            self.peer_groups
+                .get(peers as usize)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("unknown peer group {peers}"),
+                })?;
+        if g.members.len() != n {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "peer group {peers} has {} members, got {n} destinations",
+                    g.members.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl WorkerCore {
+    pub(crate) fn handle_control(&mut self, c: Control) {
+        match c {
+            Control::RegMr { region, reply } => {
+                let _ = reply.send(self.reg_mr(&region));
+            }
+            Control::UnregMr { id, reply } => {
+                let _ = reply.send(self.unreg_mr(id));
+            }
+            Control::AddPeerGroup { peers, reply } => {
+                let _ = reply.send(self.add_peer_group(peers));
+            }
+            Control::RecvPool { pool, reply } => {
+                let _ = reply.send(self.add_recv_pool(pool));
+            }
+            Control::Repost { pool, idx } => self.repost(pool, idx),
+        }
+    }
+
+    pub(super) fn reg_mr(
+        &mut self,
+        region: &MemRegion,
+    ) -> Result<(u64, Vec<LocalMr>), EngineError> {
+        let mut nics = Vec::with_capacity(self.nics.len());
+        for (i, n) in self.nics.iter_mut().enumerate() {
+            match n.domain.register(region, Access::RemoteWrite) {
+                Ok(mr) => nics.push(mr),
+                Err(e) => {
+                    for (j, mr) in nics.iter().enumerate() {
+                        let _ = self.nics_dereg(j, mr.key);
+                    }
+                    return Err(EngineError::Control {
+                        group: self.group,
+                        nic: i,
+                        op: "register",
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        let id = match self.reg.mrs.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.reg.mrs.push(None);
+                self.reg.mr_gens.push(0);
+                self.reg.mrs.len() - 1
+            }
+        };
+        let id32 = u32::try_from(id).map_err(|_| EngineError::InvalidArgument {
+            what: "too many registrations".into(),
+        })?;
+        if let Some(slot) = self.reg.mrs.get_mut(id) {
+            *slot = Some(MrEntry { nics: nics.clone() });
+        }
+        let gen = self.reg.mr_gens.get(id).copied().unwrap_or(0);
+        Ok((mr_key(id32, gen), nics))
+    }
+
+    pub(super) fn nics_dereg(&mut self, nic: usize, key: MrKey) -> Result<(), TransportError> {
+        match self.nics.get_mut(nic) {
+            Some(n) => n.domain.deregister(key),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn unreg_mr(&mut self, key: u64) -> Result<(), EngineError> {
+        self.reg.mr_entry(key)?;
+        let id = split_mr_key(key).0 as usize;
+        let entry = self
+            .reg
+            .mrs
+            .get_mut(id)
+            .and_then(Option::take)
+            .ok_or(EngineError::UnknownMr(id as u64))?;
+        if let Some(g) = self.reg.mr_gens.get_mut(id) {
+            *g = g.wrapping_add(1);
+        }
+        let mut first = Ok(());
+        for (i, mr) in entry.nics.iter().enumerate() {
+            if let Err(e) = self.nics_dereg(i, mr.key) {
+                if first.is_ok() {
+                    first = Err(EngineError::Control {
+                        group: self.group,
+                        nic: i,
+                        op: "deregister",
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        first
+    }
+
+    pub(super) fn add_peer_group(&mut self, peers: Vec<GroupAddress>) -> Result<u32, EngineError> {
+        let mut members = Vec::with_capacity(peers.len());
+        for p in peers {
+            let nics = p.nics.len().min(self.nics.len());
+            let mut m = Vec::with_capacity(nics);
+            for (nic, addr) in p.nics.into_iter().take(nics).enumerate() {
+                let id = self.resolve(nic, &addr).map_err(|e| EngineError::Control {
+                    group: self.group,
+                    nic,
+                    op: "add_peer",
+                    source: Box::new(e),
+                })?;
+                m.push((addr, id));
+            }
+            members.push(m);
+        }
+        let id = u32::try_from(self.reg.peer_groups.len()).map_err(|_| {
+            EngineError::InvalidArgument {
+                what: "too many peer groups".into(),
+            }
+        })?;
+        self.reg.peer_groups.push(PeerGroup { members });
+        Ok(id)
+    }
+
+    pub(super) fn add_recv_pool(&mut self, pool: Arc<RecvPool>) -> Result<(), EngineError> {
+        let mr = self.nics[0]
+            .domain
+            .register(&pool.buf.region(), Access::LocalOnly)
+            .map_err(|e| EngineError::Control {
+                group: self.group,
+                nic: 0,
+                op: "register receive pool",
+                source: Box::new(e),
+            })?;
+        let id = pool.id;
+        let count = pool.count;
+        self.reg.pools.insert(
+            id,
+            PoolState {
+                pool,
+                mr,
+                waiting: VecDeque::new(),
+            },
+        );
+        for idx in 0..count {
+            self.repost(id, idx);
+        }
+        Ok(())
+    }
+
+    pub(super) fn repost(&mut self, pool: u16, idx: u32) {
+        let Some(ps) = self.reg.pools.get_mut(&pool) else {
+            return;
+        };
+        let nic = &mut self.nics[0];
+        if nic.dead.is_some() {
+            return;
+        }
+        if nic.recvs_posted >= nic.caps.max_recvs.max(1) {
+            ps.waiting.push_back(idx);
+            return;
+        }
+        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.len, ps.pool.len) else {
+            return;
+        };
+        match nic.domain.post_recv(wr_recv(pool, idx), buf) {
+            Ok(()) => nic.recvs_posted += 1,
+            Err(e) if e.is_retryable() => ps.waiting.push_back(idx),
+            Err(e) => {
+                let err = EngineError::Control {
+                    group: self.group,
+                    nic: 0,
+                    op: "post_recv",
+                    source: Box::new(e),
+                };
+                self.events.push(Event::Recv {
+                    pool: Arc::clone(&ps.pool),
+                    idx,
+                    result: Err(err),
+                });
+            }
+        }
+    }
+}

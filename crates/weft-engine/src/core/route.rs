@@ -1,0 +1,315 @@
+//! Routes: what one NIC needs to turn a destination's pieces into WRs
+//! (source registration, peer, rkey), looked up once per destination and
+//! NIC, and the one place a piece becomes a WR (`push_write`).
+
+use super::nic::Op;
+use super::{transport, WorkerCore};
+use crate::error::{EngineError, TransferId};
+use crate::request::{PlainDst, RoutedDst};
+use crate::MAX_NICS;
+use weft_transport::{Imm, LocalMr, LocalSlice, MrDesc, PeerId, RemoteSlice, Rkey, WrId, WriteWr};
+
+/// Where the pieces of one destination go.
+#[derive(Clone, Copy)]
+pub(super) enum Target<'a> {
+    /// A descriptor; with `(peer group, member)`, that member's
+    /// pre-resolved peers are used where their address is the descriptor's.
+    Desc(&'a MrDesc, Option<(u32, usize)>),
+    /// A destination matched at submit to member `.2` of peer group `.1`.
+    Member(&'a RoutedDst, u32, usize),
+    /// A single or paged write's destination (addresses interned).
+    Plain(&'a PlainDst),
+}
+
+impl Target<'_> {
+    pub(super) fn base(&self) -> u64 {
+        match self {
+            Target::Desc(d, _) => d.addr,
+            Target::Member(r, ..) => r.keys.base,
+            Target::Plain(p) => p.keys.base,
+        }
+    }
+
+    pub(super) fn region_len(&self) -> u64 {
+        match self {
+            Target::Desc(d, _) => d.len,
+            Target::Member(r, ..) => r.keys.region_len,
+            Target::Plain(p) => p.keys.region_len,
+        }
+    }
+
+    /// Number of remote NICs the destination has keys for.
+    pub(super) fn rkey_count(&self) -> usize {
+        match self {
+            Target::Desc(d, _) => d.rkeys.len(),
+            Target::Member(r, ..) => r.keys.nics,
+            Target::Plain(p) => p.keys.nics,
+        }
+    }
+}
+
+/// What one NIC of one destination needs to turn pieces into WRs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Route {
+    /// The source registration on this NIC (`None`: not registered
+    /// there; pieces fail with `OutOfBounds`).
+    pub(super) mr: Option<LocalMr>,
+    pub(super) peer: PeerId,
+    pub(super) rkey: Rkey,
+}
+
+/// Per-NIC routes of one destination, filled on first use.
+#[derive(Default)]
+pub(super) struct Routes([Option<Route>; MAX_NICS]);
+
+impl WorkerCore {
+    pub(super) fn push_op(&mut self, slot: u32, nic: usize, op: Op) {
+        let t = &mut self.slab[slot as usize];
+        t.remaining += 1;
+        t.unposted += 1;
+        self.pending_pieces += 1;
+        self.nics[nic].fresh.push_back(op);
+    }
+
+    /// The route of `nic` toward `target` from source registration `src`
+    /// (`None`: zero-length writes, whose source is the engine's own):
+    /// looked up once per destination (cached in `routes`), not per piece.
+    #[inline]
+    pub(super) fn route(
+        &mut self,
+        routes: &mut Routes,
+        tid: TransferId,
+        nic: usize,
+        src: Option<u64>,
+        target: Target<'_>,
+    ) -> Result<Route, EngineError> {
+        // The per-piece fast path (a paged write calls this per page) stays
+        // inlined at its callers; the look-up below runs once per NIC.
+        if let Some(r) = routes.0.get(nic).copied().flatten() {
+            return Ok(r);
+        }
+        self.route_uncached(routes, tid, nic, src, target)
+    }
+
+    #[inline(never)]
+    pub(super) fn route_uncached(
+        &mut self,
+        routes: &mut Routes,
+        tid: TransferId,
+        nic: usize,
+        src: Option<u64>,
+        target: Target<'_>,
+    ) -> Result<Route, EngineError> {
+        let mr = match src {
+            Some(key) => self.reg.mr_entry(key)?.nics.get(nic).copied(),
+            None => None,
+        };
+        let no_rkey = || EngineError::InvalidArgument {
+            what: format!("destination has no rkey for NIC {nic}"),
+        };
+        let (peer, rkey) = match target {
+            Target::Member(d, g, j) => {
+                let r = self.member_route(d, g, j, nic, mr)?;
+                (r.peer, r.rkey)
+            }
+            Target::Plain(d) => {
+                let rkey = d.keys.rkey(nic)?;
+                (self.plain_peer(nic, d.addrs[nic], tid)?, rkey)
+            }
+            Target::Desc(dst, hint) => {
+                let (addr, rkey) = dst.rkeys.get(nic).ok_or_else(no_rkey)?;
+                let hinted = hint
+                    .and_then(|(g, j)| {
+                        self.reg
+                            .peer_groups
+                            .get(g as usize)?
+                            .members
+                            .get(j)?
+                            .get(nic)
+                    })
+                    .and_then(|(a, id)| (a == addr).then_some(*id));
+                let peer = match hinted {
+                    Some(p) => p,
+                    None => {
+                        let group = self.group;
+                        self.resolve(nic, addr)
+                            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?
+                    }
+                };
+                (peer, *rkey)
+            }
+        };
+        let r = Route { mr, peer, rkey };
+        if let Some(slot) = routes.0.get_mut(nic) {
+            *slot = Some(r);
+        }
+        Ok(r)
+    }
+
+    /// The peer on `nic` at interned address `id` (see [`AddrBook`](crate::request::AddrBook)):
+    /// cached per NIC, resolved by address the first time.
+    pub(super) fn plain_peer(
+        &mut self,
+        nic: usize,
+        id: u32,
+        tid: TransferId,
+    ) -> Result<PeerId, EngineError> {
+        if let Some(Some(p)) = self
+            .nics
+            .get(nic)
+            .and_then(|n| n.by_addr_id.get(id as usize))
+        {
+            return Ok(*p);
+        }
+        let group = self.group;
+        let addr = self
+            .addrs
+            .addr(id)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("unknown interned address {id}"),
+            })?;
+        let peer = self
+            .resolve(nic, &addr)
+            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?;
+        let cache = &mut self.nics[nic].by_addr_id;
+        if cache.len() <= id as usize {
+            cache.resize(id as usize + 1, None);
+        }
+        cache[id as usize] = Some(peer);
+        Ok(peer)
+    }
+
+    /// The route of `nic` to member `j` of peer group `g` for a
+    /// destination matched to it at submit.
+    pub(super) fn member_route(
+        &self,
+        d: &RoutedDst,
+        g: u32,
+        j: usize,
+        nic: usize,
+        mr: Option<LocalMr>,
+    ) -> Result<Route, EngineError> {
+        let rkey = d.keys.rkey(nic)?;
+        let peer = self
+            .reg
+            .peer_groups
+            .get(g as usize)
+            .and_then(|pg| pg.members.get(j)?.get(nic))
+            .map(|(_, id)| *id)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("peer group {g} member {j} has no NIC {nic}"),
+            })?;
+        Ok(Route { mr, peer, rkey })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_write(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        route: Route,
+        nic: usize,
+        src_off: u64,
+        target: Target<'_>,
+        dst_off: u64,
+        len: u64,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        // The one place a piece becomes a WR: domain, lkey, remote NIC
+        // address and rkey all come from `nic` (its `Route`).
+        let local = route
+            .mr
+            .and_then(|mr| mr.slice(src_off, len))
+            .ok_or_else(|| EngineError::OutOfBounds {
+                what: format!("source on NIC {nic}"),
+                offset: src_off,
+                len,
+                region_len: route.mr.map_or(0, |mr| mr.len),
+            })?;
+        if dst_off
+            .checked_add(len)
+            .is_none_or(|e| e > target.region_len())
+        {
+            return Err(EngineError::OutOfBounds {
+                what: "destination".into(),
+                offset: dst_off,
+                len,
+                region_len: target.region_len(),
+            });
+        }
+        let w = WriteWr {
+            wr,
+            peer: route.peer,
+            src: local,
+            dst: RemoteSlice {
+                base: target.base(),
+                offset: dst_off,
+                rkey: route.rkey,
+            },
+            imm,
+        };
+        self.push_op(slot, nic, Op::Write(w));
+        Ok(())
+    }
+
+    /// Routes and pushes every planned piece of `self.pieces` (offsets
+    /// relative to `src_off` / `dst_off`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_pieces(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        routes: &mut Routes,
+        target: Target<'_>,
+        src: u64,
+        src_off: u64,
+        dst_off: u64,
+        imm: Option<Imm>,
+    ) -> Result<(), EngineError> {
+        let tid = self.slab[slot as usize].id;
+        let pieces = std::mem::take(&mut self.pieces);
+        let mut r = Ok(());
+        for p in &pieces {
+            r = self
+                .route(routes, tid, p.lane, Some(src), target)
+                .and_then(|route| {
+                    self.push_write(
+                        slot,
+                        wr,
+                        route,
+                        p.lane,
+                        src_off + p.offset,
+                        target,
+                        dst_off + p.offset,
+                        p.len,
+                        imm,
+                    )
+                });
+            if r.is_err() {
+                break;
+            }
+        }
+        self.pieces = pieces;
+        self.pieces.clear();
+        r
+    }
+
+    pub(super) fn nics_for(&self, target: Target<'_>) -> Result<usize, EngineError> {
+        let l = self.nics.len().min(target.rkey_count());
+        if l == 0 {
+            return Err(EngineError::InvalidArgument {
+                what: "destination descriptor has no rkeys".into(),
+            });
+        }
+        Ok(l)
+    }
+
+    pub(super) fn zero_slice(&mut self, nic: usize) -> Result<LocalSlice, EngineError> {
+        self.zero_mrs
+            .get(nic)
+            .and_then(|mr| mr.slice(0, 0))
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("no NIC {nic}"),
+            })
+    }
+}

@@ -1,0 +1,77 @@
+//! The threads that drive the engine: each group's worker thread
+//! ([`worker`]: runs the group's [`WorkerCore`](crate::core::WorkerCore)),
+//! the shared callback thread ([`callback`]: runs user callbacks and
+//! re-posts receive buffers) and the UVM watcher thread
+//! ([`watcher_main`]). In manual mode `TransferEngine::progress` runs the
+//! same steps on the caller's thread instead.
+
+pub(crate) mod callback;
+pub(crate) mod worker;
+
+use crate::config::Idle;
+use crate::core::{Control, Event, GroupInfo};
+use crate::error::EngineError;
+use crate::mem::SendPool;
+use crate::request::Submitted;
+use crate::watcher::WatcherShared;
+use crossbeam_channel::Sender;
+use crossbeam_queue::ArrayQueue;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
+use std::time::Duration;
+use weft_transport::{Device, Imm};
+
+/// A message to the callback thread.
+pub(crate) enum CbMsg {
+    Event(Event),
+    Excess(Imm, u64),
+    Stop,
+}
+
+/// What a group's worker shares with submitters and the engine handle.
+pub(crate) struct GroupShared {
+    pub(crate) index: usize,
+    pub(crate) device: Device,
+    /// Requests by value: no allocation per submit to free on the worker.
+    pub(crate) queue: ArrayQueue<Submitted>,
+    pub(crate) ctrl: Sender<Control>,
+    pub(crate) info: OnceLock<GroupInfo>,
+    pub(crate) send_pool: OnceLock<Arc<SendPool>>,
+    pub(crate) submitting: AtomicUsize,
+    pub(crate) closing: AtomicBool,
+    pub(crate) sleeping: AtomicBool,
+    pub(crate) thread: OnceLock<Thread>,
+    /// Set once the worker panicked: later submits fail with it.
+    pub(crate) failed: OnceLock<EngineError>,
+}
+
+impl GroupShared {
+    pub(crate) fn wake(&self) {
+        if self.sleeping.load(Ordering::SeqCst) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+}
+
+/// The UVM watcher thread: scans the watched words, idling per `idle`.
+pub(crate) fn watcher_main(w: &Arc<WatcherShared>, idle: Idle) {
+    w.set_thread();
+    let mut idle_n = 0u32;
+    while !w.stop.load(Ordering::SeqCst) {
+        if w.scan() {
+            idle_n = 0;
+            continue;
+        }
+        if !w.has_entries() {
+            std::thread::park_timeout(Duration::from_millis(5));
+            continue;
+        }
+        if let Some(d) = idle.step(&mut idle_n) {
+            std::thread::park_timeout(d);
+        }
+    }
+    w.running.store(false, Ordering::SeqCst);
+}

@@ -1,0 +1,289 @@
+//! A group's worker thread: pins itself, opens the group's domains, then
+//! loops over its [`WorkerCore`] in priority order (control, new requests,
+//! backlog, completion queues), hands the core's events to the callback
+//! thread and idles per the engine's idle policy.
+
+use super::{CbMsg, GroupShared};
+use crate::affinity;
+use crate::config::{DomainGroupSpec, EngineConfig, Idle};
+use crate::core::{Control, Event, WorkerCore};
+use crate::error::EngineError;
+use crate::imm::{ImmDone, ImmTable, ImmWaits};
+use crate::request::AddrBook;
+use crossbeam_channel::{Receiver, Sender};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a worker is built from.
+pub(crate) struct WorkerCtx {
+    pub(crate) spec: DomainGroupSpec,
+    pub(crate) shared: Arc<GroupShared>,
+    pub(crate) ctrl_rx: Receiver<Control>,
+    pub(crate) imms: Arc<ImmTable<ImmDone>>,
+    pub(crate) imm_waits: Arc<ImmWaits>,
+    pub(crate) addrs: Arc<AddrBook>,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) cb_tx: Sender<CbMsg>,
+    #[cfg(feature = "latency-probe")]
+    pub(crate) probes: Arc<crate::probe::ProbeSink>,
+}
+
+impl WorkerCtx {
+    /// Opens the domains (on the calling thread) and builds the worker.
+    pub(crate) fn open(self) -> Result<Worker, EngineError> {
+        let g = self.shared.index;
+        let mut domains = Vec::with_capacity(self.spec.nics.len());
+        for &n in &self.spec.nics {
+            let d = self.spec.provider.open(n).map_err(|e| EngineError::Setup {
+                group: g,
+                what: format!("opening NIC {n} of provider {}", self.spec.provider.name()),
+                source: Some(Box::new(e)),
+            })?;
+            domains.push(d);
+        }
+        let core = WorkerCore::new(
+            g,
+            domains,
+            self.imms,
+            self.addrs,
+            self.cfg.shard,
+            self.cfg.send_slots,
+            self.cfg.send_slot_len,
+            #[cfg(feature = "latency-probe")]
+            self.probes,
+        )?;
+        let _ = self.shared.info.set(core.info());
+        let _ = self.shared.send_pool.set(core.send_pool());
+        Ok(Worker {
+            core,
+            ctrl_rx: self.ctrl_rx,
+            shared: self.shared,
+            imm_waits: self.imm_waits,
+            cb_tx: self.cb_tx,
+            events: Vec::new(),
+            max_pending: self.cfg.max_pending_wrs.max(1),
+            draining: None,
+            finished: false,
+        })
+    }
+}
+
+/// A group's worker: its core and the channels around it.
+pub(crate) struct Worker {
+    pub(crate) core: WorkerCore,
+    pub(crate) ctrl_rx: Receiver<Control>,
+    pub(crate) shared: Arc<GroupShared>,
+    pub(crate) imm_waits: Arc<ImmWaits>,
+    pub(crate) cb_tx: Sender<CbMsg>,
+    pub(crate) events: Vec<Event>,
+    pub(crate) max_pending: usize,
+    pub(crate) draining: Option<Instant>,
+    pub(crate) finished: bool,
+}
+
+const BURST: usize = 64;
+
+impl Worker {
+    /// One loop iteration in SPEC priority order. Returns whether anything
+    /// happened.
+    pub(crate) fn iterate(&mut self) -> bool {
+        let mut did = false;
+        while let Ok(c) = self.ctrl_rx.try_recv() {
+            self.core.handle_control(c);
+            did = true;
+        }
+        if self.draining.is_none() {
+            // (1) new requests and their first WRs
+            let mut n = 0;
+            while n < BURST && self.core.pending_pieces() < self.max_pending {
+                let Some(r) = self.shared.queue.pop() else {
+                    break;
+                };
+                self.core.take_request(r);
+                n += 1;
+            }
+            did |= n > 0;
+        }
+        // (2) more WRs of pending requests
+        did |= self.core.post_backlog();
+        // (3) completion queues
+        did |= self.core.poll() > 0;
+        self.flush();
+        did
+    }
+
+    pub(crate) fn flush(&mut self) {
+        self.core.take_events(&mut self.events);
+        for e in self.events.drain(..) {
+            let _ = self.cb_tx.send(CbMsg::Event(e));
+        }
+    }
+
+    /// The worker panicked: fail everything it holds with `WorkerFailed`,
+    /// mark the group failed, then refuse work until shutdown.
+    pub(crate) fn failed(&mut self, payload: &(dyn std::any::Any + Send)) {
+        let g = self.shared.index;
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".to_string());
+        tracing::error!(group = g, what = %what, "worker panicked; failing the group");
+        let e = EngineError::WorkerFailed { group: g, what };
+        let _ = self.shared.failed.set(e.clone());
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.core.abandon_inflight(&e);
+        }));
+        if r.is_err() {
+            tracing::error!(group = g, "failing in-flight work panicked too");
+        }
+        loop {
+            while let Some(r) = self.shared.queue.pop() {
+                self.core.reject(r, e.clone());
+            }
+            // Control requests are dropped: their callers see a closed
+            // reply channel.
+            while self.ctrl_rx.try_recv().is_ok() {}
+            self.flush();
+            if self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty() {
+                break;
+            }
+            std::thread::park_timeout(Duration::from_millis(1));
+        }
+        self.finished = true;
+    }
+
+    /// Shutdown handling; call after `iterate` while closing.
+    pub(crate) fn drain_step(&mut self, deadline: Instant) {
+        if self.finished || !self.shared.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        if self.draining.is_none() {
+            self.draining = Some(deadline);
+            while let Some(r) = self.shared.queue.pop() {
+                self.core.reject(r, EngineError::ShutDown);
+            }
+            self.core.fail_unposted(&EngineError::ShutDown);
+        }
+        let deadline = self.draining.unwrap_or(deadline);
+        if !self.core.busy() {
+            self.finished = true;
+        } else if Instant::now() >= deadline {
+            tracing::warn!(
+                group = self.shared.index,
+                "shutdown: abandoning in-flight work"
+            );
+            self.core.abandon_inflight(&EngineError::ShutDown);
+            self.finished = true;
+        }
+        self.flush();
+    }
+}
+
+/// The worker thread's main loop.
+pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
+    let g = ctx.shared.index;
+    let _ = ctx.shared.thread.set(std::thread::current());
+    // Pin first, then allocate everything (domains, pools) on this thread.
+    let numa = ctx.spec.numa.or_else(|| {
+        ctx.spec.provider.nics().ok().and_then(|n| {
+            ctx.spec
+                .nics
+                .first()
+                .and_then(|&i| n.get(i))
+                .and_then(|i| i.numa_node)
+        })
+    });
+    match affinity::pick_cpu(ctx.spec.cpu, numa, g) {
+        Some(cpu) => {
+            if !affinity::pin_current(cpu) {
+                tracing::warn!(group = g, cpu, "could not pin worker");
+            }
+        }
+        None => tracing::debug!(group = g, "topology unknown: worker not pinned"),
+    }
+    let mut idle = Idle::from(&ctx.cfg);
+    let inflight_spin = ctx.cfg.inflight_spin;
+    let drain = ctx.cfg.drain_timeout;
+    let mut w = match ctx.open() {
+        Ok(w) => {
+            let _ = init.send((g, Ok(())));
+            w
+        }
+        Err(e) => {
+            let _ = init.send((g, Err(e)));
+            return;
+        }
+    };
+    drop(init);
+    let mut idle_n = 0u32;
+    let mut last_progress = Instant::now();
+    let mut seen_arms = w.imm_waits.arms.load(Ordering::SeqCst);
+    let software_progress = w.core.software_progress();
+    if software_progress {
+        // See `EngineConfig::idle_spins`.
+        idle.spins = 0;
+    }
+    loop {
+        let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
+            Ok(did) => did,
+            Err(p) => {
+                w.failed(&*p);
+                break;
+            }
+        };
+        if w.shared.closing.load(Ordering::SeqCst) {
+            w.drain_step(Instant::now() + drain);
+            if w.finished {
+                break;
+            }
+        }
+        if did {
+            idle_n = 0;
+            if !software_progress {
+                // Only the hardware path's in-flight spin limit reads it.
+                last_progress = Instant::now();
+            }
+            continue;
+        }
+        if let Some(d) = idle.step(&mut idle_n) {
+            let arms = w.imm_waits.arms.load(Ordering::SeqCst);
+            if arms != seen_arms {
+                // A round was armed since: its immediates are due.
+                seen_arms = arms;
+                last_progress = Instant::now();
+            }
+            let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
+            if software_progress || (awaited && last_progress.elapsed() < inflight_spin) {
+                // Completions are due, or the NIC moves data (also what
+                // peers write into this host) only while polled: keep
+                // polling, only yield the core.
+                std::thread::yield_now();
+                continue;
+            }
+            w.shared.sleeping.store(true, Ordering::SeqCst);
+            // Each check pairs with its waker's `wake` after its store.
+            if w.shared.queue.is_empty()
+                && w.ctrl_rx.is_empty()
+                && !w.shared.closing.load(Ordering::SeqCst)
+                && w.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
+            {
+                std::thread::park_timeout(d);
+            }
+            w.shared.sleeping.store(false, Ordering::SeqCst);
+        }
+    }
+    // Leftover control requests get an answer.
+    if w.shared.failed.get().is_none() {
+        while let Ok(c) = w.ctrl_rx.try_recv() {
+            w.core.handle_control(c);
+        }
+    }
+    w.flush();
+    let Worker { core, .. } = w;
+    if std::panic::catch_unwind(AssertUnwindSafe(|| core.close())).is_err() {
+        tracing::error!(group = g, "closing the group's domains panicked");
+    }
+}

@@ -1,0 +1,179 @@
+//! The control half of the [`TransferEngine`] API: requests a group's
+//! worker answers on its control channel (registrations, peer groups,
+//! receive pools).
+
+use super::{PeerGroupHandle, TransferEngine};
+use crate::core::Control;
+use crate::driver::GroupShared;
+use crate::error::EngineError;
+use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvPool};
+use crate::request::GroupAddress;
+use crossbeam_channel::Sender;
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use weft_transport::{Device, MemRegion, MrDesc};
+
+impl TransferEngine {
+    /// Sends a control request to group `g`'s worker and waits for the
+    /// answer (in manual mode the worker's control queue runs inline).
+    fn control<T>(
+        &self,
+        g: &GroupShared,
+        make: impl FnOnce(Sender<Result<T, EngineError>>) -> Control,
+    ) -> Result<T, EngineError> {
+        if self.inner.shut.load(Ordering::SeqCst) {
+            return Err(EngineError::ShutDown);
+        }
+        if let Some(e) = g.failed.get() {
+            return Err(e.clone());
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        g.ctrl.send(make(tx)).map_err(|_| EngineError::ShutDown)?;
+        if let Some(m) = &self.inner.manual {
+            // Run the worker's control queue inline.
+            let mut st = m.lock();
+            if let Some(w) = st.workers.get_mut(g.index) {
+                while let Ok(c) = w.ctrl_rx.try_recv() {
+                    w.core.handle_control(c);
+                }
+            }
+        } else {
+            g.wake();
+            if let Some(t) = g.thread.get() {
+                t.unpark();
+            }
+        }
+        rx.recv()
+            .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?
+    }
+
+    /// Registers memory with every NIC of the group serving its device
+    /// (group 0 for host memory unless a group declares [`Device::Host`]
+    /// explicitly first). Returns the local handle and the descriptor peers
+    /// need to write into it (one `(NetAddr, rkey)` per NIC, in NIC order).
+    pub fn reg_mr(&self, region: MemRegion) -> Result<(MrHandle, MrDesc), EngineError> {
+        let g = self
+            .inner
+            .groups
+            .iter()
+            .position(|g| g.device == region.device())
+            .or_else(|| (region.device() == Device::Host).then_some(0))
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("no domain group serves {}", region.device()),
+            })?;
+        self.reg_mr_on(g, region)
+    }
+
+    /// [`TransferEngine::reg_mr`] from a raw pointer.
+    ///
+    /// # Safety
+    /// The promises of [`MemRegion::new`] for as long as the memory stays
+    /// registered.
+    // Unsafe API: forwards the caller's promises to `MemRegion::new`.
+    #[allow(unsafe_code)]
+    pub unsafe fn reg_mr_ptr(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc), EngineError> {
+        // SAFETY: forwarded to the caller.
+        self.reg_mr(unsafe { MemRegion::new(ptr, len, device) })
+    }
+
+    /// Registers memory with every NIC of group `g`.
+    pub fn reg_mr_on(
+        &self,
+        g: usize,
+        region: MemRegion,
+    ) -> Result<(MrHandle, MrDesc), EngineError> {
+        let gs = self.group(g)?;
+        let (key, mrs) = self.control(gs, |reply| Control::RegMr { region, reply })?;
+        let (id, gen) = crate::wrid::split_mr_key(key);
+        let info = self.info(g)?;
+        let desc = MrDesc {
+            addr: region.addr(),
+            len: region.len() as u64,
+            rkeys: info
+                .addrs
+                .iter()
+                .zip(&mrs)
+                .map(|(a, mr)| (a.clone(), mr.rkey))
+                .collect(),
+        };
+        let h = MrHandle {
+            group: g as u32,
+            id,
+            gen,
+            addr: region.addr(),
+            len: region.len() as u64,
+            device: region.device(),
+        };
+        Ok((h, desc))
+    }
+
+    /// Deregisters memory from every NIC of its group. Transfers still
+    /// using it fail with a local-access error.
+    pub fn unreg_mr(&self, h: MrHandle) -> Result<(), EngineError> {
+        let gs = self.group(h.group as usize)?;
+        self.control(gs, |reply| Control::UnregMr { id: h.key(), reply })
+    }
+
+    /// Resolves a set of peers on every group, for scatter and barrier.
+    /// Member `j` is the destination `dsts[j]` of later submits.
+    pub fn add_peer_group(&self, addrs: &[GroupAddress]) -> Result<PeerGroupHandle, EngineError> {
+        let mut ids = Vec::with_capacity(self.inner.groups.len());
+        for gs in &self.inner.groups {
+            let peers = addrs.to_vec();
+            ids.push(self.control(gs, |reply| Control::AddPeerGroup { peers, reply })?);
+        }
+        Ok(PeerGroupHandle {
+            engine: self.inner.id,
+            ids,
+            members: addrs.into(),
+        })
+    }
+
+    /// Posts a rotating pool of `count` receive buffers of `len` bytes on
+    /// NIC 0 of group 0. `cb` runs on the callback thread for every
+    /// received message (or receive error); the buffer is re-posted after
+    /// `cb` returns. Buffers flushed at shutdown are not reported.
+    pub fn submit_recvs(
+        &self,
+        len: u64,
+        count: u32,
+        cb: impl FnMut(Result<&[u8], EngineError>) + Send + 'static,
+    ) -> Result<(), EngineError> {
+        if len == 0 || count == 0 {
+            return Err(EngineError::InvalidArgument {
+                what: "receive pool needs len > 0 and count > 0".into(),
+            });
+        }
+        let total = len
+            .checked_mul(u64::from(count))
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: "receive pool size overflows".into(),
+            })?;
+        // Pool ids are part of receive WR ids and never reused: refuse
+        // rather than wrap onto a live pool.
+        let id = self
+            .inner
+            .next_pool
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_add(1))
+            .map_err(|_| EngineError::RecvPoolsExhausted {
+                limit: u32::from(u16::MAX),
+            })?;
+        let pool = Arc::new(RecvPool {
+            id,
+            group: 0,
+            buf: RawBuf::new(total)?,
+            len,
+            count,
+            cb: parking_lot::Mutex::new(Box::new(cb) as RecvCallback),
+        });
+        let gs = self.group(0)?;
+        self.control(gs, |reply| Control::RecvPool { pool, reply })
+    }
+}

@@ -1,0 +1,404 @@
+//! The submit half of the [`TransferEngine`] API: checks at submit, the
+//! request built as plain values, and the hand-off to the group's request
+//! queue (with the queue-full policy).
+
+use super::{no_group, PeerGroupHandle, TransferEngine};
+use crate::config::QueueFullPolicy;
+use crate::driver::GroupShared;
+use crate::error::{EngineError, TransferId};
+use crate::mem::{MrHandle, SendPayload};
+use crate::ondone::OnDone;
+use crate::request::{routed_dsts, Body, Dsts, GroupAddress, PlainDst, Submitted};
+use crate::shard::ScatterMode;
+use crate::MAX_NICS;
+use crossbeam_utils::Backoff;
+use std::sync::atomic::Ordering;
+#[cfg(feature = "latency-probe")]
+use std::time::Instant;
+use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
+
+impl TransferEngine {
+    fn enqueue(&self, gs: &GroupShared, req: Submitted) -> Result<TransferId, EngineError> {
+        let id = req.id;
+        gs.submitting.fetch_add(1, Ordering::SeqCst);
+        let r = self.enqueue_inner(gs, req);
+        gs.submitting.fetch_sub(1, Ordering::SeqCst);
+        match r {
+            Ok(()) => Ok(id),
+            Err((e, req)) => {
+                // Give back a send slot the rejected request held.
+                if let Body::Send {
+                    payload: SendPayload::Slot { slot, .. },
+                    ..
+                } = req.body
+                {
+                    if let Some(p) = gs.send_pool.get() {
+                        let _ = p.free.push(slot);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn enqueue_inner(
+        &self,
+        gs: &GroupShared,
+        mut req: Submitted,
+    ) -> Result<(), (EngineError, Submitted)> {
+        let backoff = Backoff::new();
+        loop {
+            if self.inner.shut.load(Ordering::SeqCst) {
+                return Err((EngineError::ShutDown, req));
+            }
+            if let Some(e) = gs.failed.get() {
+                return Err((e.clone(), req));
+            }
+            #[cfg(feature = "latency-probe")]
+            {
+                req.stamps.enqueued = Instant::now();
+            }
+            match gs.queue.push(req) {
+                Ok(()) => {
+                    gs.wake();
+                    return Ok(());
+                }
+                Err(r) => {
+                    req = r;
+                    if self.inner.config.queue_full == QueueFullPolicy::Fail
+                        || self.inner.manual.is_some()
+                    {
+                        return Err((EngineError::QueueFull { group: gs.index }, req));
+                    }
+                    if let Some(t) = gs.thread.get() {
+                        t.unpark();
+                    }
+                    if backoff.is_completed() {
+                        std::thread::yield_now();
+                    } else {
+                        backoff.snooze();
+                    }
+                }
+            }
+        }
+    }
+
+    fn new_req(&self, on_done: OnDone, body: Body) -> Submitted {
+        #[cfg(feature = "latency-probe")]
+        let now = Instant::now();
+        Submitted {
+            id: TransferId(self.inner.next_id.fetch_add(1, Ordering::Relaxed)),
+            on_done,
+            body,
+            #[cfg(feature = "latency-probe")]
+            stamps: crate::probe::Stamps {
+                submit: now,
+                enqueued: now,
+            },
+        }
+    }
+
+    /// The receiver's [`ImmCounts`](crate::ImmCounts) assume the sender spreads over as many
+    /// NICs as the receiver has: refuse a destination with another count.
+    /// The handle was made by this engine and has `n` members.
+    fn check_peer_group(&self, peers: &PeerGroupHandle, n: usize) -> Result<(), EngineError> {
+        if peers.engine != self.inner.id {
+            return Err(EngineError::InvalidArgument {
+                what: "peer group handle of another engine".into(),
+            });
+        }
+        if n != peers.len() {
+            return Err(EngineError::InvalidArgument {
+                what: format!("{n} destinations for a peer group of {}", peers.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// `dst` with its NIC addresses interned (see `AddrBook`).
+    fn plain(&self, dst: &MrDesc) -> Result<PlainDst, EngineError> {
+        PlainDst::new(dst, &self.inner.addrs).ok_or_else(|| EngineError::InvalidArgument {
+            what: format!(
+                "destination has {} rkeys, more than {MAX_NICS} NICs",
+                dst.rkeys.len()
+            ),
+        })
+    }
+
+    fn check_nic_count(&self, g: usize, dst: &MrDesc) -> Result<(), EngineError> {
+        let local = self.nic_count(g)?;
+        if dst.rkeys.len() != local {
+            return Err(EngineError::NicCountMismatch {
+                group: g,
+                local,
+                remote: dst.rkeys.len(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_dst(
+        dst: &MrDesc,
+        what: impl std::fmt::Display,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        if dst.rkeys.is_empty() {
+            return Err(EngineError::InvalidArgument {
+                what: format!("{what}: descriptor has no rkeys"),
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= dst.len => Ok(()),
+            _ => Err(EngineError::OutOfBounds {
+                what: what.to_string(),
+                offset,
+                len,
+                region_len: dst.len,
+            }),
+        }
+    }
+
+    /// SENDs a copy of `msg` from NIC 0 of group 0 to NIC 0 of `peer`.
+    pub fn submit_send(
+        &self,
+        peer: &GroupAddress,
+        msg: &[u8],
+        on_done: OnDone,
+    ) -> Result<TransferId, EngineError> {
+        let addr = peer
+            .nics
+            .first()
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: "peer address has no NICs".into(),
+            })?;
+        let gs = self.group(0)?;
+        let info = self.info(0)?;
+        if msg.len() as u64 > info.max_send_len {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "message of {} bytes exceeds max_send_len {}",
+                    msg.len(),
+                    info.max_send_len
+                ),
+            });
+        }
+        let payload = match gs.send_pool.get().and_then(|p| p.try_fill(msg)) {
+            Some(slot) => SendPayload::Slot {
+                slot,
+                len: msg.len() as u64,
+            },
+            None => SendPayload::Owned(msg.to_vec()),
+        };
+        let req = self.new_req(
+            on_done,
+            Body::Send {
+                peer: addr.clone(),
+                payload,
+            },
+        );
+        self.enqueue(gs, req)
+    }
+
+    /// One WRITE of `len` bytes from `src.0` at offset `src.1` to `dst.0` at
+    /// offset `dst.1`, sharded across the group's NICs (see
+    /// [`crate::shard::plan_single_write`]); with `imm`, every piece carries it
+    /// ([`ImmCounts::single_write`](crate::ImmCounts::single_write) immediates
+    /// in total).
+    pub fn submit_single_write(
+        &self,
+        len: u64,
+        imm: Option<Imm>,
+        src: (&MrHandle, u64),
+        dst: (&MrDesc, u64),
+        on_done: OnDone,
+    ) -> Result<TransferId, EngineError> {
+        let (h, src_off) = src;
+        let (d, dst_off) = dst;
+        h.check("source", src_off, len)?;
+        Self::check_dst(d, "destination", dst_off, len)?;
+        self.check_nic_count(h.group as usize, d)?;
+        let gs = self.group(h.group as usize)?;
+        let req = self.new_req(
+            on_done,
+            Body::Single {
+                len,
+                imm,
+                src: h.key(),
+                src_off,
+                dst: self.plain(d)?,
+                dst_off,
+            },
+        );
+        self.enqueue(gs, req)
+    }
+
+    /// Page `i` of `src` pages goes to page `i` of `dst` pages (`page_len`
+    /// bytes each); pages are spread over the NICs (`i % nics`). With
+    /// `imm`, [`ImmCounts::paged_writes`](crate::ImmCounts::paged_writes) immediates in total.
+    pub fn submit_paged_writes(
+        &self,
+        page_len: u64,
+        imm: Option<Imm>,
+        src: (&MrHandle, &Pages),
+        dst: (&MrDesc, &Pages),
+        on_done: OnDone,
+    ) -> Result<TransferId, EngineError> {
+        let (h, sp) = src;
+        let (d, dp) = dst;
+        if sp.len() != dp.len() {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "{} source pages but {} destination pages",
+                    sp.len(),
+                    dp.len()
+                ),
+            });
+        }
+        // Page offsets grow with the page index, so checking the page with
+        // the largest index of each side checks them all (one pass over
+        // the indices instead of checked arithmetic per page).
+        if let Some(i) = last_max_index(sp) {
+            let so = sp
+                .page_offset(i)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("source page {i} offset overflows"),
+                })?;
+            h.check(format_args!("source page {i}"), so, page_len)?;
+        }
+        if let Some(i) = last_max_index(dp) {
+            let d_o = dp
+                .page_offset(i)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    what: format!("destination page {i} offset overflows"),
+                })?;
+            Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
+        }
+        self.check_nic_count(h.group as usize, d)?;
+        let gs = self.group(h.group as usize)?;
+        let req = self.new_req(
+            on_done,
+            Body::Paged {
+                page_len,
+                imm,
+                src: h.key(),
+                src_pages: sp.clone(),
+                dst: self.plain(d)?,
+                dst_pages: dp.clone(),
+            },
+        );
+        self.enqueue(gs, req)
+    }
+
+    /// One WRITE per peer of the group (`dsts[j]` to member `j`), spread by
+    /// the configured [`ScatterMode`].
+    pub fn submit_scatter(
+        &self,
+        peers: &PeerGroupHandle,
+        on_done: OnDone,
+        imm: Option<Imm>,
+        src: &MrHandle,
+        dsts: &[ScatterDst],
+    ) -> Result<TransferId, EngineError> {
+        self.submit_scatter_mode(
+            peers,
+            on_done,
+            imm,
+            src,
+            dsts,
+            self.inner.config.scatter_mode,
+        )
+    }
+
+    /// [`TransferEngine::submit_scatter`] with an explicit mode.
+    pub fn submit_scatter_mode(
+        &self,
+        peers: &PeerGroupHandle,
+        on_done: OnDone,
+        imm: Option<Imm>,
+        src: &MrHandle,
+        dsts: &[ScatterDst],
+        mode: ScatterMode,
+    ) -> Result<TransferId, EngineError> {
+        self.check_peer_group(peers, dsts.len())?;
+        for (j, d) in dsts.iter().enumerate() {
+            src.check(format_args!("scatter source {j}"), d.src_offset, d.len)?;
+            Self::check_dst(
+                &d.dst,
+                format_args!("scatter destination {j}"),
+                d.dst_offset,
+                d.len,
+            )?;
+        }
+        let g = src.group as usize;
+        for d in dsts {
+            self.check_nic_count(g, &d.dst)?;
+        }
+        let gs = self.group(g)?;
+        let pg = *peers.ids.get(g).ok_or_else(|| no_group(g))?;
+        let req = self.new_req(
+            on_done,
+            Body::Scatter {
+                imm,
+                src: src.key(),
+                peers: pg,
+                dsts: routed_dsts(
+                    &peers.members,
+                    dsts.iter()
+                        .map(|d| (&d.dst, d.len, d.src_offset, d.dst_offset)),
+                )
+                .unwrap_or_else(|| Dsts::Described(dsts.to_vec())),
+                mode,
+            },
+        );
+        self.enqueue(gs, req)
+    }
+
+    /// An immediate-only (zero-length) WRITE to every member of the peer
+    /// group, from group 0: each destination receives exactly one `imm`.
+    pub fn submit_barrier(
+        &self,
+        peers: &PeerGroupHandle,
+        on_done: OnDone,
+        imm: Imm,
+        dsts: &[MrDesc],
+    ) -> Result<TransferId, EngineError> {
+        self.check_peer_group(peers, dsts.len())?;
+        for (j, d) in dsts.iter().enumerate() {
+            Self::check_dst(d, format_args!("barrier destination {j}"), 0, 0)?;
+        }
+        let gs = self.group(0)?;
+        let pg = *peers.ids.first().ok_or_else(|| no_group(0))?;
+        let req = self.new_req(
+            on_done,
+            Body::Barrier {
+                imm,
+                peers: pg,
+                dsts: routed_dsts(&peers.members, dsts.iter().map(|d| (d, 0, 0, 0)))
+                    .unwrap_or_else(|| {
+                        Dsts::Described(
+                            dsts.iter()
+                                .map(|d| ScatterDst {
+                                    len: 0,
+                                    src_offset: 0,
+                                    dst: d.clone(),
+                                    dst_offset: 0,
+                                })
+                                .collect(),
+                        )
+                    }),
+            },
+        );
+        self.enqueue(gs, req)
+    }
+}
+
+/// Position of a largest page index of `p` (`None` when `p` is empty).
+fn last_max_index(p: &Pages) -> Option<usize> {
+    p.indices
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, &idx)| idx)
+        .map(|(i, _)| i)
+}

@@ -1,0 +1,313 @@
+//! Submitted requests as they travel through a group's request queue: the
+//! request body and its destinations as plain values (no descriptor is
+//! cloned per submit), and the engine-wide [`AddrBook`] that interns the
+//! NIC addresses of single and paged write destinations.
+
+use crate::error::{EngineError, TransferId};
+use crate::mem::SendPayload;
+use crate::ondone::OnDone;
+use crate::shard::ScatterMode;
+use crate::MAX_NICS;
+use weft_transport::{Imm, MrDesc, NetAddr, Pages, Rkey, ScatterDst};
+
+/// The remote addresses of one peer group member: one per NIC, in NIC order.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct GroupAddress {
+    /// Address of NIC `i` of the peer's group.
+    pub nics: Vec<NetAddr>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Submitted {
+    pub(crate) id: TransferId,
+    pub(crate) on_done: OnDone,
+    pub(crate) body: Body,
+    #[cfg(feature = "latency-probe")]
+    pub(crate) stamps: crate::probe::Stamps,
+}
+
+/// The body of one submitted request.
+#[derive(Debug)]
+pub(crate) enum Body {
+    Single {
+        len: u64,
+        imm: Option<Imm>,
+        src: u64,
+        src_off: u64,
+        dst: PlainDst,
+        dst_off: u64,
+    },
+    Paged {
+        page_len: u64,
+        imm: Option<Imm>,
+        src: u64,
+        src_pages: Pages,
+        dst: PlainDst,
+        dst_pages: Pages,
+    },
+    Scatter {
+        imm: Option<Imm>,
+        src: u64,
+        peers: u32,
+        dsts: Dsts,
+        mode: ScatterMode,
+    },
+    Barrier {
+        imm: Imm,
+        peers: u32,
+        dsts: Dsts,
+    },
+    Send {
+        peer: NetAddr,
+        payload: SendPayload,
+    },
+}
+
+/// A descriptor's region and per-NIC rkeys as plain values, the part of
+/// [`RoutedDst`] and [`PlainDst`] that travels instead of a cloned
+/// `MrDesc`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DstKeys {
+    /// The destination region's base address and length.
+    pub(crate) base: u64,
+    pub(crate) region_len: u64,
+    /// How many of `rkeys` are valid (the descriptor's rkey count).
+    pub(crate) nics: usize,
+    pub(crate) rkeys: [Rkey; MAX_NICS],
+}
+
+impl DstKeys {
+    /// `dst`'s region and rkeys; `None` when it has more rkeys than a
+    /// group can have NICs.
+    pub(crate) fn of(dst: &MrDesc) -> Option<Self> {
+        if dst.rkeys.len() > MAX_NICS {
+            return None;
+        }
+        let mut rkeys = [Rkey(0); MAX_NICS];
+        for (nic, (_, rkey)) in dst.rkeys.iter().enumerate() {
+            rkeys[nic] = *rkey;
+        }
+        Some(Self {
+            base: dst.addr,
+            region_len: dst.len,
+            nics: dst.rkeys.len(),
+            rkeys,
+        })
+    }
+
+    /// The rkey of `nic`, if the descriptor has one.
+    pub(crate) fn rkey(&self, nic: usize) -> Result<Rkey, EngineError> {
+        self.rkeys
+            .get(nic)
+            .copied()
+            .filter(|_| nic < self.nics)
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {nic}"),
+            })
+    }
+}
+
+/// A scatter or barrier destination whose per-NIC NIC addresses were
+/// matched, at submit, to the peer group member it goes to. It holds plain
+/// values only, so no descriptor is cloned into the request queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RoutedDst {
+    pub(crate) len: u64,
+    pub(crate) src_offset: u64,
+    pub(crate) dst_offset: u64,
+    pub(crate) keys: DstKeys,
+}
+
+impl RoutedDst {
+    /// `dst` as seen through `member`: `Some` when each of its rkeys' NIC
+    /// addresses is `member`'s address of the same NIC.
+    pub(crate) fn matched(
+        member: &GroupAddress,
+        dst: &MrDesc,
+        len: u64,
+        src_offset: u64,
+        dst_offset: u64,
+    ) -> Option<Self> {
+        let keys = DstKeys::of(dst)?;
+        for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
+            if member.nics.get(nic) != Some(addr) {
+                return None;
+            }
+        }
+        Some(Self {
+            len,
+            src_offset,
+            dst_offset,
+            keys,
+        })
+    }
+}
+
+/// The NIC addresses single and paged writes target, interned engine-wide:
+/// a submit turns each descriptor's addresses into small ids here (one
+/// read lock and hash look-up per address), so no descriptor is cloned
+/// into the request queue; workers map ids to their peers and fetch the
+/// address itself only the first time they meet an id. Addresses are never
+/// removed (one entry per distinct remote NIC address ever written to).
+#[derive(Debug, Default)]
+pub(crate) struct AddrBook {
+    index: parking_lot::RwLock<AddrIndex>,
+}
+
+#[derive(Debug, Default)]
+struct AddrIndex {
+    ids: std::collections::HashMap<NetAddr, u32>,
+    addrs: Vec<NetAddr>,
+}
+
+impl AddrBook {
+    /// The id of `addr`, entered on first sight.
+    fn id(&self, addr: &NetAddr) -> u32 {
+        if let Some(&id) = self.index.read().ids.get(addr) {
+            return id;
+        }
+        let mut ix = self.index.write();
+        if let Some(&id) = ix.ids.get(addr) {
+            return id;
+        }
+        let id = ix.addrs.len() as u32;
+        ix.addrs.push(addr.clone());
+        ix.ids.insert(addr.clone(), id);
+        id
+    }
+
+    /// The address of `id`.
+    pub(crate) fn addr(&self, id: u32) -> Option<NetAddr> {
+        self.index.read().addrs.get(id as usize).cloned()
+    }
+}
+
+/// A single or paged write's destination with its NIC addresses interned
+/// in the [`AddrBook`]: plain values only, nothing allocated per submit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlainDst {
+    pub(crate) keys: DstKeys,
+    /// The [`AddrBook`] id of each NIC's address (`keys.nics` valid).
+    pub(crate) addrs: [u32; MAX_NICS],
+}
+
+impl PlainDst {
+    /// `dst` with its addresses entered in `book`; `None` when it has more
+    /// rkeys than a group can have NICs.
+    pub(crate) fn new(dst: &MrDesc, book: &AddrBook) -> Option<Self> {
+        let keys = DstKeys::of(dst)?;
+        let mut addrs = [0u32; MAX_NICS];
+        for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
+            addrs[nic] = book.id(addr);
+        }
+        Some(Self { keys, addrs })
+    }
+}
+
+/// The destinations of a scatter or barrier.
+#[derive(Debug)]
+pub(crate) enum Dsts {
+    /// Every descriptor matched its peer group member (the common case):
+    /// the member's pre-resolved peers are used, nothing is looked up.
+    Routed(Vec<RoutedDst>),
+    /// Some descriptor names NIC addresses other than its member's: each
+    /// destination is resolved by its descriptor's addresses.
+    Described(Vec<ScatterDst>),
+}
+
+impl Dsts {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Dsts::Routed(v) => v.len(),
+            Dsts::Described(v) => v.len(),
+        }
+    }
+}
+
+/// Matches every destination `(descriptor, len, src_offset, dst_offset)`
+/// to its peer group member ([`RoutedDst::matched`]); `None` if any does
+/// not match (then the worker resolves descriptors by address).
+pub(crate) fn routed_dsts<'a>(
+    members: &[GroupAddress],
+    dsts: impl Iterator<Item = (&'a MrDesc, u64, u64, u64)>,
+) -> Option<Dsts> {
+    dsts.zip(members)
+        .map(|((d, len, so, doff), m)| RoutedDst::matched(m, d, len, so, doff))
+        .collect::<Option<Vec<_>>>()
+        .map(Dsts::Routed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(b: u8) -> NetAddr {
+        NetAddr(vec![b, b])
+    }
+
+    /// One id per distinct address, stable, and back to the address; a
+    /// plain destination keeps every NIC's rkey and address in order.
+    #[test]
+    fn addr_book_interns_descriptor_addresses() {
+        let book = AddrBook::default();
+        let (a, b) = (book.id(&addr(1)), book.id(&addr(2)));
+        assert_ne!(a, b);
+        assert_eq!(book.id(&addr(1)), a);
+        assert_eq!(book.addr(a), Some(addr(1)));
+        assert_eq!(book.addr(b), Some(addr(2)));
+        assert_eq!(book.addr(99), None);
+        let d = desc(&[2, 3, 1]);
+        let p = PlainDst::new(&d, &book).expect("3 nics fit");
+        assert_eq!(
+            (p.keys.base, p.keys.region_len, p.keys.nics),
+            (d.addr, d.len, 3)
+        );
+        for (nic, (na, rk)) in d.rkeys.iter().enumerate() {
+            assert_eq!(p.keys.rkeys[nic], *rk);
+            assert_eq!(book.addr(p.addrs[nic]).as_ref(), Some(na));
+        }
+        assert_eq!(p.addrs[2], a, "a known address keeps its id");
+        let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
+        assert!(PlainDst::new(&desc(&wide), &book).is_none());
+    }
+
+    fn desc(addrs: &[u8]) -> MrDesc {
+        MrDesc {
+            addr: 0x1000,
+            len: 64,
+            rkeys: addrs
+                .iter()
+                .map(|&b| (addr(b), Rkey(u64::from(b) + 100)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn routed_dst_only_when_every_nic_matches() {
+        let member = GroupAddress {
+            nics: vec![addr(1), addr(2)],
+        };
+        let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
+        assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
+        assert_eq!(
+            (r.keys.base, r.keys.region_len, r.keys.nics),
+            (0x1000, 64, 2)
+        );
+        assert_eq!(&r.keys.rkeys[..2], &[Rkey(101), Rkey(102)]);
+        // Another member's NICs, NICs swapped, one NIC different, more
+        // rkeys than the member has NICs: resolved by address instead.
+        for d in [&[3, 4][..], &[2, 1], &[1, 3], &[1, 2, 3]] {
+            assert!(
+                RoutedDst::matched(&member, &desc(d), 8, 0, 0).is_none(),
+                "{d:?}"
+            );
+        }
+        let many = GroupAddress {
+            nics: (0..=MAX_NICS as u8).map(addr).collect(),
+        };
+        let all: Vec<u8> = (0..=MAX_NICS as u8).collect();
+        assert!(RoutedDst::matched(&many, &desc(&all), 8, 0, 0).is_none());
+    }
+}
