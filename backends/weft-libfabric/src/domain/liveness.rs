@@ -55,6 +55,7 @@ impl Sweeper {
 }
 
 impl LibfabricDomain {
+    /// Declares `peer` unreachable for `reason` (the first reason stays).
     pub(super) fn mark_dead(&mut self, peer: PeerId, reason: String) {
         if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
             if p.dead.is_none() {
@@ -232,5 +233,36 @@ impl LibfabricDomain {
             let used = self.release(i);
             self.complete(used, Err(e), out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Polls `n` times at `now`; whether the last poll swept.
+    fn polls(s: &mut Sweeper, n: u32, now: Instant) -> Option<Instant> {
+        let mut due = None;
+        for _ in 0..n {
+            due = s.due(&mut Clock::at(now));
+        }
+        due
+    }
+
+    #[test]
+    fn sweeps_every_interval_reading_the_clock_every_few_polls() {
+        let t0 = Clock::system().now();
+        let mut s = Sweeper::new(t0);
+        // The interval has not passed: no sweep, however often polled.
+        assert_eq!(polls(&mut s, SWEEP_CLOCK_EVERY, t0), None);
+        let t1 = t0 + SWEEP_INTERVAL;
+        // Past it, the sweep waits for the poll that reads the clock.
+        assert_eq!(polls(&mut s, SWEEP_CLOCK_EVERY - 1, t1), None);
+        assert_eq!(polls(&mut s, 1, t1), Some(t1));
+        // The next one is an interval after that sweep.
+        let almost = t1 + SWEEP_INTERVAL - Duration::from_millis(1);
+        assert_eq!(polls(&mut s, SWEEP_CLOCK_EVERY, almost), None);
+        let t2 = t1 + SWEEP_INTERVAL;
+        assert_eq!(polls(&mut s, SWEEP_CLOCK_EVERY, t2), Some(t2));
     }
 }

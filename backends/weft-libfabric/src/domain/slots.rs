@@ -2,12 +2,14 @@
 //! bounce buffer, per ACK), the free lists, and how a finished slot turns
 //! into the user's completion.
 
+use std::time::Instant;
+
 use weft_transport::{Completion, PeerId, TransportError, WrId};
 
 use super::messages::wire::AckStatus;
 use super::LibfabricDomain;
-use std::time::Instant;
 
+/// What an operation slot is used for.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum SlotUse {
     Free,
