@@ -42,7 +42,9 @@ impl LibfabricDomain {
         self.backlog.queue.push_back(Parked { i, native, peer });
     }
 
-    pub(super) fn count_parked(&mut self, peer: Option<PeerId>, add: bool) {
+    /// Counts an entry of `peer` (or a receive) into or out of the
+    /// backlog.
+    fn count_parked(&mut self, peer: Option<PeerId>, add: bool) {
         let n = match peer {
             Some(p) => match self.peers.table.get_mut(p.0 as usize) {
                 Some(p) => &mut p.backlogged,
@@ -54,12 +56,7 @@ impl LibfabricDomain {
     }
 
     /// Fails a backlogged (never issued) slot with `e`.
-    pub(super) fn fail_backlogged(
-        &mut self,
-        i: usize,
-        e: TransportError,
-        out: &mut Vec<Completion>,
-    ) {
+    fn fail_backlogged(&mut self, i: usize, e: TransportError, out: &mut Vec<Completion>) {
         let used = self.slots.table.get(i).copied().unwrap_or(SlotUse::Free);
         self.slots.unreserve(i);
         self.complete(used, Err(e), out);

@@ -61,7 +61,9 @@ impl LibfabricDomain {
         Ok(out.len() - before)
     }
 
-    pub(super) fn on_entry(&mut self, e: CqEntry, out: &mut Vec<Completion>, clock: &mut Clock) {
+    /// Handles one CQ entry: a remote immediate, a message in a bounce
+    /// buffer, or the completion of one of our slots.
+    fn on_entry(&mut self, e: CqEntry, out: &mut Vec<Completion>, clock: &mut Clock) {
         tracing::trace!(nic = %self.nic.name, flags = format_args!("{:#x}", e.flags), slot = ?e.slot, len = e.len, data = e.data, "cq entry");
         if ffi::is_remote_write(e.flags) {
             // The peer's immediate: remote CQ data, 32 bits on the wire.
@@ -123,7 +125,9 @@ impl LibfabricDomain {
         }
     }
 
-    pub(super) fn on_error(&mut self, err: CqError, out: &mut Vec<Completion>, clock: &mut Clock) {
+    /// Handles one CQ error entry: fails its operation (tcp: or puts it in
+    /// limbo).
+    fn on_error(&mut self, err: CqError, out: &mut Vec<Completion>, clock: &mut Clock) {
         let Some(i) = err.slot else {
             tracing::warn!(
                 nic = %self.nic.name,

@@ -87,11 +87,13 @@ impl LibfabricDomain {
         }
     }
 
+    /// The error of a post that returned `rc`.
     pub(super) fn post_error(&self, slot: SlotUse, rc: i64) -> TransportError {
         self.op_error(slot, rc, 0, self.lib.strerror(rc), 0)
     }
 }
 
+/// Socket errnos that mean the peer cannot be reached.
 fn is_unreachable(errno: i32) -> bool {
     matches!(
         errno,
@@ -110,6 +112,7 @@ fn is_unreachable(errno: i32) -> bool {
     )
 }
 
+/// Errnos with which providers report a rejected remote access.
 fn is_remote_access(errno: i32) -> bool {
     matches!(
         errno,

@@ -192,7 +192,7 @@ impl LibfabricDomain {
     }
 
     /// Frees the slot of a limbo entry (not counted in flight).
-    pub(super) fn release_limbo(&mut self, i: usize) -> SlotUse {
+    fn release_limbo(&mut self, i: usize) -> SlotUse {
         let used = self.slots.table.get(i).copied().unwrap_or(SlotUse::Free);
         self.slots.unreserve(i);
         used

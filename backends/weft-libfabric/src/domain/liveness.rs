@@ -200,7 +200,7 @@ impl LibfabricDomain {
     /// at once when the peer is known dead, else after `ack_timeout` (which
     /// declares the peer unreachable: it neither answers nor reports an
     /// error).
-    pub(super) fn sweep_unanswered(&mut self, out: &mut Vec<Completion>, now: Instant) {
+    fn sweep_unanswered(&mut self, out: &mut Vec<Completion>, now: Instant) {
         let timeout = self.opts.ack_timeout;
         for i in 0..self.opts.max_inflight.min(self.slots.table.len()) {
             let SlotUse::Send {

@@ -273,16 +273,19 @@ impl LibfabricDomain {
         Ok(d)
     }
 
-    pub(super) fn alloc_key(&mut self) -> u64 {
+    /// The next requested key for a registration (never 0).
+    fn alloc_key(&mut self) -> u64 {
         let k = self.next_key;
         self.next_key = self.next_key.wrapping_add(1).max(1);
         k
     }
 
+    /// This NIC's name, for errors.
     pub(super) fn nic_name(&self) -> String {
         self.nic.name.clone()
     }
 
+    /// An `InvalidArgument` error of this NIC.
     pub(super) fn invalid(&self, what: impl Into<String>) -> TransportError {
         TransportError::InvalidArgument {
             nic: self.nic_name(),

@@ -46,6 +46,7 @@ pub(super) struct Peers {
 }
 
 impl LibfabricDomain {
+    /// The peer of handle `peer`.
     pub(super) fn peer(&self, peer: PeerId) -> Result<&Peer, TransportError> {
         usize::try_from(peer.0)
             .ok()
@@ -53,6 +54,7 @@ impl LibfabricDomain {
             .ok_or_else(|| self.invalid(format!("unknown peer handle {}", peer.0)))
     }
 
+    /// The address of `peer` (empty if unknown), for errors.
     pub(super) fn peer_addr(&self, peer: PeerId) -> NetAddr {
         self.peer(peer)
             .map(|p| p.addr.clone())
@@ -62,7 +64,7 @@ impl LibfabricDomain {
     /// Rejects addresses that cannot be endpoint names of this provider
     /// before libfabric sees them (tcp;ofi_rxm's AV misbehaves after
     /// inserting garbage sockaddrs).
-    pub(super) fn check_addr_format(&self, addr: &NetAddr) -> Result<(), TransportError> {
+    fn check_addr_format(&self, addr: &NetAddr) -> Result<(), TransportError> {
         let own = &self.nic.addr.0;
         let fmt = self._info.addr_format;
         let bad = |why: &str| TransportError::InvalidArgument {

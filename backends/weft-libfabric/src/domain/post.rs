@@ -36,6 +36,8 @@ pub(super) enum Native {
 }
 
 impl LibfabricDomain {
+    /// Hands `n` to libfabric with context `i`; the provider's return
+    /// code.
     pub(super) fn issue(&mut self, i: usize, n: Native, more: bool) -> Result<i64, TransportError> {
         match n {
             Native::Write {

@@ -109,6 +109,8 @@ impl SlotUse {
 }
 
 impl LibfabricDomain {
+    /// Frees slot `i` of a finished operation (counting it done for its
+    /// peer) and returns what it was used for.
     pub(super) fn release(&mut self, i: usize) -> SlotUse {
         let Some(s) = self.slots.table.get_mut(i) else {
             return SlotUse::Free;
@@ -128,6 +130,8 @@ impl LibfabricDomain {
         used
     }
 
+    /// Reports the user's completion of a finished WRITE or SEND (internal
+    /// slots report none).
     pub(super) fn complete(
         &mut self,
         slot: SlotUse,

@@ -176,7 +176,7 @@ impl LibfabricDomain {
 
     /// Places `m` into the first posted receive buffer and queues the
     /// answer; gives `m` back when no buffer is posted.
-    pub(super) fn deliver(&mut self, m: Held, out: &mut Vec<Completion>) -> Option<Held> {
+    fn deliver(&mut self, m: Held, out: &mut Vec<Completion>) -> Option<Held> {
         while let Some(r) = self.msgs.user_recvs.front().copied() {
             if m.payload.len() as u64 > r.len {
                 // The buffer stays posted; the message is dropped.
@@ -223,13 +223,7 @@ impl LibfabricDomain {
     }
 
     /// The receiver's answer to our SEND `seq`.
-    pub(super) fn on_ack(
-        &mut self,
-        seq: u64,
-        status: AckStatus,
-        from: &[u8],
-        out: &mut Vec<Completion>,
-    ) {
+    fn on_ack(&mut self, seq: u64, status: AckStatus, from: &[u8], out: &mut Vec<Completion>) {
         let i = (seq & 0xffff_ffff) as usize;
         let Some(SlotUse::Send {
             peer,
