@@ -43,7 +43,6 @@
 mod domain;
 #[allow(unsafe_code)]
 mod ffi;
-mod msg;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,436 @@
+//! [`LibfabricDomain`]: one NIC (fabric + domain + RDM endpoint + AV + CQ)
+//! as a weft [`Domain`]. No `unsafe` here: every native call goes through
+//! [`crate::ffi`].
+//!
+//! The domain's state is split by what owns it: [`slots`] (what each
+//! operation slot is used for), [`peers`], [`post`] (the native operation
+//! templates and issuing them), [`backlog`] (work the provider answered
+//! EAGAIN for), [`cq`] (completion polling), [`errors`] (libfabric errors
+//! to transport errors), [`messages`] (SEND/RECV with receiver ACKs),
+//! [`liveness`] (dead peers, the sweep), [`limbo`] (tcp: operations
+//! cancelled by a closed connection) and [`shm`]. Time is an input: each
+//! entry point below makes one [`Clock`] and passes it down, so the logic
+//! reads no clock of its own.
+#![forbid(unsafe_code)]
+
+mod backlog;
+mod clock;
+mod cq;
+mod errors;
+mod limbo;
+mod liveness;
+mod messages;
+mod peers;
+mod post;
+mod shm;
+mod slots;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use weft_transport::{
+    Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
+    NetAddr, NicInfo, PeerId, PostError, Rkey, TransportError, WrId, WriteWr,
+};
+
+use self::backlog::Backlog;
+use self::clock::Clock;
+use self::cq::Completions;
+use self::limbo::Limbo;
+use self::liveness::Sweeper;
+use self::messages::wire as msg;
+use self::messages::Messages;
+use self::peers::Peers;
+use self::slots::Slots;
+use crate::ffi::{self, CtlBuf, Desc, HostWindow, Info, Lib, Mr, Resources};
+
+/// Options fixed when a domain is opened (derived from the provider config).
+#[derive(Debug, Clone)]
+pub(crate) struct DomainOptions {
+    pub(crate) max_inflight: usize,
+    pub(crate) max_recvs: usize,
+    pub(crate) max_batch: usize,
+    pub(crate) fi_more: bool,
+    pub(crate) hmem: bool,
+    pub(crate) connect_timeout: Duration,
+    /// How long a peer with operations in flight may go without a
+    /// completion before it is declared unreachable.
+    pub(crate) write_timeout: Duration,
+    /// Largest SEND payload (bounce buffers hold this plus a header).
+    pub(crate) max_send_len: u64,
+    /// How long an incoming message waits for a receive buffer.
+    pub(crate) rnr_timeout: Duration,
+    /// How long a sent message waits for the receiver's answer.
+    pub(crate) ack_timeout: Duration,
+    /// Internal bounce buffers posted for incoming messages.
+    pub(crate) bounces: usize,
+    /// Internal slots for the ACKs this domain sends.
+    pub(crate) acks: usize,
+}
+
+struct MrEntry {
+    mr: Mr,
+    addr: u64,
+    len: u64,
+    device: Device,
+    /// Where received messages are copied (host memory only).
+    window: Option<HostWindow>,
+}
+
+/// One NIC driven through libfabric. Created by
+/// [`crate::LibfabricProvider`]'s `open`.
+///
+/// Memory-registration modes are handled per the provider's `mr_mode`:
+/// descriptors are always passed (`FI_MR_LOCAL`), remote addresses are
+/// `base + offset` with `FI_MR_VIRT_ADDR` and `offset` otherwise, keys come
+/// from `fi_mr_key` with `FI_MR_PROV_KEY` and from a per-domain counter
+/// otherwise, and with `FI_MR_ENDPOINT` every registration is bound to the
+/// endpoint and enabled.
+pub struct LibfabricDomain {
+    // First field, dropped first: closes the endpoint (cancelling work) and
+    // every registration before the memory below is freed.
+    res: Resources,
+    lib: &'static Lib,
+    _info: Arc<Info>,
+    nic: NicInfo,
+    caps: Capabilities,
+    opts: DomainOptions,
+    virt_addr: bool,
+    prov_key: bool,
+    hmem: bool,
+    is_shm: bool,
+    /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
+    /// EFA, whose provider errnos are its own status codes).
+    prov_errno_is_errno: bool,
+    mrs: BTreeMap<MrKey, MrEntry>,
+    next_key: u64,
+    peers: Peers,
+    sweeper: Sweeper,
+    slots: Slots,
+    cq: Completions,
+    backlog: Backlog,
+    dummy: Box<[u8; 64]>,
+    dummy_desc: Desc,
+    /// SEND/RECV: header and bounce buffers, queued ACKs, posted receive
+    /// buffers, held messages.
+    msgs: Messages,
+    /// tcp;ofi_rxm tears a connection down when the target rejects a
+    /// WRITE (bad key, out of bounds); the operations it cancels with it
+    /// wait in `limbo`.
+    is_tcp: bool,
+    limbo: Limbo,
+}
+
+impl std::fmt::Debug for LibfabricDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LibfabricDomain")
+            .field("nic", &self.nic)
+            .field("caps", &self.caps)
+            .finish_non_exhaustive()
+    }
+}
+
+const LOCAL_ACCESS: u64 = ffi::FI_SEND | ffi::FI_RECV | ffi::FI_WRITE | ffi::FI_READ;
+
+impl LibfabricDomain {
+    pub(crate) fn open(
+        lib: &'static Lib,
+        info: Arc<Info>,
+        name: String,
+        opts: DomainOptions,
+    ) -> Result<LibfabricDomain, TransportError> {
+        let mut clock = Clock::system();
+        let slots = opts.max_inflight + opts.bounces + opts.acks;
+        if info.prov_name == "shm" {
+            shm::remove_stale_shm_regions();
+        }
+        let res = Resources::open(lib, &name, &info, slots)?;
+        let addr = NetAddr(res.getname()?);
+        if addr.0.len() > msg::MAX_ADDR {
+            return Err(TransportError::Unsupported {
+                nic: name,
+                what: format!(
+                    "endpoint names of {} bytes (the message header carries at most {})",
+                    addr.0.len(),
+                    msg::MAX_ADDR
+                ),
+            });
+        }
+        if info.tx_iov_limit == 1 {
+            return Err(TransportError::Unsupported {
+                nic: name,
+                what: "a provider whose SENDs take one iov (the message layer needs two)".into(),
+            });
+        }
+        let max_send_len = opts.max_send_len.max(1);
+        let bounce_len = (msg::HDR_MAX + usize::try_from(max_send_len).unwrap_or(usize::MAX))
+            .next_multiple_of(64);
+        // Header areas of the TX slots and of the ACK slots, then bounces.
+        let bounce_off = (opts.max_inflight + opts.acks) * msg::HDR_MAX;
+        let ctl_len = bounce_off + opts.bounces * bounce_len;
+        let ctl = CtlBuf::new(ctl_len).ok_or_else(|| TransportError::InvalidArgument {
+            nic: name.clone(),
+            what: format!("cannot allocate {ctl_len} bytes of message buffers"),
+        })?;
+        let numa_node = info.pci.and_then(|(d, b, dev, f)| {
+            std::fs::read_to_string(format!(
+                "/sys/bus/pci/devices/{d:04x}:{b:02x}:{dev:02x}.{f:x}/numa_node"
+            ))
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .and_then(|n| u32::try_from(n).ok())
+        });
+        let nic = NicInfo {
+            name: name.clone(),
+            addr,
+            numa_node,
+            link_gbps: info.link_bps.map(|b| b as f64 / 1e9),
+        };
+        let max_msg = u64::try_from(info.max_msg_size).unwrap_or(u64::MAX);
+        let max_msg = if max_msg == 0 { 1 << 30 } else { max_msg };
+        let caps = Capabilities {
+            max_write_len: max_msg,
+            max_send_len: max_send_len.min(max_msg.saturating_sub(msg::HDR_MAX as u64).max(1)),
+            max_inflight: opts.max_inflight,
+            max_recvs: opts.max_recvs,
+            max_batch: opts.max_batch,
+            ordered: false,
+            device_memory: opts.hmem && info.caps & ffi::FI_HMEM != 0,
+            software_progress: info.data_progress == ffi::FI_PROGRESS_MANUAL,
+        };
+        let mr_mode = info.mr_mode;
+        let basic = mr_mode & ffi::FI_MR_BASIC != 0;
+        let virt_addr = basic || mr_mode & ffi::FI_MR_VIRT_ADDR != 0;
+        let prov_key = basic || mr_mode & ffi::FI_MR_PROV_KEY != 0;
+        tracing::info!(
+            nic = %name,
+            provider = %info.prov_name,
+            fabric = %info.fabric_name,
+            mr_mode = format_args!("{mr_mode:#x}"),
+            mode = format_args!("{:#x}", info.mode),
+            mr_key_size = info.mr_key_size,
+            virt_addr,
+            prov_key,
+            delivery_complete = info.tx_op_flags & ffi::FI_DELIVERY_COMPLETE != 0,
+            addr = %nic.addr,
+            "libfabric domain open"
+        );
+        let mut d = LibfabricDomain {
+            lib,
+            hmem: caps.device_memory,
+            is_shm: info.prov_name == "shm",
+            is_tcp: info.prov_name.contains("tcp"),
+            prov_errno_is_errno: !info.prov_name.starts_with("efa"),
+            _info: info,
+            nic,
+            caps,
+            virt_addr,
+            prov_key,
+            mrs: BTreeMap::new(),
+            next_key: 1,
+            peers: Peers::default(),
+            sweeper: Sweeper::new(clock.now()),
+            slots: Slots::new(opts.max_inflight, opts.bounces, opts.acks),
+            msgs: Messages {
+                ctl,
+                ctl_desc: Desc::null(),
+                bounce_off,
+                bounce_len,
+                acks_out: VecDeque::new(),
+                user_recvs: VecDeque::new(),
+                held: VecDeque::new(),
+                send_gen: 0,
+            },
+            limbo: Limbo::new(opts.max_inflight),
+            opts,
+            cq: Completions {
+                stash: Vec::new(),
+                stashed_tx: 0,
+                scratch: Vec::with_capacity(64),
+            },
+            backlog: Backlog::default(),
+            dummy: Box::new([0u8; 64]),
+            dummy_desc: Desc::null(),
+            res,
+        };
+        // A small registered buffer: the valid source descriptor of
+        // zero-length (immediate-only) WRITEs, which EFA requires.
+        let dummy_addr = d.dummy.as_ptr() as usize as u64;
+        let key = d.alloc_key();
+        let mr = d
+            .res
+            .mr_reg(dummy_addr, d.dummy.len(), LOCAL_ACCESS, key, None)?;
+        d.dummy_desc = mr.desc;
+        let key = d.alloc_key();
+        let mr = d
+            .res
+            .mr_reg(d.msgs.ctl.addr(), d.msgs.ctl.len(), LOCAL_ACCESS, key, None)?;
+        d.msgs.ctl_desc = mr.desc;
+        for j in 0..d.opts.bounces {
+            d.post_bounce(j, &mut clock)?;
+        }
+        Ok(d)
+    }
+
+    /// The next requested key for a registration (never 0).
+    fn alloc_key(&mut self) -> u64 {
+        let k = self.next_key;
+        self.next_key = self.next_key.wrapping_add(1).max(1);
+        k
+    }
+
+    /// This NIC's name, for errors.
+    pub(super) fn nic_name(&self) -> String {
+        self.nic.name.clone()
+    }
+
+    /// An `InvalidArgument` error of this NIC.
+    pub(super) fn invalid(&self, what: impl Into<String>) -> TransportError {
+        TransportError::InvalidArgument {
+            nic: self.nic_name(),
+            what: what.into(),
+        }
+    }
+
+    /// Checks that `s` lies in a registration of this domain and returns its
+    /// descriptor.
+    pub(super) fn local(&self, s: &LocalSlice, what: &str) -> Result<Desc, TransportError> {
+        let e = self
+            .mrs
+            .get(&s.mr)
+            .ok_or_else(|| TransportError::LocalAccess {
+                nic: self.nic_name(),
+                what: format!("{what}: unknown or deregistered local key {}", s.mr.0),
+            })?;
+        let inside = s
+            .addr
+            .checked_sub(e.addr)
+            .and_then(|off| off.checked_add(s.len))
+            .is_some_and(|end| end <= e.len);
+        if !inside {
+            return Err(TransportError::LocalAccess {
+                nic: self.nic_name(),
+                what: format!(
+                    "{what}: [{:#x}, +{}) outside registration {} [{:#x}, +{})",
+                    s.addr, s.len, s.mr.0, e.addr, e.len
+                ),
+            });
+        }
+        if let Device::Cuda(_) = e.device {
+            if !self.hmem {
+                return Err(TransportError::LocalAccess {
+                    nic: self.nic_name(),
+                    what: format!("{what}: CUDA memory without FI_HMEM"),
+                });
+            }
+        }
+        Ok(e.mr.desc)
+    }
+}
+
+impl Domain for LibfabricDomain {
+    fn info(&self) -> &NicInfo {
+        &self.nic
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn register(&mut self, region: &MemRegion, access: Access) -> Result<LocalMr, TransportError> {
+        let cuda = match region.device() {
+            Device::Host => None,
+            Device::Cuda(i) if self.hmem => Some(i),
+            Device::Cuda(i) => {
+                return Err(TransportError::Unsupported {
+                    nic: self.nic_name(),
+                    what: format!(
+                        "registering cuda:{i} memory: provider lacks FI_HMEM or the domain \
+                         was not opened with hmem enabled"
+                    ),
+                })
+            }
+        };
+        let flags = match access {
+            Access::LocalOnly => LOCAL_ACCESS,
+            Access::RemoteWrite => LOCAL_ACCESS | ffi::FI_REMOTE_WRITE | ffi::FI_REMOTE_READ,
+        };
+        let requested = self.alloc_key();
+        let mr = self
+            .res
+            .mr_reg(region.addr(), region.len(), flags, requested, cuda)?;
+        let rkey = if self.prov_key { mr.key } else { requested };
+        let key = MrKey(requested);
+        let local = LocalMr {
+            key,
+            rkey: Rkey(rkey),
+            addr: region.addr(),
+            len: region.len() as u64,
+            device: region.device(),
+        };
+        self.mrs.insert(
+            key,
+            MrEntry {
+                mr,
+                addr: local.addr,
+                len: local.len,
+                device: local.device,
+                window: HostWindow::of(region),
+            },
+        );
+        Ok(local)
+    }
+
+    fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
+        let e = self
+            .mrs
+            .remove(&mr)
+            .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
+        self.res.mr_close(e.mr)
+    }
+
+    fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        self.insert_peer(addr)
+    }
+
+    fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
+        self.send(wr, peer, src, &mut Clock::system())
+    }
+
+    /// Queues `buf` for the next incoming message. The message layer copies
+    /// messages into it, so it must be host memory (CUDA buffers are
+    /// rejected with `Unsupported`).
+    fn post_recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
+        self.recv(wr, buf)
+    }
+
+    fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
+        self.writes(wrs, &mut Clock::system())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
+        let clock = &mut Clock::system();
+        let before = out.len();
+        out.append(&mut self.cq.stash);
+        self.cq.stashed_tx = 0;
+        // Completions first: they drive the software providers' progress
+        // and free the resources (slots, shm inject buffers) the backlog
+        // waits for.
+        self.drain_cq(out, clock)?;
+        if !self.limbo.entries.is_empty() {
+            self.settle_limbo(out, clock);
+        }
+        if !self.msgs.held.is_empty() {
+            self.expire_held(clock);
+        }
+        if !self.msgs.acks_out.is_empty() {
+            self.flush_acks(clock);
+        }
+        if !self.backlog.queue.is_empty() {
+            self.flush_backlog(out, clock);
+        }
+        self.sweep(out, clock);
+        Ok(out.len() - before)
+    }
+}

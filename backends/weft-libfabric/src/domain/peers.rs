@@ -1,0 +1,137 @@
+//! The peer table: every address added (by the user, or by a message that
+//! arrived from it), its libfabric address and its per-peer counters.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use weft_transport::{NetAddr, PeerId, TransportError};
+
+use super::shm::shm_peer;
+use super::LibfabricDomain;
+use crate::ffi;
+
+pub(super) struct Peer {
+    pub(super) addr: NetAddr,
+    pub(super) fi_addr: u64,
+    /// Why the peer is considered unreachable; posts to it then fail at once.
+    pub(super) dead: Option<String>,
+    /// Our operations to it not yet completed.
+    pub(super) inflight: usize,
+    /// Since when posts to it (with nothing in flight) keep failing with
+    /// EAGAIN: the provider is still trying to connect.
+    pub(super) eagain_since: Option<Instant>,
+    /// Process id of an `shm` peer, for liveness checks.
+    pub(super) pid: Option<i32>,
+    /// Its entries in the EAGAIN backlog: while there are any, new work to
+    /// the peer joins the backlog behind them without a futile attempt.
+    pub(super) backlogged: usize,
+    /// Operations issued to it so far (the issue number of the latest).
+    pub(super) issued: u64,
+    /// tcp: issue number of the latest operation the peer rejected by
+    /// closing the connection (a remote access violation).
+    pub(super) rejected: Option<u64>,
+    /// Operations to it resolved so far (wrapping): its liveness signal.
+    pub(super) done: u64,
+    /// `done` at the previous sweep.
+    pub(super) done_seen: u64,
+    /// Since which sweep it has had work in flight and nothing resolved.
+    pub(super) stalled_since: Option<Instant>,
+}
+
+/// Peers by address and by handle (`PeerId` is the index in `table`).
+#[derive(Default)]
+pub(super) struct Peers {
+    pub(super) by_addr: BTreeMap<NetAddr, PeerId>,
+    pub(super) table: Vec<Peer>,
+}
+
+impl LibfabricDomain {
+    /// The peer of handle `peer`.
+    pub(super) fn peer(&self, peer: PeerId) -> Result<&Peer, TransportError> {
+        usize::try_from(peer.0)
+            .ok()
+            .and_then(|i| self.peers.table.get(i))
+            .ok_or_else(|| self.invalid(format!("unknown peer handle {}", peer.0)))
+    }
+
+    /// The address of `peer` (empty if unknown), for errors.
+    pub(super) fn peer_addr(&self, peer: PeerId) -> NetAddr {
+        self.peer(peer)
+            .map(|p| p.addr.clone())
+            .unwrap_or_else(|_| NetAddr(Vec::new()))
+    }
+
+    /// Rejects addresses that cannot be endpoint names of this provider
+    /// before libfabric sees them (tcp;ofi_rxm's AV misbehaves after
+    /// inserting garbage sockaddrs).
+    fn check_addr_format(&self, addr: &NetAddr) -> Result<(), TransportError> {
+        let own = &self.nic.addr.0;
+        let fmt = self._info.addr_format;
+        let bad = |why: &str| TransportError::InvalidArgument {
+            nic: self.nic_name(),
+            what: format!("peer address {addr}: {why}"),
+        };
+        if fmt == ffi::FI_ADDR_STR || self.is_shm {
+            return Ok(());
+        }
+        if addr.0.len() != own.len() {
+            return Err(bad(&format!(
+                "{} bytes, this provider's addresses have {}",
+                addr.0.len(),
+                own.len()
+            )));
+        }
+        if ffi::SOCKADDR_FORMATS.contains(&fmt) && addr.0.get(..2) != own.get(..2) {
+            return Err(bad("wrong socket address family"));
+        }
+        Ok(())
+    }
+}
+
+impl LibfabricDomain {
+    /// [`weft_transport::Domain::add_peer`]: the peer of `addr`, added on
+    /// first use.
+    pub(super) fn insert_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.peers.by_addr.get(addr) {
+            return Ok(*p);
+        }
+        if addr.0.is_empty() || addr.0.len() > 4096 {
+            return Err(self.invalid(format!(
+                "peer address of {} bytes is not a libfabric endpoint name",
+                addr.0.len()
+            )));
+        }
+        let id =
+            u32::try_from(self.peers.table.len()).map_err(|_| self.invalid("too many peers"))?;
+        self.check_addr_format(addr)?;
+        let (pid, dead) = if self.is_shm {
+            shm_peer(&addr.0)
+        } else {
+            (None, None)
+        };
+        let fi_addr = self.res.av_insert(&addr.0).map_err(|e| match e {
+            TransportError::Provider { message, code, .. } => TransportError::PeerUnreachable {
+                nic: self.nic_name(),
+                peer: addr.clone(),
+                reason: format!("fi_av_insert rejected the address: {message} (code {code})"),
+            },
+            other => other,
+        })?;
+        self.peers.table.push(Peer {
+            addr: addr.clone(),
+            fi_addr,
+            dead,
+            inflight: 0,
+            eagain_since: None,
+            pid,
+            backlogged: 0,
+            issued: 0,
+            rejected: None,
+            done: 0,
+            done_seen: 0,
+            stalled_since: None,
+        });
+        self.peers.by_addr.insert(addr.clone(), PeerId(id));
+        Ok(PeerId(id))
+    }
+}

@@ -1,0 +1,153 @@
+//! Operation slots: what each one is used for (one per TX operation, per
+//! bounce buffer, per ACK), the free lists, and how a finished slot turns
+//! into the user's completion.
+
+use std::time::Instant;
+
+use weft_transport::{Completion, PeerId, TransportError, WrId};
+
+use super::messages::wire::AckStatus;
+use super::LibfabricDomain;
+
+/// What an operation slot is used for.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SlotUse {
+    Free,
+    Write {
+        wr: WrId,
+        peer: PeerId,
+        rkey: u64,
+        raddr: u64,
+        len: u64,
+    },
+    /// A SEND: done when the provider has completed it (`sent`) and the
+    /// receiver has answered (`ack`), in either order.
+    Send {
+        wr: WrId,
+        peer: PeerId,
+        len: u64,
+        /// Sequence number in the header (slot index | generation << 32).
+        seq: u64,
+        /// When the provider completed it.
+        sent: Option<Instant>,
+        /// The receiver's answer.
+        ack: Option<AckStatus>,
+    },
+    /// Internal bounce buffer `j`, posted as a receive.
+    Bounce {
+        j: usize,
+    },
+    /// An ACK to `peer`, in flight.
+    Ack {
+        peer: PeerId,
+    },
+    /// Reported failed (dead peer) but not yet returned by the provider:
+    /// the slot is reused only once libfabric hands its context back.
+    Zombie,
+}
+
+/// The slot table: TX slots `0..tx`, then the bounce slots, then the ACK
+/// slots from `ack_base`; each slot index is the operation's libfabric
+/// context.
+pub(super) struct Slots {
+    /// What each slot is used for.
+    pub(super) table: Vec<SlotUse>,
+    /// Free TX slots.
+    pub(super) free_tx: Vec<usize>,
+    /// Free ACK slots.
+    pub(super) free_ack: Vec<usize>,
+    /// Number of TX slots (`max_inflight`).
+    tx: usize,
+    /// First ACK slot (bounce slots lie between `tx` and it).
+    pub(super) ack_base: usize,
+}
+
+impl Slots {
+    /// `tx` TX slots, `bounces` bounce slots and `acks` ACK slots, all free.
+    pub(super) fn new(tx: usize, bounces: usize, acks: usize) -> Slots {
+        let ack_base = tx + bounces;
+        let n = ack_base + acks;
+        Slots {
+            table: vec![SlotUse::Free; n],
+            free_tx: (0..tx).rev().collect(),
+            free_ack: (ack_base..n).rev().collect(),
+            tx,
+            ack_base,
+        }
+    }
+
+    /// Puts TX or ACK slot `i` back on its free list (bounce slots have none:
+    /// they are re-posted).
+    pub(super) fn free(&mut self, i: usize) {
+        if i < self.tx {
+            self.free_tx.push(i);
+        } else if i >= self.ack_base {
+            self.free_ack.push(i);
+        }
+    }
+
+    /// Returns a reserved, never-issued slot to its free list.
+    pub(super) fn unreserve(&mut self, i: usize) {
+        let Some(s) = self.table.get_mut(i) else {
+            return;
+        };
+        *s = SlotUse::Free;
+        self.free(i);
+    }
+}
+
+impl SlotUse {
+    /// The peer the slot's operation goes to.
+    pub(super) fn peer(self) -> Option<PeerId> {
+        match self {
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } | SlotUse::Ack { peer } => {
+                Some(peer)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl LibfabricDomain {
+    /// Frees slot `i` of a finished operation (counting it done for its
+    /// peer) and returns what it was used for.
+    pub(super) fn release(&mut self, i: usize) -> SlotUse {
+        let Some(s) = self.slots.table.get_mut(i) else {
+            return SlotUse::Free;
+        };
+        let used = std::mem::replace(s, SlotUse::Free);
+        match used {
+            SlotUse::Free | SlotUse::Bounce { .. } => {}
+            SlotUse::Write { peer, .. } | SlotUse::Send { peer, .. } | SlotUse::Ack { peer } => {
+                self.slots.free(i);
+                if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
+                    p.inflight = p.inflight.saturating_sub(1);
+                    p.done = p.done.wrapping_add(1);
+                }
+            }
+            SlotUse::Zombie => self.slots.free(i),
+        }
+        used
+    }
+
+    /// Reports the user's completion of a finished WRITE or SEND (internal
+    /// slots report none).
+    pub(super) fn complete(
+        &mut self,
+        slot: SlotUse,
+        result: Result<u64, TransportError>,
+        out: &mut Vec<Completion>,
+    ) {
+        match slot {
+            SlotUse::Write { wr, .. } => out.push(Completion::Write {
+                wr,
+                result: result.map(|_| ()),
+            }),
+            SlotUse::Send { wr, .. } => out.push(Completion::Send {
+                wr,
+                result: result.map(|_| ()),
+            }),
+            SlotUse::Free | SlotUse::Zombie | SlotUse::Bounce { .. } | SlotUse::Ack { .. } => {}
+        }
+    }
+}
