@@ -30,17 +30,23 @@ pub fn drive_until(
     }
 }
 
-/// Runs at most `max` rounds of `round` until `done()` holds; returns whether
-/// it held. For loops bounded by a round budget instead of by idleness (a
-/// simulated clock that always advances).
-pub fn poll_rounds(max: u64, mut round: impl FnMut(), mut done: impl FnMut() -> bool) -> bool {
+/// Runs at most `max` rounds of `round` on `state` until `done(state)`
+/// holds; returns whether it held. For loops bounded by a round budget
+/// instead of by idleness (a simulated clock that always advances). `state`
+/// is what both closures need mutably (the simulation and its completions).
+pub fn poll_rounds<S: ?Sized>(
+    max: u64,
+    state: &mut S,
+    mut round: impl FnMut(&mut S),
+    mut done: impl FnMut(&mut S) -> bool,
+) -> bool {
     for _ in 0..max {
-        if done() {
+        if done(state) {
             return true;
         }
-        round();
+        round(state);
     }
-    done()
+    done(state)
 }
 
 #[cfg(test)]
@@ -75,9 +81,9 @@ mod tests {
     #[test]
     fn rounds_are_bounded() {
         let mut r = 0;
-        assert!(!poll_rounds(10, || r += 1, || false));
+        assert!(!poll_rounds(10, &mut r, |r| *r += 1, |_| false));
         assert_eq!(r, 10);
-        let r = std::cell::Cell::new(0);
-        assert!(poll_rounds(10, || r.set(r.get() + 1), || r.get() == 4));
+        let mut r = 0;
+        assert!(poll_rounds(10, &mut r, |r| *r += 1, |r| *r == 4));
     }
 }

@@ -11,6 +11,8 @@
 //!   the first mismatch.
 //! - [`drive`]: step-mode loops that progress domains or engines until a
 //!   condition holds, failing when everything went idle first.
+//! - [`mem`]: [`weft_transport::HostBuffer`] constructors and accessors that
+//!   panic on test bugs instead of returning errors.
 //! - [`child`]: re-executing the current test binary as a child process in a
 //!   role, with a stdout pipe for a line handshake.
 //!
@@ -22,11 +24,13 @@
 
 pub mod child;
 pub mod drive;
+pub mod mem;
 pub mod pattern;
 pub mod seed;
 pub mod wait;
 
 pub use drive::{drive_until, poll_rounds};
+pub use mem::HostBufferExt;
 pub use pattern::{check_pattern, pattern, pattern_byte, Mismatch};
-pub use seed::{run_seeded, seeds, seeds_or, SeedGuard, SEED_ENV};
+pub use seed::{for_seeds, run_seeded, seeds, seeds_or, with_seed, SeedGuard, SEED_ENV};
 pub use wait::wait_until;

@@ -2,7 +2,8 @@
 //!
 //! A randomized test runs a list of seeds ([`seeds`], [`seeds_or`]); setting
 //! `WEFT_SEED=N` ([`SEED_ENV`]) runs only seed `N`. When the body panics,
-//! [`run_seeded`] (or a live [`SeedGuard`]) prints
+//! [`run_seeded`], [`with_seed`], [`for_seeds`] (or a live [`SeedGuard`])
+//! print
 //! `seed=N (replay with WEFT_SEED=N)` to stderr before the panic propagates.
 
 use rand::SeedableRng;
@@ -81,6 +82,21 @@ pub fn run_seeded<R>(seed: u64, body: impl FnOnce(&mut ChaCha8Rng) -> R) -> R {
     body(&mut rng(seed))
 }
 
+/// Runs `body`, printing the replay line for `seed` if it panics (the panic
+/// then propagates unchanged).
+pub fn with_seed<R>(seed: u64, body: impl FnOnce() -> R) -> R {
+    let _guard = SeedGuard::new(seed, "seeded test failed");
+    body()
+}
+
+/// Runs `body` for each seed (only the one in [`SEED_ENV`] when set),
+/// printing the replay line of the seed that panics.
+pub fn for_seeds(seeds: impl IntoIterator<Item = u64>, mut body: impl FnMut(u64)) {
+    for seed in seeds_or(seeds) {
+        with_seed(seed, || body(seed));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +117,16 @@ mod tests {
         let c: u64 = run_seeded(5, |r| r.gen());
         assert_eq!(a, b);
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn for_seeds_runs_each() {
+        if replay_seed().is_none() {
+            let mut seen = Vec::new();
+            for_seeds([4, 2], |s| seen.push(s));
+            assert_eq!(seen, vec![4, 2]);
+        }
+        assert_eq!(with_seed(1, || 5), 5);
     }
 
     #[test]

@@ -210,6 +210,26 @@ impl HostBuffer {
         }
     }
 
+    /// The region of the bytes `range` of the buffer (to register part of
+    /// it), or `None` when the range is reversed or out of bounds. The same
+    /// lifetime contract as [`Self::region`] applies.
+    pub fn sub_region(&self, range: std::ops::Range<usize>) -> Option<MemRegion> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        // SAFETY: `range.start <= len` (checked above), so the pointer stays
+        // inside the mapping (or one past the requested bytes, which the
+        // mapping of at least one page also covers).
+        #[allow(unsafe_code)]
+        let ptr = unsafe { self.ptr.add(range.start) };
+        // SAFETY: `ptr..ptr+(end-start)` lies inside the mapping this buffer
+        // owns; otherwise as in `region`.
+        #[allow(unsafe_code)]
+        unsafe {
+            Some(MemRegion::new(ptr, range.end - range.start, Device::Host))
+        }
+    }
+
     /// A copy of the `len` bytes at `offset`, or `None` when out of bounds.
     /// Copies through a raw pointer: safe to call while registered, but bytes
     /// a remote write is still landing in are unspecified.
@@ -481,6 +501,19 @@ mod tests {
         assert_eq!(b.read(0, 0), Some(Vec::new()));
         assert!(b.write(0, &[]));
         assert!(!b.write(0, &[1]));
+    }
+
+    #[test]
+    fn sub_regions_are_checked() {
+        let b = HostBuffer::new(100).unwrap();
+        let r = b.sub_region(10..30).unwrap();
+        assert_eq!(r.addr(), b.region().addr() + 10);
+        assert_eq!(r.len(), 20);
+        assert_eq!(b.sub_region(100..100).unwrap().len(), 0);
+        assert!(b.sub_region(90..101).is_none());
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 30..10;
+        assert!(b.sub_region(reversed).is_none());
     }
 
     #[test]
