@@ -3,8 +3,7 @@
 mod common;
 
 use common::*;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 use std::collections::BTreeMap;
 use weft_loopback::{Action, Fabric, FabricConfig, OpKind, Rule, TraceEvent};
 use weft_transport::{
@@ -34,7 +33,7 @@ fn workload(seed: u64, cfg: FabricConfig, with_rules: bool) -> Vec<TraceEvent> {
     let fabric = Fabric::new(cfg.with_trace(true));
     let hosts: Vec<_> = (0..3).map(|_| fabric.add_host(2)).collect();
     let mut doms: Vec<_> = hosts.iter().map(|&h| fabric.open(h, 0).unwrap()).collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xabcdef);
+    let mut rng = weft_testkit::seed::rng(seed ^ 0xabcdef);
     if with_rules {
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(13));
         fabric.add_rule(Rule::new(Action::Drop).kind(OpKind::Send).first(3));
@@ -280,7 +279,7 @@ fn random_kills_every_surviving_op_completes_once() {
         let fabric = Fabric::new(cfg);
         let hosts: Vec<_> = (0..3).map(|_| fabric.add_host(1)).collect();
         let mut doms: Vec<_> = hosts.iter().map(|&h| fabric.open(h, 0).unwrap()).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = weft_testkit::seed::rng(seed);
         let bufs: Vec<HostBuffer> = (0..3u64).map(|i| mem::patterned(i, 1 << 16)).collect();
         let ms: Vec<_> = (0..3)
             .map(|i| {

@@ -10,8 +10,6 @@ mod common;
 
 use common::{gpu, gpu_kernels};
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -110,7 +108,7 @@ fn gpu_single_paged_and_mixed_writes_over_loopback() {
         return;
     };
     let seed = 0x5eed_0001;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let len = (1 << 20) + 333;
     let src = g.alloc(len).unwrap();
     let dst = g.alloc(len).unwrap();
@@ -307,7 +305,7 @@ fn kvcache_layers_driven_by_gpu_watcher() {
         return;
     };
     let seed = 0x5eed_0003;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let (layers, pages, page) = (12u64, 8u64, 16 * 1024usize);
     let layer_bytes = pages as usize * page;
     let kv = g.alloc(layers as usize * layer_bytes).unwrap();

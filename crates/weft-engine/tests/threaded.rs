@@ -7,8 +7,7 @@ mod common;
 
 use common::*;
 use parking_lot::Mutex;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -85,7 +84,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
     let errors: Log = Arc::default();
     let fired = Arc::new(AtomicU64::new(0));
     let done = Arc::new(DoneCounter::new());
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let mut issued = 0usize;
     while issued < total {
         let pick = {
@@ -283,7 +282,7 @@ fn send_recv_storm() {
             .unwrap();
         }
         let sent = Arc::new(DoneCounter::new());
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = weft_testkit::seed::rng(seed);
         let addrs: Vec<_> = engines.iter().map(|e| e.main_address()).collect();
         for seq in 0..per_pair {
             for (s, e) in engines.iter().enumerate() {
@@ -487,7 +486,7 @@ fn rearm_rounds_race_arrivals() {
         let imm = eb.alloc_imm().unwrap();
         let counts = eb.imm_counts(0).unwrap();
         let rounds = if cfg!(debug_assertions) { 100 } else { 1000 };
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = weft_testkit::seed::rng(seed);
         let errors: Log = Arc::default();
         for round in 0..rounds {
             let len = rng.gen_range(1..300_000u64);

@@ -7,28 +7,7 @@
 //! it, so that the one `unsafe` promise of [`MemRegion::new`] is made here,
 //! once, instead of by every user.
 //!
-//! # Lifetime contract
-//!
-//! The buffer keeps its memory mapped for as long as it lives. A registration
-//! made from [`HostBuffer::region`] does not borrow the buffer, so **every
-//! registration of the region must be released (deregistered, or its domain
-//! or engine shut down) before the buffer is dropped**. Declaring the buffer
-//! before the domain or engine that registers it (locals drop in reverse
-//! order), or holding it in an `Arc` that the owner of the registration also
-//! keeps, are the usual ways to honour this.
-//!
-//! # Accessing the bytes
-//!
-//! [`HostBuffer::read`] and [`HostBuffer::write`] copy through raw pointers
-//! and never create a Rust reference into the memory, so they may be used
-//! while the region is registered (through a shared `&self`, e.g. from an
-//! `Arc`). Bytes a remote WRITE is still landing in are unspecified: read them
-//! only after the completion or immediate that says they are final.
-//! [`HostBuffer::as_slice`] and [`HostBuffer::as_mut_slice`] hand out
-//! references, so they take `&mut self` (no [`HostBuffer::write`] can run
-//! concurrently) and must only be used while no remote write can land: before
-//! registering with remote-write access, or after the transfers into the
-//! buffer have completed.
+//! See [`HostBuffer`] for the lifetime contract and how to access the bytes.
 
 use crate::{Device, MemRegion};
 use std::io;
@@ -115,7 +94,30 @@ impl HostBufferBuilder {
 }
 
 /// Page-aligned, zero-initialised host memory to register with a domain or
-/// an engine. See the [module docs](self) for the lifetime contract.
+/// an engine.
+///
+/// # Lifetime contract
+///
+/// The buffer keeps its memory mapped for as long as it lives. A registration
+/// made from [`HostBuffer::region`] does not borrow the buffer, so **every
+/// registration of the region must be released (deregistered, or its domain
+/// or engine shut down) before the buffer is dropped**. Declaring the buffer
+/// before the domain or engine that registers it (locals drop in reverse
+/// order), or holding it in an `Arc` that the owner of the registration also
+/// keeps, are the usual ways to honour this.
+///
+/// # Accessing the bytes
+///
+/// [`HostBuffer::read`] and [`HostBuffer::write`] copy through raw pointers
+/// and never create a Rust reference into the memory, so they may be used
+/// while the region is registered (through a shared `&self`, e.g. from an
+/// `Arc`). Bytes a remote WRITE is still landing in are unspecified: read them
+/// only after the completion or immediate that says they are final.
+/// [`HostBuffer::as_slice`] and [`HostBuffer::as_mut_slice`] hand out
+/// references, so they take `&mut self` (no [`HostBuffer::write`] can run
+/// concurrently) and must only be used while no remote write can land: before
+/// registering with remote-write access, or after the transfers into the
+/// buffer have completed.
 ///
 /// ```
 /// use weft_transport::HostBuffer;
@@ -196,8 +198,8 @@ impl HostBuffer {
     /// The region to register: all `len` bytes, [`Device::Host`].
     ///
     /// The memory stays valid while `self` lives; every registration of the
-    /// region must be released before `self` is dropped (see the
-    /// [module docs](self)).
+    /// region must be released before `self` is dropped (see the lifetime
+    /// contract on [`HostBuffer`]).
     pub fn region(&self) -> MemRegion {
         // SAFETY: `ptr..ptr+len` lies inside the mapping this buffer owns,
         // valid for reads and writes until `drop` unmaps it; the buffer never
