@@ -156,6 +156,10 @@ fn check(c: &DoneCounter) -> Result<(), String> {
 pub const STALL: Duration = Duration::from_secs(10);
 
 /// Spins (yielding) until `f()`, failing after [`STALL`].
+///
+/// Not `weft_testkit::wait_until`: this runs inside measured loops, so it
+/// spins instead of sleeping, and a stall is a reported benchmark error, not
+/// a test panic (weft-testkit is a dev-dependency only).
 pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
     let start = Instant::now();
     let mut spins = 0u32;

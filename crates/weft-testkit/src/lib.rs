@@ -7,7 +7,7 @@
 //!   test panics; a ChaCha RNG per seed.
 //! - [`wait`]: bounded waits for threaded tests ([`wait_until`]); the bound
 //!   only detects hangs, it never asserts on speed.
-//! - [`pattern`]: deterministic data patterns and a comparison that reports
+//! - [`mod@pattern`]: deterministic data patterns and a comparison that reports
 //!   the first mismatch.
 //! - [`drive`]: step-mode loops that progress domains or engines until a
 //!   condition holds, failing when everything went idle first.
