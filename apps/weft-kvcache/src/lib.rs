@@ -33,6 +33,7 @@
 
 mod buf;
 
+use buf::host_buf;
 pub use buf::{pattern, HostBuf};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -349,8 +350,8 @@ impl Decoder {
             .checked_mul(u64::from(num_pages))
             .and_then(|b| usize::try_from(b).ok())
             .ok_or_else(|| KvError::Size("tail slots".into()))?;
-        let kv = HostBuf::new(kv_len);
-        let tail = HostBuf::new(tail_len);
+        let kv = host_buf(kv_len, "kv cache")?;
+        let tail = host_buf(tail_len, "tail slots")?;
         let (kh, kv_desc) = engine.reg_mr(kv.region())?;
         let (th, tail_desc) = engine.reg_mr(tail.region())?;
         let me = engine.main_address();
@@ -881,7 +882,7 @@ impl PreShared {
             .and_then(|k| k.checked_add(self.layout.tail_len))
             .and_then(|k| usize::try_from(k).ok())
             .ok_or_else(|| KvError::Size("source buffer".into()))?;
-        let src = HostBuf::new(kv_len);
+        let src = host_buf(kv_len, "source buffer")?;
         let (h, _) = self.engine.reg_mr(src.region())?;
         let key = (req.reply_to.clone(), req.id);
         let r = Arc::new(PreReq {

@@ -8,11 +8,10 @@
 //! memory descriptor) to paste into the writer, then waits until the writer's
 //! immediates report that every chunk has landed, checks the bytes and exits.
 
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{encode, Access, Completion, Device, Domain, MemRegion, MrDesc, NetAddr};
+use weft_transport::{encode, Access, Completion, Domain, HostBuffer, MrDesc, NetAddr};
 
 /// Size of each WRITE the writer posts (must match writer.rs).
 const CHUNK: usize = 1 << 20;
@@ -39,18 +38,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let p = LibfabricProvider::with_config(cfg)?;
     let mut dom = p.open_domain(0)?;
     let len = mib * CHUNK;
-    let mut buf = vec![0u8; len];
-    // SAFETY: `buf` lives until the end of main, after the domain is dropped
-    // (declared earlier, dropped later), and is only read after all writes
-    // have been reported by their immediates.
-    let region = unsafe {
-        MemRegion::new(
-            NonNull::new(buf.as_mut_ptr()).ok_or("empty")?,
-            len,
-            Device::Host,
-        )
-    };
-    let mr = dom.register(&region, Access::RemoteWrite)?;
+    // `buf` lives until the end of main, after the domain is dropped
+    // explicitly, and is only read after all writes have been reported by
+    // their immediates.
+    let buf = HostBuffer::new(len)?;
+    let mr = dom.register(&buf.region(), Access::RemoteWrite)?;
     let desc = MrDesc {
         addr: mr.addr,
         len: mr.len,
@@ -88,7 +80,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dom.poll(&mut out)?;
     }
     drop(dom);
-    let bad = buf
+    let got = buf.read(0, len).ok_or("read back")?;
+    let bad = got
         .iter()
         .enumerate()
         .find(|(i, b)| **b != (*i % 251) as u8);

@@ -7,12 +7,11 @@
 //! WRITEs a pattern into the reader's buffer in 1 MiB chunks, each with an
 //! immediate, and exits when every WRITE has completed (delivery-complete).
 
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
 use weft_transport::{
-    decode, Access, Completion, Device, Domain, MemRegion, MrDesc, NetAddr, WrId, WriteWr,
+    decode, Access, Completion, Domain, HostBuffer, MrDesc, NetAddr, WrId, WriteWr,
 };
 
 const CHUNK: usize = 1 << 20;
@@ -47,17 +46,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let p = LibfabricProvider::with_config(cfg)?;
     let len = usize::try_from(desc.len)?;
     let chunks = len / CHUNK;
-    let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    // `src` outlives the domain (declared earlier, dropped later).
+    let src = HostBuffer::new(len)?;
+    src.write(0, &(0..len).map(|i| (i % 251) as u8).collect::<Vec<_>>());
     let mut dom = p.open_domain(0)?;
-    // SAFETY: `src` outlives the domain (declared earlier, dropped later).
-    let region = unsafe {
-        MemRegion::new(
-            NonNull::new(src.as_mut_ptr()).ok_or("empty")?,
-            len,
-            Device::Host,
-        )
-    };
-    let mr = dom.register(&region, Access::LocalOnly)?;
+    let mr = dom.register(&src.region(), Access::LocalOnly)?;
     let peer = dom.add_peer(&peer_addr)?;
     let wrs: Vec<WriteWr> = (0..chunks)
         .map(|i| {

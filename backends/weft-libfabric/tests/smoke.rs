@@ -2,13 +2,13 @@
 //! process, beyond what the conformance suite checks: provider-specific
 //! behaviour (dead peers, malformed addresses, error mapping).
 
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{
-    Access, Completion, Device, Domain, LocalMr, MemRegion, MrDesc, NetAddr, PeerId, Provider,
-    Rkey, TransportError, WrId, WriteWr,
+    Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, NetAddr, PeerId, Provider, Rkey,
+    TransportError, WrId, WriteWr,
 };
 
 fn provider(name: &str) -> Option<LibfabricProvider> {
@@ -34,22 +34,6 @@ fn provider_with(
     }
 }
 
-struct Buf(Vec<u8>);
-
-impl Buf {
-    fn region(&mut self) -> MemRegion {
-        // SAFETY: each buffer outlives the domains that register it (they
-        // are declared after it in every test, so they drop first).
-        unsafe {
-            MemRegion::new(
-                NonNull::new(self.0.as_mut_ptr()).unwrap(),
-                self.0.len(),
-                Device::Host,
-            )
-        }
-    }
-}
-
 /// The descriptor a peer needs to write `mr`, registered on `b`.
 fn desc_of(b: &dyn Domain, mr: &LocalMr) -> MrDesc {
     MrDesc {
@@ -62,7 +46,7 @@ fn desc_of(b: &dyn Domain, mr: &LocalMr) -> MrDesc {
 /// Two domains of one provider: `a`'s `src` registered for local use,
 /// `b`'s `dst` for remote writes, `b` added as `a`'s peer `peer`, and
 /// `desc` describing `dst`. Fields drop in declaration order, so the domains
-/// go before the buffers they registered (what [`Buf::region`] relies on).
+/// go before the buffers they registered (what [`HostBuffer::region`] relies on).
 struct Pair {
     a: Box<dyn Domain>,
     b: Box<dyn Domain>,
@@ -70,13 +54,13 @@ struct Pair {
     peer: PeerId,
     desc: MrDesc,
     /// Only kept alive (registered on `a`).
-    _src: Buf,
-    dst: Buf,
+    _src: HostBuffer,
+    dst: HostBuffer,
 }
 
 impl Pair {
     fn new(p: &LibfabricProvider, src: Vec<u8>, dst: Vec<u8>) -> Self {
-        let (mut src, mut dst) = (Buf(src), Buf(dst));
+        let (src, dst) = (mem::from_bytes(&src), mem::from_bytes(&dst));
         let mut a = p.open(0).unwrap();
         let mut b = p.open(0).unwrap();
         let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
@@ -164,7 +148,7 @@ fn has_write(o: &[Completion], id: u64) -> bool {
 fn basic(name: &str) {
     let Some(p) = provider(name) else { return };
     assert_eq!(p.nics().unwrap().len(), 1);
-    let mut rbuf = Buf(vec![0u8; 64]);
+    let rbuf = mem::zeroed(64);
     let mut t = Pair::new(&p, vec![7u8; 1 << 20], vec![0u8; 1 << 20]);
     assert_ne!(t.a.local_addr(), t.b.local_addr());
     let b_addr = t.b.local_addr().clone();
@@ -197,7 +181,7 @@ fn basic(name: &str) {
         }),
         "{out:?}"
     );
-    assert!(t.dst.0.iter().all(|&x| x == 7));
+    assert!(t.dst.snapshot().iter().all(|&x| x == 7));
 
     // SEND/RECV.
     let rmr = t.b.register(&rbuf.region(), Access::LocalOnly).unwrap();
@@ -220,7 +204,7 @@ fn basic(name: &str) {
         }),
         "{out:?}"
     );
-    assert_eq!(&rbuf.0[..5], &[7; 5]);
+    assert_eq!(&rbuf.snapshot()[..5], &[7; 5]);
 
     // Local errors are caught before the provider sees them.
     let mut oob_src = wr;
@@ -333,7 +317,7 @@ fn tcp_bad_rkey_fails_without_imm() {
         !out.iter().any(|c| matches!(c, Completion::Imm { .. })),
         "{out:?}"
     );
-    assert!(t.dst.0.iter().all(|&x| x == 0));
+    assert!(t.dst.snapshot().iter().all(|&x| x == 0));
 }
 
 /// The library these tests run against. With `WEFT_EXPECT_LIBFABRIC_MAJOR`
@@ -363,8 +347,8 @@ fn shm_small_writes(targets: usize) {
     const PAGES: usize = 64;
     const TOTAL: usize = 50_000;
     let Some(p) = provider("shm") else { return };
-    let mut src = Buf((0..PAGES * PAGE).map(|k| (k / PAGE) as u8 + 1).collect());
-    let mut dsts: Vec<Buf> = (0..targets).map(|_| Buf(vec![0u8; PAGES * PAGE])).collect();
+    let src = mem::from_fn(PAGES * PAGE, |k| (k / PAGE) as u8 + 1);
+    let mut dsts: Vec<HostBuffer> = (0..targets).map(|_| mem::zeroed(PAGES * PAGE)).collect();
     let mut a = p.open(0).unwrap();
     let mut bs: Vec<_> = (0..targets).map(|_| p.open(0).unwrap()).collect();
     assert!(
@@ -447,7 +431,7 @@ fn shm_small_writes(targets: usize) {
     assert!(imms.iter().all(|&n| n == 1), "an immediate arrived twice");
     drop(bs);
     for dst in &dsts {
-        assert!(dst.0 == src.0, "wrong bytes at a target");
+        assert!(dst.snapshot() == src.snapshot(), "wrong bytes at a target");
     }
     // Speed is measured by weft-bench p2p (its shm paged rows keep
     // thousands of WRITEs in this backlog); the test only reports the time.
@@ -477,8 +461,8 @@ fn held_message_delivered(name: &str) {
     let Some(p) = msg_provider(name, Duration::from_secs(30), Duration::from_secs(30)) else {
         return;
     };
-    let mut src = Buf((0..100u8).collect());
-    let mut rbuf = Buf(vec![0u8; 128]);
+    let src = mem::from_bytes(&(0..100u8).collect::<Vec<_>>());
+    let rbuf = mem::zeroed(128);
     let mut a = p.open(0).unwrap();
     let mut b = p.open(0).unwrap();
     let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
@@ -517,9 +501,9 @@ fn held_message_delivered(name: &str) {
         }),
         "{out:?}"
     );
-    assert_eq!(&rbuf.0[..50], &src.0[10..60]);
+    assert_eq!(&rbuf.snapshot()[..50], &src.snapshot()[10..60]);
     assert!(
-        rbuf.0[50..].iter().all(|&x| x == 0),
+        rbuf.snapshot()[50..].iter().all(|&x| x == 0),
         "written past the message"
     );
     let sends = out
@@ -548,7 +532,7 @@ fn tcp_unanswered_send_times_out() {
     let Some(p) = msg_provider("tcp", Duration::from_secs(30), Duration::from_millis(500)) else {
         return;
     };
-    let mut src = Buf(vec![5u8; 64]);
+    let src = mem::filled(64, 5);
     let mut a = p.open(0).unwrap();
     let mut b = p.open(0).unwrap();
     let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
@@ -577,7 +561,6 @@ fn tcp_unanswered_send_times_out() {
         Err(TransportError::PeerUnreachable { .. }) => {}
         other => panic!("a SEND to the condemned peer: {other:?}"),
     }
-    let _ = &mut src;
 }
 
 /// A WRITE to a peer that stops making progress (its shm domain is never

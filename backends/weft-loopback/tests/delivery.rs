@@ -14,10 +14,16 @@ fn many_writes(
     fabric: &Fabric,
     n: usize,
     len: usize,
-) -> (Vec<Completion>, Vec<Completion>, Vec<u8>, Buf, Buf) {
+) -> (
+    Vec<Completion>,
+    Vec<Completion>,
+    Vec<u8>,
+    HostBuffer,
+    HostBuffer,
+) {
     let (mut a, mut b) = pair(fabric);
-    let src = Buf::pattern(n * len, 3);
-    let dst = Buf::new(n * len, 0);
+    let src = mem::patterned(3, n * len);
+    let dst = mem::filled(n * len, 0);
     let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
     let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
     let peer = a.add_peer(b.local_addr()).unwrap();
@@ -40,7 +46,7 @@ fn many_writes(
     fabric.run_until_idle();
     ca.extend(poll_all(&mut a));
     cb.extend(poll_all(&mut b));
-    let bytes = dst.read();
+    let bytes = dst.snapshot();
     drop((a, b));
     (ca, cb, bytes, src, dst)
 }
@@ -58,7 +64,7 @@ fn write_copies_bytes_and_reports_imm_once() {
             let mut im = imms(&cb);
             im.sort();
             assert_eq!(im, (0..40).collect::<Vec<_>>(), "seed {seed}");
-            assert_eq!(bytes, src.read(), "seed {seed}");
+            assert_eq!(bytes, src.snapshot(), "seed {seed}");
         }
     });
 }
@@ -70,7 +76,7 @@ fn reordering_happens_across_and_within_writes() {
         let s = with_seed(seed, || {
             let fabric = Fabric::new(FabricConfig::adversarial(seed));
             let (_, _, bytes, src, _) = many_writes(&fabric, 50, 40_000);
-            assert_eq!(bytes, src.read(), "seed {seed}");
+            assert_eq!(bytes, src.snapshot(), "seed {seed}");
             fabric.stats()
         });
         assert!(s.chunks_delivered > 50, "seed {seed}: {s:?}");
@@ -99,8 +105,8 @@ fn imm_reported_only_after_all_chunks_landed() {
         let fabric = Fabric::new(FabricConfig::adversarial(seed).with_trace(true));
         let (mut a, mut b) = pair(&fabric);
         let len = 200_000usize;
-        let src = Buf::pattern(len, 9);
-        let dst = Buf::new(len, 0);
+        let src = mem::patterned(9, len);
+        let dst = mem::filled(len, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -119,11 +125,15 @@ fn imm_reported_only_after_all_chunks_landed() {
                 assert_eq!(imms(&c), vec![77], "seed {seed}");
                 assert!(!seen, "seed {seed}: imm twice");
                 seen = true;
-                assert_eq!(dst.read(), src.read(), "seed {seed}: imm before payload");
+                assert_eq!(
+                    dst.snapshot(),
+                    src.snapshot(),
+                    "seed {seed}: imm before payload"
+                );
             } else if !seen {
                 assert_ne!(
-                    dst.read(),
-                    src.read(),
+                    dst.snapshot(),
+                    src.snapshot(),
                     "seed {seed}: payload complete, no imm yet"
                 );
             }
@@ -156,8 +166,8 @@ fn write_completion_only_after_delivery() {
     for_seeds(0..10, |seed| {
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::pattern(100_000, 1);
-        let dst = Buf::new(100_000, 0);
+        let src = mem::patterned(1, 100_000);
+        let dst = mem::filled(100_000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -173,7 +183,7 @@ fn write_completion_only_after_delivery() {
             let c = poll_all(&mut a);
             if !c.is_empty() {
                 assert_eq!(write_results(&c), vec![(9, Ok(()))], "seed {seed}");
-                assert_eq!(dst.read(), src.read(), "seed {seed}");
+                assert_eq!(dst.snapshot(), src.snapshot(), "seed {seed}");
                 break;
             }
             assert!(fabric.step(), "seed {seed}: idle without completion");
@@ -231,7 +241,7 @@ fn drop_rule_retransmits_and_delivers_exactly_once() {
         let mut im = imms(&cb);
         im.sort();
         assert_eq!(im, (0..20).collect::<Vec<_>>(), "seed {seed}");
-        assert_eq!(bytes, src.read(), "seed {seed}");
+        assert_eq!(bytes, src.snapshot(), "seed {seed}");
     });
 }
 
@@ -254,7 +264,7 @@ fn heavy_random_loss_still_exactly_once() {
         let mut im = imms(&cb);
         im.sort();
         assert_eq!(im, (0..30).collect::<Vec<_>>(), "seed {seed}");
-        assert_eq!(bytes, src.read(), "seed {seed}");
+        assert_eq!(bytes, src.snapshot(), "seed {seed}");
     });
 }
 
@@ -280,9 +290,9 @@ fn null_mode_copies_nothing_but_completes_at_next_poll() {
     with_seed(0, || {
         let fabric = Fabric::new(FabricConfig::null());
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::pattern(4096, 1);
-        let dst = Buf::new(4096, 0xee);
-        let rbuf = Buf::new(256, 0xee);
+        let src = mem::patterned(1, 4096);
+        let dst = mem::filled(4096, 0xee);
+        let rbuf = mem::filled(256, 0xee);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let mr = b.register(&rbuf.region(), Access::LocalOnly).unwrap();
@@ -316,11 +326,11 @@ fn null_mode_copies_nothing_but_completes_at_next_poll() {
             result: Ok(100)
         }));
         assert!(
-            dst.read().iter().all(|&x| x == 0xee),
+            dst.snapshot().iter().all(|&x| x == 0xee),
             "null mode wrote bytes"
         );
         assert!(
-            rbuf.read().iter().all(|&x| x == 0xee),
+            rbuf.snapshot().iter().all(|&x| x == 0xee),
             "null mode wrote bytes"
         );
         assert_eq!(fabric.now().as_nanos(), 0);
@@ -337,8 +347,8 @@ fn realtime_mode_from_two_threads() {
         let (mut a, mut b) = pair(&fabric);
         let n = 64usize;
         let len = 8192usize;
-        let src = Buf::pattern(n * len, 4);
-        let dst = Buf::new(n * len, 0);
+        let src = mem::patterned(4, n * len);
+        let dst = mem::filled(n * len, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -375,7 +385,7 @@ fn realtime_mode_from_two_threads() {
         let (b, mut got) = target.join().unwrap();
         got.sort();
         assert_eq!(got, (0..n as u32).collect::<Vec<_>>());
-        assert_eq!(dst.read(), src.read());
+        assert_eq!(dst.snapshot(), src.snapshot());
         assert!(fabric.now().as_nanos() > 0);
         drop((a, b));
     });
@@ -386,8 +396,8 @@ fn send_recv_pool_any_order() {
     for_seeds(0..10, |seed| {
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::pattern(16 * 1000, 2);
-        let pool = Buf::new(16 * 1024, 0);
+        let src = mem::patterned(2, 16 * 1000);
+        let pool = mem::filled(16 * 1024, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let mp = b.register(&pool.region(), Access::LocalOnly).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -421,8 +431,8 @@ fn send_recv_pool_any_order() {
         assert_eq!(recv_ids, (100..116).collect::<Vec<_>>(), "seed {seed}");
         // Each buffer holds one message, whole: every 1000-byte message of
         // the source appears exactly once at the start of some buffer.
-        let data = pool.read();
-        let s = src.read();
+        let data = pool.snapshot();
+        let s = src.snapshot();
         let mut found: Vec<usize> = (0..16)
             .map(|slot| {
                 let got = &data[slot * 1024..slot * 1024 + 1000];
@@ -445,6 +455,6 @@ fn many_small_writes_are_fast_enough_for_engine_tests() {
         let (ca, cb, bytes, src, _) = many_writes(&fabric, 20_000, 8);
         assert_eq!(write_results(&ca).len(), 20_000);
         assert_eq!(imms(&cb).len(), 20_000);
-        assert_eq!(bytes, src.read());
+        assert_eq!(bytes, src.snapshot());
     });
 }

@@ -51,9 +51,9 @@ fn remote_access_violations_write_nothing() {
         let mut a = fabric.open(ha, 0).unwrap();
         let mut b = fabric.open(hb, 0).unwrap();
         let mut b1 = fabric.open(hb, 1).unwrap();
-        let src = Buf::pattern(100_000, 5);
-        let dst = Buf::new(100_000, 0);
-        let ro = Buf::new(4096, 0);
+        let src = mem::patterned(5, 100_000);
+        let dst = mem::filled(100_000, 0);
+        let ro = mem::filled(4096, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let md_other_nic = b1.register(&dst.region(), Access::RemoteWrite).unwrap();
@@ -123,11 +123,11 @@ fn remote_access_violations_write_nothing() {
         assert!(cb.is_empty(), "seed {seed}");
 
         assert!(
-            dst.read().iter().all(|&x| x == 0),
+            dst.snapshot().iter().all(|&x| x == 0),
             "seed {seed}: bytes written"
         );
         assert!(
-            ro.read().iter().all(|&x| x == 0),
+            ro.snapshot().iter().all(|&x| x == 0),
             "seed {seed}: bytes written"
         );
 
@@ -155,7 +155,7 @@ fn remote_access_violations_write_nothing() {
             "seed {seed}: imm of failed write"
         );
         assert!(
-            dst.read().iter().all(|&x| x == 0),
+            dst.snapshot().iter().all(|&x| x == 0),
             "seed {seed}: bytes written"
         );
         drop((a, b, b1));
@@ -167,7 +167,7 @@ fn post_time_validation() {
     with_seed(0, || {
         let fabric = Fabric::new(FabricConfig::adversarial(0));
         let (mut a, b) = pair(&fabric);
-        let src = Buf::pattern(1000, 1);
+        let src = mem::patterned(1, 1000);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
         let base = WriteWr {
@@ -217,7 +217,7 @@ fn post_time_validation() {
         cfg.max_send_len = 8;
         let f2 = Fabric::new(cfg);
         let (mut c, d) = pair(&f2);
-        let buf = Buf::new(100, 0);
+        let buf = mem::filled(100, 0);
         let mc = c.register(&buf.region(), Access::LocalOnly).unwrap();
         let p = c.add_peer(d.local_addr()).unwrap();
         assert!(matches!(
@@ -250,7 +250,7 @@ fn address_encoding_and_unknown_nic() {
         let nowhere = Fabric::nic_addr(HostId(55), 3);
         assert_eq!(parse_addr(&nowhere), Some((HostId(55), 3)));
         let peer = a.add_peer(&nowhere).unwrap();
-        let src = Buf::new(64, 1);
+        let src = mem::filled(64, 1);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         a.post_write(&WriteWr {
             wr: WrId(3),
@@ -289,8 +289,8 @@ fn fail_rule_injects_error_and_writes_nothing() {
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (mut a, mut b) = pair(&fabric);
         let rule = fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(7).first(2));
-        let src = Buf::pattern(4000, 1);
-        let dst = Buf::new(4000, 0);
+        let src = mem::patterned(1, 4000);
+        let dst = mem::filled(4000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -321,8 +321,8 @@ fn fail_rule_injects_error_and_writes_nothing() {
         let mut im = imms(&poll_all(&mut b));
         im.sort();
         assert_eq!(im, vec![7, 8], "seed {seed}");
-        let got = dst.read();
-        let want = src.read();
+        let got = dst.snapshot();
+        let want = src.snapshot();
         assert!(got[..1000].iter().all(|&x| x == 0), "seed {seed}");
         assert_eq!(got[1000..2000], want[1000..2000], "seed {seed}");
         assert!(got[2000..3000].iter().all(|&x| x == 0), "seed {seed}");
@@ -331,7 +331,7 @@ fn fail_rule_injects_error_and_writes_nothing() {
         fabric.clear_rules();
         fabric.add_rule(Rule::new(Action::Pass).kind(OpKind::Send));
         fabric.add_rule(Rule::new(Action::Fail));
-        let rb = Buf::new(100, 0);
+        let rb = mem::filled(100, 0);
         let mr = b.register(&rb.region(), Access::LocalOnly).unwrap();
         b.post_recv(WrId(9), mr.slice(0, 100).unwrap()).unwrap();
         a.post_send(WrId(10), peer, ms.slice(0, 10).unwrap())
@@ -360,8 +360,8 @@ fn partition_fails_after_retry_limit() {
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (mut a, mut b) = pair(&fabric);
         fabric.add_rule(Rule::new(Action::DropAll).to_host(b.host()));
-        let src = Buf::pattern(5000, 1);
-        let dst = Buf::new(5000, 0);
+        let src = mem::patterned(1, 5000);
+        let dst = mem::filled(5000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let (r, cb) = one_write(
@@ -376,7 +376,7 @@ fn partition_fails_after_retry_limit() {
             "seed {seed}: {r:?}"
         );
         assert!(cb.is_empty(), "seed {seed}");
-        assert!(dst.read().iter().all(|&x| x == 0), "seed {seed}");
+        assert!(dst.snapshot().iter().all(|&x| x == 0), "seed {seed}");
         let cfg = fabric.config();
         let min = cfg.retransmit_delay * (cfg.retry_limit + 1);
         assert!(fabric.now().as_duration() >= min, "seed {seed}");
@@ -394,9 +394,9 @@ fn kill_host_fails_pending_and_later_ops() {
         let mut a = fabric.open(ha, 0).unwrap();
         let mut b = fabric.open(hb, 0).unwrap();
         let mut c = fabric.open(hc, 0).unwrap();
-        let src = Buf::pattern(1 << 20, 1);
-        let db = Buf::new(1 << 20, 0);
-        let dc = Buf::new(1 << 20, 0);
+        let src = mem::patterned(1, 1 << 20);
+        let db = mem::filled(1 << 20, 0);
+        let dc = mem::filled(1 << 20, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let mb = b.register(&db.region(), Access::RemoteWrite).unwrap();
         let mc = c.register(&dc.region(), Access::RemoteWrite).unwrap();
@@ -431,7 +431,7 @@ fn kill_host_fails_pending_and_later_ops() {
             matches!(rest[1], (3, Err(TransportError::PeerUnreachable { .. }))),
             "seed {seed}"
         );
-        assert_eq!(dc.read(), src.read(), "seed {seed}");
+        assert_eq!(dc.snapshot(), src.snapshot(), "seed {seed}");
         assert_eq!(imms(&poll_all(&mut c)), vec![2]);
         // The dead NIC's own domain.
         let mut out = Vec::new();
@@ -466,8 +466,8 @@ fn kill_dst_rule_kills_target() {
     with_seed(8, || {
         let fabric = Fabric::new(FabricConfig::adversarial(8));
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::pattern(1000, 1);
-        let dst = Buf::new(1000, 0);
+        let src = mem::patterned(1, 1000);
+        let dst = mem::filled(1000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -501,8 +501,8 @@ fn closing_a_domain_fails_peers_ops_and_reopen_works() {
         let fabric = Fabric::new(FabricConfig::adversarial(2));
         let (mut a, b) = pair(&fabric);
         let hb = b.host();
-        let src = Buf::pattern(1 << 16, 1);
-        let dst = Buf::new(1 << 16, 0);
+        let src = mem::patterned(1, 1 << 16);
+        let dst = mem::filled(1 << 16, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let mut b = b;
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
@@ -559,7 +559,7 @@ fn closing_a_domain_fails_peers_ops_and_reopen_works() {
         fabric.run_until_idle();
         assert_eq!(write_results(&poll_all(&mut a)), vec![(3, Ok(()))]);
         assert_eq!(imms(&poll_all(&mut b)), vec![1]);
-        assert_eq!(dst.read(), src.read());
+        assert_eq!(dst.snapshot(), src.snapshot());
         drop((a, b));
     });
 }
@@ -569,8 +569,8 @@ fn rnr_wait_then_deliver_timeout_and_too_long() {
     for_seeds(0..5, |seed| {
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::pattern(1000, 1);
-        let rb = Buf::new(1000, 0);
+        let src = mem::patterned(1, 1000);
+        let rb = mem::filled(1000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let mr = b.register(&rb.region(), Access::LocalOnly).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -596,7 +596,7 @@ fn rnr_wait_then_deliver_timeout_and_too_long() {
                 result: Ok(100)
             }]
         );
-        assert_eq!(rb.read()[..100], src.read()[..100], "seed {seed}");
+        assert_eq!(rb.snapshot()[..100], src.snapshot()[..100], "seed {seed}");
         // Never a buffer: ReceiverNotReady after the timeout.
         a.post_send(WrId(3), peer, ms.slice(0, 100).unwrap())
             .unwrap();
@@ -673,8 +673,8 @@ fn flow_control_queue_full_and_short_counts() {
         let (mut a, mut b) = pair(&fabric);
         assert_eq!(a.capabilities().max_inflight, 5);
         assert!(!a.capabilities().ordered);
-        let src = Buf::pattern(100, 1);
-        let dst = Buf::new(100, 0);
+        let src = mem::patterned(1, 100);
+        let dst = mem::filled(100, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -726,7 +726,7 @@ impl DeviceCopy for FakeCuda {
     ) -> Result<(), TransportError> {
         self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: the fabric guarantees both spans lie in live registrations;
-        // in this test those are host buffers owned by `Buf`s.
+        // in this test those are host buffers owned by `HostBuffer`s.
         unsafe {
             std::ptr::copy(
                 src as usize as *const u8,
@@ -743,7 +743,7 @@ fn device_memory_needs_device_copy() {
     with_seed(1, || {
         let fabric = Fabric::new(FabricConfig::adversarial(1));
         let (mut a, mut b) = pair(&fabric);
-        let gpu = Buf::new(4096, 0);
+        let gpu = mem::filled(4096, 0);
         // SAFETY: the memory is owned by `gpu`, which outlives the domains.
         let region = unsafe { MemRegion::new(gpu.region().ptr(), 4096, Device::Cuda(0)) };
         assert!(matches!(
@@ -753,7 +753,7 @@ fn device_memory_needs_device_copy() {
         let fake = Arc::new(FakeCuda(Default::default()));
         fabric.set_device_copy(fake.clone());
         let md = b.register(&region, Access::RemoteWrite).unwrap();
-        let src = Buf::pattern(4096, 3);
+        let src = mem::patterned(3, 4096);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let (r, cb) = one_write(
             &fabric,
@@ -765,7 +765,7 @@ fn device_memory_needs_device_copy() {
         assert_eq!(r, Ok(()));
         assert_eq!(imms(&cb), vec![42]);
         assert!(fake.0.load(std::sync::atomic::Ordering::Relaxed) >= 1);
-        assert_eq!(gpu.read(), src.read());
+        assert_eq!(gpu.snapshot(), src.snapshot());
         drop((a, b));
     });
 }
@@ -798,8 +798,8 @@ fn kill_one_nic_leaves_the_other_nic_of_the_host_working() {
         let mut a = fabric.open(ha, 0).unwrap();
         let mut b0 = fabric.open(hb, 0).unwrap();
         let mut b1 = fabric.open(hb, 1).unwrap();
-        let src = Buf::pattern(50_000, 1);
-        let dst = Buf::new(50_000, 0);
+        let src = mem::patterned(1, 50_000);
+        let dst = mem::filled(50_000, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let m0 = b0.register(&dst.region(), Access::RemoteWrite).unwrap();
         let m1 = b1.register(&dst.region(), Access::RemoteWrite).unwrap();
@@ -823,7 +823,7 @@ fn kill_one_nic_leaves_the_other_nic_of_the_host_working() {
         );
         assert_eq!(r[1], (1, Ok(())), "seed {seed}");
         assert_eq!(imms(&poll_all(&mut b1)), vec![1], "seed {seed}");
-        assert_eq!(dst.read(), src.read(), "seed {seed}");
+        assert_eq!(dst.snapshot(), src.snapshot(), "seed {seed}");
         assert!(fabric.is_alive(hb, 1) && !fabric.is_alive(hb, 0));
         drop((a, b0, b1));
     });
@@ -834,8 +834,8 @@ fn null_mode_still_rejects_bad_keys() {
     with_seed(0, || {
         let fabric = Fabric::new(FabricConfig::null());
         let (mut a, mut b) = pair(&fabric);
-        let src = Buf::new(100, 1);
-        let dst = Buf::new(100, 0);
+        let src = mem::filled(100, 1);
+        let dst = mem::filled(100, 0);
         let ms = a.register(&src.region(), Access::LocalOnly).unwrap();
         let md = b.register(&dst.region(), Access::RemoteWrite).unwrap();
         let peer = a.add_peer(b.local_addr()).unwrap();
@@ -877,7 +877,7 @@ fn null_mode_still_rejects_bad_keys() {
             "{r:?}"
         );
         assert!(poll_all(&mut b).is_empty());
-        assert!(dst.read().iter().all(|&x| x == 0));
+        assert!(dst.snapshot().iter().all(|&x| x == 0));
         drop((a, b));
     });
 }

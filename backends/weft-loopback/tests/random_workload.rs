@@ -3,8 +3,7 @@
 mod common;
 
 use common::*;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 use std::collections::BTreeMap;
 use weft_loopback::{Action, Fabric, FabricConfig, OpKind, Rule, TraceEvent};
 use weft_transport::{
@@ -34,18 +33,18 @@ fn workload(seed: u64, cfg: FabricConfig, with_rules: bool) -> Vec<TraceEvent> {
     let fabric = Fabric::new(cfg.with_trace(true));
     let hosts: Vec<_> = (0..3).map(|_| fabric.add_host(2)).collect();
     let mut doms: Vec<_> = hosts.iter().map(|&h| fabric.open(h, 0).unwrap()).collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xabcdef);
+    let mut rng = weft_testkit::seed::rng(seed ^ 0xabcdef);
     if with_rules {
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(13));
         fabric.add_rule(Rule::new(Action::Drop).kind(OpKind::Send).first(3));
         fabric.add_rule(Rule::new(Action::DropAll).imm(17).first(1));
     }
     let nslots = 64;
-    let srcs: Vec<Buf> = (0..3)
-        .map(|i| Buf::pattern(nslots * SLOT, i as u8 + 1))
+    let srcs: Vec<HostBuffer> = (0..3)
+        .map(|i| mem::patterned(u64::from(i as u8 + 1), nslots * SLOT))
         .collect();
-    let dsts: Vec<Buf> = (0..3).map(|_| Buf::new(nslots * SLOT, 0)).collect();
-    let recv_pools: Vec<Buf> = (0..3).map(|_| Buf::new(16 * 256, 0)).collect();
+    let dsts: Vec<HostBuffer> = (0..3).map(|_| mem::filled(nslots * SLOT, 0)).collect();
+    let recv_pools: Vec<HostBuffer> = (0..3).map(|_| mem::filled(16 * 256, 0)).collect();
     let ms: Vec<_> = (0..3)
         .map(|i| {
             doms[i]
@@ -200,7 +199,7 @@ fn workload(seed: u64, cfg: FabricConfig, with_rules: bool) -> Vec<TraceEvent> {
         "seed {seed}: every WRITE completes once"
     );
     let mut want_imms: Vec<BTreeMap<u32, u32>> = vec![BTreeMap::new(); 3];
-    let dst_bytes: Vec<Vec<u8>> = dsts.iter().map(|b| b.read()).collect();
+    let dst_bytes: Vec<Vec<u8>> = dsts.iter().map(|b| b.snapshot()).collect();
     for (id, e) in &expect {
         let r = &results[id];
         let got = &dst_bytes[e.to][e.slot * SLOT..(e.slot + 1) * SLOT];
@@ -217,7 +216,7 @@ fn workload(seed: u64, cfg: FabricConfig, with_rules: bool) -> Vec<TraceEvent> {
             if let Some(imm) = e.imm {
                 *want_imms[e.to].entry(imm).or_default() += 1;
             }
-            let src = srcs[e.from].read();
+            let src = srcs[e.from].snapshot();
             assert_eq!(
                 &got[..e.len],
                 &src[e.src_off..e.src_off + e.len],
@@ -280,8 +279,8 @@ fn random_kills_every_surviving_op_completes_once() {
         let fabric = Fabric::new(cfg);
         let hosts: Vec<_> = (0..3).map(|_| fabric.add_host(1)).collect();
         let mut doms: Vec<_> = hosts.iter().map(|&h| fabric.open(h, 0).unwrap()).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let bufs: Vec<Buf> = (0..3).map(|i| Buf::pattern(1 << 16, i)).collect();
+        let mut rng = weft_testkit::seed::rng(seed);
+        let bufs: Vec<HostBuffer> = (0..3u64).map(|i| mem::patterned(i, 1 << 16)).collect();
         let ms: Vec<_> = (0..3)
             .map(|i| {
                 doms[i]

@@ -5,10 +5,9 @@
 //! `cargo run -p weft-verbs --example verbs_probe` (needs rdma-core and a
 //! device; prints a clean error otherwise).
 
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 use weft_transport::{
-    Access, Completion, Device, Domain, MemRegion, Provider, RemoteSlice, WrId, WriteWr,
+    Access, Completion, Domain, HostBuffer, Provider, RemoteSlice, WrId, WriteWr,
 };
 use weft_verbs::{VerbsConfig, VerbsProvider};
 
@@ -52,23 +51,13 @@ fn probe(p: &VerbsProvider, i: usize) -> Result<(), String> {
         d.info().link_gbps
     );
     let len = 1 << 20;
-    let mut src = vec![0u8; len];
-    for (k, b) in src.iter_mut().enumerate() {
-        *b = (k % 251) as u8;
-    }
-    let dst = vec![0u8; len];
-    // SAFETY: both vectors outlive the domain's use of them (dropped after
-    // `d`), and are only read after completions.
-    let (sr, dr) = unsafe {
-        (
-            MemRegion::new(NonNull::new(src.as_mut_ptr()).unwrap(), len, Device::Host),
-            MemRegion::new(
-                NonNull::new(dst.as_ptr() as *mut u8).unwrap(),
-                len,
-                Device::Host,
-            ),
-        )
-    };
+    let src_bytes: Vec<u8> = (0..len).map(|k| (k % 251) as u8).collect();
+    // Both buffers outlive the domain's use of them (dropped after `d`), and
+    // are only read after completions.
+    let src = HostBuffer::new(len).map_err(|e| e.to_string())?;
+    src.write(0, &src_bytes);
+    let dst = HostBuffer::new(len).map_err(|e| e.to_string())?;
+    let (sr, dr) = (src.region(), dst.region());
     let smr = d
         .register(&sr, Access::LocalOnly)
         .map_err(|e| e.to_string())?;
@@ -132,7 +121,8 @@ fn probe(p: &VerbsProvider, i: usize) -> Result<(), String> {
     }
     // The WRITE filled dst[4096..], the SEND dst[0..32] (different QPs: no
     // order between them, so they do not overlap).
-    if dst[4096..] != src[4096..] || dst[..32] != src[100..132] {
+    let got = dst.read(0, len).ok_or("read back")?;
+    if got[4096..] != src_bytes[4096..] || got[..32] != src_bytes[100..132] {
         return Err("data mismatch".into());
     }
     println!(

@@ -59,15 +59,15 @@ fn no_device_is_a_clean_error() {
 #[test]
 fn writes_with_imm_land_and_chain_four_per_doorbell() {
     with_seed(11, |seed| {
-        let src = Buf::new(4096);
-        let dst = Buf::new(4096);
+        let src = mem::zeroed(4096);
+        let dst = mem::zeroed(4096);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
         let before = s.fabric.stats("sim0").rc_chain_lens.len();
         for i in 0..10u8 {
-            src.write(usize::from(i) * 100, &[i + 1; 100]);
+            src.put(usize::from(i) * 100, &[i + 1; 100]);
         }
         let wrs: Vec<WriteWr> = (0..10u64)
             .map(|i| WriteWr {
@@ -93,7 +93,7 @@ fn writes_with_imm_land_and_chain_four_per_doorbell() {
         got.sort();
         assert_eq!(got, (1000..1010).collect::<Vec<_>>());
         for i in 0..10u8 {
-            assert_eq!(dst.read(usize::from(i) * 100, 100), vec![i + 1; 100]);
+            assert_eq!(dst.bytes(usize::from(i) * 100, 100), vec![i + 1; 100]);
         }
     });
 }
@@ -101,8 +101,8 @@ fn writes_with_imm_land_and_chain_four_per_doorbell() {
 #[test]
 fn doorbells_respect_configured_chain_length() {
     with_seed(12, |seed| {
-        let src = Buf::new(4096);
-        let dst = Buf::new(4096);
+        let src = mem::zeroed(4096);
+        let dst = mem::zeroed(4096);
         let cfg = VerbsConfig {
             chain_len: 3,
             ..sim_cfg()
@@ -132,15 +132,15 @@ fn doorbells_respect_configured_chain_length() {
 fn ops_wait_while_connecting_and_handshake_survives_loss() {
     for seed in 20..24 {
         with_seed(seed, |seed| {
-            let src = Buf::new(64);
-            let dst = Buf::new(64);
+            let src = mem::zeroed(64);
+            let dst = mem::zeroed(64);
             let mut s = Sim::new(seed, 2);
             // The first two datagrams to each side are lost.
             s.fabric.drop_ud_to("sim1", 2);
             s.fabric.drop_ud_to("sim0", 1);
             let smr = s.reg(0, &src, Access::LocalOnly);
             let dmr = s.reg(1, &dst, Access::RemoteWrite);
-            src.write(0, b"hello");
+            src.put(0, b"hello");
             let p = s.peer(0, 1);
             let wr = WriteWr {
                 wr: WrId(7),
@@ -159,7 +159,7 @@ fn ops_wait_while_connecting_and_handshake_survives_loss() {
             );
             assert_eq!(writes(&out[0]), vec![(WrId(7), true)]);
             assert_eq!(imms(&out[1]), vec![9]);
-            assert_eq!(dst.read(0, 5), b"hello");
+            assert_eq!(dst.bytes(0, 5), b"hello");
             assert!(
                 s.hosts[0].stats().handshakes_sent >= 3,
                 "seed {seed}: retransmitted"
@@ -182,7 +182,7 @@ fn lossy_handshakes_duplicates_and_simultaneous_open() {
             let mut cfg = sim_cfg();
             cfg.handshake_tries = 60;
             let mut s = Sim::with(sc, cfg, n);
-            let bufs: Vec<Buf> = (0..n).map(|_| Buf::new(64 * n)).collect();
+            let bufs: Vec<HostBuffer> = (0..n).map(|_| mem::zeroed(64 * n)).collect();
             let mrs: Vec<_> = (0..n)
                 .map(|i| s.reg(i, &bufs[i], Access::RemoteWrite))
                 .collect();
@@ -192,7 +192,7 @@ fn lossy_handshakes_duplicates_and_simultaneous_open() {
                     if i == j {
                         continue;
                     }
-                    bufs[i].write(64 * j, &[(i * 16 + j) as u8; 8]);
+                    bufs[i].put(64 * j, &[(i * 16 + j) as u8; 8]);
                     let p = s.peer(i, j);
                     let wr = WriteWr {
                         wr: WrId(j as u64),
@@ -220,7 +220,7 @@ fn lossy_handshakes_duplicates_and_simultaneous_open() {
                 want.sort();
                 assert_eq!(got, want, "seed {seed}: each imm exactly once");
                 for j in (0..n).filter(|j| *j != i) {
-                    assert_eq!(bufs[i].read(64 * j + 32, 8), vec![(j * 16 + i) as u8; 8]);
+                    assert_eq!(bufs[i].bytes(64 * j + 32, 8), vec![(j * 16 + i) as u8; 8]);
                 }
             }
             let total_rx: u64 = s.hosts.iter().map(|h| h.stats().handshakes_received).sum();
@@ -246,7 +246,7 @@ fn lossy_handshakes_duplicates_and_simultaneous_open() {
 #[test]
 fn peer_that_never_answers_fails_cleanly() {
     with_seed(40, |seed| {
-        let src = Buf::new(64);
+        let src = mem::zeroed(64);
         let mut s = Sim::new(seed, 1);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let ghost = weft_verbs::wire::VerbsAddr {
@@ -306,14 +306,14 @@ fn peer_that_never_answers_fails_cleanly() {
 #[test]
 fn partial_post_is_recovered() {
     with_seed(50, |seed| {
-        let src = Buf::new(4096);
-        let dst = Buf::new(4096);
+        let src = mem::zeroed(4096);
+        let dst = mem::zeroed(4096);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
         for i in 0..6u8 {
-            src.write(usize::from(i) * 10, &[i + 50; 10]);
+            src.put(usize::from(i) * 10, &[i + 50; 10]);
         }
         let before = s.fabric.stats("sim0").rc_chain_lens.len();
         s.fabric.fail_next_post_send("sim0", 2);
@@ -346,7 +346,7 @@ fn partial_post_is_recovered() {
             "seed {seed}: the prefix before bad_wr was posted"
         );
         for i in 0..6u8 {
-            assert_eq!(dst.read(usize::from(i) * 10, 10), vec![i + 50; 10]);
+            assert_eq!(dst.bytes(usize::from(i) * 10, 10), vec![i + 50; 10]);
         }
     });
 }
@@ -354,13 +354,13 @@ fn partial_post_is_recovered() {
 #[test]
 fn remote_access_error_fails_only_its_wr_and_flushed_wrs_are_resent() {
     with_seed(60, |seed| {
-        let src = Buf::new(4096);
-        let dst = Buf::new(256);
+        let src = mem::zeroed(4096);
+        let dst = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
-        src.write(0, &[7; 64]);
+        src.put(0, &[7; 64]);
         let good = |i: u64| WriteWr {
             wr: WrId(i),
             peer: p,
@@ -411,10 +411,10 @@ fn remote_access_error_fails_only_its_wr_and_flushed_wrs_are_resent() {
         assert!(s.hosts[0].stats().requeued_ops >= 1);
         assert!(s.fabric.stats("sim0").flush_cqes >= 1);
         for i in [0usize, 2, 4, 5] {
-            assert_eq!(dst.read(i * 16, 16), vec![7; 16]);
+            assert_eq!(dst.bytes(i * 16, 16), vec![7; 16]);
         }
         assert_eq!(
-            dst.read(16, 16),
+            dst.bytes(16, 16),
             vec![0; 16],
             "nothing written by the failed write"
         );
@@ -424,13 +424,13 @@ fn remote_access_error_fails_only_its_wr_and_flushed_wrs_are_resent() {
 #[test]
 fn rnr_then_receiver_not_ready_and_recovery() {
     with_seed(70, |seed| {
-        let src = Buf::new(256);
-        let rbuf = Buf::new(256);
+        let src = mem::zeroed(256);
+        let rbuf = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let rmr = s.reg(1, &rbuf, Access::LocalOnly);
         let p = s.peer(0, 1);
-        src.write(0, b"ping");
+        src.put(0, b"ping");
         s.hosts[0]
             .post_send(WrId(1), p, smr.slice(0, 4).unwrap())
             .unwrap();
@@ -473,15 +473,15 @@ fn rnr_then_receiver_not_ready_and_recovery() {
                 result: Ok(4)
             }]
         );
-        assert_eq!(rbuf.read(0, 4), b"ping");
+        assert_eq!(rbuf.bytes(0, 4), b"ping");
     });
 }
 
 #[test]
 fn recv_and_writeimm_never_steal_each_others_receives() {
     with_seed(75, |seed| {
-        let src = Buf::new(256);
-        let dst = Buf::new(256);
+        let src = mem::zeroed(256);
+        let dst = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
@@ -529,8 +529,8 @@ fn recv_and_writeimm_never_steal_each_others_receives() {
 #[test]
 fn long_writes_are_split_and_imm_rides_on_the_last_piece() {
     with_seed(80, |seed| {
-        let src = Buf::new(10_000);
-        let dst = Buf::new(10_000);
+        let src = mem::zeroed(10_000);
+        let dst = mem::zeroed(10_000);
         let cfg = VerbsConfig {
             max_wr_len: Some(1000),
             ..sim_cfg()
@@ -542,7 +542,7 @@ fn long_writes_are_split_and_imm_rides_on_the_last_piece() {
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
         let data: Vec<u8> = (0..9_500u32).map(|i| (i % 251) as u8).collect();
-        src.write(0, &data);
+        src.put(0, &data);
         let before = s.fabric.stats("sim0").rc_chain_lens.len();
         s.hosts[0]
             .post_write(&WriteWr {
@@ -564,7 +564,7 @@ fn long_writes_are_split_and_imm_rides_on_the_last_piece() {
             vec![77],
             "seed {seed}: one imm for the whole write"
         );
-        assert_eq!(dst.read(300, 9_500), data);
+        assert_eq!(dst.bytes(300, 9_500), data);
         let chains = s.fabric.stats("sim0").rc_chain_lens[before..].to_vec();
         assert_eq!(
             chains.iter().sum::<usize>(),
@@ -589,12 +589,12 @@ fn default_wr_length_is_below_2_pow_31() {
 #[test]
 fn dead_peer_fails_pending_and_later_work() {
     with_seed(90, |seed| {
-        let src = Buf::new(256);
-        let dst = Buf::new(256);
+        let src = mem::zeroed(256);
+        let dst = mem::zeroed(256);
         let mut s = Sim::new(seed, 3);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
-        let dst2 = Buf::new(256);
+        let dst2 = mem::zeroed(256);
         let dmr2 = s.reg(2, &dst2, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
         let p2 = s.connect(0, 2, &smr, &dmr2);
@@ -659,13 +659,13 @@ fn dead_peer_fails_pending_and_later_work() {
 #[test]
 fn qp_error_flushes_and_work_is_resent_on_a_new_connection() {
     with_seed(95, |seed| {
-        let src = Buf::new(256);
-        let dst = Buf::new(256);
+        let src = mem::zeroed(256);
+        let dst = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         let p = s.connect(0, 1, &smr, &dmr);
-        src.write(0, &[3; 32]);
+        src.put(0, &[3; 32]);
         let wrs: Vec<WriteWr> = (0..4u64)
             .map(|i| WriteWr {
                 wr: WrId(i),
@@ -687,15 +687,15 @@ fn qp_error_flushes_and_work_is_resent_on_a_new_connection() {
         assert!(writes(&out[0]).iter().all(|(_, ok)| *ok));
         assert!(s.fabric.stats("sim0").flush_cqes >= 4);
         assert!(s.hosts[0].stats().requeued_ops >= 1);
-        assert_eq!(dst.read(0, 32), vec![3; 32]);
+        assert_eq!(dst.bytes(0, 32), vec![3; 32]);
     });
 }
 
 #[test]
 fn send_longer_than_receive_buffer_fails_both_sides() {
     with_seed(100, |seed| {
-        let src = Buf::new(256);
-        let rbuf = Buf::new(256);
+        let src = mem::zeroed(256);
+        let rbuf = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let rmr = s.reg(1, &rbuf, Access::LocalOnly);
@@ -734,8 +734,8 @@ fn send_longer_than_receive_buffer_fails_both_sides() {
 #[test]
 fn local_errors_and_flow_control() {
     with_seed(110, |seed| {
-        let src = Buf::new(256);
-        let dst = Buf::new(256);
+        let src = mem::zeroed(256);
+        let dst = mem::zeroed(256);
         let cfg = VerbsConfig {
             max_inflight: 3,
             ..sim_cfg()
@@ -792,8 +792,8 @@ fn cq_depths_cover_every_outstanding_wr() {
             max_inflight: 1000,
             ..sim_cfg()
         };
-        let src = Buf::new(4096);
-        let dst = Buf::new(4096);
+        let src = mem::zeroed(4096);
+        let dst = mem::zeroed(4096);
         let mut s = Sim::with(SimConfig::new(seed), cfg, 5);
         let (scq, rcq) = s.hosts[0].cq_depths();
         assert!(scq >= 64 && rcq >= 32 + 48);
@@ -1024,8 +1024,8 @@ fn ib_link_layer_connects_by_lid() {
     with_seed(140, |seed| {
         let mut sc = SimConfig::new(seed);
         sc.link_layer = LinkLayer::InfiniBand;
-        let src = Buf::new(64);
-        let dst = Buf::new(64);
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
         let mut s = Sim::with(sc, sim_cfg(), 2);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
@@ -1038,14 +1038,10 @@ fn gpu_memory_is_unsupported_on_the_sim() {
     with_seed(150, |seed| {
         let mut s = Sim::new(seed, 1);
         assert!(!s.hosts[0].capabilities().device_memory);
-        let b = Buf::new(64);
+        let b = mem::zeroed(64);
         // SAFETY: never dereferenced: registration is refused.
         let r = unsafe {
-            weft_transport::MemRegion::new(
-                std::ptr::NonNull::new(b.region().ptr().as_ptr()).unwrap(),
-                64,
-                weft_transport::Device::Cuda(0),
-            )
+            weft_transport::MemRegion::new(b.region().ptr(), 64, weft_transport::Device::Cuda(0))
         };
         assert!(matches!(
             s.hosts[0].register(&r, Access::RemoteWrite),
@@ -1057,9 +1053,9 @@ fn gpu_memory_is_unsupported_on_the_sim() {
 #[test]
 fn malformed_handshake_datagrams_are_dropped() {
     with_seed(160, |seed| {
-        let src = Buf::new(64);
-        let dst = Buf::new(64);
-        let junk = Buf::new(256);
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
+        let junk = mem::zeroed(256);
         let mut s = Sim::new(seed, 2);
         let target = weft_verbs::wire::VerbsAddr::decode(&s.addr(1).0).unwrap();
         // A raw UD sender on the same fabric.
@@ -1127,7 +1123,7 @@ fn malformed_handshake_datagrams_are_dropped() {
             "all-zero bytes are not a handshake"
         );
         for (k, len) in [0u32, 1, 5, 54, 55, 56, 200].into_iter().enumerate() {
-            junk.write(0, &[k as u8 ^ 0x5a; 200]);
+            junk.put(0, &[k as u8 ^ 0x5a; 200]);
             let wr = SendWr {
                 wr_id: k as u64,
                 op: SendOp::UdSend {
@@ -1160,12 +1156,12 @@ fn malformed_handshake_datagrams_are_dropped() {
 #[test]
 fn a_domain_can_write_to_itself() {
     with_seed(170, |seed| {
-        let src = Buf::new(64);
-        let dst = Buf::new(64);
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
         let mut s = Sim::new(seed, 1);
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(0, &dst, Access::RemoteWrite);
-        src.write(0, b"self");
+        src.put(0, b"self");
         let p = s.peer(0, 0);
         s.hosts[0]
             .post_write(&WriteWr {
@@ -1183,6 +1179,6 @@ fn a_domain_can_write_to_itself() {
             "seed {seed}: {out:?}"
         );
         assert_eq!(writes(&out[0]), vec![(WrId(1), true)]);
-        assert_eq!(dst.read(0, 4), b"self");
+        assert_eq!(dst.bytes(0, 4), b"self");
     });
 }

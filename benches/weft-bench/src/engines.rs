@@ -1,13 +1,13 @@
 //! A sender and a receiver TransferEngine on two fresh hosts of a testbed.
 
 use crate::backend::Testbed;
-use crate::buf::HostBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_engine::{
     DomainGroupSpec, DoneCounter, EngineConfig, EngineError, MrDesc, MrHandle, OnDone, Pages,
     TransferEngine,
 };
+use weft_transport::HostBuffer;
 
 /// The engine settings the benchmarks use: defaults, except a worker that
 /// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`
@@ -48,8 +48,8 @@ pub struct EnginePair {
     pub src: MrHandle,
     /// Destination descriptor (registered on `rx`).
     pub dst: MrDesc,
-    _src_buf: HostBuf,
-    _dst_buf: HostBuf,
+    _src_buf: HostBuffer,
+    _dst_buf: HostBuffer,
 }
 
 impl Drop for EnginePair {
@@ -69,8 +69,8 @@ impl EnginePair {
     pub fn new(tb: &Testbed, src_len: usize, dst_len: usize) -> Result<Self, String> {
         let tx = engine(tb)?;
         let rx = engine(tb)?;
-        let src_buf = HostBuf::new(src_len);
-        let dst_buf = HostBuf::new(dst_len);
+        let src_buf = HostBuffer::new(src_len).map_err(|e| e.to_string())?;
+        let dst_buf = HostBuffer::new(dst_len).map_err(|e| e.to_string())?;
         let (src, _) = tx.reg_mr(src_buf.region()).map_err(e2s)?;
         let (_, dst) = rx.reg_mr(dst_buf.region()).map_err(e2s)?;
         Ok(EnginePair {
@@ -156,6 +156,10 @@ fn check(c: &DoneCounter) -> Result<(), String> {
 pub const STALL: Duration = Duration::from_secs(10);
 
 /// Spins (yielding) until `f()`, failing after [`STALL`].
+///
+/// Not `weft_testkit::wait_until`: this runs inside measured loops, so it
+/// spins instead of sleeping, and a stall is a reported benchmark error, not
+/// a test panic (weft-testkit is a dev-dependency only).
 pub fn wait_until(mut f: impl FnMut() -> bool) -> Result<(), String> {
     let start = Instant::now();
     let mut spins = 0u32;

@@ -12,7 +12,6 @@
 
 pub mod backend;
 #[allow(unsafe_code)]
-pub mod buf;
 pub mod engines;
 pub mod floor;
 pub mod imm;

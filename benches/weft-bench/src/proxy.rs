@@ -5,7 +5,6 @@
 //! bare cross-thread queue hand-off (the floor of submit → pickup).
 
 use crate::backend::{BackendKind, Testbed};
-use crate::buf::HostBuf;
 use crate::engines::{engine, wait_until, Shutdown, STALL};
 use crate::floor::HandoffFloor;
 use crate::report::{Breakdown, Row, Target};
@@ -14,7 +13,7 @@ use crate::{Config, Progress};
 use std::sync::Arc;
 use std::time::Instant;
 use weft_engine::{DoneCounter, GroupAddress, MrDesc, OnDone, ScatterDst, TransferEngine};
-use weft_transport::{Access, Completion, Domain, PeerId, RemoteSlice, WrId, WriteWr};
+use weft_transport::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, WriteWr};
 
 const BENCH: &str = "proxy";
 
@@ -35,7 +34,7 @@ struct Peers {
     domains: Vec<Box<dyn Domain>>,
     descs: Vec<MrDesc>,
     addrs: Vec<GroupAddress>,
-    _bufs: Vec<HostBuf>,
+    _bufs: Vec<HostBuffer>,
     /// Whether the peers' domains must be polled for WRITEs to them to
     /// complete (libfabric software providers progress only in
     /// `fi_cq_read`, on the target too).
@@ -95,7 +94,7 @@ fn peers(tb: &Testbed, n: usize) -> (Peers, Option<String>) {
 fn add_peer(tb: &Testbed, pe: &mut Peers) -> Result<(), String> {
     let p = tb.host_with(1)?;
     let mut d = p.open(0).map_err(|e| e.to_string())?;
-    let b = HostBuf::new(SCATTER_LEN as usize);
+    let b = HostBuffer::new(SCATTER_LEN as usize).map_err(|e| e.to_string())?;
     let mr = d
         .register(&b.region(), Access::RemoteWrite)
         .map_err(|e| e.to_string())?;
@@ -281,7 +280,7 @@ fn run_inner(
     let tb = Testbed::new(kind, 1)?;
     let max_peers = counts.iter().copied().max().unwrap_or(8);
     let (mut pe, limit) = peers(&tb, max_peers);
-    let src_buf = HostBuf::new(SCATTER_LEN as usize * max_peers);
+    let src_buf = HostBuffer::new(SCATTER_LEN as usize * max_peers).map_err(|e| e.to_string())?;
     let eng = Shutdown(engine(&tb)?);
     let (src, _) = eng.reg_mr(src_buf.region()).map_err(|e| e.to_string())?;
     // Raw sender on its own host.

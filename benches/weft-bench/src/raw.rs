@@ -2,13 +2,13 @@
 //! engine, on the bench thread (post, poll initiator, poll target).
 
 use crate::backend::Testbed;
-use crate::buf::HostBuf;
 use crate::engines::STALL;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use weft_transport::{
-    Access, Completion, Domain, LocalMr, PeerId, RemoteSlice, TransportError, WrId, WriteWr,
+    Access, Completion, Domain, HostBuffer, LocalMr, PeerId, RemoteSlice, TransportError, WrId,
+    WriteWr,
 };
 
 /// Initiator domains (one per lane) and target domains, lane `i` writing
@@ -26,8 +26,8 @@ pub struct RawPair {
     comps: Vec<Completion>,
     poll_target: bool,
     // Dropped after the domains (field order).
-    _src_buf: HostBuf,
-    _dst_buf: HostBuf,
+    _src_buf: HostBuffer,
+    _dst_buf: HostBuffer,
 }
 
 /// When a [`RawPair::drive`] finished.
@@ -49,8 +49,8 @@ impl RawPair {
     pub fn new(tb: &Testbed, src_len: usize, dst_len: usize) -> Result<Self, String> {
         let mut a = tb.raw_host()?;
         let mut b = tb.raw_host()?;
-        let src_buf = HostBuf::new(src_len);
-        let dst_buf = HostBuf::new(dst_len);
+        let src_buf = HostBuffer::new(src_len).map_err(|e| e.to_string())?;
+        let dst_buf = HostBuffer::new(dst_len).map_err(|e| e.to_string())?;
         let mut peers = Vec::new();
         let mut src = Vec::new();
         let mut dst = Vec::new();

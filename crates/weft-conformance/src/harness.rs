@@ -2,11 +2,9 @@
 //! [`InProcess`], a ready-made [`Harness`] for backends whose hosts all live
 //! in the test process.
 
-use std::alloc::Layout;
 use std::ops::Range;
-use std::ptr::NonNull;
 use thiserror::Error;
-use weft_transport::{Access, Device, Domain, LocalMr, MemRegion, NetAddr, TransportError};
+use weft_transport::{Access, Domain, HostBuffer, LocalMr, NetAddr, TransportError};
 
 /// A simulated or real host created by [`Harness::add_host`]. Hosts are
 /// numbered by the harness; the suite only passes these ids back.
@@ -213,22 +211,6 @@ pub trait InProcessBackend {
     }
 }
 
-/// One allocation owned by [`InProcess`].
-struct Alloc {
-    ptr: NonNull<u8>,
-    len: usize,
-    layout: Layout,
-}
-
-impl Drop for Alloc {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from `std::alloc::alloc_zeroed(self.layout)` and
-        // is freed exactly once, here. `InProcess` drops all domains (and the
-        // backend) before its allocations, so no registration refers to it.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
-
 struct HostSlot {
     domains: Vec<Box<dyn Domain>>,
     killed: bool,
@@ -236,13 +218,13 @@ struct HostSlot {
 
 /// A [`Harness`] for backends whose hosts are all in this process (loopback,
 /// libfabric with every endpoint in the test process, verbs on a simulated
-/// device). Memory is page-aligned heap memory owned by the harness.
+/// device). Memory is [`HostBuffer`]s owned by the harness.
 pub struct InProcess<B: InProcessBackend> {
     // Field order is drop order: domains, then the backend (which may hold
     // registrations), then the memory they point into.
     hosts: Vec<HostSlot>,
     backend: B,
-    mem: Vec<Vec<Alloc>>,
+    mem: Vec<Vec<HostBuffer>>,
 }
 
 impl<B: InProcessBackend> InProcess<B> {
@@ -260,21 +242,18 @@ impl<B: InProcessBackend> InProcess<B> {
         &mut self.backend
     }
 
-    fn alloc_ref(&self, host: HostId, buf: BufId) -> Result<&Alloc, HarnessError> {
+    fn alloc_ref(&self, host: HostId, buf: BufId) -> Result<&HostBuffer, HarnessError> {
         self.mem
             .get(host.0)
             .and_then(|m| m.get(usize::try_from(buf.0).ok()?))
             .ok_or_else(|| HarnessError::Failed(format!("no buffer {buf:?} on {host}")))
     }
 
-    fn span(a: &Alloc, offset: usize, len: usize) -> Result<(), HarnessError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= a.len => Ok(()),
-            _ => Err(HarnessError::Failed(format!(
-                "access [{offset}, +{len}) outside buffer of {} bytes",
-                a.len
-            ))),
-        }
+    fn outside(a: &HostBuffer, offset: usize, len: usize) -> HarnessError {
+        HarnessError::Failed(format!(
+            "access [{offset}, +{len}) outside buffer of {} bytes",
+            a.len()
+        ))
     }
 }
 
@@ -309,13 +288,9 @@ impl<B: InProcessBackend> Harness for InProcess<B> {
             .mem
             .get_mut(host.0)
             .ok_or_else(|| HarnessError::Failed(format!("no {host}")))?;
-        let layout = Layout::from_size_align(len.max(1), 4096)
-            .map_err(|e| HarnessError::Failed(format!("bad allocation of {len} bytes: {e}")))?;
-        // SAFETY: `layout` has a non-zero size (`len.max(1)`).
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| HarnessError::Failed(format!("out of memory allocating {len} bytes")))?;
-        allocs.push(Alloc { ptr, len, layout });
+        let buf = HostBuffer::new(len)
+            .map_err(|e| HarnessError::Failed(format!("allocating {len} bytes: {e}")))?;
+        allocs.push(buf);
         Ok(BufId(allocs.len() as u64 - 1))
     }
 
@@ -327,15 +302,11 @@ impl<B: InProcessBackend> Harness for InProcess<B> {
         data: &[u8],
     ) -> Result<(), HarnessError> {
         let a = self.alloc_ref(host, buf)?;
-        Self::span(a, offset, data.len())?;
-        // SAFETY: `[offset, offset+data.len())` lies inside the allocation
-        // (checked above); `data` is a separate Rust slice, so the ranges do
-        // not overlap. No Rust reference into the allocation exists (it is
-        // only ever accessed through raw pointers, by us and by backends).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), a.ptr.as_ptr().add(offset), data.len())
-        };
-        Ok(())
+        if a.write(offset, data) {
+            Ok(())
+        } else {
+            Err(Self::outside(a, offset, data.len()))
+        }
     }
 
     fn read_mem(
@@ -346,12 +317,8 @@ impl<B: InProcessBackend> Harness for InProcess<B> {
         len: usize,
     ) -> Result<Vec<u8>, HarnessError> {
         let a = self.alloc_ref(host, buf)?;
-        Self::span(a, offset, len)?;
-        let mut out = vec![0u8; len];
-        // SAFETY: the source span lies inside the allocation (checked above)
-        // and `out` is a fresh vector of `len` bytes, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(a.ptr.as_ptr().add(offset), out.as_mut_ptr(), len) };
-        Ok(out)
+        a.read(offset, len)
+            .ok_or_else(|| Self::outside(a, offset, len))
     }
 
     fn register(
@@ -367,24 +334,17 @@ impl<B: InProcessBackend> Harness for InProcess<B> {
             wr: None,
             what,
         };
-        let (ptr, len) = {
+        // The buffers in `self.mem` outlive every domain and the backend
+        // (field drop order), as `HostBuffer::region` requires.
+        let region = {
             let a = self.alloc_ref(host, buf).map_err(|e| fail(e.to_string()))?;
-            if range.start > range.end || range.end > a.len {
-                return Err(fail(format!(
+            a.sub_region(range.clone()).ok_or_else(|| {
+                fail(format!(
                     "range {range:?} outside buffer of {} bytes",
-                    a.len
-                )));
-            }
-            // SAFETY: `range.start <= a.len` (checked above), so the result
-            // is inside the allocation or one past its end.
-            let p = unsafe { a.ptr.as_ptr().add(range.start) };
-            (p, range.end - range.start)
+                    a.len()
+                ))
+            })?
         };
-        let ptr = NonNull::new(ptr).ok_or_else(|| fail("null region".into()))?;
-        // SAFETY: the span lies inside an allocation owned by `self.mem`,
-        // which outlives every domain and the backend (field drop order), is
-        // never freed earlier, and is only accessed through raw pointers.
-        let region = unsafe { MemRegion::new(ptr, len, Device::Host) };
         self.domain(host, nic).register(&region, access)
     }
 

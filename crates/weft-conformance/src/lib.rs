@@ -75,8 +75,6 @@
 
 mod cases;
 mod ctx;
-// The in-process harness owns raw memory that NICs write into.
-#[allow(unsafe_code)]
 mod harness;
 mod pattern;
 

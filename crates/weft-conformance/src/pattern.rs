@@ -1,5 +1,6 @@
-//! Payload patterns, byte comparison with useful messages, and a tiny
-//! deterministic RNG for the cases' random choices.
+//! Payload patterns and byte comparison with useful messages (both from
+//! `weft-testkit`), and a tiny deterministic RNG for the cases' random
+//! choices.
 
 use crate::CaseFailure;
 
@@ -11,42 +12,14 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `len` pseudo-random bytes determined by `tag`.
-pub(crate) fn pattern(tag: u64, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
-    let mut s = tag;
-    while out.len() < len {
-        out.extend_from_slice(&splitmix(&mut s).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
+/// `len` pseudo-random bytes determined by `tag` (splitmix64 words of the
+/// seed `tag`: see [`weft_testkit::pattern`]).
+pub(crate) use weft_testkit::pattern;
 
 /// Fails with the first differing offset and the number of differing bytes.
 pub(crate) fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), CaseFailure> {
-    if got == want {
-        return Ok(());
-    }
-    if got.len() != want.len() {
-        return Err(CaseFailure::Failed(format!(
-            "{what}: read {} bytes, expected {}",
-            got.len(),
-            want.len()
-        )));
-    }
-    let mut first = None;
-    let mut count = 0usize;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g != w {
-            count += 1;
-            first.get_or_insert((i, *g, *w));
-        }
-    }
-    let (i, g, w) = first.unwrap_or((0, 0, 0));
-    Err(CaseFailure::Failed(format!(
-        "{what}: {count} of {} bytes wrong; first at offset {i}: got {g:#04x}, expected {w:#04x}",
-        want.len()
-    )))
+    weft_testkit::pattern::compare(got, want)
+        .map_err(|m| CaseFailure::Failed(format!("{what}: {m}")))
 }
 
 /// A small deterministic RNG (splitmix64).

@@ -5,9 +5,10 @@
 
 mod common;
 
-use common::{gpu, gpu_kernels, pattern};
+use common::{gpu, gpu_kernels};
 use std::time::Duration;
 use weft_cuda::{CudaError, Gpu, ProbeOrdering};
+use weft_testkit::pattern;
 use weft_transport::{Device, DeviceCopy, TransportError};
 
 #[test]
@@ -42,7 +43,7 @@ fn device_buffer_roundtrip_and_bounds() {
         buf.to_vec().unwrap().iter().all(|&b| b == 0),
         "fresh buffer not zeroed"
     );
-    let data = pattern(len, 7);
+    let data = pattern(7, len);
     buf.write(0, &data).unwrap();
     assert_eq!(buf.to_vec().unwrap(), data);
     buf.write(100, &[1, 2, 3]).unwrap();
@@ -74,7 +75,7 @@ fn cuda_copy_every_direction() {
     let len = 3 * 4096 + 17;
     let a = g.alloc(len).unwrap();
     let b = g.alloc(len).unwrap();
-    let src = pattern(len, 42);
+    let src = pattern(42, len);
     let mut back = vec![0u8; len];
     let host = |v: &[u8]| v.as_ptr() as usize as u64;
     // H2D
@@ -133,7 +134,7 @@ fn cuda_copy_every_direction() {
         for t in 0..4 {
             let (cc, a) = (cc.clone(), &a);
             s.spawn(move || {
-                let p = pattern(chunk, t as u8);
+                let p = pattern(u64::from(t as u8), chunk);
                 for _ in 0..20 {
                     cc.copy(
                         a.device_ptr() + (t * chunk) as u64,
@@ -151,7 +152,7 @@ fn cuda_copy_every_direction() {
     for t in 0..4 {
         assert_eq!(
             &av[t * chunk..(t + 1) * chunk],
-            &pattern(chunk, t as u8)[..],
+            &pattern(u64::from(t as u8), chunk)[..],
             "chunk {t}"
         );
     }

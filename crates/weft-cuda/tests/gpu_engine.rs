@@ -8,18 +8,16 @@
 
 mod common;
 
-use common::{gpu, gpu_kernels, pattern};
+use common::{gpu, gpu_kernels};
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft_cuda::{pattern_word, DeviceBuffer, Gpu};
 use weft_engine::{DomainGroupSpec, DoneFlag, OnDone, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::{Device, MemRegion, MrDesc, Pages, ScatterDst};
+use weft_testkit::pattern;
+use weft_transport::{Device, HostBuffer, MrDesc, Pages, ScatterDst};
 
 /// Waits for a completion flag; a generous hang guard, not a timing check.
 fn wait(flag: &DoneFlag, what: &str, seed: u64) {
@@ -104,33 +102,29 @@ fn reg(e: &TransferEngine, buf: &DeviceBuffer) -> (weft_engine::MrHandle, MrDesc
     e.reg_mr(unsafe { buf.region() }).unwrap()
 }
 
-fn host_region(v: &mut [u8]) -> MemRegion {
-    // SAFETY: the vector outlives the engines it is registered with (declared
-    // before the `Pair`) and is not accessed through references while
-    // transfers may land (only after their completion).
-    unsafe { MemRegion::new(NonNull::new(v.as_mut_ptr()).unwrap(), v.len(), Device::Host) }
-}
-
 #[test]
 fn gpu_single_paged_and_mixed_writes_over_loopback() {
     let Some(g) = gpu("gpu_single_paged_and_mixed_writes_over_loopback") else {
         return;
     };
     let seed = 0x5eed_0001;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let len = (1 << 20) + 333;
     let src = g.alloc(len).unwrap();
     let dst = g.alloc(len).unwrap();
-    let data = pattern(len, 9);
+    let data = pattern(9, len);
     src.write(0, &data).unwrap();
-    let mut host_src = pattern(len, 77);
-    let mut host_dst = vec![0u8; len];
+    let host_src = pattern(77, len);
+    // Declared before the `Pair`, so they outlive its engines.
+    let host_src_buf = HostBuffer::new(len).unwrap();
+    assert!(host_src_buf.write(0, &host_src));
+    let host_dst = HostBuffer::new(len).unwrap();
     let p = pair(&g, seed);
 
     let (hs, _) = reg(&p.a, &src);
     let (_, dd) = reg(&p.b, &dst);
-    let (hhs, _) = p.a.reg_mr(host_region(&mut host_src)).unwrap();
-    let (_, hdd) = p.b.reg_mr(host_region(&mut host_dst)).unwrap();
+    let (hhs, _) = p.a.reg_mr(host_src_buf.region()).unwrap();
+    let (_, hdd) = p.b.reg_mr(host_dst.region()).unwrap();
     let counts = p.a.imm_counts(0).unwrap();
 
     // 1. GPU -> GPU single write with an immediate.
@@ -153,7 +147,7 @@ fn gpu_single_paged_and_mixed_writes_over_loopback() {
     let pages = 24u32;
     let kv_src = g.alloc(page * pages as usize).unwrap();
     let kv_dst = g.alloc(page * 2 * pages as usize).unwrap();
-    let kv_data = pattern(page * pages as usize, 3);
+    let kv_data = pattern(3, page * pages as usize);
     kv_src.write(0, &kv_data).unwrap();
     let (hks, _) = reg(&p.a, &kv_src);
     let (_, dkd) = reg(&p.b, &kv_dst);
@@ -203,7 +197,10 @@ fn gpu_single_paged_and_mixed_writes_over_loopback() {
         dst.to_vec().unwrap() == host_src,
         "seed {seed}: host->GPU data mismatch"
     );
-    assert!(host_dst == data, "seed {seed}: GPU->host data mismatch");
+    assert!(
+        host_dst.read(0, len).unwrap() == data,
+        "seed {seed}: GPU->host data mismatch"
+    );
     drop(p);
 }
 
@@ -216,7 +213,7 @@ fn gpu_scatter_and_barrier_over_loopback() {
     // Buffers first: they must outlive the engines that register them.
     let chunk = 200_000usize;
     let src = g.alloc(3 * chunk).unwrap();
-    let data = pattern(3 * chunk, 5);
+    let data = pattern(5, 3 * chunk);
     src.write(0, &data).unwrap();
     let dsts: Vec<DeviceBuffer> = (0..3).map(|_| g.alloc(chunk + 4096).unwrap()).collect();
     let mut cfg = FabricConfig::adversarial(seed);
@@ -308,12 +305,12 @@ fn kvcache_layers_driven_by_gpu_watcher() {
         return;
     };
     let seed = 0x5eed_0003;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let (layers, pages, page) = (12u64, 8u64, 16 * 1024usize);
     let layer_bytes = pages as usize * page;
     let kv = g.alloc(layers as usize * layer_bytes).unwrap();
     let tail = g.alloc(4096).unwrap();
-    tail.write(0, &pattern(4096, 1)).unwrap();
+    tail.write(0, &pattern(1, 4096)).unwrap();
     let dec_kv = g.alloc(layers as usize * layer_bytes * 2).unwrap();
     let dec_tail = g.alloc(4096).unwrap();
     let word = g.watch_word().unwrap();
@@ -443,7 +440,7 @@ fn kvcache_layers_driven_by_gpu_watcher() {
             }
         }
         assert!(
-            dec_tail.to_vec().unwrap() == pattern(4096, 1),
+            dec_tail.to_vec().unwrap() == pattern(1, 4096),
             "seed {seed}: request {req} tail"
         );
         p.b.free_imm(imm);

@@ -16,7 +16,7 @@ use weft_engine::{
     TransferEngine,
 };
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::{Access, Device, MemRegion, Provider};
+use weft_transport::{Access, HostBuffer, Provider};
 
 fn engine(fabric: &Fabric) -> TransferEngine {
     let host = fabric.add_host(1);
@@ -33,30 +33,25 @@ fn engine(fabric: &Fabric) -> TransferEngine {
         .expect("engine")
 }
 
-fn region(buf: &mut [u8]) -> MemRegion {
-    let ptr = std::ptr::NonNull::new(buf.as_mut_ptr()).expect("non-null");
-    // SAFETY: the buffers live until the end of `main`, after shutdown.
-    unsafe { MemRegion::new(ptr, buf.len(), Device::Host) }
-}
-
 fn main() {
     let mut args = std::env::args().skip(1);
     let what = args.next().unwrap_or_else(|| "paged".into());
     let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(100);
     let fabric = Fabric::new_realtime(FabricConfig::null());
     let tx = engine(&fabric);
-    let mut src = vec![0u8; 16 << 20];
-    let (src_mr, _) = tx.reg_mr(region(&mut src)).expect("reg src");
+    // The buffers live until the end of `main`, after shutdown.
+    let src = HostBuffer::new(16 << 20).expect("src buffer");
+    let (src_mr, _) = tx.reg_mr(src.region()).expect("reg src");
     let counter = Arc::new(DoneCounter::new());
     let start = Instant::now();
-    let mut dst_bufs: Vec<Vec<u8>> = Vec::new();
+    let mut dst_bufs: Vec<HostBuffer> = Vec::new();
     let mut rxs = Vec::new();
     let mut domains = Vec::new();
     let ops = match what.as_str() {
         "paged" => {
             let rx = engine(&fabric);
-            dst_bufs.push(vec![0u8; 16 << 20]);
-            let (_, desc) = rx.reg_mr(region(&mut dst_bufs[0])).expect("reg dst");
+            dst_bufs.push(HostBuffer::new(16 << 20).expect("dst buffer"));
+            let (_, desc) = rx.reg_mr(dst_bufs[0].region()).expect("reg dst");
             let pages = Pages {
                 indices: (0..10_000u32).map(|i| (i * 7) % 10_000).collect(),
                 stride: 1024,
@@ -86,10 +81,10 @@ fn main() {
                 // WRs at the sender's poll, so only the sender's engine runs.
                 let host = fabric.add_host(1);
                 let mut d = fabric.provider(host).open(0).expect("domain");
-                dst_bufs.push(vec![0u8; 1 << 16]);
+                dst_bufs.push(HostBuffer::new(1 << 16).expect("dst buffer"));
                 let last = dst_bufs.len() - 1;
                 let mr = d
-                    .register(&region(&mut dst_bufs[last]), Access::RemoteWrite)
+                    .register(&dst_bufs[last].region(), Access::RemoteWrite)
                     .expect("reg dst");
                 let a = d.local_addr().clone();
                 addrs.push(GroupAddress {

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, ScatterDst, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig, LoopbackProvider};
 use weft_transport::{
-    Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
-    NetAddr, NicInfo, PeerId, PostError, Provider, TransportError, WrId, WriteWr,
+    Access, Capabilities, Completion, Domain, LocalMr, LocalSlice, MemRegion, MrKey, NetAddr,
+    NicInfo, PeerId, PostError, Provider, TransportError, WrId, WriteWr,
 };
 
 /// Who registered each key: local keys per domain, rkeys fabric-wide.
@@ -172,8 +172,8 @@ fn checked_engine(
 /// sharded writes really use every NIC.
 #[test]
 fn every_piece_uses_its_own_nics_keys() {
-    for seed in seeds(&[111, 112]) {
-        let _g = SeedGuard(seed, "every_piece_uses_its_own_nics_keys");
+    for seed in seeds_or([111, 112]) {
+        let _g = SeedGuard::new(seed, "every_piece_uses_its_own_nics_keys");
         for nics in [2usize, 3, 4] {
             let fabric = Fabric::new(FabricConfig {
                 max_write_len: 32 * 1024,
@@ -182,8 +182,8 @@ fn every_piece_uses_its_own_nics_keys() {
             let reg: Arc<Mutex<Registry>> = Arc::default();
             let ea = checked_engine(&fabric, nics, &reg, test_config());
             let eb = checked_engine(&fabric, nics, &reg, test_config());
-            let src = HostBuf::filled(1 << 20, |i| pat(seed, i));
-            let dst = HostBuf::new(1 << 20);
+            let src = mem::patterned(seed, 1 << 20);
+            let dst = mem::zeroed(1 << 20);
             let (sh, _) = ea.reg_mr(src.region()).unwrap();
             let (_, dd) = eb.reg_mr(dst.region()).unwrap();
             let pg = ea.add_peer_group(&[eb.main_address()]).unwrap();
@@ -211,7 +211,7 @@ fn every_piece_uses_its_own_nics_keys() {
             let engines = [ea.clone(), eb.clone()];
             drive(&fabric, &engines, || done.total() == 4);
             assert_eq!(done.failed(), 0, "{:?}", done.first_error());
-            assert_eq!(dst.read(0, 1 << 20), src.read(0, 1 << 20));
+            assert_eq!(dst.bytes(0, 1 << 20), src.bytes(0, 1 << 20));
             let r = reg.lock();
             assert!(r.violations.is_empty(), "{:?}", r.violations);
             assert_eq!(
@@ -234,23 +234,12 @@ fn every_piece_uses_its_own_nics_keys() {
 #[test]
 fn five_gib_write_null_fabric() {
     let len: usize = 5 << 30;
-    // SAFETY: anonymous private mapping, reserved without backing; unmapped
-    // at the end after both engines are shut down.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
+    // Anonymous memory mapped lazily: never touched, so never backed.
+    // Declared before the engines, which are shut down before it drops.
+    let Ok(buf) = HostBuffer::new(len) else {
         eprintln!("skipping: cannot reserve 5 GiB of address space");
         return;
-    }
-    let ptr = NonNull::new(p.cast::<u8>()).unwrap();
+    };
     let fabric = Fabric::new(FabricConfig {
         max_write_len: 1 << 30,
         ..FabricConfig::null()
@@ -258,9 +247,8 @@ fn five_gib_write_null_fabric() {
     let (a, b) = (fabric.add_host(3), fabric.add_host(3));
     let ea = engine(&fabric, a, 3, test_config(), true);
     let eb = engine(&fabric, b, 3, test_config(), true);
-    // SAFETY: the mapping is valid for `len` bytes until munmap below; the
-    // null fabric never reads or writes it.
-    let region = unsafe { MemRegion::new(ptr, len, Device::Host) };
+    // The null fabric never reads or writes the buffer.
+    let region = buf.region();
     let (sh, _) = ea.reg_mr(region).unwrap();
     let (_, dd) = eb.reg_mr(region).unwrap();
     let n = eb.imm_counts(0).unwrap().single_write(len as u64);
@@ -291,8 +279,7 @@ fn five_gib_write_null_fabric() {
         .is_err());
     ea.shutdown();
     eb.shutdown();
-    // SAFETY: mapped above with this length; nothing references it now.
-    unsafe { libc::munmap(p, len) };
+    drop(buf);
 }
 
 /// The watcher reports changes as (old, new) pairs forming a chain ending
@@ -310,7 +297,7 @@ fn uvm_watcher_reports_changes() {
             std::thread::yield_now();
         }
     }
-    wait_until("final value seen", || {
+    wait_until("final value seen", HANG, || {
         seen.lock().last().map(|p| p.1) == Some(500)
     });
     let v = seen.lock().clone();
@@ -335,7 +322,7 @@ fn uvm_watcher_reports_changes() {
         })
     };
     word.store(8, Ordering::Release);
-    wait_until("external change", || hits.load(Ordering::SeqCst) == 1);
+    wait_until("external change", HANG, || hits.load(Ordering::SeqCst) == 1);
     drop(ext);
     word.store(9, Ordering::Release);
     e.shutdown();
@@ -368,20 +355,20 @@ fn blocking_and_async_wait() {
     let (a, b) = (fabric.add_host(2), fabric.add_host(2));
     let ea = engine(&fabric, a, 2, test_config(), false);
     let eb = engine(&fabric, b, 2, test_config(), false);
-    let src = HostBuf::filled(1 << 18, |i| pat(5, i));
-    let dst = HostBuf::new(1 << 18);
+    let src = mem::patterned(5, 1 << 18);
+    let dst = mem::zeroed(1 << 18);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let (od, flag) = OnDone::flag();
     ea.submit_single_write(1 << 18, None, (&sh, 0), (&dd, 0), od)
         .unwrap();
     assert_eq!(flag.wait(), Ok(()));
-    assert_eq!(dst.read(0, 1 << 18), src.read(0, 1 << 18));
+    assert_eq!(dst.bytes(0, 1 << 18), src.bytes(0, 1 << 18));
     let (od, flag) = OnDone::flag();
     ea.submit_single_write(1000, None, (&sh, 5), (&dd, 9), od)
         .unwrap();
     assert_eq!(block_on(flag.wait_async()), Ok(()));
-    assert_eq!(dst.read(9, 1000), src.read(5, 1000));
+    assert_eq!(dst.bytes(9, 1000), src.bytes(5, 1000));
     ea.shutdown();
     eb.shutdown();
 }
@@ -394,8 +381,8 @@ fn latency_probe_records_stages() {
     let (a, b) = (fabric.add_host(2), fabric.add_host(2));
     let ea = engine(&fabric, a, 2, test_config(), false);
     let eb = engine(&fabric, b, 2, test_config(), false);
-    let src = HostBuf::new(1 << 16);
-    let dst = HostBuf::new(1 << 16);
+    let src = mem::zeroed(1 << 16);
+    let dst = mem::zeroed(1 << 16);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let done = Arc::new(weft_engine::DoneCounter::new());
@@ -403,7 +390,7 @@ fn latency_probe_records_stages() {
         ea.submit_single_write(64, Some(1), (&sh, 0), (&dd, 0), OnDone::counter(&done))
             .unwrap();
     }
-    wait_until("writes done", || done.total() == 100);
+    wait_until("writes done", HANG, || done.total() == 100);
     let recs = ea.take_probe_records();
     assert_eq!(recs.len(), 100);
     for r in recs {
@@ -427,8 +414,8 @@ fn latency_probe_one_record_per_scatter() {
     let peers: Vec<TransferEngine> = (0..4)
         .map(|_| engine(&fabric, fabric.add_host(2), 2, test_config(), false))
         .collect();
-    let src = HostBuf::new(4096);
-    let bufs: Vec<HostBuf> = (0..4).map(|_| HostBuf::new(4096)).collect();
+    let src = mem::zeroed(4096);
+    let bufs: Vec<HostBuffer> = (0..4).map(|_| mem::zeroed(4096)).collect();
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let dsts: Vec<ScatterDst> = peers
         .iter()
@@ -450,7 +437,7 @@ fn latency_probe_one_record_per_scatter() {
                 .unwrap(),
         );
     }
-    wait_until("scatters done", || done.total() == 50);
+    wait_until("scatters done", HANG, || done.total() == 50);
     assert_eq!(done.failed(), 0, "{:?}", done.first_error());
     let recs = ea.take_probe_records();
     let mut got: Vec<_> = recs.iter().map(|r| r.transfer).collect();
@@ -470,16 +457,16 @@ fn latency_probe_one_record_per_scatter() {
 /// says, with the right keys per NIC.
 #[test]
 fn scatter_routes_by_member_or_by_descriptor() {
-    for seed in seeds(&[121, 122]) {
-        let _g = SeedGuard(seed, "scatter_routes_by_member_or_by_descriptor");
+    for seed in seeds_or([121, 122]) {
+        let _g = SeedGuard::new(seed, "scatter_routes_by_member_or_by_descriptor");
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let reg: Arc<Mutex<Registry>> = Arc::default();
         let tx = checked_engine(&fabric, 2, &reg, test_config());
         let rxs: Vec<TransferEngine> = (0..3)
             .map(|_| checked_engine(&fabric, 2, &reg, test_config()))
             .collect();
-        let src = HostBuf::filled(3 * 4096, |i| pat(seed, i));
-        let dsts: Vec<HostBuf> = (0..3).map(|_| HostBuf::new(2 * 4096)).collect();
+        let src = mem::patterned(seed, 3 * 4096);
+        let dsts: Vec<HostBuffer> = (0..3).map(|_| mem::zeroed(2 * 4096)).collect();
         let (sh, _) = tx.reg_mr(src.region()).unwrap();
         let descs: Vec<_> = rxs
             .iter()
@@ -518,11 +505,11 @@ fn scatter_routes_by_member_or_by_descriptor() {
         drive(&fabric, &engines, || done.total() == 2);
         assert_eq!(done.failed(), 0, "{:?}", done.first_error());
         for (j, d) in dsts.iter().enumerate() {
-            assert_eq!(d.read(0, 4096), src.read(j * 4096, 4096), "matched {j}");
+            assert_eq!(d.bytes(0, 4096), src.bytes(j * 4096, 4096), "matched {j}");
             let from = (j + 2) % 3; // member whose rotated entry names j
             assert_eq!(
-                d.read(4096, 4096),
-                src.read(from * 4096, 4096),
+                d.bytes(4096, 4096),
+                src.bytes(from * 4096, 4096),
                 "rotated {j}"
             );
         }
@@ -544,9 +531,9 @@ fn scatter_routes_by_member_or_by_descriptor() {
 /// delivered (documented partial delivery) and members 2.. untouched.
 #[test]
 fn scatter_post_rejected_resolves_once() {
-    for seed in seeds(&[131]) {
+    for seed in seeds_or([131]) {
         for rejected in [0usize, 1] {
-            let _g = SeedGuard(seed, "scatter_post_rejected_resolves_once");
+            let _g = SeedGuard::new(seed, "scatter_post_rejected_resolves_once");
             scatter_reject_case(seed, rejected);
         }
     }
@@ -559,8 +546,8 @@ fn scatter_reject_case(seed: u64, rejected: usize) {
     let rxs: Vec<TransferEngine> = (0..4)
         .map(|_| checked_engine(&fabric, 1, &reg, test_config()))
         .collect();
-    let src = HostBuf::filled(4096, |i| pat(seed, i));
-    let bufs: Vec<HostBuf> = (0..4).map(|_| HostBuf::new(4096)).collect();
+    let src = mem::patterned(seed, 4096);
+    let bufs: Vec<HostBuffer> = (0..4).map(|_| mem::zeroed(4096)).collect();
     let (sh, _) = tx.reg_mr(src.region()).unwrap();
     let dsts: Vec<ScatterDst> = rxs
         .iter()
@@ -594,7 +581,7 @@ fn scatter_reject_case(seed: u64, rejected: usize) {
     drive(&fabric, &engines, || calls.load(Ordering::SeqCst) > 0);
     // When on_done runs, no posted piece is still in flight: member 0's
     // early WRITE (if it was accepted) has landed.
-    let early_landed = bufs[0].read(0, 4096) == src.read(0, 4096);
+    let early_landed = bufs[0].bytes(0, 4096) == src.bytes(0, 4096);
     // Let anything still in flight settle: no second resolution.
     fabric.run_until_idle();
     for e in &engines {
@@ -615,7 +602,7 @@ fn scatter_reject_case(seed: u64, rejected: usize) {
     assert_eq!(early_landed, rejected == 1, "member 0 at on_done time");
     for (j, b) in bufs.iter().enumerate().skip(1) {
         assert!(
-            b.read(0, 4096).iter().all(|&x| x == 0),
+            b.bytes(0, 4096).iter().all(|&x| x == 0),
             "member {j} written"
         );
     }
@@ -633,7 +620,7 @@ fn peer_group_handle_of_another_engine_is_refused() {
     let a = checked_engine(&fabric, 1, &reg, test_config());
     let b = checked_engine(&fabric, 1, &reg, test_config());
     let c = checked_engine(&fabric, 1, &reg, test_config());
-    let buf = HostBuf::new(4096);
+    let buf = mem::zeroed(4096);
     let (sh, _) = b.reg_mr(buf.region()).unwrap();
     let (_, dc) = c.reg_mr(buf.region()).unwrap();
     let pa = a.add_peer_group(&[c.main_address()]).unwrap();

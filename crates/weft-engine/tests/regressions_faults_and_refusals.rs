@@ -16,14 +16,14 @@ use weft_loopback::{Fabric, FabricConfig};
 /// the pieces already posted on it.
 #[test]
 fn nic_down_on_post_resolves_posted_pieces() {
-    for seed in seeds(&[21, 22]) {
-        let _g = SeedGuard(seed, "nic_down_on_post_resolves_posted_pieces");
+    for seed in seeds_or([21, 22]) {
+        let _g = SeedGuard::new(seed, "nic_down_on_post_resolves_posted_pieces");
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(1), fabric.add_host(1));
         let ea = engine(&fabric, a, 1, test_config(), true);
         let eb = engine(&fabric, b, 1, test_config(), true);
-        let src = Arc::new(HostBuf::filled(8192, |i| pat(seed, i)));
-        let dst = Arc::new(HostBuf::new(8192));
+        let src = Arc::new(mem::patterned(seed, 8192));
+        let dst = Arc::new(mem::zeroed(8192));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         // T1 is posted (the fabric is never stepped, so it cannot complete).
@@ -59,8 +59,8 @@ fn nic_down_on_post_resolves_posted_pieces() {
 /// pool of one buffer, the second message is received too.
 #[test]
 fn panicking_recv_callback_reposts_buffer() {
-    for seed in seeds(&[31]) {
-        let _g = SeedGuard(seed, "panicking_recv_callback_reposts_buffer");
+    for seed in seeds_or([31]) {
+        let _g = SeedGuard::new(seed, "panicking_recv_callback_reposts_buffer");
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(1), fabric.add_host(1));
         let ea = engine(&fabric, a, 1, test_config(), true);
@@ -100,9 +100,9 @@ fn stale_mr_handle_is_rejected() {
     let (a, b) = (fabric.add_host(1), fabric.add_host(1));
     let ea = engine(&fabric, a, 1, test_config(), true);
     let eb = engine(&fabric, b, 1, test_config(), true);
-    let s1 = HostBuf::new(4096);
-    let s2 = HostBuf::new(4096);
-    let dst = HostBuf::new(4096);
+    let s1 = mem::zeroed(4096);
+    let s2 = mem::zeroed(4096);
+    let dst = mem::zeroed(4096);
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let (h1, _) = ea.reg_mr(s1.region()).unwrap();
     ea.unreg_mr(h1).unwrap();
@@ -141,8 +141,8 @@ fn nic_count_mismatch_is_refused() {
     let (a, b) = (fabric.add_host(1), fabric.add_host(2));
     let ea = engine(&fabric, a, 1, test_config(), true);
     let eb = engine(&fabric, b, 2, test_config(), true);
-    let src = HostBuf::new(4096);
-    let dst = HostBuf::new(4096);
+    let src = mem::zeroed(4096);
+    let dst = mem::zeroed(4096);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let (od, _f) = OnDone::flag();
@@ -270,15 +270,15 @@ fn worker_panic_fails_inflight_and_later_submits() {
         .build()
         .unwrap();
     let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = HostBuf::new(4096);
-    let dst = HostBuf::new(4096);
+    let src = mem::zeroed(4096);
+    let dst = mem::zeroed(4096);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let (od, f) = OnDone::flag();
     ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
         .unwrap();
     boom.store(true, Ordering::SeqCst);
-    wait_until("in-flight transfer resolved", || f.is_done());
+    wait_until("in-flight transfer resolved", HANG, || f.is_done());
     assert!(
         matches!(f.result(), Some(Err(EngineError::WorkerFailed { .. }))),
         "{:?}",

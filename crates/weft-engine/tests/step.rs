@@ -32,16 +32,16 @@ fn small_writes_fabric(seed: u64) -> Fabric {
 /// after the data landed (early arrivals), chosen by the seed.
 #[test]
 fn single_and_paged_writes_every_nic_count() {
-    for seed in seeds(&[11, 12, 13]) {
+    for seed in seeds_or([11, 12, 13]) {
         for nics in 1..=4usize {
-            let _g = SeedGuard(seed, "single_and_paged_writes_every_nic_count");
+            let _g = SeedGuard::new(seed, "single_and_paged_writes_every_nic_count");
             let fabric = small_writes_fabric(seed);
             let (a, b) = (fabric.add_host(nics), fabric.add_host(nics));
             let ea = engine(&fabric, a, nics, test_config(), true);
             let eb = engine(&fabric, b, nics, test_config(), true);
             const LEN: usize = 700_000;
-            let src = Arc::new(HostBuf::filled(LEN, |i| pat(seed, i)));
-            let dst = Arc::new(HostBuf::new(LEN));
+            let src = Arc::new(mem::patterned(seed, LEN));
+            let dst = Arc::new(mem::zeroed(LEN));
             let (sh, _) = ea.reg_mr(src.region()).unwrap();
             let (_, dd) = eb.reg_mr(dst.region()).unwrap();
             assert_eq!(dd.rkeys.len(), nics);
@@ -69,8 +69,8 @@ fn single_and_paged_writes_every_nic_count() {
                         if let Err(e) = r {
                             errors.lock().push(format!("imm round failed: {e}"));
                         }
-                        if dst.read(doff as usize, len as usize)
-                            != src.read(soff as usize, len as usize)
+                        if dst.bytes(doff as usize, len as usize)
+                            != src.bytes(soff as usize, len as usize)
                         {
                             errors
                                 .lock()
@@ -128,7 +128,7 @@ fn single_and_paged_writes_every_nic_count() {
                     for i in 0..sp.len() {
                         let so = sp.page_offset(i).unwrap() as usize;
                         let d_o = dp.page_offset(i).unwrap() as usize;
-                        if dst.read(d_o, page as usize) != src.read(so, page as usize) {
+                        if dst.bytes(d_o, page as usize) != src.bytes(so, page as usize) {
                             errors.lock().push(format!("page {i} not in place"));
                         }
                     }
@@ -154,8 +154,8 @@ fn single_and_paged_writes_every_nic_count() {
 /// Scatter then barrier from one host to 64 peers (1 or 2 NICs each).
 #[test]
 fn scatter_and_barrier_to_64_peers() {
-    for seed in seeds(&[21, 22]) {
-        let _g = SeedGuard(seed, "scatter_and_barrier_to_64_peers");
+    for seed in seeds_or([21, 22]) {
+        let _g = SeedGuard::new(seed, "scatter_and_barrier_to_64_peers");
         let nics = 1 + (seed as usize % 2);
         let fabric = Fabric::new(FabricConfig::adversarial(seed));
         let hs = fabric.add_host(nics);
@@ -167,7 +167,7 @@ fn scatter_and_barrier_to_64_peers() {
             })
             .collect();
         const SLICE: usize = 6000;
-        let src = Arc::new(HostBuf::filled(64 * SLICE, |i| pat(seed, i)));
+        let src = Arc::new(mem::patterned(seed, 64 * SLICE));
         let (sh, _) = sender.reg_mr(src.region()).unwrap();
         let mut dsts = Vec::new();
         let mut descs = Vec::new();
@@ -180,13 +180,13 @@ fn scatter_and_barrier_to_64_peers() {
             ScatterMode::ByBytes
         };
         for (j, p) in peers.iter().enumerate() {
-            let buf = Arc::new(HostBuf::new(SLICE + 64));
+            let buf = Arc::new(mem::zeroed(SLICE + 64));
             let (_, d) = p.reg_mr(buf.region()).unwrap();
             let len = (1000 + j * 70) as u64;
             let n = p.imm_counts(0).unwrap().scatter_dst(len, mode);
             let (b2, s2, f2, e2) = (buf.clone(), src.clone(), fired.clone(), errors.clone());
             p.expect_imm_count(5, n as u32, move |r| {
-                if r.is_err() || b2.read(7, len as usize) != s2.read(j * SLICE, len as usize) {
+                if r.is_err() || b2.bytes(7, len as usize) != s2.bytes(j * SLICE, len as usize) {
                     e2.lock()
                         .push(format!("peer {j}: scatter data not in place"));
                 }
@@ -246,14 +246,14 @@ fn scatter_and_barrier_to_64_peers() {
 /// their immediates fire.
 #[test]
 fn injected_failures_fail_exactly_their_transfer() {
-    for seed in seeds(&[31, 32, 33]) {
-        let _g = SeedGuard(seed, "injected_failures_fail_exactly_their_transfer");
+    for seed in seeds_or([31, 32, 33]) {
+        let _g = SeedGuard::new(seed, "injected_failures_fail_exactly_their_transfer");
         let fabric = small_writes_fabric(seed);
         let (a, b) = (fabric.add_host(2), fabric.add_host(2));
         let ea = engine(&fabric, a, 2, test_config(), true);
         let eb = engine(&fabric, b, 2, test_config(), true);
-        let src = Arc::new(HostBuf::filled(1 << 20, |i| pat(seed, i)));
-        let dst = Arc::new(HostBuf::new(1 << 20));
+        let src = Arc::new(mem::patterned(seed, 1 << 20));
+        let dst = Arc::new(mem::zeroed(1 << 20));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         // Fail every WR carrying immediate 3 (all pieces of transfer 3) and
@@ -320,8 +320,8 @@ fn injected_failures_fail_exactly_their_transfer() {
 /// peer fail, nothing hangs.
 #[test]
 fn peer_death_mid_transfer() {
-    for seed in seeds(&[41, 42, 43]) {
-        let _g = SeedGuard(seed, "peer_death_mid_transfer");
+    for seed in seeds_or([41, 42, 43]) {
+        let _g = SeedGuard::new(seed, "peer_death_mid_transfer");
         let fabric = small_writes_fabric(seed);
         let nics = 1 + (seed as usize % 3);
         let (a, b, c) = (
@@ -332,9 +332,9 @@ fn peer_death_mid_transfer() {
         let ea = engine(&fabric, a, nics, test_config(), true);
         let eb = engine(&fabric, b, nics, test_config(), true);
         let ec = engine(&fabric, c, nics, test_config(), true);
-        let src = Arc::new(HostBuf::filled(1 << 20, |i| pat(seed, i)));
-        let db = Arc::new(HostBuf::new(1 << 20));
-        let dc = Arc::new(HostBuf::new(1 << 20));
+        let src = Arc::new(mem::patterned(seed, 1 << 20));
+        let db = Arc::new(mem::zeroed(1 << 20));
+        let dc = Arc::new(mem::zeroed(1 << 20));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, ddb) = eb.reg_mr(db.region()).unwrap();
         let (_, ddc) = ec.reg_mr(dc.region()).unwrap();
@@ -405,8 +405,8 @@ fn deterministic_per_seed() {
         let (a, b) = (fabric.add_host(2), fabric.add_host(2));
         let ea = engine(&fabric, a, 2, test_config(), true);
         let eb = engine(&fabric, b, 2, test_config(), true);
-        let src = HostBuf::filled(1 << 18, |i| pat(seed, i));
-        let dst = HostBuf::new(1 << 18);
+        let src = mem::patterned(seed, 1 << 18);
+        let dst = mem::zeroed(1 << 18);
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).first(3));
@@ -429,8 +429,8 @@ fn deterministic_per_seed() {
         let v = order.lock().clone();
         v
     }
-    for seed in seeds(&[51]) {
-        let _g = SeedGuard(seed, "deterministic_per_seed");
+    for seed in seeds_or([51]) {
+        let _g = SeedGuard::new(seed, "deterministic_per_seed");
         assert_eq!(run(seed), run(seed));
     }
 }
@@ -441,7 +441,7 @@ fn deterministic_per_seed() {
 #[test]
 fn api_errors_and_allocation() {
     let seed = 7;
-    let _g = SeedGuard(seed, "api_errors_and_allocation");
+    let _g = SeedGuard::new(seed, "api_errors_and_allocation");
     let fabric = Fabric::new(FabricConfig::adversarial(seed));
     let (a, b) = (fabric.add_host(2), fabric.add_host(2));
     let cfg = weft_engine::EngineConfig {
@@ -461,8 +461,8 @@ fn api_errors_and_allocation() {
         .on_imm_excess(move |imm, n| ex2.lock().push((imm, n)))
         .build()
         .unwrap();
-    let src = HostBuf::filled(4096, |i| pat(seed, i));
-    let dst = HostBuf::new(4096);
+    let src = mem::patterned(seed, 4096);
+    let dst = mem::zeroed(4096);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let called = Arc::new(AtomicU64::new(0));
@@ -561,7 +561,7 @@ struct ImmPair {
     eb: TransferEngine,
     sh: weft_engine::MrHandle,
     dd: weft_engine::MrDesc,
-    _bufs: (HostBuf, HostBuf),
+    _bufs: (HostBuffer, HostBuffer),
 }
 
 impl ImmPair {
@@ -570,7 +570,7 @@ impl ImmPair {
         let (a, b) = (fabric.add_host(1), fabric.add_host(1));
         let ea = engine(&fabric, a, 1, test_config(), true);
         let eb = engine(&fabric, b, 1, test_config(), true);
-        let (src, dst) = (HostBuf::new(64), HostBuf::new(64));
+        let (src, dst) = (mem::zeroed(64), mem::zeroed(64));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         ImmPair {
@@ -611,7 +611,7 @@ impl ImmPair {
 #[test]
 fn armed_imm_rounds_follow_each_round() {
     let seed = 21;
-    let _g = SeedGuard(seed, "armed_imm_rounds_follow_each_round");
+    let _g = SeedGuard::new(seed, "armed_imm_rounds_follow_each_round");
     let t = ImmPair::new(seed);
     let eb = &t.eb;
     let fired = Arc::new(AtomicU64::new(0));
@@ -659,7 +659,7 @@ fn armed_imm_rounds_follow_each_round() {
 #[test]
 fn imm_rounds_report_to_flags_and_counters() {
     let seed = 22;
-    let _g = SeedGuard(seed, "imm_rounds_report_to_flags_and_counters");
+    let _g = SeedGuard::new(seed, "imm_rounds_report_to_flags_and_counters");
     let t = ImmPair::new(seed);
     let eb = &t.eb;
     let x = eb.alloc_imm().unwrap();

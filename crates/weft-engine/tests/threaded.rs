@@ -7,8 +7,7 @@ mod common;
 
 use common::*;
 use parking_lot::Mutex;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,7 +39,7 @@ const SLOT_LEN: usize = 96 * 1024;
 /// `nics` NICs; every expect_imm_count callback checks all its bytes are in
 /// place; arming happens before or after submitting (early arrivals).
 fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
-    let _g = SeedGuard(seed, "mixed_writes");
+    let _g = SeedGuard::new(seed, "mixed_writes");
     let fabric = Fabric::new_realtime(FabricConfig {
         max_write_len: 40 * 1024,
         ..FabricConfig::adversarial(seed)
@@ -52,11 +51,11 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
         })
         .collect();
     let src_len = 1 << 20;
-    let srcs: Vec<Arc<HostBuf>> = (0..hosts)
-        .map(|s| Arc::new(HostBuf::filled(src_len, |i| pat(seed ^ s as u64, i))))
+    let srcs: Vec<Arc<HostBuffer>> = (0..hosts)
+        .map(|s| Arc::new(mem::patterned(seed ^ s as u64, src_len)))
         .collect();
-    let dsts: Vec<Arc<HostBuf>> = (0..hosts)
-        .map(|_| Arc::new(HostBuf::new(hosts * SLOTS * SLOT_LEN)))
+    let dsts: Vec<Arc<HostBuffer>> = (0..hosts)
+        .map(|_| Arc::new(mem::zeroed(hosts * SLOTS * SLOT_LEN)))
         .collect();
     let src_mrs: Vec<_> = engines
         .iter()
@@ -85,7 +84,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
     let errors: Log = Arc::default();
     let fired = Arc::new(AtomicU64::new(0));
     let done = Arc::new(DoneCounter::new());
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rng = weft_testkit::seed::rng(seed);
     let mut issued = 0usize;
     while issued < total {
         let pick = {
@@ -165,7 +164,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
                     errors.lock().push(format!("imm round failed: {e}"));
                 }
                 for &(so, d_o, l) in &regions {
-                    if src.read(so as usize, l as usize) != dst.read(d_o as usize, l as usize) {
+                    if src.bytes(so as usize, l as usize) != dst.bytes(d_o as usize, l as usize) {
                         errors.lock().push(format!(
                             "{s}->{r} slot {k}: bytes not in place when the imm count fired"
                         ));
@@ -202,7 +201,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
         }
         issued += 1;
     }
-    wait_until("all imm callbacks and on_dones", || {
+    wait_until("all imm callbacks and on_dones", HANG, || {
         fired.load(Ordering::SeqCst) == total as u64 && done.total() == total as u64
     });
     assert_eq!(done.failed(), 0, "{:?}", done.first_error());
@@ -222,7 +221,7 @@ fn mixed_writes_2_to_16_hosts() {
     let total = mixed_count();
     // (hosts, nics): spread the total over a few topologies.
     let topologies = [(2usize, 1usize), (4, 4), (8, 2), (16, 3)];
-    for (i, seed) in seeds(&[61]).into_iter().enumerate() {
+    for (i, seed) in seeds_or([61]).into_iter().enumerate() {
         for (j, &(h, n)) in topologies.iter().enumerate() {
             let share = if j == 0 {
                 total - total / 4 * 3
@@ -238,8 +237,8 @@ fn mixed_writes_2_to_16_hosts() {
 /// with its content; large messages (over a send slot) work too.
 #[test]
 fn send_recv_storm() {
-    for seed in seeds(&[71]) {
-        let _g = SeedGuard(seed, "send_recv_storm");
+    for seed in seeds_or([71]) {
+        let _g = SeedGuard::new(seed, "send_recv_storm");
         let fabric = Fabric::new_realtime(FabricConfig {
             rnr_timeout: Duration::from_secs(30),
             ..FabricConfig::adversarial(seed)
@@ -262,10 +261,9 @@ fn send_recv_storm() {
                         let seq = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
                         let len = u32::from_le_bytes([b[5], b[6], b[7], b[8]]) as usize;
                         let ok = b.len() == len
-                            && b[9..]
-                                .iter()
-                                .enumerate()
-                                .all(|(i, &x)| x == pat(u64::from(seq) ^ u64::from(sender), i));
+                            && b[9..].iter().enumerate().all(|(i, &x)| {
+                                x == pattern_byte(u64::from(seq) ^ u64::from(sender), i as u64)
+                            });
                         if !ok {
                             errs.lock().push(format!("bad message {sender}/{seq}"));
                         }
@@ -284,7 +282,7 @@ fn send_recv_storm() {
             .unwrap();
         }
         let sent = Arc::new(DoneCounter::new());
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = weft_testkit::seed::rng(seed);
         let addrs: Vec<_> = engines.iter().map(|e| e.main_address()).collect();
         for seq in 0..per_pair {
             for (s, e) in engines.iter().enumerate() {
@@ -302,14 +300,14 @@ fn send_recv_storm() {
                     m[1..5].copy_from_slice(&seq.to_le_bytes());
                     m[5..9].copy_from_slice(&(len as u32).to_le_bytes());
                     for (i, x) in m[9..].iter_mut().enumerate() {
-                        *x = pat(u64::from(seq) ^ s as u64, i);
+                        *x = pattern_byte(u64::from(seq) ^ s as u64, i as u64);
                     }
                     e.submit_send(a, &m, OnDone::counter(&sent)).unwrap();
                 }
             }
         }
         let total = u64::from(per_pair) * (hosts * (hosts - 1)) as u64;
-        wait_until("all messages", || {
+        wait_until("all messages", HANG, || {
             recvd.load(Ordering::SeqCst) == total && sent.total() == total
         });
         assert_eq!(sent.failed(), 0, "{:?}", sent.first_error());
@@ -334,8 +332,8 @@ fn send_recv_storm() {
 /// not deadlock, and a peer killed in the middle fails exactly its work.
 #[test]
 fn resubmitting_callbacks_and_peer_death() {
-    for seed in seeds(&[81]) {
-        let _g = SeedGuard(seed, "resubmitting_callbacks_and_peer_death");
+    for seed in seeds_or([81]) {
+        let _g = SeedGuard::new(seed, "resubmitting_callbacks_and_peer_death");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let cfg = EngineConfig {
             queue_capacity: 2,
@@ -346,9 +344,9 @@ fn resubmitting_callbacks_and_peer_death() {
         let ea = engine(&fabric, a, 2, cfg.clone(), false);
         let eb = engine(&fabric, b, 2, cfg.clone(), false);
         let ec = engine(&fabric, c, 2, cfg, false);
-        let src = Arc::new(HostBuf::filled(1 << 18, |i| pat(seed, i)));
-        let db = Arc::new(HostBuf::new(1 << 18));
-        let dc = Arc::new(HostBuf::new(1 << 18));
+        let src = Arc::new(mem::patterned(seed, 1 << 18));
+        let db = Arc::new(mem::zeroed(1 << 18));
+        let dc = Arc::new(mem::zeroed(1 << 18));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, ddb) = eb.reg_mr(db.region()).unwrap();
         let (_, ddc) = ec.reg_mr(dc.region()).unwrap();
@@ -407,9 +405,11 @@ fn resubmitting_callbacks_and_peer_death() {
                 submitted.clone(),
             );
         }
-        wait_until("chains under way", || ok.load(Ordering::SeqCst) > chain_len);
+        wait_until("chains under way", HANG, || {
+            ok.load(Ordering::SeqCst) > chain_len
+        });
         fabric.kill_host(b);
-        wait_until("all chains finished", || {
+        wait_until("all chains finished", HANG, || {
             let s = submitted.load(Ordering::SeqCst);
             s == ok.load(Ordering::SeqCst) + failed.load(Ordering::SeqCst) && s == 8 * chain_len
         });
@@ -431,14 +431,14 @@ fn resubmitting_callbacks_and_peer_death() {
 /// and fails armed immediate rounds; submits afterwards fail.
 #[test]
 fn shutdown_resolves_everything() {
-    for seed in seeds(&[91]) {
-        let _g = SeedGuard(seed, "shutdown_resolves_everything");
+    for seed in seeds_or([91]) {
+        let _g = SeedGuard::new(seed, "shutdown_resolves_everything");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(2), fabric.add_host(2));
         let ea = engine(&fabric, a, 2, test_config(), false);
         let eb = engine(&fabric, b, 2, test_config(), false);
-        let src = HostBuf::filled(1 << 20, |i| pat(seed, i));
-        let dst = HostBuf::new(1 << 20);
+        let src = mem::patterned(seed, 1 << 20);
+        let dst = mem::zeroed(1 << 20);
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         let done = Arc::new(DoneCounter::new());
@@ -473,20 +473,20 @@ fn shutdown_resolves_everything() {
 /// arm calls: each round fires once, with all its data in place.
 #[test]
 fn rearm_rounds_race_arrivals() {
-    for seed in seeds(&[101]) {
-        let _g = SeedGuard(seed, "rearm_rounds_race_arrivals");
+    for seed in seeds_or([101]) {
+        let _g = SeedGuard::new(seed, "rearm_rounds_race_arrivals");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(3), fabric.add_host(3));
         let ea = engine(&fabric, a, 3, test_config(), false);
         let eb = engine(&fabric, b, 3, test_config(), false);
-        let src = Arc::new(HostBuf::filled(1 << 20, |i| pat(seed, i)));
-        let dst = Arc::new(HostBuf::new(1 << 20));
+        let src = Arc::new(mem::patterned(seed, 1 << 20));
+        let dst = Arc::new(mem::zeroed(1 << 20));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, dd) = eb.reg_mr(dst.region()).unwrap();
         let imm = eb.alloc_imm().unwrap();
         let counts = eb.imm_counts(0).unwrap();
         let rounds = if cfg!(debug_assertions) { 100 } else { 1000 };
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rng = weft_testkit::seed::rng(seed);
         let errors: Log = Arc::default();
         for round in 0..rounds {
             let len = rng.gen_range(1..300_000u64);
@@ -496,7 +496,8 @@ fn rearm_rounds_race_arrivals() {
             let arm = {
                 let (s, d, f, e) = (src.clone(), dst.clone(), fired.clone(), errors.clone());
                 move |r: Result<(), EngineError>| {
-                    if r.is_err() || s.read(so as usize, len as usize) != d.read(0, len as usize) {
+                    if r.is_err() || s.bytes(so as usize, len as usize) != d.bytes(0, len as usize)
+                    {
                         e.lock().push(format!("round {round}: data not in place"));
                     }
                     f.fetch_add(1, Ordering::SeqCst);
@@ -514,7 +515,7 @@ fn rearm_rounds_race_arrivals() {
                 std::thread::yield_now();
                 eb.expect_imm_count(imm, n, arm).unwrap();
             }
-            wait_until("round", || {
+            wait_until("round", HANG, || {
                 flag.is_done() && fired.load(Ordering::SeqCst) >= 1
             });
             assert_eq!(flag.result(), Some(Ok(())));

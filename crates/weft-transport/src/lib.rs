@@ -63,11 +63,13 @@
 #![deny(unsafe_code)]
 
 mod error;
+mod host_buffer;
 mod memory;
 mod types;
 mod wire;
 
 pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
+pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
 pub use types::{
     Capabilities, Completion, Imm, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages, PeerId,

@@ -2,22 +2,15 @@
 //! fails). Shared by `engine_tcp.rs` and `engine_xproc.rs`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weft_engine::{DoneFlag, EngineError};
 
 /// Generous bound on every wait.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Polls `f` every millisecond until it holds; panics after [`DEADLINE`].
-pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+/// Polls `f` until it holds; panics after [`DEADLINE`].
+pub fn wait_until(what: &str, f: impl FnMut() -> bool) {
+    weft_testkit::wait_until(what, DEADLINE, f);
 }
 
 /// Waits for `f` to be resolved and returns its result.

@@ -1,20 +1,18 @@
 //! Shared helpers of the verbs tests: simulated hosts with registered memory.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::ptr::NonNull;
+pub use weft_testkit::mem::{self, HostBufferExt};
+pub use weft_transport::HostBuffer;
 use weft_transport::{
-    Access, Completion, Device, Domain, LocalMr, MemRegion, NetAddr, PeerId, WrId, WriteWr,
+    Access, Completion, Domain, LocalMr, MemRegion, NetAddr, PeerId, WrId, WriteWr,
 };
 use weft_verbs::ops::VerbsLib;
 use weft_verbs::sim::{SimConfig, SimFabric, SimLib};
 use weft_verbs::{VerbsConfig, VerbsDomain};
 
-/// Runs `body` with `seed`, printing the seed if it panics.
-pub fn with_seed(seed: u64, body: impl FnOnce(u64) + std::panic::UnwindSafe) {
-    if let Err(e) = std::panic::catch_unwind(move || body(seed)) {
-        eprintln!("verbs sim test failed with seed {seed} (rerun with this seed)");
-        std::panic::resume_unwind(e);
-    }
+/// Runs `body` with `seed`, printing the replay line if it panics.
+pub fn with_seed(seed: u64, body: impl FnOnce(u64)) {
+    weft_testkit::with_seed(seed, || body(seed));
 }
 
 /// Config suited to the simulator's microsecond clock.
@@ -26,44 +24,23 @@ pub fn sim_cfg() -> VerbsConfig {
     }
 }
 
-/// Heap memory for tests, freed on drop (after the domains: declare it first).
-pub struct Buf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
+/// The buffer API `engine.rs` uses: a [`HostBuffer`] whose accessors panic
+/// when out of bounds. Declare it before the domains/engines that register
+/// it.
+pub struct Buf(HostBuffer);
 
 impl Buf {
     pub fn new(len: usize) -> Self {
-        let b = vec![0u8; len.max(1)].into_boxed_slice();
-        let ptr = NonNull::new(Box::into_raw(b) as *mut u8).unwrap();
-        Self { ptr, len }
+        Self(mem::zeroed(len))
     }
     pub fn region(&self) -> MemRegion {
-        // SAFETY: the buffer outlives the domains in every test (declared
-        // before them) and is only accessed through raw pointers.
-        unsafe { MemRegion::new(self.ptr, self.len, Device::Host) }
+        self.0.region()
     }
     pub fn write(&self, off: usize, data: &[u8]) {
-        assert!(off + data.len() <= self.len);
-        // SAFETY: in bounds.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(off), data.len())
-        }
+        self.0.put(off, data);
     }
     pub fn read(&self, off: usize, len: usize) -> Vec<u8> {
-        assert!(off + len <= self.len);
-        let mut v = vec![0u8; len];
-        // SAFETY: in bounds.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), v.as_mut_ptr(), len) };
-        v
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        let s = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len.max(1));
-        // SAFETY: allocated in `new` with this length.
-        drop(unsafe { Box::from_raw(s) });
+        self.0.bytes(off, len)
     }
 }
 
@@ -125,20 +102,19 @@ impl Sim {
         out: &mut [Vec<Completion>],
         mut done: impl FnMut(&[Vec<Completion>]) -> bool,
     ) -> bool {
-        for _ in 0..max {
-            if done(out) {
-                return true;
-            }
-            self.round(out);
-        }
-        done(out)
+        weft_testkit::poll_rounds(
+            max,
+            &mut (self, out),
+            |(sim, out)| sim.round(out),
+            |(_, out)| done(out),
+        )
     }
 
     pub fn outs(&self) -> Vec<Vec<Completion>> {
         vec![Vec::new(); self.hosts.len()]
     }
 
-    pub fn reg(&mut self, i: usize, buf: &Buf, access: Access) -> LocalMr {
+    pub fn reg(&mut self, i: usize, buf: &HostBuffer, access: Access) -> LocalMr {
         self.hosts[i].register(&buf.region(), access).unwrap()
     }
 

@@ -35,10 +35,3 @@ pub fn gpu_kernels(test: &str) -> Option<(Gpu, Kernels)> {
         Err(e) => panic!("{test}: kernels unavailable: {e}"),
     }
 }
-
-/// A deterministic byte pattern.
-pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8))
-        .collect()
-}

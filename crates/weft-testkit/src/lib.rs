@@ -1,0 +1,36 @@
+//! # weft-testkit: what weft's test suites share
+//!
+//! One implementation, instead of a copy per test suite, of:
+//!
+//! - [`seed`]: the seeds a randomized test runs, `WEFT_SEED=N` to replay one,
+//!   and the `seed=N (replay with WEFT_SEED=N)` line printed when a seeded
+//!   test panics; a ChaCha RNG per seed.
+//! - [`wait`]: bounded waits for threaded tests ([`wait_until`]); the bound
+//!   only detects hangs, it never asserts on speed.
+//! - [`mod@pattern`]: deterministic data patterns and a comparison that reports
+//!   the first mismatch.
+//! - [`drive`]: step-mode loops that progress domains or engines until a
+//!   condition holds, failing when everything went idle first.
+//! - [`mem`]: [`weft_transport::HostBuffer`] constructors and accessors that
+//!   panic on test bugs instead of returning errors.
+//! - [`child`]: re-executing the current test binary as a child process in a
+//!   role, with a stdout pipe for a line handshake.
+//!
+//! This crate is for tests: it is a dev-dependency of the crates whose tests
+//! use it (and a normal dependency only of the test-support crate
+//! `weft-conformance`), never of a library.
+
+#![deny(unsafe_code)]
+
+pub mod child;
+pub mod drive;
+pub mod mem;
+pub mod pattern;
+pub mod seed;
+pub mod wait;
+
+pub use drive::{drive_until, poll_rounds};
+pub use mem::HostBufferExt;
+pub use pattern::{check_pattern, pattern, pattern_byte, Mismatch};
+pub use seed::{for_seeds, run_seeded, seeds, seeds_or, with_seed, SeedGuard, SEED_ENV};
+pub use wait::wait_until;

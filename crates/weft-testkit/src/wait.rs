@@ -1,0 +1,52 @@
+//! Bounded waits for threaded tests.
+
+use std::time::{Duration, Instant};
+
+/// Polls `cond` until it holds; panics with `hang: <what> ...` once
+/// `timeout` has passed without it.
+///
+/// The timeout only catches hangs: pick it generously (tens of seconds), it
+/// is not a speed assertion. Polling spins briefly, then yields, then sleeps
+/// 200 µs between polls, so a long wait does not burn a core.
+pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    let mut polls = 0u32;
+    while !cond() {
+        assert!(
+            start.elapsed() < timeout,
+            "hang: {what} did not happen within {timeout:?}"
+        );
+        polls = polls.saturating_add(1);
+        if polls < 64 {
+            std::hint::spin_loop();
+        } else if polls < 128 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn returns_once_the_condition_holds() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let f = flag.clone();
+        let t = std::thread::spawn(move || f.store(true, Ordering::Release));
+        wait_until("flag", Duration::from_secs(60), || {
+            flag.load(Ordering::Acquire)
+        });
+        t.join().unwrap();
+    }
+
+    #[test]
+    #[should_panic(expected = "hang: never did not happen")]
+    fn panics_on_hang() {
+        wait_until("never", Duration::from_millis(1), || false);
+    }
+}
