@@ -184,7 +184,7 @@ impl Registry {
             + Sync
             + 'static,
     {
-        self.insert(name, vec![name.to_string()], Vec::new(), Arc::new(factory))
+        self.insert(name, &[name], &[], Arc::new(factory))
     }
 
     /// [`Registry::register`] with the specs [`Registry::providers`] probes
@@ -193,14 +193,15 @@ impl Registry {
     pub(crate) fn insert(
         &mut self,
         name: &str,
-        listed: Vec<String>,
-        patterns: Vec<String>,
+        listed: &[&str],
+        patterns: &[&str],
         factory: Arc<Factory>,
     ) -> &mut Self {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
         let entry = Entry {
             name: name.to_string(),
-            listed,
-            patterns,
+            listed: strings(listed),
+            patterns: strings(patterns),
             factory,
         };
         match self.entries.iter_mut().find(|e| e.name == name) {

@@ -3,11 +3,9 @@
 use std::sync::Arc;
 
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::Provider;
+use weft_transport::{Provider, TransportError};
 
-use crate::config::LibfabricOptions;
-use crate::error::ProviderError;
-use crate::registry::Factory;
+use crate::config::{LibfabricOptions, ProviderConfig};
 use crate::spec::ProviderSpec;
 
 /// The backend configuration for a host with `nics` NICs.
@@ -25,18 +23,18 @@ fn libfabric_config(provider: &str, opts: &LibfabricOptions, nics: usize) -> Lib
     cfg
 }
 
-pub(crate) fn factory() -> Arc<Factory> {
-    Arc::new(|spec, config| {
-        let ProviderSpec::Libfabric(provider) = spec else {
-            return Err(ProviderError::Invalid {
-                spec: spec.to_string(),
-                reason: "the libfabric factory serves libfabric:<provider> only".into(),
-            });
-        };
-        let (provider, opts) = (provider.clone(), config.libfabric.clone());
-        Ok(Box::new(move |nics: usize| {
-            let p = LibfabricProvider::with_config(libfabric_config(&provider, &opts, nics))?;
-            Ok(Arc::new(p) as Arc<dyn Provider>)
-        }))
-    })
+/// A host: a new provider instance with `nics` NICs.
+pub(crate) fn host(
+    spec: &ProviderSpec,
+    config: &ProviderConfig,
+    nics: usize,
+) -> Result<Arc<dyn Provider>, TransportError> {
+    let ProviderSpec::Libfabric(provider) = spec else {
+        return Err(TransportError::InvalidArgument {
+            nic: spec.to_string(),
+            what: "not a libfabric:<provider> spec".into(),
+        });
+    };
+    let p = LibfabricProvider::with_config(libfabric_config(provider, &config.libfabric, nics))?;
+    Ok(Arc::new(p))
 }

@@ -13,8 +13,24 @@ pub(crate) mod loopback;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
+use weft_transport::{Provider, TransportError};
+
+use crate::config::ProviderConfig;
 use crate::error::ProviderError;
 use crate::registry::{Factory, Registry};
+use crate::spec::ProviderSpec;
+
+/// The factory `$factory` when cargo feature `$feature` is on, else one that
+/// reports the feature off.
+macro_rules! gated {
+    ($feature:literal, $factory:expr) => {{
+        #[cfg(feature = $feature)]
+        let f = $factory;
+        #[cfg(not(feature = $feature))]
+        let f = disabled($feature);
+        f
+    }};
+}
 
 /// A factory for a backend whose cargo feature is off.
 #[allow(dead_code)] // unused when every feature is on
@@ -27,42 +43,48 @@ fn disabled(feature: &'static str) -> Arc<Factory> {
     })
 }
 
-fn strings(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
+/// A factory for a backend whose every host is a new provider instance,
+/// made by `make(spec, config, nics)`: all most backends need.
+#[allow(dead_code)] // unused when every feature is off
+fn per_host<F>(make: F) -> Arc<Factory>
+where
+    F: Fn(&ProviderSpec, &ProviderConfig, usize) -> Result<Arc<dyn Provider>, TransportError>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+{
+    Arc::new(move |spec, config| {
+        let (make, spec, config) = (make.clone(), spec.clone(), config.clone());
+        Ok(Box::new(move |nics: usize| make(&spec, &config, nics)))
+    })
 }
 
-/// Registers every built-in backend: one line per backend.
+/// Registers every built-in backend: one line (statement) per backend,
+/// naming its specs, its cargo feature and its factory.
 pub(crate) fn register_all(r: &mut Registry) {
-    #[cfg(feature = "loopback")]
-    let (lo, lo_null) = (loopback::factory(), loopback::factory());
-    #[cfg(not(feature = "loopback"))]
-    let (lo, lo_null) = (disabled("loopback"), disabled("loopback"));
-    #[cfg(feature = "libfabric")]
-    let lf = libfabric::factory();
-    #[cfg(not(feature = "libfabric"))]
-    let lf = disabled("libfabric");
-    #[cfg(feature = "verbs")]
-    let vb = verbs::factory();
-    #[cfg(not(feature = "verbs"))]
-    let vb = disabled("verbs");
-
-    r.insert("loopback", strings(&["loopback"]), Vec::new(), lo);
+    r.insert(
+        "loopback",
+        &["loopback"],
+        &[],
+        gated!("loopback", loopback::factory()),
+    );
     r.insert(
         "loopback-null",
-        strings(&["loopback-null"]),
-        Vec::new(),
-        lo_null,
+        &["loopback-null"],
+        &[],
+        gated!("loopback", loopback::factory()),
     );
     r.insert(
         "libfabric",
-        strings(&["libfabric:tcp", "libfabric:shm", "libfabric:efa"]),
-        strings(&["libfabric:<provider>"]),
-        lf,
+        &["libfabric:tcp", "libfabric:shm", "libfabric:efa"],
+        &["libfabric:<provider>"],
+        gated!("libfabric", per_host(libfabric::host)),
     );
     r.insert(
         "verbs",
-        strings(&["verbs"]),
-        strings(&["verbs:<device>"]),
-        vb,
+        &["verbs"],
+        &["verbs:<device>"],
+        gated!("verbs", per_host(verbs::host)),
     );
 }

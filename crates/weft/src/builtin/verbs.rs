@@ -5,8 +5,7 @@ use std::sync::Arc;
 use weft_transport::{Domain, NicInfo, Provider, TransportError};
 use weft_verbs::{VerbsConfig, VerbsProvider};
 
-use crate::error::ProviderError;
-use crate::registry::Factory;
+use crate::config::ProviderConfig;
 use crate::spec::ProviderSpec;
 
 /// The NICs of one verbs device (`verbs:mlx5_0`): the provider's NICs whose
@@ -58,25 +57,20 @@ impl Provider for OneDevice {
     }
 }
 
-pub(crate) fn factory() -> Arc<Factory> {
-    Arc::new(|spec, _config| {
-        let ProviderSpec::Verbs(device) = spec else {
-            return Err(ProviderError::Invalid {
-                spec: spec.to_string(),
-                reason: "the verbs factory serves verbs and verbs:<device> only".into(),
-            });
-        };
-        let (device, name) = (device.clone(), spec.to_string());
-        Ok(Box::new(move |_nics: usize| {
-            let inner = VerbsProvider::new(VerbsConfig::default());
-            Ok(match &device {
-                None => Arc::new(inner) as Arc<dyn Provider>,
-                Some(d) => Arc::new(OneDevice {
-                    inner,
-                    device: d.clone(),
-                    name: name.clone(),
-                }),
-            })
-        }))
+/// A host: a new provider over every device, or over the one `verbs:DEVICE`
+/// names.
+pub(crate) fn host(
+    spec: &ProviderSpec,
+    _config: &ProviderConfig,
+    _nics: usize,
+) -> Result<Arc<dyn Provider>, TransportError> {
+    let inner = VerbsProvider::new(VerbsConfig::default());
+    Ok(match spec {
+        ProviderSpec::Verbs(Some(device)) => Arc::new(OneDevice {
+            inner,
+            device: device.clone(),
+            name: spec.to_string(),
+        }),
+        _ => Arc::new(inner),
     })
 }
