@@ -4,7 +4,7 @@ use crate::backend::Testbed;
 use crate::buf::HostBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft_engine::{
+use weft::{
     DomainGroupSpec, DoneCounter, EngineConfig, EngineError, MrDesc, MrHandle, OnDone, Pages,
     TransferEngine,
 };
