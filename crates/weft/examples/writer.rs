@@ -1,7 +1,7 @@
 //! The sending half of the two-host example (see docs/backends.md).
 //!
 //! ```text
-//! writer [--provider tcp] [--domain eth0] <hex after WEFT_PEER= from the reader>
+//! cargo run -p weft --example writer -- [--provider tcp|shm|efa|SPEC] [--domain eth0] <hex after WEFT_PEER= from the reader>
 //! ```
 //!
 //! WRITEs a pattern into the reader's buffer in 1 MiB chunks, each with an
@@ -10,19 +10,13 @@
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{
-    decode, Access, Completion, Device, Domain, MemRegion, MrDesc, NetAddr, WrId, WriteWr,
-};
+use weft::{decode, Access, Completion, Device, MemRegion, MrDesc, NetAddr, WrId, WriteWr};
+
+mod common;
+use common::arg;
 
 const CHUNK: usize = 1 << 20;
 const IMM: u32 = 0x5745_4654;
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -35,20 +29,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 && arg(&args, "--provider").as_deref() != Some(a.as_str())
                 && arg(&args, "--domain").as_deref() != Some(a.as_str())
         })
-        .ok_or("usage: writer [--provider tcp] [--domain IF] <WEFT_PEER hex>")?;
+        .ok_or("usage: writer [--provider tcp|shm|efa|SPEC] [--domain IF] <WEFT_PEER hex>")?;
     let blob = blob.trim_start_matches("WEFT_PEER=");
     let desc: MrDesc = decode(&blob.parse::<NetAddr>()?.0)?;
     let (peer_addr, _) = desc.rkeys.first().ok_or("descriptor without NIC")?.clone();
-    let provider = arg(&args, "--provider").unwrap_or_else(|| "tcp".into());
-    let mut cfg = LibfabricConfig::new(provider);
-    if let Some(d) = arg(&args, "--domain") {
-        cfg = cfg.with_domains([d]);
-    }
-    let p = LibfabricProvider::with_config(cfg)?;
     let len = usize::try_from(desc.len)?;
     let chunks = len / CHUNK;
     let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-    let mut dom = p.open_domain(0)?;
+    let mut dom = common::open_domain(&args)?;
     // SAFETY: `src` outlives the domain (declared earlier, dropped later).
     let region = unsafe {
         MemRegion::new(
