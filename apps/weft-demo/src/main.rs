@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use weft::loopback::FabricStats;
 use weft::{
-    Backend, DomainGroupSpec, EngineConfig, LoopbackOptions, LoopbackProfile, ProviderConfig,
-    ProviderSpec, TransferEngine,
+    Backend, DomainGroupSpec, EngineConfig, LibfabricOptions, LoopbackOptions, LoopbackProfile,
+    ProviderConfig, ProviderSpec, TransferEngine,
 };
 use weft_kvcache::{Decoder, KvConfig, KvLayout, Prefiller};
 
@@ -58,9 +58,12 @@ fn kvcache(spec: &ProviderSpec, seed: u64) -> Result<(), String> {
     }
     // On loopback: the adversarial profile with WRITEs of at most 16 KiB per
     // WR, so every transfer is split, chunked and reordered.
-    let config = ProviderConfig::default().with_nics(NICS).with_loopback(
+    let mut config = ProviderConfig::default().with_nics(NICS).with_loopback(
         LoopbackOptions::new(LoopbackProfile::Adversarial, seed).with_max_write_len(16 * 1024),
     );
+    if let ProviderSpec::Libfabric(prov) = spec {
+        config = config.with_libfabric(LibfabricOptions::same_machine(prov));
+    }
     let backend = weft::provider_with(spec, &config).map_err(|e| e.to_string())?;
     let layout = KvLayout {
         layers: 16,

@@ -54,23 +54,22 @@ impl fmt::Debug for Testbed {
 }
 
 /// The options the bench opens `kind` with: the ideal loopback profile
-/// (seed 1); libfabric tcp on `lo` and shm on `shm` (each opened `nics`
-/// times per host), a 5 s connect timeout and [`max_inflight`].
+/// (seed 1); libfabric on this machine's domains
+/// ([`LibfabricOptions::same_machine`]: tcp on `lo`, shm on `shm`, each
+/// opened `nics` times per host), a 5 s connect timeout and
+/// [`max_inflight`].
 fn provider_config(kind: &BackendKind, nics: usize, max_inflight: usize) -> ProviderConfig {
-    let mut lf = LibfabricOptions::default()
-        .with_connect_timeout(Duration::from_secs(5))
-        .with_max_inflight(max_inflight);
-    if let BackendKind::Libfabric(prov) = kind {
-        match prov.as_str() {
-            "tcp" => lf = lf.with_domain("lo"),
-            "shm" => lf = lf.with_domain("shm"),
-            _ => {}
-        }
-    }
+    let lf = match kind {
+        BackendKind::Libfabric(prov) => LibfabricOptions::same_machine(prov),
+        _ => LibfabricOptions::default(),
+    };
     ProviderConfig::default()
         .with_nics(nics)
         .with_loopback(LoopbackOptions::new(LoopbackProfile::Ideal, 1))
-        .with_libfabric(lf)
+        .with_libfabric(
+            lf.with_connect_timeout(Duration::from_secs(5))
+                .with_max_inflight(max_inflight),
+        )
 }
 
 impl Testbed {

@@ -108,6 +108,21 @@ pub struct LibfabricOptions {
 }
 
 impl LibfabricOptions {
+    /// Options for hosts that all live on this machine (benchmarks, demos,
+    /// tests): `tcp` on the loopback interface `lo`, `shm` on its `shm`
+    /// domain, any other provider on every domain it reports.
+    pub fn same_machine(provider: &str) -> Self {
+        let domain = match provider {
+            "tcp" => Some("lo".to_string()),
+            "shm" => Some("shm".to_string()),
+            _ => None,
+        };
+        LibfabricOptions {
+            domain,
+            ..LibfabricOptions::default()
+        }
+    }
+
     /// Sets [`LibfabricOptions::domain`].
     pub fn with_domain(mut self, domain: impl Into<String>) -> Self {
         self.domain = Some(domain.into());

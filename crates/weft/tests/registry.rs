@@ -124,6 +124,14 @@ fn providers_lists_every_builtin_and_says_why_not() {
 }
 
 #[test]
+fn same_machine_libfabric_domains() {
+    let d = |p: &str| LibfabricOptions::same_machine(p).domain;
+    assert_eq!(d("tcp").as_deref(), Some("lo"));
+    assert_eq!(d("shm").as_deref(), Some("shm"));
+    assert_eq!(d("efa"), None);
+}
+
+#[test]
 fn libfabric_options_reach_the_backend_or_it_says_why_not() {
     let cfg = ProviderConfig::default().with_libfabric(
         LibfabricOptions::default()

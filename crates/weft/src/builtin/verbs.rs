@@ -10,13 +10,13 @@ use crate::spec::ProviderSpec;
 
 /// The NICs of one verbs device (`verbs:mlx5_0`): the provider's NICs whose
 /// name is `DEVICE:<port>`, renumbered from 0.
-struct OneDevice {
-    inner: VerbsProvider,
+struct OneDevice<P = VerbsProvider> {
+    inner: P,
     device: String,
     name: String,
 }
 
-impl OneDevice {
+impl<P: Provider> OneDevice<P> {
     /// Indices (in the inner provider) of this device's NICs, with their info.
     fn matching(&self) -> Result<Vec<(usize, NicInfo)>, TransportError> {
         let prefix = format!("{}:", self.device);
@@ -30,7 +30,7 @@ impl OneDevice {
     }
 }
 
-impl Provider for OneDevice {
+impl<P: Provider> Provider for OneDevice<P> {
     fn name(&self) -> &str {
         &self.name
     }
@@ -73,4 +73,72 @@ pub(crate) fn host(
         }),
         _ => Arc::new(inner),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two devices with two ports and one with one; `open` says which
+    /// index it was asked for.
+    struct Devices;
+
+    impl Provider for Devices {
+        fn name(&self) -> &str {
+            "verbs"
+        }
+
+        fn nics(&self) -> Result<Vec<NicInfo>, TransportError> {
+            Ok(["mlx5_0:1", "mlx5_1:1", "mlx5_1:2", "mlx5_10:1"]
+                .into_iter()
+                .map(|name| NicInfo {
+                    name: name.into(),
+                    addr: weft_transport::NetAddr(Vec::new()),
+                    numa_node: None,
+                    link_gbps: None,
+                })
+                .collect())
+        }
+
+        fn open(&self, nic: usize) -> Result<Box<dyn Domain>, TransportError> {
+            Err(TransportError::InvalidArgument {
+                nic: "fake".into(),
+                what: format!("opened {nic}"),
+            })
+        }
+    }
+
+    fn one(device: &str) -> OneDevice<Devices> {
+        OneDevice {
+            inner: Devices,
+            device: device.into(),
+            name: format!("verbs:{device}"),
+        }
+    }
+
+    fn opened(p: &OneDevice<Devices>, nic: usize) -> String {
+        match p.open(nic) {
+            Err(TransportError::InvalidArgument { what, .. }) => what,
+            Err(e) => e.to_string(),
+            Ok(_) => "a domain".into(),
+        }
+    }
+
+    #[test]
+    fn one_device_lists_and_opens_only_its_ports() {
+        let p = one("mlx5_1");
+        assert_eq!(p.name(), "verbs:mlx5_1");
+        let names: Vec<String> = p.nics().unwrap().into_iter().map(|n| n.name).collect();
+        assert_eq!(names, ["mlx5_1:1", "mlx5_1:2"]);
+        assert_eq!(opened(&p, 0), "opened 1");
+        assert_eq!(opened(&p, 1), "opened 2");
+        assert!(matches!(p.open(2), Err(TransportError::NoDevice { .. })));
+        // A prefix of another device's name is not that device.
+        assert_eq!(opened(&one("mlx5_1"), 0), "opened 1");
+        assert_eq!(opened(&one("mlx5_10"), 0), "opened 3");
+        assert!(matches!(
+            one("mlx5_9").nics(),
+            Err(TransportError::NoDevice { .. })
+        ));
+    }
 }
