@@ -39,20 +39,20 @@ impl<P: Provider> Provider for OneDevice<P> {
         let nics: Vec<NicInfo> = self.matching()?.into_iter().map(|(_, n)| n).collect();
         if nics.is_empty() {
             return Err(TransportError::NoDevice {
-                what: format!("verbs device {:?}", self.device),
+                what: format!("verbs {:?}", self.device),
             });
         }
         Ok(nics)
     }
 
     fn open(&self, nic: usize) -> Result<Box<dyn Domain>, TransportError> {
-        let (i, _) =
-            self.matching()?
-                .into_iter()
-                .nth(nic)
-                .ok_or_else(|| TransportError::NoDevice {
-                    what: format!("verbs device {:?} NIC index {nic}", self.device),
-                })?;
+        let matching = self.matching()?;
+        let &(i, _) = matching
+            .get(nic)
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: self.name.clone(),
+                what: format!("NIC index {nic} out of range ({} NICs)", matching.len()),
+            })?;
         self.inner.open(i)
     }
 }
@@ -132,7 +132,7 @@ mod tests {
         assert_eq!(names, ["mlx5_1:1", "mlx5_1:2"]);
         assert_eq!(opened(&p, 0), "opened 1");
         assert_eq!(opened(&p, 1), "opened 2");
-        assert!(matches!(p.open(2), Err(TransportError::NoDevice { .. })));
+        assert!(opened(&p, 2).contains("out of range"), "{}", opened(&p, 2));
         // A prefix of another device's name is not that device.
         assert_eq!(opened(&one("mlx5_1"), 0), "opened 1");
         assert_eq!(opened(&one("mlx5_10"), 0), "opened 3");
