@@ -1,28 +1,36 @@
 //! `weft-demo`: runs weft's application systems over the loopback fabric in
 //! realtime adversarial mode (fixed seed, small sizes) and prints what moved.
 //!
-//! Environment: `WEFT_SEED` overrides the seed; `RUST_LOG` enables tracing.
+//! Environment: `WEFT_SEED` overrides the seed; `WEFT_PROVIDER` selects
+//! another backend by its weft provider spec (e.g. `libfabric:shm`; every
+//! "host" is then an endpoint in this process); `RUST_LOG` enables tracing.
 
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
-use weft_engine::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft::loopback::FabricStats;
+use weft::{
+    Backend, DomainGroupSpec, EngineConfig, LibfabricOptions, LoopbackOptions, LoopbackProfile,
+    ProviderConfig, ProviderSpec, TransferEngine,
+};
 use weft_kvcache::{Decoder, KvConfig, KvLayout, Prefiller};
-use weft_loopback::{Fabric, FabricConfig, FabricStats};
 
 const NICS: usize = 2;
 
-fn engine(fabric: &Fabric, nics: usize) -> Result<Arc<TransferEngine>, String> {
-    let host = fabric.add_host(nics);
-    let p = Arc::new(fabric.provider(host));
+/// An engine on a fresh host of `backend` with all its NICs.
+fn engine(backend: &Backend) -> Result<Arc<TransferEngine>, String> {
+    let p = backend.host().map_err(|e| e.to_string())?;
     TransferEngine::builder()
-        .group(DomainGroupSpec::new(p, (0..nics).collect::<Vec<_>>()))
+        .group(DomainGroupSpec::new(
+            p,
+            (0..backend.nics()).collect::<Vec<_>>(),
+        ))
         .config(EngineConfig::default())
         .build()
         .map(Arc::new)
-        .map_err(|e| format!("engine on host {host:?}: {e}"))
+        .map_err(|e| format!("engine on a {} host: {e}", backend.spec()))
 }
 
 fn print_fabric(name: &str, s: &FabricStats, secs: f64) {
@@ -43,12 +51,20 @@ fn print_fabric(name: &str, s: &FabricStats, secs: f64) {
 }
 
 /// Disaggregated prefill/decode: one prefiller, two decoders.
-fn kvcache(seed: u64) -> Result<(), String> {
-    println!("== KvCache transfer (prefill -> decode), seed {seed}");
-    let fabric = Fabric::new_realtime(FabricConfig {
-        max_write_len: 16 * 1024,
-        ..FabricConfig::adversarial(seed)
-    });
+fn kvcache(spec: &ProviderSpec, seed: u64) -> Result<(), String> {
+    match spec {
+        ProviderSpec::Loopback => println!("== KvCache transfer (prefill -> decode), seed {seed}"),
+        other => println!("== KvCache transfer (prefill -> decode) on {other}"),
+    }
+    // On loopback: the adversarial profile with WRITEs of at most 16 KiB per
+    // WR, so every transfer is split, chunked and reordered.
+    let mut config = ProviderConfig::default().with_nics(NICS).with_loopback(
+        LoopbackOptions::new(LoopbackProfile::Adversarial, seed).with_max_write_len(16 * 1024),
+    );
+    if let ProviderSpec::Libfabric(prov) = spec {
+        config = config.with_libfabric(LibfabricOptions::same_machine(prov));
+    }
+    let backend = weft::provider_with(spec, &config).map_err(|e| e.to_string())?;
     let layout = KvLayout {
         layers: 16,
         heads: 4,
@@ -56,8 +72,8 @@ fn kvcache(seed: u64) -> Result<(), String> {
         tail_len: 32 * 1024,
     };
     let pages = 128;
-    let pe = engine(&fabric, NICS)?;
-    let des = [engine(&fabric, NICS)?, engine(&fabric, NICS)?];
+    let pe = engine(&backend)?;
+    let des = [engine(&backend)?, engine(&backend)?];
     let t0 = Instant::now();
     let pre = Prefiller::new(pe.clone(), layout, KvConfig::default(), None)
         .map_err(|e| format!("prefiller: {e}"))?;
@@ -117,7 +133,10 @@ fn kvcache(seed: u64) -> Result<(), String> {
         d.shutdown();
     }
     pe.shutdown();
-    print_fabric("kvcache", &fabric.stats(), secs);
+    match backend.loopback_fabric() {
+        Some(fabric) => print_fabric("kvcache", &fabric.stats(), secs),
+        None => println!("  [kvcache] {secs:.3} s"),
+    }
     match err {
         Some(e) => Err(e),
         None => Ok(()),
@@ -132,9 +151,19 @@ fn main() -> ExitCode {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2026);
+    let spec = match std::env::var("WEFT_PROVIDER") {
+        Ok(s) => match s.parse::<ProviderSpec>() {
+            Ok(spec) => spec,
+            Err(e) => {
+                eprintln!("WEFT_PROVIDER: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Err(_) => ProviderSpec::Loopback,
+    };
     let t0 = Instant::now();
     let mut ok = true;
-    if let Err(e) = kvcache(seed) {
+    if let Err(e) = kvcache(&spec, seed) {
         eprintln!("kvcache demo FAILED (seed {seed}): {e}");
         ok = false;
     }

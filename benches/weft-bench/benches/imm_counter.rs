@@ -13,9 +13,9 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use weft::{OnDone, Pages};
 use weft_bench::engines::{wait_until, EnginePair};
 use weft_bench::{BackendKind, Testbed};
-use weft_engine::{OnDone, Pages};
 
 fn bench(c: &mut Criterion) {
     let Ok(tb) = Testbed::new(&BackendKind::LoopbackNull, 1) else {

@@ -2,8 +2,8 @@
 #![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use weft_engine::shard::{plan_page, plan_scatter_dst, plan_single_write};
-use weft_engine::{ScatterMode, ShardConfig};
+use weft::shard::{plan_page, plan_scatter_dst, plan_single_write};
+use weft::{ScatterMode, ShardConfig};
 
 fn bench(c: &mut Criterion) {
     let cfg = ShardConfig::default();

@@ -1,4 +1,5 @@
-//! Backend selection: `--backend loopback|loopback-null|libfabric:<prov>|verbs`.
+//! Backend selection: `--backend loopback|loopback-null|libfabric:<prov>|verbs[:<device>]`,
+//! through the `weft` provider registry.
 //!
 //! Every benchmark needs two independent "hosts" per measurement (the weft
 //! sender and receiver engines) plus two more for the raw baseline (domains
@@ -6,65 +7,20 @@
 //! A [`Testbed`] hands out [`Provider`]s for such hosts.
 
 use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::{Domain, Provider};
-use weft_verbs::{VerbsConfig, VerbsProvider};
+use weft::{
+    Backend, Domain, LibfabricOptions, LoopbackOptions, LoopbackProfile, Provider, ProviderConfig,
+    ProviderSpec,
+};
 
-/// Which backend a benchmark runs on.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub enum BackendKind {
-    /// The simulated fabric, ideal profile (400 Gbit/s, 2 µs model, bytes
-    /// really copied), realtime-driven.
-    Loopback,
-    /// The simulated fabric in null mode: WRs are validated and completed at
-    /// the next poll, nothing is copied. Isolates engine cost.
-    LoopbackNull,
-    /// libfabric with this provider (`tcp`, `shm`, `efa`, ...).
-    Libfabric(String),
-    /// libibverbs (ConnectX / any RC NIC).
-    Verbs,
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BackendKind::Loopback => f.write_str("loopback"),
-            BackendKind::LoopbackNull => f.write_str("loopback-null"),
-            BackendKind::Libfabric(p) => write!(f, "libfabric:{p}"),
-            BackendKind::Verbs => f.write_str("verbs"),
-        }
-    }
-}
-
-impl FromStr for BackendKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
-            "loopback" => Ok(BackendKind::Loopback),
-            "loopback-null" | "null" => Ok(BackendKind::LoopbackNull),
-            "verbs" => Ok(BackendKind::Verbs),
-            other => match other.strip_prefix("libfabric:") {
-                Some(p) if !p.is_empty() => Ok(BackendKind::Libfabric(p.to_string())),
-                _ => Err(format!(
-                    "unknown backend {other:?} (expected loopback, loopback-null, \
-                     libfabric:tcp, libfabric:shm, libfabric:efa or verbs)"
-                )),
-            },
-        }
-    }
-}
-
-impl BackendKind {
-    /// Whether this is one of the simulated fabrics.
-    pub fn is_loopback(&self) -> bool {
-        matches!(self, BackendKind::Loopback | BackendKind::LoopbackNull)
-    }
-}
+/// Which backend a benchmark runs on: a `weft` provider spec
+/// (`loopback`, `loopback-null`, `libfabric:<prov>`, `verbs[:<device>]`, or
+/// a backend registered with `weft::register`). `loopback` is the ideal
+/// profile (400 Gbit/s, 2 µs model, bytes really copied, seed 1),
+/// realtime-driven; `loopback-null` validates WRs and completes them at the
+/// next poll without copying, to isolate engine cost.
+pub type BackendKind = ProviderSpec;
 
 /// Outstanding WRs per libfabric domain used by the bench (engine and raw
 /// baseline alike): the backend's default of 1024, overridable with
@@ -84,92 +40,73 @@ pub fn max_inflight() -> usize {
 
 /// A source of hosts on one backend, each with `nics` NICs.
 pub struct Testbed {
-    kind: BackendKind,
-    nics: usize,
-    fabric: Option<Fabric>,
+    backend: Backend,
     max_inflight: usize,
 }
 
 impl fmt::Debug for Testbed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Testbed")
-            .field("kind", &self.kind)
-            .field("nics", &self.nics)
+            .field("kind", self.kind())
+            .field("nics", &self.nics())
             .finish()
     }
+}
+
+/// The options the bench opens `kind` with: the ideal loopback profile
+/// (seed 1); libfabric on this machine's domains
+/// ([`LibfabricOptions::same_machine`]: tcp on `lo`, shm on `shm`, each
+/// opened `nics` times per host), a 5 s connect timeout and
+/// [`max_inflight`].
+fn provider_config(kind: &BackendKind, nics: usize, max_inflight: usize) -> ProviderConfig {
+    let lf = match kind {
+        BackendKind::Libfabric(prov) => LibfabricOptions::same_machine(prov),
+        _ => LibfabricOptions::default(),
+    };
+    ProviderConfig::default()
+        .with_nics(nics)
+        .with_loopback(LoopbackOptions::new(LoopbackProfile::Ideal, 1))
+        .with_libfabric(
+            lf.with_connect_timeout(Duration::from_secs(5))
+                .with_max_inflight(max_inflight),
+        )
 }
 
 impl Testbed {
     /// A testbed for `kind` with `nics` NICs per host, or why the backend
     /// is unavailable on this machine.
     pub fn new(kind: &BackendKind, nics: usize) -> Result<Self, String> {
-        let fabric = match kind {
-            BackendKind::Loopback => Some(Fabric::new_realtime(FabricConfig::ideal(1))),
-            BackendKind::LoopbackNull => Some(Fabric::new_realtime(FabricConfig::null())),
-            _ => None,
-        };
-        let tb = Testbed {
-            kind: kind.clone(),
-            nics,
-            fabric,
-            max_inflight: max_inflight(),
-        };
+        let max_inflight = max_inflight();
+        let backend = weft::provider_with(kind, &provider_config(kind, nics, max_inflight))
+            .map_err(|e| e.to_string())?;
         // Probe once so an unavailable backend is reported up front.
-        let p = tb.host()?;
-        let have = p.nics().map_err(|e| e.to_string())?.len();
-        if have < nics {
-            return Err(format!(
-                "{kind} offers {have} NIC(s) on this host, {nics} requested"
-            ));
-        }
-        Ok(tb)
+        backend.probe().map_err(|e| e.to_string())?;
+        Ok(Testbed {
+            backend,
+            max_inflight,
+        })
     }
 
     /// The backend.
     pub fn kind(&self) -> &BackendKind {
-        &self.kind
+        self.backend.spec()
     }
 
     /// NICs per host.
     pub fn nics(&self) -> usize {
-        self.nics
+        self.backend.nics()
     }
 
     /// A fresh host (for loopback a new simulated host with `nics` NICs; for
     /// real backends a new provider instance, whose domains are new
     /// endpoints on the same NICs).
     pub fn host(&self) -> Result<Arc<dyn Provider>, String> {
-        self.host_with(self.nics)
+        self.backend.host().map_err(|e| e.to_string())
     }
 
     /// A fresh host with `nics` NICs.
     pub fn host_with(&self, nics: usize) -> Result<Arc<dyn Provider>, String> {
-        match &self.kind {
-            BackendKind::Loopback | BackendKind::LoopbackNull => {
-                let f = self
-                    .fabric
-                    .as_ref()
-                    .ok_or_else(|| "loopback fabric missing".to_string())?;
-                let h = f.add_host(nics);
-                Ok(Arc::new(f.provider(h)))
-            }
-            BackendKind::Libfabric(prov) => {
-                let mut cfg = LibfabricConfig::new(prov.clone())
-                    .with_connect_timeout(Duration::from_secs(5))
-                    .with_max_inflight(self.max_inflight);
-                let domain = match prov.as_str() {
-                    "tcp" => Some("lo"),
-                    "shm" => Some("shm"),
-                    _ => None,
-                };
-                if let Some(d) = domain {
-                    cfg = cfg.with_domains(vec![d; nics]);
-                }
-                let p = LibfabricProvider::with_config(cfg).map_err(|e| e.to_string())?;
-                Ok(Arc::new(p))
-            }
-            BackendKind::Verbs => Ok(Arc::new(VerbsProvider::new(VerbsConfig::default()))),
-        }
+        self.backend.host_with(nics).map_err(|e| e.to_string())
     }
 
     /// The per-domain bound on outstanding WRs the bench configures for
@@ -183,13 +120,13 @@ impl Testbed {
     /// providers (tcp, shm) and EFA's emulated protocols progress only
     /// inside `fi_cq_read`, on both sides.
     pub fn peers_need_progress(&self) -> bool {
-        matches!(self.kind, BackendKind::Libfabric(_))
+        matches!(self.kind(), BackendKind::Libfabric(_))
     }
 
     /// Opens all NICs of a fresh host as raw domains (for baselines).
     pub fn raw_host(&self) -> Result<Vec<Box<dyn Domain>>, String> {
         let p = self.host()?;
-        (0..self.nics)
+        (0..self.nics())
             .map(|i| p.open(i).map_err(|e| format!("opening NIC {i}: {e}")))
             .collect()
     }
@@ -197,6 +134,6 @@ impl Testbed {
     /// Whether peers must be polled for the initiator to make progress
     /// (software libfabric providers progress only inside `fi_cq_read`).
     pub fn target_needs_polling(&self) -> bool {
-        !matches!(self.kind, BackendKind::LoopbackNull)
+        !matches!(self.kind(), BackendKind::LoopbackNull)
     }
 }

@@ -3,11 +3,11 @@
 use crate::backend::Testbed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft_engine::{
+use weft::HostBuffer;
+use weft::{
     DomainGroupSpec, DoneCounter, EngineConfig, EngineError, MrDesc, MrHandle, OnDone, Pages,
     TransferEngine,
 };
-use weft_transport::HostBuffer;
 
 /// The engine settings the benchmarks use: defaults, except a worker that
 /// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`

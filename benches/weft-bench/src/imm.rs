@@ -12,7 +12,7 @@ use crate::stats::{median, ns, percentiles};
 use crate::{Config, Progress};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use weft_engine::{OnDone, Pages};
+use weft::{OnDone, Pages};
 
 const BENCH: &str = "imm";
 /// Payload of each counted WRITE.

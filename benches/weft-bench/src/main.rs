@@ -17,8 +17,9 @@ use weft_bench::{BackendKind, Config, Suite};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
-    /// Backend(s): loopback, loopback-null, libfabric:tcp, libfabric:shm,
-    /// libfabric:efa, verbs. Repeat or comma-separate for several.
+    /// Backend(s), as weft provider specs: loopback, loopback-null,
+    /// libfabric:tcp, libfabric:shm, libfabric:efa, verbs, verbs:DEVICE.
+    /// Repeat or comma-separate for several.
     #[arg(
         long,
         global = true,

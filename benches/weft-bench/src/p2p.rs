@@ -10,8 +10,8 @@ use crate::report::{fmt_bytes, Row, Target};
 use crate::stats::{median, ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::time::{Duration, Instant};
-use weft_engine::shard::{plan_page, plan_single_write, Piece};
-use weft_engine::{OnDone, Pages, ShardConfig};
+use weft::shard::{plan_page, plan_single_write, Piece};
+use weft::{OnDone, Pages, ShardConfig};
 
 const BENCH: &str = "p2p";
 const RAW: &str = "raw backend";

@@ -12,8 +12,8 @@ use crate::stats::{ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::sync::Arc;
 use std::time::Instant;
-use weft_engine::{DoneCounter, GroupAddress, MrDesc, OnDone, ScatterDst, TransferEngine};
-use weft_transport::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, WriteWr};
+use weft::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, WriteWr};
+use weft::{DoneCounter, GroupAddress, MrDesc, OnDone, ScatterDst, TransferEngine};
 
 const BENCH: &str = "proxy";
 
@@ -157,7 +157,7 @@ fn collect(eng: &TransferEngine, st: &mut Stages) -> usize {
     // first WRITE is posted before the rest is planned), keep the record
     // covering every WR and count the others: the JSON reports them as
     // `superseded_probe_records`, which must be 0.
-    let mut last: std::collections::BTreeMap<weft_engine::TransferId, weft_engine::probe::Record> =
+    let mut last: std::collections::BTreeMap<weft::TransferId, weft::probe::Record> =
         std::collections::BTreeMap::new();
     let mut early = 0;
     for r in eng.take_probe_records() {
@@ -337,7 +337,7 @@ fn run_inner(
                     WriteWr {
                         wr: WrId(*next_wr),
                         peer: rpeers[j],
-                        src: weft_transport::LocalSlice {
+                        src: weft::LocalSlice {
                             mr: rsrc.key,
                             addr: rsrc.addr + j as u64 * SCATTER_LEN,
                             len: SCATTER_LEN,

@@ -6,7 +6,7 @@ use crate::engines::STALL;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use weft_transport::{
+use weft::{
     Access, Completion, Domain, HostBuffer, LocalMr, PeerId, RemoteSlice, TransportError, WrId,
     WriteWr,
 };

@@ -86,7 +86,7 @@ fn quick_all_on_loopback_null_has_every_row() {
 #[test]
 fn missing_backends_are_reported_not_failed() {
     let mut cfg = Config::new(Suite::Imm, true);
-    cfg.backends = vec![BackendKind::Verbs];
+    cfg.backends = vec![BackendKind::Verbs(None)];
     cfg.rounds = Some(1);
     let rep = weft_bench::run(&cfg);
     assert!(!rep.rows.is_empty());
@@ -106,9 +106,10 @@ fn backend_names_parse() {
         ("loopback-null", BackendKind::LoopbackNull),
         ("libfabric:tcp", BackendKind::Libfabric("tcp".into())),
         ("libfabric:efa", BackendKind::Libfabric("efa".into())),
-        ("verbs", BackendKind::Verbs),
+        ("verbs", BackendKind::Verbs(None)),
+        ("verbs:mlx5_0", BackendKind::Verbs(Some("mlx5_0".into()))),
     ] {
-        assert_eq!(s.parse::<BackendKind>().as_ref(), Ok(&k));
+        assert_eq!(s.parse::<BackendKind>().ok().as_ref(), Some(&k));
         assert_eq!(k.to_string(), s);
     }
     assert!("libfabric:".parse::<BackendKind>().is_err());

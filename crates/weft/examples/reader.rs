@@ -1,8 +1,10 @@
 //! The receiving half of the two-host example (see docs/backends.md).
 //!
 //! ```text
-//! reader [--provider tcp] [--domain eth0] [--mib 64]
+//! cargo run -p weft --example reader -- [--provider tcp|shm|efa|SPEC] [--domain eth0] [--mib 64]
 //! ```
+//!
+//! `--provider` takes a libfabric provider name or any weft provider spec.
 //!
 //! Registers a buffer, prints one `WEFT_PEER=<hex>` line (its address and
 //! memory descriptor) to paste into the writer, then waits until the writer's
@@ -10,33 +12,23 @@
 
 use std::time::{Duration, Instant};
 
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{encode, Access, Completion, Domain, HostBuffer, MrDesc, NetAddr};
+use weft::{encode, Access, Completion, HostBuffer, MrDesc, NetAddr};
+
+mod common;
+use common::arg;
 
 /// Size of each WRITE the writer posts (must match writer.rs).
 const CHUNK: usize = 1 << 20;
 /// The immediate every chunk carries.
 const IMM: u32 = 0x5745_4654;
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let provider = arg(&args, "--provider").unwrap_or_else(|| "tcp".into());
     let mib: usize = arg(&args, "--mib")
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(64);
-    let mut cfg = LibfabricConfig::new(provider);
-    if let Some(d) = arg(&args, "--domain") {
-        cfg = cfg.with_domains([d]);
-    }
-    let p = LibfabricProvider::with_config(cfg)?;
-    let mut dom = p.open_domain(0)?;
+    let mut dom = common::open_domain(&args)?;
     let len = mib * CHUNK;
     // `buf` lives until the end of main, after the domain is dropped
     // explicitly, and is only read after all writes have been reported by

@@ -1,7 +1,7 @@
 //! The sending half of the two-host example (see docs/backends.md).
 //!
 //! ```text
-//! writer [--provider tcp] [--domain eth0] <hex after WEFT_PEER= from the reader>
+//! cargo run -p weft --example writer -- [--provider tcp|shm|efa|SPEC] [--domain eth0] <hex after WEFT_PEER= from the reader>
 //! ```
 //!
 //! WRITEs a pattern into the reader's buffer in 1 MiB chunks, each with an
@@ -9,19 +9,13 @@
 
 use std::time::{Duration, Instant};
 
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{
-    decode, Access, Completion, Domain, HostBuffer, MrDesc, NetAddr, WrId, WriteWr,
-};
+use weft::{decode, Access, Completion, HostBuffer, MrDesc, NetAddr, WrId, WriteWr};
+
+mod common;
+use common::arg;
 
 const CHUNK: usize = 1 << 20;
 const IMM: u32 = 0x5745_4654;
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -34,22 +28,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 && arg(&args, "--provider").as_deref() != Some(a.as_str())
                 && arg(&args, "--domain").as_deref() != Some(a.as_str())
         })
-        .ok_or("usage: writer [--provider tcp] [--domain IF] <WEFT_PEER hex>")?;
+        .ok_or("usage: writer [--provider tcp|shm|efa|SPEC] [--domain IF] <WEFT_PEER hex>")?;
     let blob = blob.trim_start_matches("WEFT_PEER=");
     let desc: MrDesc = decode(&blob.parse::<NetAddr>()?.0)?;
     let (peer_addr, _) = desc.rkeys.first().ok_or("descriptor without NIC")?.clone();
-    let provider = arg(&args, "--provider").unwrap_or_else(|| "tcp".into());
-    let mut cfg = LibfabricConfig::new(provider);
-    if let Some(d) = arg(&args, "--domain") {
-        cfg = cfg.with_domains([d]);
-    }
-    let p = LibfabricProvider::with_config(cfg)?;
     let len = usize::try_from(desc.len)?;
     let chunks = len / CHUNK;
     // `src` outlives the domain (declared earlier, dropped later).
     let src = HostBuffer::new(len)?;
     src.write(0, &(0..len).map(|i| (i % 251) as u8).collect::<Vec<_>>());
-    let mut dom = p.open_domain(0)?;
+    let mut dom = common::open_domain(&args)?;
     let mr = dom.register(&src.region(), Access::LocalOnly)?;
     let peer = dom.add_peer(&peer_addr)?;
     let wrs: Vec<WriteWr> = (0..chunks)

@@ -1,0 +1,40 @@
+//! `libfabric:<provider>`: each host is its own provider instance.
+
+use std::sync::Arc;
+
+use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_transport::{Provider, TransportError};
+
+use crate::config::{LibfabricOptions, ProviderConfig};
+use crate::spec::ProviderSpec;
+
+/// The backend configuration for a host with `nics` NICs.
+fn libfabric_config(provider: &str, opts: &LibfabricOptions, nics: usize) -> LibfabricConfig {
+    let mut cfg = LibfabricConfig::new(provider);
+    if let Some(d) = &opts.domain {
+        cfg = cfg.with_domains(vec![d.clone(); nics]);
+    }
+    if let Some(n) = opts.max_inflight {
+        cfg = cfg.with_max_inflight(n);
+    }
+    if let Some(t) = opts.connect_timeout {
+        cfg = cfg.with_connect_timeout(t);
+    }
+    cfg
+}
+
+/// A host: a new provider instance with `nics` NICs.
+pub(crate) fn host(
+    spec: &ProviderSpec,
+    config: &ProviderConfig,
+    nics: usize,
+) -> Result<Arc<dyn Provider>, TransportError> {
+    let ProviderSpec::Libfabric(provider) = spec else {
+        return Err(TransportError::InvalidArgument {
+            nic: spec.to_string(),
+            what: "not a libfabric:<provider> spec".into(),
+        });
+    };
+    let p = LibfabricProvider::with_config(libfabric_config(provider, &config.libfabric, nics))?;
+    Ok(Arc::new(p))
+}

@@ -1,0 +1,143 @@
+//! [`ProviderConfig`]: options a backend is opened with.
+
+use std::time::Duration;
+
+/// Options for opening a backend. Each backend reads its own section and
+/// ignores the others, so one config serves any spec.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct ProviderConfig {
+    /// NICs per host: [`crate::Backend::host`] gives providers with this
+    /// many NICs (loopback: a simulated host with this many; libfabric:
+    /// with [`LibfabricOptions::domain`] set, that domain opened this many
+    /// times). Default 1.
+    pub nics: usize,
+    /// The simulated fabric (`loopback`; `loopback-null` ignores it: null
+    /// mode has no profile).
+    pub loopback: LoopbackOptions,
+    /// libfabric (`libfabric:<provider>`).
+    pub libfabric: LibfabricOptions,
+}
+
+impl Default for ProviderConfig {
+    fn default() -> Self {
+        ProviderConfig {
+            nics: 1,
+            loopback: LoopbackOptions::default(),
+            libfabric: LibfabricOptions::default(),
+        }
+    }
+}
+
+impl ProviderConfig {
+    /// Sets [`ProviderConfig::nics`].
+    pub fn with_nics(mut self, nics: usize) -> Self {
+        self.nics = nics;
+        self
+    }
+
+    /// Sets [`ProviderConfig::loopback`].
+    pub fn with_loopback(mut self, loopback: LoopbackOptions) -> Self {
+        self.loopback = loopback;
+        self
+    }
+
+    /// Sets [`ProviderConfig::libfabric`].
+    pub fn with_libfabric(mut self, libfabric: LibfabricOptions) -> Self {
+        self.libfabric = libfabric;
+        self
+    }
+}
+
+/// How the simulated fabric behaves (the `loopback` spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum LoopbackProfile {
+    /// The worst NIC we know: chunked, reordered, jittered, lossy writes
+    /// (`FabricConfig::adversarial`).
+    #[default]
+    Adversarial,
+    /// No jitter, no loss, one chunk per WRITE; latency and bandwidth still
+    /// modelled (`FabricConfig::ideal`).
+    Ideal,
+}
+
+/// Options of the simulated fabric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct LoopbackOptions {
+    /// Behaviour profile (ignored by `loopback-null`).
+    pub profile: LoopbackProfile,
+    /// Seed of the fabric's RNG: same seed and same calls, same trace.
+    pub seed: u64,
+    /// Largest WRITE one WR may carry (bytes); `None`: the profile's.
+    pub max_write_len: Option<u64>,
+}
+
+impl LoopbackOptions {
+    /// `profile` with `seed`.
+    pub fn new(profile: LoopbackProfile, seed: u64) -> Self {
+        LoopbackOptions {
+            profile,
+            seed,
+            max_write_len: None,
+        }
+    }
+
+    /// Sets [`LoopbackOptions::max_write_len`].
+    pub fn with_max_write_len(mut self, len: u64) -> Self {
+        self.max_write_len = Some(len);
+        self
+    }
+}
+
+/// Options of the libfabric backend. `None` fields keep the backend's
+/// defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct LibfabricOptions {
+    /// The libfabric domain (for `tcp`: a network interface such as `eth0`
+    /// or `lo`; for `shm`: `shm`) each NIC of a host opens, repeated
+    /// [`ProviderConfig::nics`] times. `None`: every domain the provider
+    /// reports.
+    pub domain: Option<String>,
+    /// Bound on outstanding WRs per domain.
+    pub max_inflight: Option<usize>,
+    /// How long posts to a peer may wait for its connection.
+    pub connect_timeout: Option<Duration>,
+}
+
+impl LibfabricOptions {
+    /// Options for hosts that all live on this machine (benchmarks, demos,
+    /// tests): `tcp` on the loopback interface `lo`, `shm` on its `shm`
+    /// domain, any other provider on every domain it reports.
+    pub fn same_machine(provider: &str) -> Self {
+        let domain = match provider {
+            "tcp" => Some("lo".to_string()),
+            "shm" => Some("shm".to_string()),
+            _ => None,
+        };
+        LibfabricOptions {
+            domain,
+            ..LibfabricOptions::default()
+        }
+    }
+
+    /// Sets [`LibfabricOptions::domain`].
+    pub fn with_domain(mut self, domain: impl Into<String>) -> Self {
+        self.domain = Some(domain.into());
+        self
+    }
+
+    /// Sets [`LibfabricOptions::max_inflight`].
+    pub fn with_max_inflight(mut self, n: usize) -> Self {
+        self.max_inflight = Some(n);
+        self
+    }
+
+    /// Sets [`LibfabricOptions::connect_timeout`].
+    pub fn with_connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = Some(t);
+        self
+    }
+}
