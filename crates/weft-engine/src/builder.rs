@@ -7,6 +7,7 @@ use crate::driver::worker::{worker_main, WorkerCtx};
 use crate::driver::{watcher_main, CbMsg, GroupShared};
 use crate::engine::{ImmAlloc, Inner, ManualState, Threads, TransferEngine, NEXT_ENGINE_ID};
 use crate::error::EngineError;
+use crate::gate::Gate;
 use crate::imm::{ImmDone, ImmTable, ImmWaits};
 use crate::request::AddrBook;
 use crate::watcher::WatcherShared;
@@ -127,6 +128,7 @@ impl EngineBuilder {
             threads: Mutex::new(Threads::default()),
             watcher: Arc::clone(&watcher),
             shut: AtomicBool::new(false),
+            arm_gate: Gate::default(),
             done: AtomicBool::new(false),
             manual: self.manual.then(|| {
                 Mutex::new(ManualState {
@@ -203,11 +205,10 @@ impl EngineBuilder {
                 }
             }
             // Callback and watcher threads.
-            let cb_groups = inner.groups.clone();
             let cb_excess = Arc::clone(&inner.excess);
             let cb = std::thread::Builder::new()
                 .name("weft-callbacks".into())
-                .spawn(move || callback_main(&cb_groups, &cb_excess, &cb_rx))
+                .spawn(move || callback_main(&cb_excess, &cb_rx))
                 .map_err(|e| EngineError::Setup {
                     group: 0,
                     what: format!("spawning callback thread: {e}"),

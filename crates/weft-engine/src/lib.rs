@@ -37,6 +37,7 @@ mod core;
 mod driver;
 mod engine;
 mod error;
+mod gate;
 mod imm;
 #[allow(unsafe_code)]
 mod mem;

@@ -11,6 +11,9 @@ use weft_transport::{Device, MemRegion};
 /// of one domain group. `Copy`; pass it to submits as the source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MrHandle {
+    /// The engine that registered the memory: another engine refuses the
+    /// handle (its slot numbers mean nothing there).
+    pub(crate) engine: u64,
     pub(crate) group: u32,
     pub(crate) id: u32,
     /// Generation of slot `id` at registration: a handle kept past its
@@ -189,22 +192,45 @@ pub(crate) enum SendPayload {
 pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
 
 /// A rotating pool of receive buffers on NIC 0 of a group.
+///
+/// The worker copies each filled buffer out into an owned message and
+/// re-posts the buffer at once, so receive buffers never wait for the
+/// user's callback (a callback that blocks, e.g. on a full request queue,
+/// cannot stop this engine from receiving, and so cannot stall a peer's
+/// SENDs). The owned messages are recycled through `spare`: after the
+/// callback returns, its message goes back for the next receive, so a
+/// steady stream allocates nothing.
 pub(crate) struct RecvPool {
     pub(crate) id: u16,
-    pub(crate) group: usize,
     pub(crate) buf: RawBuf,
     pub(crate) len: u64,
     pub(crate) count: u32,
     pub(crate) cb: parking_lot::Mutex<RecvCallback>,
+    /// Owned message buffers whose callbacks have returned.
+    spare: ArrayQueue<Vec<u8>>,
 }
 
 impl RecvPool {
-    /// The bytes of buffer `idx` (first `n`).
+    /// A pool of `count` buffers of `len` bytes each, in `buf`.
+    pub(crate) fn new(id: u16, buf: RawBuf, len: u64, count: u32, cb: RecvCallback) -> Self {
+        Self {
+            id,
+            buf,
+            len,
+            count,
+            cb: parking_lot::Mutex::new(cb),
+            spare: ArrayQueue::new(count.max(1) as usize),
+        }
+    }
+
+    /// Copies the first `n` bytes of buffer `idx` into an owned message
+    /// (a recycled one when there is one); `None` if out of range.
     ///
     /// # Safety
-    /// The buffer must not be posted (no NIC may write it) for the lifetime
-    /// of the returned slice.
-    pub(crate) unsafe fn bytes(&self, idx: u32, n: u64) -> Option<&[u8]> {
+    /// Buffer `idx` must not be posted (no NIC may write it) during the
+    /// call: the worker calls this on a buffer whose receive just completed,
+    /// before re-posting it.
+    pub(crate) unsafe fn copy_out(&self, idx: u32, n: u64) -> Option<Vec<u8>> {
         if idx >= self.count || n > self.len {
             return None;
         }
@@ -212,6 +238,15 @@ impl RecvPool {
         let n = usize::try_from(n).ok()?;
         // SAFETY: in bounds (idx < count, n <= len, buffer is count*len);
         // the caller guarantees no concurrent writer.
-        Some(unsafe { std::slice::from_raw_parts(self.buf.ptr().add(off), n) })
+        let bytes = unsafe { std::slice::from_raw_parts(self.buf.ptr().add(off), n) };
+        let mut msg = self.spare.pop().unwrap_or_default();
+        msg.clear();
+        msg.extend_from_slice(bytes);
+        Some(msg)
+    }
+
+    /// Returns a message whose callback has returned, for reuse.
+    pub(crate) fn recycle(&self, msg: Vec<u8>) {
+        let _ = self.spare.push(msg);
     }
 }

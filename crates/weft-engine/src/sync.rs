@@ -1,13 +1,23 @@
 //! Synchronisation primitives, swapped for loom's model-checked versions
 //! under `--cfg loom` (in the style of s2n-quic-core's `sync` module).
 //!
-//! Only the lock-free parts that loom checks (the immediate counter) use
-//! these shims; everything else uses std / parking_lot directly.
+//! Only the lock-free parts that loom checks (the immediate counter and the
+//! shutdown [`crate::gate::Gate`]) use these shims; everything else uses
+//! std / parking_lot directly.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// One step of a wait loop: a model-checker yield under loom, a spin hint
+/// otherwise.
+pub(crate) fn spin() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
 
 /// A mutex with a non-poisoning `lock()`.
 #[derive(Debug, Default)]

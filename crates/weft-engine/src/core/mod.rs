@@ -54,11 +54,11 @@ use weft_transport::{
 pub(crate) enum Event {
     /// A transfer finished; run its callback.
     Done(DoneCallback, DoneResult),
-    /// A receive buffer was filled (or failed).
+    /// A receive completed: the message, copied out of its buffer (which
+    /// is already re-posted), or why the receive failed.
     Recv {
         pool: Arc<RecvPool>,
-        idx: u32,
-        result: Result<u64, EngineError>,
+        result: Result<Vec<u8>, EngineError>,
     },
 }
 
@@ -80,10 +80,6 @@ pub(crate) enum Control {
     RecvPool {
         pool: Arc<RecvPool>,
         reply: crossbeam_channel::Sender<Result<(), EngineError>>,
-    },
-    Repost {
-        pool: u16,
-        idx: u32,
     },
 }
 

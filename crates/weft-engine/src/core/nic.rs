@@ -261,6 +261,8 @@ impl WorkerCore {
         handled
     }
 
+    // Copies a completed receive buffer out (`RecvPool::copy_out`).
+    #[allow(unsafe_code)]
     pub(super) fn on_completion(&mut self, nic: usize, c: Completion) {
         match c {
             Completion::Write { wr, result } | Completion::Send { wr, result } => {
@@ -305,6 +307,7 @@ impl WorkerCore {
                 let Some(ps) = self.reg.pools.get(&pool) else {
                     return;
                 };
+                let pool_ref = Arc::clone(&ps.pool);
                 let group = self.group;
                 let result = result.map_err(|e| EngineError::Control {
                     group,
@@ -319,9 +322,20 @@ impl WorkerCore {
                     // Flushed at close: not an event.
                     return;
                 }
+                let result = result.and_then(|n| {
+                    // SAFETY: buffer `idx` just completed and is re-posted
+                    // only below, after its bytes were copied out.
+                    unsafe { pool_ref.copy_out(idx, n) }.ok_or_else(|| {
+                        EngineError::InvalidArgument {
+                            what: format!("receive of {n} bytes into buffer {idx}"),
+                        }
+                    })
+                });
+                // The bytes are out: the buffer serves the next SEND at once,
+                // whatever the user's callback does (see `RecvPool`).
+                self.repost(pool, idx);
                 self.events.push(Event::Recv {
-                    pool: Arc::clone(&ps.pool),
-                    idx,
+                    pool: pool_ref,
                     result,
                 });
             }

@@ -90,7 +90,6 @@ impl WorkerCore {
             Control::RecvPool { pool, reply } => {
                 let _ = reply.send(self.add_recv_pool(pool));
             }
-            Control::Repost { pool, idx } => self.repost(pool, idx),
         }
     }
 
@@ -246,7 +245,6 @@ impl WorkerCore {
                 };
                 self.events.push(Event::Recv {
                     pool: Arc::clone(&ps.pool),
-                    idx,
                     result: Err(err),
                 });
             }

@@ -103,6 +103,7 @@ impl TransferEngine {
                 .collect(),
         };
         let h = MrHandle {
+            engine: self.inner.id,
             group: g as u32,
             id,
             gen,
@@ -115,8 +116,11 @@ impl TransferEngine {
 
     /// Deregisters memory from every NIC of its group. Transfers still
     /// using it fail with a local-access error.
+    ///
+    /// A handle registered by another engine is refused with
+    /// [`EngineError::InvalidArgument`] (and deregisters nothing).
     pub fn unreg_mr(&self, h: MrHandle) -> Result<(), EngineError> {
-        let gs = self.group(h.group as usize)?;
+        let gs = self.own_group(&h)?;
         self.control(gs, |reply| Control::UnregMr { id: h.key(), reply })
     }
 
@@ -165,14 +169,13 @@ impl TransferEngine {
             .map_err(|_| EngineError::RecvPoolsExhausted {
                 limit: u32::from(u16::MAX),
             })?;
-        let pool = Arc::new(RecvPool {
+        let pool = Arc::new(RecvPool::new(
             id,
-            group: 0,
-            buf: RawBuf::new(total)?,
+            RawBuf::new(total)?,
             len,
             count,
-            cb: parking_lot::Mutex::new(Box::new(cb) as RecvCallback),
-        });
+            Box::new(cb) as RecvCallback,
+        ));
         let gs = self.group(0)?;
         self.control(gs, |reply| Control::RecvPool { pool, reply })
     }

@@ -14,7 +14,9 @@ use crate::driver::callback::{run_msg, IN_CALLBACK};
 use crate::driver::worker::Worker;
 use crate::driver::{CbMsg, GroupShared};
 use crate::error::EngineError;
+use crate::gate::Gate;
 use crate::imm::{ImmDone, ImmTable, ImmWaits};
+use crate::mem::MrHandle;
 use crate::request::{AddrBook, GroupAddress};
 use crate::shard::{self, ScatterMode, ShardConfig};
 use crate::watcher::{UvmWatcher, WatchCallback, WatcherShared};
@@ -67,6 +69,9 @@ pub(crate) struct Inner {
     pub(crate) threads: Mutex<Threads>,
     pub(crate) watcher: Arc<WatcherShared>,
     pub(crate) shut: AtomicBool,
+    /// `expect_imm_count` arms pass through it; `shutdown` closes it before
+    /// failing the armed rounds, so no arm lands after that.
+    pub(crate) arm_gate: Gate,
     pub(crate) done: AtomicBool,
     pub(crate) manual: Option<Mutex<ManualState>>,
     pub(crate) next_id: AtomicU64,
@@ -193,6 +198,21 @@ impl TransferEngine {
         self.inner.groups.get(g).ok_or_else(|| no_group(g))
     }
 
+    /// The group of a memory handle, after checking that this engine
+    /// registered it: a foreign handle's slot and group numbers name
+    /// another engine's regions.
+    pub(super) fn own_group(&self, h: &MrHandle) -> Result<&Arc<GroupShared>, EngineError> {
+        if h.engine != self.inner.id {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "memory handle of engine {} used on engine {}",
+                    h.engine, self.inner.id
+                ),
+            });
+        }
+        self.group(h.group as usize)
+    }
+
     pub(super) fn info(&self, g: usize) -> Result<&GroupInfo, EngineError> {
         self.group(g)?.info.get().ok_or(EngineError::ShutDown)
     }
@@ -288,7 +308,7 @@ impl TransferEngine {
         };
         for msg in msgs {
             did = true;
-            run_msg(&self.inner.groups, &self.inner.excess, msg);
+            run_msg(&self.inner.excess, msg);
         }
         did |= self.inner.watcher.scan();
         did
@@ -324,6 +344,9 @@ impl TransferEngine {
             }
             return;
         }
+        // No arm may land in the immediate table after its rounds are
+        // failed below: arms in progress finish now, later ones are refused.
+        self.inner.arm_gate.close();
         // No submitter may be between its shutdown check and its push.
         for g in &self.inner.groups {
             let b = Backoff::new();
@@ -401,7 +424,7 @@ impl TransferEngine {
         let msgs: Vec<CbMsg> = m.lock().cb_rx.try_iter().collect();
         let any = !msgs.is_empty();
         for msg in msgs {
-            run_msg(&self.inner.groups, &self.inner.excess, msg);
+            run_msg(&self.inner.excess, msg);
         }
         any
     }

@@ -104,9 +104,11 @@ impl TransferEngine {
         count: u32,
         on_done: OnDone,
     ) -> Result<(), EngineError> {
-        if self.inner.shut.load(Ordering::SeqCst) {
+        // Held until the round is in the table (or resolved): `shutdown`
+        // waits for it before failing the armed rounds.
+        let Some(_entered) = self.inner.arm_gate.enter() else {
             return Err(EngineError::ShutDown);
-        }
+        };
         if count == 0 {
             if let Some((cb, r)) = on_done.resolve_inline(Ok(())) {
                 self.dispatch(Event::Done(cb, r));

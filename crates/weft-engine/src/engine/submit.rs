@@ -216,10 +216,10 @@ impl TransferEngine {
     ) -> Result<TransferId, EngineError> {
         let (h, src_off) = src;
         let (d, dst_off) = dst;
+        let gs = self.own_group(h)?;
         h.check("source", src_off, len)?;
         Self::check_dst(d, "destination", dst_off, len)?;
         self.check_nic_count(h.group as usize, d)?;
-        let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
             Body::Single {
@@ -247,6 +247,7 @@ impl TransferEngine {
     ) -> Result<TransferId, EngineError> {
         let (h, sp) = src;
         let (d, dp) = dst;
+        let gs = self.own_group(h)?;
         if sp.len() != dp.len() {
             return Err(EngineError::InvalidArgument {
                 what: format!(
@@ -276,7 +277,6 @@ impl TransferEngine {
             Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
         }
         self.check_nic_count(h.group as usize, d)?;
-        let gs = self.group(h.group as usize)?;
         let req = self.new_req(
             on_done,
             Body::Paged {
@@ -321,6 +321,7 @@ impl TransferEngine {
         dsts: &[ScatterDst],
         mode: ScatterMode,
     ) -> Result<TransferId, EngineError> {
+        let gs = self.own_group(src)?;
         self.check_peer_group(peers, dsts.len())?;
         for (j, d) in dsts.iter().enumerate() {
             src.check(format_args!("scatter source {j}"), d.src_offset, d.len)?;
@@ -335,7 +336,6 @@ impl TransferEngine {
         for d in dsts {
             self.check_nic_count(g, &d.dst)?;
         }
-        let gs = self.group(g)?;
         let pg = *peers.ids.get(g).ok_or_else(|| no_group(g))?;
         let req = self.new_req(
             on_done,
