@@ -3,7 +3,7 @@
 //!
 //! Environment: `WEFT_SEED` overrides the seed; `RUST_LOG` enables tracing.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::process::ExitCode;
 use std::sync::Arc;
