@@ -471,8 +471,7 @@ impl Report {
     /// The same chart as [`Report::svg`], as a PNG file at `path` (without
     /// its text; see [`png_chart`]).
     pub fn png(&self, path: &Path) -> Result<(), PlotError> {
-        let (title, xlabel, ylabel) = PLOT_LABELS;
-        png_chart(path, title, xlabel, ylabel, &self.bandwidth_series())
+        png_chart(path, &self.bandwidth_series())
     }
 }
 
@@ -519,7 +518,7 @@ pub fn svg_chart(
     let mut s = String::new();
     {
         let root = SVGBackend::with_string(&mut s, CHART_SIZE).into_drawing_area();
-        if let Err(e) = draw_chart(&root, title, xlabel, ylabel, series) {
+        if let Err(e) = draw_chart(&root, Some((title, xlabel, ylabel)), series) {
             // Nothing a caller can fix; the chart says what went wrong.
             return format!(
                 "<svg xmlns=\"http://www.w3.org/2000/svg\"><text y=\"20\">{}</text></svg>\n",
@@ -536,19 +535,14 @@ pub fn svg_chart(
 /// The same chart as a PNG file at `path`. Its text (title, axis labels,
 /// legend) is left out: plotters draws bitmap text only with a font
 /// backend, which this build does not carry; the SVG has it all.
-pub fn png_chart(
-    path: &Path,
-    title: &str,
-    xlabel: &str,
-    ylabel: &str,
-    series: &BTreeMap<String, Vec<(f64, f64)>>,
-) -> Result<(), PlotError> {
+pub fn png_chart(path: &Path, series: &BTreeMap<String, Vec<(f64, f64)>>) -> Result<(), PlotError> {
     let err = |e: &dyn std::fmt::Display| PlotError::Draw {
         target: path.display().to_string(),
         reason: e.to_string(),
     };
     let root = BitMapBackend::new(path, CHART_SIZE).into_drawing_area();
-    draw_chart(&root, title, xlabel, ylabel, series).map_err(|e| err(&e))?;
+    // Without a font backend plotters cannot draw bitmap text at all.
+    draw_chart(&root, None, series).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))
 }
 
@@ -561,11 +555,12 @@ fn esc(s: &str) -> String {
 /// Draws the chart: x is log2(size) with labels at powers of 4, weft series
 /// thick with circles, raw baselines thin and lighter with crosses (plotters
 /// draws no dashed polylines), legend on the upper left.
+///
+/// `text`: title, x and y labels; `None` draws no text at all (no caption,
+/// tick labels or legend), for backends that cannot draw text.
 fn draw_chart<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
-    title: &str,
-    xlabel: &str,
-    ylabel: &str,
+    text: Option<(&str, &str, &str)>,
     series: &BTreeMap<String, Vec<(f64, f64)>>,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let mut xmin = f64::INFINITY;
@@ -591,8 +586,11 @@ fn draw_chart<DB: DrawingBackend>(
     let ymax = nice_ceil(ymax);
     let (lx0, lx1) = (xmin.log2(), xmax.log2());
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 16))
+    let mut builder = ChartBuilder::on(root);
+    if let Some((title, _, _)) = text {
+        builder.caption(title, ("sans-serif", 16));
+    }
+    let mut chart = builder
         .margin(15)
         .margin_right(20)
         .x_label_area_size(45)
@@ -600,20 +598,22 @@ fn draw_chart<DB: DrawingBackend>(
         .build_cartesian_2d(lx0..lx1, 0.0..ymax)?;
     // Ticks at even powers of two (powers of 4) in the range.
     let ticks = ((lx1 - lx0) / 2.0).floor().max(1.0) as usize + 1;
-    chart
-        .configure_mesh()
-        .max_light_lines(0)
+    let mut mesh = chart.configure_mesh();
+    mesh.max_light_lines(0)
         .bold_line_style(RGBColor(0xee, 0xee, 0xee))
         .x_labels(ticks)
         .y_labels(6)
         .x_label_formatter(&|x| fmt_bytes(2f64.powf(x.round()).clamp(1.0, 2f64.powi(62)) as u64))
         .y_label_formatter(&|y| fmt_num(*y))
-        .x_desc(xlabel)
-        .y_desc(ylabel)
-        // A frame instead of axis lines and tick marks: one path (SVG
-        // polyline) per series and nothing else.
-        .disable_axes()
-        .draw()?;
+        // A frame instead of axis lines and tick marks (transparent ones are
+        // not drawn): one path (SVG polyline) per series and nothing else.
+        .axis_style(TRANSPARENT);
+    match text {
+        Some((_, xlabel, ylabel)) => mesh.x_desc(xlabel).y_desc(ylabel),
+        // No axes: no tick labels.
+        None => mesh.disable_axes(),
+    };
+    mesh.draw()?;
     chart.plotting_area().draw(&Rectangle::new(
         [(lx0, 0.0), (lx1, ymax)],
         BLACK.stroke_width(1),
@@ -632,22 +632,26 @@ fn draw_chart<DB: DrawingBackend>(
         } else {
             c.stroke_width(2)
         };
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), line))?
-            .label(name.as_str())
-            .legend(move |(x, y)| Rectangle::new([(x, y - 1), (x + 20, y + 1)], c.filled()));
+        let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), line))?;
+        if text.is_some() {
+            drawn
+                .label(name.as_str())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 1), (x + 20, y + 1)], c.filled()));
+        }
         if raw {
             chart.draw_series(pts.iter().map(|&p| Cross::new(p, 3, c.stroke_width(1))))?;
         } else {
             chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    if text.is_some() {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
     root.present()
 }
 
