@@ -38,8 +38,9 @@ const PKGS: [&str; 12] = [
 /// The in-process test targets of weft-libfabric run against 2.x.
 const TESTS: [&str; 4] = ["smoke", "conformance_tcp", "conformance_shm", "engine_tcp"];
 
-/// Runs the task from the workspace root `root`.
-pub fn run(root: &Path) -> Result {
+/// Runs the task from the workspace root `root`, with `env` set for the
+/// build and the tests.
+pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
     let dir = root.join("target/libfabric2");
     let sysroot = dir.join("root");
     let cache = dir.join("cache");
@@ -74,7 +75,10 @@ pub fn run(root: &Path) -> Result {
     for t in TESTS {
         build.args(["--test", t]);
     }
-    build.arg("--no-run").current_dir(root);
+    build
+        .arg("--no-run")
+        .current_dir(root)
+        .envs(env.iter().copied());
     let bins = proc::executables(&mut build, false)?;
     if bins.is_empty() {
         return fail("libfabric2: no test binaries built");
@@ -87,6 +91,7 @@ pub fn run(root: &Path) -> Result {
                 .arg("--library-path")
                 .arg(&libpath)
                 .arg(&b)
+                .envs(env.iter().copied())
                 .env("WEFT_EXPECT_LIBFABRIC_MAJOR", "2"),
         )?;
     }

@@ -99,18 +99,20 @@ fn lint(root: &Path) -> Result {
 }
 
 fn test(root: &Path) -> Result {
+    // Every step runs with backtraces on.
+    let env = [("RUST_BACKTRACE", "1")];
     // Unit, integration, property and conformance tests of every crate
     // (loopback conformance runs 50+ seeds; libfabric runs over tcp and shm).
     proc::run(
         proc::cargo()
             .args(["test", "--workspace"])
             .current_dir(root)
-            .env("RUST_BACKTRACE", "1"),
+            .envs(env),
     )?;
     // The in-process libfabric tests again, against libfabric 2.x (Debian
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).
-    libfabric2::run(root)?;
+    libfabric2::run(root, &env)?;
     // Model-checked lock-free parts (the ImmCounter, with loom), in their
     // own target dir so the cfg(loom) build does not invalidate the normal
     // one.
@@ -125,7 +127,7 @@ fn test(root: &Path) -> Result {
                 "imm::loom_model",
             ])
             .current_dir(root)
-            .env("RUST_BACKTRACE", "1")
+            .envs(env)
             .env("RUSTFLAGS", "--cfg loom")
             .env("CARGO_TARGET_DIR", "target/loom"),
     )
@@ -171,7 +173,7 @@ fn main() -> ExitCode {
         Task::Lint => lint(&root),
         Task::Test => test(&root),
         Task::Bench => bench(&root),
-        Task::Libfabric2 => libfabric2::run(&root),
+        Task::Libfabric2 => libfabric2::run(&root, &[]),
         Task::GpuBuild { dir } => gpu::build(&root, &dir),
         Task::GpuRun { prebuilt, bench } => gpu::run(&root, &gpu::RunArgs { prebuilt, bench }),
     };
