@@ -164,28 +164,28 @@ mod tests {
 
     #[test]
     fn deb822_picks_the_release_suite_not_security() {
-        let text = "Types: deb\n# a comment\nURIs: http://mirror.example/debian\n\
+        let text = "Types: deb\n# a comment\nURIs: http://mirror.invalid/debian\n\
                     Suites: bookworm bookworm-updates\nComponents: main\n\
                     Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n\
-                    Types: deb\nURIs: http://mirror.example/debian-security\n\
+                    Types: deb\nURIs: http://mirror.invalid/debian-security\n\
                     Suites: bookworm-security\nComponents: main\n";
         let s = parse_deb822(text);
         assert_eq!(s.len(), 2);
         let a = debian_archive(&s, Some("bookworm")).expect("archive found");
-        assert_eq!(a.uri, "http://mirror.example/debian");
+        assert_eq!(a.uri, "http://mirror.invalid/debian");
         let f = sources_file(a, "trixie");
-        assert!(f.contains("URIs: http://mirror.example/debian\nSuites: trixie\n"));
+        assert!(f.contains("URIs: http://mirror.invalid/debian\nSuites: trixie\n"));
         assert!(f.contains("Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"));
     }
 
     #[test]
     fn deb822_keeps_inline_keys_and_skips_disabled() {
-        let text = "Types: deb\nURIs: http://a.example/debian\nSuites: bookworm\n\
-                    Enabled: no\n\nTypes: deb deb-src\nURIs: http://b.example/debian\n\
+        let text = "Types: deb\nURIs: http://a.invalid/debian\nSuites: bookworm\n\
+                    Enabled: no\n\nTypes: deb deb-src\nURIs: http://b.invalid/debian\n\
                     Suites: bookworm\nSigned-By:\n -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n";
         let s = parse_deb822(text);
         assert_eq!(s.len(), 1);
-        assert_eq!(s[0].uri, "http://b.example/debian");
+        assert_eq!(s[0].uri, "http://b.invalid/debian");
         let f = sources_file(&s[0], "trixie");
         assert!(
             f.ends_with("Signed-By: \n -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n"),
@@ -195,12 +195,12 @@ mod tests {
 
     #[test]
     fn one_line_format_with_options() {
-        let text = "# deb http://old.example/debian buster main\n\
-                    deb-src http://src.example/debian bookworm main\n\
-                    deb [arch=amd64 signed-by=/k.gpg] http://m.example/debian/ bookworm main\n";
+        let text = "# deb http://old.invalid/debian buster main\n\
+                    deb-src http://src.invalid/debian bookworm main\n\
+                    deb [arch=amd64 signed-by=/k.gpg] http://m.invalid/debian/ bookworm main\n";
         let s = parse_one_line(text);
         assert_eq!(s.len(), 1);
-        assert_eq!(s[0].uri, "http://m.example/debian/");
+        assert_eq!(s[0].uri, "http://m.invalid/debian/");
         assert_eq!(s[0].signed_by.as_deref(), Some(&["/k.gpg".to_string()][..]));
         // Without a codename, the URI ending in /debian is the archive.
         assert_eq!(
