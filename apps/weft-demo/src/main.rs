@@ -5,7 +5,7 @@
 //! another backend by its weft provider spec (e.g. `libfabric:shm`; every
 //! "host" is then an endpoint in this process); `RUST_LOG` enables tracing.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -31,6 +31,9 @@
 //! of such requests are released: a dead NIC's pending writes are dropped
 //! (weft's peer-death contract), so none can land later.
 
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)]
 mod buf;
 
 use buf::host_buf;

@@ -1,56 +1,53 @@
-//! A minimal progress indicator on stderr (a rewritten line on a terminal,
-//! nothing otherwise, so logs and CI output stay clean).
+//! The progress indicator on stderr (an `indicatif` bar redrawn in place on
+//! a terminal, nothing otherwise, so logs and CI output stay clean).
 
-use std::io::{IsTerminal, Write};
-use std::time::Instant;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 
-/// Counts steps of a run and shows `[done/total] label` on stderr.
+/// Counts steps of a run and shows `[done/total elapsed] label` on stderr.
 #[derive(Debug)]
 pub struct Progress {
+    bar: ProgressBar,
     total: usize,
     done: usize,
-    tty: bool,
-    enabled: bool,
-    start: Instant,
 }
 
 impl Progress {
     /// A progress line for `total` steps; `enabled = false` silences it.
     pub fn new(total: usize, enabled: bool) -> Self {
+        // `stderr()` draws only when stderr is a terminal.
+        let target = if enabled {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        let style = ProgressStyle::with_template("[{pos:>3}/{len:<3} {secs}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner())
+            .with_key("secs", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:>5.1}s", s.elapsed().as_secs_f64());
+            });
+        let bar = ProgressBar::with_draw_target(Some(total as u64), target).with_style(style);
         Progress {
+            bar,
             total,
             done: 0,
-            tty: std::io::stderr().is_terminal(),
-            enabled,
-            start: Instant::now(),
         }
     }
 
     /// Adds `n` to the expected total.
     pub fn add_total(&mut self, n: usize) {
         self.total += n;
+        self.bar.set_length(self.total as u64);
     }
 
     /// Starts a step called `label`.
     pub fn step(&mut self, label: &str) {
         self.done += 1;
-        if self.enabled && self.tty {
-            let mut e = std::io::stderr().lock();
-            let _ = write!(
-                e,
-                "\r\x1b[K[{:>3}/{:<3} {:>5.1}s] {label}",
-                self.done.min(self.total),
-                self.total,
-                self.start.elapsed().as_secs_f64()
-            );
-            let _ = e.flush();
-        }
+        self.bar.set_position(self.done.min(self.total) as u64);
+        self.bar.set_message(label.to_string());
     }
 
     /// Clears the line.
     pub fn finish(&self) {
-        if self.enabled && self.tty {
-            let _ = write!(std::io::stderr(), "\r\x1b[K");
-        }
+        self.bar.finish_and_clear();
     }
 }

@@ -1,8 +1,24 @@
-//! Result rows and their renderings: table, JSON, CSV and an SVG plot.
+//! Result rows and their renderings: table, JSON, CSV and a plot (SVG and
+//! PNG, drawn with `plotters`).
+//!
+//! The table stays hand-formatted: its exact layout (two-space gaps, a dash
+//! rule as wide as each column, numbers right-aligned, trailing blanks
+//! trimmed) is what docs/benchmarks.md pastes, and table crates draw their
+//! header rule across the padding between columns.
 
+use plotters::coord::Shift;
+use plotters::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::path::Path;
+
+/// Title and axis labels of the bandwidth plot.
+const PLOT_LABELS: (&str, &str, &str) = (
+    "weft p2p single WRITE: bandwidth vs size",
+    "transfer size (bytes, log scale)",
+    "GB/s",
+);
 
 /// A target a measurement is compared against.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -407,9 +423,8 @@ impl Report {
         out
     }
 
-    /// An SVG chart of bandwidth vs transfer size (log-x), one series per
-    /// backend × NIC count for weft and for its raw baseline.
-    pub fn svg(&self) -> String {
+    /// The plotted series: name -> points (size, GB/s).
+    fn bandwidth_series(&self) -> BTreeMap<String, Vec<(f64, f64)>> {
         // series name -> points (size, GB/s)
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         // Null-mode "bandwidth" moves no bytes: leave it out next to real
@@ -443,19 +458,93 @@ impl Report {
                     .push((x as f64, b));
             }
         }
-        svg_chart(
-            "weft p2p single WRITE: bandwidth vs size",
-            "transfer size (bytes, log scale)",
-            "GB/s",
-            &series,
-        )
+        series
+    }
+
+    /// An SVG chart of bandwidth vs transfer size (log-x), one series per
+    /// backend × NIC count for weft and for its raw baseline.
+    pub fn svg(&self) -> String {
+        let (title, xlabel, ylabel) = PLOT_LABELS;
+        svg_chart(title, xlabel, ylabel, &self.bandwidth_series())
+    }
+
+    /// The same chart as [`Report::svg`], as a PNG file at `path` (without
+    /// its text; see [`png_chart`]).
+    pub fn png(&self, path: &Path) -> Result<(), PlotError> {
+        png_chart(path, &self.bandwidth_series())
     }
 }
 
-const COLORS: [&str; 10] = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
+/// Series colours (matplotlib's tab10), one per series in name order (as
+/// before).
+const COLORS: [RGBColor; 10] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x7f, 0x7f, 0x7f),
+    RGBColor(0xbc, 0xbd, 0x22),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
+
+/// Chart size in pixels.
+const CHART_SIZE: (u32, u32) = (900, 560);
+
+/// Why a chart could not be drawn.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlotError {
+    /// The drawing backend failed (e.g. the PNG file cannot be written).
+    #[error("drawing the chart {target}: {reason}")]
+    Draw {
+        /// What was drawn (`SVG`, or the PNG's path).
+        target: String,
+        /// The backend's error.
+        reason: String,
+    },
+}
+
+/// A log-x / linear-y line chart as SVG (text as SVG text, so no font is
+/// needed).
+pub fn svg_chart(
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    series: &BTreeMap<String, Vec<(f64, f64)>>,
+) -> String {
+    let mut s = String::new();
+    {
+        let root = SVGBackend::with_string(&mut s, CHART_SIZE).into_drawing_area();
+        if let Err(e) = draw_chart(&root, Some((title, xlabel, ylabel)), series) {
+            // Nothing a caller can fix; the chart says what went wrong.
+            return format!(
+                "<svg xmlns=\"http://www.w3.org/2000/svg\"><text y=\"20\">{}</text></svg>\n",
+                esc(&e.to_string())
+            );
+        }
+    }
+    if !s.ends_with('\n') {
+        s.push('\n');
+    }
+    s
+}
+
+/// The same chart as a PNG file at `path`. Its text (title, axis labels,
+/// legend) is left out: plotters draws bitmap text only with a font
+/// backend, which this build does not carry; the SVG has it all.
+pub fn png_chart(path: &Path, series: &BTreeMap<String, Vec<(f64, f64)>>) -> Result<(), PlotError> {
+    let err = |e: &dyn std::fmt::Display| PlotError::Draw {
+        target: path.display().to_string(),
+        reason: e.to_string(),
+    };
+    let root = BitMapBackend::new(path, CHART_SIZE).into_drawing_area();
+    // Without a font backend plotters cannot draw bitmap text at all.
+    draw_chart(&root, None, series).map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -463,20 +552,21 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// A log-x / linear-y line chart in plain SVG.
-pub fn svg_chart(
-    title: &str,
-    xlabel: &str,
-    ylabel: &str,
+/// Draws the chart: x is log2(size) with labels at powers of 4, weft series
+/// thick with circles, raw baselines thin and lighter with crosses (plotters
+/// draws no dashed polylines), legend on the upper left.
+///
+/// `text`: title, x and y labels; `None` draws no text at all (no caption,
+/// tick labels or legend), for backends that cannot draw text.
+fn draw_chart<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    text: Option<(&str, &str, &str)>,
     series: &BTreeMap<String, Vec<(f64, f64)>>,
-) -> String {
-    let (w, h) = (900.0_f64, 560.0_f64);
-    let (l, r, t, b) = (80.0, 260.0, 50.0, 60.0);
-    let pts = series.values().flatten();
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let mut xmin = f64::INFINITY;
     let mut xmax = f64::NEG_INFINITY;
     let mut ymax = 0.0_f64;
-    for &(x, y) in pts {
+    for &(x, y) in series.values().flatten() {
         if x > 0.0 && y.is_finite() {
             xmin = xmin.min(x);
             xmax = xmax.max(x);
@@ -495,108 +585,74 @@ pub fn svg_chart(
     }
     let ymax = nice_ceil(ymax);
     let (lx0, lx1) = (xmin.log2(), xmax.log2());
-    let px = |x: f64| l + (x.log2() - lx0) / (lx1 - lx0) * (w - l - r);
-    let py = |y: f64| h - b - (y / ymax) * (h - t - b);
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = write!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = write!(
-        s,
-        r#"<text x="{}" y="25" font-size="16" text-anchor="middle">{}</text>"#,
-        (w - r + l) / 2.0,
-        esc(title)
-    );
-    // Axes.
-    let _ = write!(
-        s,
-        r#"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{l}" y1="{t}" x2="{l}" y2="{}" stroke="black"/>"#,
-        h - b,
-        w - r,
-        h - b,
-        h - b
-    );
-    // X ticks at powers of 4.
-    let mut e = lx0.floor() as i32;
-    while f64::from(e) <= lx1 + 1e-9 {
-        if e % 2 == 0 && f64::from(e) >= lx0 - 1e-9 {
-            let x = px(2f64.powi(e));
-            let _ = write!(
-                s,
-                r##"<line x1="{x:.1}" y1="{t}" x2="{x:.1}" y2="{}" stroke="#eee"/><text x="{x:.1}" y="{}" text-anchor="middle">{}</text>"##,
-                h - b,
-                h - b + 18.0,
-                fmt_bytes(1u64 << e.clamp(0, 62))
-            );
-        }
-        e += 1;
+    root.fill(&WHITE)?;
+    let mut builder = ChartBuilder::on(root);
+    if let Some((title, _, _)) = text {
+        builder.caption(title, ("sans-serif", 16));
     }
-    // Y ticks.
-    for i in 0..=5 {
-        let v = ymax * f64::from(i) / 5.0;
-        let y = py(v);
-        let _ = write!(
-            s,
-            r##"<line x1="{l}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
-            w - r,
-            l - 6.0,
-            y + 4.0,
-            fmt_num(v)
-        );
-    }
-    let _ = write!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
-        (w - r + l) / 2.0,
-        h - 15.0,
-        esc(xlabel)
-    );
-    let _ = write!(
-        s,
-        r#"<text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">{}</text>"#,
-        (h - b + t) / 2.0,
-        (h - b + t) / 2.0,
-        esc(ylabel)
-    );
+    let mut chart = builder
+        .margin(15)
+        .margin_right(20)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d(lx0..lx1, 0.0..ymax)?;
+    // Ticks at even powers of two (powers of 4) in the range.
+    let ticks = ((lx1 - lx0) / 2.0).floor().max(1.0) as usize + 1;
+    let mut mesh = chart.configure_mesh();
+    mesh.max_light_lines(0)
+        .bold_line_style(RGBColor(0xee, 0xee, 0xee))
+        .x_labels(ticks)
+        .y_labels(6)
+        .x_label_formatter(&|x| fmt_bytes(2f64.powf(x.round()).clamp(1.0, 2f64.powi(62)) as u64))
+        .y_label_formatter(&|y| fmt_num(*y))
+        // A frame instead of axis lines and tick marks (transparent ones are
+        // not drawn): one path (SVG polyline) per series and nothing else.
+        .axis_style(TRANSPARENT);
+    match text {
+        Some((_, xlabel, ylabel)) => mesh.x_desc(xlabel).y_desc(ylabel),
+        // No axes: no tick labels.
+        None => mesh.disable_axes(),
+    };
+    mesh.draw()?;
+    chart.plotting_area().draw(&Rectangle::new(
+        [(lx0, 0.0), (lx1, ymax)],
+        BLACK.stroke_width(1),
+    ))?;
     for (i, (name, pts)) in series.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
-        let dash = if name.starts_with("raw") {
-            r#" stroke-dasharray="6 4""#
-        } else {
-            ""
-        };
-        let mut pts = pts.clone();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let path: Vec<String> = pts
+        let raw = name.starts_with("raw");
+        let mut pts: Vec<(f64, f64)> = pts
             .iter()
             .filter(|(x, y)| *x > 0.0 && y.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .map(|&(x, y)| (x.log2(), y))
             .collect();
-        let _ = write!(
-            s,
-            r#"<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="{}"/>"#,
-            path.join(" ")
-        );
-        for p in &path {
-            if let Some((x, y)) = p.split_once(',') {
-                let _ = write!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{c}"/>"#);
-            }
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let line = if raw {
+            c.mix(0.6).stroke_width(1)
+        } else {
+            c.stroke_width(2)
+        };
+        let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), line))?;
+        if text.is_some() {
+            drawn
+                .label(name.as_str())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 1), (x + 20, y + 1)], c.filled()));
         }
-        let ly = t + 10.0 + 20.0 * i as f64;
-        let lx = w - r + 15.0;
-        let _ = write!(
-            s,
-            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            lx + 25.0,
-            lx + 30.0,
-            ly + 4.0,
-            esc(name)
-        );
+        if raw {
+            chart.draw_series(pts.iter().map(|&p| Cross::new(p, 3, c.stroke_width(1))))?;
+        } else {
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
+        }
     }
-    s.push_str("</svg>\n");
-    s
+    if text.is_some() {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()
 }
 
 fn nice_ceil(v: f64) -> f64 {

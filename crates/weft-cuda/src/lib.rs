@@ -50,7 +50,7 @@
 //! and, for [`Kernels`], NVRTC (`libnvrtc.so.13` or `libnvrtc.so`) on the
 //! loader path (e.g. `LD_LIBRARY_PATH=/usr/local/cuda/lib64`).
 
-#![cfg_attr(not(feature = "cuda"), forbid(unsafe_code))]
+#![deny(unsafe_code)]
 
 mod error;
 

@@ -1,11 +1,18 @@
 //! The CUDA implementation (feature `cuda`).
 
+#[allow(unsafe_code)]
 mod copy;
+#[allow(unsafe_code)]
 mod gpu;
+#[allow(unsafe_code)]
 mod kernels;
+#[allow(unsafe_code)]
 mod mapped;
+#[allow(unsafe_code)]
 mod memory;
+#[allow(unsafe_code)]
 mod probe;
+#[allow(unsafe_code)]
 mod stream;
 
 pub use copy::CudaCopy;
