@@ -75,10 +75,14 @@
 
 mod cases;
 mod ctx;
+pub mod engine;
 // The in-process harness owns raw memory that NICs write into.
 #[allow(unsafe_code)]
 mod harness;
 mod pattern;
+// Host buffers and signals: raw memory that NICs write into, kill(2).
+#[allow(unsafe_code)]
+pub mod prim;
 
 pub use harness::{
     BufId, Harness, HarnessError, HostId, InProcess, InProcessBackend, DEFAULT_SETTLE_ROUNDS,
