@@ -83,6 +83,9 @@ mod pattern;
 // Host buffers and signals: raw memory that NICs write into, kill(2).
 #[allow(unsafe_code)]
 pub mod prim;
+// The child side owns raw memory that NICs write into.
+#[allow(unsafe_code)]
+pub mod xproc;
 
 pub use harness::{
     BufId, Harness, HarnessError, HostId, InProcess, InProcessBackend, DEFAULT_SETTLE_ROUNDS,
