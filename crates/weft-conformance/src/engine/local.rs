@@ -16,6 +16,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 type Rounds = Arc<Mutex<Vec<(u64, Result<(), String>)>>>;
 type Received = Arc<Mutex<Vec<Result<Vec<u8>, String>>>>;
+type RoundHook = Arc<dyn Fn(u64, &Result<(), String>) + Send + Sync>;
 
 /// A peer engine in this process with one registered buffer. Dropping it
 /// shuts the engine down (before the buffer goes).
@@ -27,7 +28,7 @@ pub struct LocalPeer {
     rounds: Rounds,
     received: Received,
     /// Called with `(tag, result)` as each round fires (after recording).
-    on_round: Option<Arc<dyn Fn(u64, &Result<(), String>) + Send + Sync>>,
+    on_round: Option<RoundHook>,
 }
 
 impl LocalPeer {

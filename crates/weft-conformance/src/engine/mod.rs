@@ -41,6 +41,7 @@
 //! with what it was waiting for.
 
 mod local;
+mod run;
 mod scenarios;
 
 pub use local::{EngineBackend, InProcessEngines, LocalPeer};
