@@ -314,9 +314,14 @@ pub fn scenario(name: &str) -> Option<Scenario> {
     scenarios().into_iter().find(|c| c.name == name)
 }
 
-/// Runs scenario `name` once per seed, each on a fresh harness from
-/// `factory(seed)`, catching panics; panics with backend, scenario and seed
-/// of every failing seed. Skips are printed to stderr.
+/// Environment variable that, when set to a number, replaces the seed list
+/// of every scenario (to rerun one failing seed).
+pub const SEED_ENV: &str = "WEFT_SEED";
+
+/// Runs scenario `name` once per seed (only the seed in [`SEED_ENV`] when
+/// that is set), each on a fresh harness from `factory(seed)`, catching
+/// panics; panics with backend, scenario and seed of every failing seed.
+/// Skips are printed to stderr.
 pub fn run_scenario_for_seeds<H: EngineHarness, F: Fn(u64) -> H>(
     factory: &F,
     name: &str,
@@ -324,6 +329,10 @@ pub fn run_scenario_for_seeds<H: EngineHarness, F: Fn(u64) -> H>(
 ) {
     let Some(sc) = scenario(name) else {
         panic!("weft-conformance: no engine scenario named {name:?}");
+    };
+    let seeds: Vec<u64> = match std::env::var(SEED_ENV).ok().and_then(|s| s.parse().ok()) {
+        Some(s) => vec![s],
+        None => seeds.into_iter().collect(),
     };
     let mut failed = Vec::new();
     let mut ran = 0usize;
@@ -351,7 +360,7 @@ pub fn run_scenario_for_seeds<H: EngineHarness, F: Fn(u64) -> H>(
             Err(CaseFailure::Skipped(_)) => crate::note(&format!("weft-conformance {line}")),
             _ => {
                 crate::note(&format!(
-                    "*** {line}\n*** rerun this seed: it alone reproduces the failure"
+                    "*** {line}\n*** rerun this seed alone: {SEED_ENV}={seed}"
                 ));
                 failed.push((seed, line));
             }

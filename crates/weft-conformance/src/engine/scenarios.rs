@@ -376,6 +376,10 @@ pub(crate) fn peer_death(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
         }
     }
     let pending = to_v.iter().filter(|f| !f.is_done()).count();
+    ensure!(
+        !stopped || pending > 0,
+        "every write to the stopped victim completed: the death would not be mid-transfer"
+    );
     r.h.kill_peer(victim).map_err(harness)?;
     if pending == 0 {
         // A fabric fast enough to finish everything in one progress round:
@@ -437,6 +441,14 @@ pub(crate) fn peer_death(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
         &[survivor],
         ScatterMode::ByPeer,
         40,
+        imms[2],
+        imms[3],
+    )?;
+    scatter_round(
+        &mut r,
+        &[survivor],
+        ScatterMode::ByBytes,
+        41,
         imms[2],
         imms[3],
     )?;
