@@ -1,7 +1,7 @@
 //! The engine scenario suite (`weft_conformance::engine`) over libfabric
 //! `tcp` (`tcp;ofi_rxm` on `lo`), every engine in this process with one group of 2 NICs
 //! (two endpoints of `lo`; each engine checks it got 2). Scenarios are skipped
-//! (printed) when libfabric is unavailable. A dying host is an engine shut down (its endpoints close).
+//! (printed) when libfabric is unavailable. Peer death is skipped here (see `LfEngines::kill_host`); `engine_xproc.rs` covers it.
 
 mod common;
 
