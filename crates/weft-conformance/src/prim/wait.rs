@@ -1,11 +1,11 @@
-//! Bounded waits for the engine tests (no speed assertion: only a hang
-//! fails). Shared by `engine_tcp.rs` and `engine_xproc.rs`.
+//! Bounded waits for threaded engines (no speed assertion: only a hang
+//! fails).
 
 use std::sync::Arc;
 use std::time::Duration;
 use weft_engine::{DoneFlag, EngineError};
 
-/// Generous bound on every wait.
+/// Generous bound on every wall-clock wait.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Polls `f` until it holds; panics after [`DEADLINE`].
@@ -16,5 +16,8 @@ pub fn wait_until(what: &str, f: impl FnMut() -> bool) {
 /// Waits for `f` to be resolved and returns its result.
 pub fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
     wait_until(what, || f.is_done());
-    f.result().expect("done flag has a result")
+    match f.result() {
+        Some(r) => r,
+        None => panic!("{what}: done flag without a result"),
+    }
 }
