@@ -41,7 +41,7 @@ fn bench(c: &mut Criterion) {
                 let f2 = Arc::clone(&fired);
                 if ep
                     .rx
-                    .expect_imm_count(imm, n as u32, move |_| f2.store(true, Ordering::Release))
+                    .expect_imm_count(imm, n, move |_| f2.store(true, Ordering::Release))
                     .is_err()
                 {
                     break;

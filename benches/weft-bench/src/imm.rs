@@ -20,7 +20,7 @@ pub const IMM_WRITE_LEN: u64 = 64;
 
 type Fired = Arc<Mutex<Option<(Instant, bool)>>>;
 
-fn arm(ep: &EnginePair, imm: u32, count: u32) -> Result<Fired, String> {
+fn arm(ep: &EnginePair, imm: u32, count: u64) -> Result<Fired, String> {
     let fired: Fired = Arc::new(Mutex::new(None));
     let f2 = Arc::clone(&fired);
     ep.rx
@@ -96,12 +96,11 @@ fn throughput(
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
     let expect = counts.paged_writes(IMM_WRITE_LEN, n);
-    let expect32 = u32::try_from(expect).map_err(|_| "too many immediates")?;
     let pg = pages(n, mem);
     let slots = (mem / IMM_WRITE_LEN).max(1);
     let (mut e, mut r) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
-        let fired = arm(ep, imm, expect32)?;
+        let fired = arm(ep, imm, expect)?;
         let t0 = Instant::now();
         ep.tx
             .submit_paged_writes(
@@ -150,7 +149,6 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
     let pg = pages(n, n * IMM_WRITE_LEN);
     let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
     let expect = counts.paged_writes(IMM_WRITE_LEN, n);
-    let expect32 = u32::try_from(expect).map_err(|_| "too many immediates")?;
     let floor = HandoffFloor::new();
     let (mut lat, mut fl) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
@@ -166,7 +164,7 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
                 .map_err(|e| e.to_string())?;
             wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
             let t0 = Instant::now();
-            let fired = arm(ep, imm, expect32)?;
+            let fired = arm(ep, imm, expect)?;
             wait_until(|| fired_at(&fired).is_some())?;
             let (t, ok) = fired_at(&fired).ok_or("not fired")?;
             if !ok {

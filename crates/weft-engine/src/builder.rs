@@ -10,6 +10,7 @@ use crate::error::EngineError;
 use crate::gate::Gate;
 use crate::imm::{ImmDone, ImmTable, ImmWaits};
 use crate::request::AddrBook;
+use crate::stats::GroupCounters;
 use crate::watcher::WatcherShared;
 use crate::MAX_NICS;
 use crossbeam_queue::ArrayQueue;
@@ -107,6 +108,7 @@ impl EngineBuilder {
                 sleeping: AtomicBool::new(false),
                 thread: OnceLock::new(),
                 failed: OnceLock::new(),
+                counters: Arc::new(GroupCounters::new(spec.nics.len())),
             }));
             ctrl_rxs.push(ctrl_rx);
         }

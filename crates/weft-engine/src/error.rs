@@ -121,6 +121,22 @@ pub enum EngineError {
         /// The immediate.
         imm: u32,
     },
+    /// `reserve_imm` of a value that is allocated or reserved.
+    #[error("immediate {imm} is already in use on this engine")]
+    ImmInUse {
+        /// The immediate.
+        imm: u32,
+    },
+    /// An `expect_imm_count` count over what one round can hold.
+    #[error("immediate {imm}: a round of {count} arrivals exceeds the limit of {max}")]
+    ImmCountTooLarge {
+        /// The immediate.
+        imm: u32,
+        /// The count asked for.
+        count: u64,
+        /// The largest count a round holds.
+        max: u32,
+    },
     /// `alloc_imm` found no free value.
     #[error("no free immediate values (capacity {capacity})")]
     ImmExhausted {

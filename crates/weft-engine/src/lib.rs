@@ -46,6 +46,7 @@ mod ondone;
 pub mod probe;
 mod request;
 pub mod shard;
+mod stats;
 mod sync;
 #[allow(unsafe_code)]
 mod watcher;
@@ -53,12 +54,13 @@ mod wrid;
 
 pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, QueueFullPolicy};
-pub use engine::{EngineStats, ImmCounts, PeerGroupHandle, TransferEngine};
+pub use engine::{ImmCounts, PeerGroupHandle, TransferEngine};
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
 pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
+pub use stats::{EngineStats, GroupStats, NicStats};
 pub use watcher::{UvmWatcher, WatchCallback};
 pub use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
 

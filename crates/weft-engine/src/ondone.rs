@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 /// The outcome of a transfer.
 pub type DoneResult = Result<(), EngineError>;
@@ -152,6 +153,30 @@ impl DoneFlag {
         self.result().unwrap_or(Err(EngineError::ShutDown))
     }
 
+    /// Blocks until the transfer finishes or `timeout` passes: the outcome,
+    /// or `None` if it is still pending (the transfer goes on; wait again or
+    /// drop the flag).
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<DoneResult> {
+        let mut g = self.inner.lock();
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => {
+                while self.state.load(Ordering::Acquire) == PENDING {
+                    if self.cv.wait_until(&mut g, deadline).timed_out() {
+                        break;
+                    }
+                }
+            }
+            // A timeout beyond the clock's range: no deadline.
+            None => {
+                while self.state.load(Ordering::Acquire) == PENDING {
+                    self.cv.wait(&mut g);
+                }
+            }
+        }
+        drop(g);
+        self.result()
+    }
+
     /// A future resolving when the transfer finishes.
     pub fn wait_async(self: &Arc<Self>) -> DoneFuture {
         DoneFuture(Arc::clone(self))
@@ -238,5 +263,21 @@ impl DoneCounter {
         while self.total() < n {
             self.cv.wait(&mut g);
         }
+    }
+
+    /// Blocks until at least `n` transfers finished or `timeout` passes;
+    /// whether `n` were reached.
+    pub fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool {
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            self.wait_for(n);
+            return true;
+        };
+        let mut g = self.first_error.lock();
+        while self.total() < n {
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                break;
+            }
+        }
+        self.total() >= n
     }
 }

@@ -258,7 +258,7 @@ fn five_gib_write_null_fabric() {
     );
     let fired = Arc::new(AtomicU64::new(0));
     let f = fired.clone();
-    eb.expect_imm_count(4, n as u32, move |r| {
+    eb.expect_imm_count(4, n, move |r| {
         assert!(r.is_ok());
         f.fetch_add(1, Ordering::SeqCst);
     })

@@ -81,7 +81,7 @@ fn single_and_paged_writes_every_nic_count() {
                 };
                 let early = (seed + round as u64).is_multiple_of(2);
                 if !early {
-                    eb.expect_imm_count(imm, n as u32, arm.clone()).unwrap();
+                    eb.expect_imm_count(imm, n, arm.clone()).unwrap();
                 }
                 let (od, flag) = OnDone::flag();
                 ea.submit_single_write(len, Some(imm), (&sh, soff), (&dd, doff), od)
@@ -90,7 +90,7 @@ fn single_and_paged_writes_every_nic_count() {
                     // Let every immediate arrive before arming.
                     drive(&fabric, &engines, || flag.is_done());
                     assert_eq!(eb.imm_pending(imm), n, "early arrivals are counted");
-                    eb.expect_imm_count(imm, n as u32, arm).unwrap();
+                    eb.expect_imm_count(imm, n, arm).unwrap();
                 }
                 drive(&fabric, &engines, || {
                     fired.load(Ordering::SeqCst) && flag.is_done()
@@ -123,7 +123,7 @@ fn single_and_paged_writes_every_nic_count() {
                     sp.clone(),
                     dp.clone(),
                 );
-                eb.expect_imm_count(imm, n as u32, move |r| {
+                eb.expect_imm_count(imm, n, move |r| {
                     assert!(r.is_ok());
                     for i in 0..sp.len() {
                         let so = sp.page_offset(i).unwrap() as usize;
@@ -185,7 +185,7 @@ fn scatter_and_barrier_to_64_peers() {
             let len = (1000 + j * 70) as u64;
             let n = p.imm_counts(0).unwrap().scatter_dst(len, mode);
             let (b2, s2, f2, e2) = (buf.clone(), src.clone(), fired.clone(), errors.clone());
-            p.expect_imm_count(5, n as u32, move |r| {
+            p.expect_imm_count(5, n, move |r| {
                 if r.is_err() || b2.bytes(7, len as usize) != s2.bytes(j * SLICE, len as usize) {
                     e2.lock()
                         .push(format!("peer {j}: scatter data not in place"));
@@ -268,7 +268,7 @@ fn injected_failures_fail_exactly_their_transfer() {
             let r = results.clone();
             if imm != 3 && imm != 5 {
                 let f = fired.clone();
-                eb.expect_imm_count(imm, counts.single_write(len) as u32, move |_| {
+                eb.expect_imm_count(imm, counts.single_write(len), move |_| {
                     f.fetch_add(1, Ordering::SeqCst);
                 })
                 .unwrap();

@@ -176,9 +176,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
         };
         let early = rng.gen_bool(0.3);
         if !early {
-            engines[r]
-                .expect_imm_count(imm, n as u32, cb.clone())
-                .unwrap();
+            engines[r].expect_imm_count(imm, n, cb.clone()).unwrap();
         }
         let od = OnDone::counter(&done);
         if paged {
@@ -197,7 +195,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
                 .unwrap();
         }
         if early {
-            engines[r].expect_imm_count(imm, n as u32, cb).unwrap();
+            engines[r].expect_imm_count(imm, n, cb).unwrap();
         }
         issued += 1;
     }
@@ -506,14 +504,14 @@ fn rearm_rounds_race_arrivals() {
             let n = counts.single_write(len) as u32;
             let early = rng.gen_bool(0.5);
             if !early {
-                eb.expect_imm_count(imm, n, arm.clone()).unwrap();
+                eb.expect_imm_count(imm, u64::from(n), arm.clone()).unwrap();
             }
             ea.submit_single_write(len, Some(imm), (&sh, so), (&dd, 0), od)
                 .unwrap();
             if early {
                 // Arm while the arrivals are landing.
                 std::thread::yield_now();
-                eb.expect_imm_count(imm, n, arm).unwrap();
+                eb.expect_imm_count(imm, u64::from(n), arm).unwrap();
             }
             wait_until("round", HANG, || {
                 flag.is_done() && fired.load(Ordering::SeqCst) >= 1

@@ -101,15 +101,13 @@ impl EnginePeer for LocalPeer {
             .imm_counts(0)
             .map_err(|e| HarnessError::Failed(format!("imm_counts: {e}")))?;
         let count: u64 = kinds.iter().map(|k| k.count(&counts)).sum();
-        let n = u32::try_from(count)
-            .map_err(|_| HarnessError::Failed(format!("imm count {count} overflows u32")))?;
         let (buf, rounds, hook) = (
             Arc::clone(&self.buf),
             Arc::clone(&self.rounds),
             self.on_round.clone(),
         );
         self.engine
-            .expect_imm_count(imm, n, move |r| {
+            .expect_imm_count(imm, count, move |r| {
                 let result = match r {
                     Err(e) => Err(format!("imm round failed: {e}")),
                     Ok(()) => check_regions(&buf, &regions),

@@ -40,6 +40,7 @@ use crate::mem::{RecvPool, SendPool};
 use crate::ondone::{DoneCallback, DoneResult};
 use crate::request::{AddrBook, Body, GroupAddress, Submitted};
 use crate::shard::{Piece, ShardConfig};
+use crate::stats::GroupCounters;
 use crate::wrid::{wr_transfer, KIND_SEND, KIND_WRITE};
 use crate::MAX_NICS;
 use nic::Nic;
@@ -117,6 +118,8 @@ pub(crate) struct WorkerCore {
     pieces: Vec<Piece>,
     comps: Vec<Completion>,
     pending_pieces: usize,
+    /// Per-NIC posting counters for `TransferEngine::stats`.
+    counters: Arc<GroupCounters>,
     #[cfg(feature = "latency-probe")]
     probes: Arc<crate::probe::ProbeSink>,
 }
@@ -150,6 +153,7 @@ impl WorkerCore {
         shard: ShardConfig,
         send_slots: u32,
         send_slot_len: u64,
+        counters: Arc<GroupCounters>,
         #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
     ) -> Result<Self, EngineError> {
         if domains.is_empty() || domains.len() > MAX_NICS {
@@ -209,6 +213,7 @@ impl WorkerCore {
             pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
+            counters,
             #[cfg(feature = "latency-probe")]
             probes,
         })
@@ -252,6 +257,11 @@ impl WorkerCore {
     /// Whether WRs are posted and not yet completed, or waiting for room.
     pub(crate) fn in_flight(&self) -> bool {
         self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)
+    }
+
+    /// Transfers taken and not yet resolved.
+    pub(crate) fn live_transfers(&self) -> usize {
+        self.slab.live_count()
     }
 
     /// Whether any transfer is still unfinished.

@@ -162,6 +162,7 @@ impl WorkerCore {
                     match self.nics[nic].domain.post_send(wr, peer, src) {
                         Ok(()) => {
                             self.posted(nic, wr);
+                            self.counters.posted(nic, 1, src.len);
                             progressed = true;
                         }
                         Err(e) if e.is_retryable() => {
@@ -197,9 +198,12 @@ impl WorkerCore {
                         Ok(k) => (k.min(batch.len()), None),
                         Err(PostError { posted, error }) => (posted.min(batch.len()), Some(error)),
                     };
+                    let mut bytes = 0u64;
                     for w in &batch[..accepted] {
                         self.posted(nic, w.wr);
+                        bytes = bytes.wrapping_add(w.src.len);
                     }
+                    self.counters.posted(nic, accepted as u64, bytes);
                     progressed |= accepted > 0;
                     let mut rest = accepted;
                     let mut stop = accepted < batch.len() && err.is_none();

@@ -66,6 +66,10 @@ impl Slab {
     }
 
     /// Whether any transfer is still unfinished.
+    pub(super) fn live_count(&self) -> usize {
+        self.transfers.len() - self.free.len()
+    }
+
     pub(super) fn any_live(&self) -> bool {
         self.transfers.iter().any(|t| t.live)
     }

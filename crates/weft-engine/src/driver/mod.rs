@@ -13,6 +13,7 @@ use crate::core::{Control, Event, GroupInfo};
 use crate::error::EngineError;
 use crate::mem::SendPool;
 use crate::request::Submitted;
+use crate::stats::GroupCounters;
 use crate::watcher::WatcherShared;
 use crossbeam_channel::Sender;
 use crossbeam_queue::ArrayQueue;
@@ -44,6 +45,8 @@ pub(crate) struct GroupShared {
     pub(crate) thread: OnceLock<Thread>,
     /// Set once the worker panicked: later submits fail with it.
     pub(crate) failed: OnceLock<EngineError>,
+    /// Load and per-NIC counters the worker publishes.
+    pub(crate) counters: Arc<GroupCounters>,
 }
 
 impl GroupShared {

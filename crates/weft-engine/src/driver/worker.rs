@@ -51,6 +51,7 @@ impl WorkerCtx {
             self.cfg.shard,
             self.cfg.send_slots,
             self.cfg.send_slot_len,
+            Arc::clone(&self.shared.counters),
             #[cfg(feature = "latency-probe")]
             self.probes,
         )?;
@@ -110,6 +111,9 @@ impl Worker {
         did |= self.core.post_backlog();
         // (3) completion queues
         did |= self.core.poll() > 0;
+        self.shared
+            .counters
+            .publish(self.core.live_transfers(), self.core.pending_pieces());
         self.flush();
         did
     }

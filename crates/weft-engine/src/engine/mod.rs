@@ -19,6 +19,7 @@ use crate::imm::{ImmDone, ImmTable, ImmWaits};
 use crate::mem::MrHandle;
 use crate::request::{AddrBook, GroupAddress};
 use crate::shard::{self, ScatterMode, ShardConfig};
+use crate::stats::EngineStats;
 use crate::watcher::{UvmWatcher, WatchCallback, WatcherShared};
 use crossbeam_channel::{Receiver, Sender};
 use crossbeam_utils::Backoff;
@@ -32,10 +33,34 @@ use std::time::{Duration, Instant};
 
 /// The immediate-value allocator (`alloc_imm` / `free_imm`).
 pub(crate) struct ImmAlloc {
+    /// Values below it were handed out (or skipped as reserved) at least
+    /// once; values from it up never were.
     pub(crate) next: u32,
+    /// Values handed out, then freed.
     pub(crate) free: Vec<u32>,
-    /// `in_use[v]` for values handed out and not freed.
+    /// `in_use[v]` for values handed out or reserved and not freed (the
+    /// vector may be shorter than the value space: missing means unused).
     pub(crate) in_use: Vec<bool>,
+}
+
+impl ImmAlloc {
+    pub(crate) fn is_used(&self, v: u32) -> bool {
+        self.in_use.get(v as usize).copied().unwrap_or(false)
+    }
+
+    pub(crate) fn mark(&mut self, v: u32) {
+        let i = v as usize;
+        if self.in_use.len() <= i {
+            self.in_use.resize(i + 1, false);
+        }
+        self.in_use[i] = true;
+    }
+
+    pub(crate) fn unmark(&mut self, v: u32) {
+        if let Some(u) = self.in_use.get_mut(v as usize) {
+            *u = false;
+        }
+    }
 }
 
 /// The engine's threads, joined at shutdown.
@@ -156,17 +181,6 @@ impl PeerGroupHandle {
     }
 }
 
-/// Engine statistics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct EngineStats {
-    /// Immediates reported as never consumed.
-    pub imm_excess: u64,
-    /// Immediates of values outside the allocator's range that were not
-    /// tracked because too many distinct such values were outstanding
-    /// (a misbehaving peer); they are counted here and never fire a round.
-    pub imm_dropped: u64,
-}
-
 /// The TransferEngine. Cheap to clone (a handle); callbacks may capture a
 /// clone and submit from the callback thread.
 #[derive(Clone)]
@@ -260,6 +274,12 @@ impl TransferEngine {
         EngineStats {
             imm_excess: self.inner.excess_total.load(Ordering::Relaxed),
             imm_dropped: self.inner.imms.dropped(),
+            groups: self
+                .inner
+                .groups
+                .iter()
+                .map(|g| g.counters.snapshot(g.queue.len()))
+                .collect(),
         }
     }
 

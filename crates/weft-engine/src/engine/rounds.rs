@@ -12,24 +12,68 @@ use std::sync::atomic::Ordering;
 use weft_transport::Imm;
 
 impl TransferEngine {
-    /// Allocates an immediate value (dense, from `0..imm_capacity`).
+    /// Allocates an immediate value: the lowest never-used value of
+    /// `0..imm_capacity` first, then freed ones. Values taken with
+    /// [`reserve_imm`](Self::reserve_imm) are skipped.
     pub fn alloc_imm(&self) -> Result<Imm, EngineError> {
+        let capacity = self.inner.imms.capacity();
         let mut a = self.inner.imm_free.lock();
         if let Some(v) = a.free.pop() {
-            if let Some(u) = a.in_use.get_mut(v as usize) {
-                *u = true;
-            }
+            a.mark(v);
             return Ok(v);
         }
-        if a.next < self.inner.imms.capacity() {
+        while a.next < capacity {
             let v = a.next;
             a.next += 1;
-            a.in_use.push(true);
-            return Ok(v);
+            if !a.is_used(v) {
+                a.mark(v);
+                return Ok(v);
+            }
         }
-        Err(EngineError::ImmExhausted {
-            capacity: self.inner.imms.capacity(),
-        })
+        Err(EngineError::ImmExhausted { capacity })
+    }
+
+    /// Takes the specific value `imm` (of `0..imm_capacity`) for this
+    /// caller, as [`alloc_imm`](Self::alloc_imm) would have handed it out;
+    /// [`free_imm`](Self::free_imm) returns it. Fails with
+    /// [`EngineError::ImmInUse`] if it is taken (allocated or reserved and
+    /// not freed).
+    ///
+    /// This is how a value free on *every member of a peer group* is had:
+    /// scatter and barrier send one immediate value to every member, and
+    /// each member counts it in its own engine, so the value must be free
+    /// on all of them. `alloc_imm` hands out values from the bottom of the
+    /// range; the convention is that applications take group-wide values
+    /// from the top down, by a rule every member computes the same way
+    /// (e.g. `imm_capacity - 1 - k` for the `k`-th group-wide value of a
+    /// deployment whose engines share one `imm_capacity`), and that every
+    /// member reserves them. A clash with a value some member already uses
+    /// is then a typed error on that member, never a silent miscount.
+    pub fn reserve_imm(&self, imm: Imm) -> Result<(), EngineError> {
+        let capacity = self.inner.imms.capacity();
+        if imm >= capacity {
+            return Err(EngineError::InvalidArgument {
+                what: format!("immediate {imm} is outside 0..{capacity} (imm_capacity)"),
+            });
+        }
+        let mut a = self.inner.imm_free.lock();
+        if a.is_used(imm) {
+            return Err(EngineError::ImmInUse { imm });
+        }
+        if imm < a.next {
+            // Handed out before and freed: it waits in the free list.
+            if let Some(pos) = a.free.iter().position(|&v| v == imm) {
+                a.free.swap_remove(pos);
+            }
+        }
+        a.mark(imm);
+        Ok(())
+    }
+
+    /// Size of the immediate value space (`0..imm_capacity`), from
+    /// [`EngineConfig::imm_capacity`](crate::EngineConfig::imm_capacity).
+    pub fn imm_capacity(&self) -> u32 {
+        self.inner.imms.capacity()
     }
 
     /// Returns an immediate value to the allocator. Arrivals of it that no
@@ -50,11 +94,9 @@ impl TransferEngine {
         let mut a = self.inner.imm_free.lock();
         // Only values handed out and not yet freed return to the pool, so a
         // double free cannot make `alloc_imm` hand a value out twice.
-        if let Some(u) = a.in_use.get_mut(imm as usize) {
-            if *u {
-                *u = false;
-                a.free.push(imm);
-            }
+        if a.is_used(imm) {
+            a.unmark(imm);
+            a.free.push(imm);
         }
     }
 
@@ -80,14 +122,16 @@ impl TransferEngine {
     /// Calls `cb` (on the callback thread) once `count` immediates `imm`
     /// have arrived, counting arrivals that came before this call. Fires
     /// exactly once, never early; `count == 0` fires at once. Re-arm after
-    /// it fired for the next round. Fails if a round is already armed.
+    /// it fired for the next round. Fails if a round is already armed, and
+    /// with [`EngineError::ImmCountTooLarge`] for a count over `u32::MAX`
+    /// (the sum of [`ImmCounts`](crate::ImmCounts) results is a `u64`).
     /// At shutdown an unfired round gets `Err(ShutDown)`. While a round
     /// waits, idle workers poll without sleeping (see
     /// [`EngineConfig::idle_sleep`](crate::EngineConfig::idle_sleep)).
     pub fn expect_imm_count(
         &self,
         imm: Imm,
-        count: u32,
+        count: u64,
         cb: impl FnOnce(DoneResult) + Send + 'static,
     ) -> Result<(), EngineError> {
         self.expect_imm_count_with(imm, count, OnDone::callback(cb))
@@ -101,9 +145,16 @@ impl TransferEngine {
     pub fn expect_imm_count_with(
         &self,
         imm: Imm,
-        count: u32,
+        count: u64,
         on_done: OnDone,
     ) -> Result<(), EngineError> {
+        // Counts are `u64` like the `ImmCounts` that compute them; a round
+        // holds at most `u32::MAX` arrivals.
+        let count = u32::try_from(count).map_err(|_| EngineError::ImmCountTooLarge {
+            imm,
+            count,
+            max: u32::MAX,
+        })?;
         // Held until the round is in the table (or resolved): `shutdown`
         // waits for it before failing the armed rounds.
         let Some(_entered) = self.inner.arm_gate.enter() else {

@@ -1,0 +1,155 @@
+//! Engine statistics: what [`TransferEngine::stats`](crate::TransferEngine::stats)
+//! reports, and the per-group counters the workers publish for it.
+//!
+//! Each group's counters have one writer (its worker), so they are updated
+//! with plain relaxed loads and stores, not read-modify-write atomics: no
+//! locked instruction on the posting path. Readers see a recent value.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Engine statistics.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// Immediates reported as never consumed.
+    pub imm_excess: u64,
+    /// Immediates of values outside the allocator's range that were not
+    /// tracked because too many distinct such values were outstanding
+    /// (a misbehaving peer); they are counted here and never fire a round.
+    pub imm_dropped: u64,
+    /// One entry per domain group, in group order.
+    pub groups: Vec<GroupStats>,
+}
+
+/// The load of one domain group, for backpressure decisions and for
+/// checking how evenly sharded writes spread over the NICs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct GroupStats {
+    /// Requests in the group's request queue, not yet taken by its worker
+    /// (at most [`EngineConfig::queue_capacity`](crate::EngineConfig::queue_capacity)).
+    pub queued: usize,
+    /// Transfers the worker has taken and not yet resolved (their `OnDone`
+    /// has not been reported).
+    pub in_flight: usize,
+    /// Planned WRs waiting for send-queue room (the worker stops taking
+    /// requests at [`EngineConfig::max_pending_wrs`](crate::EngineConfig::max_pending_wrs)).
+    pub pending_wrs: usize,
+    /// One entry per NIC of the group, in NIC order.
+    pub nics: Vec<NicStats>,
+}
+
+/// What one NIC of a group has carried since the engine started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct NicStats {
+    /// WRs (WRITE pieces and SENDs) the NIC accepted.
+    pub wrs_posted: u64,
+    /// Payload bytes of those WRs.
+    pub bytes_posted: u64,
+}
+
+/// A single-writer counter (see the module docs).
+#[derive(Debug, Default)]
+struct Counter(AtomicU64);
+
+impl Counter {
+    #[inline]
+    fn add(&self, n: u64) {
+        self.0.store(
+            self.0.load(Ordering::Relaxed).wrapping_add(n),
+            Ordering::Relaxed,
+        );
+    }
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct NicCounters {
+    wrs: Counter,
+    bytes: Counter,
+}
+
+/// The counters of one group, written by its worker.
+#[derive(Debug)]
+pub(crate) struct GroupCounters {
+    in_flight: AtomicUsize,
+    pending_wrs: AtomicUsize,
+    nics: Vec<NicCounters>,
+}
+
+impl GroupCounters {
+    /// Counters for a group of `nics` NICs.
+    pub(crate) fn new(nics: usize) -> Self {
+        Self {
+            in_flight: AtomicUsize::new(0),
+            pending_wrs: AtomicUsize::new(0),
+            nics: (0..nics).map(|_| NicCounters::default()).collect(),
+        }
+    }
+
+    /// NIC `nic` accepted `wrs` WRs carrying `bytes` bytes.
+    #[inline]
+    pub(crate) fn posted(&self, nic: usize, wrs: u64, bytes: u64) {
+        if let Some(c) = self.nics.get(nic) {
+            c.wrs.add(wrs);
+            c.bytes.add(bytes);
+        }
+    }
+
+    /// The worker's current load.
+    #[inline]
+    pub(crate) fn publish(&self, in_flight: usize, pending_wrs: usize) {
+        self.in_flight.store(in_flight, Ordering::Relaxed);
+        self.pending_wrs.store(pending_wrs, Ordering::Relaxed);
+    }
+
+    /// A snapshot, with the queue depth read by the caller.
+    pub(crate) fn snapshot(&self, queued: usize) -> GroupStats {
+        GroupStats {
+            queued,
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            pending_wrs: self.pending_wrs.load(Ordering::Relaxed),
+            nics: self
+                .nics
+                .iter()
+                .map(|c| NicStats {
+                    wrs_posted: c.wrs.get(),
+                    bytes_posted: c.bytes.get(),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_accumulate_per_nic() {
+        let c = GroupCounters::new(2);
+        c.posted(0, 3, 300);
+        c.posted(1, 1, 10);
+        c.posted(0, 1, 5);
+        c.posted(7, 1, 1); // no such NIC: ignored
+        c.publish(4, 2);
+        let s = c.snapshot(9);
+        assert_eq!((s.queued, s.in_flight, s.pending_wrs), (9, 4, 2));
+        assert_eq!(
+            s.nics,
+            vec![
+                NicStats {
+                    wrs_posted: 4,
+                    bytes_posted: 305
+                },
+                NicStats {
+                    wrs_posted: 1,
+                    bytes_posted: 10
+                }
+            ]
+        );
+    }
+}
