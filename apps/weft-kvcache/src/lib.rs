@@ -39,227 +39,27 @@ mod buf;
 use buf::host_buf;
 pub use buf::{pattern, HostBuf};
 
+mod config;
+mod error;
+mod layout;
+mod wire;
+
+pub use config::KvConfig;
+pub use error::KvError;
+pub use layout::{expected_kv_byte, expected_tail_byte, KvLayout};
+use wire::encode;
+pub use wire::{KvRequest, Msg};
+
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use weft_engine::{
-    DoneCounter, EngineError, GroupAddress, MrDesc, MrHandle, OnDone, Pages, TransferEngine,
+    DoneCounter, EngineError, GroupAddress, MrDesc, MrHandle, OnDone, TransferEngine,
 };
-
-/// Shape of the KvCache (identical on both sides).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvLayout {
-    /// Transformer layers (one paged-write submit each).
-    pub layers: u32,
-    /// KV heads per layer on this rank.
-    pub heads: u32,
-    /// Bytes of one page of one head (e.g. 32 KiB in the paper).
-    pub page_len: u64,
-    /// Bytes of the tail (logits / hidden state), written last.
-    pub tail_len: u64,
-}
-
-impl KvLayout {
-    /// Bytes of one layer-head-page cube with `pages` pages, checked.
-    pub fn kv_bytes(&self, pages: u32) -> Option<u64> {
-        u64::from(self.layers)
-            .checked_mul(u64::from(self.heads))?
-            .checked_mul(u64::from(pages))?
-            .checked_mul(self.page_len)
-    }
-
-    /// Offset of (layer, head, page) in a buffer of `num_pages` pages.
-    pub fn offset(&self, num_pages: u32, layer: u32, head: u32, page: u32) -> Option<u64> {
-        u64::from(layer)
-            .checked_mul(u64::from(self.heads))?
-            .checked_add(u64::from(head))?
-            .checked_mul(u64::from(num_pages))?
-            .checked_add(u64::from(page))?
-            .checked_mul(self.page_len)
-    }
-
-    /// The paged-write page sets of `layer` for a request: prefiller source
-    /// (a dense `[head][j]` cube of `pages.len()` pages) and decoder
-    /// destination (`num_pages` pages per head).
-    pub fn layer_pages(&self, layer: u32, pages: &[u32], num_pages: u32) -> Option<(Pages, Pages)> {
-        let n = u32::try_from(pages.len()).ok()?;
-        let mut si = Vec::with_capacity(pages.len() * self.heads as usize);
-        let mut di = Vec::with_capacity(si.capacity());
-        for h in 0..self.heads {
-            for (j, &p) in pages.iter().enumerate() {
-                if p >= num_pages {
-                    return None;
-                }
-                si.push(h.checked_mul(n)?.checked_add(u32::try_from(j).ok()?)?);
-                di.push(h.checked_mul(num_pages)?.checked_add(p)?);
-            }
-        }
-        let src = Pages {
-            indices: si,
-            stride: self.page_len,
-            offset: self.offset(n, layer, 0, 0)?,
-        };
-        let dst = Pages {
-            indices: di,
-            stride: self.page_len,
-            offset: self.offset(num_pages, layer, 0, 0)?,
-        };
-        Some((src, dst))
-    }
-}
-
-/// Expected content of KV byte `i` of page-slot `j` (the request's `j`-th
-/// page), head `h`, layer `l` of a prompt with `seed`.
-pub fn expected_kv_byte(seed: u64, l: u32, h: u32, j: u32, i: u64) -> u8 {
-    let tag = seed ^ (u64::from(l) << 40) ^ (u64::from(h) << 20) ^ u64::from(j);
-    pattern(tag, i)
-}
-
-/// Expected content of tail byte `i` of a prompt with `seed`.
-pub fn expected_tail_byte(seed: u64, i: u64) -> u8 {
-    pattern(seed ^ 0x7a11_0000_0000_0000, i)
-}
-
-/// One transfer request, decoder → prefiller.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvRequest {
-    /// Request id (unique per decoder).
-    pub id: u64,
-    /// Where the prefiller sends acks and heartbeats.
-    pub reply_to: GroupAddress,
-    /// The layout the decoder expects.
-    pub layout: KvLayout,
-    /// Decoder KvCache region.
-    pub kv: MrDesc,
-    /// Pages per head in the decoder KvCache.
-    pub num_pages: u32,
-    /// Destination page indices, in prompt order.
-    pub pages: Vec<u32>,
-    /// Decoder tail region and offset of this request's tail slot.
-    pub tail: MrDesc,
-    /// Offset of the tail slot in `tail`.
-    pub tail_off: u64,
-    /// Immediate every write carries.
-    pub imm: u32,
-    /// Prompt identity (drives the "computed" content).
-    pub prompt_seed: u64,
-}
-
-/// Wire messages (postcard).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Msg {
-    /// Decoder announces itself (prefiller starts heartbeating it).
-    Hello {
-        /// Decoder address.
-        from: GroupAddress,
-    },
-    /// A transfer request.
-    Request(KvRequest),
-    /// Cancel a request.
-    Cancel {
-        /// Decoder address.
-        from: GroupAddress,
-        /// Request id.
-        id: u64,
-    },
-    /// No write of request `id` can land any more.
-    CancelAck {
-        /// Request id.
-        id: u64,
-    },
-    /// The prefiller refused or aborted a request.
-    Failed {
-        /// Request id.
-        id: u64,
-        /// Why.
-        reason: String,
-    },
-    /// Liveness.
-    Heartbeat,
-}
-
-/// Errors of KvCache transfers.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum KvError {
-    /// Engine failure.
-    #[error("engine: {0}")]
-    Engine(#[from] EngineError),
-    /// The peer stopped answering (heartbeat timeout or failed SEND).
-    #[error("peer {peer:?} is dead: {why}")]
-    PeerDead {
-        /// The peer.
-        peer: GroupAddress,
-        /// How it was detected.
-        why: String,
-    },
-    /// Not enough free pages or tail slots.
-    #[error("need {need} pages, {free} free")]
-    NoPages {
-        /// Requested.
-        need: u32,
-        /// Available.
-        free: u32,
-    },
-    /// The request was cancelled (and the prefiller confirmed it).
-    #[error("request {0} cancelled")]
-    Cancelled(u64),
-    /// The prefiller reported a failure.
-    #[error("request {id} failed at the prefiller: {reason}")]
-    Remote {
-        /// Request id.
-        id: u64,
-        /// Its reason.
-        reason: String,
-    },
-    /// Received bytes differ from the expected content.
-    #[error("request {id}: {what}")]
-    Corrupt {
-        /// Request id.
-        id: u64,
-        /// First mismatch.
-        what: String,
-    },
-    /// A size computation overflowed or did not fit.
-    #[error("invalid size: {0}")]
-    Size(String),
-    /// A message could not be encoded or decoded.
-    #[error("codec: {0}")]
-    Codec(String),
-}
-
-/// Settings shared by both sides.
-#[derive(Debug, Clone)]
-pub struct KvConfig {
-    /// Heartbeat period.
-    pub heartbeat_interval: Duration,
-    /// Silence after which the peer is declared dead.
-    pub heartbeat_timeout: Duration,
-    /// Receive buffer size (bytes) and count.
-    pub recv_len: u64,
-    /// Receive buffers.
-    pub recv_count: u32,
-}
-
-impl Default for KvConfig {
-    fn default() -> Self {
-        Self {
-            heartbeat_interval: Duration::from_millis(20),
-            heartbeat_timeout: Duration::from_millis(1000),
-            recv_len: 16 * 1024,
-            recv_count: 32,
-        }
-    }
-}
-
-fn encode(m: &Msg) -> Result<Vec<u8>, KvError> {
-    postcard::to_stdvec(m).map_err(|e| KvError::Codec(e.to_string()))
-}
 
 /// Outcome of a finished request.
 #[derive(Debug, Clone, PartialEq, Eq)]
