@@ -284,7 +284,7 @@ impl DecShared {
             },
         );
         let weak = Arc::downgrade(self);
-        let armed = self.engine.expect_imm_count(imm, count, move |r| {
+        let armed = self.engine.expect_imm_count(imm, u64::from(count), move |r| {
             if let Some(sh) = weak.upgrade() {
                 sh.on_imms(id, r);
             }
