@@ -141,8 +141,9 @@ impl TransferEngine {
 
     /// Posts a rotating pool of `count` receive buffers of `len` bytes on
     /// NIC 0 of group 0. `cb` runs on the callback thread for every
-    /// received message (or receive error); the buffer is re-posted after
-    /// `cb` returns. Buffers flushed at shutdown are not reported.
+    /// received message (or receive error), on a copy of its bytes: the
+    /// worker re-posts the buffer as soon as it has copied the message out.
+    /// Buffers flushed at shutdown are not reported.
     pub fn submit_recvs(
         &self,
         len: u64,
