@@ -113,7 +113,8 @@ fn test(root: &Path) -> Result {
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).
     libfabric2::run(root, &env)?;
-    // Model-checked lock-free parts (the ImmCounter, with loom), in their
+    // Model-checked lock-free parts (the ImmCounter and the shutdown gate,
+    // with loom: every `loom_model` module of the engine), in their
     // own target dir so the cfg(loom) build does not invalidate the normal
     // one.
     proc::run(
@@ -124,7 +125,7 @@ fn test(root: &Path) -> Result {
                 "weft-engine",
                 "--lib",
                 "--release",
-                "imm::loom_model",
+                "loom_model",
             ])
             .current_dir(root)
             .envs(env)

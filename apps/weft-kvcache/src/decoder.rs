@@ -284,11 +284,13 @@ impl DecShared {
             },
         );
         let weak = Arc::downgrade(self);
-        let armed = self.engine.expect_imm_count(imm, u64::from(count), move |r| {
-            if let Some(sh) = weak.upgrade() {
-                sh.on_imms(id, r);
-            }
-        });
+        let armed = self
+            .engine
+            .expect_imm_count(imm, u64::from(count), move |r| {
+                if let Some(sh) = weak.upgrade() {
+                    sh.on_imms(id, r);
+                }
+            });
         if let Err(e) = armed {
             self.finish(id, Err(e.into()));
             return Ok(RequestHandle { id, rx });

@@ -11,7 +11,7 @@
 //!   [`WorkerCore::take_request`] (priority 1: a new request and its
 //!   first WRs);
 //! * control messages ([`Control`]: registrations, peer groups, receive
-//!   pools, receive re-posts): [`WorkerCore::handle_control`];
+//!   pools): [`WorkerCore::handle_control`];
 //! * send-queue room: [`WorkerCore::post_backlog`] (priority 2: more WRs
 //!   of pending requests as room frees);
 //! * completions: [`WorkerCore::poll`] (priority 3: the domains'

@@ -1,7 +1,8 @@
 //! The threads that drive the engine: each group's worker thread
 //! ([`worker`]: runs the group's [`WorkerCore`](crate::core::WorkerCore)),
-//! the shared callback thread ([`callback`]: runs user callbacks and
-//! re-posts receive buffers) and the UVM watcher thread
+//! the shared callback thread ([`callback`]: runs user callbacks, receive
+//! callbacks on messages the worker already copied out) and the UVM
+//! watcher thread
 //! ([`watcher_main`]). In manual mode `TransferEngine::progress` runs the
 //! same steps on the caller's thread instead.
 
