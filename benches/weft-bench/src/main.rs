@@ -42,7 +42,8 @@ struct Cli {
     /// Write the rows as CSV.
     #[arg(long, global = true, value_name = "FILE")]
     csv: Option<PathBuf>,
-    /// Write an SVG plot of p2p bandwidth vs size.
+    /// Write an SVG plot of p2p bandwidth vs size (and the same chart,
+    /// without text, as a PNG next to it: `F.svg` → `F.png`).
     #[arg(long, global = true, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
     /// No progress line on stderr.
@@ -96,6 +97,12 @@ fn main() -> ExitCode {
     write(&cli.json, report.json(), "JSON");
     write(&cli.csv, report.csv(), "CSV");
     write(&cli.plot, report.svg(), "plot");
+    if let Some(p) = &cli.plot {
+        if let Err(e) = report.png(&p.with_extension("png")) {
+            eprintln!("error: {e}");
+            ok = false;
+        }
+    }
     let failed = report
         .rows
         .iter()

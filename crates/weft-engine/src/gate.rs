@@ -5,14 +5,17 @@
 //! before shutdown fails the table's rounds — never after, where nothing
 //! would ever resolve it.
 //!
-//! The protocol is the classic store-then-load handshake, all `SeqCst`: an
-//! entrant increments `inside` and then reads `closed`; the closer sets
-//! `closed` and then reads `inside`. In the single total order of those four
-//! operations, at least one side sees the other: either the entrant sees
-//! the gate closed (and backs out), or the closer sees it inside (and waits
-//! for it). Model-checked with loom (`loom_model` below).
+//! The protocol is the classic store-then-load handshake with a `SeqCst`
+//! fence between the two on each side: an entrant increments `inside`,
+//! fences, then reads `closed`; the closer sets `closed`, fences, then reads
+//! `inside`. The two fences are ordered in the single total order of
+//! `SeqCst` operations, so at least one side sees the other's store: either
+//! the entrant sees the gate closed (and backs out), or the closer sees it
+//! inside (and waits for it). Fences rather than `SeqCst` accesses alone
+//! because that is the form loom models exactly (it treats `SeqCst`
+//! accesses as `AcqRel`). Model-checked with loom (`loom_model` below).
 
-use crate::sync::{spin, AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{fence, spin, AtomicBool, AtomicUsize, Ordering};
 
 /// See the module docs.
 #[derive(Debug, Default)]
@@ -36,6 +39,7 @@ impl Gate {
     pub(crate) fn enter(&self) -> Option<Entered<'_>> {
         self.inside.fetch_add(1, Ordering::SeqCst);
         let entered = Entered(self);
+        fence(Ordering::SeqCst);
         if self.closed.load(Ordering::SeqCst) {
             return None;
         }
@@ -47,6 +51,7 @@ impl Gate {
     /// is short; it must not be called from inside the gate.
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         while self.inside.load(Ordering::SeqCst) != 0 {
             spin();
         }
