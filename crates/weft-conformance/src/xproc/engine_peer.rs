@@ -390,10 +390,7 @@ impl<B: XprocBackend> Drop for XprocEngines<B> {
 
 impl<B: XprocBackend> EngineHarness for XprocEngines<B> {
     fn name(&self) -> String {
-        match &self.backend {
-            Ok(b) => format!("{}/cross-process", b.name()),
-            Err(_) => format!("{}/cross-process", self.profile),
-        }
+        super::harness_name(&self.backend, &self.profile)
     }
 
     fn seed(&self) -> u64 {

@@ -90,6 +90,14 @@ pub trait XprocBackend: Sized {
     }
 }
 
+/// `"<backend>/cross-process"`, the name of a harness of this module.
+fn harness_name<B: XprocBackend>(backend: &Result<B, HarnessError>, profile: &str) -> String {
+    match backend {
+        Ok(b) => format!("{}/cross-process", b.name()),
+        Err(_) => format!("{profile}/cross-process"),
+    }
+}
+
 /// The body of the [`ENTRY_TEST`] test. In a child started by
 /// [`CrossProcess`] or [`XprocEngines`] it serves the parent until the
 /// parent goes away, then exits the process. Run normally (not as a child),

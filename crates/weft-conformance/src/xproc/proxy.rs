@@ -214,10 +214,7 @@ impl<B: XprocBackend> Drop for CrossProcess<B> {
 
 impl<B: XprocBackend> Harness for CrossProcess<B> {
     fn name(&self) -> String {
-        match &self.backend {
-            Ok(b) => format!("{}/cross-process", b.name()),
-            Err(_) => format!("{}/cross-process", self.profile),
-        }
+        super::harness_name(&self.backend, &self.profile)
     }
     fn seed(&self) -> u64 {
         self.seed
