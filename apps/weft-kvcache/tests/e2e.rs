@@ -7,25 +7,7 @@ use std::sync::Arc;
 use weft_engine::{DomainGroupSpec, EngineConfig, TransferEngine};
 use weft_kvcache::{Decoder, KvConfig, KvError, KvLayout, LayerHook, Prefiller};
 use weft_loopback::{Fabric, FabricConfig, HostId};
-
-struct SeedGuard(u64, &'static str);
-impl Drop for SeedGuard {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "*** {} failed with seed {} (rerun: WEFT_SEED={})",
-                self.1, self.0, self.0
-            );
-        }
-    }
-}
-
-fn seeds(default: &[u64]) -> Vec<u64> {
-    match std::env::var("WEFT_SEED").ok().and_then(|s| s.parse().ok()) {
-        Some(s) => vec![s],
-        None => default.to_vec(),
-    }
-}
+use weft_testkit::{seeds_or, SeedGuard};
 
 const NICS: usize = 2;
 const LAYOUT: KvLayout = KvLayout {
@@ -102,8 +84,8 @@ impl Setup {
 
 #[test]
 fn concurrent_requests_verified() {
-    for seed in seeds(&[1, 2, 3]) {
-        let _g = SeedGuard(seed, "concurrent_requests_verified");
+    for seed in seeds_or([1, 2, 3]) {
+        let _g = SeedGuard::new(seed, "concurrent_requests_verified");
         let s = setup(seed, None);
         let sizes = [1u32, 5, 9, 3, 12, 7];
         let handles: Vec<_> = sizes
@@ -165,8 +147,8 @@ fn gate(id: u64, layer: u32) -> (LayerHook, Receiver<()>, Sender<()>) {
 
 #[test]
 fn cancel_is_confirmed_before_pages_return() {
-    for seed in seeds(&[11, 12]) {
-        let _g = SeedGuard(seed, "cancel_is_confirmed_before_pages_return");
+    for seed in seeds_or([11, 12]) {
+        let _g = SeedGuard::new(seed, "cancel_is_confirmed_before_pages_return");
         let (hook, reached, release) = gate(1, 2);
         let s = setup(seed, Some(hook));
         let h = s.dec.submit(10, seed).expect("submit");
@@ -196,8 +178,8 @@ fn cancel_is_confirmed_before_pages_return() {
 
 #[test]
 fn dead_prefiller_fails_requests() {
-    for seed in seeds(&[21, 22]) {
-        let _g = SeedGuard(seed, "dead_prefiller_fails_requests");
+    for seed in seeds_or([21, 22]) {
+        let _g = SeedGuard::new(seed, "dead_prefiller_fails_requests");
         let (hook, reached, release) = gate(1, 3);
         let s = setup(seed, Some(hook));
         let h = s.dec.submit(8, seed).expect("submit");

@@ -24,10 +24,13 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_conformance::engine::{EngineHarness, Kind, Region};
-use weft_conformance::prim::{pat, wait_flag, wait_until, HostBuf};
 use weft_conformance::HarnessError;
 use weft_engine::{DoneFlag, EngineError, MrDesc, MrHandle, OnDone, TransferEngine};
-use weft_transport::TransportError;
+use weft_testkit::mem;
+use weft_transport::{HostBuffer, TransportError};
+
+/// Generous bound on every wait (it only catches hangs).
+const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Entry point of the peer processes (run directly, it checks the proxy
 /// codec).
@@ -70,6 +73,13 @@ fn is_unreachable(e: &EngineError) -> bool {
         && matches!(e.transport(), Some(TransportError::PeerUnreachable { .. }))
 }
 
+/// Waits for `f` to be resolved and returns its result.
+fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
+    weft_testkit::wait_until(what, DEADLINE, || f.is_done());
+    f.result()
+        .unwrap_or_else(|| panic!("{what}: done flag without a result"))
+}
+
 fn wait_ok(what: &str, f: &Arc<DoneFlag>) {
     wait_flag(what, f).unwrap_or_else(|e| panic!("{what} failed: {e}"));
 }
@@ -77,7 +87,7 @@ fn wait_ok(what: &str, f: &Arc<DoneFlag>) {
 /// Waits until round `tag` fired at peer `p` with every byte in place.
 fn wait_round(h: &mut common::XprocEngines, p: usize, tag: u64) {
     let mut got = None;
-    wait_until(&format!("round {tag} at peer {p}"), || {
+    weft_testkit::wait_until(&format!("round {tag} at peer {p}"), DEADLINE, || {
         got = h.peer(p).take_rounds().into_iter().find(|(t, _)| *t == tag);
         got.is_some()
     });
@@ -137,7 +147,7 @@ fn stopped_peer_times_out() {
     const SEED: u64 = 0x5eed_0004;
     let t0 = Instant::now();
     // Declared first, dropped last: outlives the engine's registration.
-    let src: HostBuf;
+    let src: HostBuffer;
     let mut h = common::XprocEngines::new("tcp;write_timeout_ms=2000", SEED);
     let init = match h.initiator() {
         Ok(e) => e,
@@ -147,7 +157,7 @@ fn stopped_peer_times_out() {
         }
         Err(e) => panic!("initiator: {e}"),
     };
-    src = HostBuf::from_fn(LEN, |i| pat(SEED, i as u64));
+    src = mem::patterned(SEED, LEN);
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");
     let victim = h.add_peer(LEN).expect("spawn victim");
     let survivor = h.add_peer(LEN).expect("spawn survivor");

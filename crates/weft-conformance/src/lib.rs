@@ -76,9 +76,10 @@
 //!   re-executed), for any backend implementing [`xproc::XprocBackend`]:
 //!   [`xproc::CrossProcess`] for the cases above, [`xproc::XprocEngines`]
 //!   for the engine scenarios.
-//! - [`prim`]: the generic primitives both are built on (host buffers,
-//!   patterns, bounded waits, spawning the test binary, framing), kept
-//!   apart so they can move to a shared test-kit crate.
+//!
+//! Both are built on `weft-testkit` (patterns, child processes re-running
+//! the test binary) and [`weft_transport::HostBuffer`] (the memory engines
+//! register).
 //!
 //! ## Bounded waits
 //!
@@ -93,11 +94,6 @@ mod ctx;
 pub mod engine;
 mod harness;
 mod pattern;
-// Host buffers and signals: raw memory that NICs write into, kill(2).
-#[allow(unsafe_code)]
-pub mod prim;
-// The child side owns raw memory that NICs write into.
-#[allow(unsafe_code)]
 pub mod xproc;
 
 pub use harness::{
@@ -282,18 +278,10 @@ impl fmt::Display for SeedOutcome {
 /// (of the backend or the harness) as failures.
 pub fn run_seed<H: Harness, F: Fn(u64) -> H>(factory: &F, case: &Case, seed: u64) -> SeedOutcome {
     let mut backend = String::from("?");
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    let result = catch_failure(|| {
         let mut h = factory(seed);
         backend = h.name();
         run_case(&mut h, case)
-    }))
-    .unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "non-string panic".into());
-        Err(CaseFailure::Failed(format!("panicked: {msg}")))
     });
     SeedOutcome {
         case: case.name,
@@ -301,6 +289,19 @@ pub fn run_seed<H: Harness, F: Fn(u64) -> H>(factory: &F, case: &Case, seed: u64
         backend,
         result,
     }
+}
+
+/// Runs a case or scenario body, turning a panic into
+/// [`CaseFailure::Failed`] with the panic message.
+fn catch_failure(body: impl FnOnce() -> Result<(), CaseFailure>) -> Result<(), CaseFailure> {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "non-string panic".into());
+        Err(CaseFailure::Failed(format!("panicked: {msg}")))
+    })
 }
 
 fn note(line: &str) {
@@ -379,23 +380,8 @@ mod tests {
     }
 
     #[test]
-    fn prim_frames_and_lines_round_trip() {
-        let v: (u32, String, Vec<u8>) = (7, "x".into(), vec![1, 2, 3]);
-        let mut buf = Vec::new();
-        prim::send_frame(&mut buf, &v).expect("encode");
-        let back: (u32, String, Vec<u8>) = prim::recv_frame(&mut buf.as_slice()).expect("decode");
-        assert_eq!(back, v);
-        let line = prim::to_line("P ", &v).expect("encode line");
-        let back: (u32, String, Vec<u8>) = prim::from_line("P ", &format!("test x ... {line}\n"))
-            .expect("prefix found")
-            .expect("decode line");
-        assert_eq!(back, v);
-        assert!(prim::from_line::<u32>("P ", "other output").is_none());
-    }
-
-    #[test]
     fn engine_regions_are_checked_byte_for_byte() {
-        let buf = prim::HostBuf::from_fn(100, |i| prim::pat(9, i as u64 + 10));
+        let buf = weft_testkit::mem::from_bytes(&weft_testkit::pattern::pattern_at(9, 10, 100));
         let ok = engine::Region {
             src_off: 10,
             dst_off: 0,
@@ -403,7 +389,7 @@ mod tests {
             seed: 9,
         };
         assert_eq!(engine::check_regions(&buf, &[ok]), Ok(()));
-        assert!(buf.write(50, &[!prim::pat(9, 60)]));
+        assert!(buf.write(50, &[!weft_testkit::pattern_byte(9, 60)]));
         assert!(engine::check_regions(&buf, &[ok]).is_err());
         let outside = engine::Region { len: 101, ..ok };
         assert!(engine::check_regions(&buf, &[outside]).is_err());

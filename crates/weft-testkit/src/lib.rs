@@ -14,7 +14,8 @@
 //! - [`mem`]: [`weft_transport::HostBuffer`] constructors and accessors that
 //!   panic on test bugs instead of returning errors.
 //! - [`child`]: re-executing the current test binary as a child process in a
-//!   role, with a stdout pipe for a line handshake.
+//!   role, talking to it in lines over its stdin/stdout (with or without a
+//!   bound on the wait), signalling and killing it.
 //!
 //! This crate is for tests: it is a dev-dependency of the crates whose tests
 //! use it (and a normal dependency only of the test-support crate

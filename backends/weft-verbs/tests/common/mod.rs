@@ -3,9 +3,7 @@
 
 pub use weft_testkit::mem::{self, HostBufferExt};
 pub use weft_transport::HostBuffer;
-use weft_transport::{
-    Access, Completion, Domain, LocalMr, MemRegion, NetAddr, PeerId, WrId, WriteWr,
-};
+use weft_transport::{Access, Completion, Domain, LocalMr, NetAddr, PeerId, WrId, WriteWr};
 use weft_verbs::ops::VerbsLib;
 use weft_verbs::sim::{SimConfig, SimFabric, SimLib};
 use weft_verbs::{VerbsConfig, VerbsDomain};
@@ -21,26 +19,6 @@ pub fn sim_cfg() -> VerbsConfig {
         handshake_timeout_ns: 40_000,
         handshake_tries: 12,
         ..VerbsConfig::default()
-    }
-}
-
-/// The buffer API `engine.rs` uses: a [`HostBuffer`] whose accessors panic
-/// when out of bounds. Declare it before the domains/engines that register
-/// it.
-pub struct Buf(HostBuffer);
-
-impl Buf {
-    pub fn new(len: usize) -> Self {
-        Self(mem::zeroed(len))
-    }
-    pub fn region(&self) -> MemRegion {
-        self.0.region()
-    }
-    pub fn write(&self, off: usize, data: &[u8]) {
-        self.0.put(off, data);
-    }
-    pub fn read(&self, off: usize, len: usize) -> Vec<u8> {
-        self.0.bytes(off, len)
     }
 }
 

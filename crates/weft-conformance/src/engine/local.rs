@@ -4,11 +4,11 @@
 //! [`EngineBackend`].
 
 use super::{check_regions, EngineHarness, EnginePeer, Kind, Region, PEER_IMMS};
-use crate::prim::HostBuf;
 use crate::HarnessError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use weft_engine::{GroupAddress, Imm, MrDesc, TransferEngine};
+use weft_transport::HostBuffer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -22,7 +22,7 @@ type RoundHook = Arc<dyn Fn(u64, &Result<(), String>) + Send + Sync>;
 /// shuts the engine down (before the buffer goes).
 pub struct LocalPeer {
     engine: TransferEngine,
-    buf: Arc<HostBuf>,
+    buf: Arc<HostBuffer>,
     desc: MrDesc,
     imms: Vec<Imm>,
     rounds: Rounds,
@@ -35,7 +35,9 @@ impl LocalPeer {
     /// Registers a zeroed buffer of `buf_len` bytes with `engine` and
     /// allocates [`PEER_IMMS`] immediate values.
     pub fn new(engine: TransferEngine, buf_len: usize) -> Result<Self, String> {
-        let buf = Arc::new(HostBuf::new(buf_len));
+        let buf = Arc::new(
+            HostBuffer::new(buf_len).map_err(|e| format!("peer buffer of {buf_len} bytes: {e}"))?,
+        );
         let (_mr, desc) = engine
             .reg_mr(buf.region())
             .map_err(|e| format!("reg_mr: {e}"))?;

@@ -46,12 +46,12 @@ mod scenarios;
 
 pub use local::{EngineBackend, InProcessEngines, LocalPeer};
 
-use crate::prim::{pat, HostBuf};
 use crate::{CaseFailure, HarnessError};
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use weft_engine::{GroupAddress, Imm, ImmCounts, MrDesc, ScatterMode, TransferEngine};
+use weft_testkit::check_pattern;
+use weft_transport::HostBuffer;
 
 /// Immediate values every peer allocates at start-up (fresh engines hand
 /// out the same ones, which scatter and barrier rely on).
@@ -103,8 +103,9 @@ impl Kind {
     }
 }
 
-/// `len` bytes at `dst_off` of the peer's buffer must equal the pattern
-/// `seed` ([`crate::prim::pat`]) from source offset `src_off`.
+/// `len` bytes at `dst_off` of the peer's buffer must equal the pattern of
+/// `seed` ([`weft_testkit::pattern()`]) from source offset `src_off`: a
+/// receiver in another process needs only these numbers to check the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Region {
     /// Offset in the initiator's source buffer.
@@ -118,18 +119,12 @@ pub struct Region {
 }
 
 /// Checks every region of `buf` against the source pattern.
-pub fn check_regions(buf: &HostBuf, regions: &[Region]) -> Result<(), String> {
+pub fn check_regions(buf: &HostBuffer, regions: &[Region]) -> Result<(), String> {
     for r in regions {
         let got = buf
             .read(r.dst_off as usize, r.len as usize)
             .ok_or_else(|| format!("{r:?} outside the peer's buffer"))?;
-        if let Some(k) = (0..r.len).find(|&k| got[k as usize] != pat(r.seed, r.src_off + k)) {
-            return Err(format!(
-                "{r:?}: byte {k} is {:#04x}, expected {:#04x}",
-                got[k as usize],
-                pat(r.seed, r.src_off + k)
-            ));
-        }
+        check_pattern(r.seed, r.src_off, &got).map_err(|m| format!("{r:?}: {m}"))?;
     }
     Ok(())
 }
@@ -316,7 +311,7 @@ pub fn scenario(name: &str) -> Option<Scenario> {
 
 /// Environment variable that, when set to a number, replaces the seed list
 /// of every scenario (to rerun one failing seed).
-pub const SEED_ENV: &str = "WEFT_SEED";
+pub use weft_testkit::SEED_ENV;
 
 /// Runs scenario `name` once per seed (only the seed in [`SEED_ENV`] when
 /// that is set), each on a fresh harness from `factory(seed)`, catching
@@ -330,27 +325,16 @@ pub fn run_scenario_for_seeds<H: EngineHarness, F: Fn(u64) -> H>(
     let Some(sc) = scenario(name) else {
         panic!("weft-conformance: no engine scenario named {name:?}");
     };
-    let seeds: Vec<u64> = match std::env::var(SEED_ENV).ok().and_then(|s| s.parse().ok()) {
-        Some(s) => vec![s],
-        None => seeds.into_iter().collect(),
-    };
+    let seeds = weft_testkit::seeds_or(seeds);
     let mut failed = Vec::new();
     let mut ran = 0usize;
     for seed in seeds {
         ran += 1;
         let mut backend = String::from("?");
-        let result = catch_unwind(AssertUnwindSafe(|| {
+        let result = crate::catch_failure(|| {
             let mut h = factory(seed);
             backend = h.name();
             (sc.run)(&mut h)
-        }))
-        .unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "non-string panic".into());
-            Err(CaseFailure::Failed(format!("panicked: {msg}")))
         });
         let line = match &result {
             Ok(()) => continue,

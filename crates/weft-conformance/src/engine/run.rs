@@ -2,12 +2,12 @@
 //! peers, the round results seen so far, and the bounded waits.
 
 use super::{EngineHarness, Kind, Region};
-use crate::prim::{pat, HostBuf};
 use crate::{CaseFailure, HarnessError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use weft_engine::{DoneFlag, EngineError, Imm, MrDesc, MrHandle, OnDone, TransferEngine};
-use weft_transport::TransportError;
+use weft_testkit::mem::patterned;
+use weft_transport::{HostBuffer, TransportError};
 
 macro_rules! bail {
     ($($f:tt)+) => {
@@ -41,22 +41,6 @@ pub(super) fn is_unreachable(e: &EngineError) -> bool {
 
 pub(super) use {bail, ensure};
 
-/// splitmix64: the scenarios' deterministic random choices.
-pub(super) struct Rng(pub(super) u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    pub(super) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
 /// One scenario run: the initiator with its patterned source, the peers,
 /// and the round results seen so far.
 pub(super) struct Run<'a> {
@@ -68,7 +52,7 @@ pub(super) struct Run<'a> {
     pub(super) rounds: BTreeMap<(usize, u64), Vec<Result<(), String>>>,
     pub(super) armed: Vec<(usize, u64)>,
     // Last: outlives the initiator's registration (shut down in `Drop`).
-    pub(super) _src: Arc<HostBuf>,
+    pub(super) _src: Arc<HostBuffer>,
 }
 
 impl Drop for Run<'_> {
@@ -81,7 +65,7 @@ impl<'a> Run<'a> {
     pub(super) fn new(h: &'a mut dyn EngineHarness, src_len: usize) -> Result<Self, CaseFailure> {
         let seed = h.seed().wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x5eed;
         let init = h.initiator().map_err(harness)?;
-        let src = Arc::new(HostBuf::from_fn(src_len, |i| pat(seed, i as u64)));
+        let src = Arc::new(patterned(seed, src_len));
         let (smr, _) = init
             .reg_mr(src.region())
             .map_err(|e| engine_err("register the initiator's source", e))?;

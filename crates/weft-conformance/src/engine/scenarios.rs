@@ -3,12 +3,13 @@
 //! of a seed derived from the harness seed, and every peer checks its bytes
 //! against that pattern when a round fires.
 
-use super::run::{bail, engine_err, ensure, harness, is_unreachable, Rng, Run};
+use super::run::{bail, engine_err, ensure, harness, is_unreachable, Run};
 use super::{EngineHarness, Kind, Region};
-use crate::prim::pat;
+use crate::pattern::Rng;
 use crate::{CaseFailure, HarnessError};
 use std::sync::Arc;
 use weft_engine::{DoneCounter, EngineError, Imm, MrDesc, OnDone, Pages, ScatterDst, ScatterMode};
+use weft_testkit::pattern;
 
 const SIZES: [u64; 9] = [
     1,
@@ -227,11 +228,7 @@ pub(crate) fn send_recv_pools(h: &mut dyn EngineHarness) -> Result<(), CaseFailu
     let mut msgs: Vec<Vec<u8>> = sizes
         .iter()
         .enumerate()
-        .map(|(k, &l)| {
-            (0..l as u64)
-                .map(|i| pat(seed ^ (100 + k as u64), i))
-                .collect()
-        })
+        .map(|(k, &l)| pattern(seed ^ (100 + k as u64), l))
         .collect();
     // In waves of the pool size, so no SEND can find the pool empty.
     let mut got: Vec<Vec<u8>> = Vec::new();
@@ -290,7 +287,7 @@ pub(crate) fn imm_early_arrival(h: &mut dyn EngineHarness) -> Result<(), CaseFai
     let p = peers[0];
     let imm = r.imms()[0];
     let dst = r.desc(p);
-    let mut rng = Rng(r.seed);
+    let mut rng = Rng::new(r.seed);
     for round in 0..8u64 {
         let writes = 1 + rng.below(3);
         // Round 0: all early; round 1: none early; then seeded.
@@ -472,7 +469,7 @@ pub(crate) fn shutdown_in_flight(h: &mut dyn EngineHarness) -> Result<(), CaseFa
     let done = Arc::new(DoneCounter::new());
     let mut accepted = 0u64;
     let descs: Vec<MrDesc> = peers.iter().map(|&p| r.desc(p)).collect();
-    let mut rng = Rng(r.seed);
+    let mut rng = Rng::new(r.seed);
     for i in 0..200u64 {
         let len = 1 + rng.below(200_000);
         let so = rng.below((1 << 20) - len);

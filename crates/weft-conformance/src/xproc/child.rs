@@ -1,24 +1,20 @@
 //! The child side of the domain proxy: a host whose domains live in this
 //! (child) process and serve the parent's requests.
 
+use super::frame::{recv_frame, send_frame};
 use super::wire::{CompW, ErrW, InfoW, Req, Resp, SliceW, WriteW};
 use super::{XprocBackend, ENV_NICS, ENV_SOCKET};
-use crate::prim::{recv_frame, send_frame};
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weft_transport::{
-    Access, Completion, Device, Domain, MemRegion, MrKey, NetAddr, PeerId, RemoteAccessReason,
+    Access, Completion, Domain, HostBuffer, MrKey, NetAddr, PeerId, RemoteAccessReason,
     TransportError, WrId, WriteWr,
 };
 
-struct ChildMem {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
+/// Field order matters: the domains (and their registrations) drop before
+/// the memory they registered.
 struct ChildState {
     domains: Vec<Box<dyn Domain>>,
     pending: Vec<Vec<Completion>>,
@@ -26,12 +22,8 @@ struct ChildState {
     /// yet. The background poller frees the domain's slots early, so the
     /// child enforces `max_inflight` as the parent sees it.
     outstanding: Vec<usize>,
-    mem: Vec<ChildMem>,
+    mem: Vec<HostBuffer>,
 }
-
-// SAFETY: the raw allocations are owned by the state and only touched under
-// its mutex (or by NICs, as with any registered memory).
-unsafe impl Send for ChildState {}
 
 /// Checks that the proxy codec round-trips every message kind (what the
 /// entry test does when run normally, not as a child).
@@ -164,14 +156,13 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 what: "no such nic in child".into(),
             })
     }
-    fn mem(st: &ChildState, buf: u64, offset: u64, len: u64) -> Result<*mut u8, String> {
-        let m = st.mem.get(buf as usize).ok_or("no such buffer")?;
-        let end = offset.checked_add(len).ok_or("overflow")?;
-        if end > m.len as u64 {
-            return Err(format!("[{offset}, +{len}) outside buffer of {}", m.len));
-        }
-        // SAFETY: offset <= len of the allocation (checked above).
-        Ok(unsafe { m.ptr.as_ptr().add(offset as usize) })
+    fn mem(st: &ChildState, buf: u64) -> Result<&HostBuffer, String> {
+        st.mem
+            .get(buf as usize)
+            .ok_or_else(|| "no such buffer".into())
+    }
+    fn outside(offset: u64, len: u64, m: &HostBuffer) -> String {
+        format!("[{offset}, +{len}) outside buffer of {}", m.len())
     }
     match req {
         Req::Info(nic) => {
@@ -196,31 +187,26 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
             })
         }
         Req::Alloc(len) => {
-            let r = (|| {
-                let layout = std::alloc::Layout::from_size_align((len as usize).max(1), 4096)
-                    .map_err(|e| e.to_string())?;
-                // SAFETY: non-zero size.
-                let p = unsafe { std::alloc::alloc_zeroed(layout) };
-                let ptr = NonNull::new(p).ok_or("out of memory")?;
-                st.mem.push(ChildMem {
-                    ptr,
-                    len: len as usize,
+            let r = usize::try_from(len)
+                .map_err(|e| e.to_string())
+                .and_then(|len| HostBuffer::new(len).map_err(|e| e.to_string()))
+                .map(|b| {
+                    st.mem.push(b);
+                    st.mem.len() as u64 - 1
                 });
-                Ok(st.mem.len() as u64 - 1)
-            })();
             Resp::Buf(r)
         }
-        Req::WriteMem { buf, offset, data } => {
-            Resp::Unit(mem(st, buf, offset, data.len() as u64).map(|p| {
-                // SAFETY: the span is inside the allocation; `data` is separate.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) }
-            }))
-        }
-        Req::ReadMem { buf, offset, len } => Resp::Bytes(mem(st, buf, offset, len).map(|p| {
-            let mut out = vec![0u8; len as usize];
-            // SAFETY: the span is inside the allocation; `out` is separate.
-            unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), len as usize) };
-            out
+        Req::WriteMem { buf, offset, data } => Resp::Unit(mem(st, buf).and_then(|m| {
+            let fits = usize::try_from(offset).is_ok_and(|off| m.write(off, &data));
+            fits.then_some(())
+                .ok_or_else(|| outside(offset, data.len() as u64, m))
+        })),
+        Req::ReadMem { buf, offset, len } => Resp::Bytes(mem(st, buf).and_then(|m| {
+            usize::try_from(offset)
+                .ok()
+                .zip(usize::try_from(len).ok())
+                .and_then(|(off, n)| m.read(off, n))
+                .ok_or_else(|| outside(offset, len, m))
         })),
         Req::Register {
             nic,
@@ -231,11 +217,14 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
         } => {
             let r = (|| {
                 let len = end.checked_sub(start).ok_or_else(|| fail("bad range"))?;
-                let p = mem(st, buf, start, len).map_err(|e| fail(&e))?;
-                let ptr = NonNull::new(p).ok_or_else(|| fail("null"))?;
-                // SAFETY: the allocation lives until the child exits and is
-                // only accessed through raw pointers.
-                let region = unsafe { MemRegion::new(ptr, len as usize, Device::Host) };
+                let m = mem(st, buf).map_err(|e| fail(&e))?;
+                // The buffer lives in the state, after the domains that
+                // register it (they drop first).
+                let region = usize::try_from(start)
+                    .ok()
+                    .zip(usize::try_from(end).ok())
+                    .and_then(|(s, e)| m.sub_region(s..e))
+                    .ok_or_else(|| fail(&outside(start, len, m)))?;
                 let access = if remote {
                     Access::RemoteWrite
                 } else {

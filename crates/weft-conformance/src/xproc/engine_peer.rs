@@ -2,20 +2,16 @@
 //! ([`run_peer`]), the parent's handle ([`ProcPeer`]) and the engine-suite
 //! harness ([`XprocEngines`]).
 
-use super::{XprocBackend, ENTRY_TEST, ENV_PEER_BUF, ENV_PROFILE, ENV_ROLE, ROLE_ENGINE};
+use super::frame::{from_line, to_line};
+use super::{XprocBackend, DEADLINE, ENTRY_TEST, ENV_PEER_BUF, ENV_PROFILE, ROLE_ENGINE};
 use crate::engine::{EngineHarness, EnginePeer, Kind, LocalPeer, Region};
-use crate::prim::{from_line, signal, spawn_self, to_line, SpawnSpec, DEADLINE};
 use crate::HarnessError;
 use serde::{Deserialize, Serialize};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::Mutex;
+use std::ffi::OsStr;
+use std::io::{ErrorKind, Write};
 use std::time::{Duration, Instant};
 use weft_engine::{GroupAddress, Imm, MrDesc, TransferEngine};
-
-/// Prefix of protocol lines on the child's stdout (libtest prints there too).
-const LINE_PREFIX: &str = "WEFT-XPROC ";
+use weft_testkit::child::{self, spawn_role, ChildProcess};
 
 #[derive(Debug, Serialize, Deserialize)]
 enum ToPeer {
@@ -56,21 +52,17 @@ enum FromPeer {
     Bye,
 }
 
-/// Writes one protocol line to the real stdout (not libtest's capture).
+/// Sends one protocol line to the parent (from any thread).
 fn say(msg: &FromPeer) {
-    static OUT: Mutex<()> = Mutex::new(());
-    let _g = OUT.lock().unwrap_or_else(|p| p.into_inner());
-    let line = match to_line(LINE_PREFIX, msg) {
+    let line = match to_line(msg) {
         Ok(l) => l,
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "encode {msg:?}: {e}");
             return;
         }
     };
-    let mut out = std::io::stdout().lock();
     // A parent that went away is noticed on stdin.
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+    let _ = child::send_line(&line);
 }
 
 /// The child's loop: a [`LocalPeer`] serving the parent's lines on stdin
@@ -92,18 +84,13 @@ pub(crate) fn run_peer<B: XprocBackend>(backend: &B) -> Result<(), String> {
         desc: peer.desc(),
         imms: peer.imms(),
     });
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
     loop {
-        let line = match lines.next() {
-            None => break, // parent gone
-            Some(Ok(l)) => l,
-            Some(Err(e)) => return Err(format!("read stdin: {e}")),
+        let line = match child::recv_line() {
+            Ok(None) => break, // parent gone
+            Ok(Some(l)) => l,
+            Err(e) => return Err(format!("read stdin: {e}")),
         };
-        let msg: ToPeer = match from_line(LINE_PREFIX, &line) {
-            None => continue,
-            Some(m) => m.map_err(|e| format!("bad request line: {e}"))?,
-        };
+        let msg: ToPeer = from_line(&line).map_err(|e| format!("bad request line: {e}"))?;
         match msg {
             ToPeer::Quit => break,
             ToPeer::Expect {
@@ -133,67 +120,31 @@ pub(crate) fn run_peer<B: XprocBackend>(backend: &B) -> Result<(), String> {
 /// process.
 pub struct ProcPeer {
     idx: usize,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    rx: Receiver<FromPeer>,
+    child: ChildProcess,
     pid: u32,
     addr: GroupAddress,
     desc: MrDesc,
     imms: Vec<Imm>,
     /// Rounds reported while waiting for something else.
     rounds: Vec<(u64, Result<(), String>)>,
-    dead: bool,
-}
-
-impl Drop for ProcPeer {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl ProcPeer {
     fn spawn(idx: usize, profile: &str, buf_len: usize) -> Result<ProcPeer, HarnessError> {
-        let mut child = spawn_self(&SpawnSpec {
-            entry: ENTRY_TEST.into(),
-            env: vec![
-                (ENV_ROLE.into(), ROLE_ENGINE.into()),
-                (ENV_PROFILE.into(), profile.into()),
-                (ENV_PEER_BUF.into(), buf_len.to_string()),
+        let buf_len = buf_len.to_string();
+        let child = spawn_role(
+            ENTRY_TEST,
+            ROLE_ENGINE,
+            &[
+                (ENV_PROFILE, OsStr::new(profile)),
+                (ENV_PEER_BUF, OsStr::new(&buf_len)),
             ],
-            piped: true,
-        })
+        )
         .map_err(|e| HarnessError::Failed(format!("spawn peer process: {e}")))?;
-        let stdin = child.stdin.take();
-        let Some(stdout) = child.stdout.take() else {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(HarnessError::Failed("peer process without stdout".into()));
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let m = match from_line::<FromPeer>(LINE_PREFIX, &line) {
-                    None => continue, // libtest chatter
-                    Some(Ok(m)) => m,
-                    Some(Err(e)) => {
-                        let _ = writeln!(std::io::stderr(), "peer {idx}: undecodable line: {e}");
-                        break;
-                    }
-                };
-                if tx.send(m).is_err() {
-                    break;
-                }
-            }
-        });
         // Guard first, so the child is reaped if the hello never comes.
         let mut p = ProcPeer {
             idx,
             child,
-            stdin,
-            rx,
             pid: 0,
             addr: GroupAddress { nics: Vec::new() },
             desc: MrDesc {
@@ -203,7 +154,6 @@ impl ProcPeer {
             },
             imms: Vec::new(),
             rounds: Vec::new(),
-            dead: false,
         };
         match p.recv("hello")? {
             FromPeer::Hello {
@@ -234,13 +184,17 @@ impl ProcPeer {
         let deadline = Instant::now() + DEADLINE;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(FromPeer::Done { tag, result }) => self.rounds.push((tag, result)),
-                Ok(m) => return Ok(m),
-                Err(RecvTimeoutError::Timeout) => {
+            match self.child.recv_line_timeout(left) {
+                Ok(Some(line)) => match from_line(&line) {
+                    Ok(FromPeer::Done { tag, result }) => self.rounds.push((tag, result)),
+                    Ok(m) => return Ok(m),
+                    Err(e) => return Err(self.fail(format!("undecodable line: {e}"))),
+                },
+                Err(e) if e.kind() == ErrorKind::TimedOut => {
                     return Err(self.fail(format!("no {what} within {DEADLINE:?}")))
                 }
-                Err(RecvTimeoutError::Disconnected) => {
+                Err(e) => return Err(self.fail(format!("read while waiting for {what}: {e}"))),
+                Ok(None) => {
                     let status = self.child.try_wait();
                     return Err(self.fail(format!("exited while waiting for {what} ({status:?})")));
                 }
@@ -249,16 +203,10 @@ impl ProcPeer {
     }
 
     fn send(&mut self, m: &ToPeer) -> Result<(), HarnessError> {
-        let line = to_line(LINE_PREFIX, m).map_err(|e| self.fail(format!("encode: {e}")))?;
-        let idx = self.idx;
-        let Some(stdin) = self.stdin.as_mut() else {
-            return Err(HarnessError::Failed(format!(
-                "peer process {idx}: stdin closed"
-            )));
-        };
-        writeln!(stdin, "{line}")
-            .and_then(|()| stdin.flush())
-            .map_err(|e| HarnessError::Failed(format!("peer process {idx}: write to stdin: {e}")))
+        let line = to_line(m).map_err(|e| self.fail(format!("encode: {e}")))?;
+        self.child
+            .send_line(&line)
+            .map_err(|e| self.fail(format!("write to stdin: {e}")))
     }
 
     /// The child's pid.
@@ -266,22 +214,21 @@ impl ProcPeer {
         self.pid
     }
 
-    /// Sends `sig` to the child (e.g. `SIGSTOP`, `SIGCONT`).
-    pub fn signal(&self, sig: i32) -> Result<(), HarnessError> {
-        if self.dead {
-            return Err(self.fail("already reaped".into()));
-        }
-        signal(self.pid, sig).map_err(|e| self.fail(format!("kill({}, {sig}): {e}", self.pid)))
+    /// Sends `sig` to the child (e.g. `SIGSTOP`, `SIGCONT`); fails once it
+    /// has exited.
+    pub fn signal(&mut self, sig: i32) -> Result<(), HarnessError> {
+        let pid = self.pid;
+        self.child
+            .signal(sig)
+            .map_err(|e| self.fail(format!("kill({pid}, {sig}): {e}")))
     }
 
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) -> Result<(), HarnessError> {
-        self.signal(libc::SIGKILL)?;
         let status = self
             .child
-            .wait()
-            .map_err(|e| self.fail(format!("reap killed peer: {e}")))?;
-        self.dead = true;
+            .kill()
+            .map_err(|e| self.fail(format!("kill and reap peer: {e}")))?;
         if status.success() {
             return Err(self.fail("killed peer exited successfully?".into()));
         }
@@ -322,9 +269,9 @@ impl EnginePeer for ProcPeer {
     }
 
     fn take_rounds(&mut self) -> Vec<(u64, Result<(), String>)> {
-        while let Ok(m) = self.rx.try_recv() {
-            match m {
-                FromPeer::Done { tag, result } => self.rounds.push((tag, result)),
+        while let Ok(Some(line)) = self.child.recv_line_timeout(Duration::ZERO) {
+            match from_line(&line) {
+                Ok(FromPeer::Done { tag, result }) => self.rounds.push((tag, result)),
                 other => {
                     let _ = writeln!(
                         std::io::stderr(),
@@ -365,7 +312,7 @@ impl EnginePeer for ProcPeer {
             FromPeer::Bye => {}
             m => return Err(self.fail(format!("expected bye, got {m:?}"))),
         }
-        drop(self.stdin.take());
+        self.child.close_stdin();
         let start = Instant::now();
         loop {
             match self.child.try_wait() {
@@ -378,7 +325,6 @@ impl EnginePeer for ProcPeer {
                 Err(e) => return Err(self.fail(format!("try_wait: {e}"))),
             }
         }
-        self.dead = true;
         Ok(())
     }
 }
@@ -430,9 +376,7 @@ impl<B: XprocBackend> XprocEngines<B> {
 impl<B: XprocBackend> Drop for XprocEngines<B> {
     fn drop(&mut self) {
         for p in &mut self.peers {
-            drop(p.stdin.take());
             let _ = p.child.kill();
-            let _ = p.child.wait();
             if let Ok(b) = self.backend.as_mut() {
                 b.reaped(p.pid);
             }
@@ -446,10 +390,7 @@ impl<B: XprocBackend> Drop for XprocEngines<B> {
 
 impl<B: XprocBackend> EngineHarness for XprocEngines<B> {
     fn name(&self) -> String {
-        match &self.backend {
-            Ok(b) => format!("{}/cross-process", b.name()),
-            Err(_) => format!("{}/cross-process", self.profile),
-        }
+        super::harness_name(&self.backend, &self.profile)
     }
 
     fn seed(&self) -> u64 {

@@ -10,7 +10,8 @@
 //! }
 //! ```
 //!
-//! Two kinds of child exist, told apart by the environment:
+//! Children are started with `weft_testkit::child::spawn_role`; two kinds
+//! exist, told apart by their role:
 //!
 //! - **domain hosts** of [`CrossProcess`], a conformance
 //!   [`Harness`](crate::Harness): the child opens the host's domains and
@@ -20,9 +21,9 @@
 //! - **engine peers** of [`XprocEngines`], an engine-suite
 //!   [`EngineHarness`](crate::engine::EngineHarness): the child runs a
 //!   [`LocalPeer`](crate::engine::LocalPeer) (an engine with a registered
-//!   buffer) and talks over its stdin/stdout (postcard in hex, one message
-//!   per line): the parent asks it to arm immediate rounds, the child checks
-//!   every byte when a round fires and reports back.
+//!   buffer) and talks in the testkit's stdin/stdout lines (postcard in hex,
+//!   one message per line): the parent asks it to arm immediate rounds, the
+//!   child checks every byte when a round fires and reports back.
 //!
 //! Killing a host SIGKILLs its process; children exit on their own when the
 //! parent goes away, and are killed and reaped by drop guards when a test
@@ -31,6 +32,7 @@
 
 mod child;
 mod engine_peer;
+mod frame;
 mod proxy;
 mod wire;
 
@@ -39,20 +41,25 @@ pub use proxy::{CrossProcess, ProxyDomain};
 
 use crate::HarnessError;
 use std::io::Write;
+use std::time::Duration;
 use weft_engine::TransferEngine;
+use weft_testkit::child::role;
 use weft_transport::{Domain, NetAddr};
 
 /// Name of the `#[test]` every test binary using this module must define
 /// (see the module docs).
 pub const ENTRY_TEST: &str = "peer_process_entry";
 
-const ENV_ROLE: &str = "WEFT_XPROC_ROLE";
 const ENV_PROFILE: &str = "WEFT_XPROC_PROFILE";
 const ENV_SOCKET: &str = "WEFT_XPROC_SOCKET";
 const ENV_NICS: &str = "WEFT_XPROC_NICS";
 const ENV_PEER_BUF: &str = "WEFT_XPROC_PEER_BUF";
 const ROLE_DOMAINS: &str = "domains";
 const ROLE_ENGINE: &str = "engine";
+
+/// Generous bound on every wall-clock wait for a child (it only catches
+/// hangs, never speed).
+const DEADLINE: Duration = Duration::from_secs(60);
 
 /// What a backend provides to run hosts in child processes. The backend is
 /// built from a *profile* string in the parent and, from the same string, in
@@ -83,12 +90,20 @@ pub trait XprocBackend: Sized {
     }
 }
 
+/// `"<backend>/cross-process"`, the name of a harness of this module.
+fn harness_name<B: XprocBackend>(backend: &Result<B, HarnessError>, profile: &str) -> String {
+    match backend {
+        Ok(b) => format!("{}/cross-process", b.name()),
+        Err(_) => format!("{profile}/cross-process"),
+    }
+}
+
 /// The body of the [`ENTRY_TEST`] test. In a child started by
 /// [`CrossProcess`] or [`XprocEngines`] it serves the parent until the
 /// parent goes away, then exits the process. Run normally (not as a child),
 /// it checks that the proxy codec round-trips every message kind.
 pub fn child_entry<B: XprocBackend>() {
-    let Ok(role) = std::env::var(ENV_ROLE) else {
+    let Some(role) = role() else {
         child::codec_selftest();
         return;
     };

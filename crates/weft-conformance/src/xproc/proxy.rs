@@ -1,15 +1,16 @@
 //! The parent side of the domain proxy: [`CrossProcess`], a conformance
 //! [`Harness`] whose every host is a child process, and [`ProxyDomain`].
 
+use super::frame::{recv_frame, send_frame};
 use super::wire::{Req, Resp, WriteW};
-use super::{XprocBackend, ENTRY_TEST, ENV_NICS, ENV_PROFILE, ENV_ROLE, ENV_SOCKET, ROLE_DOMAINS};
-use crate::prim::{recv_frame, send_frame, spawn_self, SpawnSpec};
+use super::{XprocBackend, DEADLINE, ENTRY_TEST, ENV_NICS, ENV_PROFILE, ENV_SOCKET, ROLE_DOMAINS};
 use crate::{BufId, Harness, HarnessError, HostId};
+use std::ffi::OsStr;
 use std::ops::Range;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use weft_testkit::child::{spawn_role, ChildProcess};
 use weft_transport::{
     Access, Capabilities, Completion, Device, Domain, LocalMr, LocalSlice, MemRegion, MrKey,
     NetAddr, NicInfo, PeerId, PostError, Rkey, TransportError, WrId, WriteWr,
@@ -142,8 +143,9 @@ impl Domain for ProxyDomain {
     }
 }
 
+/// A host process; dropping it kills and reaps the child.
 struct ChildHost {
-    child: Child,
+    child: ChildProcess,
     conn: Conn,
     domains: Vec<ProxyDomain>,
     killed: bool,
@@ -154,17 +156,9 @@ impl ChildHost {
     /// up after it.
     fn reap<B: XprocBackend>(&mut self, backend: Option<&mut B>) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
         if let Some(b) = backend {
             b.reaped(self.child.id());
         }
-    }
-}
-
-impl Drop for ChildHost {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -220,10 +214,7 @@ impl<B: XprocBackend> Drop for CrossProcess<B> {
 
 impl<B: XprocBackend> Harness for CrossProcess<B> {
     fn name(&self) -> String {
-        match &self.backend {
-            Ok(b) => format!("{}/cross-process", b.name()),
-            Err(_) => format!("{}/cross-process", self.profile),
-        }
+        super::harness_name(&self.backend, &self.profile)
     }
     fn seed(&self) -> u64 {
         self.seed
@@ -241,16 +232,16 @@ impl<B: XprocBackend> Harness for CrossProcess<B> {
         let path = self.dir.join(format!("host{}.sock", id.0));
         let listener = UnixListener::bind(&path)
             .map_err(|e| HarnessError::Failed(format!("bind {}: {e}", path.display())))?;
-        let child = spawn_self(&SpawnSpec {
-            entry: ENTRY_TEST.into(),
-            env: vec![
-                (ENV_ROLE.into(), ROLE_DOMAINS.into()),
-                (ENV_SOCKET.into(), path.display().to_string()),
-                (ENV_PROFILE.into(), self.profile.clone()),
-                (ENV_NICS.into(), nics.to_string()),
+        let nics_s = nics.to_string();
+        let child = spawn_role(
+            ENTRY_TEST,
+            ROLE_DOMAINS,
+            &[
+                (ENV_SOCKET, path.as_os_str()),
+                (ENV_PROFILE, OsStr::new(&self.profile)),
+                (ENV_NICS, OsStr::new(&nics_s)),
             ],
-            piped: false,
-        })
+        )
         .map_err(|e| HarnessError::Failed(format!("spawn peer process: {e}")))?;
         let mut host = ChildHost {
             child,
@@ -266,7 +257,7 @@ impl<B: XprocBackend> Harness for CrossProcess<B> {
         listener
             .set_nonblocking(true)
             .map_err(|e| HarnessError::Failed(e.to_string()))?;
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let deadline = std::time::Instant::now() + DEADLINE;
         let stream = loop {
             match listener.accept() {
                 Ok((s, _)) => break s,
@@ -277,9 +268,9 @@ impl<B: XprocBackend> Harness for CrossProcess<B> {
                         )));
                     }
                     if std::time::Instant::now() > deadline {
-                        return Err(HarnessError::Failed(
-                            "peer process did not connect within 60 s".into(),
-                        ));
+                        return Err(HarnessError::Failed(format!(
+                            "peer process did not connect within {DEADLINE:?}"
+                        )));
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
@@ -413,7 +404,6 @@ impl<B: XprocBackend> Harness for CrossProcess<B> {
         h.child
             .kill()
             .map_err(|e| HarnessError::Failed(format!("kill: {e}")))?;
-        let _ = h.child.wait();
         h.killed = true;
         let pid = h.child.id();
         if let Ok(b) = self.backend.as_mut() {
