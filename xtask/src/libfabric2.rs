@@ -36,7 +36,13 @@ const PKGS: [&str; 12] = [
 ];
 
 /// The in-process test targets of weft-libfabric run against 2.x.
-const TESTS: [&str; 4] = ["smoke", "conformance_tcp", "conformance_shm", "engine_tcp"];
+const TESTS: [&str; 5] = [
+    "smoke",
+    "conformance_tcp",
+    "conformance_shm",
+    "engine_tcp",
+    "engine_shm",
+];
 
 /// Runs the task from the workspace root `root`, with `env` set for the
 /// build and the tests.
