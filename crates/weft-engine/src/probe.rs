@@ -37,6 +37,9 @@ pub struct Record {
     pub first_wr: Option<Instant>,
     /// Last WR accepted by the backend.
     pub all_posted: Option<Instant>,
+    /// WRs of this transfer each NIC of the group accepted, by NIC index:
+    /// how a sharded write or a scatter was spread.
+    pub wrs_per_nic: [u32; crate::MAX_NICS],
 }
 
 impl Default for Record {
@@ -49,6 +52,7 @@ impl Default for Record {
             pickup: now,
             first_wr: None,
             all_posted: None,
+            wrs_per_nic: [0; crate::MAX_NICS],
         }
     }
 }
@@ -62,6 +66,7 @@ impl Record {
             pickup: Instant::now(),
             first_wr: None,
             all_posted: None,
+            wrs_per_nic: [0; crate::MAX_NICS],
         }
     }
 

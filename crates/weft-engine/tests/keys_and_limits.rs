@@ -381,8 +381,8 @@ fn latency_probe_records_stages() {
     let (a, b) = (fabric.add_host(2), fabric.add_host(2));
     let ea = engine(&fabric, a, 2, test_config(), false);
     let eb = engine(&fabric, b, 2, test_config(), false);
-    let src = mem::zeroed(1 << 16);
-    let dst = mem::zeroed(1 << 16);
+    let src = mem::zeroed(1 << 18);
+    let dst = mem::zeroed(1 << 18);
     let (sh, _) = ea.reg_mr(src.region()).unwrap();
     let (_, dd) = eb.reg_mr(dst.region()).unwrap();
     let done = Arc::new(weft_engine::DoneCounter::new());
@@ -399,7 +399,29 @@ fn latency_probe_records_stages() {
         assert!(
             r.submit <= r.enqueued && r.enqueued <= r.pickup && r.pickup <= first && first <= all
         );
+        // A 64-byte write is one piece, on one of the two NICs.
+        assert_eq!(r.wrs_per_nic.iter().sum::<u32>(), 1, "{:?}", r.wrs_per_nic);
+        assert!(r.wrs_per_nic[2..].iter().all(|&n| n == 0));
     }
+    // A write sharded over both NICs: the record says which NIC carried
+    // how many of its pieces.
+    let big = ea.imm_counts(0).unwrap();
+    let len = 1 << 18;
+    let pieces = big.single_write(len);
+    assert!(pieces >= 2, "{len} bytes over 2 NICs is sharded");
+    let (od, flag) = OnDone::flag();
+    ea.submit_single_write(len, None, (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    flag.wait().unwrap();
+    let recs = ea.take_probe_records();
+    assert_eq!(recs.len(), 1);
+    let per_nic = recs[0].wrs_per_nic;
+    assert_eq!(
+        u64::from(per_nic.iter().sum::<u32>()),
+        pieces,
+        "{per_nic:?}"
+    );
+    assert!(per_nic[0] > 0 && per_nic[1] > 0, "{per_nic:?}");
     ea.shutdown();
     eb.shutdown();
 }

@@ -146,6 +146,9 @@ impl WorkerCore {
             t.unposted = t.unposted.saturating_sub(1);
             #[cfg(feature = "latency-probe")]
             {
+                if let Some(n) = t.probe.wrs_per_nic.get_mut(nic) {
+                    *n += 1;
+                }
                 t.probe.posted(t.unposted == 0);
                 if t.unposted == 0 {
                     self.probes.push(t.probe);
