@@ -240,7 +240,7 @@ fn raw_single_as(
         let k = (i % per) as usize;
         let ps = &cache[(tr % cache.len() as u64) as usize];
         let p = ps.get(k).ok_or("piece index")?;
-        Ok((p.lane, r.wr(i, p.lane, p.offset, p.offset, p.len, imm)?))
+        Ok((p.nic, r.wr(i, p.nic, p.offset, p.offset, p.len, imm)?))
     };
     let t = if split {
         raw.drive_split(total, window * per, 0, gen)?
@@ -384,8 +384,8 @@ fn paged(
             let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
             let p = pieces.get(k).ok_or("piece")?;
             Ok((
-                p.lane,
-                r.wr(i, p.lane, so + p.offset, dof + p.offset, p.len, None)?,
+                p.nic,
+                r.wr(i, p.nic, so + p.offset, dof + p.offset, p.len, None)?,
             ))
         })?;
         r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);

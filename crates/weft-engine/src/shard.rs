@@ -38,9 +38,9 @@ impl Default for ShardConfig {
 /// One contiguous piece of a transfer, carried by one NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
-    /// NIC index: local NIC `lane` and destination rkey entry `lane` (the
-    /// field keeps its public name; the engine calls this index `nic`).
-    pub lane: usize,
+    /// NIC index: the piece goes out on local NIC `nic` with the
+    /// destination's rkey entry `nic`.
+    pub nic: usize,
     /// Byte offset of the piece inside the transfer.
     pub offset: u64,
     /// Length in bytes (0 only for a zero-length transfer).
@@ -134,7 +134,7 @@ pub fn plan_single_write_into(
 fn push_pieces(out: &mut Vec<Piece>, nic: usize, start: u64, len: u64, cap: u64) {
     if len == 0 {
         out.push(Piece {
-            lane: nic,
+            nic,
             offset: start,
             len: 0,
         });
@@ -144,7 +144,7 @@ fn push_pieces(out: &mut Vec<Piece>, nic: usize, start: u64, len: u64, cap: u64)
     while off < len {
         let l = cap.min(len - off);
         out.push(Piece {
-            lane: nic,
+            nic,
             offset: start + off,
             len: l,
         });
@@ -283,7 +283,7 @@ mod tests {
         let mut next = 0u64;
         for p in pieces {
             assert_eq!(p.offset, next, "gap or overlap in {pieces:?}");
-            assert!(p.lane < nics);
+            assert!(p.nic < nics);
             assert!(p.len <= cap.max(1) || (len == 0 && p.len == 0));
             next = p.offset + p.len;
         }
@@ -299,7 +299,7 @@ mod tests {
         assert_eq!(
             plan_single_write(0, 4, 1 << 30, 2, &cfg),
             vec![Piece {
-                lane: 2,
+                nic: 2,
                 offset: 0,
                 len: 0
             }]
@@ -317,7 +317,7 @@ mod tests {
         assert_eq!(p.len() as u64, imm_count_single_write(len, 3, max, &cfg));
         assert!(p.iter().any(|x| x.offset > u64::from(u32::MAX)));
         for nic in 0..3 {
-            assert!(p.iter().any(|x| x.lane == nic));
+            assert!(p.iter().any(|x| x.nic == nic));
         }
     }
 
@@ -344,7 +344,7 @@ mod tests {
             prop_assert_eq!(p.len() as u64, imm_count_single_write(len, nics, max, &cfg));
             // NIC chunks are aligned
             for w in p.windows(2) {
-                if w[0].lane != w[1].lane {
+                if w[0].nic != w[1].nic {
                     prop_assert_eq!(w[1].offset % cfg.align, 0);
                 }
             }
@@ -360,10 +360,10 @@ mod tests {
             for i in 0..pages as usize {
                 let p = plan_page(i, page_len, nics, max, cfg.align);
                 check_cover(&p, page_len, nics, max);
-                prop_assert!(p.iter().all(|x| x.lane == i % nics));
+                prop_assert!(p.iter().all(|x| x.nic == i % nics));
                 // The engine's one-piece fast path relies on this.
                 if page_len > 0 && page_len <= piece_cap(max, cfg.align) {
-                    prop_assert_eq!(&p, &vec![Piece { lane: i % nics, offset: 0, len: page_len }]);
+                    prop_assert_eq!(&p, &vec![Piece { nic: i % nics, offset: 0, len: page_len }]);
                 }
                 n += p.len() as u64;
             }

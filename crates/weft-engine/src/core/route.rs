@@ -271,13 +271,13 @@ impl WorkerCore {
         let mut r = Ok(());
         for p in &pieces {
             r = self
-                .route(routes, tid, p.lane, Some(src), target)
+                .route(routes, tid, p.nic, Some(src), target)
                 .and_then(|route| {
                     self.push_write(
                         slot,
                         wr,
                         route,
-                        p.lane,
+                        p.nic,
                         src_off + p.offset,
                         target,
                         dst_off + p.offset,

@@ -132,9 +132,8 @@ impl Drop for Inner {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImmCounts {
     /// NICs of the group: a submit spreads over this many when the peer has
-    /// as many. (Public name kept; the engine otherwise calls a NIC index
-    /// `nic`.)
-    pub lanes: usize,
+    /// as many.
+    pub nics: usize,
     /// Smallest `max_write_len` of the group's NICs.
     pub max_write_len: u64,
     /// The sharding plan.
@@ -144,7 +143,7 @@ pub struct ImmCounts {
 impl ImmCounts {
     /// Immediates of one `submit_single_write` of `len` bytes.
     pub fn single_write(&self, len: u64) -> u64 {
-        shard::imm_count_single_write(len, self.lanes, self.max_write_len, &self.shard)
+        shard::imm_count_single_write(len, self.nics, self.max_write_len, &self.shard)
     }
     /// Immediates of one `submit_paged_writes` of `pages` pages.
     pub fn paged_writes(&self, page_len: u64, pages: u64) -> u64 {
@@ -152,7 +151,7 @@ impl ImmCounts {
     }
     /// Immediates one scatter destination of `len` bytes receives.
     pub fn scatter_dst(&self, len: u64, mode: ScatterMode) -> u64 {
-        shard::imm_count_scatter_dst(len, self.lanes, self.max_write_len, mode, &self.shard)
+        shard::imm_count_scatter_dst(len, self.nics, self.max_write_len, mode, &self.shard)
     }
     /// Immediates one barrier produces at each destination: always 1.
     pub fn barrier(&self) -> u64 {
@@ -263,7 +262,7 @@ impl TransferEngine {
     pub fn imm_counts(&self, g: usize) -> Result<ImmCounts, EngineError> {
         let i = self.info(g)?;
         Ok(ImmCounts {
-            lanes: i.addrs.len(),
+            nics: i.addrs.len(),
             max_write_len: i.max_write_len,
             shard: self.inner.config.shard,
         })
