@@ -80,6 +80,7 @@ impl Slab {
     }
 
     /// A slot for a new transfer: `(slot, generation)`.
+    #[inline]
     pub(super) fn alloc(&mut self, id: TransferId, on_done: OnDone) -> (u32, u32) {
         if let Some(slot) = self.free.pop() {
             let t = &mut self.transfers[slot as usize];

@@ -1,0 +1,106 @@
+//! A driver for counting the engine's instructions per operation under
+//! callgrind (deterministic: manual mode, one thread). `cgdrive single N`:
+//! N 64 B WRITEs, one at a time, each with an `OnDone` flag; `cgdrive paged
+//! N`: N paged writes of 10 000 pages of 1 KiB. The receiver is a manual
+//! engine that is never driven: the null fabric completes WRs at the
+//! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
+//! threads instead. Per-op cost: run two values of N and divide the
+//! difference, so that setup cancels:
+//!
+//! ```sh
+//! cargo build --release -p weft-engine --example cgdrive
+//! valgrind --tool=callgrind --dump-instr=no target/release/examples/cgdrive single 2000
+//! valgrind --tool=callgrind --dump-instr=no target/release/examples/cgdrive single 12000
+//! ```
+
+use std::sync::Arc;
+use weft_engine::{DomainGroupSpec, DoneCounter, OnDone, Pages, TransferEngine};
+use weft_loopback::{Fabric, FabricConfig};
+use weft_transport::HostBuffer;
+
+fn engine(fabric: &Fabric, manual: bool) -> TransferEngine {
+    let host = fabric.add_host(1);
+    let b = TransferEngine::builder().group(DomainGroupSpec::new(
+        Arc::new(fabric.provider(host)),
+        vec![0],
+    ));
+    let b = if manual { b.manual() } else { b };
+    b.build().expect("engine")
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let what = args.next().unwrap_or_else(|| "single".into());
+    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let fabric = Fabric::new_realtime(FabricConfig::null());
+    let manual = !what.starts_with('t');
+    let tx = engine(&fabric, manual);
+    let rx = engine(&fabric, manual);
+    // The buffers live until the end of `main`, after shutdown.
+    let src = HostBuffer::new(16 << 20).expect("src buffer");
+    let dst = HostBuffer::new(16 << 20).expect("dst buffer");
+    let (src_mr, _) = tx.reg_mr(src.region()).expect("reg src");
+    let (_, desc) = rx.reg_mr(dst.region()).expect("reg dst");
+    let mut iters = 0u64;
+    // One warm-up op so that lazy setup is outside the loop.
+    let warm = 1;
+    match what.as_str() {
+        "single" => {
+            for _ in 0..(n + warm) {
+                let (od, flag) = OnDone::flag();
+                tx.submit_single_write(64, None, (&src_mr, 0), (&desc, 0), od)
+                    .expect("submit");
+                while !flag.is_done() {
+                    tx.progress();
+                    iters += 1;
+                }
+                assert!(flag.result().expect("done").is_ok());
+            }
+        }
+        "paged" => {
+            let counter = Arc::new(DoneCounter::new());
+            let pages = Pages {
+                indices: (0..10_000u32).map(|i| (i * 7) % 10_000).collect(),
+                stride: 1024,
+                offset: 0,
+            };
+            for i in 0..(n + warm) {
+                tx.submit_paged_writes(
+                    1024,
+                    None,
+                    (&src_mr, &pages),
+                    (&desc, &pages),
+                    OnDone::counter(&counter),
+                )
+                .expect("submit");
+                while counter.total() < i + 1 {
+                    tx.progress();
+                    iters += 1;
+                }
+            }
+            assert_eq!(counter.failed(), 0);
+        }
+        "tsingle" => {
+            // Threaded engines: submit one 64 B WRITE, wait on its flag.
+            for _ in 0..warm {
+                let (od, flag) = OnDone::flag();
+                tx.submit_single_write(64, None, (&src_mr, 0), (&desc, 0), od)
+                    .expect("submit");
+                assert!(flag.wait().is_ok());
+            }
+            let t = std::time::Instant::now();
+            for _ in 0..n {
+                let (od, flag) = OnDone::flag();
+                tx.submit_single_write(64, None, (&src_mr, 0), (&desc, 0), od)
+                    .expect("submit");
+                assert!(flag.wait().is_ok());
+            }
+            let e = t.elapsed();
+            println!("tsingle: {:.0} ns/op", e.as_nanos() as f64 / n as f64);
+        }
+        _ => panic!("single|paged|tsingle"),
+    }
+    println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
+    tx.shutdown();
+    rx.shutdown();
+}
