@@ -1,0 +1,34 @@
+//! `weft._weft`: the Python extension module of weft (issue 21).
+//!
+//! The public API is re-exported by the pure-Python package `weft`
+//! (`python/weft/__init__.py`); see `python/weft/_weft.pyi` for the typed
+//! signatures. Every blocking call runs with the GIL released; engine
+//! threads take it only to drop the last reference to registered memory.
+
+#![deny(unsafe_code)]
+
+mod buffer_ffi;
+mod engine;
+mod errors;
+mod memory;
+mod provider;
+mod transfer;
+mod types;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(provider::providers, m)?)?;
+    m.add_function(wrap_pyfunction!(provider::provider, m)?)?;
+    m.add_class::<provider::PyProviderStatus>()?;
+    m.add_class::<provider::PyBackend>()?;
+    m.add_class::<engine::PyTransferEngine>()?;
+    m.add_class::<memory::PyRegistration>()?;
+    m.add_class::<types::PyMrDesc>()?;
+    m.add_class::<types::PyImmCounts>()?;
+    m.add_class::<transfer::PyTransfer>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! Provider selection: `providers()`, `provider()` and `Backend`.
+
+use pyo3::prelude::*;
+use std::sync::Arc;
+
+use crate::errors;
+
+/// One line of `weft.providers()`: a backend spec and whether it can be
+/// used on this host.
+#[pyclass(name = "ProviderStatus", module = "weft._weft", frozen, get_all)]
+pub struct PyProviderStatus {
+    /// The spec, e.g. `"libfabric:tcp"`.
+    spec: String,
+    /// Whether the backend is usable here.
+    available: bool,
+    /// Why it is not usable (`None` when it is).
+    reason: Option<String>,
+    /// NIC names of one host (empty when unavailable).
+    nics: Vec<String>,
+}
+
+#[pymethods]
+impl PyProviderStatus {
+    fn __repr__(&self) -> String {
+        match &self.reason {
+            None => format!(
+                "ProviderStatus({:?}, available, nics={:?})",
+                self.spec, self.nics
+            ),
+            Some(r) => format!("ProviderStatus({:?}, unavailable: {r})", self.spec),
+        }
+    }
+}
+
+/// Every known backend and whether it works on this host (and why not).
+#[pyfunction]
+pub fn providers(py: Python<'_>) -> Vec<PyProviderStatus> {
+    py.detach(weft::providers)
+        .into_iter()
+        .map(|s| {
+            let (available, reason, nics) = match &s.availability {
+                weft::Availability::Available { nics } => (true, None, nics.clone()),
+                other => (false, Some(other.to_string()), Vec::new()),
+            };
+            PyProviderStatus {
+                spec: s.spec,
+                available,
+                reason,
+                nics,
+            }
+        })
+        .collect()
+}
+
+/// The provider options of `provider()` and `TransferEngine(spec, ...)`.
+pub(crate) fn open(
+    py: Python<'_>,
+    spec: &str,
+    nics: usize,
+    profile: &str,
+    seed: u64,
+) -> PyResult<weft::Backend> {
+    let profile = match profile {
+        "adversarial" => weft::LoopbackProfile::Adversarial,
+        "ideal" => weft::LoopbackProfile::Ideal,
+        other => {
+            return Err(errors::invalid(
+                py,
+                format!("profile must be \"adversarial\" or \"ideal\", got {other:?}"),
+            ))
+        }
+    };
+    if nics == 0 {
+        return Err(errors::invalid(py, "nics must be at least 1"));
+    }
+    let spec: weft::ProviderSpec = spec.parse().map_err(|e| errors::provider_err(py, &e))?;
+    let cfg = weft::ProviderConfig::default()
+        .with_nics(nics)
+        .with_loopback(weft::LoopbackOptions::new(profile, seed));
+    py.detach(|| weft::provider_with(&spec, &cfg))
+        .map_err(|e| errors::provider_err(py, &e))
+}
+
+/// An opened backend: a source of hosts. Engines built from one `Backend`
+/// share its fabric (on `loopback`, two engines of one backend can talk).
+#[pyclass(name = "Backend", module = "weft._weft", frozen)]
+pub struct PyBackend {
+    pub(crate) inner: Arc<weft::Backend>,
+}
+
+#[pymethods]
+impl PyBackend {
+    /// The spec it was opened with.
+    #[getter]
+    fn spec(&self) -> String {
+        self.inner.spec().to_string()
+    }
+
+    /// NICs per host (per engine).
+    #[getter]
+    fn nics(&self) -> usize {
+        self.inner.nics()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Backend({:?}, nics={})", self.spec(), self.nics())
+    }
+}
+
+/// Opens the backend named by `spec` (`"loopback"`, `"libfabric:tcp"`, ...)
+/// with `nics` NICs per host; `profile` and `seed` configure the simulated
+/// fabric (`"adversarial"` or `"ideal"`).
+#[pyfunction]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0))]
+pub fn provider(
+    py: Python<'_>,
+    spec: &str,
+    nics: usize,
+    profile: &str,
+    seed: u64,
+) -> PyResult<PyBackend> {
+    Ok(PyBackend {
+        inner: Arc::new(open(py, spec, nics, profile, seed)?),
+    })
+}

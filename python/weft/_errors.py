@@ -1,0 +1,134 @@
+"""The weft exception hierarchy.
+
+Pure Python (it does not import ``weft._weft``), so the extension can look
+classes up here by name when it turns a Rust error into a Python one. Every
+exception carries ``kind``: the snake_case name of the Rust error variant
+(``"out_of_bounds"``, ``"shut_down"``, ...), or ``None`` when raised by the
+binding itself.
+"""
+
+from __future__ import annotations
+
+
+class WeftError(Exception):
+    """Base class of every error weft raises."""
+
+    kind: "str | None" = None
+
+
+class ProviderError(WeftError):
+    """A provider spec could not be parsed, or its backend not opened."""
+
+
+class UnknownProviderError(ProviderError, ValueError):
+    """The spec names no known backend, or is malformed."""
+
+
+class ProviderUnavailableError(ProviderError):
+    """The backend is known but cannot be used on this host (compiled out,
+    native library not loadable, no device, too few NICs)."""
+
+
+class InvalidArgumentError(WeftError, ValueError):
+    """An argument was refused before anything was submitted."""
+
+
+class OutOfBoundsError(InvalidArgumentError):
+    """An offset/length pair does not fit the registered region."""
+
+
+class NicCountMismatchError(InvalidArgumentError):
+    """The destination descriptor has a different NIC count than the group."""
+
+
+class DescriptorError(InvalidArgumentError):
+    """Bytes could not be decoded into a descriptor (truncated, trailing or
+    garbage input)."""
+
+
+class ReadOnlyBufferError(InvalidArgumentError):
+    """Read-only memory was asked to be a write target."""
+
+
+class StaleRegistrationError(InvalidArgumentError):
+    """The registration was already released (``unreg``) or is unknown."""
+
+
+class ShutDownError(WeftError):
+    """The engine is shut down."""
+
+
+class QueueFullError(WeftError):
+    """The submission queue is full."""
+
+
+class ImmError(WeftError):
+    """Base class of immediate-value errors."""
+
+
+class ImmAlreadyArmedError(ImmError):
+    """A round for this immediate value is already armed."""
+
+
+class ImmInUseError(ImmError):
+    """The immediate value is already taken."""
+
+
+class ExhaustedError(ImmError):
+    """No free immediate value (or receive buffer pool) is left."""
+
+
+class TransportError(WeftError):
+    """The fabric failed a transfer or a control operation."""
+
+
+class PeerUnreachableError(TransportError):
+    """The peer could not be reached."""
+
+
+class RemoteAccessError(TransportError):
+    """The peer refused the access (unknown key, not writable, out of bounds)."""
+
+
+class LocalAccessError(TransportError):
+    """The local memory could not be accessed (e.g. deregistered in flight)."""
+
+
+class ReceiverNotReadyError(TransportError):
+    """The receiver had no buffer posted."""
+
+
+class MessageTooLongError(TransportError):
+    """The message exceeds what the peer or the fabric accepts."""
+
+
+class NicDownError(TransportError):
+    """A NIC of the group is down."""
+
+
+class CanceledError(TransportError):
+    """The backend canceled the operation."""
+
+
+class UnsupportedError(TransportError):
+    """The backend does not support the operation."""
+
+
+class SetupError(WeftError):
+    """The engine could not be built."""
+
+
+class WorkerFailedError(WeftError):
+    """An engine worker thread failed."""
+
+
+class WaitTimeoutError(WeftError, TimeoutError):
+    """``wait(timeout)`` returned before the transfer finished (the transfer
+    itself goes on)."""
+
+
+class CallbackDeadlockError(WeftError, RuntimeError):
+    """A blocking call was made from a weft callback, where it would hang."""
+
+
+__all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]
