@@ -190,6 +190,7 @@ def test_imm_double_arm_and_free(pair):
     b.free_imm(imm)  # fails the armed round
     with pytest.raises(weft.InvalidArgumentError):
         r.wait(timeout=60)
+    assert isinstance(r.exception(), weft.InvalidArgumentError)
     assert b.expect_imm_count(b.alloc_imm(), 0).wait(timeout=60) is None
 
 
