@@ -41,6 +41,33 @@ impl PyTransferEngine {
     }
 }
 
+/// Refuses a host without enough NICs as `ProviderUnavailableError` (as
+/// `weft::Backend::probe` does, without opening another host), before the
+/// engine build would fail with a less telling setup error.
+fn check_nics(py: Python<'_>, backend: &weft::Backend, host: &dyn weft::Provider) -> PyResult<()> {
+    let spec = backend.spec();
+    let nics = py
+        .detach(|| host.nics())
+        .map_err(|e| errors::provider_err(py, &weft::ProviderError::transport(spec, e)))?;
+    let err = if nics.is_empty() {
+        weft::ProviderError::transport(
+            spec,
+            weft::TransportError::NoDevice {
+                what: spec.to_string(),
+            },
+        )
+    } else if nics.len() < backend.nics() {
+        weft::ProviderError::TooFewNics {
+            spec: spec.to_string(),
+            have: nics.len(),
+            want: backend.nics(),
+        }
+    } else {
+        return Ok(());
+    };
+    Err(errors::provider_err(py, &err))
+}
+
 impl Drop for PyTransferEngine {
     fn drop(&mut self) {
         let _ = Python::try_attach(|py| py.detach(|| self.engine.shutdown()));
@@ -79,6 +106,7 @@ impl PyTransferEngine {
         let host = py
             .detach(|| backend.host())
             .map_err(|e| errors::provider_err(py, &e))?;
+        check_nics(py, &backend, &*host)?;
         let nic_idx: Vec<usize> = (0..backend.nics()).collect();
         let engine = py
             .detach(|| {

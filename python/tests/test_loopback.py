@@ -32,6 +32,16 @@ def test_unknown_provider():
     assert "loopback" in str(ei.value)  # lists the known specs
 
 
+def test_unavailable_provider():
+    ps = {p.spec: p for p in weft.providers()}
+    missing = [spec for spec, p in ps.items() if not p.available]
+    if not missing:
+        pytest.skip("every provider is available on this host")
+    with pytest.raises(weft.ProviderUnavailableError) as ei:
+        weft.TransferEngine(missing[0])
+    assert ei.value.kind is not None
+
+
 def test_bad_profile():
     with pytest.raises(weft.InvalidArgumentError):
         weft.provider("loopback", profile="fast")
