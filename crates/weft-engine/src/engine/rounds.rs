@@ -60,11 +60,11 @@ impl TransferEngine {
         if a.is_used(imm) {
             return Err(EngineError::ImmInUse { imm });
         }
-        if imm < a.next {
-            // Handed out before and freed: it waits in the free list.
-            if let Some(pos) = a.free.iter().position(|&v| v == imm) {
-                a.free.swap_remove(pos);
-            }
+        // A value handed out (or reserved) before and freed since waits in
+        // the free list, wherever it lies in the range: take it out, or
+        // `alloc_imm` would hand it out while reserved.
+        if let Some(pos) = a.free.iter().position(|&v| v == imm) {
+            a.free.swap_remove(pos);
         }
         a.mark(imm);
         Ok(())
