@@ -217,3 +217,37 @@ fn reserved_imm_values_serve_a_whole_peer_group() {
         e.shutdown();
     }
 }
+
+/// A value reserved above everything `alloc_imm` has handed out, freed,
+/// and reserved again is never handed out by `alloc_imm` while reserved;
+/// once freed for good it is handed out exactly once.
+#[test]
+fn a_freed_reservation_is_handed_out_once() {
+    let fabric = Fabric::new(FabricConfig::ideal(7));
+    let e = engine(&fabric, fabric.add_host(1), 1, test_config(), true);
+    let cap = e.imm_capacity();
+    let high = cap - 1;
+    e.reserve_imm(high).unwrap();
+    e.free_imm(high);
+    e.reserve_imm(high).unwrap();
+    let mut held = Vec::new();
+    while let Ok(v) = e.alloc_imm() {
+        held.push(v);
+    }
+    assert!(!held.contains(&high), "a reserved value was handed out");
+    assert_eq!(held.len() as u32, cap - 1);
+    for v in held {
+        e.free_imm(v);
+    }
+    e.free_imm(high);
+    let mut got = Vec::new();
+    while let Ok(v) = e.alloc_imm() {
+        got.push(v);
+    }
+    got.sort_unstable();
+    let n = got.len();
+    got.dedup();
+    assert_eq!(got.len(), n, "a value was handed out twice");
+    assert_eq!(n as u32, cap, "every value is handed out once");
+    e.shutdown();
+}

@@ -12,9 +12,9 @@ use std::sync::atomic::Ordering;
 use weft_transport::Imm;
 
 impl TransferEngine {
-    /// Allocates an immediate value: the lowest never-used value of
-    /// `0..imm_capacity` first, then freed ones. Values taken with
-    /// [`reserve_imm`](Self::reserve_imm) are skipped.
+    /// Allocates an immediate value of `0..imm_capacity`: the most recently
+    /// freed one if any, else the lowest value never handed out. Values
+    /// taken with [`reserve_imm`](Self::reserve_imm) are skipped.
     pub fn alloc_imm(&self) -> Result<Imm, EngineError> {
         let capacity = self.inner.imms.capacity();
         let mut a = self.inner.imm_free.lock();
@@ -60,11 +60,11 @@ impl TransferEngine {
         if a.is_used(imm) {
             return Err(EngineError::ImmInUse { imm });
         }
-        if imm < a.next {
-            // Handed out before and freed: it waits in the free list.
-            if let Some(pos) = a.free.iter().position(|&v| v == imm) {
-                a.free.swap_remove(pos);
-            }
+        // A value handed out (or reserved) before and freed since waits in
+        // the free list, wherever it lies in the range: take it out, or
+        // `alloc_imm` would hand it out while reserved.
+        if let Some(pos) = a.free.iter().position(|&v| v == imm) {
+            a.free.swap_remove(pos);
         }
         a.mark(imm);
         Ok(())
