@@ -105,6 +105,17 @@ impl BufferGuard {
         usize::try_from(self.view.len).unwrap_or(0)
     }
 
+    /// The exported bytes (valid until `release`).
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        if self.released || self.view.buf.is_null() {
+            return &[];
+        }
+        // SAFETY: an acquired, unreleased export: `buf..buf+len` is the
+        // exporter's contiguous memory, pinned until release; the borrow of
+        // `self` ends before `release(&mut self)` can run.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len()) }
+    }
+
     /// Whether the export is read-only.
     pub(crate) fn readonly(&self) -> bool {
         self.view.readonly != 0

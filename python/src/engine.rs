@@ -7,11 +7,13 @@ use pyo3::types::PyTuple;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::buffer_ffi::BufferGuard;
 use crate::errors;
 use crate::memory::{self, PyRegistration, RegKeep};
 use crate::provider::{self, PyBackend};
-use crate::transfer::{self, PyTransfer};
-use crate::types::{PyImmCounts, PyMrDesc};
+use crate::transfer::{self, BindingStats, PyTransfer};
+use crate::types::{self, PyImmCounts, PyMrDesc, PyPeerAddress, PyPeerGroup, PyScatterDst};
+use crate::watcher::{self, PyUvmWatcher};
 
 /// A weft transfer engine over one backend: register memory, write into
 /// peers' memory, count immediates. Shut it down with `shutdown()` or by
@@ -23,6 +25,7 @@ pub struct PyTransferEngine {
     /// The keep-alives of live registrations: memory stays valid until
     /// `unreg` or shutdown even if the `Registration` handle is dropped.
     regs: Mutex<HashMap<weft::MrHandle, Arc<RegKeep>>>,
+    pub(crate) stats: Arc<BindingStats>,
 }
 
 impl PyTransferEngine {
@@ -32,12 +35,25 @@ impl PyTransferEngine {
         drop(keep);
     }
 
-    fn shutdown_inner(&self, py: Python<'_>) {
+    fn shutdown_inner(&self, py: Python<'_>) -> PyResult<()> {
+        if transfer::in_callback() {
+            return Err(transfer::deadlock_err(py, "shutdown()"));
+        }
         // Shutdown joins the callback thread, which may need the GIL to
         // drop a registration: never hold it here.
         py.detach(|| self.engine.shutdown());
         let regs = std::mem::take(&mut *self.regs.lock());
         drop(regs);
+        Ok(())
+    }
+
+    /// A fresh transfer state using `keep`.
+    fn on_done(&self, keep: Vec<Arc<RegKeep>>) -> (Arc<transfer::State>, weft::OnDone) {
+        transfer::on_done(keep, &self.stats)
+    }
+
+    fn err(&self, py: Python<'_>, e: weft::EngineError) -> PyErr {
+        errors::engine_err(py, &e)
     }
 }
 
@@ -81,21 +97,27 @@ impl PyTransferEngine {
     /// backend share its fabric). One domain group over all of the
     /// backend's NICs.
     #[new]
-    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0))]
+    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None))]
     fn new(
         py: Python<'_>,
         provider: Option<&Bound<'_, PyAny>>,
         nics: usize,
         profile: &str,
         seed: u64,
+        device: Option<&Bound<'_, PyAny>>,
+        domain: Option<&str>,
     ) -> PyResult<Self> {
+        let device = match device {
+            Some(d) => memory::parse_device(py, d)?,
+            None => weft::Device::Host,
+        };
         let backend = match provider {
-            None => Arc::new(provider::open(py, "loopback", nics, profile, seed)?),
+            None => Arc::new(provider::open(py, "loopback", nics, profile, seed, domain)?),
             Some(p) => {
                 if let Ok(b) = p.cast::<PyBackend>() {
                     Arc::clone(&b.get().inner)
                 } else if let Ok(spec) = p.extract::<String>() {
-                    Arc::new(provider::open(py, &spec, nics, profile, seed)?)
+                    Arc::new(provider::open(py, &spec, nics, profile, seed, domain)?)
                 } else {
                     return Err(pyo3::exceptions::PyTypeError::new_err(
                         "provider must be a spec string or a weft.Backend",
@@ -107,11 +129,14 @@ impl PyTransferEngine {
             .detach(|| backend.host())
             .map_err(|e| errors::provider_err(py, &e))?;
         check_nics(py, &backend, &*host)?;
+        if let weft::Device::Cuda(ordinal) = device {
+            crate::cuda::attach_copy(py, &backend, ordinal)?;
+        }
         let nic_idx: Vec<usize> = (0..backend.nics()).collect();
         let engine = py
             .detach(|| {
                 weft::TransferEngine::builder()
-                    .group(weft::DomainGroupSpec::new(host, nic_idx))
+                    .group(weft::DomainGroupSpec::new(host, nic_idx).device(device))
                     .build()
             })
             .map_err(|e| errors::engine_err(py, &e))?;
@@ -119,6 +144,7 @@ impl PyTransferEngine {
             engine,
             backend,
             regs: Mutex::new(HashMap::new()),
+            stats: Arc::default(),
         })
     }
 
@@ -128,21 +154,27 @@ impl PyTransferEngine {
         self.backend.spec().to_string()
     }
 
-    /// Registers host memory given as a buffer-protocol object (numpy
-    /// array, `bytearray`, `memoryview`, `mmap`, ...). The object and its
-    /// buffer export are kept until `unreg()` (or shutdown), so the memory
-    /// can neither be freed nor resized meanwhile. `writable=True` refuses
-    /// read-only memory; `writable=False` registers writable memory as a
-    /// source only (no `desc`).
-    #[pyo3(signature = (obj, *, writable=None))]
+    /// Registers memory: a buffer-protocol object (numpy array,
+    /// `bytearray`, `memoryview`, `mmap`, ...), a torch tensor (CPU or
+    /// CUDA, contiguous), a DLPack capsule or `__dlpack__` object, or a raw
+    /// `(ptr, nbytes, device)` tuple. The object (and its buffer export or
+    /// DLPack tensor; `keepalive` instead for a raw tuple) is kept until
+    /// `unreg()` or shutdown, so the memory can neither be freed nor
+    /// resized meanwhile. `device` (if given) must match where the memory
+    /// is; `writable=True` refuses read-only memory; `writable=False`
+    /// registers writable memory as a source only (no `desc`). CUDA memory
+    /// needs an engine built with `device="cuda:N"`.
+    #[pyo3(signature = (obj, *, device=None, writable=None, keepalive=None))]
     fn reg_mr(
         slf: &Bound<'_, Self>,
         obj: &Bound<'_, PyAny>,
+        device: Option<&Bound<'_, PyAny>>,
         writable: Option<bool>,
+        keepalive: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRegistration> {
         let py = slf.py();
         let this = slf.get();
-        let r = memory::resolve(obj, writable)?;
+        let r = memory::resolve(obj, device, writable, keepalive)?;
         let region = r.region;
         let (h, desc) = py
             .detach(|| this.engine.reg_mr(region))
@@ -162,7 +194,7 @@ impl PyTransferEngine {
     /// memory `dst` (at `dst_offset`), sharded over the NICs; with `imm`,
     /// every piece carries that immediate value (see `imm_counts`).
     /// Argument errors raise here; the returned `Transfer` reports the rest.
-    #[pyo3(signature = (nbytes, src, dst, *, src_offset=0, dst_offset=0, imm=None))]
+    #[pyo3(signature = (nbytes, src, dst, *, src_offset=0, dst_offset=0, imm=None, callback=None))]
     // One parameter per Python argument (keywords included).
     #[allow(clippy::too_many_arguments)]
     fn submit_single_write(
@@ -174,10 +206,11 @@ impl PyTransferEngine {
         src_offset: u64,
         dst_offset: u64,
         imm: Option<u32>,
-    ) -> PyResult<PyTransfer> {
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
         let src = src.get();
         let keep = src.live_keep(py)?;
-        let (state, on_done) = transfer::on_done(vec![keep]);
+        let (state, on_done) = self.on_done(vec![keep]);
         let id = self
             .engine
             .submit_single_write(
@@ -188,7 +221,222 @@ impl PyTransferEngine {
                 on_done,
             )
             .map_err(|e| errors::engine_err(py, &e))?;
-        Ok(PyTransfer::new(Some(id.0), state))
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// SENDs a copy of `data` (any bytes-like object) to the peer's receive
+    /// pool (`submit_recvs` there).
+    #[pyo3(signature = (peer, data, *, callback=None))]
+    fn submit_send(
+        &self,
+        py: Python<'_>,
+        peer: &Bound<'_, PyPeerAddress>,
+        data: &Bound<'_, PyAny>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let mut buf = BufferGuard::acquire(data).map_err(|e| {
+            pyo3::exceptions::PyTypeError::new_err(format!("data must be bytes-like: {e}"))
+        })?;
+        let (state, on_done) = self.on_done(Vec::new());
+        // The engine copies the message before returning.
+        let r = self
+            .engine
+            .submit_send(&peer.get().inner, buf.as_slice(), on_done);
+        buf.release(py);
+        let id = r.map_err(|e| self.err(py, e))?;
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// Posts `count` receive buffers of `nbytes` bytes; `on_message(data:
+    /// bytes)` runs on weft's callback thread for each message received
+    /// (order across senders is not guaranteed). `on_error(exc)` gets
+    /// receive errors (without it they go to `sys.unraisablehook`). An
+    /// exception raised by either goes to `sys.unraisablehook`; the engine
+    /// goes on.
+    #[pyo3(signature = (nbytes, count, on_message, *, on_error=None))]
+    fn submit_recvs(
+        &self,
+        py: Python<'_>,
+        nbytes: u64,
+        count: u32,
+        on_message: &Bound<'_, PyAny>,
+        on_error: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cb = watcher::recv_callback(py, on_message, on_error, &self.stats)?;
+        py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
+            .map_err(|e| self.err(py, e))
+    }
+
+    /// Page `i` of `src_pages` goes to page `i` of `dst_pages`, `page_len`
+    /// bytes each. Pages are indices (a list of ints or a 1-D integer numpy
+    /// array) times a stride (default `page_len`) plus an offset.
+    #[pyo3(signature = (page_len, src, src_pages, dst, dst_pages, *, src_stride=None, dst_stride=None, src_offset=0, dst_offset=0, imm=None, callback=None))]
+    // One parameter per Python argument (keywords included).
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_writes(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        src: &Bound<'_, PyRegistration>,
+        src_pages: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyMrDesc>,
+        dst_pages: &Bound<'_, PyAny>,
+        src_stride: Option<u64>,
+        dst_stride: Option<u64>,
+        src_offset: u64,
+        dst_offset: u64,
+        imm: Option<u32>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let sp = types::pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
+        let dp = types::pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
+        let src = src.get();
+        let keep = src.live_keep(py)?;
+        let (state, on_done) = self.on_done(vec![keep]);
+        let id = self
+            .engine
+            .submit_paged_writes(
+                page_len,
+                imm,
+                (&src.handle, &sp),
+                (&dst.get().inner, &dp),
+                on_done,
+            )
+            .map_err(|e| self.err(py, e))?;
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// Resolves peers (their `address`) for `submit_scatter` and
+    /// `submit_barrier`: member `j` receives destination `j`.
+    fn add_peer_group(
+        &self,
+        py: Python<'_>,
+        peers: Vec<PyRef<'_, PyPeerAddress>>,
+    ) -> PyResult<PyPeerGroup> {
+        let addrs: Vec<weft::GroupAddress> = peers.iter().map(|p| p.inner.clone()).collect();
+        py.detach(|| self.engine.add_peer_group(&addrs))
+            .map(|inner| PyPeerGroup { inner })
+            .map_err(|e| self.err(py, e))
+    }
+
+    /// One write per member of `group` (`dsts[j]`, a `ScatterDst`, to member
+    /// `j`) from `src`; `mode` `"by_peer"` (default) or `"by_bytes"`.
+    #[pyo3(signature = (group, src, dsts, *, imm=None, mode=None, callback=None))]
+    // One parameter per Python argument (keywords included).
+    #[allow(clippy::too_many_arguments)]
+    fn submit_scatter(
+        &self,
+        py: Python<'_>,
+        group: &Bound<'_, PyPeerGroup>,
+        src: &Bound<'_, PyRegistration>,
+        dsts: Vec<PyRef<'_, PyScatterDst>>,
+        imm: Option<u32>,
+        mode: Option<&str>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let dsts: Vec<weft::ScatterDst> = dsts.iter().map(|d| d.inner.clone()).collect();
+        let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
+        let src = src.get();
+        let keep = src.live_keep(py)?;
+        let (state, on_done) = self.on_done(vec![keep]);
+        let g = &group.get().inner;
+        let r = match mode {
+            Some(m) => self
+                .engine
+                .submit_scatter_mode(g, on_done, imm, &src.handle, &dsts, m),
+            None => self
+                .engine
+                .submit_scatter(g, on_done, imm, &src.handle, &dsts),
+        };
+        let id = r.map_err(|e| self.err(py, e))?;
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// An immediate-only write of `imm` to every member of `group`
+    /// (`dsts[j]` is member `j`'s descriptor): each receives one immediate.
+    #[pyo3(signature = (group, imm, dsts, *, callback=None))]
+    fn submit_barrier(
+        &self,
+        py: Python<'_>,
+        group: &Bound<'_, PyPeerGroup>,
+        imm: u32,
+        dsts: Vec<PyRef<'_, PyMrDesc>>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let dsts: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
+        let (state, on_done) = self.on_done(Vec::new());
+        let id = self
+            .engine
+            .submit_barrier(&group.get().inner, on_done, imm, &dsts)
+            .map_err(|e| self.err(py, e))?;
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// A watched 64-bit word: `callback(old, new)` runs on weft's watcher
+    /// thread when it changes (changes may coalesce). Without `word` the
+    /// engine allocates it; with `word` (a pinned CPU tensor, an int64
+    /// numpy array, a `(ptr, nbytes, "cpu")` tuple: 8-byte aligned host
+    /// memory, kept alive) that memory is watched, so a GPU kernel can bump
+    /// it through its mapped address (`torch.as_tensor(watcher,
+    /// device="cuda")` uses `__cuda_array_interface__`).
+    #[pyo3(signature = (callback, *, word=None))]
+    fn alloc_uvm_watcher(
+        &self,
+        py: Python<'_>,
+        callback: &Bound<'_, PyAny>,
+        word: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyUvmWatcher> {
+        watcher::alloc(py, &self.engine, &self.stats, callback, word)
+    }
+
+    /// Binding and engine counters: `callback_errors` (Python callbacks
+    /// that raised), `imm_excess`, `imm_dropped`, and per group
+    /// `queued`/`in_flight`/`pending_wrs`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = self.engine.stats();
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item(
+            "callback_errors",
+            self.stats
+                .callback_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )?;
+        d.set_item("imm_excess", s.imm_excess)?;
+        d.set_item("imm_dropped", s.imm_dropped)?;
+        let groups = pyo3::types::PyList::empty(py);
+        for g in &s.groups {
+            let gd = pyo3::types::PyDict::new(py);
+            gd.set_item("queued", g.queued)?;
+            gd.set_item("in_flight", g.in_flight)?;
+            gd.set_item("pending_wrs", g.pending_wrs)?;
+            groups.append(gd)?;
+        }
+        d.set_item("groups", groups)?;
+        Ok(d)
+    }
+
+    /// The engine's address (its main domain group), for peers.
+    #[getter]
+    fn address(&self) -> PyPeerAddress {
+        PyPeerAddress {
+            inner: self.engine.main_address(),
+        }
+    }
+
+    /// How many immediate values the allocator hands out.
+    #[getter]
+    fn imm_capacity(&self) -> u32 {
+        self.engine.imm_capacity()
+    }
+
+    /// Reserves a specific immediate value (free it with `free_imm`).
+    fn reserve_imm(&self, py: Python<'_>, imm: u32) -> PyResult<()> {
+        self.engine.reserve_imm(imm).map_err(|e| self.err(py, e))
+    }
+
+    /// Immediates `imm` received and not yet consumed by a round.
+    fn imm_pending(&self, imm: u32) -> u64 {
+        self.engine.imm_pending(imm)
     }
 
     /// Allocates an immediate value (free it with `free_imm`).
@@ -207,11 +455,18 @@ impl PyTransferEngine {
     /// Arms a round: the returned `Transfer` finishes once `count`
     /// immediates `imm` have arrived (counting earlier arrivals). Re-arm
     /// after it finished for the next round.
-    fn expect_imm_count(&self, py: Python<'_>, imm: u32, count: u64) -> PyResult<PyTransfer> {
-        let (state, on_done) = transfer::on_done(Vec::new());
+    #[pyo3(signature = (imm, count, *, callback=None))]
+    fn expect_imm_count(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        count: u64,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let (state, on_done) = self.on_done(Vec::new());
         py.detach(|| self.engine.expect_imm_count_with(imm, count, on_done))
             .map_err(|e| errors::engine_err(py, &e))?;
-        Ok(PyTransfer::new(None, state))
+        transfer::submitted(py, None, state, callback)
     }
 
     /// How many immediates a submit from domain group `group` delivers.
@@ -225,8 +480,8 @@ impl PyTransferEngine {
 
     /// Stops the engine (idempotent): new submits raise `ShutDownError`,
     /// pending work fails, and the registered objects are released.
-    fn shutdown(&self, py: Python<'_>) {
-        self.shutdown_inner(py);
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        self.shutdown_inner(py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -234,9 +489,9 @@ impl PyTransferEngine {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> bool {
-        self.shutdown_inner(py);
-        false
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.shutdown_inner(py)?;
+        Ok(false)
     }
 
     fn __repr__(&self) -> String {

@@ -8,12 +8,15 @@
 #![deny(unsafe_code)]
 
 mod buffer_ffi;
+mod cuda;
+mod dlpack;
 mod engine;
 mod errors;
 mod memory;
 mod provider;
 mod transfer;
 mod types;
+mod watcher;
 
 use pyo3::prelude::*;
 
@@ -29,6 +32,10 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyMrDesc>()?;
     m.add_class::<types::PyImmCounts>()?;
     m.add_class::<transfer::PyTransfer>()?;
+    m.add_class::<types::PyPeerAddress>()?;
+    m.add_class::<types::PyPeerGroup>()?;
+    m.add_class::<types::PyScatterDst>()?;
+    m.add_class::<watcher::PyUvmWatcher>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

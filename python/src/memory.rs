@@ -4,64 +4,119 @@
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::buffer_ffi::BufferGuard;
+use crate::dlpack::{self, DlOwned};
 use crate::engine::PyTransferEngine;
 use crate::errors;
 use crate::types::PyMrDesc;
 
 /// What keeps registered memory valid: the Python object and its buffer
-/// export. Held by the engine's table until `unreg` (or shutdown) and by
-/// every in-flight transfer that uses it, so the memory outlives both.
+/// export or DLPack tensor. Held by the engine's table until `unreg` (or
+/// shutdown) and by every in-flight transfer that uses it, so the memory
+/// outlives both.
 pub(crate) struct RegKeep {
     obj: Option<Py<PyAny>>,
     buf: Option<BufferGuard>,
+    dl: Option<DlOwned>,
 }
 
 impl Drop for RegKeep {
     fn drop(&mut self) {
         // The last holder may be a transfer completing on an engine thread:
         // take the GIL to release the export and the reference. During
-        // interpreter finalization there is none to take; both are then
+        // interpreter finalization there is none to take; all are then
         // leaked with the process.
-        let (obj, buf) = (self.obj.take(), self.buf.take());
+        let (obj, buf, dl) = (self.obj.take(), self.buf.take(), self.dl.take());
         let _ = Python::try_attach(move |py| {
             if let Some(mut b) = buf {
                 b.release(py);
             }
+            drop(dl);
             drop(obj);
         });
     }
 }
 
-/// A resolved host buffer-protocol object.
+/// A resolved Python object.
 pub(crate) struct Resolved {
     pub(crate) region: weft::MemRegion,
     pub(crate) writable: bool,
     pub(crate) keep: Arc<RegKeep>,
 }
 
-/// Resolves a buffer-protocol object (numpy array, `bytearray`,
-/// `memoryview`, `mmap`, `array.array`, ...) to a host region. The export
-/// stays acquired until the keep-alive is dropped.
-pub(crate) fn resolve(obj: &Bound<'_, PyAny>, writable: Option<bool>) -> PyResult<Resolved> {
+/// Parses `"cpu"`, `"cuda"`, `"cuda:N"` (or anything whose `str()` is one,
+/// such as a `torch.device`).
+pub(crate) fn parse_device(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<weft::Device> {
+    let s = d.str()?.to_string();
+    match s.as_str() {
+        "cpu" => Ok(weft::Device::Host),
+        "cuda" => Ok(weft::Device::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<u32>().ok())
+            .map(weft::Device::Cuda)
+            .ok_or_else(|| {
+                errors::invalid(
+                    py,
+                    format!("device must be \"cpu\", \"cuda\" or \"cuda:N\", got {s:?}"),
+                )
+            }),
+    }
+}
+
+/// The Python name of a device.
+pub(crate) fn device_name(d: weft::Device) -> String {
+    match d {
+        weft::Device::Host => "cpu".into(),
+        weft::Device::Cuda(i) => format!("cuda:{i}"),
+    }
+}
+
+/// Raw memory found in a Python object, before the checks common to all
+/// kinds.
+struct Found {
+    ptr: *mut u8,
+    len: usize,
+    device: weft::Device,
+    read_only: bool,
+    keep: RegKeep,
+}
+
+/// Resolves what `reg_mr` accepts, in this order: a raw `(ptr, nbytes,
+/// device)` tuple (the caller vouches for the memory; `keepalive` is held);
+/// a DLPack capsule; a torch-like tensor (`data_ptr()`, `device`,
+/// `is_contiguous()`, `numel()`, `element_size()`: torch is never imported);
+/// a buffer-protocol object (numpy array, `bytearray`, `memoryview`,
+/// `mmap`, ...); any other object with `__dlpack__` (cupy, jax). `device`
+/// (if given) must match where the memory is; `writable=True` refuses
+/// read-only memory.
+pub(crate) fn resolve(
+    obj: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+    writable: Option<bool>,
+    keepalive: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Resolved> {
     let py = obj.py();
-    let buf = BufferGuard::acquire(obj).map_err(|e| {
-        let msg = format!("cannot register {}: {e}", type_name(obj));
-        if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py)
-            || e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-        {
-            errors::invalid(py, msg)
-        } else if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
-            pyo3::exceptions::PyTypeError::new_err(msg)
-        } else {
-            e
+    let found = find(obj, keepalive)?;
+    if let Some(d) = device {
+        let want = parse_device(py, d)?;
+        if want != found.device {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "device={} but the {} lives on {}",
+                    device_name(want),
+                    type_name(obj),
+                    device_name(found.device)
+                ),
+            ));
         }
-    })?;
-    let is_writable = !buf.readonly();
-    if writable == Some(true) && !is_writable {
+    }
+    if writable == Some(true) && found.read_only {
         return Err(errors::new_err(
             py,
             "ReadOnlyBufferError",
@@ -69,24 +124,171 @@ pub(crate) fn resolve(obj: &Bound<'_, PyAny>, writable: Option<bool>) -> PyResul
             format!("writable=True but the {} is read-only", type_name(obj)),
         ));
     }
-    let len = buf.len();
-    let Some(ptr) = NonNull::new(buf.ptr()).filter(|_| len > 0) else {
-        return Err(errors::invalid(py, "cannot register an empty buffer"));
+    let Some(ptr) = NonNull::new(found.ptr).filter(|_| found.len > 0) else {
+        return Err(errors::invalid(
+            py,
+            format!("cannot register an empty {}", type_name(obj)),
+        ));
     };
-    // SAFETY: `ptr..ptr+len` is the exporter's contiguous host memory; the
-    // export (`buf`) stays acquired, and the object referenced, inside the
-    // `RegKeep` until deregistration and the end of every transfer using
+    // SAFETY: `ptr..ptr+len` is the object's contiguous memory on
+    // `device` (buffer export, DLPack tensor, tensor storage, or the raw
+    // caller's promise); the keep-alive (object, export, DLPack ownership)
+    // is held by the engine until deregistration and by every transfer using
     // it, so the memory is neither freed nor moved while registered. Remote
     // writes into it are the caller's intent (RDMA semantics, documented).
     #[allow(unsafe_code)]
-    let region = unsafe { weft::MemRegion::new(ptr, len, weft::Device::Host) };
+    let region = unsafe { weft::MemRegion::new(ptr, found.len, found.device) };
     Ok(Resolved {
         region,
-        writable: is_writable && writable != Some(false),
-        keep: Arc::new(RegKeep {
-            obj: Some(obj.clone().unbind()),
-            buf: Some(buf),
-        }),
+        writable: !found.read_only && writable != Some(false),
+        keep: Arc::new(found.keep),
+    })
+}
+
+fn find(obj: &Bound<'_, PyAny>, keepalive: Option<&Bound<'_, PyAny>>) -> PyResult<Found> {
+    let py = obj.py();
+    let keep_obj = Some(keepalive.unwrap_or(obj).clone().unbind());
+    // 1. (ptr, nbytes, device)
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        let (ptr, len, dev): (usize, usize, Bound<'_, PyAny>) = t.extract().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(
+                "a raw region is a tuple (ptr: int, nbytes: int, device: str)",
+            )
+        })?;
+        return Ok(Found {
+            ptr: ptr as *mut u8,
+            len,
+            device: parse_device(py, &dev)?,
+            read_only: false,
+            keep: RegKeep {
+                obj: keep_obj,
+                buf: None,
+                dl: None,
+            },
+        });
+    }
+    // 2. a DLPack capsule
+    if dlpack::is_capsule(obj) {
+        return from_capsule(obj, keep_obj);
+    }
+    // 3. a torch-like tensor (torch tensors do not export the buffer protocol)
+    if obj.hasattr("data_ptr")? && obj.hasattr("element_size")? && obj.hasattr("device")? {
+        return from_tensor(obj, keep_obj);
+    }
+    // 4. the buffer protocol
+    match BufferGuard::acquire(obj) {
+        Ok(buf) => {
+            return Ok(Found {
+                ptr: buf.ptr(),
+                len: buf.len(),
+                device: weft::Device::Host,
+                read_only: buf.readonly(),
+                keep: RegKeep {
+                    obj: keep_obj,
+                    buf: Some(buf),
+                    dl: None,
+                },
+            })
+        }
+        Err(e) if obj.hasattr("__dlpack__")? => drop(e),
+        Err(e) => {
+            let msg = format!("cannot register {}: {e}", type_name(obj));
+            return Err(
+                if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py)
+                    || e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
+                {
+                    errors::invalid(py, msg)
+                } else if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+                    pyo3::exceptions::PyTypeError::new_err(format!(
+                        "{msg} (reg_mr takes a buffer-protocol object, a torch tensor, \
+                         a DLPack capsule or object, or a (ptr, nbytes, device) tuple)"
+                    ))
+                } else {
+                    e
+                },
+            );
+        }
+    }
+    // 5. any other `__dlpack__` producer
+    let kw = PyDict::new(py);
+    kw.set_item("max_version", (1, 0))?;
+    let cap = match obj.call_method("__dlpack__", (), Some(&kw)) {
+        Ok(c) => c,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => {
+            obj.call_method0("__dlpack__")?
+        }
+        Err(e) => return Err(e),
+    };
+    if !dlpack::is_capsule(&cap) {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "{}.__dlpack__() did not return a DLPack capsule",
+                type_name(obj)
+            ),
+        ));
+    }
+    from_capsule(&cap, keep_obj)
+}
+
+fn from_capsule(cap: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult<Found> {
+    let py = cap.py();
+    let v = dlpack::consume(cap).map_err(|e| errors::invalid(py, format!("DLPack: {e}")))?;
+    Ok(Found {
+        ptr: v.ptr,
+        len: v.nbytes,
+        device: v.device,
+        read_only: v.read_only,
+        // The capsule itself is kept too: a legacy producer's deleter may
+        // expect its capsule to outlive the tensor.
+        keep: RegKeep {
+            obj: keep_obj,
+            buf: None,
+            dl: Some(v.owned),
+        },
+    })
+}
+
+fn from_tensor(t: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult<Found> {
+    let py = t.py();
+    if !t.call_method0("is_contiguous")?.is_truthy()? {
+        return Err(errors::invalid(
+            py,
+            "cannot register a non-contiguous tensor (call .contiguous() first)",
+        ));
+    }
+    let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+    let numel: usize = t.call_method0("numel")?.extract()?;
+    let esize: usize = t.call_method0("element_size")?.extract()?;
+    let dev = t.getattr("device")?;
+    let device = match dev.getattr("type")?.extract::<String>()?.as_str() {
+        "cpu" => weft::Device::Host,
+        "cuda" => {
+            let idx: Option<u32> = dev.getattr("index")?.extract()?;
+            weft::Device::Cuda(idx.unwrap_or(0))
+        }
+        other => {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "tensors on device type {other:?} cannot be registered (only cpu and cuda)"
+                ),
+            ))
+        }
+    };
+    let len = numel
+        .checked_mul(esize)
+        .ok_or_else(|| errors::invalid(py, "tensor size overflows"))?;
+    Ok(Found {
+        ptr: ptr as *mut u8,
+        len,
+        device,
+        read_only: false,
+        keep: RegKeep {
+            obj: keep_obj,
+            buf: None,
+            dl: None,
+        },
     })
 }
 
@@ -181,10 +383,7 @@ impl PyRegistration {
     /// Where the memory lives (`"cpu"`).
     #[getter]
     fn device(&self) -> String {
-        match self.handle.device() {
-            weft::Device::Host => "cpu".into(),
-            weft::Device::Cuda(i) => format!("cuda:{i}"),
-        }
+        device_name(self.handle.device())
     }
 
     /// Whether peers may write into it (it has a `desc`).

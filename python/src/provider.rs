@@ -59,6 +59,7 @@ pub(crate) fn open(
     nics: usize,
     profile: &str,
     seed: u64,
+    domain: Option<&str>,
 ) -> PyResult<weft::Backend> {
     let profile = match profile {
         "adversarial" => weft::LoopbackProfile::Adversarial,
@@ -74,9 +75,19 @@ pub(crate) fn open(
         return Err(errors::invalid(py, "nics must be at least 1"));
     }
     let spec: weft::ProviderSpec = spec.parse().map_err(|e| errors::provider_err(py, &e))?;
-    let cfg = weft::ProviderConfig::default()
+    let mut cfg = weft::ProviderConfig::default()
         .with_nics(nics)
         .with_loopback(weft::LoopbackOptions::new(profile, seed));
+    match domain {
+        None => {}
+        // Both processes on this machine: libfabric tcp over `lo`, shm.
+        Some("same-machine") => {
+            let prov = spec.to_string();
+            let prov = prov.strip_prefix("libfabric:").unwrap_or(&prov).to_string();
+            cfg = cfg.with_libfabric(weft::LibfabricOptions::same_machine(&prov));
+        }
+        Some(d) => cfg = cfg.with_libfabric(weft::LibfabricOptions::default().with_domain(d)),
+    }
     py.detach(|| weft::provider_with(&spec, &cfg))
         .map_err(|e| errors::provider_err(py, &e))
 }
@@ -109,17 +120,19 @@ impl PyBackend {
 
 /// Opens the backend named by `spec` (`"loopback"`, `"libfabric:tcp"`, ...)
 /// with `nics` NICs per host; `profile` and `seed` configure the simulated
-/// fabric (`"adversarial"` or `"ideal"`).
+/// fabric (`"adversarial"` or `"ideal"`); `domain` picks the libfabric
+/// domain (`"same-machine"`: `lo` for tcp, the shm domain for shm).
 #[pyfunction]
-#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0))]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None))]
 pub fn provider(
     py: Python<'_>,
     spec: &str,
     nics: usize,
     profile: &str,
     seed: u64,
+    domain: Option<&str>,
 ) -> PyResult<PyBackend> {
     Ok(PyBackend {
-        inner: Arc::new(open(py, spec, nics, profile, seed)?),
+        inner: Arc::new(open(py, spec, nics, profile, seed, domain)?),
     })
 }

@@ -89,6 +89,18 @@ impl PyMrDesc {
     }
 }
 
+/// Parses a scatter mode name.
+pub(crate) fn scatter_mode(py: Python<'_>, mode: &str) -> PyResult<weft::ScatterMode> {
+    match mode {
+        "by_peer" => Ok(weft::ScatterMode::ByPeer),
+        "by_bytes" => Ok(weft::ScatterMode::ByBytes),
+        other => Err(errors::invalid(
+            py,
+            format!("mode must be \"by_peer\" or \"by_bytes\", got {other:?}"),
+        )),
+    }
+}
+
 /// How many immediates a submit delivers to its destination: pass the
 /// result to `expect_imm_count`.
 #[pyclass(name = "ImmCounts", module = "weft._weft", frozen)]
@@ -108,9 +120,180 @@ impl PyImmCounts {
         self.inner.paged_writes(page_len, pages)
     }
 
+    /// Immediates destination `nbytes` of a scatter delivers (`mode`:
+    /// `"by_peer"` or `"by_bytes"`).
+    #[pyo3(signature = (nbytes, mode="by_peer"))]
+    fn scatter_dst(&self, py: Python<'_>, nbytes: u64, mode: &str) -> PyResult<u64> {
+        Ok(self.inner.scatter_dst(nbytes, scatter_mode(py, mode)?))
+    }
+
+    /// Immediates one barrier delivers to each member.
+    fn barrier(&self) -> u64 {
+        self.inner.barrier()
+    }
+
     /// NICs of the group.
     #[getter]
     fn nics(&self) -> usize {
         self.inner.nics
     }
+}
+
+/// The address of a peer engine (its main domain group): give it to the
+/// peers that `submit_send` to it or put it in a peer group. `to_bytes()` /
+/// `PeerAddress.from_bytes(b)` carry it between processes.
+#[pyclass(name = "PeerAddress", module = "weft._weft", frozen)]
+#[derive(Clone)]
+pub struct PyPeerAddress {
+    pub(crate) inner: weft::GroupAddress,
+}
+
+#[pymethods]
+impl PyPeerAddress {
+    /// Decodes `to_bytes()` output; bad input raises `DescriptorError`.
+    #[classmethod]
+    fn from_bytes(_cls: &Bound<'_, PyType>, py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+        weft::decode::<weft::GroupAddress>(data)
+            .map(|inner| PyPeerAddress { inner })
+            .map_err(|e| {
+                errors::new_err(
+                    py,
+                    "DescriptorError",
+                    Some("wire"),
+                    format!("bad PeerAddress: {e}"),
+                )
+            })
+    }
+
+    /// The address as bytes (stable wire encoding).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let b = weft::encode(&self.inner).map_err(|e| {
+            errors::new_err(
+                py,
+                "DescriptorError",
+                Some("wire"),
+                format!("encoding PeerAddress: {e}"),
+            )
+        })?;
+        Ok(PyBytes::new(py, &b))
+    }
+
+    /// Number of NICs of the peer's group.
+    #[getter]
+    fn nic_count(&self) -> usize {
+        self.inner.nics.len()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyPeerAddress>()
+            .map(|o| o.get().inner == self.inner)
+            .unwrap_or(false)
+    }
+
+    fn __hash__(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.inner.hash(&mut h);
+        h.finish()
+    }
+
+    fn __repr__(&self) -> String {
+        let nics: Vec<String> = self.inner.nics.iter().map(|a| a.to_string()).collect();
+        format!("PeerAddress({})", nics.join(", "))
+    }
+}
+
+/// A set of peers resolved by one engine (`add_peer_group`), for
+/// `submit_scatter` and `submit_barrier`: member `j` receives destination
+/// `j`.
+#[pyclass(name = "PeerGroup", module = "weft._weft", frozen)]
+pub struct PyPeerGroup {
+    pub(crate) inner: weft::PeerGroupHandle,
+}
+
+#[pymethods]
+impl PyPeerGroup {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PeerGroup({} members)", self.inner.len())
+    }
+}
+
+/// One destination of `submit_scatter`: `nbytes` bytes from the source at
+/// `src_offset` into `dst` at `dst_offset`.
+#[pyclass(name = "ScatterDst", module = "weft._weft", frozen)]
+#[derive(Clone)]
+pub struct PyScatterDst {
+    pub(crate) inner: weft::ScatterDst,
+}
+
+#[pymethods]
+impl PyScatterDst {
+    #[new]
+    #[pyo3(signature = (dst, nbytes, *, src_offset=0, dst_offset=0))]
+    fn new(dst: PyRef<'_, PyMrDesc>, nbytes: u64, src_offset: u64, dst_offset: u64) -> Self {
+        PyScatterDst {
+            inner: weft::ScatterDst {
+                len: nbytes,
+                src_offset,
+                dst: dst.inner.clone(),
+                dst_offset,
+            },
+        }
+    }
+
+    /// Bytes to write.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.len
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ScatterDst(nbytes={}, src_offset={}, dst_offset={})",
+            self.inner.len, self.inner.src_offset, self.inner.dst_offset
+        )
+    }
+}
+
+/// `Pages` from a list of ints or a 1-D integer numpy array of indices.
+pub(crate) fn pages(indices: &Bound<'_, PyAny>, stride: u64, offset: u64) -> PyResult<weft::Pages> {
+    let py = indices.py();
+    let list = if indices.hasattr("dtype")? {
+        let kind: String = indices.getattr("dtype")?.getattr("kind")?.extract()?;
+        if kind != "i" && kind != "u" {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "page indices must be integers, got an array of dtype kind {kind:?}"
+            )));
+        }
+        indices.call_method0("tolist")?
+    } else {
+        indices.clone()
+    };
+    let mut out = Vec::new();
+    for (i, v) in list.try_iter()?.enumerate() {
+        let v = v?;
+        if v.is_instance_of::<pyo3::types::PyFloat>() || v.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "page index {i} must be an int, got {}",
+                v.get_type().name()?
+            )));
+        }
+        let n: i128 = v.extract()?;
+        let n = u32::try_from(n).map_err(|_| {
+            errors::invalid(
+                py,
+                format!("page index {i} = {n} is outside 0..=4294967295"),
+            )
+        })?;
+        out.push(n);
+    }
+    Ok(weft::Pages {
+        indices: out,
+        stride,
+        offset,
+    })
 }

@@ -9,10 +9,20 @@ import textwrap
 
 CHILD = textwrap.dedent(
     """
-    import sys, weft
+    import sys, threading, time, weft
     eng = weft.TransferEngine("loopback")
     t = eng.expect_imm_count(eng.alloc_imm(), 1)  # never fires
-    print("ready", flush=True)
+    main = threading.main_thread().ident
+
+    def announce():
+        # "ready" once the main thread is inside t.wait() (its frame sits
+        # on the WAIT line), so the signal cannot land before the wait.
+        while sys._current_frames()[main].f_lineno != WAIT:
+            time.sleep(0.01)
+        print("ready", flush=True)
+
+    WAIT = sys._getframe().f_lineno + 3
+    threading.Thread(target=announce, daemon=True).start()
     try:
         t.wait()
     except KeyboardInterrupt:

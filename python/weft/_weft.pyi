@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, List, Optional, Type, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Type, Union
 
 __version__: str
 
@@ -30,7 +30,14 @@ class Backend:
     @property
     def nics(self) -> int: ...
 
-def provider(spec: str, *, nics: int = 1, profile: str = "adversarial", seed: int = 0) -> Backend:
+def provider(
+    spec: str,
+    *,
+    nics: int = 1,
+    profile: str = "adversarial",
+    seed: int = 0,
+    domain: Optional[str] = None,
+) -> Backend:
     """Opens the backend named by ``spec`` with ``nics`` NICs per host."""
 
 class MrDesc:
@@ -49,11 +56,51 @@ class MrDesc:
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 
+class PeerAddress:
+    """The address of a peer engine; ``to_bytes()``/``from_bytes()`` carry it."""
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PeerAddress:
+        """Decodes ``to_bytes()`` output; raises ``DescriptorError`` on bad input."""
+    def to_bytes(self) -> bytes: ...
+    @property
+    def nic_count(self) -> int: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class PeerGroup:
+    """Peers resolved by one engine for scatter and barrier."""
+
+    def __len__(self) -> int: ...
+
+class ScatterDst:
+    """One destination of ``submit_scatter``."""
+
+    def __init__(self, dst: MrDesc, nbytes: int, *, src_offset: int = 0, dst_offset: int = 0) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+
+class UvmWatcher:
+    """A watched 64-bit word; ``callback(old, new)`` runs when it changes."""
+
+    @property
+    def addr(self) -> int: ...
+    @property
+    def value(self) -> int: ...
+    def store(self, value: int) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]: ...
+    @property
+    def __array_interface__(self) -> Dict[str, Any]: ...
+
 class ImmCounts:
     """How many immediates a submit delivers to its destination."""
 
     def single_write(self, nbytes: int) -> int: ...
     def paged_writes(self, page_len: int, pages: int) -> int: ...
+    def scatter_dst(self, nbytes: int, mode: str = "by_peer") -> int: ...
+    def barrier(self) -> int: ...
     @property
     def nics(self) -> int: ...
 
@@ -92,6 +139,12 @@ class Transfer:
     def exception(self) -> Optional[BaseException]: ...
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks (GIL released) until done; raises its error or ``WaitTimeoutError``."""
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
+        """Calls ``fn(transfer)`` on weft's callback thread once done (at once if done)."""
+    def __await__(self) -> Generator[Any, None, None]: ...
+
+Callback = Callable[[Transfer], Any]
+Pages = Union[Sequence[int], Any]
 
 class TransferEngine:
     """A weft transfer engine over one backend."""
@@ -103,10 +156,24 @@ class TransferEngine:
         nics: int = 1,
         profile: str = "adversarial",
         seed: int = 0,
+        device: Union[str, Any, None] = None,
+        domain: Optional[str] = None,
     ) -> None: ...
     @property
     def provider(self) -> str: ...
-    def reg_mr(self, obj: Any, *, writable: Optional[bool] = None) -> Registration: ...
+    @property
+    def address(self) -> PeerAddress: ...
+    @property
+    def imm_capacity(self) -> int: ...
+    def reg_mr(
+        self,
+        obj: Any,
+        *,
+        device: Union[str, Any, None] = None,
+        writable: Optional[bool] = None,
+        keepalive: Any = None,
+    ) -> Registration:
+        """Registers a buffer-protocol object, torch tensor, DLPack capsule/object or ``(ptr, nbytes, device)``."""
     def submit_single_write(
         self,
         nbytes: int,
@@ -116,11 +183,54 @@ class TransferEngine:
         src_offset: int = 0,
         dst_offset: int = 0,
         imm: Optional[int] = None,
+        callback: Optional[Callback] = None,
     ) -> Transfer: ...
+    def submit_paged_writes(
+        self,
+        page_len: int,
+        src: Registration,
+        src_pages: Pages,
+        dst: MrDesc,
+        dst_pages: Pages,
+        *,
+        src_stride: Optional[int] = None,
+        dst_stride: Optional[int] = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: Optional[int] = None,
+        callback: Optional[Callback] = None,
+    ) -> Transfer: ...
+    def submit_send(self, peer: PeerAddress, data: Any, *, callback: Optional[Callback] = None) -> Transfer: ...
+    def submit_recvs(
+        self,
+        nbytes: int,
+        count: int,
+        on_message: Callable[[bytes], Any],
+        *,
+        on_error: Optional[Callable[[BaseException], Any]] = None,
+    ) -> None: ...
+    def add_peer_group(self, peers: Sequence[PeerAddress]) -> PeerGroup: ...
+    def submit_scatter(
+        self,
+        group: PeerGroup,
+        src: Registration,
+        dsts: Sequence[ScatterDst],
+        *,
+        imm: Optional[int] = None,
+        mode: Optional[str] = None,
+        callback: Optional[Callback] = None,
+    ) -> Transfer: ...
+    def submit_barrier(
+        self, group: PeerGroup, imm: int, dsts: Sequence[MrDesc], *, callback: Optional[Callback] = None
+    ) -> Transfer: ...
+    def alloc_uvm_watcher(self, callback: Callable[[int, int], Any], *, word: Any = None) -> UvmWatcher: ...
     def alloc_imm(self) -> int: ...
+    def reserve_imm(self, imm: int) -> None: ...
     def free_imm(self, imm: int) -> None: ...
-    def expect_imm_count(self, imm: int, count: int) -> Transfer: ...
+    def imm_pending(self, imm: int) -> int: ...
+    def expect_imm_count(self, imm: int, count: int, *, callback: Optional[Callback] = None) -> Transfer: ...
     def imm_counts(self, group: int = 0) -> ImmCounts: ...
+    def stats(self) -> Dict[str, Any]: ...
     def shutdown(self) -> None: ...
     def __enter__(self) -> TransferEngine: ...
     def __exit__(
