@@ -185,7 +185,7 @@ impl PyTransferEngine {
             h,
             desc,
             r.writable,
-            obj.clone().unbind(),
+            keepalive.unwrap_or(obj).clone().unbind(),
             r.keep,
         ))
     }

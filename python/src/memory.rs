@@ -147,7 +147,11 @@ pub(crate) fn resolve(
 
 fn find(obj: &Bound<'_, PyAny>, keepalive: Option<&Bound<'_, PyAny>>) -> PyResult<Found> {
     let py = obj.py();
-    let keep_obj = Some(keepalive.unwrap_or(obj).clone().unbind());
+    // Both the object and `keepalive` (if any) are held.
+    let keep_obj = Some(match keepalive {
+        Some(k) => PyTuple::new(py, [obj, k])?.into_any().unbind(),
+        None => obj.clone().unbind(),
+    });
     // 1. (ptr, nbytes, device)
     if let Ok(t) = obj.cast::<PyTuple>() {
         let (ptr, len, dev): (usize, usize, Bound<'_, PyAny>) = t.extract().map_err(|_| {

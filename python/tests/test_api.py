@@ -1,0 +1,203 @@
+"""Every submit and control call of the engine over the simulated fabric."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import weft
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_address_and_desc_bytes(pair):
+    a, b = pair
+    addr = a.address
+    again = weft.PeerAddress.from_bytes(addr.to_bytes())
+    assert again == addr and hash(again) == hash(addr) and addr != b.address
+    assert addr.nic_count == 1
+    with pytest.raises(weft.DescriptorError):
+        weft.PeerAddress.from_bytes(b"\xff" * 7)
+    d = b.reg_mr(bytearray(64)).desc
+    assert weft.MrDesc.from_bytes(d.to_bytes()) == d and d.nbytes == 64
+
+
+def test_send_and_recvs(pair):
+    a, b = pair
+    got: list = []
+    done = threading.Event()
+
+    def on_message(data):
+        assert isinstance(data, bytes)
+        got.append(data)
+        if len(got) == 20:
+            done.set()
+
+    b.submit_recvs(256, 8, on_message)
+    msgs = [bytes([i]) * (i + 1) for i in range(20)]
+    for i, m in enumerate(msgs):
+        # bytes, bytearray and memoryview are all bytes-like.
+        data = m if i % 3 == 0 else bytearray(m) if i % 3 == 1 else memoryview(m)
+        a.submit_send(b.address, data).wait(timeout=60)
+    assert done.wait(60)
+    assert sorted(got) == sorted(msgs)  # delivery order is not guaranteed
+    with pytest.raises(TypeError):
+        a.submit_send(b.address, 42)
+    with pytest.raises(weft.InvalidArgumentError):
+        b.submit_recvs(0, 1, got.append)
+    with pytest.raises(TypeError):
+        b.submit_recvs(16, 1, "not callable")
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy", "numpy-u32"])
+def test_paged_writes(pair, kind):
+    a, b = pair
+    page, pages = 512, 16
+    src = pattern(page * pages, 7)
+    dst = np.zeros(page * pages, dtype=np.uint8)
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    si = [3, 0, 15, 7]
+    di = [1, 2, 9, 14]
+    conv = {
+        "list": lambda x: x,
+        "numpy": lambda x: np.array(x, dtype=np.int64),
+        "numpy-u32": lambda x: np.array(x, dtype=np.uint32),
+    }[kind]
+    imm = b.alloc_imm()
+    rnd = b.expect_imm_count(imm, b.imm_counts().paged_writes(page, len(si)))
+    a.submit_paged_writes(page, s, conv(si), d.desc, conv(di), imm=imm).wait(timeout=60)
+    rnd.wait(timeout=60)
+    want = np.zeros_like(dst)
+    for x, y in zip(si, di):
+        want[y * page : (y + 1) * page] = src[x * page : (x + 1) * page]
+    assert np.array_equal(dst, want)
+
+
+def test_paged_writes_stride_and_offset(pair):
+    a, b = pair
+    src, dst = pattern(4096, 8), np.zeros(4096, dtype=np.uint8)
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    # 100-byte pages at stride 1000, destination shifted by 10.
+    a.submit_paged_writes(
+        100, s, [0, 2], d.desc, [1, 3], src_stride=1000, dst_stride=1000, dst_offset=10
+    ).wait(timeout=60)
+    assert np.array_equal(dst[1010:1110], src[0:100])
+    assert np.array_equal(dst[3010:3110], src[2000:2100])
+    assert dst[:1010].sum() == 0
+
+
+def test_paged_writes_bad_indices_write_nothing(pair):
+    a, b = pair
+    src, dst = pattern(1024, 9), np.zeros(1024, dtype=np.uint8)
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    with pytest.raises(TypeError):
+        a.submit_paged_writes(64, s, [0.0, 1.0], d.desc, [0, 1])
+    with pytest.raises(TypeError):
+        a.submit_paged_writes(64, s, np.array([0.0, 1.0]), d.desc, [0, 1])
+    with pytest.raises(weft.InvalidArgumentError):
+        a.submit_paged_writes(64, s, [-1], d.desc, [0])
+    with pytest.raises(weft.InvalidArgumentError):
+        a.submit_paged_writes(64, s, [0, 1], d.desc, [0])  # count mismatch
+    with pytest.raises(weft.OutOfBoundsError):
+        a.submit_paged_writes(64, s, [0], d.desc, [16])  # past the end
+    assert not dst.any()
+
+
+def test_scatter_and_barrier():
+    backend = weft.provider("loopback", seed=11)
+    with weft.TransferEngine(backend) as a:
+        peers = [weft.TransferEngine(backend) for _ in range(3)]
+        try:
+            src = pattern(3000, 10)
+            dsts = [np.zeros(1000, dtype=np.uint8) for _ in peers]
+            regs = [p.reg_mr(d) for p, d in zip(peers, dsts)]
+            s = a.reg_mr(src)
+            group = a.add_peer_group([p.address for p in peers])
+            assert len(group) == 3
+            imm = 77
+            for p in peers:
+                p.reserve_imm(imm)
+            counts = [p.imm_counts() for p in peers]
+            rounds = [
+                p.expect_imm_count(imm, c.scatter_dst(1000) + c.barrier())
+                for p, c in zip(peers, counts)
+            ]
+            sd = [weft.ScatterDst(r.desc, 1000, src_offset=1000 * j) for j, r in enumerate(regs)]
+            a.submit_scatter(group, s, sd, imm=imm).wait(timeout=60)
+            a.submit_barrier(group, imm, [r.desc for r in regs]).wait(timeout=60)
+            for j, (r, d) in enumerate(zip(rounds, dsts)):
+                r.wait(timeout=60)
+                assert np.array_equal(d, src[1000 * j : 1000 * (j + 1)])
+            # mode by_bytes, and a wrong destination count is refused.
+            a.submit_scatter(group, s, sd, mode="by_bytes").wait(timeout=60)
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter(group, s, sd[:2])
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter(group, s, sd, mode="sideways")
+        finally:
+            for p in peers:
+                p.shutdown()
+
+
+def test_imm_calls(pair):
+    a, _ = pair
+    imm = a.alloc_imm()
+    assert 0 <= imm < a.imm_capacity
+    assert a.imm_pending(imm) == 0
+    with pytest.raises(weft.ImmError):
+        a.reserve_imm(imm)  # already taken
+    a.free_imm(imm)
+    a.reserve_imm(imm)
+
+
+def test_uvm_watcher_host_word(pair):
+    a, _ = pair
+    seen: list = []
+    last = threading.Event()
+
+    def cb(old, new):
+        seen.append((old, new))
+        if new == 50:
+            last.set()
+
+    w = a.alloc_uvm_watcher(cb)
+    assert w.addr != 0 and w.value == 0
+    for v in range(1, 51):
+        w.store(v)
+    assert last.wait(60)
+    news = [n for _, n in seen]
+    assert news == sorted(news) and news[-1] == 50  # may coalesce, never go back
+    assert all(o < n for o, n in seen)
+    assert np.asarray(w)[0] == 50  # __array_interface__ views the word
+    w.close()
+    with pytest.raises(ValueError):
+        w.value
+
+
+def test_uvm_watcher_on_caller_word(pair):
+    a, _ = pair
+    word = np.zeros(1, dtype=np.uint64)
+    seen = threading.Event()
+    w = a.alloc_uvm_watcher(lambda o, n: seen.set() if n == 9 else None, word=word)
+    assert w.addr == word.ctypes.data
+    word[0] = 9  # any writer of the memory (a GPU kernel on pinned memory)
+    assert seen.wait(60)
+    w.close()
+    with pytest.raises(weft.InvalidArgumentError):
+        a.alloc_uvm_watcher(print, word=np.zeros(1, dtype=np.uint32))  # 4 bytes
+    with pytest.raises(weft.InvalidArgumentError):
+        a.alloc_uvm_watcher(print, word=np.zeros(16, dtype=np.uint8)[1:9])  # unaligned
+    with pytest.raises(TypeError):
+        a.alloc_uvm_watcher(None)
+
+
+def test_stats_and_repr(pair):
+    a, b = pair
+    st = a.stats()
+    assert st["callback_errors"] == 0 and len(st["groups"]) == 1
+    assert set(st["groups"][0]) == {"queued", "in_flight", "pending_wrs"}
+    assert "loopback" in repr(a)
