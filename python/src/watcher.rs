@@ -201,7 +201,8 @@ impl PyUvmWatcher {
         self.close_inner(py);
     }
 
-    /// The CUDA array interface (v3) of the word as one `uint64`, so
+    /// The CUDA array interface (v3) of the word as one `int64` (torch's
+    /// CUDA kernels cover int64, not uint64), so
     /// `torch.as_tensor(w, device="cuda")` is a CUDA tensor aliasing it.
     /// Valid when the word is in pinned host memory (a `word=` tensor made
     /// with `pin_memory=True`).
@@ -210,7 +211,7 @@ impl PyUvmWatcher {
         self.word()?;
         let d = PyDict::new(py);
         d.set_item("shape", (1,))?;
-        d.set_item("typestr", "<u8")?;
+        d.set_item("typestr", "<i8")?;
         d.set_item("data", (self.addr, false))?;
         d.set_item("version", 3)?;
         d.set_item("strides", py.None())?;
@@ -221,8 +222,7 @@ impl PyUvmWatcher {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = self.__cuda_array_interface__(py)?;
-        d.del_item("version")?;
-        d.set_item("version", 3)?;
+        d.set_item("typestr", "<u8")?;
         Ok(d)
     }
 

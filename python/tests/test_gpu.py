@@ -1,0 +1,133 @@
+"""CUDA tensors through weft (the GPU host): GPU→GPU writes over the
+loopback fabric, CUDA registrations through torch and DLPack, and a UVM
+watcher bumped by a torch CUDA kernel.
+
+Skips without torch or a GPU; `WEFT_REQUIRE_GPU=1` turns the skip into a
+failure (as xtask's `WEFT_CUDA_REQUIRE_GPU`). The watcher word is a pinned
+(page-locked, mapped) torch CPU tensor; `torch.as_tensor(watcher,
+device="cuda")` aliases it through `__cuda_array_interface__`, so any CUDA
+kernel writing that tensor (here torch's `add_`) bumps the watched word.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import weft
+
+pytestmark = pytest.mark.gpu
+
+try:
+    import torch
+
+    _HAVE = torch.cuda.is_available()
+    _WHY = "torch.cuda.is_available() is False"
+except ImportError:
+    torch = None
+    _HAVE = False
+    _WHY = "torch is not installed"
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not _HAVE:
+        if os.environ.get("WEFT_REQUIRE_GPU") == "1":
+            pytest.fail(f"WEFT_REQUIRE_GPU=1 but {_WHY}")
+        print(f"SKIP: {_WHY}")
+        pytest.skip(_WHY)
+    return torch.device("cuda:0")
+
+
+@pytest.fixture
+def gpu_pair(cuda):
+    backend = weft.provider("loopback", nics=2, seed=5)
+    a = weft.TransferEngine(backend, device="cuda:0")
+    b = weft.TransferEngine(backend, device="cuda:0")
+    try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_single_write_gpu_to_gpu(gpu_pair, cuda):
+    a, b = gpu_pair
+    n = 64 << 20
+    g = torch.Generator(device=cuda).manual_seed(21)
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=cuda, generator=g)
+    dst = torch.zeros(n, dtype=torch.uint8, device=cuda)
+    torch.cuda.synchronize()  # the producing stream is done before the NIC reads
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    assert s.device == "cuda:0" and s.addr == src.data_ptr() and s.nbytes == n
+    imm = b.alloc_imm()
+    rnd = b.expect_imm_count(imm, b.imm_counts().single_write(n))
+    a.submit_single_write(n, s, d.desc, imm=imm).wait(timeout=120)
+    rnd.wait(timeout=120)
+    assert torch.equal(dst, src)
+
+
+def test_paged_writes_gpu_to_gpu(gpu_pair, cuda):
+    a, b = gpu_pair
+    page, pages = 4096, 256
+    src = torch.arange(page * pages // 4, dtype=torch.int32, device=cuda)
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    si = np.random.default_rng(3).permutation(pages)[:64]
+    di = np.arange(64, dtype=np.int64) * 2
+    a.submit_paged_writes(page, s, si, d.desc, di).wait(timeout=120)
+    sb, db = src.view(torch.uint8).cpu().numpy(), dst.view(torch.uint8).cpu().numpy()
+    for x, y in zip(si, di):
+        assert np.array_equal(db[y * page : (y + 1) * page], sb[x * page : (x + 1) * page])
+
+
+def test_host_to_gpu_and_dlpack_and_raw(gpu_pair, cuda):
+    a, b = gpu_pair
+    host = torch.arange(4096, dtype=torch.uint8)  # a CPU tensor (no buffer protocol)
+    dev = torch.zeros(4096, dtype=torch.uint8, device=cuda)
+    dev2 = torch.zeros(4096, dtype=torch.uint8, device=cuda)
+    s = a.reg_mr(host)
+    d = b.reg_mr(torch.utils.dlpack.to_dlpack(dev))  # a DLPack capsule
+    assert d.device == "cuda:0" and d.addr == dev.data_ptr()
+    r = b.reg_mr((dev2.data_ptr(), 4096, "cuda:0"), keepalive=dev2)
+    a.submit_single_write(4096, s, d.desc).wait(timeout=60)
+    a.submit_single_write(4096, s, r.desc).wait(timeout=60)
+    assert torch.equal(dev.cpu(), host) and torch.equal(dev2.cpu(), host)
+
+
+def test_cuda_tensor_on_host_engine_refused(cuda):
+    with weft.TransferEngine("loopback") as e:
+        t = torch.zeros(16, device=cuda)
+        with pytest.raises(weft.InvalidArgumentError):
+            e.reg_mr(t)
+        with pytest.raises(weft.InvalidArgumentError):
+            e.reg_mr(torch.zeros(16), device="cuda:0")  # a CPU tensor, expected on GPU
+
+
+def test_uvm_watcher_bumped_by_torch_kernel(gpu_pair, cuda):
+    a, _ = gpu_pair
+    seen: list = []
+    last = threading.Event()
+    bumps = 1000
+
+    def cb(old, new):
+        seen.append((old, new))
+        if new == bumps:
+            last.set()
+
+    word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    w = a.alloc_uvm_watcher(cb, word=word)
+    assert w.addr == word.data_ptr()
+    g = torch.as_tensor(w, device=cuda)  # a CUDA tensor aliasing the pinned word
+    assert g.data_ptr() == w.addr and g.dtype == torch.int64
+    for _ in range(bumps):
+        g.add_(1)  # a torch CUDA kernel writing host-mapped memory
+    torch.cuda.synchronize()
+    assert last.wait(60), seen[-5:]
+    news = [n for _, n in seen]
+    assert news == sorted(news) and news[-1] == bumps and w.value == bumps
+    w.close()
