@@ -10,6 +10,13 @@ import pytest
 import weft
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Also registered in python/pyproject.toml; repeated here for runs whose
+    # rootdir is elsewhere (the GPU host runs a copy of this folder).
+    config.addinivalue_line("markers", "gpu: needs CUDA and torch")
+    config.addinivalue_line("markers", "fabric: needs libfabric")
+
+
 @pytest.fixture(params=["ideal", "adversarial"])
 def pair(request: pytest.FixtureRequest):
     """Two engines on one simulated fabric."""

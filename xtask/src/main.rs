@@ -17,6 +17,7 @@ mod apt;
 mod gpu;
 mod libfabric2;
 mod proc;
+mod python;
 
 use clap::{Parser, Subcommand};
 use proc::Result;
@@ -42,6 +43,9 @@ enum Task {
     Lint,
     /// Every test: the workspace's tests, the libfabric 2.x run, the loom models.
     Test,
+    /// The Python package alone (part of `test`): build the wheel, install it
+    /// into the current interpreter's environment, run pytest.
+    Python,
     /// Demos and benchmarks over the built-in loopback backend (release build);
     /// results in bench-out/. `WEFT_BENCH_ARGS` replaces the default `--quick`.
     Bench,
@@ -95,7 +99,8 @@ fn lint(root: &Path) -> Result {
                 "warnings",
             ])
             .current_dir(root),
-    )
+    )?;
+    python::lint(root)
 }
 
 fn test(root: &Path) -> Result {
@@ -113,6 +118,8 @@ fn test(root: &Path) -> Result {
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).
     libfabric2::run(root, &env)?;
+    // The Python package: wheel built, installed, pytest (python.rs).
+    python::test(root)?;
     // Model-checked lock-free parts (the ImmCounter and the shutdown gate,
     // with loom: every `loom_model` module of the engine), in their
     // own target dir so the cfg(loom) build does not invalidate the normal
@@ -174,6 +181,7 @@ fn main() -> ExitCode {
         Task::Lint => lint(&root),
         Task::Test => test(&root),
         Task::Bench => bench(&root),
+        Task::Python => python::test(&root),
         Task::Libfabric2 => libfabric2::run(&root, &[]),
         Task::GpuBuild { dir } => gpu::build(&root, &dir),
         Task::GpuRun { prebuilt, bench } => gpu::run(&root, &gpu::RunArgs { prebuilt, bench }),
