@@ -15,6 +15,23 @@ use crate::transfer::{self, BindingStats, PyTransfer};
 use crate::types::{self, PyImmCounts, PyMrDesc, PyPeerAddress, PyPeerGroup, PyScatterDst};
 use crate::watcher::{self, PyUvmWatcher};
 
+/// Live engines, shut down at interpreter exit (`atexit`, registered by
+/// the module) so that weft's threads stop calling into Python before the
+/// interpreter finalizes. Keyed by a per-object serial.
+static LIVE: Mutex<Vec<(u64, weft::TransferEngine)>> = Mutex::new(Vec::new());
+static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Shuts down every live engine (the module's `atexit` hook).
+#[pyfunction]
+pub fn _shutdown_all(py: Python<'_>) {
+    let all = std::mem::take(&mut *LIVE.lock());
+    py.detach(|| {
+        for (_, e) in &all {
+            e.shutdown();
+        }
+    });
+}
+
 /// A weft transfer engine over one backend: register memory, write into
 /// peers' memory, count immediates. Shut it down with `shutdown()` or by
 /// using it as a context manager.
@@ -26,6 +43,7 @@ pub struct PyTransferEngine {
     /// `unreg` or shutdown even if the `Registration` handle is dropped.
     regs: Mutex<HashMap<weft::MrHandle, Arc<RegKeep>>>,
     pub(crate) stats: Arc<BindingStats>,
+    serial: u64,
 }
 
 impl PyTransferEngine {
@@ -86,6 +104,7 @@ fn check_nics(py: Python<'_>, backend: &weft::Backend, host: &dyn weft::Provider
 
 impl Drop for PyTransferEngine {
     fn drop(&mut self) {
+        LIVE.lock().retain(|(s, _)| *s != self.serial);
         let _ = Python::try_attach(|py| py.detach(|| self.engine.shutdown()));
     }
 }
@@ -140,11 +159,14 @@ impl PyTransferEngine {
                     .build()
             })
             .map_err(|e| errors::engine_err(py, &e))?;
+        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        LIVE.lock().push((serial, engine.clone()));
         Ok(PyTransferEngine {
             engine,
             backend,
             regs: Mutex::new(HashMap::new()),
             stats: Arc::default(),
+            serial,
         })
     }
 

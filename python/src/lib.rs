@@ -37,5 +37,12 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyScatterDst>()?;
     m.add_class::<watcher::PyUvmWatcher>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let shutdown_all = wrap_pyfunction!(engine::_shutdown_all, m)?;
+    m.add_function(shutdown_all.clone())?;
+    // Engines stop (and their threads stop entering Python) before the
+    // interpreter finalizes.
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (shutdown_all,))?;
     Ok(())
 }

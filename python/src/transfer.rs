@@ -22,6 +22,36 @@ thread_local! {
     /// Set while Python code runs from a weft callback (on the engine's
     /// callback thread), where blocking on another completion would hang.
     static IN_CALLBACK: Cell<bool> = const { Cell::new(false) };
+    /// Whether this (weft-owned) thread was given a lasting Python thread
+    /// state by `engine_attach`.
+    static PRIMED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `Python::try_attach` for weft's own threads (callback, watcher). The
+/// first call on such a thread gives it a Python thread state that it keeps
+/// (`PyGILState_Ensure` never matched by a release, then the GIL dropped),
+/// so later calls only take the GIL instead of creating and destroying a
+/// thread state each time (measured by python/bench/overhead.py). Never
+/// primes a thread that already has a thread state (a Python thread).
+pub(crate) fn engine_attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
+    if !PRIMED.with(|p| p.replace(true)) {
+        // SAFETY: only when the interpreter is initialized and this thread
+        // has no thread state: `PyGILState_Ensure` then creates one and
+        // takes the GIL, `PyEval_SaveThread` releases the GIL keeping the
+        // state (the gilstate counter stays at 1, so pyo3's later
+        // Ensure/Release pairs never delete it). During finalization
+        // pyo3's `PyGILState_Ensure` wrapper hangs the thread instead of
+        // unwinding, as for every attach.
+        #[allow(unsafe_code)]
+        unsafe {
+            use pyo3::ffi;
+            if ffi::Py_IsInitialized() != 0 && ffi::PyGILState_GetThisThreadState().is_null() {
+                let _ = ffi::PyGILState_Ensure();
+                ffi::PyEval_SaveThread();
+            }
+        }
+    }
+    Python::try_attach(f)
 }
 
 /// Whether the current thread is running a Python callback for weft.
@@ -119,7 +149,7 @@ impl State {
             return;
         }
         // `None` during interpreter finalization: nothing left to run.
-        let _ = Python::try_attach(|py| as_callback(|| run_hooks(py, &self.stats, hooks, &r)));
+        let _ = engine_attach(|py| as_callback(|| run_hooks(py, &self.stats, hooks, &r)));
     }
 
     /// Attaches `hook`, unless the transfer is already done: then returns

@@ -40,7 +40,7 @@ pub(crate) fn recv_callback(
     let stats = Arc::clone(stats);
     let _ = py;
     Ok(move |r: Result<&[u8], weft::EngineError>| {
-        let _ = Python::try_attach(|py| {
+        let _ = transfer::engine_attach(|py| {
             transfer::as_callback(|| match r {
                 Ok(msg) => {
                     let cb = on_message.bind(py);
@@ -109,7 +109,7 @@ pub(crate) fn alloc(
     let cb_obj = callback.clone().unbind();
     let stats = Arc::clone(stats);
     let cb = move |old: u64, new: u64| {
-        let _ = Python::try_attach(|py| {
+        let _ = transfer::engine_attach(|py| {
             let cb = cb_obj.bind(py);
             if let Err(e) = cb.call1((old, new)) {
                 transfer::report(py, &stats, e, cb);

@@ -224,3 +224,21 @@ def test_shutdown_fails_pending_rounds_and_runs_callbacks(pair):
         rnd.wait(timeout=60)
     with pytest.raises(weft.ShutDownError):
         b.expect_imm_count(b.alloc_imm(), 1)
+
+
+def test_exit_without_shutdown_with_callbacks_in_flight(tmp_path):
+    """Engines left running at exit are shut down by the module's atexit
+    hook before the interpreter finalizes: no hang, no crash."""
+    import subprocess
+
+    code = (
+        "import weft, numpy as np\n"
+        "b = weft.provider('loopback'); a, c = weft.TransferEngine(b), weft.TransferEngine(b)\n"
+        "s, d = a.reg_mr(np.zeros(1 << 20, np.uint8)), c.reg_mr(np.zeros(1 << 20, np.uint8))\n"
+        "w = a.alloc_uvm_watcher(lambda o, n: None)\n"
+        "for i in range(2000):\n"
+        "    a.submit_single_write(4096, s, d.desc, callback=lambda t: None); w.store(i)\n"
+        "print('bye')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "bye", r.stderr
