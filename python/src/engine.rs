@@ -284,7 +284,7 @@ impl PyTransferEngine {
         on_message: &Bound<'_, PyAny>,
         on_error: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let cb = watcher::recv_callback(py, on_message, on_error, &self.stats)?;
+        let cb = watcher::recv_callback(on_message, on_error, &self.stats)?;
         py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
             .map_err(|e| self.err(py, e))
     }

@@ -26,7 +26,6 @@ fn check_callable(f: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
 /// The receive callback for `submit_recvs`: `on_message(bytes)` and
 /// `on_error(exc)` under the GIL on the callback thread.
 pub(crate) fn recv_callback(
-    py: Python<'_>,
     on_message: &Bound<'_, PyAny>,
     on_error: Option<&Bound<'_, PyAny>>,
     stats: &Arc<BindingStats>,
@@ -38,7 +37,6 @@ pub(crate) fn recv_callback(
     let on_message = on_message.clone().unbind();
     let on_error = on_error.map(|f| f.clone().unbind());
     let stats = Arc::clone(stats);
-    let _ = py;
     Ok(move |r: Result<&[u8], weft::EngineError>| {
         let _ = transfer::engine_attach(|py| {
             transfer::as_callback(|| match r {
