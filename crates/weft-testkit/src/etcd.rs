@@ -125,6 +125,14 @@ impl Etcd {
         self.launch();
     }
 
+    /// Starts the server again on the same ports with its data directory
+    /// wiped (an etcd that lost its state: every lease and key is gone).
+    pub fn restart_wiped(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+        self.launch();
+    }
+
     fn launch(&mut self) {
         let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
