@@ -46,6 +46,7 @@ mod error;
 mod registry;
 pub mod rendezvous;
 mod spec;
+pub mod topology;
 
 pub use backend::{Backend, HostSource};
 pub use config::{LibfabricOptions, LoopbackOptions, LoopbackProfile, ProviderConfig};
@@ -54,6 +55,7 @@ pub use registry::{
     provider, provider_with, providers, register, Availability, Factory, ProviderStatus, Registry,
 };
 pub use spec::ProviderSpec;
+pub use topology::Topology;
 
 pub use weft_engine::*;
 pub use weft_transport::{
