@@ -5,7 +5,7 @@ set -euo pipefail
 
 # Runtime libraries the libfabric and verbs backends load with dlopen, plus
 # headers/tools used by their tests. The workspace itself builds without them.
-PKGS=(pkg-config libfabric1 libfabric-bin libfabric-dev libibverbs1 libibverbs-dev)
+PKGS=(pkg-config libfabric1 libfabric-bin libfabric-dev libibverbs1 libibverbs-dev etcd-server)
 
 missing=()
 for p in "${PKGS[@]}"; do

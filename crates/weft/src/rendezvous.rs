@@ -7,7 +7,7 @@
 //! use std::{sync::Arc, time::Duration};
 //! use weft::rendezvous::{self, Namespace, Session};
 //!
-//! let backend = weft::provider(&"loopback".parse()?)?;
+//! let backend = weft::provider("loopback")?;
 //! let engine = weft::TransferEngine::builder()
 //!     .group(weft::DomainGroupSpec::new(backend.host()?, vec![0]))
 //!     .build()?;
