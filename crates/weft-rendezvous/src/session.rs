@@ -160,6 +160,8 @@ impl Inner {
     fn run(&self) {
         let period = self.ttl / 3;
         let mut wait = period;
+        // Set while keep-alives fail: 20 ms, doubling up to `period`.
+        let mut backoff: Option<Duration> = None;
         loop {
             let lease = {
                 let mut s = self.state.lock();
@@ -188,10 +190,15 @@ impl Inner {
                 Err(e) => Err(e),
             };
             match ok {
-                Ok(()) => wait = period,
+                Ok(()) => {
+                    backoff = None;
+                    wait = period;
+                }
                 Err(e) => {
                     self.state.lock().healthy = false;
-                    wait = (wait * 2).clamp(Duration::from_millis(20), period);
+                    let next = backoff.map_or(Duration::from_millis(20), |b| b * 2);
+                    wait = next.min(period);
+                    backoff = Some(wait);
                     tracing::warn!(endpoint = self.store.endpoint(), error = %e, retry_ms = wait.as_millis() as u64, "rendezvous keep-alive failed");
                 }
             }
