@@ -44,7 +44,8 @@ fn free_port() -> u16 {
 
 fn find_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(BINARY_ENV) {
-        return Some(PathBuf::from(p));
+        // An explicit path that is not there counts as no etcd.
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
