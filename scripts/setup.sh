@@ -4,8 +4,10 @@
 set -euo pipefail
 
 # Runtime libraries the libfabric and verbs backends load with dlopen, plus
-# headers/tools used by their tests. The workspace itself builds without them.
-PKGS=(pkg-config libfabric1 libfabric-bin libfabric-dev libibverbs1 libibverbs-dev python3 python3-pip python3-venv)
+# headers/tools used by their tests (python3 for the Python package, etcd-server
+# for the rendezvous tests, which start their own etcd). The workspace itself
+# builds without them.
+PKGS=(pkg-config libfabric1 libfabric-bin libfabric-dev libibverbs1 libibverbs-dev python3 python3-pip python3-venv etcd-server)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -14,6 +14,7 @@
 #![deny(unsafe_code)]
 
 mod apt;
+mod etcd;
 mod gpu;
 mod libfabric2;
 mod proc;
@@ -114,6 +115,8 @@ fn test(root: &Path) -> Result {
             .current_dir(root)
             .envs(env),
     )?;
+    // The rendezvous store on a real etcd (each test starts its own).
+    etcd::run(root, &env)?;
     // The in-process libfabric tests again, against libfabric 2.x (Debian
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).

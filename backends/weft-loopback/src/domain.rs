@@ -92,6 +92,20 @@ impl Domain for LoopbackDomain {
         &self.caps
     }
 
+    fn data_path(&self) -> weft_transport::DataPath {
+        // Device memory goes through the fabric's DeviceCopy: a staged
+        // path by construction.
+        let dm = if self.caps.device_memory {
+            weft_transport::DeviceMemoryPath::Staged {
+                how: "simulated fabric, DeviceCopy through host memory".into(),
+            }
+        } else {
+            weft_transport::DeviceMemoryPath::Unsupported
+        };
+        weft_transport::DataPath::from_capabilities("loopback", "simulated", &self.caps)
+            .with_device_memory(dm)
+    }
+
     fn register(&mut self, region: &MemRegion, access: Access) -> Result<LocalMr, TransportError> {
         self.fabric.lock().register(self.loc, region, access)
     }

@@ -91,6 +91,7 @@
 
 mod cases;
 mod ctx;
+pub mod data_path;
 pub mod engine;
 mod harness;
 mod pattern;

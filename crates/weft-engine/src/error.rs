@@ -168,6 +168,22 @@ pub enum EngineError {
         #[source]
         source: Box<TransportError>,
     },
+    /// Direct device-memory access was required
+    /// ([`crate::TransferEngine::reg_mr_direct`]) but a NIC of the group
+    /// would stage the memory or cannot register it at all.
+    #[error("group {group} NIC {nic} ({name}): {device} memory is not reachable directly: GPU memory path is {path}")]
+    NotDirect {
+        /// Domain group index.
+        group: usize,
+        /// NIC index inside the group.
+        nic: usize,
+        /// The NIC's name.
+        name: String,
+        /// The device of the region.
+        device: weft_transport::Device,
+        /// The NIC's device-memory path.
+        path: weft_transport::DeviceMemoryPath,
+    },
 }
 
 impl EngineError {

@@ -54,7 +54,7 @@ mod wrid;
 
 pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, QueueFullPolicy};
-pub use engine::{ImmCounts, PeerGroupHandle, TransferEngine};
+pub use engine::{DataPathReport, ImmCounts, NicReport, PeerGroupHandle, Reach, TransferEngine};
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
@@ -62,7 +62,9 @@ pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
 pub use stats::{EngineStats, GroupStats, NicStats};
 pub use watcher::{UvmWatcher, WatchCallback};
-pub use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
+pub use weft_transport::{
+    DataPath, DeviceMemoryPath, DirectKind, Imm, MrDesc, Pages, ProgressMode, ScatterDst,
+};
 
 /// Most NICs in one group.
 pub const MAX_NICS: usize = 8;

@@ -13,6 +13,7 @@
 //!   condition holds, failing when everything went idle first.
 //! - [`mem`]: [`weft_transport::HostBuffer`] constructors and accessors that
 //!   panic on test bugs instead of returning errors.
+//! - [`etcd`]: a private etcd server on a free port for rendezvous tests.
 //! - [`child`]: re-executing the current test binary as a child process in a
 //!   role, talking to it in lines over its stdin/stdout (with or without a
 //!   bound on the wait), signalling and killing it.
@@ -25,6 +26,7 @@
 
 pub mod child;
 pub mod drive;
+pub mod etcd;
 pub mod mem;
 pub mod pattern;
 pub mod seed;

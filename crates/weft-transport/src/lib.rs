@@ -65,12 +65,14 @@
 mod error;
 mod host_buffer;
 mod memory;
+mod path;
 mod types;
 mod wire;
 
 pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
 pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
+pub use path::{DataPath, DeviceMemoryPath, DirectKind, ProgressMode};
 pub use types::{
     Capabilities, Completion, Imm, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages, PeerId,
     RemoteSlice, ScatterDst, WrId, WriteWr,
@@ -108,6 +110,14 @@ pub trait Domain: Send {
 
     /// What this domain supports and its queue limits.
     fn capabilities(&self) -> &Capabilities;
+
+    /// The data path this domain really uses (provider, fabric, how GPU
+    /// memory reaches the NIC, limits, progress). The default derives it
+    /// from [`Domain::capabilities`] with an unnamed provider; backends
+    /// override it with what they know.
+    fn data_path(&self) -> DataPath {
+        DataPath::from_capabilities("unknown", &self.info().name, self.capabilities())
+    }
 
     /// Registers memory with this NIC. With [`Access::RemoteWrite`] the
     /// returned [`LocalMr::rkey`] lets peers WRITE into it.

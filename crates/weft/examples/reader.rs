@@ -1,13 +1,15 @@
 //! The receiving half of the two-host example (see docs/backends.md).
 //!
 //! ```text
-//! cargo run -p weft --example reader -- [--provider tcp|shm|efa|SPEC] [--domain eth0] [--mib 64]
+//! cargo run -p weft --example reader -- [--provider tcp|shm|efa|SPEC] [--domain eth0] [--mib 64] [--rendezvous dir:/path|etcd:http://host:2379]
 //! ```
 //!
 //! `--provider` takes a libfabric provider name or any weft provider spec.
 //!
 //! Registers a buffer, prints one `WEFT_PEER=<hex>` line (its address and
-//! memory descriptor) to paste into the writer, then waits until the writer's
+//! memory descriptor) to paste into the writer (with `--rendezvous`, it also
+//! publishes the descriptor as region `buf` of peer `reader` in namespace
+//! `weft-examples`, where the writer finds it), then waits until the writer's
 //! immediates report that every chunk has landed, checks the bytes and exits.
 
 use std::time::{Duration, Instant};
@@ -42,6 +44,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let blob = NetAddr(encode(&desc)?);
     println!("WEFT_PEER={blob}");
+    // Kept until the end of main: the records live while the session does.
+    let _published = match common::rendezvous(&args)? {
+        Some(ns) => {
+            let session = common::session(&ns)?;
+            ns.publish_peer(&session, "reader", 1, &[vec![dom.local_addr().clone()]])?;
+            ns.publish_mr(&session, "reader", "buf", 1, &desc)?;
+            eprintln!("reader: published in {}", ns.store().endpoint());
+            Some(session)
+        }
+        None => None,
+    };
     eprintln!(
         "reader on {} ({}): waiting for {mib} x 1 MiB",
         dom.info().name,

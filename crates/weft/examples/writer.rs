@@ -2,7 +2,11 @@
 //!
 //! ```text
 //! cargo run -p weft --example writer -- [--provider tcp|shm|efa|SPEC] [--domain eth0] <hex after WEFT_PEER= from the reader>
+//! cargo run -p weft --example writer -- [--provider ...] --rendezvous dir:/path|etcd:http://host:2379
 //! ```
+//!
+//! With `--rendezvous` (and no hex), the writer waits for the reader's
+//! region `buf` in the store instead.
 //!
 //! WRITEs a pattern into the reader's buffer in 1 MiB chunks, each with an
 //! immediate, and exits when every WRITE has completed (delivery-complete).
@@ -19,18 +23,22 @@ const IMM: u32 = 0x5745_4654;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let blob = args
-        .iter()
-        .skip(1)
-        .rev()
-        .find(|a| {
-            !a.starts_with("--")
-                && arg(&args, "--provider").as_deref() != Some(a.as_str())
-                && arg(&args, "--domain").as_deref() != Some(a.as_str())
-        })
-        .ok_or("usage: writer [--provider tcp|shm|efa|SPEC] [--domain IF] <WEFT_PEER hex>")?;
-    let blob = blob.trim_start_matches("WEFT_PEER=");
-    let desc: MrDesc = decode(&blob.parse::<NetAddr>()?.0)?;
+    let blob = args.iter().skip(1).rev().find(|a| {
+        !a.starts_with("--")
+            && ["--provider", "--domain", "--rendezvous"]
+                .iter()
+                .all(|o| arg(&args, o).as_deref() != Some(a.as_str()))
+    });
+    let desc: MrDesc = match (blob, common::rendezvous(&args)?) {
+        (Some(blob), _) => decode(&blob.trim_start_matches("WEFT_PEER=").parse::<NetAddr>()?.0)?,
+        (None, Some(ns)) => {
+            eprintln!("writer: waiting for the reader in {}", ns.store().endpoint());
+            ns.wait_mr("reader", "buf", Duration::from_secs(300))?.desc
+        }
+        (None, None) => {
+            return Err("usage: writer [--provider tcp|shm|efa|SPEC] [--domain IF] (<WEFT_PEER hex> | --rendezvous dir:/path|etcd:URL)".into())
+        }
+    };
     let (peer_addr, _) = desc.rkeys.first().ok_or("descriptor without NIC")?.clone();
     let len = usize::try_from(desc.len)?;
     let chunks = len / CHUNK;

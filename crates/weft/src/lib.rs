@@ -14,7 +14,10 @@
 //!   `libfabric:efa`, `verbs`, `verbs:mlx5_0`) into a [`Backend`] that hands
 //!   out one [`Provider`] per host; [`providers`] lists every known backend
 //!   with whether it works on this host; [`register`] / [`Registry::register`]
-//!   add a backend that lives outside this workspace.
+//!   add a backend that lives outside this workspace,
+//! - [`rendezvous`]: how processes find each other (an in-process,
+//!   directory or etcd store; engine addresses and memory descriptors
+//!   published under a namespace).
 //!
 //! The backends are cargo features (`loopback`, `libfabric`, `verbs`, all on
 //! by default); a backend compiled out is still listed and reports
@@ -41,7 +44,9 @@ mod builtin;
 mod config;
 mod error;
 mod registry;
+pub mod rendezvous;
 mod spec;
+pub mod topology;
 
 pub use backend::{Backend, HostSource};
 pub use config::{LibfabricOptions, LoopbackOptions, LoopbackProfile, ProviderConfig};
@@ -50,6 +55,7 @@ pub use registry::{
     provider, provider_with, providers, register, Availability, Factory, ProviderStatus, Registry,
 };
 pub use spec::ProviderSpec;
+pub use topology::Topology;
 
 pub use weft_engine::*;
 pub use weft_transport::{

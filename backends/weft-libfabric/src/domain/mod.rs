@@ -338,6 +338,28 @@ impl Domain for LibfabricDomain {
         &self.caps
     }
 
+    fn data_path(&self) -> weft_transport::DataPath {
+        use weft_transport::{DeviceMemoryPath, DirectKind};
+        let prov = &self._info.prov_name;
+        // EFA and verbs-based providers hand FI_HMEM memory to the NIC;
+        // tcp and shm copy it through host memory themselves.
+        let dm = if !self.caps.device_memory {
+            DeviceMemoryPath::Unsupported
+        } else if prov.starts_with("efa") || prov.contains("verbs") {
+            DeviceMemoryPath::Direct(DirectKind::FiHmem)
+        } else {
+            DeviceMemoryPath::Staged {
+                how: format!("FI_HMEM copies of provider {prov}"),
+            }
+        };
+        weft_transport::DataPath::from_capabilities(
+            &format!("libfabric:{prov}"),
+            &self._info.fabric_name,
+            &self.caps,
+        )
+        .with_device_memory(dm)
+    }
+
     fn register(&mut self, region: &MemRegion, access: Access) -> Result<LocalMr, TransportError> {
         let cuda = match region.device() {
             Device::Host => None,

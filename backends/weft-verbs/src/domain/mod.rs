@@ -378,6 +378,21 @@ impl<O: VerbsOps> Domain for VerbsDomain<O> {
         &self.caps
     }
 
+    fn data_path(&self) -> weft_transport::DataPath {
+        use weft_transport::{DeviceMemoryPath, DirectKind};
+        // dma-buf is tried first when configured (peer memory is its
+        // fallback), as `register` does.
+        let dm = if self.cfg.dmabuf.is_some() {
+            DeviceMemoryPath::Direct(DirectKind::DmaBuf)
+        } else if self.ops.peer_memory() {
+            DeviceMemoryPath::Direct(DirectKind::PeerMemory)
+        } else {
+            DeviceMemoryPath::Unsupported
+        };
+        weft_transport::DataPath::from_capabilities("verbs", &self.nic, &self.caps)
+            .with_device_memory(dm)
+    }
+
     fn register(&mut self, region: &MemRegion, acc: Access) -> Result<LocalMr, TransportError> {
         self.register_region(region, acc)
     }

@@ -89,6 +89,8 @@ pub(crate) enum Control {
 pub(crate) struct GroupInfo {
     pub(crate) addrs: Vec<NetAddr>,
     pub(crate) names: Vec<String>,
+    /// Each NIC's data path, in NIC order.
+    pub(crate) paths: Vec<weft_transport::DataPath>,
     pub(crate) max_write_len: u64,
     pub(crate) max_send_len: u64,
 }
@@ -227,6 +229,7 @@ impl WorkerCore {
                 .map(|n| n.domain.local_addr().clone())
                 .collect(),
             names: self.nics.iter().map(|n| n.name.clone()).collect(),
+            paths: self.nics.iter().map(|n| n.domain.data_path()).collect(),
             max_write_len: self.max_write_len,
             max_send_len: self.nics[0].caps.max_send_len,
         }

@@ -55,7 +55,9 @@ impl WorkerCtx {
             #[cfg(feature = "latency-probe")]
             self.probes,
         )?;
-        let _ = self.shared.info.set(core.info());
+        let info = core.info();
+        crate::engine::log_data_paths(g, &info);
+        let _ = self.shared.info.set(info);
         let _ = self.shared.send_pool.set(core.send_pool());
         Ok(Worker {
             core,

@@ -53,16 +53,20 @@ impl TransferEngine {
     /// explicitly first). Returns the local handle and the descriptor peers
     /// need to write into it (one `(NetAddr, rkey)` per NIC, in NIC order).
     pub fn reg_mr(&self, region: MemRegion) -> Result<(MrHandle, MrDesc), EngineError> {
-        let g = self
-            .inner
+        let g = self.group_for(region.device())?;
+        self.reg_mr_on(g, region)
+    }
+
+    /// The group [`TransferEngine::reg_mr`] registers memory of `device` with.
+    pub(super) fn group_for(&self, device: Device) -> Result<usize, EngineError> {
+        self.inner
             .groups
             .iter()
-            .position(|g| g.device == region.device())
-            .or_else(|| (region.device() == Device::Host).then_some(0))
+            .position(|g| g.device == device)
+            .or_else(|| (device == Device::Host).then_some(0))
             .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("no domain group serves {}", region.device()),
-            })?;
-        self.reg_mr_on(g, region)
+                what: format!("no domain group serves {device}"),
+            })
     }
 
     /// [`TransferEngine::reg_mr`] from a raw pointer.

@@ -4,8 +4,12 @@
 //! in `submit`, immediates and their rounds in `rounds`.
 
 mod control;
+mod report;
 mod rounds;
 mod submit;
+
+pub(crate) use report::log_data_paths;
+pub use report::{DataPathReport, NicReport, Reach};
 
 use crate::builder::EngineBuilder;
 use crate::config::{EngineConfig, ExcessHandler};
