@@ -15,6 +15,9 @@ pub(super) struct Peer {
     pub(super) fi_addr: u64,
     /// Why the peer is considered unreachable; posts to it then fail at once.
     pub(super) dead: Option<String>,
+    /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
+    /// with `PeerRemoved` and its address maps to a new peer if added again.
+    pub(super) removed: bool,
     /// Our operations to it not yet completed.
     pub(super) inflight: usize,
     /// Since when posts to it (with nothing in flight) keep failing with
@@ -43,6 +46,8 @@ pub(super) struct Peer {
 pub(super) struct Peers {
     pub(super) by_addr: BTreeMap<NetAddr, PeerId>,
     pub(super) table: Vec<Peer>,
+    /// Removed peers whose in-flight work the next `poll` fails.
+    pub(super) removing: Vec<PeerId>,
 }
 
 impl LibfabricDomain {
@@ -121,6 +126,7 @@ impl LibfabricDomain {
             addr: addr.clone(),
             fi_addr,
             dead,
+            removed: false,
             inflight: 0,
             eagain_since: None,
             pid,
@@ -133,5 +139,37 @@ impl LibfabricDomain {
         });
         self.peers.by_addr.insert(addr.clone(), PeerId(id));
         Ok(PeerId(id))
+    }
+}
+
+impl LibfabricDomain {
+    /// [`weft_transport::Domain::remove_peer`]: the handle is retired (posts
+    /// naming it fail with `PeerRemoved`), its address unmapped (adding it
+    /// again inserts a new AV entry under a new handle), and the next `poll`
+    /// fails its work: backlogged and limbo entries, SENDs waiting for an
+    /// answer, and operations inside libfabric (their slots become zombies
+    /// until the provider hands them back).
+    pub(super) fn remove(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.table.get_mut(peer.0 as usize) else {
+            return;
+        };
+        if p.removed {
+            return;
+        }
+        p.removed = true;
+        p.dead = Some("removed".into());
+        let addr = p.addr.clone();
+        if self.peers.by_addr.get(&addr) == Some(&peer) {
+            self.peers.by_addr.remove(&addr);
+        }
+        self.peers.removing.push(peer);
+        tracing::debug!(nic = %self.nic.name, peer = %addr, "peer removed");
+    }
+
+    /// Peers known to this domain and not removed (added by the user or by
+    /// an incoming message): back to its earlier value once every peer
+    /// added since is removed.
+    pub fn peer_count(&self) -> usize {
+        self.peers.by_addr.len()
     }
 }
