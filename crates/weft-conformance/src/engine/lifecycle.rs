@@ -5,7 +5,7 @@
 use super::run::{bail, engine_err, ensure, harness, is_unreachable, Run};
 use super::{EngineHarness, Kind};
 use crate::CaseFailure;
-use weft_engine::{GroupAddress, TransferEngine};
+use weft_engine::{GroupAddress, OnDone, TransferEngine};
 
 /// Restarts of the peer per run.
 pub const RESTARTS: u64 = 20;
@@ -77,6 +77,11 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
         if k % 5 == 4 {
             full_round(&mut r, survivor, 1000 + k, k)?;
         }
+        // A peer group with this incarnation as a member (resolved now).
+        let group = r
+            .init
+            .add_peer_group(&[r.h.peer(survivor).address(), addr.clone()])
+            .map_err(|e| engine_err("add_peer_group", e))?;
         // Mid-transfer: writes submitted, none waited for, then the kill.
         let desc = r.desc(cur);
         let imm = r.imms()[0];
@@ -109,6 +114,23 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
                 e.is_peer_removed(),
                 "incarnation {k}: write to the removed peer: expected PeerRemoved, got {e}"
             ),
+        }
+        // So is every peer group it was a member of.
+        let (od, flag) = OnDone::flag();
+        let dsts = [r.desc(survivor), desc.clone()];
+        let refused = match r.init.submit_barrier(&group, od, imm, &dsts) {
+            Err(e) => Some(e),
+            Ok(_) => r.wait_flags("barrier to a group with a removed member", &[flag])?
+                .remove(0)
+                .err(),
+        };
+        match refused {
+            Some(e) => ensure!(
+                e.is_peer_removed(),
+                "incarnation {k}: barrier to a group with a removed member: expected \
+                 PeerRemoved, got {e}"
+            ),
+            None => bail!("incarnation {k}: barrier to a group with a removed member succeeded"),
         }
         let now = peers_resolved(&r.init);
         ensure!(
