@@ -47,18 +47,21 @@ mod shm {
     weft_conformance::engine_scenarios!(
         |seed| super::common::XprocEngines::new("shm", seed),
         seeds = [1u64],
-        known_failures = [(
-            "peer_death",
-            "shm 1.17 across processes: while a peer is stopped with writes to it in flight, \
+        known_failures = [
+            (
+                "peer_death",
+                "shm 1.17 across processes: while a peer is stopped with writes to it in flight, \
              writes to the live peer stall behind them and fail after the 30 s write timeout \
              (seen 3/3; the conformance suite's peer_death over shm across processes shows the \
              same stall after a SIGKILL)"
-        ), (
-            "peer_restart",
-            "shm 1.17 across processes: after a peer is SIGKILLed with writes to it in flight \
+            ),
+            (
+                "peer_restart",
+                "shm 1.17 across processes: after a peer is SIGKILLed with writes to it in flight \
              (failed and removed at once by weft), writes to its restarted successor stall and \
              fail after the 30 s write timeout (seen 1/1; the same stall as peer_death)"
-        )]
+            )
+        ]
     );
 }
 

@@ -39,28 +39,28 @@
 //!    it that has not completed fails with [`TransportError::PeerUnreachable`];
 //!    later posts to it fail the same way (either at post time or as an error
 //!    completion). Other peers are unaffected.
-//! 7. **Peer removal.** [`Domain::remove_peer`] forgets a peer: operations
-//!    posted to it that have not completed either complete as usual or fail
-//!    with [`TransportError::PeerRemoved`] (backends that hold per-peer
-//!    connection state tear it down and fail them), each exactly once;
-//!    posts naming the removed [`PeerId`] fail with `PeerRemoved`; a later
-//!    [`Domain::add_peer`] of the same address returns a **new** `PeerId`
-//!    with fresh connection state. Removing an unknown or already removed
-//!    handle is a no-op.
-//! 8. **Receives.** A SEND consumes one posted receive buffer at the target, in
+//! 7. **Receives.** A SEND consumes one posted receive buffer at the target, in
 //!    any order among posted buffers. A SEND larger than the buffer fails.
 //!    A SEND to a peer with no posted buffer waits (receiver-not-ready) and
 //!    fails with [`TransportError::ReceiverNotReady`] if no buffer appears in
 //!    the backend's RNR timeout.
-//! 9. **Flow control.** A domain accepts at most [`Capabilities::max_inflight`]
+//! 8. **Flow control.** A domain accepts at most [`Capabilities::max_inflight`]
 //!    outstanding SEND + WRITE work requests; posting beyond that returns
 //!    [`TransportError::QueueFull`] (or a short count from
 //!    [`Domain::post_writes`]), never blocks and never drops work. A work
 //!    request stops counting as outstanding when [`Domain::poll`] *returns*
 //!    its completion (not when the NIC generates it), so a caller that never
 //!    polls can never have more than `max_inflight` WRs accepted.
-//! 10. **Progress.** Completions are produced only by [`Domain::poll`]; a
+//! 9. **Progress.** Completions are produced only by [`Domain::poll`]; a
 //!    backend may need `poll` to be called to make progress at all.
+//! 10. **Peer removal.** [`Domain::remove_peer`] forgets a peer: operations
+//!     posted to it that have not completed either complete as usual or fail
+//!     with [`TransportError::PeerRemoved`] (backends that hold per-peer
+//!     connection state tear it down and fail them), each exactly once;
+//!     posts naming the removed [`PeerId`] fail with `PeerRemoved`; a later
+//!     [`Domain::add_peer`] of the same address returns a **new** `PeerId`
+//!     with fresh connection state. Removing an unknown or already removed
+//!     handle is a no-op.
 //!
 //! ## Sans-IO shape
 //!
@@ -135,7 +135,7 @@ pub trait Domain: Send {
     /// [`TransportError::PeerUnreachable`].
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError>;
 
-    /// Forgets `peer` and frees its connection state (contract rule 7):
+    /// Forgets `peer` and frees its connection state (contract rule 10):
     /// its handle becomes invalid (posts fail with
     /// [`TransportError::PeerRemoved`]), and adding its address again gives
     /// a new handle with new connection state (a restarted process at the

@@ -120,7 +120,8 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
         let dsts = [r.desc(survivor), desc.clone()];
         let refused = match r.init.submit_barrier(&group, od, imm, &dsts) {
             Err(e) => Some(e),
-            Ok(_) => r.wait_flags("barrier to a group with a removed member", &[flag])?
+            Ok(_) => r
+                .wait_flags("barrier to a group with a removed member", &[flag])?
                 .remove(0)
                 .err(),
         };
