@@ -180,6 +180,7 @@ impl LibfabricDomain {
             self.fail_issued(peer, out);
         }
         self.sweep_unanswered(out, now);
+        self.retire_av_entries();
     }
 
     /// Fails every operation to dead `peer` still inside libfabric: its slot
