@@ -120,9 +120,10 @@ fn remove_peer_fails_queued_work_and_refuses_the_old_incarnation() {
             .unwrap();
         drive(&fabric, &engines, || f.is_done());
         assert!(matches!(f.result(), Some(Ok(()))), "seed {seed}");
-        let g2 = ea.add_peer_group(&[caddr.clone()]).unwrap();
+        let g2 = ea.add_peer_group(std::slice::from_ref(&caddr)).unwrap();
         let (od, f) = OnDone::flag();
-        ea.submit_barrier(&g2, od, 9, &[cdesc.clone()]).unwrap();
+        ea.submit_barrier(&g2, od, 9, std::slice::from_ref(&cdesc))
+            .unwrap();
         drive(&fabric, &engines, || f.is_done());
         assert!(matches!(f.result(), Some(Ok(()))), "seed {seed}");
         for e in &engines {
