@@ -154,7 +154,9 @@ impl TransferEngine {
     /// incarnation) fail with `PeerRemoved` and never reach a process that
     /// answers at the same address later. A restarted peer is reached at its
     /// new address (every weft backend gives a new process a new one).
-    /// Removing an unknown or already removed peer is a no-op.
+    /// Removing an unknown or already removed peer is a no-op. A peer with
+    /// several domain groups is removed by passing each of its group
+    /// addresses (each call removes the NIC addresses it names).
     pub fn remove_peer(&self, peer: &GroupAddress) -> Result<(), EngineError> {
         let mut first = Ok(());
         for gs in &self.inner.groups {
