@@ -363,10 +363,17 @@ struct FidMr {
 type AvInsertFn =
     unsafe extern "C" fn(*mut FidAv, *const c_void, usize, *mut u64, u64, *mut c_void) -> c_int;
 
+/// `fi_ops_av.remove`: `(av, fi_addr array, count, flags)`.
+type AvRemoveFn = unsafe extern "C" fn(*mut FidAv, *mut u64, usize, u64) -> c_int;
+
 #[repr(C)]
 struct FiOpsAv {
     size: usize,
     insert: Option<AvInsertFn>,
+    /// `insertsvc`, `insertsym`: not used.
+    _insertsvc: Option<unsafe extern "C" fn()>,
+    _insertsym: Option<unsafe extern "C" fn()>,
+    remove: Option<AvRemoveFn>,
 }
 
 #[repr(C)]
@@ -580,6 +587,7 @@ const _: () = {
     assert!(offset_of!(FiOpsDomain, endpoint) == 24);
     assert!(offset_of!(FiOpsMr, regattr) == 24);
     assert!(offset_of!(FiOpsAv, insert) == 8);
+    assert!(offset_of!(FiOpsAv, remove) == 32);
     assert!(offset_of!(FiOpsCm, getname) == 16);
     assert!(offset_of!(FiOpsMsg, send) == 32);
     assert!(offset_of!(FiOpsMsg, sendmsg) == 48);
@@ -1235,6 +1243,21 @@ impl Resources {
             return Ok(buf);
         }
         Err(self.error("fi_getname", -FI_ETOOSMALL))
+    }
+
+    /// `fi_av_remove` of one address (no operation to it may still be
+    /// inside the provider: the caller checks).
+    pub(crate) fn av_remove(&mut self, fi_addr: u64) -> Result<(), TransportError> {
+        // SAFETY: the AV is open.
+        let ops = unsafe { (*self.av).ops };
+        let remove = op!(self, ops, FiOpsAv, remove, "fi_av_remove")?;
+        let mut a = fi_addr;
+        // SAFETY: valid AV, one address in a local.
+        let rc = unsafe { remove(self.av, &mut a, 1, 0) };
+        if rc < 0 {
+            return Err(self.error("fi_av_remove", i64::from(rc)));
+        }
+        Ok(())
     }
 
     /// `fi_av_insert` of one address. `addr` must be at least as long as the

@@ -20,7 +20,9 @@ pub struct LoopbackDomain {
     loc: Loc,
     info: NicInfo,
     caps: Capabilities,
-    peers: Vec<(Loc, NetAddr)>,
+    /// Every peer handle handed out: location, address, and whether it
+    /// was removed ([`Domain::remove_peer`]; the handle is never reused).
+    peers: Vec<(Loc, NetAddr, bool)>,
     peer_ids: BTreeMap<NetAddr, PeerId>,
 }
 
@@ -67,13 +69,17 @@ impl LoopbackDomain {
     }
 
     fn peer(&self, p: PeerId) -> Result<Loc, TransportError> {
-        self.peers
-            .get(p.0 as usize)
-            .map(|(l, _)| *l)
-            .ok_or_else(|| TransportError::InvalidArgument {
+        match self.peers.get(p.0 as usize) {
+            Some((l, _, false)) => Ok(*l),
+            Some((_, a, true)) => Err(TransportError::PeerRemoved {
+                nic: self.info.name.clone(),
+                peer: a.clone(),
+            }),
+            None => Err(TransportError::InvalidArgument {
                 nic: self.info.name.clone(),
                 what: format!("unknown peer handle {}", p.0),
-            })
+            }),
+        }
     }
 }
 
@@ -126,9 +132,22 @@ impl Domain for LoopbackDomain {
             nic: self.info.name.clone(),
             what: "too many peers".into(),
         })?;
-        self.peers.push((loc, a.clone()));
+        self.peers.push((loc, a.clone(), false));
         self.peer_ids.insert(a.clone(), PeerId(id));
         Ok(PeerId(id))
+    }
+
+    /// The loopback fabric keeps no connection state: removal only retires
+    /// the handle. Operations already posted complete as the fabric decides
+    /// (they target the old host; a dead one fails them).
+    fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        if let Some(e) = self.peers.get_mut(peer.0 as usize) {
+            if !e.2 {
+                e.2 = true;
+                self.peer_ids.remove(&e.1);
+            }
+        }
+        Ok(())
     }
 
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {

@@ -236,6 +236,23 @@ impl<'h> Ctx<'h> {
         Ok(p)
     }
 
+    /// `remove_peer` of `to`'s handle on `from`; the cached handle is
+    /// dropped (the next [`Ctx::peer`] adds the address again). Returns the
+    /// removed handle and the domain's answer.
+    pub fn remove_peer(
+        &mut self,
+        from: Nic,
+        to: Nic,
+    ) -> Result<(PeerId, Result<(), TransportError>), CaseFailure> {
+        let p = self.peer(from, to)?;
+        let addr = self.addr(to);
+        let r = self.h.domain(from.host, from.index).remove_peer(p);
+        if r.is_ok() {
+            self.peers.remove(&(from, addr));
+        }
+        Ok((p, r))
+    }
+
     // ---- ids and data ----
 
     pub fn wr(&mut self) -> WrId {

@@ -64,6 +64,7 @@
 //! | `deregistered_memory` | stale lkey → `LocalAccess`; double/unknown deregister → error; write into deregistered region → `RemoteAccess`; re-register works |
 //! | `unknown_peer` | unreachable address → `PeerUnreachable`; malformed addresses → errors; never hangs |
 //! | `peer_death` | in-flight ops to a killed host: once, Ok or `PeerUnreachable`; later ops `PeerUnreachable`; survivors unaffected |
+//! | `peer_removal` | `remove_peer`: WRITE/SEND naming the removed handle fail `PeerRemoved`, write nothing; removing again is a no-op; re-adding the address gives a new handle that works (bytes, one immediate) |
 //!
 //! ## Engine scenarios and hosts in other processes
 //!
@@ -182,6 +183,7 @@ macro_rules! __weft_conformance_cases {
             deregistered_memory: Normal,
             unknown_peer: Normal,
             peer_death: Normal,
+            peer_removal: Normal,
         }
     };
 }

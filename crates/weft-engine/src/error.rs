@@ -106,6 +106,21 @@ pub enum EngineError {
         /// rkeys in the destination descriptor.
         remote: usize,
     },
+    /// A peer group was used after one of its members was removed with
+    /// [`TransferEngine::remove_peer`](crate::TransferEngine::remove_peer):
+    /// the group is invalid for good (make a new one with the member's new
+    /// address).
+    #[error("group {group}: peer group {peer_group} member {member} ({peer}) was removed")]
+    PeerRemoved {
+        /// Domain group index.
+        group: usize,
+        /// The peer group.
+        peer_group: u32,
+        /// The removed member's index in the group.
+        member: usize,
+        /// The removed address.
+        peer: NetAddr,
+    },
     /// The group's worker panicked; its in-flight work failed with this and
     /// later submits to the group fail with it too.
     #[error("group {group}: worker failed: {what}")]
@@ -196,5 +211,14 @@ impl EngineError {
             EngineError::Setup { source, .. } => source.as_deref(),
             _ => None,
         }
+    }
+
+    /// Whether the error comes from a removed peer: a transfer to it that
+    /// was pending when it was removed or submitted afterwards (a transport
+    /// error [`TransportError::PeerRemoved`]), or a peer group it was a
+    /// member of ([`EngineError::PeerRemoved`]).
+    pub fn is_peer_removed(&self) -> bool {
+        matches!(self, EngineError::PeerRemoved { .. })
+            || matches!(self.transport(), Some(TransportError::PeerRemoved { .. }))
     }
 }

@@ -47,6 +47,10 @@ pub struct NicStats {
     pub wrs_posted: u64,
     /// Payload bytes of those WRs.
     pub bytes_posted: u64,
+    /// Peers the NIC has resolved (added to its domain) and not removed
+    /// with [`TransferEngine::remove_peer`](crate::TransferEngine::remove_peer):
+    /// back to its earlier value after removing every peer added since.
+    pub peers: u64,
 }
 
 /// A single-writer counter (see the module docs).
@@ -70,6 +74,7 @@ impl Counter {
 struct NicCounters {
     wrs: Counter,
     bytes: Counter,
+    peers: Counter,
 }
 
 /// The counters of one group, written by its worker.
@@ -99,6 +104,13 @@ impl GroupCounters {
         }
     }
 
+    /// NIC `nic` has `n` peers resolved.
+    pub(crate) fn set_peers(&self, nic: usize, n: usize) {
+        if let Some(c) = self.nics.get(nic) {
+            c.peers.0.store(n as u64, Ordering::Relaxed);
+        }
+    }
+
     /// The worker's current load.
     #[inline]
     pub(crate) fn publish(&self, in_flight: usize, pending_wrs: usize) {
@@ -118,6 +130,7 @@ impl GroupCounters {
                 .map(|c| NicStats {
                     wrs_posted: c.wrs.get(),
                     bytes_posted: c.bytes.get(),
+                    peers: c.peers.get(),
                 })
                 .collect(),
         }
@@ -143,11 +156,13 @@ mod tests {
             vec![
                 NicStats {
                     wrs_posted: 4,
-                    bytes_posted: 305
+                    bytes_posted: 305,
+                    peers: 0,
                 },
                 NicStats {
                     wrs_posted: 1,
-                    bytes_posted: 10
+                    bytes_posted: 10,
+                    peers: 0,
                 }
             ]
         );

@@ -46,6 +46,17 @@ pub enum TransportError {
         /// What happened.
         reason: String,
     },
+    /// The peer was removed with [`crate::Domain::remove_peer`] (or, in the
+    /// engine, `TransferEngine::remove_peer`): work addressed to it that had
+    /// not completed, and every later post naming its old handle, fails
+    /// with this.
+    #[error("{nic}: peer {peer} was removed")]
+    PeerRemoved {
+        /// Local NIC.
+        nic: String,
+        /// The removed peer.
+        peer: NetAddr,
+    },
     /// The target NIC rejected a remote access; nothing was written.
     #[error("{nic}: remote write to {peer} rejected ({reason}): rkey {rkey:#x}, addr {addr:#x}, len {len}")]
     RemoteAccess {
@@ -169,6 +180,7 @@ impl TransportError {
     pub fn nic(&self) -> Option<&str> {
         match self {
             TransportError::PeerUnreachable { nic, .. }
+            | TransportError::PeerRemoved { nic, .. }
             | TransportError::RemoteAccess { nic, .. }
             | TransportError::LocalAccess { nic, .. }
             | TransportError::ReceiverNotReady { nic, .. }

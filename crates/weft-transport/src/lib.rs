@@ -53,6 +53,14 @@
 //!    polls can never have more than `max_inflight` WRs accepted.
 //! 9. **Progress.** Completions are produced only by [`Domain::poll`]; a
 //!    backend may need `poll` to be called to make progress at all.
+//! 10. **Peer removal.** [`Domain::remove_peer`] forgets a peer: operations
+//!     posted to it that have not completed either complete as usual or fail
+//!     with [`TransportError::PeerRemoved`] (backends that hold per-peer
+//!     connection state tear it down and fail them), each exactly once;
+//!     posts naming the removed [`PeerId`] fail with `PeerRemoved`; a later
+//!     [`Domain::add_peer`] of the same address returns a **new** `PeerId`
+//!     with fresh connection state. Removing an unknown or already removed
+//!     handle is a no-op.
 //!
 //! ## Sans-IO shape
 //!
@@ -136,6 +144,22 @@ pub trait Domain: Send {
     /// nobody listens on; operations to it then fail with
     /// [`TransportError::PeerUnreachable`].
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError>;
+
+    /// Forgets `peer` and frees its connection state (contract rule 10):
+    /// its handle becomes invalid (posts fail with
+    /// [`TransportError::PeerRemoved`]), and adding its address again gives
+    /// a new handle with new connection state (a restarted process at the
+    /// same address is connected afresh). Unknown or already removed
+    /// handles are ignored.
+    ///
+    /// The default implementation refuses with
+    /// [`TransportError::Unsupported`]; every weft backend overrides it.
+    fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        Err(TransportError::Unsupported {
+            nic: self.info().name.clone(),
+            what: format!("remove_peer({})", peer.0),
+        })
+    }
 
     /// Posts a two-sided SEND of `src` to `peer`. `src` must lie in memory
     /// registered with this domain and stay untouched until the

@@ -65,9 +65,16 @@ impl LibfabricDomain {
         }
     }
 
-    /// The peer's fi_addr, or PeerUnreachable if it is known dead.
+    /// The peer's fi_addr, or PeerUnreachable if it is known dead
+    /// (`PeerRemoved` if it was removed).
     pub(super) fn live_peer(&self, peer: PeerId) -> Result<u64, TransportError> {
         let p = self.peer(peer)?;
+        if p.removed {
+            return Err(TransportError::PeerRemoved {
+                nic: self.nic_name(),
+                peer: p.addr.clone(),
+            });
+        }
         match &p.dead {
             Some(reason) => Err(TransportError::PeerUnreachable {
                 nic: self.nic_name(),
@@ -170,30 +177,61 @@ impl LibfabricDomain {
         // provider returns them, which it does if the peer wakes up.
         for (peer, reason) in newly_dead {
             self.mark_dead(peer, reason);
-            for i in 0..self.slots.table.len() {
-                let used = self.slots.table[i];
-                // Still inside libfabric (a SEND already completed there
-                // only waits for the answer: handled below).
-                let to_peer = matches!(used,
-                    SlotUse::Write { peer: p, .. }
-                    | SlotUse::Send { peer: p, sent: None, .. }
-                    | SlotUse::Ack { peer: p } if p == peer);
-                if to_peer {
-                    self.slots.table[i] = SlotUse::Zombie;
-                    if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
-                        p.inflight = p.inflight.saturating_sub(1);
-                    }
-                    let e = self
-                        .live_peer(peer)
-                        .err()
-                        .unwrap_or(TransportError::NicDown {
-                            nic: self.nic_name(),
-                        });
-                    self.complete(used, Err(e), out);
-                }
-            }
+            self.fail_issued(peer, out);
         }
         self.sweep_unanswered(out, now);
+        self.retire_av_entries();
+    }
+
+    /// Fails every operation to dead `peer` still inside libfabric: its slot
+    /// becomes a zombie, reused once the provider hands it back (a SEND
+    /// already completed there only waits for the answer: handled by
+    /// `sweep_unanswered` and `settle_removed`).
+    fn fail_issued(&mut self, peer: PeerId, out: &mut Vec<Completion>) {
+        for i in 0..self.slots.table.len() {
+            let used = self.slots.table[i];
+            let to_peer = matches!(used,
+                SlotUse::Write { peer: p, .. }
+                | SlotUse::Send { peer: p, sent: None, .. }
+                | SlotUse::Ack { peer: p } if p == peer);
+            if to_peer {
+                self.slots.table[i] = SlotUse::Zombie;
+                if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
+                    p.inflight = p.inflight.saturating_sub(1);
+                }
+                let e = self
+                    .live_peer(peer)
+                    .err()
+                    .unwrap_or(TransportError::NicDown {
+                        nic: self.nic_name(),
+                    });
+                self.complete(used, Err(e), out);
+            }
+        }
+    }
+
+    /// Fails the work of peers removed since the last `poll` (see
+    /// `remove`): issued operations (zombie slots), and SENDs waiting for
+    /// their answer. Backlogged and limbo entries fail as `flush_backlog`
+    /// and `settle_limbo` find the peer dead.
+    pub(super) fn settle_removed(&mut self, out: &mut Vec<Completion>) {
+        for peer in std::mem::take(&mut self.peers.removing) {
+            self.fail_issued(peer, out);
+            for i in 0..self.opts.max_inflight.min(self.slots.table.len()) {
+                if !matches!(self.slots.table[i], SlotUse::Send { peer: p, sent: Some(_), .. } if p == peer)
+                {
+                    continue;
+                }
+                let used = self.release(i);
+                let e = self
+                    .live_peer(peer)
+                    .err()
+                    .unwrap_or(TransportError::NicDown {
+                        nic: self.nic_name(),
+                    });
+                self.complete(used, Err(e), out);
+            }
+        }
     }
 
     /// Fails SENDs the provider completed but the receiver never answered:

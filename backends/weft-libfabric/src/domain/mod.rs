@@ -416,6 +416,11 @@ impl Domain for LibfabricDomain {
         self.insert_peer(addr)
     }
 
+    fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.remove(peer);
+        Ok(())
+    }
+
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
         self.send(wr, peer, src, &mut Clock::system())
     }
@@ -440,6 +445,9 @@ impl Domain for LibfabricDomain {
         // and free the resources (slots, shm inject buffers) the backlog
         // waits for.
         self.drain_cq(out, clock)?;
+        if !self.peers.removing.is_empty() {
+            self.settle_removed(out);
+        }
         if !self.limbo.entries.is_empty() {
             self.settle_limbo(out, clock);
         }

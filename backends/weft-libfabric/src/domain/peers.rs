@@ -15,6 +15,9 @@ pub(super) struct Peer {
     pub(super) fi_addr: u64,
     /// Why the peer is considered unreachable; posts to it then fail at once.
     pub(super) dead: Option<String>,
+    /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
+    /// with `PeerRemoved` and its address maps to a new peer if added again.
+    pub(super) removed: bool,
     /// Our operations to it not yet completed.
     pub(super) inflight: usize,
     /// Since when posts to it (with nothing in flight) keep failing with
@@ -43,6 +46,13 @@ pub(super) struct Peer {
 pub(super) struct Peers {
     pub(super) by_addr: BTreeMap<NetAddr, PeerId>,
     pub(super) table: Vec<Peer>,
+    /// Removed peers whose in-flight work the next `poll` fails.
+    pub(super) removing: Vec<PeerId>,
+    /// Removed peers whose AV entry is still to be removed (once nothing
+    /// of theirs, and no zombie slot, is left inside libfabric).
+    pub(super) av_stale: Vec<PeerId>,
+    /// Peers with an entry in the AV.
+    pub(super) in_av: usize,
 }
 
 impl LibfabricDomain {
@@ -121,6 +131,7 @@ impl LibfabricDomain {
             addr: addr.clone(),
             fi_addr,
             dead,
+            removed: false,
             inflight: 0,
             eagain_since: None,
             pid,
@@ -132,6 +143,94 @@ impl LibfabricDomain {
             stalled_since: None,
         });
         self.peers.by_addr.insert(addr.clone(), PeerId(id));
+        self.peers.in_av += 1;
         Ok(PeerId(id))
+    }
+}
+
+impl LibfabricDomain {
+    /// [`weft_transport::Domain::remove_peer`]: the handle is retired (posts
+    /// naming it fail with `PeerRemoved`), its address unmapped (adding it
+    /// again inserts a new AV entry under a new handle), and the next `poll`
+    /// fails its work: backlogged and limbo entries, SENDs waiting for an
+    /// answer, and operations inside libfabric (their slots become zombies
+    /// until the provider hands them back). Its AV entry is removed
+    /// (`fi_av_remove`) once nothing can still use it
+    /// (`retire_av_entries`).
+    pub(super) fn remove(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.table.get_mut(peer.0 as usize) else {
+            return;
+        };
+        if p.removed {
+            return;
+        }
+        p.removed = true;
+        p.dead = Some("removed".into());
+        let addr = p.addr.clone();
+        if self.peers.by_addr.get(&addr) == Some(&peer) {
+            self.peers.by_addr.remove(&addr);
+        }
+        self.peers.removing.push(peer);
+        self.peers.av_stale.push(peer);
+        tracing::debug!(nic = %self.nic.name, peer = %addr, "peer removed");
+    }
+
+    /// Removes the AV entries of removed peers once that is safe: nothing
+    /// of theirs in flight, backlogged or in limbo, and no zombie slot in
+    /// the domain (a zombie's peer is not recorded). Where that never holds
+    /// (shm: operations to a killed peer are never handed back) the entry
+    /// stays.
+    ///
+    /// shm keeps every entry: `fi_av_remove` of a peer whose region is gone
+    /// crashes shm 1.17 (SIGSEGV, seen in `tests/lifecycle.rs`).
+    pub(super) fn retire_av_entries(&mut self) {
+        if self.is_shm {
+            self.peers.av_stale.clear();
+            return;
+        }
+        if self.peers.av_stale.is_empty()
+            || self
+                .slots
+                .table
+                .iter()
+                .any(|s| matches!(s, super::slots::SlotUse::Zombie))
+        {
+            return;
+        }
+        let stale = std::mem::take(&mut self.peers.av_stale);
+        for peer in stale {
+            let busy = self
+                .peers
+                .table
+                .get(peer.0 as usize)
+                .is_some_and(|p| p.inflight > 0 || p.backlogged > 0)
+                || self.limbo.entries.iter().any(|l| l.peer == peer);
+            if busy {
+                self.peers.av_stale.push(peer);
+                continue;
+            }
+            let Some(fi_addr) = self.peers.table.get(peer.0 as usize).map(|p| p.fi_addr) else {
+                continue;
+            };
+            match self.res.av_remove(fi_addr) {
+                Ok(()) => self.peers.in_av = self.peers.in_av.saturating_sub(1),
+                Err(e) => {
+                    tracing::warn!(nic = %self.nic.name, error = %e, "fi_av_remove of a removed peer failed; entry kept");
+                }
+            }
+        }
+    }
+
+    /// Entries in the address vector: peers added and not removed, plus
+    /// removed ones whose entry is still in use (see `remove`).
+    pub fn av_entries(&self) -> usize {
+        self.peers.in_av
+    }
+
+    /// Peers known to this domain and not removed (added by the user or by
+    /// an incoming message): back to its earlier value once every peer
+    /// added since is removed.
+    pub fn peer_count(&self) -> usize {
+        self.peers.by_addr.len()
     }
 }

@@ -61,6 +61,9 @@ pub(super) struct Peer {
     /// Old connections whose WRs are still completing.
     pub(super) draining: Vec<Conn>,
     pub(super) unreachable: Option<String>,
+    /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
+    /// with `PeerRemoved`, its address maps to a new peer if added again.
+    pub(super) removed: bool,
     pub(super) send_q: VecDeque<u32>,
     pub(super) write_q: VecDeque<u32>,
 }
@@ -88,6 +91,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
             conn: None,
             draining: Vec::new(),
             unreachable: None,
+            removed: false,
             send_q: VecDeque::new(),
             write_q: VecDeque::new(),
         });
@@ -452,6 +456,37 @@ impl<O: VerbsOps> VerbsDomain<O> {
         }
         // Ops with WRs in flight fail as their flushes arrive.
         self.reap_draining(pid);
+    }
+
+    /// [`weft_transport::Domain::remove_peer`]: fails its queued work at
+    /// once and moves its QPs to ERR (in-flight WRs fail with
+    /// `PeerRemoved` as their flushes arrive; the QPs are destroyed once
+    /// drained), frees its address handle and unmaps its address, so adding
+    /// it again creates a new peer: new QPs and a new handshake.
+    pub(super) fn forget_peer(&mut self, pid: PeerId) {
+        let Some(p) = self.peers.get_mut(pid.0 as usize) else {
+            return;
+        };
+        if p.removed {
+            return;
+        }
+        p.removed = true;
+        // A peer already unreachable keeps its first reason; its queues are
+        // empty and its QPs already in ERR.
+        p.unreachable = None;
+        let addr = p.addr.clone();
+        let ah = p.ah.take();
+        if self.by_addr.get(&addr) == Some(&pid) {
+            self.by_addr.remove(&addr);
+        }
+        self.mark_unreachable(pid, "removed".into());
+        if let Some(ah) = ah {
+            if let Err(e) = self.ops.destroy_ah(ah) {
+                tracing::warn!(nic = %self.nic, error = %e, "destroy_ah failed");
+            }
+        }
+        self.stats.peers_removed += 1;
+        tracing::debug!(nic = %self.nic, peer = %addr_str(&addr), "peer removed");
     }
 
     pub(super) fn timers(&mut self) {

@@ -81,6 +81,8 @@ pub struct DomainStats {
     pub partial_posts: u64,
     /// Operations moved to a new connection after a flush.
     pub requeued_ops: u64,
+    /// Peers removed with `Domain::remove_peer`.
+    pub peers_removed: u64,
 }
 
 /// One verbs NIC (port) as a weft [`Domain`].
@@ -290,6 +292,15 @@ impl<O: VerbsOps> VerbsDomain<O> {
         &self.stats
     }
 
+    /// RC QPs the domain holds (two per connection, current or draining):
+    /// after every peer is removed and its flushes are polled, 0.
+    pub fn live_qps(&self) -> usize {
+        self.peers
+            .iter()
+            .map(|p| 2 * (usize::from(p.conn.is_some()) + p.draining.len()))
+            .sum()
+    }
+
     /// The GID index in use.
     pub fn gid_index(&self) -> u32 {
         self.gid_index
@@ -323,6 +334,12 @@ impl<O: VerbsOps> VerbsDomain<O> {
     }
 
     fn peer_err(&self, pid: PeerId, reason: impl Into<String>) -> TransportError {
+        if let Some(p) = self.peers.get(pid.0 as usize).filter(|p| p.removed) {
+            return TransportError::PeerRemoved {
+                nic: self.nic.clone(),
+                peer: p.addr.clone(),
+            };
+        }
         TransportError::PeerUnreachable {
             nic: self.nic.clone(),
             peer: self
@@ -403,6 +420,11 @@ impl<O: VerbsOps> Domain for VerbsDomain<O> {
 
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
         self.peer_for(addr)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.forget_peer(peer);
+        Ok(())
     }
 
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {

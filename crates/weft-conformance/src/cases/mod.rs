@@ -16,6 +16,7 @@ macro_rules! ensure {
 
 mod basic;
 mod errors;
+mod lifecycle;
 mod writes;
 
 pub(crate) use basic::{
@@ -25,6 +26,7 @@ pub(crate) use errors::{
     deregistered_memory, local_access_errors, peer_death, remote_access_violations, unknown_peer,
     usable_after_remote_error,
 };
+pub(crate) use lifecycle::peer_removal;
 pub(crate) use writes::{
     batch_writes_queue_full, concurrent_writes, imm_exactly_once, imm_only_writes, multi_nic,
     payload_visible_at_imm, write_large, write_sizes,

@@ -32,6 +32,7 @@
 //! | `send_recv_pools` | a pool of 4 receive buffers re-posted while 12 messages (1 B .. 8000 B) arrive from the initiator; each message once, intact |
 //! | `imm_early_arrival` | rounds whose immediates arrive (all, or some) before `expect_imm_count` is armed: each fires exactly once, with every byte in place |
 //! | `peer_death` | writes pending to a peer whose host dies: each resolves once, with success or `PeerUnreachable` (all fail when the harness can stop the peer first); later writes to it fail; writes to the survivor complete byte-exact, before and after |
+//! | `peer_restart` | a peer killed with writes in flight, removed (`remove_peer`) and restarted at a new address, 20 times, a survivor alongside: each incarnation's round fires once with every byte; pending writes resolve once (ok, `PeerUnreachable` or `PeerRemoved`); the old descriptor fails `PeerRemoved`; resolved peer count back to baseline |
 //! | `shutdown_in_flight` | initiator shut down with writes in flight: every accepted transfer resolves, later submits fail `ShutDown`; a peer shut down with an armed round resolves it with an error |
 //!
 //! ## Waits
@@ -40,6 +41,7 @@
 //! at most [`EngineHarness::wait_budget`] times, then fails the scenario
 //! with what it was waiting for.
 
+mod lifecycle;
 mod local;
 mod run;
 mod scenarios;
@@ -230,6 +232,7 @@ macro_rules! __weft_engine_scenarios {
             imm_early_arrival,
             peer_death,
             shutdown_in_flight,
+            peer_restart,
         }
     };
 }

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use weft_engine::{DoneCounter, EngineError, Imm, MrDesc, OnDone, Pages, ScatterDst, ScatterMode};
 use weft_testkit::pattern;
 
+pub(crate) use super::lifecycle::peer_restart;
+
 const SIZES: [u64; 9] = [
     1,
     7,

@@ -50,6 +50,7 @@ pub(crate) fn codec_selftest() {
             offset: 2,
             data: vec![1, 2, 3],
         },
+        Req::RemovePeer { nic: 1, peer: 3 },
     ];
     for r in reqs {
         let b = postcard::to_allocvec(&r).unwrap();
@@ -70,6 +71,10 @@ pub(crate) fn codec_selftest() {
             reason: RemoteAccessReason::OutOfBounds,
         },
         TransportError::QueueFull { nic: "n".into() },
+        TransportError::PeerRemoved {
+            nic: "n".into(),
+            peer: NetAddr(vec![3]),
+        },
         TransportError::Provider {
             nic: "n".into(),
             op: "fi_writemsg",
@@ -244,6 +249,11 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
             dom(st, nic)
                 .and_then(|d| d.add_peer(&NetAddr(addr)))
                 .map(|p| p.0)
+                .map_err(|e| (&e).into()),
+        ),
+        Req::RemovePeer { nic, peer } => Resp::Done(
+            dom(st, nic)
+                .and_then(|d| d.remove_peer(PeerId(peer)))
                 .map_err(|e| (&e).into()),
         ),
         Req::PostSend { nic, wr, peer, src } => {

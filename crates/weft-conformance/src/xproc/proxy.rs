@@ -89,6 +89,18 @@ impl Domain for ProxyDomain {
             r => unexpected(r),
         }
     }
+    fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        match call(
+            &self.conn,
+            &Req::RemovePeer {
+                nic: self.nic,
+                peer: peer.0,
+            },
+        ) {
+            Resp::Done(r) => r.map_err(Into::into),
+            r => unexpected(r),
+        }
+    }
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
         match call(
             &self.conn,

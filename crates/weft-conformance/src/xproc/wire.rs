@@ -74,6 +74,10 @@ pub(crate) enum ErrW {
     Other {
         text: String,
     },
+    PeerRemoved {
+        nic: String,
+        peer: Vec<u8>,
+    },
 }
 
 pub(crate) fn leak_op(op: String) -> &'static str {
@@ -167,6 +171,7 @@ impl From<&TransportError> for ErrW {
             },
             T::NicDown { nic } => ErrW::NicDown { nic },
             T::Canceled { nic } => ErrW::Canceled { nic },
+            T::PeerRemoved { nic, peer } => ErrW::PeerRemoved { nic, peer: peer.0 },
             other => ErrW::Other {
                 text: other.to_string(),
             },
@@ -182,6 +187,10 @@ impl From<ErrW> for TransportError {
                 nic,
                 peer: NetAddr(peer),
                 reason,
+            },
+            ErrW::PeerRemoved { nic, peer } => T::PeerRemoved {
+                nic,
+                peer: NetAddr(peer),
             },
             ErrW::RemoteAccess {
                 nic,
@@ -423,6 +432,10 @@ pub(crate) enum Req {
         wrs: Vec<WriteW>,
     },
     Poll(u32),
+    RemovePeer {
+        nic: u32,
+        peer: u32,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -25,9 +25,10 @@
 //!
 //! One module per piece of state: `nic` (per-NIC rings, posting and
 //! completion queues), `slab` (transfers in flight), `registry`
-//! (registrations, peer groups, receive pools), `route` (per-NIC routes of
+//! (registrations, peer groups, receive pools), `lifecycle` (removed peers), `route` (per-NIC routes of
 //! a destination) and `plan` (turning a request body into WRs).
 
+mod lifecycle;
 mod nic;
 mod plan;
 mod registry;
@@ -82,6 +83,10 @@ pub(crate) enum Control {
         pool: Arc<RecvPool>,
         reply: crossbeam_channel::Sender<Result<(), EngineError>>,
     },
+    RemovePeer {
+        addrs: Vec<NetAddr>,
+        reply: crossbeam_channel::Sender<Result<(), EngineError>>,
+    },
 }
 
 /// Static facts about a group once its domains are open.
@@ -122,6 +127,9 @@ pub(crate) struct WorkerCore {
     pending_pieces: usize,
     /// Per-NIC posting counters for `TransferEngine::stats`.
     counters: Arc<GroupCounters>,
+    /// Addresses removed with `TransferEngine::remove_peer`: refused for
+    /// good (see `lifecycle`).
+    removed: std::collections::BTreeSet<NetAddr>,
     #[cfg(feature = "latency-probe")]
     probes: Arc<crate::probe::ProbeSink>,
 }
@@ -216,6 +224,7 @@ impl WorkerCore {
             comps: Vec::new(),
             pending_pieces: 0,
             counters,
+            removed: std::collections::BTreeSet::new(),
             #[cfg(feature = "latency-probe")]
             probes,
         })

@@ -88,7 +88,10 @@ impl Nic {
 
 impl WorkerCore {
     /// The peer at `addr` on NIC `nic`, added on first use.
+    /// Addresses removed with `TransferEngine::remove_peer` are refused
+    /// ([`TransportError::PeerRemoved`]).
     pub(super) fn resolve(&mut self, nic: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        self.check_not_removed(nic, addr)?;
         let n = self
             .nics
             .get_mut(nic)
@@ -96,7 +99,12 @@ impl WorkerCore {
                 nic: String::new(),
                 what: format!("no NIC {nic}"),
             })?;
-        n.resolve(addr)
+        let known = n.peers.len();
+        let p = n.resolve(addr)?;
+        if n.peers.len() != known {
+            self.counters.set_peers(nic, self.nics[nic].peers.len());
+        }
+        Ok(p)
     }
 
     /// Posts what the fresh rings hold while there is room; the rest stays

@@ -94,7 +94,7 @@ impl WorkerCore {
                 dsts,
                 mode,
             } => {
-                self.reg.check_peer_group(peers, dsts.len())?;
+                self.reg.check_peer_group(self.group, peers, dsts.len())?;
                 // Fast path: a destination matched to its member whose
                 // ByPeer plan is one piece (NIC `j % nics`, the whole
                 // length: what `plan_scatter_dst` says) is pushed directly
@@ -148,7 +148,7 @@ impl WorkerCore {
                 Ok(())
             }
             Body::Barrier { imm, peers, dsts } => {
-                self.reg.check_peer_group(peers, dsts.len())?;
+                self.reg.check_peer_group(self.group, peers, dsts.len())?;
                 for j in 0..dsts.len() {
                     let target = match &dsts {
                         Dsts::Routed(v) => Target::Member(&v[j], peers, j),

@@ -18,6 +18,9 @@ pub(super) struct MrEntry {
 pub(super) struct PeerGroup {
     /// `[member][nic]` resolved peer and the address it was resolved from.
     pub(super) members: Vec<Vec<(NetAddr, PeerId)>>,
+    /// A member removed with `TransferEngine::remove_peer`: `(member,
+    /// address)`; the group is refused from then on.
+    pub(super) removed: Option<(usize, NetAddr)>,
 }
 
 pub(super) struct PoolState {
@@ -56,13 +59,26 @@ impl Registry {
         }
     }
 
-    pub(super) fn check_peer_group(&self, peers: u32, n: usize) -> Result<(), EngineError> {
+    pub(super) fn check_peer_group(
+        &self,
+        group: usize,
+        peers: u32,
+        n: usize,
+    ) -> Result<(), EngineError> {
         let g =
             self.peer_groups
                 .get(peers as usize)
                 .ok_or_else(|| EngineError::InvalidArgument {
                     what: format!("unknown peer group {peers}"),
                 })?;
+        if let Some((member, peer)) = &g.removed {
+            return Err(EngineError::PeerRemoved {
+                group,
+                peer_group: peers,
+                member: *member,
+                peer: peer.clone(),
+            });
+        }
         if g.members.len() != n {
             return Err(EngineError::InvalidArgument {
                 what: format!(
@@ -89,6 +105,9 @@ impl WorkerCore {
             }
             Control::RecvPool { pool, reply } => {
                 let _ = reply.send(self.add_recv_pool(pool));
+            }
+            Control::RemovePeer { addrs, reply } => {
+                let _ = reply.send(self.remove_peers(&addrs));
             }
         }
     }
@@ -188,7 +207,10 @@ impl WorkerCore {
                 what: "too many peer groups".into(),
             }
         })?;
-        self.reg.peer_groups.push(PeerGroup { members });
+        self.reg.peer_groups.push(PeerGroup {
+            members,
+            removed: None,
+        });
         Ok(id)
     }
 

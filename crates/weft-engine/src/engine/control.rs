@@ -143,6 +143,36 @@ impl TransferEngine {
         })
     }
 
+    /// Removes a peer (every NIC address of `peer`) on every group, e.g.
+    /// one whose process died or left; see "Peer lifecycle" in
+    /// docs/engine.md.
+    ///
+    /// Its WRs still waiting for send-queue room fail with
+    /// [`TransportError::PeerRemoved`](weft_transport::TransportError::PeerRemoved)
+    /// (as [`EngineError::Transport`]); WRs already posted to it fail the
+    /// same way or complete as usual, as the backend decides (each transfer
+    /// still resolves exactly once); the backends free its connection
+    /// state; peer groups with it as a member fail with
+    /// [`EngineError::PeerRemoved`] from now on. Its addresses stay refused
+    /// for good: transfers naming them later (descriptors of the old
+    /// incarnation) fail with `PeerRemoved` and never reach a process that
+    /// answers at the same address later. A restarted peer is reached at its
+    /// new address (every weft backend gives a new process a new one).
+    /// Removing an unknown or already removed peer is a no-op. A peer with
+    /// several domain groups is removed by passing each of its group
+    /// addresses (each call removes the NIC addresses it names).
+    pub fn remove_peer(&self, peer: &GroupAddress) -> Result<(), EngineError> {
+        let mut first = Ok(());
+        for gs in &self.inner.groups {
+            let addrs = peer.nics.clone();
+            let r = self.control(gs, |reply| Control::RemovePeer { addrs, reply });
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
     /// Posts a rotating pool of `count` receive buffers of `len` bytes on
     /// NIC 0 of group 0. `cb` runs on the callback thread for every
     /// received message (or receive error), on a copy of its bytes: the

@@ -1,0 +1,112 @@
+//! Peer removal at the libfabric domain, in one process, over tcp (on
+//! `lo`) and shm: a peer domain that goes away is removed and replaced by a
+//! new one (a restart: a new address), 20 times; every incarnation gets a
+//! verified write with one immediate, and after each removal the domain's
+//! peer table is back to its baseline, and so is the address vector on tcp
+//! (the removed peer's AV entry is `fi_av_remove`d once nothing uses it;
+//! shm keeps its entries: removing one crashes shm 1.17).
+
+use std::time::Duration;
+
+use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
+use weft_testkit::mem::{self, HostBufferExt};
+use weft_transport::{Access, Completion, Domain, RemoteSlice, TransportError, WrId, WriteWr};
+
+/// Bound on every wait (it only catches hangs).
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn provider(name: &str) -> Option<LibfabricProvider> {
+    let cfg = match name {
+        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
+        other => LibfabricConfig::new(other),
+    };
+    match LibfabricProvider::with_config(cfg) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("SKIP: libfabric {name} unavailable: {e}");
+            None
+        }
+    }
+}
+
+fn restart_loop(name: &str) {
+    let Some(p) = provider(name) else { return };
+    let src = mem::patterned(7, 4096);
+    let mut a: LibfabricDomain = p.open_domain(0).expect("open a");
+    let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    for k in 0..20u32 {
+        // A new incarnation: fresh domain, fresh memory, new address.
+        let dst = mem::zeroed(4096);
+        let mut b: LibfabricDomain = p.open_domain(0).expect("open b");
+        let dmr = b.register(&dst.region(), Access::RemoteWrite).unwrap();
+        let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+        // shm keeps the entries of removed peers.
+        let kept = if name == "shm" { k as usize } else { 0 };
+        assert_eq!(
+            (a.peer_count(), a.av_entries()),
+            (1, kept + 1),
+            "{name} #{k}"
+        );
+        let wr = WriteWr {
+            wr: WrId(u64::from(k)),
+            peer,
+            src: smr.slice(0, 4096).unwrap(),
+            dst: RemoteSlice {
+                base: dmr.addr,
+                offset: 0,
+                rkey: dmr.rkey,
+            },
+            imm: Some(k),
+        };
+        a.post_write(&wr).unwrap();
+        let (mut oa, mut ob) = (Vec::new(), Vec::new());
+        weft_testkit::wait_until(&format!("{name} #{k}: write"), DEADLINE, || {
+            a.poll(&mut oa).unwrap();
+            b.poll(&mut ob).unwrap();
+            !oa.is_empty() && !ob.is_empty()
+        });
+        assert!(
+            matches!(oa[..], [Completion::Write { result: Ok(()), .. }]),
+            "{name} #{k}: {oa:?}"
+        );
+        assert!(
+            matches!(ob[..], [Completion::Imm { imm }] if imm == k),
+            "{name} #{k}: {ob:?}"
+        );
+        assert_eq!(dst.bytes(0, 4096), src.bytes(0, 4096), "{name} #{k}");
+
+        // It goes away (nothing in flight) and is removed.
+        drop(b);
+        drop(dst);
+        a.remove_peer(peer).unwrap();
+        let e = a.post_write(&wr).unwrap_err();
+        assert!(
+            matches!(e, TransportError::PeerRemoved { .. }),
+            "{name} #{k}: {e}"
+        );
+        assert_eq!(a.peer_count(), 0, "{name} #{k}");
+        let mut out = Vec::new();
+        weft_testkit::wait_until(&format!("{name} #{k}: AV entry retired"), DEADLINE, || {
+            a.poll(&mut out).unwrap();
+            a.av_entries() == if name == "shm" { kept + 1 } else { 0 }
+        });
+        // Past the next sweeps nothing more comes (shm: the entry stays).
+        for _ in 0..64 {
+            a.poll(&mut out).unwrap();
+        }
+        assert!(
+            out.is_empty(),
+            "{name} #{k}: unexpected completions {out:?}"
+        );
+    }
+}
+
+#[test]
+fn tcp_removed_peers_free_their_av_entries() {
+    restart_loop("tcp");
+}
+
+#[test]
+fn shm_removed_peers_are_forgotten() {
+    restart_loop("shm");
+}

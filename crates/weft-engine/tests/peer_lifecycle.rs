@@ -1,0 +1,133 @@
+//! `TransferEngine::remove_peer` in manual mode over the loopback fabric
+//! (step mode): WRs waiting for send-queue room fail at once with
+//! `PeerRemoved`, posted ones still resolve exactly once, the peer's
+//! addresses and peer groups are refused from then on, other peers are
+//! unaffected, and the resolved peer count goes back to its baseline.
+
+mod common;
+
+use common::*;
+use std::sync::Arc;
+use weft_engine::{EngineError, OnDone};
+use weft_loopback::{Fabric, FabricConfig};
+use weft_transport::TransportError;
+
+fn peers(e: &weft_engine::TransferEngine) -> u64 {
+    e.stats().groups[0].nics.iter().map(|n| n.peers).sum()
+}
+
+fn is_removed_transport(e: &EngineError) -> bool {
+    matches!(e, EngineError::Transport { .. })
+        && matches!(e.transport(), Some(TransportError::PeerRemoved { .. }))
+}
+
+#[test]
+fn remove_peer_fails_queued_work_and_refuses_the_old_incarnation() {
+    for seed in seeds_or([41, 42, 43]) {
+        let _g = SeedGuard::new(seed, "remove_peer_fails_queued_work");
+        // One WR in flight per NIC: the rest of a batch waits for room.
+        let fabric = Fabric::new(FabricConfig {
+            max_inflight: 1,
+            ..FabricConfig::adversarial(seed)
+        });
+        let (a, b, c) = (fabric.add_host(1), fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, test_config(), true);
+        let eb = engine(&fabric, b, 1, test_config(), true);
+        let ec = engine(&fabric, c, 1, test_config(), true);
+        let src = Arc::new(mem::patterned(seed, 1 << 16));
+        let (bd, cd) = (
+            Arc::new(mem::zeroed(1 << 16)),
+            Arc::new(mem::zeroed(1 << 16)),
+        );
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, bdesc) = eb.reg_mr(bd.region()).unwrap();
+        let (_, cdesc) = ec.reg_mr(cd.region()).unwrap();
+        let (baddr, caddr) = (eb.main_address(), ec.main_address());
+        let engines = [ea.clone(), eb.clone(), ec.clone()];
+
+        // C is resolved first: the baseline.
+        let (od, f) = OnDone::flag();
+        ea.submit_single_write(4096, None, (&sh, 0), (&cdesc, 0), od)
+            .unwrap();
+        drive(&fabric, &engines, || f.is_done());
+        assert!(matches!(f.result(), Some(Ok(()))), "seed {seed}");
+        let baseline = peers(&ea);
+        let group = ea.add_peer_group(&[caddr.clone(), baddr.clone()]).unwrap();
+        assert_eq!(peers(&ea), baseline + 1, "seed {seed}");
+
+        // Eight writes to B: the first is posted, the rest wait for room.
+        let mut flags = Vec::new();
+        for k in 0..8u64 {
+            let (od, f) = OnDone::flag();
+            ea.submit_single_write(4096, Some(7), (&sh, k * 4096), (&bdesc, k * 4096), od)
+                .unwrap();
+            flags.push(f);
+        }
+        ea.progress();
+        assert!(ea.stats().groups[0].pending_wrs >= 6, "seed {seed}");
+        ea.remove_peer(&baddr).unwrap();
+        ea.remove_peer(&baddr).unwrap(); // a no-op
+                                         // The queued ones failed at once, without the fabric moving.
+        let failed = flags
+            .iter()
+            .filter(|f| matches!(f.result(), Some(Err(ref e)) if is_removed_transport(e)))
+            .count();
+        assert!(
+            failed >= 7,
+            "seed {seed}: {failed} of 8 failed at the removal"
+        );
+        ea.progress(); // publishes the stats
+        assert_eq!(ea.stats().groups[0].pending_wrs, 0, "seed {seed}");
+        // The posted one resolves too (it may have landed: B is alive).
+        drive(&fabric, &engines, || flags.iter().all(|f| f.is_done()));
+        assert_eq!(peers(&ea), baseline, "seed {seed}: peers after the removal");
+
+        // B's addresses and the peer group are refused from now on.
+        let (od, f) = OnDone::flag();
+        ea.submit_single_write(64, None, (&sh, 0), (&bdesc, 0), od)
+            .unwrap();
+        drive(&fabric, &engines, || f.is_done());
+        match f.result() {
+            Some(Err(e)) => assert!(e.is_peer_removed() && is_removed_transport(&e), "{e}"),
+            r => panic!("seed {seed}: write to a removed peer: {r:?}"),
+        }
+        let (od, f) = OnDone::flag();
+        let dsts = [cdesc.clone(), bdesc.clone()];
+        match ea.submit_barrier(&group, od, 9, &dsts) {
+            Err(e) => assert!(e.is_peer_removed(), "seed {seed}: {e}"),
+            Ok(_) => {
+                drive(&fabric, &engines, || f.is_done());
+                match f.result() {
+                    Some(Err(e @ EngineError::PeerRemoved { member: 1, .. })) => {
+                        assert!(e.is_peer_removed())
+                    }
+                    r => panic!("seed {seed}: barrier with a removed member: {r:?}"),
+                }
+            }
+        }
+        let (od, f) = OnDone::flag();
+        ea.submit_send(&baddr, b"hi", od).unwrap();
+        drive(&fabric, &engines, || f.is_done());
+        assert!(
+            matches!(f.result(), Some(Err(ref e)) if is_removed_transport(e)),
+            "seed {seed}: send to a removed peer: {:?}",
+            f.result()
+        );
+
+        // C is unaffected, and a new group with it works.
+        let (od, f) = OnDone::flag();
+        ea.submit_single_write(4096, None, (&sh, 4096), (&cdesc, 4096), od)
+            .unwrap();
+        drive(&fabric, &engines, || f.is_done());
+        assert!(matches!(f.result(), Some(Ok(()))), "seed {seed}");
+        let g2 = ea.add_peer_group(std::slice::from_ref(&caddr)).unwrap();
+        let (od, f) = OnDone::flag();
+        ea.submit_barrier(&g2, od, 9, std::slice::from_ref(&cdesc))
+            .unwrap();
+        drive(&fabric, &engines, || f.is_done());
+        assert!(matches!(f.result(), Some(Ok(()))), "seed {seed}");
+        for e in &engines {
+            e.shutdown();
+        }
+    }
+}
