@@ -1,0 +1,2 @@
+//! `weft-rl`: plan / simulate / run RL weight transfers.
+fn main() {}
