@@ -20,8 +20,10 @@
 mod error;
 pub mod fp8;
 pub mod meta;
+pub mod models;
 pub mod plan;
+pub mod summary;
 
 pub use error::RlError;
 pub use meta::{Box2, DType, InferTensor, Layout, ModelLayout, Quant, Rank, Segment, TrainParam};
-pub use plan::{plan, Plan, PlanConfig, Run, Unit, Xfer};
+pub use plan::{plan, Dest, Plan, PlanConfig, Run, Unit, Xfer};

@@ -49,6 +49,11 @@ pub struct PlanConfig {
     pub align: u64,
     /// Bytes of staging (arena) one trainer may hold at a time.
     pub watermark: u64,
+    /// A bf16 target is written straight from the trainers' shards only
+    /// when every shard's part of it is at least this long (or one shard
+    /// holds all of it); otherwise it is unsharded into one writer's arena
+    /// first (no flood of tiny writes for norms and small vectors).
+    pub min_direct_bytes: u64,
 }
 
 impl Default for PlanConfig {
@@ -58,6 +63,7 @@ impl Default for PlanConfig {
             unit_bytes: 8 << 20,
             align: 256,
             watermark: 512 << 20,
+            min_direct_bytes: 256 << 10,
         }
     }
 }
@@ -153,25 +159,18 @@ pub struct Unit {
     pub param: usize,
     /// Box of the parameter.
     pub src: Box2,
-    /// Inference rank.
-    pub inf: u32,
-    /// Tensor index on that rank.
-    pub tensor: usize,
-    /// First row of the unit in the inference tensor.
-    pub dest_row: u64,
     /// Storage of the target.
     pub quant: Quant,
+    /// Where it lands: one entry per inference tensor holding this box
+    /// (replicas across TP groups and instances are written from one
+    /// staging copy: unshard and quantise once, write many times).
+    pub dests: Vec<Dest>,
     /// The rank that writes it to inference.
     pub writer: Rank,
     /// Ranks that could have.
     pub eligible: Vec<Rank>,
     /// Order in which the balancer assigned it (within its group).
     pub assign_seq: u32,
-    /// Unstaged: `xfer.src` in the writer's trainer region. Staged: `src`
-    /// in the arena (the quantised bytes).
-    pub data: Xfer,
-    /// fp8 scales (contiguous, from the arena).
-    pub scales: Option<Xfer>,
     /// Staged (fp8): arena range `[arena_off, arena_off + arena_len)`; the
     /// bf16 box sits at `arena_off`, row-major with `src.width()` columns.
     pub arena: Option<(u64, u64)>,
@@ -181,10 +180,37 @@ pub struct Unit {
     pub gathers: Vec<Gather>,
 }
 
-impl Unit {
+/// One destination of a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Dest {
+    /// Inference rank.
+    pub inf: u32,
+    /// Tensor index on that rank.
+    pub tensor: usize,
+    /// First row of the unit in the inference tensor.
+    pub dest_row: u64,
+    /// Unstaged: `src` in the writer's trainer region. Staged: `src` in the
+    /// arena (the quantised bytes).
+    pub data: Xfer,
+    /// fp8 scales (contiguous, from the arena).
+    pub scales: Option<Xfer>,
+}
+
+impl Dest {
     /// Bytes it puts into inference memory.
-    pub fn dest_bytes(&self) -> u64 {
+    pub fn bytes(&self) -> u64 {
         self.data.dst.bytes() + self.scales.map_or(0, |s| s.dst.bytes())
+    }
+    /// Its transfers (data, then scales).
+    pub fn xfers(&self) -> impl Iterator<Item = &Xfer> + '_ {
+        std::iter::once(&self.data).chain(self.scales.as_ref())
+    }
+}
+
+impl Unit {
+    /// Bytes it puts into inference memory (all destinations).
+    pub fn dest_bytes(&self) -> u64 {
+        self.dests.iter().map(Dest::bytes).sum()
     }
 }
 
@@ -226,13 +252,17 @@ pub struct TrainerRegion {
 impl TrainerRegion {
     /// The held piece of `param` containing `b`.
     pub fn piece(&self, param: usize, b: &Box2) -> Option<&(usize, Box2, u64)> {
-        self.pieces.iter().find(|(p, pb, _)| {
-            *p == param
-                && pb.rows.start <= b.rows.start
-                && b.rows.end <= pb.rows.end
-                && pb.cols.start <= b.cols.start
-                && b.cols.end <= pb.cols.end
-        })
+        // Pieces are stored in parameter order.
+        let lo = self.pieces.partition_point(|(p, _, _)| *p < param);
+        self.pieces[lo..]
+            .iter()
+            .take_while(|(p, _, _)| *p == param)
+            .find(|(_, pb, _)| {
+                pb.rows.start <= b.rows.start
+                    && b.rows.end <= pb.rows.end
+                    && pb.cols.start <= b.cols.start
+                    && b.cols.end <= pb.cols.end
+            })
     }
 }
 
@@ -345,9 +375,9 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                 let p = &m.params[seg.param];
                 let elem = p.dtype.size();
                 let w = seg.src.width();
-                let mut push = |b: Box2, eligible: Vec<Rank>| {
+                let mut push = |b: Box2, eligible: Vec<Rank>, staged: bool| {
                     let drow = dest_row + (b.rows.start - seg.src.rows.start);
-                    units.push(new_unit(
+                    let mut u = new_unit(
                         seg.param,
                         b,
                         i as u32,
@@ -360,10 +390,19 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                         cfg,
                         p.mesh_group,
                         elem,
-                    ));
+                    );
+                    if staged {
+                        u.arena = Some((0, 0));
+                    }
+                    units.push(u);
                 };
+                let inters: Vec<u64> = pieces[seg.param]
+                    .iter()
+                    .filter_map(|(_, pb)| seg.src.intersect(pb).map(|b| b.elems() * elem))
+                    .collect();
+                let direct = inters.len() == 1 || inters.iter().all(|&x| x >= cfg.min_direct_bytes);
                 match t.quant {
-                    Quant::None => {
+                    Quant::None if direct => {
                         for (holders, pb) in &pieces[seg.param] {
                             let Some(inter) = seg.src.intersect(pb) else {
                                 continue;
@@ -378,14 +417,17 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                                         cols: inter.cols.clone(),
                                     },
                                     holders.clone(),
+                                    false,
                                 );
                                 r = e;
                             }
                         }
                     }
-                    Quant::Fp8Block => {
-                        let tiles = (cfg.unit_bytes / (w * elem * cfg.block)).max(1);
-                        let band = tiles * cfg.block;
+                    _ => {
+                        let fp8 = t.quant == Quant::Fp8Block;
+                        let tile = if fp8 { cfg.block } else { 1 };
+                        let tiles = (cfg.unit_bytes / (w * elem * tile)).max(1);
+                        let band = tiles * tile;
                         let mut r = seg.src.rows.start;
                         while r < seg.src.rows.end {
                             let e = (r + band).min(seg.src.rows.end);
@@ -400,7 +442,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                                 .collect();
                             el.sort_unstable();
                             el.dedup();
-                            push(b, el);
+                            push(b, el, true);
                             r = e;
                         }
                     }
@@ -409,6 +451,29 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
             }
         }
     }
+
+    // One unit per (parameter box, storage): replicas become destinations.
+    let mut merged: Vec<Unit> = Vec::with_capacity(units.len());
+    let mut seen: BTreeMap<(usize, u64, u64, u64, u64, bool, bool), usize> = BTreeMap::new();
+    for u in units {
+        let key = (
+            u.param,
+            u.src.rows.start,
+            u.src.rows.end,
+            u.src.cols.start,
+            u.src.cols.end,
+            u.quant == Quant::Fp8Block,
+            u.arena.is_some(),
+        );
+        match seen.get(&key) {
+            Some(&k) => merged[k].dests.extend(u.dests),
+            None => {
+                seen.insert(key, merged.len());
+                merged.push(u);
+            }
+        }
+    }
+    let mut units = merged;
 
     // Balance within each mesh group.
     let groups_meta = m.mesh_groups();
@@ -470,8 +535,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
             u.param,
             u.src.rows.start,
             u.src.cols.start,
-            u.inf,
-            u.tensor,
+            u.quant == Quant::Fp8Block,
         )
     });
     let mut groups = Vec::new();
@@ -565,15 +629,17 @@ fn new_unit(
         wave: 0,
         param,
         src: b,
-        inf,
-        tensor,
-        dest_row,
         quant,
+        dests: vec![Dest {
+            inf,
+            tensor,
+            dest_row,
+            data: Xfer { src: dst, dst },
+            scales,
+        }],
         writer: 0,
         eligible,
         assign_seq: 0,
-        data: Xfer { src: dst, dst },
-        scales,
         arena: None,
         local: Vec::new(),
         gathers: Vec::new(),
@@ -590,23 +656,38 @@ fn fill_sources(
     cfg: &PlanConfig,
 ) -> Result<(), RlError> {
     let missing = |r: Rank| RlError::Plan(format!("rank {r} lacks a piece of param {}", u.param));
-    match u.quant {
-        Quant::None => {
+    match u.arena {
+        None => {
             let (_, pb, off) = trainers[u.writer as usize]
                 .piece(u.param, &u.src)
                 .ok_or_else(|| missing(u.writer))?;
             let src = box_run(*off, pb.width(), elem, pb.rows.start, pb.cols.start, &u.src);
-            u.data = pair(src, u.data.dst);
+            for d in &mut u.dests {
+                d.data = pair(src, d.data.dst);
+            }
         }
-        Quant::Fp8Block => {
+        Some(_) => {
             let bw = u.src.width();
             let box_bytes = align_up(u.src.elems() * elem, cfg.align);
-            let q_bytes = align_up(u.src.elems(), cfg.align);
-            let s_bytes = u.scales.map_or(0, |s| s.dst.bytes());
+            let fp8 = u.quant == Quant::Fp8Block;
+            let q_bytes = if fp8 {
+                align_up(u.src.elems(), cfg.align)
+            } else {
+                0
+            };
+            let s_bytes = u.dests[0].scales.map_or(0, |s| s.dst.bytes());
             u.arena = Some((0, box_bytes + q_bytes + align_up(s_bytes, cfg.align)));
-            u.data = pair(Run::contiguous(box_bytes, u.src.elems()), u.data.dst);
-            if let Some(s) = &mut u.scales {
-                s.src = Run::contiguous(box_bytes + q_bytes, s_bytes);
+            // fp8: the quantised bytes after the box; bf16: the box itself.
+            let out = if fp8 {
+                Run::contiguous(box_bytes, u.src.elems())
+            } else {
+                Run::contiguous(0, u.src.elems() * elem)
+            };
+            for d in &mut u.dests {
+                d.data = pair(out, d.data.dst);
+                if let Some(s) = &mut d.scales {
+                    s.src = Run::contiguous(box_bytes + q_bytes, s_bytes);
+                }
             }
             for (holders, pb) in pieces {
                 let Some(inter) = pb.intersect(&u.src) else {
@@ -677,9 +758,11 @@ fn relocate(u: &mut Unit, off: u64) {
     if let Some(a) = &mut u.arena {
         a.0 = off;
     }
-    u.data.src.offset += off;
-    if let Some(s) = &mut u.scales {
-        s.src.offset += off;
+    for d in &mut u.dests {
+        d.data.src.offset += off;
+        if let Some(s) = &mut d.scales {
+            s.src.offset += off;
+        }
     }
     for x in &mut u.local {
         x.dst.offset += off;
@@ -721,13 +804,11 @@ impl Plan {
 
     /// Every transfer into inference rank `inf`: `(writer, xfer)`.
     pub fn writes_to(&self, inf: u32) -> impl Iterator<Item = (Rank, &Xfer)> + '_ {
-        self.units
-            .iter()
-            .filter(move |u| u.inf == inf)
-            .flat_map(|u| {
-                std::iter::once(&u.data)
-                    .chain(u.scales.as_ref())
-                    .map(move |x| (u.writer, x))
-            })
+        self.units.iter().flat_map(move |u| {
+            u.dests
+                .iter()
+                .filter(move |d| d.inf == inf)
+                .flat_map(move |d| d.xfers().map(move |x| (u.writer, x)))
+        })
     }
 }

@@ -41,7 +41,11 @@ fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
     for u in &p.units {
         let w = u.writer as usize;
         match u.arena {
-            None => apply(&u.data, &imgs[w], &mut inf[u.inf as usize]),
+            None => {
+                for d in &u.dests {
+                    apply(&d.data, &imgs[w], &mut inf[d.inf as usize]);
+                }
+            }
             Some((off, len)) => {
                 let mut arena = vec![0u8; p.arena_len as usize];
                 assert!(off + len <= p.arena_len);
@@ -54,13 +58,14 @@ fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
                 }
                 let (h, wd) = (u.src.height() as usize, u.src.width() as usize);
                 let box_bytes = h * wd * 2;
-                let qo = u.data.src.offset as usize;
-                let so = u
+                let d0 = &u.dests[0];
+                let qo = d0.data.src.offset as usize;
+                let so = d0
                     .scales
                     .as_ref()
                     .map(|s| s.src.offset as usize)
                     .unwrap_or(0);
-                let sl = u
+                let sl = d0
                     .scales
                     .as_ref()
                     .map(|s| s.src.bytes() as usize)
@@ -68,19 +73,25 @@ fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
                 let src = arena[off as usize..off as usize + box_bytes].to_vec();
                 let mut q = vec![0u8; h * wd];
                 let mut sc = vec![0u8; sl];
-                assert!(weft_rl::fp8::quantize_block(
-                    &src,
-                    h,
-                    wd,
-                    p.config.block as usize,
-                    &mut q,
-                    &mut sc
-                ));
-                arena[qo..qo + h * wd].copy_from_slice(&q);
-                arena[so..so + sl].copy_from_slice(&sc);
-                apply(&u.data, &arena, &mut inf[u.inf as usize]);
-                if let Some(s) = &u.scales {
-                    apply(s, &arena, &mut inf[u.inf as usize]);
+                let fp8 = u.quant == Quant::Fp8Block;
+                assert!(
+                    !fp8 || weft_rl::fp8::quantize_block(
+                        &src,
+                        h,
+                        wd,
+                        p.config.block as usize,
+                        &mut q,
+                        &mut sc
+                    )
+                );
+                if fp8 {
+                    arena[qo..qo + h * wd].copy_from_slice(&q);
+                    arena[so..so + sl].copy_from_slice(&sc);
+                }
+                for d in &u.dests {
+                    for x in d.xfers() {
+                        apply(x, &arena, &mut inf[d.inf as usize]);
+                    }
                 }
             }
         }
@@ -88,7 +99,12 @@ fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
     inf
 }
 
-fn check(seed: u64, unit_bytes: u64, watermark: u64) -> Result<(), TestCaseError> {
+fn check(
+    seed: u64,
+    unit_bytes: u64,
+    watermark: u64,
+    min_direct_bytes: u64,
+) -> Result<(), TestCaseError> {
     let block = 4;
     let m = random_layout(seed, block);
     let cfg = PlanConfig {
@@ -96,6 +112,7 @@ fn check(seed: u64, unit_bytes: u64, watermark: u64) -> Result<(), TestCaseError
         unit_bytes,
         align: 8,
         watermark,
+        min_direct_bytes,
     };
     let p = match plan(&m, &cfg) {
         Ok(p) => p,
@@ -137,11 +154,12 @@ fn check(seed: u64, unit_bytes: u64, watermark: u64) -> Result<(), TestCaseError
         prop_assert!(u.eligible.contains(&u.writer));
         match u.arena {
             None => {
-                prop_assert!(u.data.src.end() <= p.trainers[u.writer as usize].len);
+                for d in &u.dests {
+                    prop_assert!(d.data.src.end() <= p.trainers[u.writer as usize].len);
+                }
                 prop_assert!(u.gathers.is_empty() && u.local.is_empty());
             }
             Some((off, len)) => {
-                prop_assert_eq!(u.quant, Quant::Fp8Block);
                 prop_assert!(off + len <= cfg.watermark);
                 let bb = u.src.elems() * 2;
                 let mut cover = vec![0u32; bb as usize];
@@ -157,7 +175,15 @@ fn check(seed: u64, unit_bytes: u64, watermark: u64) -> Result<(), TestCaseError
                     prop_assert!(g.xfer.src.end() <= p.trainers[g.from as usize].len);
                 }
                 prop_assert!(cover.iter().all(|&c| c == 1), "arena box not covered once");
-                prop_assert!(u.data.src.offset >= off + bb && u.data.src.end() <= off + len);
+                for d in &u.dests {
+                    for x in d.xfers() {
+                        if u.quant == Quant::Fp8Block {
+                            prop_assert!(x.src.offset >= off + bb && x.src.end() <= off + len);
+                        } else {
+                            prop_assert!(x.src.offset >= off && x.src.end() <= off + bb);
+                        }
+                    }
+                }
                 wave_use
                     .entry((u.mesh_group, u.wave, u.writer))
                     .or_default()
@@ -218,8 +244,8 @@ fn check(seed: u64, unit_bytes: u64, watermark: u64) -> Result<(), TestCaseError
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
     #[test]
-    fn plan_covers_every_byte_once(seed in any::<u64>(), unit in 2u64..400, wm in 64u64..8192) {
-        check(seed, unit, wm)?;
+    fn plan_covers_every_byte_once(seed in any::<u64>(), unit in 2u64..400, wm in 64u64..8192, direct in 0u64..64) {
+        check(seed, unit, wm, direct)?;
     }
 }
 

@@ -110,6 +110,14 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
                 quant: if fp8 { Quant::Fp8Block } else { Quant::None },
             });
         }
+        // replicas: the same tensor on several ranks (TP groups, instances)
+        if let Some(prev) = inference.first().cloned() {
+            if g.below(2) == 0 {
+                let prev: Vec<InferTensor> = prev;
+                let k = g.below(prev.len() as u64) as usize;
+                ts.push(prev[k].clone());
+            }
+        }
         inference.push(ts);
     }
     ModelLayout {
