@@ -18,6 +18,7 @@
 #![deny(unsafe_code)]
 
 mod error;
+pub mod exec;
 pub mod fp8;
 pub mod meta;
 pub mod models;

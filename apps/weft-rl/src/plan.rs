@@ -119,6 +119,14 @@ pub struct Xfer {
     pub dst: Run,
 }
 
+impl Xfer {
+    /// One `submit_single_write` (both sides contiguous); otherwise one
+    /// `submit_paged_writes` of `dst.count` pages.
+    pub fn is_single(&self) -> bool {
+        self.src.is_contiguous() && self.dst.is_contiguous()
+    }
+}
+
 /// A strided run over a 2-D row-major matrix of `width` elements of `elem`
 /// bytes at byte `base`: the sub-box `b` whose top-left is `(r0, c0)`
 /// relative to the matrix.

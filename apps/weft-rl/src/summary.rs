@@ -5,7 +5,7 @@ use std::fmt;
 use weft::{shard, ShardConfig};
 
 use crate::meta::ModelLayout;
-use crate::plan::{Plan, Run};
+use crate::plan::{Plan, Xfer};
 
 /// Min / mean / max of a load vector.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -69,8 +69,9 @@ pub struct Summary {
     pub arena: u64,
 }
 
-fn nic_bytes(out: &mut [u64], rr: &mut usize, r: &Run, nics: usize, cfg: &ShardConfig) {
-    if r.is_contiguous() {
+fn nic_bytes(out: &mut [u64], rr: &mut usize, x: &Xfer, nics: usize, cfg: &ShardConfig) {
+    let r = &x.dst;
+    if x.is_single() {
         for p in shard::plan_single_write(r.bytes(), nics, u64::MAX, *rr, cfg) {
             out[p.nic] += p.len;
         }
@@ -96,7 +97,7 @@ impl Summary {
         for u in &plan.units {
             for d in &u.dests {
                 for x in d.xfers() {
-                    if x.dst.is_contiguous() {
+                    if x.is_single() {
                         single += 1;
                     } else {
                         paged.0 += 1;
@@ -107,7 +108,7 @@ impl Summary {
                     nic_bytes(
                         &mut nic[w * nics..(w + 1) * nics],
                         &mut rr[w],
-                        &x.dst,
+                        x,
                         nics,
                         &cfg,
                     );
