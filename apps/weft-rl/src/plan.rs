@@ -130,7 +130,7 @@ impl Xfer {
 /// A strided run over a 2-D row-major matrix of `width` elements of `elem`
 /// bytes at byte `base`: the sub-box `b` whose top-left is `(r0, c0)`
 /// relative to the matrix.
-fn box_run(base: u64, width: u64, elem: u64, r0: u64, c0: u64, b: &Box2) -> Run {
+pub(crate) fn box_run(base: u64, width: u64, elem: u64, r0: u64, c0: u64, b: &Box2) -> Run {
     let h = b.height();
     let w = b.width();
     let contiguous = w == width || h == 1;

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_rl::exec::{Directory, Inference, StepConfig, Trainer};
+use weft_rl::exec::{
+    Directory, Inference, Rank0Directory, Rank0Inference, Rank0Trainer, StepConfig, Trainer,
+};
 use weft_rl::models::{self, InferLayout, TrainLayout};
 use weft_rl::{plan, ModelLayout, Plan, PlanConfig, RlError};
 use weft_testkit::{seeds_or, SeedGuard};
@@ -193,6 +195,82 @@ impl Cluster {
         }
     }
 
+    /// The Rank0 baseline on the same engines (same fabric), one update,
+    /// checked against the same reference.
+    fn rank0_side_by_side(&self, step: u64) {
+        let nt = self.trainers.len();
+        let model = Arc::new(self.ml.clone());
+        let r0t: Vec<Arc<Rank0Trainer>> = (0..nt)
+            .map(|r| {
+                Arc::new(
+                    Rank0Trainer::new(
+                        self.engines[r].clone(),
+                        r as u32,
+                        model.clone(),
+                        self.plan.clone(),
+                        self.cfg,
+                    )
+                    .unwrap(),
+                )
+            })
+            .collect();
+        let r0i: Vec<Arc<Rank0Inference>> = (0..self.inference.len())
+            .map(|r| {
+                Arc::new(
+                    Rank0Inference::new(
+                        self.engines[nt + r].clone(),
+                        r as u32,
+                        self.plan.clone(),
+                        self.cfg,
+                    )
+                    .unwrap(),
+                )
+            })
+            .collect();
+        for (r, t) in r0t.iter().enumerate() {
+            assert!(t
+                .shards()
+                .write(0, &common::trainer_image(&self.plan, r, step)));
+        }
+        let dir = Arc::new(Rank0Directory {
+            full: r0t[0].full_desc().unwrap(),
+            trainer_acks: r0t.iter().map(|t| t.ack_desc()).collect(),
+            staging: r0i[0].staging_desc().unwrap(),
+            weights: r0i.iter().map(|i| i.weights_desc()).collect(),
+        });
+        let hs: Vec<_> = r0t
+            .iter()
+            .map(|t| {
+                let (t, d) = (t.clone(), dir.clone());
+                std::thread::spawn(move || t.step(0, &d))
+            })
+            .collect();
+        let is: Vec<_> = r0i
+            .iter()
+            .map(|i| {
+                let (i, d) = (i.clone(), dir.clone());
+                std::thread::spawn(move || i.step(0, &d))
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap().expect("rank0 trainer");
+        }
+        for h in is {
+            h.join().unwrap().expect("rank0 inference");
+        }
+        for (i, inf) in r0i.iter().enumerate() {
+            let buf = inf.buffer(0).unwrap();
+            let got = buf.read(0, buf.len()).unwrap();
+            let want = common::reference_region(&self.ml, &self.plan, i, step);
+            let bad = want
+                .iter()
+                .enumerate()
+                .filter(|(b, w)| w.is_some_and(|w| got[*b] != w))
+                .count();
+            assert_eq!(bad, 0, "rank0 inference {i}: {bad} bytes differ");
+        }
+    }
+
     fn shutdown(self) {
         for e in &self.engines {
             e.shutdown();
@@ -216,6 +294,7 @@ fn run(model: &str, t: TrainLayout, i: InferLayout) {
             }
             c.check(version, 100 + version);
         }
+        c.rank0_side_by_side(7);
         c.shutdown();
     }
 }

@@ -32,6 +32,7 @@
 //! same on every rank; see [`ImmPlan`]).
 
 mod inference;
+mod rank0;
 mod trainer;
 
 use std::time::Duration;
@@ -42,6 +43,7 @@ use crate::plan::{Plan, Run, Xfer};
 use crate::RlError;
 
 pub use inference::Inference;
+pub use rank0::{Rank0Directory, Rank0Inference, Rank0Trainer};
 pub use trainer::{StepStats, Trainer};
 
 /// What every rank must know of every other (exchanged once, out of band;
@@ -103,13 +105,24 @@ pub struct ImmPlan {
 impl ImmPlan {
     /// The values for `plan` on an engine with `capacity` immediates.
     pub fn new(plan: &Plan, capacity: u32) -> Result<ImmPlan, RlError> {
-        let need = 3 + 2 * plan.groups.len() as u64;
+        Self::below(plan, capacity, 0)
+    }
+
+    /// Values per step: `3 + 2 * groups`.
+    pub fn len(plan: &Plan) -> u64 {
+        3 + 2 * plan.groups.len() as u64
+    }
+
+    /// The values below the `skip` topmost ones (a second protocol on the
+    /// same engine, e.g. the Rank0 baseline next to the P2P path).
+    pub fn below(plan: &Plan, capacity: u32, skip: u32) -> Result<ImmPlan, RlError> {
+        let need = Self::len(plan) + u64::from(skip);
         if u64::from(capacity) < need {
             return Err(RlError::Plan(format!(
                 "{need} reserved immediates needed, the engine has {capacity}"
             )));
         }
-        let top = capacity - 1;
+        let top = capacity - 1 - skip;
         let g = plan.groups.len() as u32;
         Ok(ImmPlan {
             weights: [top, top - 1],
