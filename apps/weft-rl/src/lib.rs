@@ -9,6 +9,9 @@
 //!   inference byte written by exactly one trainer, load balanced, cut into
 //!   watermark-bounded waves per mesh group.
 //! - [`fp8`]: bf16 → e4m3 with per-128×128-tile f32 scales.
+//! - [`exec`]: the per-step pipeline over the engine ([`exec::Trainer`],
+//!   [`exec::Inference`]) and the Rank0 baseline in the same code.
+//! - [`sim`]: an event-level scale model driven by the same plan.
 //! - [`models`]: parameter tables of Qwen3-235B-A22B, DeepSeek-V3 and
 //!   Kimi-K2 from their published configs, and the paper's layouts.
 //!
@@ -23,6 +26,7 @@ pub mod fp8;
 pub mod meta;
 pub mod models;
 pub mod plan;
+pub mod sim;
 pub mod summary;
 
 pub use error::RlError;

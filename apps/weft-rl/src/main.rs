@@ -2,12 +2,14 @@
 //!
 //! - `weft-rl plan --model kimi-k2` prints the routing summary for a model
 //!   and layout (default: the paper's).
+//! - `weft-rl simulate` predicts update times at the paper's scale.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use weft_rl::models::{self, InferLayout, ModelConfig, TrainLayout};
+use weft_rl::sim::{simulate, SimConfig};
 use weft_rl::summary::Summary;
 use weft_rl::{plan, ModelLayout, Plan, PlanConfig};
 
@@ -22,6 +24,28 @@ struct Cli {
 enum Cmd {
     /// Print the routing summary of a model and layout.
     Plan(LayoutArgs),
+    /// Predict update times at the paper's scale (event-level model driven
+    /// by the plan): P2P vs Rank0 vs the bandwidth bound vs the paper.
+    Simulate(SimArgs),
+}
+
+#[derive(Args, Clone)]
+struct SimArgs {
+    /// Models (default: the paper's three).
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// NICs per GPU.
+    #[arg(long, default_value_t = 1)]
+    nics: u32,
+    /// Gbit/s per NIC.
+    #[arg(long, default_value_t = 400.0)]
+    nic_gbps: f64,
+    /// Unit size in MiB.
+    #[arg(long, default_value_t = 8)]
+    unit_mib: u64,
+    /// Watermark in MiB.
+    #[arg(long, default_value_t = 512)]
+    watermark_mib: u64,
 }
 
 #[derive(Args, Clone)]
@@ -112,10 +136,65 @@ fn cmd_plan(a: &LayoutArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// The paper's reported update time per model (seconds).
+fn paper(m: &str) -> &'static str {
+    match m {
+        "kimi-k2" => "1.2-1.3 (Table 5: 1.233)",
+        "deepseek-v3" | "qwen3-235b-a22b" => "1.2-2.0 (training logs)",
+        _ => "-",
+    }
+}
+
+fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
+    let names: Vec<String> = if a.models.is_empty() {
+        vec![
+            "kimi-k2".into(),
+            "deepseek-v3".into(),
+            "qwen3-235b-a22b".into(),
+        ]
+    } else {
+        a.models.clone()
+    };
+    let cfg = SimConfig {
+        nics: a.nics,
+        nic_gbps: a.nic_gbps,
+        ..SimConfig::default()
+    };
+    println!("event-level model, {} x {} Gb/s NICs per GPU, NVLink {} GB/s, quantise {} GB/s/GPU, submit {} us/WRITE", cfg.nics, cfg.nic_gbps, cfg.nvlink_gbs, cfg.quant_gbs, cfg.submit_us);
+    println!("| model | layout | into inference | weft P2P (pred.) | unshard / quantise / write / wait on slowest rank | bytes / aggregate bw | Rank0 (pred.) | paper | plan + sim wall |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for n in names {
+        let t0 = Instant::now();
+        let la = LayoutArgs {
+            model: n.clone(),
+            fsdp: None,
+            pp: None,
+            ep: None,
+            inference: None,
+            instance: None,
+            tp: None,
+            nics: a.nics as usize,
+            unit_mib: a.unit_mib,
+            watermark_mib: a.watermark_mib,
+        };
+        let (_, t, i, ml, p) = la.build()?;
+        let r = simulate(&ml, &p, &cfg);
+        println!(
+            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}, instances of {}) | {} | {:.2} s | {:.2} / {:.2} / {:.2} / {:.2} s | {:.3} s | {:.1} s | {} | {:.1} s |",
+            t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp, i.instance,
+            weft_rl::summary::human(r.bytes as f64),
+            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.bound_s, r.rank0_s, paper(&n),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match &cli.cmd {
         Cmd::Plan(a) => cmd_plan(a),
+        Cmd::Simulate(a) => cmd_simulate(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
