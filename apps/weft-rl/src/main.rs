@@ -3,6 +3,12 @@
 //! - `weft-rl plan --model kimi-k2` prints the routing summary for a model
 //!   and layout (default: the paper's).
 //! - `weft-rl simulate` predicts update times at the paper's scale.
+//! - `weft-rl run --provider libfabric:tcp` runs real updates between
+//!   processes (P2P and Rank0 side by side, checked bit-exact; `--kill`).
+
+mod demo;
+mod run;
+mod worker;
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -27,6 +33,65 @@ enum Cmd {
     /// Predict update times at the paper's scale (event-level model driven
     /// by the plan): P2P vs Rank0 vs the bandwidth bound vs the paper.
     Simulate(SimArgs),
+    /// Real updates: trainer and inference ranks as processes (libfabric)
+    /// or threads (loopback), P2P and Rank0 side by side, checked bit-exact.
+    Run(RunArgs),
+    /// (internal) one rank of `run`.
+    #[command(hide = true)]
+    Worker {
+        /// trainer | inference.
+        role: String,
+        /// Rank.
+        rank: u32,
+        /// Encoded spec.
+        spec: String,
+    },
+}
+
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// loopback, libfabric:tcp, libfabric:shm.
+    #[arg(long, default_value = "loopback")]
+    provider: String,
+    /// Model (tiny-moe, tiny-mla).
+    #[arg(long, default_value = "tiny-moe")]
+    model: String,
+    /// FSDP.
+    #[arg(long, default_value_t = 2)]
+    fsdp: u32,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pp: u32,
+    /// Expert parallelism.
+    #[arg(long, default_value_t = 2)]
+    ep: u32,
+    /// Inference ranks.
+    #[arg(long, default_value_t = 2)]
+    inference: u32,
+    /// Inference ranks per instance.
+    #[arg(long, default_value_t = 2)]
+    instance: u32,
+    /// Inference attention TP.
+    #[arg(long, default_value_t = 2)]
+    tp: u32,
+    /// NICs per rank.
+    #[arg(long, default_value_t = 1)]
+    nics: usize,
+    /// Updates.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Kill a trainer during one more update, check, replace, retry.
+    #[arg(long)]
+    kill: bool,
+    /// Unit size in KiB.
+    #[arg(long, default_value_t = 256)]
+    unit_kib: u64,
+    /// Watermark in KiB.
+    #[arg(long, default_value_t = 2048)]
+    watermark_kib: u64,
+    /// Step deadline in ms.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
 }
 
 #[derive(Args, Clone)]
@@ -195,6 +260,29 @@ fn main() -> ExitCode {
     let r = match &cli.cmd {
         Cmd::Plan(a) => cmd_plan(a),
         Cmd::Simulate(a) => cmd_simulate(a),
+        Cmd::Run(a) => run::run(
+            &worker::Spec {
+                provider: a.provider.clone(),
+                model: a.model.clone(),
+                train: TrainLayout {
+                    fsdp: a.fsdp,
+                    pp: a.pp,
+                    ep: a.ep,
+                },
+                infer: InferLayout {
+                    ranks: a.inference,
+                    instance: a.instance,
+                    attn_tp: a.tp,
+                },
+                nics: a.nics,
+                unit_bytes: a.unit_kib << 10,
+                watermark: a.watermark_kib << 10,
+                timeout_ms: a.timeout_ms,
+            },
+            a.steps,
+            a.kill,
+        ),
+        Cmd::Worker { role, rank, spec } => run::worker_main(role, *rank, spec),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
