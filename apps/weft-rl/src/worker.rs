@@ -501,6 +501,8 @@ impl Cluster {
 pub struct ThreadPeer {
     tx: std::sync::mpsc::Sender<String>,
     rx: std::sync::mpsc::Receiver<String>,
+    engine: Arc<TransferEngine>,
+    dead: bool,
 }
 
 impl ThreadPeer {
@@ -514,6 +516,7 @@ impl ThreadPeer {
         let (ptx, crx) = std::sync::mpsc::channel::<String>();
         let (ctx, prx) = std::sync::mpsc::channel::<String>();
         let eng = engine(backend, spec.nics)?;
+        let keep = eng.clone();
         let (spec, role) = (spec.clone(), role.to_string());
         std::thread::spawn(move || {
             let c2 = ctx.clone();
@@ -525,7 +528,12 @@ impl ThreadPeer {
                 let _ = ctx.send(format!("fatal {e}"));
             }
         });
-        Ok(ThreadPeer { tx: ptx, rx: prx })
+        Ok(ThreadPeer {
+            tx: ptx,
+            rx: prx,
+            engine: keep,
+            dead: false,
+        })
     }
 }
 
@@ -536,7 +544,16 @@ impl Peer for ThreadPeer {
             .map_err(|_| "rank thread gone".to_string())
     }
     fn recv(&mut self, timeout: Duration) -> Result<Option<String>, String> {
+        if self.dead {
+            return Ok(None);
+        }
         Ok(self.rx.recv_timeout(timeout).ok())
     }
-    fn kill(&mut self) {}
+    /// The in-process stand-in for a killed process: the rank's engine
+    /// shuts down (its NICs close; its transfers and peers' transfers to it
+    /// fail) and its thread is no longer listened to.
+    fn kill(&mut self) {
+        self.dead = true;
+        self.engine.shutdown();
+    }
 }
