@@ -353,7 +353,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
     {
         return Err(RlError::Layout("degrees must be > 0".into()));
     }
-    if inf.ranks % inf.instance != 0 || inf.instance % inf.attn_tp != 0 {
+    if !inf.ranks.is_multiple_of(inf.instance) || !inf.instance.is_multiple_of(inf.attn_tp) {
         return Err(RlError::Layout(format!(
             "{} inference ranks do not split into instances of {} with TP {}",
             inf.ranks, inf.instance, inf.attn_tp

@@ -302,6 +302,9 @@ pub struct Plan {
     pub arena_len: u64,
 }
 
+/// Identity of a unit across replicas: parameter, box, fp8, staged.
+type UnitKey = (usize, u64, u64, u64, u64, bool, bool);
+
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a.max(1)) * a.max(1)
 }
@@ -462,7 +465,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
 
     // One unit per (parameter box, storage): replicas become destinations.
     let mut merged: Vec<Unit> = Vec::with_capacity(units.len());
-    let mut seen: BTreeMap<(usize, u64, u64, u64, u64, bool, bool), usize> = BTreeMap::new();
+    let mut seen: BTreeMap<UnitKey, usize> = BTreeMap::new();
     for u in units {
         let key = (
             u.param,
@@ -557,6 +560,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         let mut waves = Vec::new();
         let mut used: BTreeMap<Rank, u64> = BTreeMap::new();
         let mut wstart = start;
+        #[allow(clippy::needless_range_loop)] // `j` also cuts the wave ranges
         for j in start..k {
             let need = units[j].arena.map_or(0, |a| a.1);
             if need > cfg.watermark {

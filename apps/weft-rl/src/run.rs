@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use crate::worker::{self, Cluster, Peer, Spec, ThreadPeer};
+use crate::worker::{self, Cluster, Peer, SpawnFn, Spec, ThreadPeer};
 
 /// Lines a worker writes to the parent start with this.
 const PREFIX: &str = "@rl ";
@@ -95,19 +95,8 @@ pub fn worker_main(role: &str, rank: u32, spec: &str) -> Result<(), String> {
 
 /// Starts a cluster for `spec`: threads on one backend for loopback,
 /// processes otherwise.
-pub fn start(
-    spec: &Spec,
-) -> Result<
-    (
-        Cluster,
-        Box<dyn FnMut(&str, u32) -> Result<Box<dyn Peer>, String>>,
-    ),
-    String,
-> {
-    let mut spawn: Box<dyn FnMut(&str, u32) -> Result<Box<dyn Peer>, String>> = if spec
-        .provider
-        .starts_with("loopback")
-    {
+pub fn start(spec: &Spec) -> Result<(Cluster, Box<SpawnFn<'static>>), String> {
+    let mut spawn: Box<SpawnFn<'static>> = if spec.provider.starts_with("loopback") {
         let b = worker::backend(spec)?;
         let s = spec.clone();
         Box::new(move |role, rank| {

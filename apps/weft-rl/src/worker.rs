@@ -341,6 +341,9 @@ pub fn serve(
     Ok(())
 }
 
+/// Starts a rank: `(role, rank)` → its handle.
+pub type SpawnFn<'a> = dyn FnMut(&str, u32) -> Result<Box<dyn Peer>, String> + 'a;
+
 /// The parent's handle on one rank.
 pub trait Peer {
     /// Sends a line.
@@ -369,10 +372,7 @@ fn expect_line(p: &mut dyn Peer, wait: Duration, what: &str) -> Result<String, S
 
 impl Cluster {
     /// Starts every rank with `spawn(role, rank)` and exchanges descriptors.
-    pub fn start(
-        spec: &Spec,
-        spawn: &mut dyn FnMut(&str, u32) -> Result<Box<dyn Peer>, String>,
-    ) -> Result<Cluster, String> {
+    pub fn start(spec: &Spec, spawn: &mut SpawnFn<'_>) -> Result<Cluster, String> {
         let wait = Duration::from_millis(spec.timeout_ms * 3 + 30_000);
         let mut c = Cluster {
             trainers: Vec::new(),
@@ -412,11 +412,7 @@ impl Cluster {
     }
 
     /// Replaces trainer `r` (after it died) and re-sends the directory.
-    pub fn replace_trainer(
-        &mut self,
-        r: u32,
-        spawn: &mut dyn FnMut(&str, u32) -> Result<Box<dyn Peer>, String>,
-    ) -> Result<(), String> {
+    pub fn replace_trainer(&mut self, r: u32, spawn: &mut SpawnFn<'_>) -> Result<(), String> {
         let mut p = spawn("trainer", r)?;
         let l = expect_line(p.as_mut(), self.wait, "ep")?;
         self.eps[r as usize] = l

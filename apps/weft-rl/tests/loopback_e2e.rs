@@ -20,6 +20,12 @@ use weft_testkit::{seeds_or, SeedGuard};
 
 const NICS: usize = 2;
 
+/// Every trainer's and every inference rank's step result.
+type StepResults = (
+    Vec<Result<weft_rl::exec::StepStats, RlError>>,
+    Vec<Result<(), RlError>>,
+);
+
 fn engine(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
     let p = Arc::new(fabric.provider(host));
     let cfg = EngineConfig {
@@ -119,14 +125,7 @@ impl Cluster {
     }
 
     /// One update on every rank at once; each rank's result.
-    fn step(
-        &self,
-        version: u64,
-        during: impl FnOnce(),
-    ) -> (
-        Vec<Result<weft_rl::exec::StepStats, RlError>>,
-        Vec<Result<(), RlError>>,
-    ) {
+    fn step(&self, version: u64, during: impl FnOnce()) -> StepResults {
         let dir = Arc::new(self.dir());
         let flags: Vec<_> = self
             .inference
