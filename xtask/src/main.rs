@@ -17,6 +17,7 @@ mod apt;
 mod gpu;
 mod libfabric2;
 mod proc;
+mod rl;
 
 use clap::{Parser, Subcommand};
 use proc::Result;
@@ -113,6 +114,7 @@ fn test(root: &Path) -> Result {
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).
     libfabric2::run(root, &env)?;
+    rl::run(root, &env)?;
     // Model-checked lock-free parts (the ImmCounter and the shutdown gate,
     // with loom: every `loom_model` module of the engine), in their
     // own target dir so the cfg(loom) build does not invalidate the normal

@@ -157,9 +157,11 @@ impl Inference {
     pub fn recover(&self) -> Result<(), RlError> {
         self.imms.reset(&self.engine, ROLE, self.rank)
     }
+}
 
-    /// Deregisters the buffers.
-    pub fn close(self) {
+impl Drop for Inference {
+    /// Deregisters the buffers before they are freed; frees the immediates.
+    fn drop(&mut self) {
         for m in self.mrs {
             let _ = self.engine.unreg_mr(m);
         }

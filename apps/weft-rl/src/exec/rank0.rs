@@ -590,6 +590,36 @@ impl Rank0Inference {
     }
 }
 
+impl Drop for Rank0Trainer {
+    /// Deregisters before the buffers are freed.
+    fn drop(&mut self) {
+        let _ = self.engine.unreg_mr(self.shards_mr);
+        let _ = self.engine.unreg_mr(self.ack.1);
+        if let Some((_, fm, _, _, im)) = &self.full {
+            let _ = self.engine.unreg_mr(*fm);
+            let _ = self.engine.unreg_mr(*im);
+        }
+        for imm in self.imms.all() {
+            self.engine.free_imm(imm);
+        }
+    }
+}
+
+impl Drop for Rank0Inference {
+    /// Deregisters before the buffers are freed.
+    fn drop(&mut self) {
+        for m in self.mrs {
+            let _ = self.engine.unreg_mr(m);
+        }
+        if let Some((_, sm, _)) = &self.staging {
+            let _ = self.engine.unreg_mr(*sm);
+        }
+        for imm in self.imms.all() {
+            self.engine.free_imm(imm);
+        }
+    }
+}
+
 impl std::fmt::Debug for Rank0Trainer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rank0Trainer")

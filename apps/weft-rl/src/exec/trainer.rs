@@ -250,15 +250,6 @@ impl Trainer {
         self.imms.reset(&self.engine, ROLE, self.rank)
     }
 
-    /// Deregisters the memory (the engine is the caller's).
-    pub fn close(self) {
-        let _ = self.engine.unreg_mr(self.shards_mr);
-        let _ = self.engine.unreg_mr(self.arena_mr);
-        for imm in self.imms.all() {
-            self.engine.free_imm(imm);
-        }
-    }
-
     fn trainer<'a>(&self, dir: &'a Directory, r: Rank) -> Result<&'a TrainerEndpoint, RlError> {
         dir.trainers.get(r as usize).ok_or(RlError::UnknownRank {
             role: ROLE,
@@ -403,6 +394,18 @@ fn gather_counts(plan: &Plan, rank: Rank, c: &ImmCounts) -> Vec<Vec<u64>> {
                 .collect()
         })
         .collect()
+}
+
+impl Drop for Trainer {
+    /// Deregisters the memory before it is freed (a no-op error after the
+    /// engine shut down) and frees the reserved immediates.
+    fn drop(&mut self) {
+        let _ = self.engine.unreg_mr(self.shards_mr);
+        let _ = self.engine.unreg_mr(self.arena_mr);
+        for imm in self.imms.all() {
+            self.engine.free_imm(imm);
+        }
+    }
 }
 
 impl std::fmt::Debug for Trainer {
