@@ -54,27 +54,29 @@ struct Cluster {
 
 impl Cluster {
     fn new(seed: u64, model: &str, t: TrainLayout, i: InferLayout, cfg: StepConfig) -> Cluster {
-        let fabric = Fabric::new_realtime(FabricConfig {
-            max_write_len: 16 << 10,
-            ..(if std::env::var("RL_IDEAL").is_ok() {
-                FabricConfig::ideal(seed)
-            } else {
-                FabricConfig::adversarial(seed)
-            })
-        });
         let m = models::model(model).unwrap();
         let ml = models::build(&m, t, i).unwrap();
         let pc = PlanConfig {
             unit_bytes: 64 << 10,
-            watermark: std::env::var("RL_WM").map_or(512 << 10, |v| v.parse().unwrap()),
+            watermark: 512 << 10,
             min_direct_bytes: 16 << 10,
             ..PlanConfig::default()
         };
-        let plan = Arc::new(plan(&ml, &pc).unwrap());
+        let plan = plan(&ml, &pc).unwrap();
         assert!(
-            std::env::var("RL_WM").is_ok() || plan.groups.iter().any(|g| g.waves.len() > 1),
+            plan.groups.iter().any(|g| g.waves.len() > 1),
             "want several waves"
         );
+        Cluster::with(seed, ml, plan, cfg)
+    }
+
+    fn with(seed: u64, ml: ModelLayout, plan: Plan, cfg: StepConfig) -> Cluster {
+        let fabric = Fabric::new_realtime(FabricConfig {
+            max_write_len: 16 << 10,
+            ..FabricConfig::adversarial(seed)
+        });
+        let plan = Arc::new(plan);
+        let (nt, ni) = (plan.trainers.len() as u32, plan.inference.len() as u32);
         let mut c = Cluster {
             fabric,
             ml,
@@ -85,11 +87,11 @@ impl Cluster {
             inference: Vec::new(),
             cfg,
         };
-        for r in 0..t.ranks() {
+        for r in 0..nt {
             let tr = c.new_trainer(r);
             c.trainers.push(tr);
         }
-        for r in 0..i.ranks {
+        for r in 0..ni {
             let h = c.fabric.add_host(NICS);
             let e = engine(&c.fabric, h);
             c.inference.push(Arc::new(
@@ -406,6 +408,37 @@ fn killed_trainer_fails_the_step_everywhere_and_old_weights_stay() {
             r.expect("retry inference");
         }
         c.check(1, 2);
+        c.shutdown();
+    }
+}
+
+/// Random layouts (every placement kind, fused and replicated fp8 targets,
+/// tiny 4×4 tiles, many waves) through real engines: bit-exact.
+#[test]
+fn random_layouts_over_real_engines() {
+    for seed in seeds_or(0..24) {
+        let _g = SeedGuard::new(seed, "rl random layout e2e");
+        let ml = common::random_layout(seed, 4);
+        let pc = PlanConfig {
+            block: 4,
+            unit_bytes: 96,
+            align: 8,
+            watermark: 4096,
+            min_direct_bytes: 24,
+        };
+        let p = plan(&ml, &pc).unwrap();
+        let c = Cluster::with(seed, ml, p, StepConfig::default());
+        for version in 0..2 {
+            c.load(300 + version);
+            let (tr, ir) = c.step(version, || {});
+            for r in tr {
+                r.expect("trainer step");
+            }
+            for r in ir {
+                r.expect("inference step");
+            }
+            c.check(version, 300 + version);
+        }
         c.shutdown();
     }
 }
