@@ -154,87 +154,16 @@ impl Trainer {
                         .map_err(eng(ROLE, self.rank, phase("barrier")))?;
                 }
                 self.wait_flag(&bar, &phase("barrier"))?;
-                let units = &self.plan.units[wave.clone()];
                 let done = Arc::new(DoneCounter::new());
                 let mut posted = 0u64;
-                // Gathers this rank sources.
-                for u in units {
-                    for gth in u.gathers.iter().filter(|x| x.from == self.rank) {
-                        let d = self.trainer(dir, u.writer)?;
-                        self.post(
-                            &gth.xfer,
-                            &self.shards_mr,
-                            &d.arena,
-                            self.imms.gather[gi],
-                            &done,
-                            &phase("gather"),
-                        )?;
-                        posted += 1;
-                        st.gathers += 1;
-                        st.gather_bytes += gth.xfer.src.bytes();
-                    }
-                }
-                let gathered = self.arm(
-                    self.imms.gather[gi],
-                    self.gather_in[gi][k],
-                    &phase("gather round"),
-                )?;
-                // Direct units: straight from the shards.
-                for u in units
-                    .iter()
-                    .filter(|u| u.writer == self.rank && u.arena.is_none())
-                {
-                    for d in &u.dests {
-                        let w = &self.infer(dir, d.inf)?.weights[v];
-                        self.post(
-                            &d.data,
-                            &self.shards_mr,
-                            w,
-                            self.imms.weights[v],
-                            &done,
-                            &phase("write"),
-                        )?;
-                        posted += 1;
-                        st.writes += 1;
-                        st.bytes += d.data.dst.bytes();
-                    }
-                }
-                // Staged units: own parts, then (after the gathers) fuse,
-                // quantise, write.
-                let mine: Vec<&Unit> = units
-                    .iter()
-                    .filter(|u| u.writer == self.rank && u.arena.is_some())
-                    .collect();
-                for u in &mine {
-                    for x in &u.local {
-                        self.copy_local(x)?;
-                    }
-                }
-                self.wait_flag(&gathered, &phase("gather round"))?;
-                for u in &mine {
-                    if u.quant == Quant::Fp8Block {
-                        self.quantise(u)?;
-                        st.quantised += 1;
-                    }
-                    for d in &u.dests {
-                        let w = &self.infer(dir, d.inf)?.weights[v];
-                        for x in d.xfers() {
-                            self.post(
-                                x,
-                                &self.arena_mr,
-                                w,
-                                self.imms.weights[v],
-                                &done,
-                                &phase("write"),
-                            )?;
-                            posted += 1;
-                            st.writes += 1;
-                            st.bytes += x.dst.bytes();
-                        }
-                    }
-                }
-                self.wait_counter(&done, posted, &phase("writes"))?;
-                self.wait_counter(&sent, peers.len() as u64, &phase("barrier sends"))?;
+                let r = self.wave(gi, k, wave, dir, v, &done, &mut posted, &mut st);
+                // Failed or not, nothing of this wave may still be in flight
+                // when the step returns (a retry rewrites the same memory).
+                let drained = self.wait_counter(&done, posted, &phase("writes"));
+                let sent_ok = self.wait_counter(&sent, peers.len() as u64, &phase("barrier sends"));
+                r?;
+                drained?;
+                sent_ok?;
             }
         }
         match ack.wait_timeout(t) {
@@ -242,6 +171,103 @@ impl Trainer {
             Some(Err(e)) => Err(eng(ROLE, self.rank, "inference acks")(e)),
             None => Err(self.timeout("inference acks")),
         }
+    }
+
+    /// One wave after its barrier: gathers out, direct writes, then (once
+    /// the gather round is complete) quantisation and staged writes. Every
+    /// transfer it posts is counted in `posted` and reports to `done`.
+    #[allow(clippy::too_many_arguments)]
+    fn wave(
+        &self,
+        gi: usize,
+        k: usize,
+        wave: &std::ops::Range<usize>,
+        dir: &Directory,
+        v: usize,
+        done: &Arc<DoneCounter>,
+        posted: &mut u64,
+        st: &mut StepStats,
+    ) -> Result<(), RlError> {
+        let g = &self.plan.groups[gi];
+        let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
+        let units = &self.plan.units[wave.clone()];
+        // Gathers this rank sources.
+        for u in units {
+            for gth in u.gathers.iter().filter(|x| x.from == self.rank) {
+                let d = self.trainer(dir, u.writer)?;
+                self.post(
+                    &gth.xfer,
+                    &self.shards_mr,
+                    &d.arena,
+                    self.imms.gather[gi],
+                    done,
+                    &phase("gather"),
+                )?;
+                *posted += 1;
+                st.gathers += 1;
+                st.gather_bytes += gth.xfer.src.bytes();
+            }
+        }
+        let gathered = self.arm(
+            self.imms.gather[gi],
+            self.gather_in[gi][k],
+            &phase("gather round"),
+        )?;
+        // Direct units: straight from the shards.
+        for u in units
+            .iter()
+            .filter(|u| u.writer == self.rank && u.arena.is_none())
+        {
+            for d in &u.dests {
+                let w = &self.infer(dir, d.inf)?.weights[v];
+                self.post(
+                    &d.data,
+                    &self.shards_mr,
+                    w,
+                    self.imms.weights[v],
+                    done,
+                    &phase("write"),
+                )?;
+                *posted += 1;
+                st.writes += 1;
+                st.bytes += d.data.dst.bytes();
+            }
+        }
+        // Staged units: own parts, then (after the gathers) fuse,
+        // quantise, write.
+        let mine: Vec<&Unit> = units
+            .iter()
+            .filter(|u| u.writer == self.rank && u.arena.is_some())
+            .collect();
+        for u in &mine {
+            for x in &u.local {
+                self.copy_local(x)?;
+            }
+        }
+        self.wait_flag(&gathered, &phase("gather round"))?;
+        for u in &mine {
+            if u.quant == Quant::Fp8Block {
+                self.quantise(u)?;
+                st.quantised += 1;
+            }
+            for d in &u.dests {
+                let w = &self.infer(dir, d.inf)?.weights[v];
+                for x in d.xfers() {
+                    self.post(
+                        x,
+                        &self.arena_mr,
+                        w,
+                        self.imms.weights[v],
+                        done,
+                        &phase("write"),
+                    )?;
+                    *posted += 1;
+                    st.writes += 1;
+                    st.bytes += x.dst.bytes();
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Clears partial immediate counts after a failed step (call on every
