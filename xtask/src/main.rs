@@ -19,6 +19,7 @@ mod gpu;
 mod libfabric2;
 mod proc;
 mod python;
+mod rl;
 
 use clap::{Parser, Subcommand};
 use proc::Result;
@@ -123,6 +124,7 @@ fn test(root: &Path) -> Result {
     libfabric2::run(root, &env)?;
     // The Python package: wheel built, installed, pytest (python.rs).
     python::test(root)?;
+    rl::run(root, &env)?;
     // Model-checked lock-free parts (the ImmCounter and the shutdown gate,
     // with loom: every `loom_model` module of the engine), in their
     // own target dir so the cfg(loom) build does not invalidate the normal

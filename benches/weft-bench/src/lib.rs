@@ -20,6 +20,7 @@ mod progress;
 pub mod proxy;
 pub mod raw;
 pub mod report;
+pub mod rl;
 pub mod stats;
 
 pub use backend::{BackendKind, Testbed};
@@ -39,6 +40,8 @@ pub enum Suite {
     Imm,
     /// All of the above.
     All,
+    /// RL weight transfer at the paper's scale (simulated; not in `All`).
+    Rl,
 }
 
 /// What to run and how long.
@@ -118,6 +121,7 @@ pub fn run(cfg: &Config) -> Report {
         Suite::Proxy => (false, true, false),
         Suite::Imm => (false, false, true),
         Suite::All => (true, true, true),
+        Suite::Rl => (false, false, false),
     };
     let plan = p2p::P2pPlan::new(cfg.quick);
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
@@ -138,6 +142,9 @@ pub fn run(cfg: &Config) -> Report {
         if imm {
             rows.extend(imm::run(cfg, kind, &mut progress));
         }
+    }
+    if cfg.suite == Suite::Rl {
+        rows.extend(rl::run(cfg));
     }
     progress.finish();
     Report {

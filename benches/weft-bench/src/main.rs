@@ -61,6 +61,8 @@ enum Cmd {
     Imm,
     /// Everything.
     All,
+    /// RL weight transfer at the paper's scale (weft-rl's event model).
+    Rl,
 }
 
 fn main() -> ExitCode {
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         Cmd::Proxy => Suite::Proxy,
         Cmd::Imm => Suite::Imm,
         Cmd::All => Suite::All,
+        Cmd::Rl => Suite::Rl,
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();

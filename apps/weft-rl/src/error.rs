@@ -1,0 +1,54 @@
+//! [`RlError`]: everything that can go wrong, with the rank, parameter and
+//! phase it happened in.
+
+use weft::EngineError;
+
+/// Errors of planning and of a weight-update step.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RlError {
+    /// The model/layout description is inconsistent (a segment outside its
+    /// parameter, shards that do not tile a tensor, ...).
+    #[error("invalid layout: {0}")]
+    Layout(String),
+    /// A plan limit was hit (a unit larger than the watermark, too many
+    /// immediates, ...).
+    #[error("plan: {0}")]
+    Plan(String),
+    /// An engine call failed.
+    #[error("{role} rank {rank}, {phase}: {source}")]
+    Engine {
+        /// `trainer` or `inference`.
+        role: &'static str,
+        /// The rank it happened on.
+        rank: u32,
+        /// What the rank was doing.
+        phase: String,
+        /// The engine's error.
+        #[source]
+        source: EngineError,
+    },
+    /// A wait of the step ran past its deadline (a peer died or stalled).
+    #[error("{role} rank {rank}, {phase}: no completion within {waited_ms} ms")]
+    Timeout {
+        /// `trainer` or `inference`.
+        role: &'static str,
+        /// The rank it happened on.
+        rank: u32,
+        /// What the rank was waiting for.
+        phase: String,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// A buffer could not be allocated.
+    #[error("buffer: {0}")]
+    Buffer(String),
+    /// A rank that is not part of the plan, or a directory without it.
+    #[error("unknown {role} rank {rank}")]
+    UnknownRank {
+        /// `trainer` or `inference`.
+        role: &'static str,
+        /// The rank.
+        rank: u32,
+    },
+}

@@ -1,0 +1,443 @@
+//! [`Trainer`]: the active side of a weight update.
+
+use std::sync::Arc;
+
+use weft::{DoneCounter, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone, TransferEngine};
+
+use super::{eng, imm_count, pages, Directory, ImmPlan, StepConfig, TrainerEndpoint};
+use crate::fp8::quantize_block;
+use crate::meta::{Box2, Quant, Rank};
+use crate::plan::{Plan, Unit, Xfer};
+use crate::RlError;
+
+const ROLE: &str = "trainer";
+
+/// What one trainer did in a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// WRITEs into inference memory (single or paged submits).
+    pub writes: u64,
+    /// Bytes written into inference memory.
+    pub bytes: u64,
+    /// Gather WRITEs into other trainers' arenas.
+    pub gathers: u64,
+    /// Bytes gathered out to other trainers.
+    pub gather_bytes: u64,
+    /// Units quantised to fp8 here.
+    pub quantised: u64,
+    /// Waves (barriers) taken part in.
+    pub waves: u64,
+}
+
+/// One training rank: its shard memory, its arena, and the step pipeline.
+pub struct Trainer {
+    engine: Arc<TransferEngine>,
+    rank: Rank,
+    plan: Arc<Plan>,
+    cfg: StepConfig,
+    imms: ImmPlan,
+    shards: HostBuffer,
+    arena: HostBuffer,
+    shards_mr: MrHandle,
+    arena_mr: MrHandle,
+    endpoint: TrainerEndpoint,
+    /// Immediates of the gather round of each (group, wave) into this rank.
+    gather_in: Vec<Vec<u64>>,
+}
+
+impl Trainer {
+    /// Registers this rank's shard memory and arena (sizes from the plan)
+    /// on `engine` and reserves the plan's immediates.
+    pub fn new(
+        engine: Arc<TransferEngine>,
+        rank: Rank,
+        plan: Arc<Plan>,
+        cfg: StepConfig,
+    ) -> Result<Trainer, RlError> {
+        let region = plan
+            .trainers
+            .get(rank as usize)
+            .ok_or(RlError::UnknownRank { role: ROLE, rank })?;
+        let buf = |len: u64, what: &str| {
+            HostBuffer::new(len.max(1) as usize)
+                .map_err(|e| RlError::Buffer(format!("trainer {rank} {what}: {e}")))
+        };
+        let shards = buf(region.len, "shards")?;
+        let arena = buf(plan.arena_len, "arena")?;
+        let (shards_mr, shards_desc) =
+            engine
+                .reg_mr(shards.region())
+                .map_err(eng(ROLE, rank, "registering shards"))?;
+        let (arena_mr, arena_desc) =
+            engine
+                .reg_mr(arena.region())
+                .map_err(eng(ROLE, rank, "registering arena"))?;
+        let imms = ImmPlan::new(&plan, engine.imm_capacity())?;
+        imms.reserve(&engine, ROLE, rank)?;
+        let counts = engine
+            .imm_counts(0)
+            .map_err(eng(ROLE, rank, "imm counts"))?;
+        let gather_in = gather_counts(&plan, rank, &counts);
+        Ok(Trainer {
+            engine,
+            rank,
+            plan,
+            cfg,
+            imms,
+            shards,
+            arena,
+            shards_mr,
+            arena_mr,
+            endpoint: TrainerEndpoint {
+                shards: shards_desc,
+                arena: arena_desc,
+            },
+            gather_in,
+        })
+    }
+
+    /// What the other ranks need of this one.
+    pub fn endpoint(&self) -> TrainerEndpoint {
+        self.endpoint.clone()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The shard memory: the framework puts its bf16 shards here (the
+    /// paper's host→device copy stage), at the offsets of [`Self::pieces`].
+    pub fn shards(&self) -> &HostBuffer {
+        &self.shards
+    }
+
+    /// `(param, box, offset)` of every piece this rank holds, row-major
+    /// bf16 at `offset` of [`Self::shards`].
+    pub fn pieces(&self) -> &[(usize, Box2, u64)] {
+        &self.plan.trainers[self.rank as usize].pieces
+    }
+
+    /// Pushes weight version `version` (buffer `version % 2` of every
+    /// inference rank); returns when every inference rank acknowledged.
+    pub fn step(&self, version: u64, dir: &Directory) -> Result<StepStats, RlError> {
+        let v = (version % 2) as usize;
+        let t = self.cfg.timeout;
+        let mut st = StepStats::default();
+        let ack = self.arm(self.imms.ack, dir.inference.len() as u64, "inference acks")?;
+        for (gi, g) in self.plan.groups.iter().enumerate() {
+            if g.ranks.binary_search(&self.rank).is_err() {
+                continue;
+            }
+            let peers: Vec<Rank> = g
+                .ranks
+                .iter()
+                .copied()
+                .filter(|&r| r != self.rank)
+                .collect();
+            for (k, wave) in g.waves.iter().enumerate() {
+                st.waves += 1;
+                let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
+                // Barrier: every arena of the group is free for this wave.
+                let bar = self.arm(self.imms.barrier[gi], peers.len() as u64, &phase("barrier"))?;
+                let sent = Arc::new(DoneCounter::new());
+                for &p in &peers {
+                    let d = self.trainer(dir, p)?;
+                    self.engine
+                        .submit_single_write(
+                            0,
+                            Some(self.imms.barrier[gi]),
+                            (&self.arena_mr, 0),
+                            (&d.arena, 0),
+                            OnDone::counter(&sent),
+                        )
+                        .map_err(eng(ROLE, self.rank, phase("barrier")))?;
+                }
+                self.wait_flag(&bar, &phase("barrier"))?;
+                let done = Arc::new(DoneCounter::new());
+                let mut posted = 0u64;
+                let r = self.wave(gi, k, wave, dir, v, &done, &mut posted, &mut st);
+                // Failed or not, nothing of this wave may still be in flight
+                // when the step returns (a retry rewrites the same memory).
+                let drained = self.wait_counter(&done, posted, &phase("writes"));
+                let sent_ok = self.wait_counter(&sent, peers.len() as u64, &phase("barrier sends"));
+                r?;
+                drained?;
+                sent_ok?;
+            }
+        }
+        match ack.wait_timeout(t) {
+            Some(Ok(())) => Ok(st),
+            Some(Err(e)) => Err(eng(ROLE, self.rank, "inference acks")(e)),
+            None => Err(self.timeout("inference acks")),
+        }
+    }
+
+    /// One wave after its barrier: gathers out, direct writes, then (once
+    /// the gather round is complete) quantisation and staged writes. Every
+    /// transfer it posts is counted in `posted` and reports to `done`.
+    #[allow(clippy::too_many_arguments)]
+    fn wave(
+        &self,
+        gi: usize,
+        k: usize,
+        wave: &std::ops::Range<usize>,
+        dir: &Directory,
+        v: usize,
+        done: &Arc<DoneCounter>,
+        posted: &mut u64,
+        st: &mut StepStats,
+    ) -> Result<(), RlError> {
+        let g = &self.plan.groups[gi];
+        let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
+        let units = &self.plan.units[wave.clone()];
+        // Gathers this rank sources.
+        for u in units {
+            for gth in u.gathers.iter().filter(|x| x.from == self.rank) {
+                let d = self.trainer(dir, u.writer)?;
+                self.post(
+                    &gth.xfer,
+                    &self.shards_mr,
+                    &d.arena,
+                    self.imms.gather[gi],
+                    done,
+                    &phase("gather"),
+                )?;
+                *posted += 1;
+                st.gathers += 1;
+                st.gather_bytes += gth.xfer.src.bytes();
+            }
+        }
+        let gathered = self.arm(
+            self.imms.gather[gi],
+            self.gather_in[gi][k],
+            &phase("gather round"),
+        )?;
+        // Direct units: straight from the shards.
+        for u in units
+            .iter()
+            .filter(|u| u.writer == self.rank && u.arena.is_none())
+        {
+            for d in &u.dests {
+                let w = &self.infer(dir, d.inf)?.weights[v];
+                self.post(
+                    &d.data,
+                    &self.shards_mr,
+                    w,
+                    self.imms.weights[v],
+                    done,
+                    &phase("write"),
+                )?;
+                *posted += 1;
+                st.writes += 1;
+                st.bytes += d.data.dst.bytes();
+            }
+        }
+        // Staged units: own parts, then (after the gathers) fuse,
+        // quantise, write.
+        let mine: Vec<&Unit> = units
+            .iter()
+            .filter(|u| u.writer == self.rank && u.arena.is_some())
+            .collect();
+        for u in &mine {
+            for x in &u.local {
+                self.copy_local(x)?;
+            }
+        }
+        self.wait_flag(&gathered, &phase("gather round"))?;
+        for u in &mine {
+            if u.quant == Quant::Fp8Block {
+                self.quantise(u)?;
+                st.quantised += 1;
+            }
+            for d in &u.dests {
+                let w = &self.infer(dir, d.inf)?.weights[v];
+                for x in d.xfers() {
+                    self.post(
+                        x,
+                        &self.arena_mr,
+                        w,
+                        self.imms.weights[v],
+                        done,
+                        &phase("write"),
+                    )?;
+                    *posted += 1;
+                    st.writes += 1;
+                    st.bytes += x.dst.bytes();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Clears partial immediate counts after a failed step (call on every
+    /// rank once all returned from the step).
+    pub fn recover(&self) -> Result<(), RlError> {
+        self.imms.reset(&self.engine, ROLE, self.rank)
+    }
+
+    fn trainer<'a>(&self, dir: &'a Directory, r: Rank) -> Result<&'a TrainerEndpoint, RlError> {
+        dir.trainers.get(r as usize).ok_or(RlError::UnknownRank {
+            role: ROLE,
+            rank: r,
+        })
+    }
+
+    fn infer<'a>(&self, dir: &'a Directory, r: u32) -> Result<&'a super::InferEndpoint, RlError> {
+        dir.inference.get(r as usize).ok_or(RlError::UnknownRank {
+            role: "inference",
+            rank: r,
+        })
+    }
+
+    fn arm(&self, imm: Imm, n: u64, phase: &str) -> Result<Arc<weft::DoneFlag>, RlError> {
+        let (od, flag) = OnDone::flag();
+        self.engine
+            .expect_imm_count_with(imm, n, od)
+            .map_err(eng(ROLE, self.rank, phase))?;
+        Ok(flag)
+    }
+
+    fn timeout(&self, phase: &str) -> RlError {
+        RlError::Timeout {
+            role: ROLE,
+            rank: self.rank,
+            phase: phase.to_string(),
+            waited_ms: self.cfg.timeout.as_millis() as u64,
+        }
+    }
+
+    fn wait_flag(&self, f: &weft::DoneFlag, phase: &str) -> Result<(), RlError> {
+        match f.wait_timeout(self.cfg.timeout) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(eng(ROLE, self.rank, phase)(e)),
+            None => Err(self.timeout(phase)),
+        }
+    }
+
+    fn wait_counter(&self, c: &DoneCounter, n: u64, phase: &str) -> Result<(), RlError> {
+        if !c.wait_for_timeout(n, self.cfg.timeout) {
+            return Err(self.timeout(phase));
+        }
+        match c.first_error() {
+            Some(e) => Err(eng(ROLE, self.rank, phase)(e)),
+            None => Ok(()),
+        }
+    }
+
+    fn post(
+        &self,
+        x: &Xfer,
+        src: &MrHandle,
+        dst: &MrDesc,
+        imm: Imm,
+        done: &Arc<DoneCounter>,
+        phase: &str,
+    ) -> Result<(), RlError> {
+        let r = if x.is_single() {
+            self.engine.submit_single_write(
+                x.dst.bytes(),
+                Some(imm),
+                (src, x.src.offset),
+                (dst, x.dst.offset),
+                OnDone::counter(done),
+            )
+        } else {
+            self.engine.submit_paged_writes(
+                x.dst.page_len,
+                Some(imm),
+                (src, &pages(&x.src)?),
+                (dst, &pages(&x.dst)?),
+                OnDone::counter(done),
+            )
+        };
+        r.map(|_| ()).map_err(eng(ROLE, self.rank, phase))
+    }
+
+    /// Shards → arena, in this process.
+    fn copy_local(&self, x: &Xfer) -> Result<(), RlError> {
+        for k in 0..x.src.count {
+            let s = (x.src.offset + k * x.src.stride) as usize;
+            let d = (x.dst.offset + k * x.dst.stride) as usize;
+            let bytes = self
+                .shards
+                .read(s, x.src.page_len as usize)
+                .ok_or_else(|| {
+                    RlError::Plan(format!("trainer {}: local copy outside shards", self.rank))
+                })?;
+            if !self.arena.write(d, &bytes) {
+                return Err(RlError::Plan(format!(
+                    "trainer {}: local copy outside arena",
+                    self.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// bf16 box → fp8 + scales, inside the arena.
+    fn quantise(&self, u: &Unit) -> Result<(), RlError> {
+        let bad = || {
+            RlError::Plan(format!(
+                "trainer {}: quantisation outside the arena",
+                self.rank
+            ))
+        };
+        let (off, _) = u.arena.ok_or_else(bad)?;
+        let (h, w) = (u.src.height() as usize, u.src.width() as usize);
+        let d0 = u.dests.first().ok_or_else(bad)?;
+        let sc = d0.scales.as_ref().ok_or_else(bad)?;
+        let src = self.arena.read(off as usize, h * w * 2).ok_or_else(bad)?;
+        let mut q = vec![0u8; h * w];
+        let mut s = vec![0u8; sc.src.bytes() as usize];
+        if !quantize_block(&src, h, w, self.plan.config.block as usize, &mut q, &mut s) {
+            return Err(bad());
+        }
+        if !self.arena.write(d0.data.src.offset as usize, &q)
+            || !self.arena.write(sc.src.offset as usize, &s)
+        {
+            return Err(bad());
+        }
+        Ok(())
+    }
+}
+
+/// Immediates each (group, wave) gather round of `rank` receives.
+fn gather_counts(plan: &Plan, rank: Rank, c: &ImmCounts) -> Vec<Vec<u64>> {
+    plan.groups
+        .iter()
+        .map(|g| {
+            g.waves
+                .iter()
+                .map(|w| {
+                    plan.units[w.clone()]
+                        .iter()
+                        .filter(|u| u.writer == rank)
+                        .flat_map(|u| &u.gathers)
+                        .map(|x| imm_count(c, &x.xfer))
+                        .sum()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+impl Drop for Trainer {
+    /// Deregisters the memory before it is freed (a no-op error after the
+    /// engine shut down) and frees the reserved immediates.
+    fn drop(&mut self) {
+        let _ = self.engine.unreg_mr(self.shards_mr);
+        let _ = self.engine.unreg_mr(self.arena_mr);
+        for imm in self.imms.all() {
+            self.engine.free_imm(imm);
+        }
+    }
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,34 @@
+//! # weft-rl: RL weight transfer over the weft TransferEngine
+//!
+//! Trainers push new weights straight into inference ranks' memory with
+//! one-sided WRITEs, following a static routing table computed once:
+//!
+//! - [`meta`]: what trainers hold and inference ranks want (shapes, FSDP /
+//!   TP / EP placement, fused targets, fp8 targets).
+//! - [`plan`]: the pure, deterministic planner ([`plan::plan`]): every
+//!   inference byte written by exactly one trainer, load balanced, cut into
+//!   watermark-bounded waves per mesh group.
+//! - [`fp8`]: bf16 → e4m3 with per-128×128-tile f32 scales.
+//! - [`exec`]: the per-step pipeline over the engine ([`exec::Trainer`],
+//!   [`exec::Inference`]) and the Rank0 baseline in the same code.
+//! - [`sim`]: an event-level scale model driven by the same plan.
+//! - [`models`]: parameter tables of Qwen3-235B-A22B, DeepSeek-V3 and
+//!   Kimi-K2 from their published configs, and the paper's layouts.
+//!
+//! See the crate README section and `docs/benchmarks.md` ("RL weight
+//! transfer").
+
+#![deny(unsafe_code)]
+
+mod error;
+pub mod exec;
+pub mod fp8;
+pub mod meta;
+pub mod models;
+pub mod plan;
+pub mod sim;
+pub mod summary;
+
+pub use error::RlError;
+pub use meta::{Box2, DType, InferTensor, Layout, ModelLayout, Quant, Rank, Segment, TrainParam};
+pub use plan::{plan, Dest, Plan, PlanConfig, Run, Unit, Xfer};

@@ -1,0 +1,294 @@
+//! `weft-rl`: plan, simulate and run RL weight transfers.
+//!
+//! - `weft-rl plan --model kimi-k2` prints the routing summary for a model
+//!   and layout (default: the paper's).
+//! - `weft-rl simulate` predicts update times at the paper's scale.
+//! - `weft-rl run --provider libfabric:tcp` runs real updates between
+//!   processes (P2P and Rank0 side by side, checked bit-exact; `--kill`).
+
+mod demo;
+mod run;
+mod worker;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use weft_rl::models::{self, InferLayout, ModelConfig, TrainLayout};
+use weft_rl::sim::{simulate, SimConfig};
+use weft_rl::summary::Summary;
+use weft_rl::{plan, ModelLayout, Plan, PlanConfig};
+
+#[derive(Parser)]
+#[command(name = "weft-rl", about = "RL weight transfer over weft")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the routing summary of a model and layout.
+    Plan(LayoutArgs),
+    /// Predict update times at the paper's scale (event-level model driven
+    /// by the plan): P2P vs Rank0 vs the bandwidth bound vs the paper.
+    Simulate(SimArgs),
+    /// Real updates: trainer and inference ranks as processes (libfabric)
+    /// or threads (loopback), P2P and Rank0 side by side, checked bit-exact.
+    Run(RunArgs),
+    /// (internal) one rank of `run`.
+    #[command(hide = true)]
+    Worker {
+        /// trainer | inference.
+        role: String,
+        /// Rank.
+        rank: u32,
+        /// Encoded spec.
+        spec: String,
+    },
+}
+
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// loopback, libfabric:tcp, libfabric:shm.
+    #[arg(long, default_value = "loopback")]
+    provider: String,
+    /// Model (tiny-moe, tiny-mla).
+    #[arg(long, default_value = "tiny-moe")]
+    model: String,
+    /// FSDP.
+    #[arg(long, default_value_t = 2)]
+    fsdp: u32,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pp: u32,
+    /// Expert parallelism.
+    #[arg(long, default_value_t = 2)]
+    ep: u32,
+    /// Inference ranks.
+    #[arg(long, default_value_t = 2)]
+    inference: u32,
+    /// Inference ranks per instance.
+    #[arg(long, default_value_t = 2)]
+    instance: u32,
+    /// Inference attention TP.
+    #[arg(long, default_value_t = 2)]
+    tp: u32,
+    /// NICs per rank.
+    #[arg(long, default_value_t = 1)]
+    nics: usize,
+    /// Updates.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Kill a trainer during one more update, check, replace, retry.
+    #[arg(long)]
+    kill: bool,
+    /// Unit size in KiB.
+    #[arg(long, default_value_t = 256)]
+    unit_kib: u64,
+    /// Watermark in KiB.
+    #[arg(long, default_value_t = 2048)]
+    watermark_kib: u64,
+    /// Step deadline in ms.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+}
+
+#[derive(Args, Clone)]
+struct SimArgs {
+    /// Models (default: the paper's three).
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// NICs per GPU.
+    #[arg(long, default_value_t = 1)]
+    nics: u32,
+    /// Gbit/s per NIC.
+    #[arg(long, default_value_t = 400.0)]
+    nic_gbps: f64,
+    /// Unit size in MiB.
+    #[arg(long, default_value_t = 8)]
+    unit_mib: u64,
+    /// Watermark in MiB.
+    #[arg(long, default_value_t = 512)]
+    watermark_mib: u64,
+}
+
+#[derive(Args, Clone)]
+struct LayoutArgs {
+    /// qwen3-235b-a22b, deepseek-v3, kimi-k2, tiny-moe, tiny-mla.
+    #[arg(long, default_value = "kimi-k2")]
+    model: String,
+    /// FSDP degree (default: the paper's layout).
+    #[arg(long)]
+    fsdp: Option<u32>,
+    /// Pipeline stages.
+    #[arg(long)]
+    pp: Option<u32>,
+    /// Expert parallelism.
+    #[arg(long)]
+    ep: Option<u32>,
+    /// Inference ranks.
+    #[arg(long)]
+    inference: Option<u32>,
+    /// Inference ranks per instance.
+    #[arg(long)]
+    instance: Option<u32>,
+    /// Inference attention TP.
+    #[arg(long)]
+    tp: Option<u32>,
+    /// NICs per trainer.
+    #[arg(long, default_value_t = 1)]
+    nics: usize,
+    /// Unit size in MiB.
+    #[arg(long, default_value_t = 8)]
+    unit_mib: u64,
+    /// Watermark in MiB.
+    #[arg(long, default_value_t = 512)]
+    watermark_mib: u64,
+}
+
+impl LayoutArgs {
+    fn resolve(&self) -> Result<(ModelConfig, TrainLayout, InferLayout, PlanConfig), String> {
+        let m = models::model(&self.model).ok_or_else(|| {
+            let names: Vec<_> = models::MODELS.iter().map(|m| m.name).collect();
+            format!(
+                "unknown model {:?} (known: {})",
+                self.model,
+                names.join(", ")
+            )
+        })?;
+        let (mut t, mut i) = models::paper_layout(&m);
+        t.fsdp = self.fsdp.unwrap_or(t.fsdp);
+        t.pp = self.pp.unwrap_or(t.pp);
+        t.ep = self.ep.unwrap_or(t.ep);
+        i.ranks = self.inference.unwrap_or(i.ranks);
+        i.instance = self.instance.unwrap_or(i.instance.min(i.ranks));
+        i.attn_tp = self.tp.unwrap_or(i.attn_tp.min(i.instance));
+        let cfg = PlanConfig {
+            unit_bytes: self.unit_mib << 20,
+            watermark: self.watermark_mib << 20,
+            ..PlanConfig::default()
+        };
+        Ok((m, t, i, cfg))
+    }
+
+    fn build(&self) -> Result<(ModelConfig, TrainLayout, InferLayout, ModelLayout, Plan), String> {
+        let (m, t, i, cfg) = self.resolve()?;
+        let ml = models::build(&m, t, i).map_err(|e| e.to_string())?;
+        let p = plan(&ml, &cfg).map_err(|e| e.to_string())?;
+        Ok((m, t, i, ml, p))
+    }
+}
+
+fn cmd_plan(a: &LayoutArgs) -> Result<(), String> {
+    let t0 = Instant::now();
+    let (m, t, i, ml, p) = a.build()?;
+    let dt = t0.elapsed();
+    println!(
+        "{} ({}): FSDP/PP/EP = {}/{}/{} on {} trainers -> {} inference ranks (instances of {}, attention TP {})",
+        m.name,
+        m.source,
+        t.fsdp,
+        t.pp,
+        t.ep,
+        t.ranks(),
+        i.ranks,
+        i.instance,
+        i.attn_tp
+    );
+    println!("{}", Summary::of(&ml, &p, a.nics));
+    println!("planned in {:.2} s", dt.as_secs_f64());
+    Ok(())
+}
+
+/// The paper's reported update time per model (seconds).
+fn paper(m: &str) -> &'static str {
+    match m {
+        "kimi-k2" => "1.2-1.3 (Table 5: 1.233)",
+        "deepseek-v3" | "qwen3-235b-a22b" => "1.2-2.0 (training logs)",
+        _ => "-",
+    }
+}
+
+fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
+    let names: Vec<String> = if a.models.is_empty() {
+        vec![
+            "kimi-k2".into(),
+            "deepseek-v3".into(),
+            "qwen3-235b-a22b".into(),
+        ]
+    } else {
+        a.models.clone()
+    };
+    let cfg = SimConfig {
+        nics: a.nics,
+        nic_gbps: a.nic_gbps,
+        ..SimConfig::default()
+    };
+    println!("event-level model, {} x {} Gb/s NICs per GPU, NVLink {} GB/s, quantise {} GB/s/GPU, submit {} us/WRITE", cfg.nics, cfg.nic_gbps, cfg.nvlink_gbs, cfg.quant_gbs, cfg.submit_us);
+    println!("| model | layout | into inference | weft P2P (pred.) | unshard / quantise / write / wait on slowest rank | bytes / aggregate bw | Rank0 (pred.) | paper | plan + sim wall |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for n in names {
+        let t0 = Instant::now();
+        let la = LayoutArgs {
+            model: n.clone(),
+            fsdp: None,
+            pp: None,
+            ep: None,
+            inference: None,
+            instance: None,
+            tp: None,
+            nics: a.nics as usize,
+            unit_mib: a.unit_mib,
+            watermark_mib: a.watermark_mib,
+        };
+        let (_, t, i, ml, p) = la.build()?;
+        let r = simulate(&ml, &p, &cfg);
+        println!(
+            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}, instances of {}) | {} | {:.2} s | {:.2} / {:.2} / {:.2} / {:.2} s | {:.3} s | {:.1} s | {} | {:.1} s |",
+            t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp, i.instance,
+            weft_rl::summary::human(r.bytes as f64),
+            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.bound_s, r.rank0_s, paper(&n),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match &cli.cmd {
+        Cmd::Plan(a) => cmd_plan(a),
+        Cmd::Simulate(a) => cmd_simulate(a),
+        Cmd::Run(a) => run::run(
+            &worker::Spec {
+                provider: a.provider.clone(),
+                model: a.model.clone(),
+                train: TrainLayout {
+                    fsdp: a.fsdp,
+                    pp: a.pp,
+                    ep: a.ep,
+                },
+                infer: InferLayout {
+                    ranks: a.inference,
+                    instance: a.instance,
+                    attn_tp: a.tp,
+                },
+                nics: a.nics,
+                unit_bytes: a.unit_kib << 10,
+                watermark: a.watermark_kib << 10,
+                timeout_ms: a.timeout_ms,
+            },
+            a.steps,
+            a.kill,
+        ),
+        Cmd::Worker { role, rank, spec } => run::worker_main(role, *rank, spec),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("weft-rl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

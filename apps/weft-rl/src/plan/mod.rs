@@ -1,0 +1,731 @@
+//! The static routing planner (pure, clock-free, deterministic).
+//!
+//! Input: a [`ModelLayout`]. Output: a [`Plan`] that says, for every byte of
+//! every inference-side tensor (and its fp8 scales), which training rank
+//! writes it and from where, as [`Run`]s — contiguous (one
+//! `submit_single_write`) or regular strided pages (one
+//! `submit_paged_writes`).
+//!
+//! Work is cut into [`Unit`]s: a box of one parameter that lands in one
+//! inference tensor.
+//! - **bf16 targets**: a unit never crosses a training shard, so its writer
+//!   is the shard's holder and it is written straight out of the trainer's
+//!   shard memory (no staging, no gather). Replicated parameters may be
+//!   written by any holder: the planner chooses.
+//! - **fp8 targets**: a unit is a band of whole `block`-row tiles across
+//!   the full segment width (a scale needs the whole tile), so it may span
+//!   several shards. Its writer is chosen among the holders of those
+//!   shards; the others write their parts into the writer's *arena*
+//!   (unshard, the `full_tensor` step), the writer quantises into the arena
+//!   and writes fp8 bytes and f32 scales out.
+//!
+//! **Balance**: within each mesh group, units with one possible writer are
+//! assigned first, then the others by decreasing size, each to the
+//! least-loaded possible writer (load = bytes written to inference; ties to
+//! the lowest rank). Bound (checked by the property test): for every rank,
+//! its group load minus the size of the last flexible unit it received is
+//! at most the load of every other rank that could have taken that unit;
+//! so when all units of a group share one holder set, `max - min ≤` the
+//! largest unit (`unit_bytes` or one shard band).
+//!
+//! **Waves** (the watermark): the units of a mesh group are cut into waves
+//! so that no trainer's arena holds more than `watermark` bytes at a time;
+//! a wave starts with a barrier among the group's ranks (every arena of the
+//! group is free again).
+
+use std::collections::BTreeMap;
+
+mod runs;
+
+pub(crate) use runs::box_run;
+use runs::pair;
+pub use runs::{Run, Xfer};
+
+use crate::meta::{Box2, DType, ModelLayout, Quant, Rank};
+use crate::RlError;
+
+/// Planner knobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PlanConfig {
+    /// fp8 tile edge (128 for DeepSeek-V3 / Kimi-K2 checkpoints).
+    pub block: u64,
+    /// Target size of one unit (bytes on the trainer, bf16).
+    pub unit_bytes: u64,
+    /// Alignment of tensors in inference regions and of arena slots.
+    pub align: u64,
+    /// Bytes of staging (arena) one trainer may hold at a time.
+    pub watermark: u64,
+    /// A bf16 target is written straight from the trainers' shards only
+    /// when every shard's part of it is at least this long (or one shard
+    /// holds all of it); otherwise it is unsharded into one writer's arena
+    /// first (no flood of tiny writes for norms and small vectors).
+    pub min_direct_bytes: u64,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        PlanConfig {
+            block: 128,
+            unit_bytes: 8 << 20,
+            align: 256,
+            watermark: 512 << 20,
+            min_direct_bytes: 256 << 10,
+        }
+    }
+}
+
+/// A part of a unit that another rank writes into the writer's arena.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Gather {
+    /// The rank that holds it.
+    pub from: Rank,
+    /// From its shard memory (trainer region) to the writer's arena.
+    pub xfer: Xfer,
+}
+
+/// One piece of work.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Unit {
+    /// Mesh group.
+    pub mesh_group: u32,
+    /// Wave within the group.
+    pub wave: u32,
+    /// Parameter index.
+    pub param: usize,
+    /// Box of the parameter.
+    pub src: Box2,
+    /// Storage of the target.
+    pub quant: Quant,
+    /// Where it lands: one entry per inference tensor holding this box
+    /// (replicas across TP groups and instances are written from one
+    /// staging copy: unshard and quantise once, write many times).
+    pub dests: Vec<Dest>,
+    /// The rank that writes it to inference.
+    pub writer: Rank,
+    /// Ranks that could have.
+    pub eligible: Vec<Rank>,
+    /// Order in which the balancer assigned it (within its group).
+    pub assign_seq: u32,
+    /// Staged (fp8): arena range `[arena_off, arena_off + arena_len)`; the
+    /// bf16 box sits at `arena_off`, row-major with `src.width()` columns.
+    pub arena: Option<(u64, u64)>,
+    /// Staged: the writer's own parts (trainer region → arena).
+    pub local: Vec<Xfer>,
+    /// Staged: parts others write into the arena.
+    pub gathers: Vec<Gather>,
+}
+
+/// One destination of a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Dest {
+    /// Inference rank.
+    pub inf: u32,
+    /// Tensor index on that rank.
+    pub tensor: usize,
+    /// First row of the unit in the inference tensor.
+    pub dest_row: u64,
+    /// Unstaged: `src` in the writer's trainer region. Staged: `src` in the
+    /// arena (the quantised bytes).
+    pub data: Xfer,
+    /// fp8 scales (contiguous, from the arena).
+    pub scales: Option<Xfer>,
+}
+
+impl Dest {
+    /// Bytes it puts into inference memory.
+    pub fn bytes(&self) -> u64 {
+        self.data.dst.bytes() + self.scales.map_or(0, |s| s.dst.bytes())
+    }
+    /// Its transfers (data, then scales).
+    pub fn xfers(&self) -> impl Iterator<Item = &Xfer> + '_ {
+        std::iter::once(&self.data).chain(self.scales.as_ref())
+    }
+}
+
+impl Unit {
+    /// Bytes it puts into inference memory (all destinations).
+    pub fn dest_bytes(&self) -> u64 {
+        self.dests.iter().map(Dest::bytes).sum()
+    }
+}
+
+/// Where a tensor sits in an inference rank's region.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TensorSlot {
+    /// Name.
+    pub name: String,
+    /// Rows.
+    pub rows: u64,
+    /// Columns.
+    pub cols: u64,
+    /// Storage.
+    pub quant: Quant,
+    /// Data bytes.
+    pub data: (u64, u64),
+    /// Scale bytes (fp8): `[ceil(rows/block), ceil(cols/block)]` f32.
+    pub scales: Option<(u64, u64)>,
+}
+
+/// An inference rank's weight region.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InferRegion {
+    /// Tensors in memory order.
+    pub tensors: Vec<TensorSlot>,
+    /// Region length.
+    pub len: u64,
+}
+
+/// Where a trainer keeps the pieces it holds (one registered region).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TrainerRegion {
+    /// `(param, box, offset)`: the box row-major (bf16) at `offset`.
+    pub pieces: Vec<(usize, Box2, u64)>,
+    /// Region length.
+    pub len: u64,
+}
+
+impl TrainerRegion {
+    /// The held piece of `param` containing `b`.
+    pub fn piece(&self, param: usize, b: &Box2) -> Option<&(usize, Box2, u64)> {
+        // Pieces are stored in parameter order.
+        let lo = self.pieces.partition_point(|(p, _, _)| *p < param);
+        self.pieces[lo..]
+            .iter()
+            .take_while(|(p, _, _)| *p == param)
+            .find(|(_, pb, _)| {
+                pb.rows.start <= b.rows.start
+                    && b.rows.end <= pb.rows.end
+                    && pb.cols.start <= b.cols.start
+                    && b.cols.end <= pb.cols.end
+            })
+    }
+}
+
+/// One mesh group's schedule.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupPlan {
+    /// Group id.
+    pub id: u32,
+    /// Its ranks, sorted.
+    pub ranks: Vec<Rank>,
+    /// Unit index ranges, one per wave.
+    pub waves: Vec<std::ops::Range<usize>>,
+}
+
+/// The routing table.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Plan {
+    /// Knobs it was made with.
+    pub config: PlanConfig,
+    /// Per trainer.
+    pub trainers: Vec<TrainerRegion>,
+    /// Per inference rank.
+    pub inference: Vec<InferRegion>,
+    /// Units, grouped by mesh group then wave.
+    pub units: Vec<Unit>,
+    /// Mesh groups in execution order.
+    pub groups: Vec<GroupPlan>,
+    /// Arena bytes each trainer registers (largest wave use, ≤ watermark).
+    pub arena_len: u64,
+}
+
+/// Identity of a unit across replicas: parameter, box, fp8, staged.
+type UnitKey = (usize, u64, u64, u64, u64, bool, bool);
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a.max(1)) * a.max(1)
+}
+
+/// Lays out one inference rank's tensors.
+fn infer_region(m: &ModelLayout, ts: &[crate::meta::InferTensor], cfg: &PlanConfig) -> InferRegion {
+    let mut at = 0;
+    let mut tensors = Vec::with_capacity(ts.len());
+    for t in ts {
+        let (rows, cols) = (t.rows(), t.cols());
+        let elem = match t.quant {
+            Quant::None => m.params[t.segments[0].param].dtype.size(),
+            Quant::Fp8Block => DType::F8E4M3.size(),
+        };
+        let data = (at, rows * cols * elem);
+        at = align_up(at + data.1, cfg.align);
+        let scales = (t.quant == Quant::Fp8Block).then(|| {
+            let s = (at, rows.div_ceil(cfg.block) * cols.div_ceil(cfg.block) * 4);
+            at = align_up(at + s.1, cfg.align);
+            s
+        });
+        tensors.push(TensorSlot {
+            name: t.name.clone(),
+            rows,
+            cols,
+            quant: t.quant,
+            data,
+            scales,
+        });
+    }
+    InferRegion {
+        tensors,
+        len: at.max(1),
+    }
+}
+
+/// Computes the routing table.
+pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
+    if cfg.block == 0 || cfg.unit_bytes == 0 || cfg.align == 0 {
+        return Err(RlError::Plan(
+            "block, unit_bytes and align must be > 0".into(),
+        ));
+    }
+    m.validate(cfg.block)?;
+    // Trainer regions.
+    let mut trainers: Vec<TrainerRegion> = (0..m.trainers)
+        .map(|_| TrainerRegion {
+            pieces: Vec::new(),
+            len: 0,
+        })
+        .collect();
+    let pieces: Vec<Vec<(Vec<Rank>, Box2)>> = (0..m.params.len()).map(|p| m.pieces(p)).collect();
+    for (p, ps) in pieces.iter().enumerate() {
+        let elem = m.params[p].dtype.size();
+        for (holders, b) in ps {
+            for &r in holders {
+                let t = &mut trainers[r as usize];
+                t.pieces.push((p, b.clone(), t.len));
+                t.len = align_up(t.len + b.elems() * elem, cfg.align);
+            }
+        }
+    }
+    for t in &mut trainers {
+        t.len = t.len.max(1);
+    }
+    let inference: Vec<InferRegion> = m
+        .inference
+        .iter()
+        .map(|ts| infer_region(m, ts, cfg))
+        .collect();
+
+    // Cut units.
+    let mut units = Vec::new();
+    for (i, ts) in m.inference.iter().enumerate() {
+        for (ti, t) in ts.iter().enumerate() {
+            let slot = &inference[i].tensors[ti];
+            let mut dest_row = 0;
+            for seg in &t.segments {
+                let p = &m.params[seg.param];
+                let elem = p.dtype.size();
+                let w = seg.src.width();
+                let mut push = |b: Box2, eligible: Vec<Rank>, staged: bool| {
+                    let drow = dest_row + (b.rows.start - seg.src.rows.start);
+                    let mut u = new_unit(
+                        seg.param,
+                        b,
+                        i as u32,
+                        ti,
+                        drow,
+                        t.quant,
+                        eligible,
+                        slot,
+                        seg,
+                        cfg,
+                        p.mesh_group,
+                        elem,
+                    );
+                    if staged {
+                        u.arena = Some((0, 0));
+                    }
+                    units.push(u);
+                };
+                let inters: Vec<u64> = pieces[seg.param]
+                    .iter()
+                    .filter_map(|(_, pb)| seg.src.intersect(pb).map(|b| b.elems() * elem))
+                    .collect();
+                let direct = inters.len() == 1 || inters.iter().all(|&x| x >= cfg.min_direct_bytes);
+                match t.quant {
+                    Quant::None if direct => {
+                        for (holders, pb) in &pieces[seg.param] {
+                            let Some(inter) = seg.src.intersect(pb) else {
+                                continue;
+                            };
+                            let band = (cfg.unit_bytes / (inter.width() * elem)).max(1);
+                            let mut r = inter.rows.start;
+                            while r < inter.rows.end {
+                                let e = (r + band).min(inter.rows.end);
+                                push(
+                                    Box2 {
+                                        rows: r..e,
+                                        cols: inter.cols.clone(),
+                                    },
+                                    holders.clone(),
+                                    false,
+                                );
+                                r = e;
+                            }
+                        }
+                    }
+                    _ => {
+                        let fp8 = t.quant == Quant::Fp8Block;
+                        let tile = if fp8 { cfg.block } else { 1 };
+                        let tiles = (cfg.unit_bytes / (w * elem * tile)).max(1);
+                        let band = tiles * tile;
+                        let mut r = seg.src.rows.start;
+                        while r < seg.src.rows.end {
+                            let e = (r + band).min(seg.src.rows.end);
+                            let b = Box2 {
+                                rows: r..e,
+                                cols: seg.src.cols.clone(),
+                            };
+                            let mut el: Vec<Rank> = pieces[seg.param]
+                                .iter()
+                                .filter(|(_, pb)| pb.intersect(&b).is_some())
+                                .flat_map(|(h, _)| h.iter().copied())
+                                .collect();
+                            el.sort_unstable();
+                            el.dedup();
+                            push(b, el, true);
+                            r = e;
+                        }
+                    }
+                }
+                dest_row += seg.src.height();
+            }
+        }
+    }
+
+    // One unit per (parameter box, storage): replicas become destinations.
+    let mut merged: Vec<Unit> = Vec::with_capacity(units.len());
+    let mut seen: BTreeMap<UnitKey, usize> = BTreeMap::new();
+    for u in units {
+        let key = (
+            u.param,
+            u.src.rows.start,
+            u.src.rows.end,
+            u.src.cols.start,
+            u.src.cols.end,
+            u.quant == Quant::Fp8Block,
+            u.arena.is_some(),
+        );
+        match seen.get(&key) {
+            Some(&k) => merged[k].dests.extend(u.dests),
+            None => {
+                seen.insert(key, merged.len());
+                merged.push(u);
+            }
+        }
+    }
+    let mut units = merged;
+
+    // Balance within each mesh group.
+    let groups_meta = m.mesh_groups();
+    let mut by_group: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (k, u) in units.iter().enumerate() {
+        by_group.entry(u.mesh_group).or_default().push(k);
+    }
+    for idx in by_group.values() {
+        let mut load: BTreeMap<Rank, u64> = BTreeMap::new();
+        let mut order: Vec<usize> = idx.clone();
+        // Forced first (in plan order), then flexible by size desc.
+        order.sort_by(|&a, &b| {
+            let (ua, ub) = (&units[a], &units[b]);
+            let fa = ua.eligible.len() > 1;
+            let fb = ub.eligible.len() > 1;
+            fa.cmp(&fb)
+                .then_with(|| {
+                    if fa {
+                        ub.dest_bytes().cmp(&ua.dest_bytes())
+                    } else {
+                        std::cmp::Ordering::Equal
+                    }
+                })
+                .then(a.cmp(&b))
+        });
+        for (seq, &k) in order.iter().enumerate() {
+            let u = &units[k];
+            let w = *u
+                .eligible
+                .iter()
+                .min_by_key(|&&r| (load.get(&r).copied().unwrap_or(0), r))
+                .ok_or_else(|| RlError::Plan("unit without a holder".into()))?;
+            *load.entry(w).or_default() += u.dest_bytes();
+            units[k].writer = w;
+            units[k].assign_seq = seq as u32;
+        }
+    }
+
+    // Sources, gathers and arena sizes now that writers are known.
+    for u in &mut units {
+        fill_sources(
+            u,
+            &pieces[u.param],
+            &trainers,
+            m.params[u.param].dtype.size(),
+            cfg,
+        )?;
+    }
+
+    // Order by group, cut waves.
+    let gpos: BTreeMap<u32, usize> = groups_meta
+        .iter()
+        .enumerate()
+        .map(|(i, (g, _))| (*g, i))
+        .collect();
+    units.sort_by_key(|u| {
+        (
+            gpos[&u.mesh_group],
+            u.param,
+            u.src.rows.start,
+            u.src.cols.start,
+            u.quant == Quant::Fp8Block,
+        )
+    });
+    let mut groups = Vec::new();
+    let mut arena_len = 0;
+    let mut k = 0;
+    for (gid, ranks) in groups_meta {
+        let start = k;
+        while k < units.len() && units[k].mesh_group == gid {
+            k += 1;
+        }
+        let mut waves = Vec::new();
+        let mut used: BTreeMap<Rank, u64> = BTreeMap::new();
+        let mut wstart = start;
+        #[allow(clippy::needless_range_loop)] // `j` also cuts the wave ranges
+        for j in start..k {
+            let need = units[j].arena.map_or(0, |a| a.1);
+            if need > cfg.watermark {
+                return Err(RlError::Plan(format!(
+                    "a unit of {} needs {need} B of staging, over the {} B watermark",
+                    m.params[units[j].param].name, cfg.watermark
+                )));
+            }
+            let wr = units[j].writer;
+            let cur = used.get(&wr).copied().unwrap_or(0);
+            if need > 0 && cur + need > cfg.watermark {
+                waves.push(wstart..j);
+                wstart = j;
+                used.clear();
+            }
+            let off = used.get(&wr).copied().unwrap_or(0);
+            if need > 0 {
+                let u = &mut units[j];
+                relocate(u, off);
+                let e = off + need;
+                arena_len = arena_len.max(e);
+                used.insert(wr, e);
+            }
+            units[j].wave = waves.len() as u32;
+        }
+        if wstart < k || waves.is_empty() {
+            waves.push(wstart..k);
+        }
+        groups.push(GroupPlan {
+            id: gid,
+            ranks,
+            waves,
+        });
+    }
+    Ok(Plan {
+        config: *cfg,
+        trainers,
+        inference,
+        units,
+        groups,
+        arena_len: arena_len.max(1),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn new_unit(
+    param: usize,
+    b: Box2,
+    inf: u32,
+    tensor: usize,
+    dest_row: u64,
+    quant: Quant,
+    eligible: Vec<Rank>,
+    slot: &TensorSlot,
+    seg: &crate::meta::Segment,
+    cfg: &PlanConfig,
+    mesh_group: u32,
+    elem: u64,
+) -> Unit {
+    let w = slot.cols;
+    let dst_elem = if quant == Quant::Fp8Block { 1 } else { elem };
+    // Unit box in dest coordinates: rows start at dest_row, cols relative
+    // to the segment's first column.
+    let dbox = Box2 {
+        rows: dest_row..dest_row + b.height(),
+        cols: (b.cols.start - seg.src.cols.start)..(b.cols.end - seg.src.cols.start),
+    };
+    let dst = box_run(slot.data.0, w, dst_elem, 0, 0, &dbox);
+    let scales = slot.scales.map(|(off, _)| {
+        let sw = w.div_ceil(cfg.block);
+        let r0 = dest_row / cfg.block;
+        let r1 = (dest_row + b.height()).div_ceil(cfg.block);
+        let d = Run::contiguous(off + r0 * sw * 4, (r1 - r0) * sw * 4);
+        Xfer { src: d, dst: d }
+    });
+    Unit {
+        mesh_group,
+        wave: 0,
+        param,
+        src: b,
+        quant,
+        dests: vec![Dest {
+            inf,
+            tensor,
+            dest_row,
+            data: Xfer { src: dst, dst },
+            scales,
+        }],
+        writer: 0,
+        eligible,
+        assign_seq: 0,
+        arena: None,
+        local: Vec::new(),
+        gathers: Vec::new(),
+    }
+}
+
+/// Fills the source side (trainer region or arena at offset 0; moved by
+/// [`relocate`] once the wave is known).
+fn fill_sources(
+    u: &mut Unit,
+    pieces: &[(Vec<Rank>, Box2)],
+    trainers: &[TrainerRegion],
+    elem: u64,
+    cfg: &PlanConfig,
+) -> Result<(), RlError> {
+    let missing = |r: Rank| RlError::Plan(format!("rank {r} lacks a piece of param {}", u.param));
+    match u.arena {
+        None => {
+            let (_, pb, off) = trainers[u.writer as usize]
+                .piece(u.param, &u.src)
+                .ok_or_else(|| missing(u.writer))?;
+            let src = box_run(*off, pb.width(), elem, pb.rows.start, pb.cols.start, &u.src);
+            for d in &mut u.dests {
+                d.data = pair(src, d.data.dst);
+            }
+        }
+        Some(_) => {
+            let bw = u.src.width();
+            let box_bytes = align_up(u.src.elems() * elem, cfg.align);
+            let fp8 = u.quant == Quant::Fp8Block;
+            let q_bytes = if fp8 {
+                align_up(u.src.elems(), cfg.align)
+            } else {
+                0
+            };
+            let s_bytes = u.dests[0].scales.map_or(0, |s| s.dst.bytes());
+            u.arena = Some((0, box_bytes + q_bytes + align_up(s_bytes, cfg.align)));
+            // fp8: the quantised bytes after the box; bf16: the box itself.
+            let out = if fp8 {
+                Run::contiguous(box_bytes, u.src.elems())
+            } else {
+                Run::contiguous(0, u.src.elems() * elem)
+            };
+            for d in &mut u.dests {
+                d.data = pair(out, d.data.dst);
+                if let Some(s) = &mut d.scales {
+                    s.src = Run::contiguous(box_bytes + q_bytes, s_bytes);
+                }
+            }
+            for (holders, pb) in pieces {
+                let Some(inter) = pb.intersect(&u.src) else {
+                    continue;
+                };
+                let dst = box_run(0, bw, elem, u.src.rows.start, u.src.cols.start, &inter);
+                if holders.contains(&u.writer) {
+                    let (_, pb2, off) = trainers[u.writer as usize]
+                        .piece(u.param, &inter)
+                        .ok_or_else(|| missing(u.writer))?;
+                    let src = box_run(
+                        *off,
+                        pb2.width(),
+                        elem,
+                        pb2.rows.start,
+                        pb2.cols.start,
+                        &inter,
+                    );
+                    u.local.push(pair(src, dst));
+                } else {
+                    let from = holders[0];
+                    let (_, pb2, off) = trainers[from as usize]
+                        .piece(u.param, &inter)
+                        .ok_or_else(|| missing(from))?;
+                    let src = box_run(
+                        *off,
+                        pb2.width(),
+                        elem,
+                        pb2.rows.start,
+                        pb2.cols.start,
+                        &inter,
+                    );
+                    u.gathers.push(Gather {
+                        from,
+                        xfer: pair(src, dst),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Moves a staged unit's arena use to `off`.
+fn relocate(u: &mut Unit, off: u64) {
+    if let Some(a) = &mut u.arena {
+        a.0 = off;
+    }
+    for d in &mut u.dests {
+        d.data.src.offset += off;
+        if let Some(s) = &mut d.scales {
+            s.src.offset += off;
+        }
+    }
+    for x in &mut u.local {
+        x.dst.offset += off;
+    }
+    for g in &mut u.gathers {
+        g.xfer.dst.offset += off;
+    }
+}
+
+impl Plan {
+    /// Bytes each trainer writes into inference memory.
+    pub fn trainer_load(&self) -> Vec<u64> {
+        let mut l = vec![0; self.trainers.len()];
+        for u in &self.units {
+            l[u.writer as usize] += u.dest_bytes();
+        }
+        l
+    }
+
+    /// Bytes each trainer sends to other trainers (unshard traffic).
+    pub fn gather_load(&self) -> Vec<u64> {
+        let mut l = vec![0; self.trainers.len()];
+        for u in &self.units {
+            for g in &u.gathers {
+                l[g.from as usize] += g.xfer.src.bytes();
+            }
+        }
+        l
+    }
+
+    /// Total bytes of the inference regions' tensors.
+    pub fn inference_bytes(&self) -> u64 {
+        self.inference
+            .iter()
+            .flat_map(|r| &r.tensors)
+            .map(|t| t.data.1 + t.scales.map_or(0, |s| s.1))
+            .sum()
+    }
+
+    /// Every transfer into inference rank `inf`: `(writer, xfer)`.
+    pub fn writes_to(&self, inf: u32) -> impl Iterator<Item = (Rank, &Xfer)> + '_ {
+        self.units.iter().flat_map(move |u| {
+            u.dests
+                .iter()
+                .filter(move |d| d.inf == inf)
+                .flat_map(move |d| d.xfers().map(move |x| (u.writer, x)))
+        })
+    }
+}

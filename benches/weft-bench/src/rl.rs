@@ -1,0 +1,53 @@
+//! `weft-bench rl`: RL weight transfer at the paper's scale, predicted by
+//! weft-rl's event-level model over the real routing plan of each model
+//! (P2P next to the Rank0 baseline of the same model and plan; target: the
+//! paper's 1.2–2.0 s). Simulated time: each model takes a few seconds of
+//! planning on 2 cores.
+
+use weft_rl::models::{self, DEEPSEEK_V3, KIMI_K2, QWEN3_235B};
+use weft_rl::sim::{simulate, SimConfig};
+use weft_rl::{plan, PlanConfig};
+
+use crate::{Config, Row, Target};
+
+/// One row per model (quick: Kimi-K2 only).
+pub fn run(cfg: &Config) -> Vec<Row> {
+    let ms = if cfg.quick {
+        vec![KIMI_K2]
+    } else {
+        vec![KIMI_K2, DEEPSEEK_V3, QWEN3_235B]
+    };
+    let sc = SimConfig::default();
+    ms.iter()
+        .map(|m| {
+            let (t, i) = models::paper_layout(m);
+            let built = models::build(m, t, i)
+                .and_then(|ml| plan(&ml, &PlanConfig::default()).map(|p| (ml, p)));
+            match built {
+                Ok((ml, p)) => {
+                    let r = simulate(&ml, &p, &sc);
+                    Row::new(
+                        "rl",
+                        "update (simulated)",
+                        "event model",
+                        sc.nics as usize,
+                        format!("{} {}->{}", m.name, t.ranks(), i.ranks),
+                        "update time",
+                        "s",
+                        r.p2p_s,
+                        Some((r.rank0_s, "Rank0, same plan")),
+                    )
+                    .target(Target::at_most(r.p2p_s, 2.0, "s (paper 1.2-2.0)"))
+                    .extra("bound_s", r.bound_s)
+                }
+                Err(e) => Row::failed(
+                    "rl",
+                    "update (simulated)",
+                    "event model",
+                    sc.nics as usize,
+                    e.to_string(),
+                ),
+            }
+        })
+        .collect()
+}
