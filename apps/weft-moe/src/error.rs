@@ -136,4 +136,55 @@ pub enum MoeError {
         /// Ranks of the group.
         ranks: u32,
     },
+    /// An engine call or transfer failed; the rank is poisoned.
+    #[error("MoE {phase:?}: engine error: {source}")]
+    Engine {
+        /// Where it happened.
+        phase: Phase,
+        /// The engine's error.
+        #[source]
+        source: weft::EngineError,
+    },
+    /// A round did not complete within `step_timeout`; the rank is poisoned.
+    /// `pending` arrivals of `imm` were counted out of `expected`.
+    #[error("MoE {phase:?}: round of immediate {imm} timed out ({pending} of {expected} arrived)")]
+    Timeout {
+        /// The phase waiting.
+        phase: Phase,
+        /// The immediate value of the round.
+        imm: u32,
+        /// Immediates the round expects.
+        expected: u64,
+        /// Arrivals counted and not consumed.
+        pending: u64,
+    },
+    /// An earlier error left peers in an unknown state; the rank cannot be
+    /// used again.
+    #[error("MoE rank is poisoned by an earlier error")]
+    Poisoned,
+    /// `dispatch` or `combine` before `connect`.
+    #[error("MoE rank is not connected")]
+    NotConnected,
+    /// A peer's [`RankInfo`](crate::RankInfo) does not fit this rank.
+    #[error("MoE peer info of rank {rank}: {what}")]
+    PeerInfo {
+        /// The peer's rank.
+        rank: u32,
+        /// What is wrong.
+        what: String,
+    },
+    /// `combine` with a layout of another step or rank.
+    #[error("MoE combine: layout of step {layout_step}, this rank is at step {step}")]
+    StaleLayout {
+        /// The step of the layout.
+        layout_step: u64,
+        /// The rank's current step.
+        step: u64,
+    },
+    /// `dispatch` twice without `combine`, or `combine` without `dispatch`.
+    #[error("MoE: call out of order, expected {expected}")]
+    OutOfOrder {
+        /// The call expected next.
+        expected: &'static str,
+    },
 }

@@ -31,6 +31,7 @@ mod imm;
 pub mod num;
 pub mod pack;
 mod plan;
+mod rank;
 pub mod reference;
 mod routes;
 
@@ -39,6 +40,8 @@ pub use error::{ConfigError, MoeError, Phase};
 pub use expert::{ExpertTokens, RankInput};
 pub use imm::{ExpectedCounts, ImmValues, COMBINE_MODE, DISPATCH_MODE};
 pub use plan::{
-    member_index, member_rank, CombineSend, CombineSlot, DispatchDest, Overflow, SrcSlot, StepPlan,
+    member_index, member_rank, n_to_rank, CombineSend, CombineSlot, DispatchDest, Overflow,
+    SrcSlot, StepPlan,
 };
+pub use rank::{Layout, MoeRank, RankInfo};
 pub use routes::{count_pairs, row_to_le_bytes, CountedPairs, RouteMatrix};

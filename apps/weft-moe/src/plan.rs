@@ -116,6 +116,13 @@ pub fn member_rank(ranks: u32, rank: u32, j: usize) -> u32 {
     ((u64::from(rank) + 1 + j as u64) % u64::from(ranks.max(1))) as u32
 }
 
+/// n(r→d) from a route row: pairs of the row routed to rank `d`'s experts.
+pub fn n_to_rank(dims: &Dims, row: &[u32], d: u32) -> u32 {
+    let l = dims.local as usize;
+    let start = d as usize * l;
+    row.get(start..start + l).map_or(0, |c| c.iter().sum())
+}
+
 impl StepPlan {
     /// Builds the plan of `rank` for the step whose routes are `m`.
     pub fn new(dims: &Dims, rank: u32, m: &RouteMatrix) -> Result<StepPlan, MoeError> {

@@ -1,0 +1,128 @@
+//! The CPU driver ([`MoeRank`]) over the engine on the adversarial loopback
+//! fabric (realtime: real worker threads, chunks reordered within and across
+//! writes, drops and retransmits), one engine and one thread per rank, in
+//! one process; several consecutive steps (buffer reuse and barriers),
+//! checked byte for byte against the naive reference.
+
+mod common;
+
+use common::{expert_outputs, inputs, Routing};
+use std::sync::Arc;
+use std::time::Duration;
+use weft::loopback::{Fabric, FabricConfig};
+use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft_moe::{reference, MoeConfig, MoeRank};
+use weft_testkit::seeds_or;
+
+const NICS: usize = 2;
+
+fn engine(fabric: &Fabric) -> Arc<TransferEngine> {
+    let host = fabric.add_host(NICS);
+    let p = Arc::new(fabric.provider(host));
+    let cfg = EngineConfig {
+        idle_sleep: Some(Duration::from_micros(200)),
+        ..EngineConfig::default()
+    };
+    Arc::new(
+        TransferEngine::builder()
+            .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))
+            .config(cfg)
+            .build()
+            .expect("engine builds"),
+    )
+}
+
+fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u64) {
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig {
+        max_write_len,
+        ..FabricConfig::adversarial(seed)
+    });
+    let engines: Vec<_> = (0..d.ranks).map(|_| engine(&fabric)).collect();
+    let mut ranks = Vec::new();
+    let mut infos = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let (rank, info) = MoeRank::prepare(e.clone(), c, r as u32).expect("prepare");
+        ranks.push(rank);
+        infos.push(info);
+    }
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect");
+    }
+    let ranks: Vec<MoeRank> = std::thread::scope(|sc| {
+        let hs: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut rank)| {
+                let d = d.clone();
+                sc.spawn(move || {
+                    for k in 0..steps {
+                        let ins = inputs(&d, routing, seed * 1000 + k, k % 2 == 1);
+                        let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
+                        let want = reference::dispatch(&d, &views).unwrap();
+                        let (got, layout) = rank.dispatch(&views[r]).expect("dispatch");
+                        assert_eq!(got, want[r], "seed {seed} step {k} rank {r}: dispatch");
+                        let outs: Vec<Vec<u8>> = want
+                            .iter()
+                            .enumerate()
+                            .map(|(x, w)| expert_outputs(&d, x as u32, w))
+                            .collect();
+                        let y = rank.combine(&outs[r], &layout).expect("combine");
+                        let want = reference::combine(&d, &views, &outs).unwrap();
+                        assert_eq!(y, want[r], "seed {seed} step {k} rank {r}: combine");
+                    }
+                    rank
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let imms = ranks[0].imms();
+    for rank in ranks {
+        rank.shutdown().expect("shutdown");
+    }
+    for e in &engines {
+        for v in imms.all() {
+            assert_eq!(e.imm_pending(v), 0);
+        }
+        assert_eq!(e.stats().imm_excess, 0, "seed {seed}: excess immediates");
+        e.shutdown();
+    }
+}
+
+fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
+    let mut c = MoeConfig::new(n, n * l, r, t, 40, 12);
+    c.private_tokens = p.min(t * r);
+    c.step_timeout = Duration::from_secs(30);
+    c
+}
+
+#[test]
+fn ep2_to_8_random() {
+    for seed in seeds_or(0..3) {
+        for n in [2, 3, 4, 8] {
+            run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 3, 1 << 40);
+        }
+    }
+}
+
+#[test]
+fn edge_cases_ep4() {
+    for seed in seeds_or(0..2) {
+        for p in [0, 1, 6, 18] {
+            let c = cfg(4, 2, 3, 6, p);
+            let d = c.validate().unwrap();
+            for routing in common::routings(&d) {
+                run(&c, routing, seed, 3, 1 << 40);
+            }
+        }
+    }
+}
+
+#[test]
+fn small_max_write_len_and_single_rank() {
+    run(&cfg(4, 1, 2, 8, 3), Routing::Skewed, 5, 3, 64);
+    run(&cfg(1, 4, 2, 4, 2), Routing::Random, 6, 2, 1 << 40);
+}
