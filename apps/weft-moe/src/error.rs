@@ -158,6 +158,17 @@ pub enum MoeError {
         /// Arrivals counted and not consumed.
         pending: u64,
     },
+    /// This rank's own transfers did not all finish within `step_timeout`
+    /// (their source buffers cannot be reused); the rank is poisoned.
+    #[error("MoE {phase:?}: {done} of {submitted} own transfers finished in time")]
+    SubmitTimeout {
+        /// The phase waiting.
+        phase: Phase,
+        /// Transfers submitted so far.
+        submitted: u64,
+        /// Transfers finished.
+        done: u64,
+    },
     /// An earlier error left peers in an unknown state; the rank cannot be
     /// used again.
     #[error("MoE rank is poisoned by an earlier error")]

@@ -18,9 +18,13 @@
 //!
 //! Every round completes on an immediate count the receiver computes from
 //! the route matrix ([`ExpectedCounts`]); nothing depends on the order of
-//! writes. This crate holds, so far, the pure parts: the config
-//! ([`MoeConfig`] → [`Dims`]), routes, the plan, the counts, the CPU device
-//! operations ([`pack`]) and a naive [`reference`].
+//! writes.
+//!
+//! Parts: the config ([`MoeConfig`] → [`Dims`]), routes ([`RouteMatrix`]),
+//! the [`StepPlan`], the counts, the CPU device operations ([`pack`]), a
+//! naive [`reference`], and [`MoeRank`], the blocking CPU driver over a
+//! [`weft::TransferEngine`] with host buffers. The GPU path (issue 20's
+//! kernels and proxy) is not here yet.
 
 #![deny(unsafe_code)]
 

@@ -269,7 +269,12 @@ impl MoeRank {
     }
 
     fn poison<T>(&mut self, r: Result<T, MoeError>) -> Result<T, MoeError> {
-        if matches!(r, Err(MoeError::Engine { .. } | MoeError::Timeout { .. })) {
+        if matches!(
+            r,
+            Err(MoeError::Engine { .. }
+                | MoeError::Timeout { .. }
+                | MoeError::SubmitTimeout { .. })
+        ) {
             self.poisoned = true;
         }
         r
@@ -283,11 +288,10 @@ impl MoeRank {
     /// Waits until every own submit resolved (their sources may be reused).
     fn wait_submits(&self, phase: Phase) -> Result<(), MoeError> {
         if !self.done.wait_for_timeout(self.submitted, self.timeout) {
-            return Err(MoeError::Timeout {
+            return Err(MoeError::SubmitTimeout {
                 phase,
-                imm: 0,
-                expected: self.submitted,
-                pending: self.done.total(),
+                submitted: self.submitted,
+                done: self.done.total(),
             });
         }
         match self.done.first_error() {
@@ -550,9 +554,13 @@ impl MoeRank {
         self.bufs.send.write(0, &send_local);
         for c in plan.combine() {
             if let CombineSlot::Recv(x) = *c {
-                let off = u64::from(x) * d.b_out;
-                let row = &recv_local[off as usize..off as usize + ob];
-                self.bufs.recv.write(off as usize, row);
+                let off = (u64::from(x) * d.b_out) as usize;
+                let row = recv_local.get(off..off + ob).ok_or(MoeError::Shape {
+                    what: "own combine rows",
+                    got: recv_local.len() as u64,
+                    want: (off + ob) as u64,
+                })?;
+                self.bufs.recv.write(off, row);
             }
         }
         let Some(peers) = self.peers.as_ref() else {

@@ -101,7 +101,7 @@ fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
 
 #[test]
 fn ep2_to_8_random() {
-    for seed in seeds_or(0..3) {
+    for seed in seeds_or(0..12) {
         for n in [2, 3, 4, 8] {
             run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 3, 1 << 40);
         }
