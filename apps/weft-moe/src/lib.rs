@@ -22,7 +22,7 @@
 //!
 //! Parts: the config ([`MoeConfig`] → [`Dims`]), routes ([`RouteMatrix`]),
 //! the [`StepPlan`], the counts, the CPU device operations ([`pack`]), a
-//! naive [`reference`], and [`MoeRank`], the blocking CPU driver over a
+//! naive [`reference`](mod@reference), and [`MoeRank`], the blocking CPU driver over a
 //! [`weft::TransferEngine`] with host buffers. The GPU path (issue 20's
 //! kernels and proxy) is not here yet.
 

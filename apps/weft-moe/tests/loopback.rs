@@ -9,15 +9,18 @@ mod common;
 use common::{expert_outputs, inputs, Routing};
 use std::sync::Arc;
 use std::time::Duration;
-use weft::loopback::{Fabric, FabricConfig};
+use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_moe::{reference, MoeConfig, MoeRank};
+use weft_moe::{reference, MoeConfig, MoeError, MoeRank};
 use weft_testkit::seeds_or;
 
 const NICS: usize = 2;
 
 fn engine(fabric: &Fabric) -> Arc<TransferEngine> {
-    let host = fabric.add_host(NICS);
+    engine_on(fabric, fabric.add_host(NICS))
+}
+
+fn engine_on(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
     let p = Arc::new(fabric.provider(host));
     let cfg = EngineConfig {
         idle_sleep: Some(Duration::from_micros(200)),
@@ -125,4 +128,50 @@ fn edge_cases_ep4() {
 fn small_max_write_len_and_single_rank() {
     run(&cfg(4, 1, 2, 8, 3), Routing::Skewed, 5, 3, 64);
     run(&cfg(1, 4, 2, 4, 2), Routing::Random, 6, 2, 1 << 40);
+}
+
+/// A rank whose host dies before the step: the others get a typed error
+/// (after `step_timeout` at the latest), never a hang, and are poisoned.
+#[test]
+fn dead_peer_gives_typed_error_and_poisons() {
+    let mut c = cfg(4, 2, 3, 6, 2);
+    c.step_timeout = Duration::from_secs(2);
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(11));
+    let hosts: Vec<HostId> = (0..d.ranks).map(|_| fabric.add_host(NICS)).collect();
+    let engines: Vec<_> = hosts.iter().map(|&h| engine_on(&fabric, h)).collect();
+    let mut ranks = Vec::new();
+    let mut infos = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let (rank, info) = MoeRank::prepare(e.clone(), &c, r as u32).expect("prepare");
+        ranks.push(rank);
+        infos.push(info);
+    }
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect");
+    }
+    let dead = ranks.pop().expect("four ranks");
+    fabric.kill_host(hosts[3]);
+    let ins = inputs(&d, Routing::Random, 11, false);
+    std::thread::scope(|sc| {
+        for (r, rank) in ranks.iter_mut().enumerate() {
+            let ins = &ins;
+            sc.spawn(move || {
+                let err = rank.dispatch(&ins[r].input()).expect_err("a peer is dead");
+                assert!(
+                    matches!(err, MoeError::Engine { .. } | MoeError::Timeout { .. }),
+                    "rank {r}: {err}"
+                );
+                let again = rank.dispatch(&ins[r].input()).expect_err("poisoned");
+                assert!(matches!(again, MoeError::Poisoned), "rank {r}: {again}");
+            });
+        }
+    });
+    drop(dead);
+    for rank in ranks {
+        let _ = rank.shutdown();
+    }
+    for e in &engines {
+        e.shutdown();
+    }
 }
