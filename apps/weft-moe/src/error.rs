@@ -169,6 +169,14 @@ pub enum MoeError {
         /// Transfers finished.
         done: u64,
     },
+    /// A buffer could not be allocated.
+    #[error("MoE setup: allocating {bytes} bytes failed: {reason}")]
+    Alloc {
+        /// Bytes requested.
+        bytes: u64,
+        /// The allocator's error.
+        reason: String,
+    },
     /// An earlier error left peers in an unknown state; the rank cannot be
     /// used again.
     #[error("MoE rank is poisoned by an earlier error")]

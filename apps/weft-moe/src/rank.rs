@@ -134,9 +134,9 @@ impl MoeRank {
         let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())?;
         let ic = engine.imm_counts(0).map_err(eng(Phase::Setup))?;
         let alloc = |len: u64| {
-            HostBuffer::new(len as usize).map_err(|e| MoeError::PeerInfo {
-                rank,
-                what: format!("host buffer of {len} bytes: {e}"),
+            HostBuffer::new(len as usize).map_err(|e| MoeError::Alloc {
+                bytes: len,
+                reason: e.to_string(),
             })
         };
         let (route, send, recv) = (
