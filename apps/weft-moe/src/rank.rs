@@ -268,13 +268,12 @@ impl MoeRank {
         self.step
     }
 
+    /// Any error once a step has touched the engine (a round armed, a
+    /// transfer submitted) leaves this rank and its peers out of step:
+    /// every later call returns [`MoeError::Poisoned`]. Misuse caught before
+    /// that (shapes, call order, connection) does not poison.
     fn poison<T>(&mut self, r: Result<T, MoeError>) -> Result<T, MoeError> {
-        if matches!(
-            r,
-            Err(MoeError::Engine { .. }
-                | MoeError::Timeout { .. }
-                | MoeError::SubmitTimeout { .. })
-        ) {
+        if r.is_err() {
             self.poisoned = true;
         }
         r
@@ -339,6 +338,9 @@ impl MoeRank {
             return Err(MoeError::OutOfOrder {
                 expected: "combine",
             });
+        }
+        if self.peers.is_none() {
+            return Err(MoeError::NotConnected);
         }
         input.check(&self.dims)?;
         let r = self.dispatch_inner(input);
@@ -523,6 +525,14 @@ impl MoeRank {
             return Err(MoeError::StaleLayout {
                 layout_step: layout.step,
                 step: self.step,
+            });
+        }
+        let want = layout.plan.combine().len() as u64 * self.dims.out_row_bytes();
+        if expert_outputs.len() as u64 != want {
+            return Err(MoeError::Shape {
+                what: "expert outputs",
+                got: expert_outputs.len() as u64,
+                want,
             });
         }
         let r = self.combine_inner(expert_outputs, layout);

@@ -175,3 +175,93 @@ fn dead_peer_gives_typed_error_and_poisons() {
         e.shutdown();
     }
 }
+
+/// Misuse is a typed error that does not poison the rank: bad inputs,
+/// calls out of order, a layout of an earlier step, peer infos that do not
+/// match.
+#[test]
+fn misuse_is_typed_and_harmless() {
+    let c = cfg(2, 2, 2, 4, 2);
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(3));
+    let engines: Vec<_> = (0..2).map(|_| engine(&fabric)).collect();
+    let (mut a, ia) = MoeRank::prepare(engines[0].clone(), &c, 0).unwrap();
+    let (mut b, ib) = MoeRank::prepare(engines[1].clone(), &c, 1).unwrap();
+    assert!(matches!(
+        MoeRank::prepare(engines[0].clone(), &c, 2),
+        Err(MoeError::NoSuchRank { .. })
+    ));
+    let ins = inputs(&d, Routing::Random, 3, false);
+    assert!(matches!(
+        a.dispatch(&ins[0].input()),
+        Err(MoeError::NotConnected)
+    ));
+    let mut other = ib.clone();
+    other.config_hash ^= 1;
+    assert!(matches!(
+        a.connect(&[ia.clone(), other]),
+        Err(MoeError::PeerInfo { rank: 1, .. })
+    ));
+    assert!(matches!(
+        a.connect(&[ib.clone(), ia.clone()]),
+        Err(MoeError::PeerInfo { .. })
+    ));
+    a.connect(&[ia.clone(), ib.clone()]).unwrap();
+    b.connect(&[ia, ib]).unwrap();
+    let mut bad = ins[0].clone();
+    bad.ids[0] = d.experts;
+    assert!(matches!(
+        a.dispatch(&bad.input()),
+        Err(MoeError::ExpertOutOfRange { t: 0, k: 0, .. })
+    ));
+    bad.weights.pop();
+    assert!(matches!(
+        a.dispatch(&bad.input()),
+        Err(MoeError::Shape { .. })
+    ));
+    std::thread::scope(|sc| {
+        let ins = &ins;
+        let d = &d;
+        for (r, rank) in [&mut a, &mut b].into_iter().enumerate() {
+            sc.spawn(move || {
+                let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
+                let want = reference::dispatch(d, &views).unwrap();
+                let outs: Vec<Vec<u8>> = want
+                    .iter()
+                    .enumerate()
+                    .map(|(x, w)| expert_outputs(d, x as u32, w))
+                    .collect();
+                let (_, l0) = rank.dispatch(&views[r]).unwrap();
+                assert!(matches!(
+                    rank.dispatch(&views[r]),
+                    Err(MoeError::OutOfOrder { .. })
+                ));
+                rank.combine(&outs[r], &l0).unwrap();
+                assert!(matches!(
+                    rank.combine(&outs[r], &l0),
+                    Err(MoeError::OutOfOrder { .. })
+                ));
+                let (_, l1) = rank.dispatch(&views[r]).unwrap();
+                assert!(matches!(
+                    rank.combine(&outs[r], &l0),
+                    Err(MoeError::StaleLayout {
+                        layout_step: 0,
+                        step: 1
+                    })
+                ));
+                assert!(matches!(
+                    rank.combine(&outs[r][1..], &l1),
+                    Err(MoeError::Shape { .. })
+                ));
+                let y = rank.combine(&outs[r], &l1).unwrap();
+                assert_eq!(y, reference::combine(d, &views, &outs).unwrap()[r]);
+            });
+        }
+    });
+    a.shutdown().unwrap();
+    b.shutdown().unwrap();
+    for e in &engines {
+        assert_eq!(e.stats().imm_excess, 0);
+        e.shutdown();
+    }
+}
