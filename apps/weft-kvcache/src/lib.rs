@@ -35,7 +35,6 @@
 
 #![deny(unsafe_code)]
 
-#[allow(unsafe_code)]
 mod buf;
 
 pub use buf::{pattern, HostBuf};

@@ -133,30 +133,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     op.next_off = op.ok_bytes;
                     op.posted_all = false;
                     if op.inflight == 0 {
-                        let lane = op.lane;
-                        self.stats.requeued_ops += 1;
-                        let p = &mut self.peers[opid.0 as usize];
-                        let q = match lane {
-                            Lane::Send => &mut p.send_q,
-                            Lane::Write => &mut p.write_q,
-                        };
-                        if !q.contains(&slot) {
-                            // Keep post order: insert before the first op
-                            // that was accepted after this one.
-                            let seq = self.op_table.slab[slot as usize]
-                                .as_ref()
-                                .map_or(0, |o| o.seq);
-                            let slab = &self.op_table.slab;
-                            let pos = q
-                                .iter()
-                                .position(|s| {
-                                    slab.get(*s as usize)
-                                        .and_then(Option::as_ref)
-                                        .is_some_and(|o| o.seq > seq)
-                                })
-                                .unwrap_or(q.len());
-                            q.insert(pos, slot);
-                        }
+                        self.requeue(slot);
                     }
                     self.maybe_finish(slot);
                 } else {
@@ -172,26 +149,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     op.next_off = op.ok_bytes;
                     op.posted_all = false;
                 }
-                let (opid, lane, seq) = (op.peer, op.lane, op.seq);
                 if op.inflight == 0 && op.error.is_none() {
-                    self.stats.requeued_ops += 1;
-                    let slab = &self.op_table.slab;
-                    let p = &mut self.peers[opid.0 as usize];
-                    let q = match lane {
-                        Lane::Send => &mut p.send_q,
-                        Lane::Write => &mut p.write_q,
-                    };
-                    if !q.contains(&slot) {
-                        let pos = q
-                            .iter()
-                            .position(|s| {
-                                slab.get(*s as usize)
-                                    .and_then(Option::as_ref)
-                                    .is_some_and(|o| o.seq > seq)
-                            })
-                            .unwrap_or(q.len());
-                        q.insert(pos, slot);
-                    }
+                    self.requeue(slot);
                 }
                 self.maybe_finish(slot);
             }
@@ -217,6 +176,40 @@ impl<O: VerbsOps> VerbsDomain<O> {
         }
         if let Some(p) = pid {
             self.reap_draining(p);
+        }
+    }
+
+    /// Puts an op whose WRs were flushed or not acknowledged back in its
+    /// peer's queue for its lane, in post order (before the first op
+    /// accepted after it), unless it is queued already; its remaining bytes
+    /// then go out on the peer's current connection.
+    fn requeue(&mut self, slot: u32) {
+        let Some(op) = self
+            .op_table
+            .slab
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+        else {
+            return;
+        };
+        let (peer, lane, seq) = (op.peer, op.lane, op.seq);
+        self.stats.requeued_ops += 1;
+        let slab = &self.op_table.slab;
+        let p = &mut self.peers[peer.0 as usize];
+        let q = match lane {
+            Lane::Send => &mut p.send_q,
+            Lane::Write => &mut p.write_q,
+        };
+        if !q.contains(&slot) {
+            let pos = q
+                .iter()
+                .position(|s| {
+                    slab.get(*s as usize)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|o| o.seq > seq)
+                })
+                .unwrap_or(q.len());
+            q.insert(pos, slot);
         }
     }
 

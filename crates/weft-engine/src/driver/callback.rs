@@ -21,13 +21,15 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
     let mut spent = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match msg {
         CbMsg::Event(Event::Done(cb, r)) => cb(r),
-        CbMsg::Event(Event::Recv { pool, result }) => {
-            match &result {
-                Ok(m) => (pool.cb.lock())(Ok(m)),
-                Err(e) => (pool.cb.lock())(Err(e.clone())),
+        CbMsg::Event(Event::Recv { pool, result }) => match result {
+            Ok(m) => {
+                // Kept outside the closure before the call, so a panicking
+                // callback's message is recycled too.
+                let (pool, m) = spent.insert((pool, m));
+                (pool.cb.lock())(Ok(m))
             }
-            spent = Some((pool, result));
-        }
+            Err(e) => (pool.cb.lock())(Err(e)),
+        },
         CbMsg::Excess(imm, n) => excess(imm, n),
         CbMsg::Stop => {}
     }));
@@ -35,7 +37,7 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
     if r.is_err() {
         tracing::error!("a weft callback panicked");
     }
-    if let Some((pool, Ok(msg))) = spent {
+    if let Some((pool, msg)) = spent {
         pool.recycle(msg);
     }
 }

@@ -12,9 +12,9 @@ use std::sync::atomic::Ordering;
 use weft_transport::Imm;
 
 impl TransferEngine {
-    /// Allocates an immediate value: the lowest never-used value of
-    /// `0..imm_capacity` first, then freed ones. Values taken with
-    /// [`reserve_imm`](Self::reserve_imm) are skipped.
+    /// Allocates an immediate value of `0..imm_capacity`: the most recently
+    /// freed one if any, else the lowest value never handed out. Values
+    /// taken with [`reserve_imm`](Self::reserve_imm) are skipped.
     pub fn alloc_imm(&self) -> Result<Imm, EngineError> {
         let capacity = self.inner.imms.capacity();
         let mut a = self.inner.imm_free.lock();
