@@ -23,12 +23,15 @@
 //! Parts: the config ([`MoeConfig`] → [`Dims`]), routes ([`RouteMatrix`]),
 //! the [`StepPlan`], the counts, the CPU device operations ([`pack`]), a
 //! naive [`reference`](mod@reference), and [`MoeRank`], the blocking CPU driver over a
-//! [`weft::TransferEngine`] with host buffers. The GPU path (issue 20's
-//! kernels and proxy) is not here yet.
+//! [`weft::TransferEngine`] with host buffers. The GPU path (feature `cuda`)
+//! is in the `cuda` module: NVRTC kernels, GPU buffers and a proxy per rank.
 
 #![deny(unsafe_code)]
 
 mod config;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod cuda;
 mod error;
 mod expert;
 mod imm;

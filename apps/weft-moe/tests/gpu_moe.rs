@@ -1,0 +1,302 @@
+//! The GPU path on one GPU: N ranks (each its own buffers, stream and
+//! proxy thread) run dispatch and combine with the NVRTC kernels; the
+//! results must equal the CPU reference byte for byte. Skips without a GPU
+//! (prints `SKIP`), fails instead when `WEFT_CUDA_REQUIRE_GPU=1`.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{expert_outputs, inputs, routings, Owned, Routing, DTYPES};
+use std::time::Duration;
+use weft_cuda::{Gpu, Graph, Stream};
+use weft_moe::cuda::{GpuRank, LocalGroup, MoeKernels};
+use weft_moe::{reference, Dims, MoeConfig, OutDtype, RankInput};
+
+fn required() -> bool {
+    std::env::var_os("WEFT_CUDA_REQUIRE_GPU").is_some_and(|v| v == "1")
+}
+
+/// Opens GPU 0 and compiles the MoE kernels, or skips.
+fn setup(test: &str) -> Option<(Gpu, MoeKernels)> {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) if !required() => {
+            eprintln!("SKIP {test}: no usable CUDA GPU: {e}");
+            return None;
+        }
+        Err(e) => panic!("{test}: WEFT_CUDA_REQUIRE_GPU=1 but no usable GPU: {e}"),
+    };
+    match MoeKernels::compile(&gpu) {
+        Ok(mut k) => {
+            k.timeout_ns = 20_000_000_000;
+            k.gather_blocks = 8;
+            k.sum_blocks = 8;
+            Some((gpu, k))
+        }
+        Err(e) if !required() => {
+            eprintln!("SKIP {test}: GPU present but kernels unavailable: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: MoE kernels unavailable: {e}"),
+    }
+}
+
+fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, dtype: OutDtype) -> Dims {
+    let mut c = MoeConfig::new(n, n * l, r, t, tb, 40);
+    c.private_tokens = p;
+    c.out_dtype = dtype;
+    c.validate().expect("valid config")
+}
+
+/// How a step's kernels are launched.
+enum Launch {
+    /// Four direct launches per rank.
+    Direct,
+    /// One captured graph per rank and phase, replayed every step.
+    Graphs(Vec<(Graph, Graph)>),
+}
+
+struct Cluster<'a> {
+    k: &'a MoeKernels,
+    group: LocalGroup,
+    streams: Vec<Stream>,
+    launch: Launch,
+}
+
+impl<'a> Cluster<'a> {
+    fn new(gpu: &Gpu, k: &'a MoeKernels, d: &Dims, graphs: bool) -> Cluster<'a> {
+        let group = LocalGroup::new(gpu, d, Duration::from_secs(20)).expect("group");
+        let streams: Vec<Stream> = (0..d.ranks)
+            .map(|_| gpu.stream().expect("stream"))
+            .collect();
+        let mut c = Cluster {
+            k,
+            group,
+            streams,
+            launch: Launch::Direct,
+        };
+        if graphs {
+            let mut g = Vec::new();
+            for r in 0..d.ranks {
+                let (s, rk) = (&c.streams[r as usize], c.rank(r));
+                s.begin_capture().unwrap();
+                k.dispatch_send(s, rk).unwrap();
+                k.dispatch_recv(s, rk).unwrap();
+                let gd = s.end_capture().unwrap();
+                s.begin_capture().unwrap();
+                k.combine_send(s, rk).unwrap();
+                k.combine_recv(s, rk).unwrap();
+                let gc = s.end_capture().unwrap();
+                g.push((gd, gc));
+            }
+            c.launch = Launch::Graphs(g);
+        }
+        c
+    }
+
+    fn rank(&self, r: u32) -> &GpuRank {
+        self.group.rank(r).expect("rank")
+    }
+
+    fn sync(&self) {
+        for s in &self.streams {
+            s.synchronize().expect("stream");
+        }
+        for r in 0..self.streams.len() as u32 {
+            self.rank(r).check_kernels().expect("kernels");
+        }
+    }
+
+    /// Launches every rank's send kernels before any receive kernel (the
+    /// receive kernels spin while resident).
+    fn dispatch(&self) {
+        let n = self.streams.len() as u32;
+        match &self.launch {
+            Launch::Direct => {
+                for r in 0..n {
+                    self.k
+                        .dispatch_send(&self.streams[r as usize], self.rank(r))
+                        .unwrap();
+                }
+                for r in 0..n {
+                    self.k
+                        .dispatch_recv(&self.streams[r as usize], self.rank(r))
+                        .unwrap();
+                }
+            }
+            Launch::Graphs(g) => {
+                for r in 0..n as usize {
+                    g[r].0.launch(&self.streams[r]).unwrap();
+                }
+            }
+        }
+        self.sync();
+    }
+
+    fn combine(&self) {
+        let n = self.streams.len() as u32;
+        match &self.launch {
+            Launch::Direct => {
+                for r in 0..n {
+                    self.k
+                        .combine_send(&self.streams[r as usize], self.rank(r))
+                        .unwrap();
+                }
+                for r in 0..n {
+                    self.k
+                        .combine_recv(&self.streams[r as usize], self.rank(r))
+                        .unwrap();
+                }
+            }
+            Launch::Graphs(g) => {
+                for r in 0..n as usize {
+                    g[r].1.launch(&self.streams[r]).unwrap();
+                }
+            }
+        }
+        self.sync();
+    }
+
+    /// One step: upload, dispatch, compare, expert outputs, combine, compare.
+    fn step(&self, d: &Dims, ins: &[Owned], what: &str) {
+        let views: Vec<RankInput<'_>> = ins.iter().map(Owned::input).collect();
+        let mut tokens = Vec::new();
+        for (r, v) in views.iter().enumerate() {
+            tokens.push(self.rank(r as u32).set_inputs(v).expect("inputs"));
+        }
+        self.dispatch();
+        let want = reference::dispatch(d, &views).unwrap();
+        // Not vacuous: every pair arrived somewhere.
+        let pairs: usize = views.iter().map(|v| v.topk_ids.len()).sum();
+        let rows: u32 = (0..d.ranks)
+            .map(|r| self.rank(r).received_rows().unwrap())
+            .sum();
+        assert_eq!(rows as usize, pairs, "{what}: received rows");
+        let mut outs = Vec::new();
+        for r in 0..d.ranks {
+            let got = self.rank(r).read_expert_tokens().unwrap();
+            assert!(
+                got == want[r as usize],
+                "{what}: rank {r}: expert tokens differ from the reference"
+            );
+            let y = expert_outputs(d, r, &got);
+            self.rank(r).set_expert_outputs(&y).unwrap();
+            outs.push(y);
+        }
+        self.combine();
+        let want = reference::combine(d, &views, &outs).unwrap();
+        for r in 0..d.ranks {
+            let got = self.rank(r).read_combined(tokens[r as usize]).unwrap();
+            assert!(
+                got == want[r as usize],
+                "{what}: rank {r}: combined tokens differ from the reference"
+            );
+        }
+    }
+
+    fn finish(self) {
+        drop(self.launch);
+        self.group.shutdown().expect("proxies");
+    }
+}
+
+/// Runs `steps` consecutive steps (buffer reuse, barriers) per routing.
+fn run(gpu: &Gpu, k: &MoeKernels, d: &Dims, rts: &[Routing], seed: u64, steps: u64, graphs: bool) {
+    let c = Cluster::new(gpu, k, d, graphs);
+    for &rt in rts {
+        for i in 0..steps {
+            let s = seed.wrapping_mul(1000).wrapping_add(i);
+            let what = format!(
+                "N={} L={} R={} T={} P={} tb={} {:?} {rt:?} seed {s} graphs={graphs}",
+                d.ranks, d.local, d.topk, d.max_tokens, d.private, d.token_bytes, d.out_dtype
+            );
+            let ins = inputs(d, rt, s, i % 2 == 1);
+            c.step(d, &ins, &what);
+        }
+    }
+    c.finish();
+}
+
+#[test]
+fn gpu_kernels_compile() {
+    let Some((_gpu, k)) = setup("gpu_kernels_compile") else {
+        return;
+    };
+    assert!(k.timeout_ns > 0);
+}
+
+#[test]
+fn gpu_ep1_ep2_ep4_ep8_random_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_ep1_ep2_ep4_ep8_random_bit_exact") else {
+        return;
+    };
+    for (n, seed) in [(1u32, 1u64), (2, 2), (4, 3), (8, 4)] {
+        for dtype in DTYPES {
+            let d = cfg(n, 4, 4, 24, 3, 64, dtype);
+            run(&gpu, &k, &d, &[Routing::Random], seed, 3, false);
+        }
+    }
+}
+
+#[test]
+fn gpu_edge_cases_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_edge_cases_bit_exact") else {
+        return;
+    };
+    // P = 0, small P, P ≥ T, P = T·R; every routing (one expert, all local,
+    // duplicate experts, an empty sender, skewed); an odd token size (the
+    // byte-copy path).
+    for (n, p, tb) in [
+        (4u32, 0u32, 48u32),
+        (4, 1, 52),
+        (4, 16, 48),
+        (2, 64, 32),
+        (8, 2, 100),
+    ] {
+        let d = cfg(n, 2, 4, 16, p, tb, OutDtype::Bf16);
+        run(
+            &gpu,
+            &k,
+            &d,
+            &routings(&d),
+            u64::from(n * 100 + p),
+            2,
+            false,
+        );
+    }
+}
+
+#[test]
+fn gpu_graph_replay_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_graph_replay_bit_exact") else {
+        return;
+    };
+    for (n, dtype) in [
+        (2u32, OutDtype::F32),
+        (4, OutDtype::Bf16),
+        (8, OutDtype::Bf16),
+    ] {
+        let d = cfg(n, 4, 8, 32, 4, 64, dtype);
+        run(
+            &gpu,
+            &k,
+            &d,
+            &[Routing::Random, Routing::Skewed],
+            77,
+            3,
+            true,
+        );
+    }
+}
+
+#[test]
+fn gpu_deepseek_shape_ep8_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_deepseek_shape_ep8_bit_exact") else {
+        return;
+    };
+    // H = 7168 fp8 + 56 f32 scales, top-8 of 256 experts, 128 tokens, EP8.
+    let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
+    c.private_tokens = 32;
+    let d = c.validate().unwrap();
+    run(&gpu, &k, &d, &[Routing::Random], 5, 2, false);
+}
