@@ -5,6 +5,7 @@
 #   apps/weft-moe/run-gpu.sh --build DIR
 #       build machine (no GPU or toolkit needed): release builds of the test
 #       binary `gpu_moe` and the example `gpu_bench`, stripped, into DIR
+#       with this script and bench/torch_baseline.py (the torch baseline)
 #       (use a git-ignored folder such as gpu-bin/moe).
 #   apps/weft-moe/run-gpu.sh --prebuilt DIR [--tests-only|--bench-only] [BENCH ARGS...]
 #       device machine: run them. GPU tests are required to run
@@ -35,6 +36,7 @@ if [ "$mode" = build ]; then
   cargo build --release -p weft-moe --features cuda --example gpu_bench
   cp target/release/examples/gpu_bench "$dir/gpu_bench"
   cp "$0" "$dir/run-gpu.sh"
+  cp apps/weft-moe/bench/torch_baseline.py "$dir/torch_baseline.py"
   strip "$dir/gpu_moe" "$dir/gpu_bench" 2>/dev/null || true
   ls -l "$dir"
   exit 0
@@ -50,7 +52,7 @@ if ! ldconfig -p 2>/dev/null | grep -q libnvrtc.so && ! ls /usr/local/cuda/lib64
   f=$(find / -xdev -name 'libnvrtc.so*' -path '*nvidia*' 2>/dev/null | head -n1 || true)
   [ -n "$f" ] && LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-export LD_LIBRARY_PATH WEFT_CUDA_REQUIRE_GPU=1 RUST_BACKTRACE=1
+export LD_LIBRARY_PATH WEFT_CUDA_REQUIRE_GPU=1 RUST_BACKTRACE=1 CUDA_DEVICE_MAX_CONNECTIONS=32
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
 rc=0
@@ -60,5 +62,10 @@ if [ "$what" != bench ]; then
 fi
 if [ "$what" != tests ]; then
   "$dir/gpu_bench" "$@" 2>&1 | tee "$out/bench.txt" || rc=1
+  if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    python3 "$dir/torch_baseline.py" "$@" 2>&1 | tee "$out/torch_baseline.txt" || rc=1
+  else
+    echo "torch with CUDA not available: baseline not run" | tee "$out/torch_baseline.txt"
+  fi
 fi
 exit $rc

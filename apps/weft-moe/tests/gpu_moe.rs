@@ -18,6 +18,12 @@ fn required() -> bool {
 
 /// Opens GPU 0 and compiles the MoE kernels, or skips.
 fn setup(test: &str) -> Option<(Gpu, MoeKernels)> {
+    // Up to 8 ranks' streams plus 8 proxy streams on one GPU: with the
+    // default 8 hardware queues, a proxy's copy can queue behind another
+    // rank's waiting kernel (see LocalGroup).
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    }
     let gpu = match Gpu::open(0) {
         Ok(g) => g,
         Err(e) if !required() => {
@@ -28,9 +34,9 @@ fn setup(test: &str) -> Option<(Gpu, MoeKernels)> {
     };
     match MoeKernels::compile(&gpu) {
         Ok(mut k) => {
-            k.timeout_ns = 20_000_000_000;
-            k.gather_blocks = 8;
-            k.sum_blocks = 8;
+            k.timeout_ns = 3_000_000_000;
+            k.gather_blocks = 7;
+            k.sum_blocks = 5;
             Some((gpu, k))
         }
         Err(e) if !required() => {
@@ -42,7 +48,12 @@ fn setup(test: &str) -> Option<(Gpu, MoeKernels)> {
 }
 
 fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, dtype: OutDtype) -> Dims {
-    let mut c = MoeConfig::new(n, n * l, r, t, tb, 40);
+    cfg_h(n, l, r, t, p, tb, 40, dtype)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cfg_h(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, hidden: u32, dtype: OutDtype) -> Dims {
+    let mut c = MoeConfig::new(n, n * l, r, t, tb, hidden);
     c.private_tokens = p;
     c.out_dtype = dtype;
     c.validate().expect("valid config")
@@ -65,7 +76,7 @@ struct Cluster<'a> {
 
 impl<'a> Cluster<'a> {
     fn new(gpu: &Gpu, k: &'a MoeKernels, d: &Dims, graphs: bool) -> Cluster<'a> {
-        let group = LocalGroup::new(gpu, d, Duration::from_secs(20)).expect("group");
+        let group = LocalGroup::new(gpu, d, Duration::from_secs(5)).expect("group");
         let streams: Vec<Stream> = (0..d.ranks)
             .map(|_| gpu.stream().expect("stream"))
             .collect();
@@ -102,8 +113,16 @@ impl<'a> Cluster<'a> {
         for s in &self.streams {
             s.synchronize().expect("stream");
         }
-        for r in 0..self.streams.len() as u32 {
-            self.rank(r).check_kernels().expect("kernels");
+        let n = self.streams.len() as u32;
+        if (0..n).any(|r| self.rank(r).check_kernels().is_err()) {
+            let states: Vec<String> = (0..n)
+                .map(|r| format!("rank {r}: {}", self.rank(r).state()))
+                .collect();
+            panic!(
+                "a receive kernel timed out; proxies healthy: {}\n{}",
+                self.group.healthy(),
+                states.join("\n")
+            );
         }
     }
 
@@ -246,14 +265,16 @@ fn gpu_edge_cases_bit_exact() {
     // P = 0, small P, P ≥ T, P = T·R; every routing (one expert, all local,
     // duplicate experts, an empty sender, skewed); an odd token size (the
     // byte-copy path).
-    for (n, p, tb) in [
-        (4u32, 0u32, 48u32),
-        (4, 1, 52),
-        (4, 16, 48),
-        (2, 64, 32),
-        (8, 2, 100),
+    // Hidden 36 in bf16 (72-byte rows, not a multiple of 16) takes the
+    // scalar weighted sum; the others the vector one.
+    for (n, p, tb, h, dt) in [
+        (4u32, 0u32, 48u32, 40u32, OutDtype::Bf16),
+        (4, 1, 52, 36, OutDtype::Bf16),
+        (4, 16, 48, 36, OutDtype::F32),
+        (2, 64, 32, 40, OutDtype::F32),
+        (8, 2, 100, 36, OutDtype::Bf16),
     ] {
-        let d = cfg(n, 2, 4, 16, p, tb, OutDtype::Bf16);
+        let d = cfg_h(n, 2, 4, 16, p, tb, h, dt);
         run(
             &gpu,
             &k,

@@ -23,15 +23,14 @@ pub struct MoeKernels {
     unpack: Function,
     cpack: Function,
     sum: Function,
+    wait_routes: Function,
+    wait: Function,
     /// How long a recv kernel waits for its flag before giving up (and
     /// setting the error bit the rank reports); 0 waits forever.
     pub timeout_ns: u64,
     /// Blocks of the unpack and combine-pack kernels.
     pub gather_blocks: u32,
-    /// Blocks of the weighted-sum kernel. Receive kernels spin on their
-    /// flags while resident: with many ranks on one GPU keep
-    /// `ranks · (gather_blocks + sum_blocks)` well under what the GPU holds
-    /// at once, or a rank's send kernels cannot start.
+    /// Blocks of the weighted-sum kernel.
     pub sum_blocks: u32,
 }
 
@@ -49,6 +48,8 @@ impl MoeKernels {
             "moe_unpack",
             "moe_combine_pack",
             "moe_combine_sum",
+            "moe_wait_routes",
+            "moe_wait",
         ];
         let module = Module::compile(gpu, "weft-moe kernels", &src, &names)
             .map_err(GpuError::cuda(None, Phase::Setup))?;
@@ -63,10 +64,12 @@ impl MoeKernels {
             unpack: f("moe_unpack")?,
             cpack: f("moe_combine_pack")?,
             sum: f("moe_combine_sum")?,
+            wait_routes: f("moe_wait_routes")?,
+            wait: f("moe_wait")?,
             module,
             timeout_ns: 10_000_000_000,
-            gather_blocks: 32,
-            sum_blocks: 32,
+            gather_blocks: 132,
+            sum_blocks: 128,
         })
     }
 
@@ -99,6 +102,13 @@ impl MoeKernels {
     /// `SIG_COUNTED`), then pack the tokens into send-order slots
     /// (`SIG_PACKED`).
     pub fn dispatch_send(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
+        self.dispatch_count(stream, r)?;
+        self.dispatch_pack(stream, r)
+    }
+
+    /// The first half of dispatch-send: count, route row, slots,
+    /// `SIG_COUNTED`.
+    pub fn dispatch_count(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
         let d = &r.dims;
         let (ids, ctl, slots, row_dev) = (
             r.ids.device_ptr(),
@@ -136,8 +146,14 @@ impl MoeKernels {
                 COUNT_THREADS,
                 shared,
                 &mut p,
-            )?
-        };
+            )
+        }
+    }
+
+    /// The second half of dispatch-send: pack the tokens, `SIG_PACKED`.
+    pub fn dispatch_pack(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
+        let d = &r.dims;
+        let (ctl, slots, rr) = (r.ctl.device_ptr(), r.slots.device_ptr(), d.topk);
         let (tok, send) = (r.tokens.device_ptr(), r.send.device_ptr());
         let (tb, b_in) = (u64::from(d.token_bytes), d.b_in);
         let (w, s) = (r.sig_packed.device_ptr(), r.sig_packed.shadow_device_ptr());
@@ -172,8 +188,9 @@ impl MoeKernels {
         (4 * r.dims.experts + 2 + 3 * r.dims.ranks + THREADS) * 4
     }
 
-    /// Dispatch-recv: waits for `DISPATCH_READY` to reach the step, then
-    /// gathers the expert layout (`SIG_UNPACKED`).
+    /// Dispatch-recv: a one-block kernel waits for `DISPATCH_READY` to reach
+    /// the step and copies the route columns to device memory, then the
+    /// gather kernel builds the expert layout (`SIG_UNPACKED`).
     pub fn dispatch_recv(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
         let d = &r.dims;
         let (flag, ctl, route, cnt, row) = (
@@ -184,6 +201,30 @@ impl MoeKernels {
             r.row_dev.device_ptr(),
         );
         let (n, e, rank, pp) = (d.ranks, d.experts, r.rank, d.private);
+        let mut p = [
+            arg(&flag),
+            arg(&ctl),
+            arg(&self.timeout_ns),
+            arg(&route),
+            arg(&cnt),
+            arg(&n),
+            arg(&e),
+            arg(&rank),
+        ];
+        // SAFETY: matches `moe_wait_routes(const u64*, u64*, u64, const u32*,
+        // u32*, u32, u32, u32)`; cnt_dev holds E = N·L u32.
+        unsafe {
+            self.go(
+                self.wait_routes,
+                r,
+                stream,
+                Phase::Dispatch,
+                1,
+                THREADS,
+                0,
+                &mut p,
+            )?
+        };
         let (tb, b_in, coff) = (u64::from(d.token_bytes), d.b_in, d.contig_offset());
         let (send, recv, out, offs, src) = (
             r.send.device_ptr(),
@@ -197,10 +238,7 @@ impl MoeKernels {
             r.sig_unpacked.shadow_device_ptr(),
         );
         let mut p = [
-            arg(&flag),
             arg(&ctl),
-            arg(&self.timeout_ns),
-            arg(&route),
             arg(&cnt),
             arg(&row),
             arg(&n),
@@ -284,8 +322,8 @@ impl MoeKernels {
         }
     }
 
-    /// Combine-recv: waits for `COMBINE_READY`, then the weighted sum into
-    /// `GpuRank::combined` (`SIG_SUMMED`).
+    /// Combine-recv: a one-block kernel waits for `COMBINE_READY`, then the
+    /// weighted sum into `GpuRank::combined` (`SIG_SUMMED`).
     pub fn combine_recv(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
         let d = &r.dims;
         let (flag, ctl, slots, wts) = (
@@ -294,6 +332,9 @@ impl MoeKernels {
             r.slots.device_ptr(),
             r.weights.device_ptr(),
         );
+        let mut p = [arg(&flag), arg(&ctl), arg(&self.timeout_ns)];
+        // SAFETY: matches `moe_wait(const u64*, u64*, u64)`.
+        unsafe { self.go(self.wait, r, stream, Phase::Combine, 1, 32, 0, &mut p)? };
         let (rr, hidden, b_out) = (d.topk, d.hidden, d.b_out);
         let dtype: u32 = match d.out_dtype {
             OutDtype::F32 => 0,
@@ -302,9 +343,7 @@ impl MoeKernels {
         let (recv, out) = (r.recv.device_ptr(), r.combined.device_ptr());
         let (w, s) = (r.sig_summed.device_ptr(), r.sig_summed.shadow_device_ptr());
         let mut p = [
-            arg(&flag),
             arg(&ctl),
-            arg(&self.timeout_ns),
             arg(&slots),
             arg(&wts),
             arg(&rr),

@@ -25,13 +25,23 @@ typedef unsigned int moe_u32;
 #define MOE_TICKET_SUM 6
 
 // Copies `bytes` bytes, element idx, idx+stride, ... (16-byte vectors when
-// everything is 16-aligned, bytes otherwise).
-__device__ __forceinline__ void moe_copy(unsigned char* dst, const unsigned char* src,
+// everything is 16-aligned, bytes otherwise). Vectors go in batches of 8
+// loads before 8 stores, so a lane has 8 loads in flight instead of one.
+__device__ __forceinline__ void moe_copy(unsigned char* __restrict__ dst,
+                                         const unsigned char* __restrict__ src,
                                          weft_u64 bytes, unsigned idx, unsigned stride) {
     if ((((weft_u64)dst | (weft_u64)src | bytes) & 15) == 0) {
         uint4* d = (uint4*)dst;
         const uint4* s = (const uint4*)src;
-        for (weft_u64 i = idx; i < bytes / 16; i += stride) d[i] = s[i];
+        weft_u64 n = bytes / 16, i = idx;
+        for (; i + 7 * (weft_u64)stride < n; i += 8 * (weft_u64)stride) {
+            uint4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = s[i + j * stride];
+#pragma unroll
+            for (int j = 0; j < 8; j++) d[i + j * stride] = v[j];
+        }
+        for (; i < n; i += stride) d[i] = s[i];
     } else {
         for (weft_u64 i = idx; i < bytes; i += stride) dst[i] = src[i];
     }
@@ -195,12 +205,35 @@ __device__ __forceinline__ unsigned moe_find_run(const moe_u32* run, unsigned ru
     return lo;
 }
 
-// dispatch-recv: waits until the proxy raised `flag` to this step, then
-// gathers every received row into the expert layout (out, token_bytes per
-// row), writes the expert offsets (L + 1) and source ranks, copies the
-// local columns of the route matrix to cnt_dev (for the combine), signals.
-extern "C" __global__ void moe_unpack(const weft_u64* flag, weft_u64* ctl, weft_u64 timeout_ns,
-                                      const moe_u32* route, moe_u32* cnt_dev, const moe_u32* row_dev,
+// Wait kernel before dispatch-recv (one block): spins until the proxy
+// raised `flag` to this step, then copies the local columns of the
+// host-mapped route matrix into device memory (cnt_dev[s·L + l]), so the
+// gather kernel's blocks never read across PCIe and only one block spins.
+extern "C" __global__ void moe_wait_routes(const weft_u64* flag, weft_u64* ctl, weft_u64 timeout_ns,
+                                           const moe_u32* route, moe_u32* cnt_dev, unsigned N,
+                                           unsigned E, unsigned rank) {
+    unsigned L = E / N;
+    if (!weft_block_wait_flag(flag, ctl[MOE_CTL_STEP], timeout_ns)) {
+        if (threadIdx.x == 0) atomicOr(&ctl[MOE_CTL_ERR], 1ull);
+        return;
+    }
+    for (unsigned x = threadIdx.x; x < N * L; x += blockDim.x) {
+        unsigned s = x / L, l = x % L;
+        cnt_dev[x] = route[(weft_u64)s * E + rank * L + l];
+    }
+}
+
+// Wait kernel before combine-recv (one block).
+extern "C" __global__ void moe_wait(const weft_u64* flag, weft_u64* ctl, weft_u64 timeout_ns) {
+    if (!weft_block_wait_flag(flag, ctl[MOE_CTL_STEP], timeout_ns)) {
+        if (threadIdx.x == 0) atomicOr(&ctl[MOE_CTL_ERR], 1ull);
+    }
+}
+
+// dispatch-recv (after moe_wait_routes): gathers every received row into
+// the expert layout (out, token_bytes per row), writes the expert offsets
+// (L + 1) and source ranks, signals.
+extern "C" __global__ void moe_unpack(weft_u64* ctl, const moe_u32* cnt_dev, const moe_u32* row_dev,
                                       unsigned N, unsigned E, unsigned rank, unsigned P,
                                       weft_u64 tb, weft_u64 b_in, weft_u64 contig_off,
                                       const unsigned char* send, const unsigned char* recv,
@@ -208,14 +241,8 @@ extern "C" __global__ void moe_unpack(const weft_u64* flag, weft_u64* ctl, weft_
                                       weft_u64* sig, weft_u64* shadow) {
     extern __shared__ moe_u32 sh[];
     unsigned L = E / N;
-    if (!weft_block_wait_flag(flag, ctl[MOE_CTL_STEP], timeout_ns)) {
-        if (threadIdx.x == 0) atomicOr(&ctl[MOE_CTL_ERR], 1ull);
-        moe_finish(&ctl[MOE_TICKET_UNPACK], sig, shadow);
-        return;
-    }
-    MoePlan p = moe_plan(sh, route + rank * L, E, row_dev, N, E, L, rank, P);
+    MoePlan p = moe_plan(sh, cnt_dev, L, row_dev, N, E, L, rank, P);
     if (blockIdx.x == 0) {
-        for (unsigned x = threadIdx.x; x < N * L; x += blockDim.x) cnt_dev[x] = p.cnt[x];
         for (unsigned l = threadIdx.x; l <= L; l += blockDim.x) offsets[l] = p.run[l * N];
     }
     unsigned lane = threadIdx.x & 31, warps = blockDim.x / 32;
@@ -264,31 +291,77 @@ __device__ __forceinline__ unsigned short moe_f32_to_bf16(float x) {
     return (unsigned short)((bits + round) >> 16);
 }
 
-// combine-recv (any grid; blocks stride over the tokens): waits for the flag,
-// then out[t] = Σ_k w[t,k]·y(slot(t,k)) with __fmaf_rn in k order from +0,
-// stored as f32 (dtype 0) or bf16 round-to-nearest-even (dtype 1).
-extern "C" __global__ void moe_combine_sum(const weft_u64* flag, weft_u64* ctl, weft_u64 timeout_ns,
-                                           const moe_u32* slots, const float* weights, unsigned R,
-                                           unsigned hidden, unsigned dtype, weft_u64 b_out,
+// combine-recv (after moe_wait; blocks stride over the tokens):
+// out[t] = Σ_k w[t,k]·y(slot(t,k)) with __fmaf_rn in k order from +0,
+// stored as f32 (dtype 0) or bf16 round-to-nearest-even (dtype 1). Rows are
+// read 16 bytes at a time when aligned, with all R loads issued before the
+// multiply-adds (R <= MOE_MAX_R on that path).
+#define MOE_MAX_R 16
+__device__ __forceinline__ float moe_elem(const unsigned char* row, unsigned h, unsigned dtype) {
+    return dtype == 0 ? ((const float*)row)[h]
+                      : __uint_as_float(((unsigned)((const unsigned short*)row)[h]) << 16);
+}
+
+__device__ __forceinline__ void moe_store(unsigned char* out, weft_u64 idx, float acc, unsigned dtype) {
+    if (dtype == 0) ((float*)out)[idx] = acc;
+    else ((unsigned short*)out)[idx] = moe_f32_to_bf16(acc);
+}
+
+extern "C" __global__ void moe_combine_sum(weft_u64* ctl, const moe_u32* slots,
+                                           const float* weights, unsigned R, unsigned hidden,
+                                           unsigned dtype, weft_u64 b_out,
                                            const unsigned char* recv, unsigned char* out,
                                            weft_u64* sig, weft_u64* shadow) {
-    if (!weft_block_wait_flag(flag, ctl[MOE_CTL_STEP], timeout_ns)) {
-        if (threadIdx.x == 0) atomicOr(&ctl[MOE_CTL_ERR], 1ull);
-        moe_finish(&ctl[MOE_TICKET_SUM], sig, shadow);
-        return;
-    }
     unsigned ntok = (unsigned)ctl[MOE_CTL_TOKENS];
+    unsigned esz = dtype == 0 ? 4 : 2, per = 16 / esz;
+    bool vec = R <= MOE_MAX_R && (hidden * esz) % 16 == 0 && b_out % 16 == 0;
     for (unsigned t = blockIdx.x; t < ntok; t += gridDim.x) {
-        for (unsigned h = threadIdx.x; h < hidden; h += blockDim.x) {
-            float acc = 0.0f;
+        if (vec) {
+            const unsigned char* rows[MOE_MAX_R];
+            float w[MOE_MAX_R];
             for (unsigned k = 0; k < R; k++) {
-                const unsigned char* row = recv + (weft_u64)slots[t * R + k] * b_out;
-                float v = dtype == 0 ? ((const float*)row)[h]
-                                     : __uint_as_float(((unsigned)((const unsigned short*)row)[h]) << 16);
-                acc = __fmaf_rn(weights[t * R + k], v, acc);
+                rows[k] = recv + (weft_u64)slots[t * R + k] * b_out;
+                w[k] = weights[t * R + k];
             }
-            if (dtype == 0) ((float*)out)[(weft_u64)t * hidden + h] = acc;
-            else ((unsigned short*)out)[(weft_u64)t * hidden + h] = moe_f32_to_bf16(acc);
+            unsigned nv = hidden / per;
+            for (unsigned v = threadIdx.x; v < nv; v += blockDim.x) {
+                uint4 x[MOE_MAX_R];
+#pragma unroll
+                for (unsigned k = 0; k < MOE_MAX_R; k++) {
+                    if (k < R) x[k] = ((const uint4*)rows[k])[v];
+                }
+                float acc[8];
+#pragma unroll
+                for (unsigned j = 0; j < 8; j++) acc[j] = 0.0f;
+#pragma unroll
+                for (unsigned k = 0; k < MOE_MAX_R; k++) {
+                    if (k < R) {
+                        const unsigned char* b = (const unsigned char*)&x[k];
+#pragma unroll
+                        for (unsigned j = 0; j < 8; j++) {
+                            if (j < per) acc[j] = __fmaf_rn(w[k], moe_elem(b, j, dtype), acc[j]);
+                        }
+                    }
+                }
+                uint4 o;
+                unsigned* ow = (unsigned*)&o;
+#pragma unroll
+                for (unsigned j = 0; j < 4; j++) {
+                    ow[j] = dtype == 0 ? __float_as_uint(acc[j])
+                                       : (unsigned)moe_f32_to_bf16(acc[2 * j]) |
+                                             ((unsigned)moe_f32_to_bf16(acc[2 * j + 1]) << 16);
+                }
+                ((uint4*)(out + (weft_u64)t * hidden * esz))[v] = o;
+            }
+        } else {
+            for (unsigned h = threadIdx.x; h < hidden; h += blockDim.x) {
+                float acc = 0.0f;
+                for (unsigned k = 0; k < R; k++) {
+                    const unsigned char* row = recv + (weft_u64)slots[t * R + k] * b_out;
+                    acc = __fmaf_rn(weights[t * R + k], moe_elem(row, h, dtype), acc);
+                }
+                moe_store(out, (weft_u64)t * hidden + h, acc, dtype);
+            }
         }
     }
     moe_finish(&ctl[MOE_TICKET_SUM], sig, shadow);

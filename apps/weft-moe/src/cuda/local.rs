@@ -19,6 +19,14 @@
 //! 7. sees `summed ≥ k` and publishes it (BAR_C).
 //!
 //! Every completion is counted, never inferred from ordering.
+//!
+//! Hardware queues: each rank's receive path waits in a one-block kernel
+//! while its proxy's copies run on another stream. CUDA maps streams onto
+//! `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues (default 8); with more
+//! streams than queues, a copy can sit behind another rank's waiting kernel
+//! in the same queue until that kernel times out. Set
+//! `CUDA_DEVICE_MAX_CONNECTIONS=32` in the environment before the process
+//! first touches CUDA when running more than 3 ranks on one GPU.
 
 use super::{GpuError, GpuRank};
 use crate::config::Dims;

@@ -57,10 +57,12 @@ pub enum GpuError {
         waited: Duration,
     },
     /// A receive kernel gave up waiting for its flag.
-    #[error("rank {rank}: a receive kernel timed out waiting for its flag")]
+    #[error("rank {rank}: a receive kernel timed out waiting for its flag ({state})")]
     KernelTimeout {
         /// The rank.
         rank: u32,
+        /// Control block, flags and signal words at the time of the check.
+        state: String,
     },
     /// A proxy thread stopped with an error or panicked.
     #[error("rank {rank}: proxy failed: {what}")]
@@ -202,10 +204,25 @@ impl GpuRank {
         &self.dims
     }
 
-    /// The step number the next dispatch will have (steps count from 1;
-    /// read from the `counted` signal, so only between steps).
+    /// Steps whose weighted sum has finished (steps count from 1).
     pub fn steps_done(&self) -> u64 {
         self.sig_summed.value()
+    }
+
+    /// The host-mapped route buffer (N rows of E little-endian u32): the
+    /// count kernel writes row `rank`, the proxy the peers' rows.
+    pub fn route_buffer(&self) -> &MappedBuffer {
+        &self.route
+    }
+
+    /// The flag the dispatch-recv kernel waits on (raised to the step).
+    pub fn dispatch_ready(&self) -> &HostFlag {
+        &self.dispatch_ready
+    }
+
+    /// The flag the combine-recv kernel waits on (raised to the step).
+    pub fn combine_ready(&self) -> &HostFlag {
+        &self.combine_ready
     }
 
     fn cu(&self, phase: Phase) -> impl FnOnce(CudaError) -> GpuError {
@@ -305,9 +322,37 @@ impl GpuRank {
         let mut b = [0u8; 8];
         self.ctl.read(16, &mut b).map_err(self.cu(Phase::Setup))?;
         if u64::from_le_bytes(b) != 0 {
-            return Err(GpuError::KernelTimeout { rank: self.rank });
+            return Err(GpuError::KernelTimeout {
+                rank: self.rank,
+                state: self.state(),
+            });
         }
         Ok(())
+    }
+
+    /// The control block (tokens, step, error bits, tickets), the flags and
+    /// the signal words, for diagnostics.
+    pub fn state(&self) -> String {
+        let mut b = [0u8; CTL_BYTES];
+        let ctl = match self.ctl.read(0, &mut b) {
+            Ok(()) => format!(
+                "{:?}",
+                b.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                    .collect::<Vec<_>>()
+            ),
+            Err(e) => format!("unreadable: {e}"),
+        };
+        format!(
+            "ctl {ctl}, dispatch_ready {}, combine_ready {}, counted {}, packed {}, unpacked {}, combine_packed {}, summed {}",
+            self.dispatch_ready.value(),
+            self.combine_ready.value(),
+            self.sig_counted.value(),
+            self.sig_packed.value(),
+            self.sig_unpacked.value(),
+            self.sig_cpacked.value(),
+            self.sig_summed.value()
+        )
     }
 
     /// Marks every buffer as used by work enqueued now (graph capture).
