@@ -241,10 +241,20 @@ fn end_to_end(gpu: &Gpu, k: &MoeKernels, p: u32, iters: usize, graphs: bool) -> 
         }
         let wall = us(t0.elapsed());
         if !group.healthy() {
-            return Err("a proxy stopped".into());
+            let states: Vec<String> = (0..n)
+                .map(|r| format!("rank {r}: {}", rank(r).state()))
+                .collect();
+            let err = group.shutdown().err();
+            return Err(format!(
+                "iteration {it}: a proxy stopped: {err:?}\n{}",
+                states.join("\n")
+            )
+            .into());
         }
         for r in 0..n {
-            rank(r).check_kernels()?;
+            if let Err(e) = rank(r).check_kernels() {
+                return Err(format!("iteration {it}: {e}").into());
+            }
             let times = group.take_times(r as u32);
             if it < 10 {
                 continue;

@@ -122,7 +122,7 @@ impl MoeKernels {
             r.sig_counted.shadow_device_ptr(),
         );
         let (rr, e) = (d.topk, d.experts);
-        let shared = (2 * e + 2 * COUNT_THREADS) * 4;
+        let shared = (2 * e + COUNT_THREADS) * 4;
         let mut p = [
             arg(&ids),
             arg(&ctl),

@@ -88,7 +88,7 @@ __device__ void moe_finish(weft_u64* ticket, weft_u64* sig, weft_u64* shadow) {
 // memory, writes the route row to host-mapped memory (and a device copy),
 // gives every pair its send-order slot (expert, then t, then k: a stable
 // counting sort, no atomics order involved), advances the step, signals.
-// Shared: 2·E + 2·blockDim u32.
+// Shared: 2·E + blockDim u32.
 extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned R, unsigned E,
                                      moe_u32* row_mapped, moe_u32* row_dev, moe_u32* slots,
                                      weft_u64* sig, weft_u64* shadow) {
@@ -96,7 +96,6 @@ extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned
     moe_u32* cnt = sh;
     moe_u32* cur = sh + E;
     moe_u32* part = sh + 2 * E;
-    moe_u32* cid = part + blockDim.x;
     unsigned tid = threadIdx.x, bd = blockDim.x;
     unsigned n = (unsigned)ctl[MOE_CTL_TOKENS] * R;
     for (unsigned e = tid; e < E; e += bd) cnt[e] = 0;
@@ -105,19 +104,27 @@ extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned
     __syncthreads();
     moe_block_scan(cnt, cur, E, part);
     for (unsigned e = tid; e < E; e += bd) { row_mapped[e] = cnt[e]; row_dev[e] = cnt[e]; }
+    // Stable ranks inside a chunk of blockDim pairs: lanes of a warp with
+    // the same id find each other with __match_any_sync (rank = earlier
+    // lanes in the group); warps take turns in index order, and the lowest
+    // lane of each group advances the expert's cursor. blockDim is a
+    // multiple of 32.
+    unsigned lane = tid & 31, warp = tid >> 5, nwarps = bd >> 5;
     for (unsigned base = 0; base < n; base += bd) {
         unsigned i = base + tid;
         moe_u32 id = i < n ? ids[i] : 0xffffffffu;
-        cid[tid] = id;
-        __syncthreads();
-        if (i < n) {
-            moe_u32 r = 0;
-            for (unsigned j = 0; j < tid; j++) r += cid[j] == id;
-            slots[i] = cur[id] + r;
+        unsigned mask = __match_any_sync(0xffffffffu, id);
+        unsigned before = __popc(mask & ((1u << lane) - 1u));
+        unsigned leader = __ffs(mask) - 1;
+        for (unsigned w = 0; w < nwarps && base + w * 32 < n; w++) {
+            if (warp == w) {
+                moe_u32 slot = i < n ? cur[id] + before : 0;
+                __syncwarp();
+                if (i < n && lane == leader) cur[id] += __popc(mask);
+                if (i < n) slots[i] = slot;
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        if (i < n) atomicAdd(&cur[id], 1u);
-        __syncthreads();
     }
     if (tid == 0) ctl[MOE_CTL_STEP] += 1;
     __threadfence_system();
