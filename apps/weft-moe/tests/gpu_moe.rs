@@ -144,8 +144,8 @@ impl<'a> Cluster<'a> {
                 }
             }
             Launch::Graphs(g) => {
-                for r in 0..n as usize {
-                    g[r].0.launch(&self.streams[r]).unwrap();
+                for (gr, s) in g.iter().zip(&self.streams) {
+                    gr.0.launch(s).unwrap();
                 }
             }
         }
@@ -168,8 +168,8 @@ impl<'a> Cluster<'a> {
                 }
             }
             Launch::Graphs(g) => {
-                for r in 0..n as usize {
-                    g[r].1.launch(&self.streams[r]).unwrap();
+                for (gr, s) in g.iter().zip(&self.streams) {
+                    gr.1.launch(s).unwrap();
                 }
             }
         }

@@ -73,10 +73,14 @@ impl MoeKernels {
         })
     }
 
+    /// Launches `f` with `grid` blocks of `block` threads and `shared`
+    /// bytes of dynamic shared memory.
+    ///
     /// # Safety
     /// `params` match kernel `f`; the memory they reference belongs to `r`,
     /// which outlives the work (its buffers synchronise the device on drop;
     /// captured launches keep them alive through `keep_alive`).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn go(
         &self,
         f: Function,
