@@ -30,7 +30,6 @@
 
 mod config;
 #[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
 pub mod cuda;
 mod error;
 mod expert;

@@ -11,6 +11,8 @@
 //! The step number lives in device memory (the count kernel advances it),
 //! so the four launches of a step can be captured into a CUDA graph.
 
+// Kernel launches pass raw parameter pointers to the driver.
+#[allow(unsafe_code)]
 mod kernels;
 mod kernels_cu;
 mod local;
