@@ -40,6 +40,7 @@ mod plan;
 mod rank;
 pub mod reference;
 mod routes;
+pub mod sim;
 
 pub use config::{Dims, MoeConfig, OutDtype};
 pub use core::{Action, Entry, Event, RankCore, Wait};
