@@ -18,8 +18,9 @@ use weft::{
     PeerGroupHandle, ScatterDst, ScatterMode, TransferEngine,
 };
 
-/// What a rank tells its peers (exchanged out of band before `connect`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a rank tells its peers (exchanged out of band before `connect`;
+/// [`RankInfo::to_bytes`] / [`RankInfo::from_bytes`] give its wire form).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RankInfo {
     /// The rank.
     pub rank: u32,
@@ -31,6 +32,24 @@ pub struct RankInfo {
     pub recv: MrDesc,
     /// Hash of the shape and immediate values; must match on every rank.
     pub config_hash: u64,
+}
+
+impl RankInfo {
+    /// The wire form (postcard).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // Serialising plain integers, byte vectors and strings into a
+        // growable vector cannot fail.
+        postcard::to_allocvec(self).unwrap_or_default()
+    }
+
+    /// Parses the wire form; a malformed message is
+    /// [`MoeError::PeerInfo`] (the rank is unknown: `u32::MAX`).
+    pub fn from_bytes(bytes: &[u8]) -> Result<RankInfo, MoeError> {
+        postcard::from_bytes(bytes).map_err(|e| MoeError::PeerInfo {
+            rank: u32::MAX,
+            what: format!("undecodable rank info ({} bytes): {e}", bytes.len()),
+        })
+    }
 }
 
 pub(crate) struct Peers {
