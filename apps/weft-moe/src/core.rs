@@ -506,3 +506,7 @@ impl RankCore {
         self.state = State::Combine;
     }
 }
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

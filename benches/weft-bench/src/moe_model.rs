@@ -28,6 +28,9 @@ pub struct ModelArgs {
     /// Largest EP size (8, 16, 32, 64).
     #[arg(long, default_value_t = 64)]
     pub max_ep: u32,
+    /// Charge no host/device cost at all (network time only).
+    #[arg(long)]
+    pub network_only: bool,
 }
 
 /// A NIC preset of the model.
@@ -136,18 +139,23 @@ pub fn run_model(a: &ModelArgs, quick: bool) -> ExitCode {
         "# costs per rank: count 3 µs + pack 16 µs (send kernel ≈ 19 µs), unpack 25 µs, combine pack 13 µs, \
          weighted sum 15 µs, 1.42 µs per submit to its first WR; plan = measured StepPlan::new median on this CPU"
     );
+    if a.network_only {
+        println!("# --network-only: every host/device cost is zero (network time alone)");
+    }
     for n in nics() {
         println!("# {}: {}", n.name, n.note);
     }
     println!(
-        "{:<4} {:>3} {:>8} | {:>9} {:>9} | {:>9} {:>9} | {:>13} {:>13} | {:>13} {:>13}",
+        "{:<4} {:>3} {:>8} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>13} {:>13} | {:>13} {:>13}",
         "nic",
         "EP",
         "plan µs",
         "disp p50",
         "disp p99",
+        "wire",
         "comb p50",
         "comb p99",
+        "wire",
         "paper disp",
         "paper comb",
         "DeepEP disp",
@@ -156,10 +164,14 @@ pub fn run_model(a: &ModelArgs, quick: bool) -> ExitCode {
     for nic in nics() {
         for &ep in &eps {
             let plan = plan_cost(ep, a.private);
-            match model_one(&nic, ep, a.private, seeds, plan) {
-                Ok((d, c)) => {
-                    let mut d = d;
-                    let mut c = c;
+            let hm = if a.network_only {
+                HostModel::zero()
+            } else {
+                host(nic.per_wr, plan)
+            };
+            match model_one(&nic, ep, a.private, seeds, hm) {
+                Ok(m) => {
+                    let (mut d, mut c) = (m.disp, m.comb);
                     let (pd, pc, dd, dc) = PAPER
                         .iter()
                         .find(|p| p.0 == ep)
@@ -170,14 +182,16 @@ pub fn run_model(a: &ModelArgs, quick: bool) -> ExitCode {
                         ("-", "-", "n/a", "n/a")
                     };
                     println!(
-                        "{:<4} {:>3} {:>8.1} | {:>9.1} {:>9.1} | {:>9.1} {:>9.1} | {:>13} {:>13} | {:>13} {:>13}",
+                        "{:<4} {:>3} {:>8.1} | {:>9.1} {:>9.1} {:>9.1} | {:>9.1} {:>9.1} {:>9.1} | {:>13} {:>13} | {:>13} {:>13}",
                         nic.name,
                         ep,
                         plan.as_secs_f64() * 1e6,
                         pct(&mut d, 50.0),
                         pct(&mut d, 99.0),
+                        m.disp_floor,
                         pct(&mut c, 50.0),
                         pct(&mut c, 99.0),
+                        m.comb_floor,
                         pd,
                         pc,
                         dd,
@@ -191,8 +205,42 @@ pub fn run_model(a: &ModelArgs, quick: bool) -> ExitCode {
             }
         }
     }
-    println!("# paper: weft on CX7 (EP8 over NVLink inside one node in the paper; here every EP goes over the NIC model)");
+    println!(
+        "# wire = the most bytes one rank sends or receives in the phase (one copy per (token, k) pair, \
+         as this protocol sends them) at the rank's total link rate: this protocol cannot beat it"
+    );
+    println!(
+        "# paper columns: weft on CX7 and DeepEP from the paper (its EP8 runs over NVLink inside one node; \
+         here every EP size goes over the NIC model). Known model gaps: see docs/benchmarks.md (MoE)"
+    );
     ExitCode::SUCCESS
+}
+
+/// Model output of one EP size: latencies (µs) over ranks × seeds, and
+/// the wire floors (µs): the most bytes any rank sends or receives in one
+/// phase, at the rank's total link rate.
+struct ModelOut {
+    disp: Vec<f64>,
+    comb: Vec<f64>,
+    disp_floor: f64,
+    comb_floor: f64,
+}
+
+/// The wire floor of `bytes_per_pair` per remote pair (µs), worst rank.
+fn floor_us(d: &weft_moe::Dims, ids: &[&[u32]], bytes_per_pair: u64, gbps: f64) -> f64 {
+    let n = d.ranks as usize;
+    let (mut sent, mut recv) = (vec![0u64; n], vec![0u64; n]);
+    for (s, ids) in ids.iter().enumerate() {
+        for &e in *ids {
+            let to = d.rank_of_expert(e) as usize;
+            if to != s {
+                sent[s] += bytes_per_pair;
+                recv[to] += bytes_per_pair;
+            }
+        }
+    }
+    let most = sent.iter().chain(&recv).copied().max().unwrap_or(0);
+    most as f64 * 8.0 / gbps / 1000.0
 }
 
 /// Dispatch and combine latencies (µs) over ranks × seeds.
@@ -201,20 +249,22 @@ fn model_one(
     ep: u32,
     private: u32,
     seeds: u32,
-    plan: Duration,
-) -> Result<(Vec<f64>, Vec<f64>), weft_moe::MoeError> {
+    host: HostModel,
+) -> Result<ModelOut, weft_moe::MoeError> {
     let cfg = ds_config(ep, private);
     let d = cfg.validate()?;
     let sim = SimConfig {
         fabric: FabricConfig::ideal(u64::from(ep)),
         nics: nic.nics,
         nic: nic.model,
-        host: host(nic.per_wr, plan),
+        host,
         tick: Duration::from_nanos(100),
     };
     let mut cl = SimCluster::new(&cfg, &sim)?;
     let mut disp = Vec::new();
     let mut comb = Vec::new();
+    let (mut disp_floor, mut comb_floor) = (0f64, 0f64);
+    let gbps = nic.model.link_gbps * nic.nics as f64;
     let opts = RunOpts {
         delays: Vec::new(),
         synchronized: true,
@@ -223,6 +273,9 @@ fn model_one(
     for s in 0..seeds {
         let mut rng = Rng(u64::from(s) * 7919 + u64::from(ep));
         let ins = ds_inputs(&d, &mut rng);
+        let ids: Vec<&[u32]> = ins.iter().map(|i| i.ids.as_slice()).collect();
+        disp_floor = disp_floor.max(floor_us(&d, &ids, d.b_in, gbps));
+        comb_floor = comb_floor.max(floor_us(&d, &ids, d.b_out, gbps));
         let views = vec![ins.iter().map(|i| i.view()).collect::<Vec<_>>()];
         let steps = cl.run_steps(&views, &opts, |_, _, t| vec![0u8; t.rows() * out_row])?;
         for st in &steps {
@@ -233,5 +286,10 @@ fn model_one(
         }
     }
     cl.shutdown()?;
-    Ok((disp, comb))
+    Ok(ModelOut {
+        disp,
+        comb,
+        disp_floor,
+        comb_floor,
+    })
 }
