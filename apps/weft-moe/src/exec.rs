@@ -87,9 +87,6 @@ fn phase_index(p: Phase) -> usize {
 pub(crate) struct DispatchIo<'a> {
     pub input: RankInput<'a>,
     pub pairs: &'a CountedPairs,
-    /// A host copy of the packed `send_buf` rows (the own segment is read
-    /// from here by unpack).
-    pub send_local: Vec<u8>,
     pub tokens: Option<ExpertTokens>,
 }
 
@@ -114,6 +111,8 @@ pub(crate) struct HostExec {
     submitted: u64,
     flags: [Option<Arc<DoneFlag>>; 6],
     pub timeout: Duration,
+    /// Own combine rows between pack and copy (reused every step).
+    scratch: Vec<u8>,
 }
 
 fn fnv(h: u64, v: u64) -> u64 {
@@ -206,6 +205,7 @@ impl HostExec {
             submitted: 0,
             flags: Default::default(),
             timeout: cfg.step_timeout,
+            scratch: Vec::new(),
         };
         Ok((exec, info, ic))
     }
@@ -389,6 +389,14 @@ impl HostExec {
     }
 
     /// Runs a dispatch data operation (pack or unpack).
+    ///
+    /// `send_buf` is only ever a source (peers get no descriptor of it), and
+    /// the core runs the pack only after every own submit that read it
+    /// resolved, so it is used as a plain slice. `recv_buf` is read in place
+    /// too: unpack runs after the DISPATCH round fired and before this rank's
+    /// BAR_D, so no peer can write bytes into it meanwhile (combine data needs
+    /// this rank's BAR_D, the next step's private and overflow rows need its
+    /// BAR_C; barriers themselves carry no bytes).
     pub fn data_dispatch(
         &mut self,
         a: &Action,
@@ -396,25 +404,16 @@ impl HostExec {
         io: &mut DispatchIo<'_>,
     ) -> Result<(), MoeError> {
         let d = &self.dims;
+        let Bufs { send, recv, .. } = &mut self.bufs;
         match a {
             Action::PackDispatch => {
-                let used = io.pairs.slots.len() * d.b_in as usize;
-                io.send_local.clear();
-                io.send_local.resize(used, 0);
-                pack::pack_dispatch(d, &io.input, io.pairs, &mut io.send_local)?;
-                self.bufs.send.write(0, &io.send_local);
+                pack::pack_dispatch(d, &io.input, io.pairs, send.as_mut_slice())?;
             }
             Action::Unpack => {
                 let plan = core.plan().ok_or(MoeError::OutOfOrder {
                     expected: "routes before unpack",
                 })?;
-                let recv_used = d.contig_offset() + plan.contig_used() * d.b_in;
-                let recv_local = self
-                    .bufs
-                    .recv
-                    .read(0, recv_used as usize)
-                    .unwrap_or_default();
-                io.tokens = Some(pack::unpack(d, plan, &io.send_local, &recv_local)?);
+                io.tokens = Some(pack::unpack(d, plan, send.as_slice(), recv.as_slice())?);
             }
             _ => {}
         }
@@ -422,6 +421,13 @@ impl HostExec {
     }
 
     /// Runs a combine data operation (pack or weighted sum).
+    ///
+    /// The pack writes `send_buf` in place (after the own dispatch submits
+    /// resolved) and copies this rank's own rows into its `recv_buf`
+    /// combine slots with [`HostBuffer::write`] (peers' combine rows may be
+    /// landing in other slots meanwhile). The weighted sum reads `recv_buf`
+    /// in place: the COMBINE round fired, and nothing else can land before
+    /// this rank's BAR_C.
     pub fn data_combine(
         &mut self,
         a: &Action,
@@ -433,33 +439,33 @@ impl HostExec {
             expected: "dispatch before combine",
         })?;
         let own_rows = io.slots.len() as u64;
+        let Bufs { send, recv, .. } = &mut self.bufs;
         match a {
             Action::PackCombine => {
                 let ob = d.out_row_bytes() as usize;
-                let send_rows: u64 = plan.combine_sends().iter().map(|c| u64::from(c.len)).sum();
-                let mut send_local = vec![0u8; (send_rows * d.b_out) as usize];
-                let mut recv_local = vec![0u8; (own_rows * d.b_out) as usize];
-                pack::pack_combine(d, plan, io.outputs, &mut send_local, &mut recv_local)?;
-                self.bufs.send.write(0, &send_local);
+                let own = &mut self.scratch;
+                own.clear();
+                own.resize((own_rows * d.b_out) as usize, 0);
+                pack::pack_combine(d, plan, io.outputs, send.as_mut_slice(), own)?;
                 for c in plan.combine() {
                     if let CombineSlot::Recv(x) = *c {
                         let off = (u64::from(x) * d.b_out) as usize;
-                        let row = recv_local.get(off..off + ob).ok_or(MoeError::Shape {
+                        let row = own.get(off..off + ob).ok_or(MoeError::Shape {
                             what: "own combine rows",
-                            got: recv_local.len() as u64,
+                            got: own.len() as u64,
                             want: (off + ob) as u64,
                         })?;
-                        self.bufs.recv.write(off, row);
+                        recv.write(off, row);
                     }
                 }
             }
             Action::WeightedSum => {
-                let y = self
-                    .bufs
-                    .recv
-                    .read(0, (own_rows * d.b_out) as usize)
-                    .unwrap_or_default();
-                io.out = Some(pack::weighted_sum(d, io.slots, io.weights, &y)?);
+                io.out = Some(pack::weighted_sum(
+                    d,
+                    io.slots,
+                    io.weights,
+                    recv.as_slice(),
+                )?);
             }
             _ => {}
         }

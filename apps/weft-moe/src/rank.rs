@@ -176,7 +176,6 @@ impl MoeRank {
         let mut io = DispatchIo {
             input: *input,
             pairs: &pairs,
-            send_local: Vec::new(),
             tokens: None,
         };
         let ev = Event::Dispatch {

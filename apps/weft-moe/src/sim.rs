@@ -122,7 +122,6 @@ struct SimRank {
     last: u64,
     input: Owned,
     pairs: Option<CountedPairs>,
-    send_local: Vec<u8>,
     tokens: Option<ExpertTokens>,
     outputs: Vec<u8>,
     combined: Option<Vec<u8>>,
@@ -197,7 +196,6 @@ impl SimCluster {
                 last: 0,
                 input: Owned::default(),
                 pairs: None,
-                send_local: Vec::new(),
                 tokens: None,
                 outputs: Vec::new(),
                 combined: None,
@@ -530,11 +528,9 @@ impl SimCluster {
                         topk_weights: &rank.input.weights,
                     },
                     pairs,
-                    send_local: std::mem::take(&mut rank.send_local),
                     tokens: None,
                 };
                 let res = rank.exec.data_dispatch(a, &rank.core, &mut io);
-                rank.send_local = io.send_local;
                 if io.tokens.is_some() {
                     rank.tokens = io.tokens;
                     rank.times.unpacked = now;
