@@ -29,9 +29,11 @@
 #![deny(unsafe_code)]
 
 mod config;
+pub mod core;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+mod exec;
 mod expert;
 mod imm;
 pub mod num;
@@ -40,14 +42,17 @@ mod plan;
 mod rank;
 pub mod reference;
 mod routes;
+pub mod sim;
 
 pub use config::{Dims, MoeConfig, OutDtype};
+pub use core::{Action, Entry, Event, RankCore, Wait};
 pub use error::{ConfigError, MoeError, Phase};
+pub use exec::RankInfo;
 pub use expert::{ExpertTokens, RankInput};
 pub use imm::{ExpectedCounts, ImmValues, COMBINE_MODE, DISPATCH_MODE};
 pub use plan::{
     member_index, member_rank, n_to_rank, CombineSend, CombineSlot, DispatchDest, Overflow,
     SrcSlot, StepPlan,
 };
-pub use rank::{Layout, MoeRank, RankInfo};
+pub use rank::{Layout, MoeRank};
 pub use routes::{count_pairs, row_to_le_bytes, CountedPairs, RouteMatrix};

@@ -61,6 +61,10 @@ enum Cmd {
     Imm,
     /// Everything.
     All,
+    /// MoE dispatch/combine, CPU path on loopback, P swept, vs the naive reference.
+    Moe(weft_bench::moe::MoeArgs),
+    /// MoE dispatch/combine latency MODEL (CX7, EFA) at EP8…64 next to the paper.
+    MoeModel(weft_bench::moe_model::ModelArgs),
 }
 
 fn main() -> ExitCode {
@@ -70,6 +74,8 @@ fn main() -> ExitCode {
         Cmd::Proxy => Suite::Proxy,
         Cmd::Imm => Suite::Imm,
         Cmd::All => Suite::All,
+        Cmd::Moe(a) => return weft_bench::moe::run_cpu(&a, cli.quick),
+        Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(&a, cli.quick),
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();
