@@ -7,10 +7,13 @@
 //!    with the recv flags pre-raised so nothing waits: EP8 (all 8 ranks,
 //!    one after another on one stream) and EP64 (rank 0's view);
 //! 2. end to end on one GPU, EP8 (8 ranks, each its own stream, buffers and
-//!    proxy thread; transfers are device-to-device copies by the proxies):
-//!    dispatch (send launch → unpack done) and combine (combine-send →
-//!    sum done) per rank, the proxy's signal → first WRITE time and the
-//!    launch → first WRITE time, with P swept 0…32; and graph replay.
+//!    proxy thread): dispatch (send launch → unpack done) and combine
+//!    (combine-send → sum done) per rank, the proxy's signal → first
+//!    engine submit and the launch → first submit time, with P swept
+//!    0…32, and graph replay, for the engine-driven path (`EngineGroup`:
+//!    one TransferEngine per rank on the realtime loopback fabric, ideal
+//!    profile with no wire model, GPU memory moved by the CUDA copy engine)
+//!    and, as a baseline, `LocalGroup` (the proxies' own D2D copies).
 //!
 //! The torch baseline of the same dispatch/combine on the same GPU is
 //! `apps/weft-moe/bench/torch_baseline.py`; `run-gpu.sh` runs both.
@@ -21,8 +24,9 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::{Duration, Instant};
+use weft::loopback::{FabricConfig, NicModel};
 use weft_cuda::{Event, Gpu, Stream};
-use weft_moe::cuda::{GpuRank, LocalGroup, MoeKernels};
+use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
 use weft_moe::{count_pairs, row_to_le_bytes, Dims, MoeConfig, RankInput};
 
 const TOKEN_BYTES: u32 = 7168 + 56 * 4;
@@ -180,13 +184,38 @@ fn kernel_only(gpu: &Gpu, k: &MoeKernels, n: u32, ranks: &[u32], iters: usize) -
     Ok(())
 }
 
+/// The group of an end-to-end run: the engine-driven path on the ideal
+/// loopback fabric without a wire model (latency 0, unlimited bandwidth:
+/// what is measured is kernels, proxies, engines and the CUDA copies), or
+/// the `LocalGroup` baseline.
+fn group(gpu: &Gpu, d: &Dims, engine: bool) -> Res<Box<dyn ProxyGroup>> {
+    let timeout = Duration::from_secs(20);
+    if !engine {
+        return Ok(Box::new(LocalGroup::new(gpu, d, timeout)?));
+    }
+    let mut fabric = FabricConfig::ideal(7);
+    fabric.nic = NicModel {
+        latency: Duration::ZERO,
+        link_gbps: 0.0,
+    };
+    let cfg = EngineGroupConfig::new(fabric, timeout);
+    Ok(Box::new(EngineGroup::new(gpu, d, cfg)?))
+}
+
 /// End to end with the proxies: EP8 on one GPU, P = `p`. (Indexes the
 /// per-rank streams, events and graphs in parallel.)
 #[allow(clippy::needless_range_loop)]
-fn end_to_end(gpu: &Gpu, k: &MoeKernels, p: u32, iters: usize, graphs: bool) -> Res<[f64; 8]> {
+fn end_to_end(
+    gpu: &Gpu,
+    k: &MoeKernels,
+    p: u32,
+    iters: usize,
+    graphs: bool,
+    engine: bool,
+) -> Res<[f64; 8]> {
     let d = dims(8, p);
     let n = d.ranks as usize;
-    let group = LocalGroup::new(gpu, &d, Duration::from_secs(20))?;
+    let group = group(gpu, &d, engine)?;
     let mut rng = ChaCha8Rng::seed_from_u64(1000 + u64::from(p));
     let streams: Vec<Stream> = (0..n).map(|_| gpu.stream()).collect::<Result<_, _>>()?;
     let ev: Vec<[Event; 3]> = (0..n)
@@ -276,8 +305,9 @@ fn end_to_end(gpu: &Gpu, k: &MoeKernels, p: u32, iters: usize, graphs: bool) -> 
     }
     group.shutdown()?;
     if graphs {
+        let what = if engine { "engine" } else { "local" };
         println!(
-            "| graph replay, P={p} | step (4 kernels + proxies) | {:.1} | {:.1} | {} |",
+            "| graph replay, {what}, P={p} | step (4 kernels + proxies) | {:.1} | {:.1} | {} |",
             pct(&mut step, 0.5),
             pct(&mut step, 0.99),
             step.len()
@@ -320,17 +350,28 @@ fn main() -> Res<()> {
     kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters)?;
     kernel_only(&gpu, &k, 64, &[0], iters)?;
 
-    println!("\n### end to end, EP8 on one GPU (8 ranks, own streams/buffers/proxy threads; transfers are D2D copies)\n");
-    println!("| P | dispatch p50 µs | dispatch p99 | combine p50 | combine p99 | signal→first WRITE p50 | launch→signal seen p50 | launch→first WRITE p50 | launch→first WRITE p99 |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for p in [0u32, 1, 2, 4, 8, 16, 24, 32] {
-        let v = end_to_end(&gpu, &k, p, iters, false)?;
-        println!(
-            "| {p} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
-            v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
-        );
+    for engine in [true, false] {
+        let (title, ps): (&str, &[u32]) = if engine {
+            ("engine-driven (EngineGroup: a TransferEngine per rank, loopback fabric without a wire model, CUDA copy engine)", &[0, 1, 4, 8, 16, 32])
+        } else {
+            (
+                "baseline LocalGroup (proxies' own D2D copies, no engine)",
+                &[0, 8, 32],
+            )
+        };
+        println!("\n### end to end, EP8 on one GPU, {title}\n");
+        println!("| P | dispatch p50 µs | dispatch p99 | combine p50 | combine p99 | signal→first submit p50 | launch→signal seen p50 | launch→first submit p50 | launch→first submit p99 |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for &p in ps {
+            let v = end_to_end(&gpu, &k, p, iters, false, engine)?;
+            println!(
+                "| {p} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
+                v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
+            );
+        }
     }
     println!("\n| mode | what | p50 µs | p99 µs | samples |\n|---|---|---|---|---|");
-    end_to_end(&gpu, &k, 32, iters.max(1000), true)?;
+    end_to_end(&gpu, &k, 32, iters.max(300), true, true)?;
+    end_to_end(&gpu, &k, 32, iters.max(300), true, false)?;
     Ok(())
 }

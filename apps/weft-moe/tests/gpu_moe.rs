@@ -1,15 +1,20 @@
 //! The GPU path on one GPU: N ranks (each its own buffers, stream and
 //! proxy thread) run dispatch and combine with the NVRTC kernels; the
-//! results must equal the CPU reference byte for byte. Skips without a GPU
-//! (prints `SKIP`), fails instead when `WEFT_CUDA_REQUIRE_GPU=1`.
+//! results must equal the CPU reference byte for byte. Two proxy groups:
+//! `EngineGroup` (each rank its own TransferEngine on the adversarial
+//! realtime loopback fabric, which copies GPU memory and reorders, splits,
+//! drops and retransmits the writes) and the `LocalGroup` baseline (device
+//! copies by the proxies). Skips without a GPU (prints `SKIP`), fails
+//! instead when `WEFT_CUDA_REQUIRE_GPU=1`.
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use common::{expert_outputs, inputs, routings, Owned, Routing, DTYPES};
 use std::time::Duration;
+use weft::loopback::FabricConfig;
 use weft_cuda::{Gpu, Graph, Stream};
-use weft_moe::cuda::{GpuRank, LocalGroup, MoeKernels};
+use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
 use weft_moe::{reference, Dims, MoeConfig, OutDtype, RankInput};
 
 fn required() -> bool {
@@ -67,16 +72,38 @@ enum Launch {
     Graphs(Vec<(Graph, Graph)>),
 }
 
+/// Which proxies move the data.
+#[derive(Clone, Copy, Debug)]
+enum Proxies {
+    /// `LocalGroup`: the proxies' own device copies.
+    Local,
+    /// `EngineGroup` on the adversarial loopback fabric with this seed and
+    /// largest WRITE per WR.
+    Engine { seed: u64, max_write: u64 },
+}
+
 struct Cluster<'a> {
     k: &'a MoeKernels,
-    group: LocalGroup,
+    group: Box<dyn ProxyGroup>,
     streams: Vec<Stream>,
     launch: Launch,
 }
 
 impl<'a> Cluster<'a> {
-    fn new(gpu: &Gpu, k: &'a MoeKernels, d: &Dims, graphs: bool) -> Cluster<'a> {
-        let group = LocalGroup::new(gpu, d, Duration::from_secs(5)).expect("group");
+    fn new(gpu: &Gpu, k: &'a MoeKernels, d: &Dims, graphs: bool, px: Proxies) -> Cluster<'a> {
+        let group: Box<dyn ProxyGroup> = match px {
+            Proxies::Local => {
+                Box::new(LocalGroup::new(gpu, d, Duration::from_secs(5)).expect("local group"))
+            }
+            Proxies::Engine { seed, max_write } => {
+                let fabric = FabricConfig {
+                    max_write_len: max_write,
+                    ..FabricConfig::adversarial(seed)
+                };
+                let cfg = EngineGroupConfig::new(fabric, Duration::from_secs(20));
+                Box::new(EngineGroup::new(gpu, d, cfg).expect("engine group"))
+            }
+        };
         let streams: Vec<Stream> = (0..d.ranks)
             .map(|_| gpu.stream().expect("stream"))
             .collect();
@@ -221,12 +248,27 @@ impl<'a> Cluster<'a> {
 
 /// Runs `steps` consecutive steps (buffer reuse, barriers) per routing.
 fn run(gpu: &Gpu, k: &MoeKernels, d: &Dims, rts: &[Routing], seed: u64, steps: u64, graphs: bool) {
-    let c = Cluster::new(gpu, k, d, graphs);
+    run_with(gpu, k, d, rts, seed, steps, graphs, Proxies::Local);
+}
+
+/// [`run`] with the given proxies.
+#[allow(clippy::too_many_arguments)]
+fn run_with(
+    gpu: &Gpu,
+    k: &MoeKernels,
+    d: &Dims,
+    rts: &[Routing],
+    seed: u64,
+    steps: u64,
+    graphs: bool,
+    px: Proxies,
+) {
+    let c = Cluster::new(gpu, k, d, graphs, px);
     for &rt in rts {
         for i in 0..steps {
             let s = seed.wrapping_mul(1000).wrapping_add(i);
             let what = format!(
-                "N={} L={} R={} T={} P={} tb={} {:?} {rt:?} seed {s} graphs={graphs}",
+                "N={} L={} R={} T={} P={} tb={} {:?} {rt:?} seed {s} graphs={graphs} {px:?}",
                 d.ranks, d.local, d.topk, d.max_tokens, d.private, d.token_bytes, d.out_dtype
             );
             let ins = inputs(d, rt, s, i % 2 == 1);
@@ -320,4 +362,92 @@ fn gpu_deepseek_shape_ep8_bit_exact() {
     c.private_tokens = 32;
     let d = c.validate().unwrap();
     run(&gpu, &k, &d, &[Routing::Random], 5, 2, false);
+}
+
+// ---- The engine-driven path (EngineGroup) ----
+
+#[test]
+fn gpu_engine_ep2_ep4_ep8_random_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_engine_ep2_ep4_ep8_random_bit_exact") else {
+        return;
+    };
+    for (n, seed) in [(2u32, 21u64), (4, 22), (8, 23)] {
+        for dtype in DTYPES {
+            let d = cfg(n, 4, 4, 24, 3, 64, dtype);
+            // Small WRITE limit: scatters and overflow writes split into
+            // many WRs (more immediates to count, more reordering).
+            let px = Proxies::Engine {
+                seed,
+                max_write: 200,
+            };
+            run_with(&gpu, &k, &d, &[Routing::Random], seed, 3, false, px);
+        }
+    }
+}
+
+#[test]
+fn gpu_engine_edge_cases_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_engine_edge_cases_bit_exact") else {
+        return;
+    };
+    // P = 0, P = 1, P ≥ T, P = T·R, every routing of `routings`, odd
+    // token and row sizes, both output types.
+    for (n, p, tb, h, dt) in [
+        (4u32, 0u32, 48u32, 40u32, OutDtype::Bf16),
+        (4, 1, 52, 36, OutDtype::Bf16),
+        (4, 16, 48, 36, OutDtype::F32),
+        (2, 64, 32, 40, OutDtype::F32),
+        (8, 2, 100, 36, OutDtype::Bf16),
+    ] {
+        let d = cfg_h(n, 2, 4, 16, p, tb, h, dt);
+        let seed = u64::from(n * 1000 + p);
+        let px = Proxies::Engine {
+            seed,
+            max_write: 1 << 20,
+        };
+        run_with(&gpu, &k, &d, &routings(&d), seed, 2, false, px);
+    }
+}
+
+#[test]
+fn gpu_engine_graph_replay_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_engine_graph_replay_bit_exact") else {
+        return;
+    };
+    for (n, dtype) in [
+        (2u32, OutDtype::F32),
+        (4, OutDtype::Bf16),
+        (8, OutDtype::Bf16),
+    ] {
+        let d = cfg(n, 4, 8, 32, 4, 64, dtype);
+        let px = Proxies::Engine {
+            seed: 500 + u64::from(n),
+            max_write: 1 << 20,
+        };
+        run_with(
+            &gpu,
+            &k,
+            &d,
+            &[Routing::Random, Routing::Skewed],
+            78,
+            3,
+            true,
+            px,
+        );
+    }
+}
+
+#[test]
+fn gpu_engine_deepseek_shape_ep8_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_engine_deepseek_shape_ep8_bit_exact") else {
+        return;
+    };
+    let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
+    c.private_tokens = 32;
+    let d = c.validate().unwrap();
+    let px = Proxies::Engine {
+        seed: 9,
+        max_write: 1 << 40,
+    };
+    run_with(&gpu, &k, &d, &[Routing::Random], 6, 2, false, px);
 }

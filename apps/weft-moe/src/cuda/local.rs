@@ -1,6 +1,6 @@
-//! [`LocalGroup`]: N ranks on one GPU, each with its own buffers, and one
-//! proxy thread per rank that runs the protocol between them with
-//! device-to-device copies (the moves the engine's scatter, single writes
+//! [`LocalGroup`], the baseline without an engine: N ranks on one GPU, each
+//! with its own buffers, and one proxy thread per rank that runs the
+//! protocol between them with its own device-to-device copies (the moves the engine's scatter, single writes
 //! and barriers make on a real fabric, with the same offsets from the same
 //! [`StepPlan`]).
 //!
@@ -28,7 +28,7 @@
 //! `CUDA_DEVICE_MAX_CONNECTIONS=32` in the environment before the process
 //! first touches CUDA when running more than 3 ranks on one GPU.
 
-use super::{GpuError, GpuRank};
+use super::{GpuError, GpuRank, ProxyGroup};
 use crate::config::Dims;
 use crate::error::Phase;
 use crate::plan::{member_rank, StepPlan};
@@ -47,8 +47,10 @@ pub struct ProxyTimes {
     pub step: u64,
     /// The proxy saw the `counted` signal.
     pub counted_seen: Instant,
-    /// The first route row was written to a peer (the first "WRITE"); equal
-    /// to `counted_seen` with one rank.
+    /// The first transfer left: [`LocalGroup`] wrote the first route row
+    /// into a peer's route buffer; [`super::EngineGroup`] returned from its
+    /// first engine submit of the step (the route scatter, handed to the
+    /// engine's queue). Equal to `counted_seen` with one rank.
     pub first_write: Instant,
     /// The proxy saw the `packed` signal.
     pub packed_seen: Instant,
@@ -126,30 +128,6 @@ impl LocalGroup {
         Ok(LocalGroup { shared, threads })
     }
 
-    /// Rank `r`'s GPU state (for launching its kernels and reading results).
-    pub fn rank(&self, r: u32) -> Option<&Arc<GpuRank>> {
-        self.shared.ranks.get(r as usize)
-    }
-
-    /// Takes the timestamps rank `r`'s proxy recorded so far.
-    pub fn take_times(&self, r: u32) -> Vec<ProxyTimes> {
-        self.shared
-            .times
-            .get(r as usize)
-            .map(|m| std::mem::take(&mut *m.lock()))
-            .unwrap_or_default()
-    }
-
-    /// Whether every proxy is still running (a stopped one failed).
-    pub fn healthy(&self) -> bool {
-        self.threads.iter().all(|(_, h)| !h.is_finished())
-    }
-
-    /// Stops the proxies and returns the first error one of them hit.
-    pub fn shutdown(mut self) -> Result<(), GpuError> {
-        self.stop_all()
-    }
-
     fn stop_all(&mut self) -> Result<(), GpuError> {
         self.shared.stop.store(true, Ordering::Release);
         let mut first = Ok(());
@@ -165,6 +143,28 @@ impl LocalGroup {
             }
         }
         first
+    }
+}
+
+impl ProxyGroup for LocalGroup {
+    fn rank(&self, r: u32) -> Option<&Arc<GpuRank>> {
+        self.shared.ranks.get(r as usize)
+    }
+
+    fn take_times(&self, r: u32) -> Vec<ProxyTimes> {
+        self.shared
+            .times
+            .get(r as usize)
+            .map(|m| std::mem::take(&mut *m.lock()))
+            .unwrap_or_default()
+    }
+
+    fn healthy(&self) -> bool {
+        self.threads.iter().all(|(_, h)| !h.is_finished())
+    }
+
+    fn shutdown(mut self: Box<Self>) -> Result<(), GpuError> {
+        self.stop_all()
     }
 }
 

@@ -1,7 +1,17 @@
 //! The GPU path (feature `cuda`): NVRTC kernels for the four device
 //! operations ([`MoeKernels`]), one rank's GPU buffers and signal words
-//! ([`GpuRank`]) and a proxy per rank that moves the data between ranks on
-//! one GPU ([`LocalGroup`]).
+//! ([`GpuRank`]) and two ways to run N ranks on one GPU, each with a proxy
+//! thread per rank ([`ProxyGroup`]):
+//!
+//! - [`EngineGroup`] (the real path): every rank has its own
+//!   [`weft::TransferEngine`] on one loopback fabric that copies GPU memory;
+//!   each proxy runs the shared [`crate::RankCore`] and posts its scatters,
+//!   writes and barriers on the engine, completing rounds on immediate
+//!   counts (`proxy.rs`);
+//! - [`LocalGroup`] (a baseline): the proxies move the same bytes with their
+//!   own device-to-device copies and count arrivals in shared memory, no
+//!   engine and no fabric; it shows what the kernels and proxies cost
+//!   without the engine (`local.rs`).
 //!
 //! Signals (kernel → proxy): watch words bumped once per step by the last
 //! block of each kernel: `counted` (the route row is in host-mapped
@@ -16,10 +26,12 @@
 mod kernels;
 mod kernels_cu;
 mod local;
+mod proxy;
 
 pub use kernels::MoeKernels;
 pub use kernels_cu::MOE_CU;
 pub use local::{LocalGroup, ProxyTimes};
+pub use proxy::{EngineGroup, EngineGroupConfig};
 
 use crate::config::Dims;
 use crate::error::{MoeError, Phase};
@@ -84,6 +96,20 @@ impl GpuError {
             source,
         }
     }
+}
+
+/// N ranks on one GPU with a proxy thread each: [`EngineGroup`] or
+/// [`LocalGroup`]. Launch each rank's kernels on its own stream in step
+/// order; the group's proxies do the rest.
+pub trait ProxyGroup: Send + Sync {
+    /// Rank `r`'s GPU state (for launching its kernels and reading results).
+    fn rank(&self, r: u32) -> Option<&Arc<GpuRank>>;
+    /// Takes the timestamps rank `r`'s proxy recorded so far.
+    fn take_times(&self, r: u32) -> Vec<ProxyTimes>;
+    /// Whether every proxy is still running (a stopped one failed).
+    fn healthy(&self) -> bool;
+    /// Stops the proxies and returns the first error one of them hit.
+    fn shutdown(self: Box<Self>) -> Result<(), GpuError>;
 }
 
 /// Bytes of the control block (see the kernels' source).
