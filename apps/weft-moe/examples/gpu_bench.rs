@@ -24,7 +24,8 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::{Duration, Instant};
-use weft::loopback::{FabricConfig, NicModel};
+use weft::loopback::{Fabric, FabricConfig, FabricStats, NicModel};
+use weft::DeviceCopy;
 use weft_cuda::{Event, Gpu, Stream};
 use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
 use weft_moe::{count_pairs, row_to_le_bytes, Dims, MoeConfig, RankInput};
@@ -188,10 +189,10 @@ fn kernel_only(gpu: &Gpu, k: &MoeKernels, n: u32, ranks: &[u32], iters: usize) -
 /// loopback fabric without a wire model (latency 0, unlimited bandwidth:
 /// what is measured is kernels, proxies, engines and the CUDA copies), or
 /// the `LocalGroup` baseline.
-fn group(gpu: &Gpu, d: &Dims, engine: bool) -> Res<Box<dyn ProxyGroup>> {
+fn group(gpu: &Gpu, d: &Dims, engine: bool) -> Res<(Box<dyn ProxyGroup>, Option<Fabric>)> {
     let timeout = Duration::from_secs(20);
     if !engine {
-        return Ok(Box::new(LocalGroup::new(gpu, d, timeout)?));
+        return Ok((Box::new(LocalGroup::new(gpu, d, timeout)?), None));
     }
     let mut fabric = FabricConfig::ideal(7);
     fabric.nic = NicModel {
@@ -199,7 +200,33 @@ fn group(gpu: &Gpu, d: &Dims, engine: bool) -> Res<Box<dyn ProxyGroup>> {
         link_gbps: 0.0,
     };
     let cfg = EngineGroupConfig::new(fabric, timeout);
-    Ok(Box::new(EngineGroup::new(gpu, d, cfg)?))
+    let g = EngineGroup::new(gpu, d, cfg)?;
+    let f = g.fabric().clone();
+    Ok((Box::new(g), Some(f)))
+}
+
+/// What the loopback fabric did per step, and how long the same number of
+/// CUDA copies of the average size take one after another through one
+/// `CudaCopy` (the fabric makes its copies under one lock, one at a time,
+/// each waiting for its stream), measured now on the same GPU.
+fn copy_floor(gpu: &Gpu, s0: &FabricStats, s1: &FabricStats, steps: u64) -> Res<[f64; 3]> {
+    let steps = steps.max(1);
+    let writes = (s1.writes_posted - s0.writes_posted) as f64 / steps as f64;
+    let chunks = (s1.chunks_delivered - s0.chunks_delivered) / steps;
+    let bytes = (s1.bytes_delivered - s0.bytes_delivered) / steps;
+    let avg = (bytes / chunks.max(1)).max(1) as usize;
+    let (a, b) = (gpu.alloc(avg)?, gpu.alloc(avg)?);
+    let cc = gpu.copy_engine()?;
+    let dev = gpu.device();
+    let mut per_step = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        for _ in 0..chunks {
+            cc.copy(b.device_ptr(), dev, a.device_ptr(), dev, avg as u64)?;
+        }
+        per_step.push(us(t.elapsed()));
+    }
+    Ok([writes, bytes as f64 / 1e6, pct(&mut per_step, 0.5)])
 }
 
 /// End to end with the proxies: EP8 on one GPU, P = `p`. (Indexes the
@@ -212,10 +239,11 @@ fn end_to_end(
     iters: usize,
     graphs: bool,
     engine: bool,
-) -> Res<[f64; 8]> {
+) -> Res<Vec<f64>> {
     let d = dims(8, p);
     let n = d.ranks as usize;
-    let group = group(gpu, &d, engine)?;
+    let (group, fabric) = group(gpu, &d, engine)?;
+    let mut stats0 = None;
     let mut rng = ChaCha8Rng::seed_from_u64(1000 + u64::from(p));
     let streams: Vec<Stream> = (0..n).map(|_| gpu.stream()).collect::<Result<_, _>>()?;
     let ev: Vec<[Event; 3]> = (0..n)
@@ -241,7 +269,11 @@ fn end_to_end(
     }
     let (mut disp, mut comb, mut step) = (Vec::new(), Vec::new(), Vec::new());
     let (mut sig2w, mut l2w, mut l2c) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut pdr, mut ccr) = (Vec::new(), Vec::new());
     for it in 0..iters + 10 {
+        if it == 10 {
+            stats0 = fabric.as_ref().map(Fabric::stats);
+        }
         let mut launched = Vec::with_capacity(n);
         if graphs {
             for r in 0..n {
@@ -300,10 +332,17 @@ fn end_to_end(
                 }
                 l2c.push(us(pt.counted_seen.duration_since(launched[r])));
                 l2w.push(us(pt.first_write.duration_since(launched[r])));
+                pdr.push(us(pt.dispatch_ready.duration_since(pt.packed_seen)));
+                ccr.push(us(pt.combine_ready.duration_since(pt.combine_packed_seen)));
             }
         }
     }
+    let stats1 = fabric.as_ref().map(Fabric::stats);
     group.shutdown()?;
+    let floor = match (&stats0, &stats1) {
+        (Some(a), Some(b)) => copy_floor(gpu, a, b, iters as u64)?.to_vec(),
+        _ => vec![f64::NAN; 3],
+    };
     if graphs {
         let what = if engine { "engine" } else { "local" };
         println!(
@@ -312,9 +351,9 @@ fn end_to_end(
             pct(&mut step, 0.99),
             step.len()
         );
-        return Ok([0.0; 8]);
+        return Ok(Vec::new());
     }
-    Ok([
+    let mut v = vec![
         pct(&mut disp, 0.5),
         pct(&mut disp, 0.99),
         pct(&mut comb, 0.5),
@@ -323,7 +362,11 @@ fn end_to_end(
         pct(&mut l2c, 0.5),
         pct(&mut l2w, 0.5),
         pct(&mut l2w, 0.99),
-    ])
+        pct(&mut pdr, 0.5),
+        pct(&mut ccr, 0.5),
+    ];
+    v.extend(floor);
+    Ok(v)
 }
 
 fn main() -> Res<()> {
@@ -360,13 +403,20 @@ fn main() -> Res<()> {
             )
         };
         println!("\n### end to end, EP8 on one GPU, {title}\n");
-        println!("| P | dispatch p50 µs | dispatch p99 | combine p50 | combine p99 | signal→first submit p50 | launch→signal seen p50 | launch→first submit p50 | launch→first submit p99 |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("| P | dispatch p50 µs | dispatch p99 | combine p50 | combine p99 | signal→first submit p50 | launch→signal seen p50 | launch→first submit p50 | launch→first submit p99 | proxy packed→dispatch_ready p50 | proxy combine_packed→combine_ready p50 | fabric WRITEs/step | MB/step | serial-copy floor µs/step |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &p in ps {
             let v = end_to_end(&gpu, &k, p, iters, false, engine)?;
+            let fl = |x: f64| {
+                if x.is_nan() {
+                    "–".to_string()
+                } else {
+                    format!("{x:.1}")
+                }
+            };
             println!(
-                "| {p} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
-                v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
+                "| {p} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
+                v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], fl(v[10]), fl(v[11]), fl(v[12])
             );
         }
     }
