@@ -15,6 +15,8 @@ pub mod backend;
 pub mod engines;
 pub mod floor;
 pub mod imm;
+pub mod moe;
+pub mod moe_model;
 pub mod p2p;
 mod progress;
 pub mod proxy;

@@ -63,6 +63,10 @@ enum Cmd {
     All,
     /// RL weight transfer at the paper's scale (weft-rl's event model).
     Rl,
+    /// MoE dispatch/combine, CPU path on loopback, P swept, vs the naive reference.
+    Moe(weft_bench::moe::MoeArgs),
+    /// MoE dispatch/combine latency MODEL (CX7, EFA) at EP8…64 next to the paper.
+    MoeModel(weft_bench::moe_model::ModelArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,6 +77,8 @@ fn main() -> ExitCode {
         Cmd::Imm => Suite::Imm,
         Cmd::All => Suite::All,
         Cmd::Rl => Suite::Rl,
+        Cmd::Moe(a) => return weft_bench::moe::run_cpu(&a, cli.quick),
+        Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(&a, cli.quick),
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();

@@ -82,8 +82,8 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    probe, probe_nvrtc, CudaCopy, DeviceBuffer, Gpu, Graph, HostFlag, Kernels, ProbeOrdering,
-    Stream, WatchWord, KERNELS_CU,
+    probe, probe_nvrtc, CudaCopy, DeviceBuffer, Event, Function, Gpu, Graph, HostFlag, Kernels,
+    MappedBuffer, Module, ProbeOrdering, Stream, WatchWord, KERNELS_CU,
 };
 
 /// Probes for a usable CUDA driver. This build has no CUDA support (the

@@ -130,7 +130,7 @@ fn gpu_single_paged_and_mixed_writes_over_loopback() {
     // 1. GPU -> GPU single write with an immediate.
     let imm = p.b.alloc_imm().unwrap();
     let armed = Sig::default();
-    let n = u32::try_from(counts.single_write(len as u64)).unwrap();
+    let n = counts.single_write(len as u64);
     p.b.expect_imm_count(imm, n, armed.cb()).unwrap();
     let (od, sent) = OnDone::flag();
     p.a.submit_single_write(len as u64, Some(imm), (&hs, 0), (&dd, 0), od)
@@ -167,7 +167,7 @@ fn gpu_single_paged_and_mixed_writes_over_loopback() {
         offset: 0,
     };
     let imm2 = p.b.alloc_imm().unwrap();
-    let n2 = u32::try_from(counts.paged_writes(page as u64, u64::from(pages))).unwrap();
+    let n2 = counts.paged_writes(page as u64, u64::from(pages));
     let armed2 = Sig::default();
     p.b.expect_imm_count(imm2, n2, armed2.cb()).unwrap();
     let (od2, sent2) = OnDone::flag();
@@ -246,8 +246,7 @@ fn gpu_scatter_and_barrier_over_loopback() {
         let f = Sig::default();
         let n =
             counts.scatter_dst(chunk as u64, weft_engine::ScatterMode::ByPeer) + counts.barrier();
-        e.expect_imm_count(imm, u32::try_from(n).unwrap(), f.cb())
-            .unwrap();
+        e.expect_imm_count(imm, n, f.cb()).unwrap();
         armed.push(f);
     }
     let sd: Vec<ScatterDst> = descs
@@ -331,8 +330,7 @@ fn kvcache_layers_driven_by_gpu_watcher() {
         let per_layer = counts.paged_writes(page as u64, pages);
         let total = layers * per_layer + counts.single_write(4096);
         let arrived = Sig::default();
-        p.b.expect_imm_count(imm, u32::try_from(total).unwrap(), arrived.cb())
-            .unwrap();
+        p.b.expect_imm_count(imm, total, arrived.cb()).unwrap();
 
         // Prefiller: the watcher callback posts layers (old, new].
         let base = req * layers;

@@ -11,6 +11,8 @@ mod mapped;
 #[allow(unsafe_code)]
 mod memory;
 #[allow(unsafe_code)]
+mod module;
+#[allow(unsafe_code)]
 mod probe;
 #[allow(unsafe_code)]
 mod stream;
@@ -20,6 +22,7 @@ pub use gpu::Gpu;
 pub use kernels::{Kernels, ProbeOrdering, KERNELS_CU};
 pub use mapped::{HostFlag, WatchWord};
 pub use memory::DeviceBuffer;
+pub use module::{Event, Function, MappedBuffer, Module};
 pub use probe::{probe, probe_nvrtc};
 pub use stream::{Graph, Stream};
 

@@ -1,0 +1,694 @@
+//! [`EngineGroup`]: N ranks on one GPU whose data moves over a real
+//! [`weft::TransferEngine`] per rank, on one realtime loopback fabric that
+//! copies `Device::Cuda` memory through `weft_cuda::CudaCopy`.
+//!
+//! Each rank's proxy thread runs the same [`RankCore`] as the CPU driver
+//! ([`crate::MoeRank`]) and the simulation ([`crate::sim`]); only the
+//! executor differs. The rank's GPU send and receive buffers and its
+//! host-mapped route buffer are registered with its engine; the proxy posts
+//! the route scatter, the private scatter, the overflow writes, the barriers
+//! and the combine scatter the core asks for, arms every round with
+//! `expect_imm_count` and waits for the counts the receiver computed. The
+//! core's device operations map onto the kernels' signal words and flags:
+//!
+//! | core action | proxy |
+//! |---|---|
+//! | (step start) | waits for `counted ≥ k`, reads the own route row the count kernel wrote into the mapped route buffer, feeds it as [`Event::Dispatch`] |
+//! | `WriteRouteRow` | nothing: the count kernel wrote the row |
+//! | `PackDispatch` | waits for `packed ≥ k` |
+//! | `ReadRoutes` | reads the peers' rows from the mapped route buffer |
+//! | `Unpack` | waits for its own submits, raises `dispatch_ready = k`, waits for `unpacked ≥ k` |
+//! | `Finished(Dispatch)` | feeds [`Event::Combine`] |
+//! | `PackCombine` | waits for `combine_packed ≥ k` |
+//! | `WeightedSum` | waits for its own submits, raises `combine_ready = k`, waits for `summed ≥ k` |
+//!
+//! Raising a flag only after the own submits resolved keeps the source
+//! buffers safe on the GPU side: the kernel after the dispatch-recv wait
+//! (`combine_pack`) rewrites `send_buf`, and the kernels after the
+//! combine-recv wait (the next step's count and pack) rewrite the route row
+//! and `send_buf`; both are stream-ordered behind the flag. The receive
+//! side needs nothing extra: the core sends BAR_D only after `unpacked`
+//! (nothing lands in `recv_buf` before it) and BAR_C only after `summed`.
+//!
+//! Kernels must be launched in the usual per-rank order on one stream
+//! (dispatch-send, dispatch-recv, combine-send, combine-recv, ...), directly
+//! or as replayed CUDA graphs.
+
+use super::{GpuError, GpuRank, ProxyGroup, ProxyTimes};
+use crate::config::Dims;
+use crate::core::{Action, Entry, Event, RankCore, Wait};
+use crate::error::{MoeError, Phase};
+use crate::imm::{ImmValues, COMBINE_MODE, DISPATCH_MODE};
+use crate::plan::member_rank;
+use crate::routes::RouteMatrix;
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use weft::loopback::{Fabric, FabricConfig};
+use weft::{
+    DomainGroupSpec, DoneCounter, DoneFlag, EngineConfig, Imm, MrDesc, MrHandle, OnDone,
+    PeerGroupHandle, ScatterDst, ScatterMode, TransferEngine,
+};
+use weft_cuda::{Gpu, WatchWord};
+
+/// How an [`EngineGroup`] builds its fabric and engines.
+#[derive(Debug, Clone)]
+pub struct EngineGroupConfig {
+    /// The loopback fabric (profile, seed, NIC model, WRITE limits); its
+    /// `device_copy` is replaced by the GPU's copy engine.
+    pub fabric: FabricConfig,
+    /// NICs per rank's engine.
+    pub nics: usize,
+    /// Every rank's engine configuration.
+    pub engine: EngineConfig,
+    /// How long a proxy waits for a kernel signal, a round or its own
+    /// submits before it stops with an error.
+    pub timeout: Duration,
+}
+
+impl EngineGroupConfig {
+    /// One NIC per rank on `fabric`, default engines, `timeout`.
+    pub fn new(fabric: FabricConfig, timeout: Duration) -> EngineGroupConfig {
+        EngineGroupConfig {
+            fabric,
+            nics: 1,
+            engine: EngineConfig::default(),
+            timeout,
+        }
+    }
+}
+
+struct Shared {
+    dims: Dims,
+    ranks: Vec<Arc<GpuRank>>,
+    stop: AtomicBool,
+    timeout: Duration,
+    times: Vec<Mutex<Vec<ProxyTimes>>>,
+}
+
+/// N ranks on one GPU, an engine and a proxy thread each (module docs).
+pub struct EngineGroup {
+    shared: Arc<Shared>,
+    threads: Vec<(u32, JoinHandle<Result<(), GpuError>>)>,
+    engines: Vec<Arc<TransferEngine>>,
+    fabric: Fabric,
+}
+
+impl std::fmt::Debug for EngineGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineGroup")
+            .field("ranks", &self.shared.dims.ranks)
+            .finish()
+    }
+}
+
+fn eng(rank: u32, phase: Phase) -> impl Fn(weft::EngineError) -> GpuError {
+    move |source| {
+        tracing::debug!(rank, ?phase, %source, "engine call failed");
+        GpuError::Moe(MoeError::Engine { phase, source })
+    }
+}
+
+/// Registers rank `r`'s route (host-mapped), send and receive buffers.
+/// Returns the handles (route, send, recv) and the descriptors of route and
+/// recv.
+#[allow(unsafe_code)]
+fn register(
+    engine: &TransferEngine,
+    r: &GpuRank,
+) -> Result<([MrHandle; 3], MrDesc, MrDesc), GpuError> {
+    let e = eng(r.rank, Phase::Setup);
+    // SAFETY: the buffers live in the group's `Shared`, which outlives every
+    // engine: the proxy deregisters them when it ends, and
+    // `EngineGroup::stop_all` shuts the engines down (dropping any
+    // registration left) before `Shared` can be dropped.
+    let (route, send, recv) = unsafe { (r.route.region(), r.send.region(), r.recv.region()) };
+    let (route_h, route_d) = engine.reg_mr(route).map_err(&e)?;
+    let (send_h, _) = engine.reg_mr(send).map_err(&e)?;
+    let (recv_h, recv_d) = engine.reg_mr(recv).map_err(&e)?;
+    Ok(([route_h, send_h, recv_h], route_d, recv_d))
+}
+
+impl EngineGroup {
+    /// Allocates `dims.ranks` ranks on `gpu`, builds one engine per rank on
+    /// a realtime loopback fabric copying GPU memory with the GPU's copy
+    /// engine, registers the buffers, connects every rank to the others and
+    /// starts the proxies.
+    pub fn new(gpu: &Gpu, dims: &Dims, cfg: EngineGroupConfig) -> Result<EngineGroup, GpuError> {
+        let n = dims.ranks;
+        let ranks = (0..n)
+            .map(|r| GpuRank::new(gpu, dims, r).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let copy = gpu
+            .copy_engine()
+            .map_err(GpuError::cuda(None, Phase::Setup))?;
+        let mut fcfg = cfg.fabric.clone();
+        fcfg.device_copy = Some(Arc::new(copy));
+        let fabric = Fabric::new_realtime(fcfg);
+        let shared = Arc::new(Shared {
+            dims: dims.clone(),
+            times: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+            ranks,
+            stop: AtomicBool::new(false),
+            timeout: cfg.timeout,
+        });
+        let mut group = EngineGroup {
+            shared: shared.clone(),
+            threads: Vec::new(),
+            engines: Vec::new(),
+            fabric,
+        };
+        let mut nets = Vec::new();
+        let mut descs = Vec::new();
+        for r in 0..n {
+            let host = group.fabric.add_host(cfg.nics.max(1));
+            let engine = TransferEngine::builder()
+                .group(
+                    DomainGroupSpec::new(
+                        Arc::new(group.fabric.provider(host)),
+                        (0..cfg.nics.max(1)).collect::<Vec<_>>(),
+                    )
+                    .device(gpu.device()),
+                )
+                .config(cfg.engine.clone())
+                .build()
+                .map_err(eng(r, Phase::Setup))?;
+            let engine = Arc::new(engine);
+            group.engines.push(engine.clone());
+            let (h, route_d, recv_d) = register(&engine, &shared.ranks[r as usize])?;
+            let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())
+                .map_err(|e| GpuError::Moe(MoeError::from(e)))?;
+            for v in imms.all() {
+                engine.reserve_imm(v).map_err(eng(r, Phase::Setup))?;
+            }
+            let ic = engine.imm_counts(0).map_err(eng(r, Phase::Setup))?;
+            descs.push((engine.main_address(), route_d, recv_d));
+            nets.push((engine, h, imms, ic));
+        }
+        for (r, (engine, h, imms, ic)) in nets.into_iter().enumerate() {
+            let r = r as u32;
+            let members: Vec<usize> = (0..n.saturating_sub(1) as usize)
+                .map(|j| member_rank(n, r, j) as usize)
+                .collect();
+            let addrs: Vec<_> = members.iter().map(|&m| descs[m].0.clone()).collect();
+            let pg = engine
+                .add_peer_group(&addrs)
+                .map_err(eng(r, Phase::Setup))?;
+            let net = Net {
+                engine,
+                rank: r,
+                imms,
+                handles: h,
+                group: pg,
+                route: members.iter().map(|&m| descs[m].1.clone()).collect(),
+                recv: members.iter().map(|&m| descs[m].2.clone()).collect(),
+                done: Arc::new(DoneCounter::new()),
+                submitted: 0,
+                flags: Default::default(),
+                posted: false,
+            };
+            let proxy = Proxy {
+                core: RankCore::new(dims.clone(), r, imms, ic),
+                sh: shared.clone(),
+                r,
+                net,
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("moe-engine-proxy-{r}"))
+                .spawn(move || proxy.run())
+                .map_err(|e| GpuError::Proxy {
+                    rank: r,
+                    what: format!("spawning the proxy thread: {e}"),
+                })?;
+            group.threads.push((r, handle));
+        }
+        Ok(group)
+    }
+
+    /// The loopback fabric (statistics, rules).
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// Rank `r`'s engine.
+    pub fn engine(&self, r: u32) -> Option<&Arc<TransferEngine>> {
+        self.engines.get(r as usize)
+    }
+
+    fn stop_all(&mut self) -> Result<(), GpuError> {
+        self.shared.stop.store(true, Ordering::Release);
+        let mut first = Ok(());
+        for (r, h) in self.threads.drain(..) {
+            let res = h.join().unwrap_or_else(|_| {
+                Err(GpuError::Proxy {
+                    rank: r,
+                    what: "proxy thread panicked".into(),
+                })
+            });
+            if first.is_ok() {
+                first = res;
+            }
+        }
+        for e in self.engines.drain(..) {
+            e.shutdown();
+        }
+        first
+    }
+}
+
+impl ProxyGroup for EngineGroup {
+    fn rank(&self, r: u32) -> Option<&Arc<GpuRank>> {
+        self.shared.ranks.get(r as usize)
+    }
+
+    fn take_times(&self, r: u32) -> Vec<ProxyTimes> {
+        self.shared
+            .times
+            .get(r as usize)
+            .map(|m| std::mem::take(&mut *m.lock()))
+            .unwrap_or_default()
+    }
+
+    fn healthy(&self) -> bool {
+        self.threads.iter().all(|(_, h)| !h.is_finished())
+    }
+
+    /// Stops the proxies (each first waits for its last BAR_C round and its
+    /// own submits, so every rank should have run the same steps), shuts
+    /// the engines down and returns the first error a proxy hit.
+    fn shutdown(mut self: Box<Self>) -> Result<(), GpuError> {
+        self.stop_all()
+    }
+}
+
+impl Drop for EngineGroup {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_all() {
+            tracing::warn!(%e, "MoE engine proxy failed");
+        }
+    }
+}
+
+fn phase_index(p: Phase) -> usize {
+    match p {
+        Phase::Setup => 0,
+        Phase::Route => 1,
+        Phase::Dispatch => 2,
+        Phase::BarrierD => 3,
+        Phase::Combine => 4,
+        Phase::BarrierC => 5,
+    }
+}
+
+/// One rank's engine side: handles, peers, own-submit counter, armed rounds.
+struct Net {
+    engine: Arc<TransferEngine>,
+    rank: u32,
+    imms: ImmValues,
+    /// route, send, recv.
+    handles: [MrHandle; 3],
+    group: PeerGroupHandle,
+    /// Per member: route and receive descriptors.
+    route: Vec<MrDesc>,
+    recv: Vec<MrDesc>,
+    done: Arc<DoneCounter>,
+    submitted: u64,
+    flags: [Option<Arc<DoneFlag>>; 6],
+    /// Whether a WR was submitted since the flag was last cleared.
+    posted: bool,
+}
+
+impl Net {
+    fn on_done(&mut self) -> OnDone {
+        self.submitted += 1;
+        self.posted = true;
+        OnDone::counter(&self.done)
+    }
+
+    fn dsts(&self, entries: &[Entry], route: bool) -> Result<Vec<ScatterDst>, GpuError> {
+        let descs = if route { &self.route } else { &self.recv };
+        entries
+            .iter()
+            .map(|e| {
+                let dst = descs.get(e.member).ok_or(MoeError::Shape {
+                    what: "scatter member",
+                    got: e.member as u64,
+                    want: descs.len() as u64,
+                })?;
+                Ok(ScatterDst {
+                    len: e.len,
+                    src_offset: e.src_offset,
+                    dst: dst.clone(),
+                    dst_offset: e.dst_offset,
+                })
+            })
+            .collect()
+    }
+
+    fn scatter(
+        &mut self,
+        phase: Phase,
+        imm: Imm,
+        entries: &[Entry],
+        route: bool,
+        mode: ScatterMode,
+    ) -> Result<(), GpuError> {
+        let dsts = self.dsts(entries, route)?;
+        let od = self.on_done();
+        let src = if route {
+            &self.handles[0]
+        } else {
+            &self.handles[1]
+        };
+        self.engine
+            .submit_scatter_mode(&self.group, od, Some(imm), src, &dsts, mode)
+            .map_err(eng(self.rank, phase))?;
+        Ok(())
+    }
+
+    /// Runs an engine action of the core.
+    fn run(&mut self, a: &Action) -> Result<(), GpuError> {
+        match a {
+            Action::Arm { phase, imm, count } => {
+                let (od, flag) = OnDone::flag();
+                self.engine
+                    .expect_imm_count_with(*imm, *count, od)
+                    .map_err(eng(self.rank, *phase))?;
+                self.flags[phase_index(*phase)] = Some(flag);
+            }
+            Action::RouteScatter { imm, entries } => {
+                self.scatter(Phase::Route, *imm, entries, true, DISPATCH_MODE)?
+            }
+            Action::PrivateScatter { imm, entries } => {
+                self.scatter(Phase::Dispatch, *imm, entries, false, DISPATCH_MODE)?
+            }
+            Action::CombineScatter { imm, entries } => {
+                self.scatter(Phase::Combine, *imm, entries, false, COMBINE_MODE)?
+            }
+            Action::OverflowWrite { imm, entry } => {
+                let dst = self
+                    .recv
+                    .get(entry.member)
+                    .ok_or(MoeError::Shape {
+                        what: "overflow member",
+                        got: entry.member as u64,
+                        want: self.recv.len() as u64,
+                    })?
+                    .clone();
+                let od = self.on_done();
+                self.engine
+                    .submit_single_write(
+                        entry.len,
+                        Some(*imm),
+                        (&self.handles[1], entry.src_offset),
+                        (&dst, entry.dst_offset),
+                        od,
+                    )
+                    .map_err(eng(self.rank, Phase::Dispatch))?;
+            }
+            Action::Barrier { phase, imm } => {
+                let od = self.on_done();
+                self.engine
+                    .submit_barrier(&self.group, od, *imm, &self.recv)
+                    .map_err(eng(self.rank, *phase))?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Whether `w` holds: `None` if not yet, else the event (or the error).
+    fn poll(&self, w: &Wait) -> Option<Result<Event, GpuError>> {
+        let err = |phase, source| Err(GpuError::Moe(MoeError::Engine { phase, source }));
+        match *w {
+            Wait::Submits(phase) => {
+                if self.done.total() < self.submitted {
+                    return None;
+                }
+                Some(match self.done.first_error() {
+                    Some(source) => err(phase, source),
+                    None => Ok(Event::SubmitsDone),
+                })
+            }
+            Wait::Round { phase, .. } => {
+                let r = self.flags[phase_index(phase)].as_ref()?.result()?;
+                Some(match r {
+                    Ok(()) => Ok(Event::RoundFired(phase)),
+                    Err(source) => err(phase, source),
+                })
+            }
+        }
+    }
+
+    /// What timing out on `w` means.
+    fn timeout_error(&self, w: &Wait) -> GpuError {
+        match *w {
+            Wait::Submits(phase) => MoeError::SubmitTimeout {
+                phase,
+                submitted: self.submitted,
+                done: self.done.total(),
+            }
+            .into(),
+            Wait::Round { phase, imm, count } => MoeError::Timeout {
+                phase,
+                imm,
+                expected: count,
+                pending: self.engine.imm_pending(imm),
+            }
+            .into(),
+        }
+    }
+
+    /// Frees the immediates and deregisters the buffers.
+    fn release(&self) -> Result<(), GpuError> {
+        for v in self.imms.all() {
+            self.engine.free_imm(v);
+        }
+        let mut res = Ok(());
+        for h in self.handles {
+            if let Err(e) = self.engine.unreg_mr(h) {
+                if res.is_ok() {
+                    res = Err(eng(self.rank, Phase::Setup)(e));
+                }
+            }
+        }
+        res
+    }
+}
+
+struct Proxy {
+    core: RankCore,
+    sh: Arc<Shared>,
+    r: u32,
+    net: Net,
+}
+
+/// Why a wait ended without its condition.
+enum Stop {
+    /// The group is stopping.
+    Stopped,
+    /// The wait took longer than the group's timeout.
+    TimedOut,
+}
+
+impl Proxy {
+    /// Spins until `ready()` returns a value (yielding the core now and
+    /// then: a GPU host runs a proxy and engine workers per rank).
+    fn spin<T>(&self, stoppable: bool, mut ready: impl FnMut() -> Option<T>) -> Result<T, Stop> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if let Some(v) = ready() {
+                return Ok(v);
+            }
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(256) {
+                std::thread::yield_now();
+                if stoppable && self.sh.stop.load(Ordering::Acquire) {
+                    return Err(Stop::Stopped);
+                }
+                if start.elapsed() > self.sh.timeout {
+                    return Err(Stop::TimedOut);
+                }
+            }
+        }
+    }
+
+    /// Waits for a kernel's signal word to reach `k`; `Ok(false)` when the
+    /// group is stopping.
+    fn signal(
+        &self,
+        word: &WatchWord,
+        phase: Phase,
+        what: &'static str,
+        k: u64,
+    ) -> Result<bool, GpuError> {
+        let start = Instant::now();
+        match self.spin(true, || (word.value() >= k).then_some(())) {
+            Ok(()) => Ok(true),
+            Err(Stop::Stopped) => Ok(false),
+            Err(Stop::TimedOut) => Err(GpuError::Timeout {
+                rank: self.r,
+                phase,
+                what,
+                waited: start.elapsed(),
+            }),
+        }
+    }
+
+    /// Waits for a core wait; `Ok(None)` when the group is stopping.
+    fn wait(&self, w: &Wait, stoppable: bool) -> Result<Option<Event>, GpuError> {
+        match self.spin(stoppable, || self.net.poll(w)) {
+            Ok(r) => r.map(Some),
+            Err(Stop::Stopped) => Ok(None),
+            Err(Stop::TimedOut) => Err(self.net.timeout_error(w)),
+        }
+    }
+
+    /// Reads the peers' route rows out of the mapped route buffer.
+    fn read_routes(&self) -> Result<Event, GpuError> {
+        let me = &self.sh.ranks[self.r as usize];
+        let d = &self.sh.dims;
+        let mut all = vec![0u8; d.route_buf_len() as usize];
+        me.route
+            .read(0, &mut all)
+            .map_err(GpuError::cuda(Some(self.r), Phase::Route))?;
+        let row_len = d.route_row_len() as usize;
+        let mut m = RouteMatrix::new(d);
+        for s in 0..d.ranks {
+            if s == self.r {
+                continue;
+            }
+            let off = s as usize * row_len;
+            let bytes = all.get(off..off + row_len).unwrap_or(&[]);
+            m.set_row_le_bytes(d, s, bytes)?;
+        }
+        Ok(Event::Routes(m))
+    }
+
+    fn run(mut self) -> Result<(), GpuError> {
+        let res = self.steps();
+        if let Err(e) = &res {
+            tracing::error!(rank = self.r, %e, "MoE engine proxy stopped");
+        }
+        // Only a proxy stopped between steps ends cleanly; one stopped in
+        // the middle of a step (a failed caller) just deregisters.
+        let fin = if res.is_ok() && self.core.idle() {
+            self.finish()
+        } else {
+            Ok(())
+        };
+        let rel = self.net.release();
+        res.and(fin).and(rel)
+    }
+
+    /// A clean end: the last BAR_C round (peers no longer read or write
+    /// this rank's buffers) and the own submits.
+    fn finish(&self) -> Result<(), GpuError> {
+        if let Some(w) = self.core.shutdown_wait() {
+            self.wait(&w, false)?;
+        }
+        self.wait(&Wait::Submits(Phase::BarrierC), false)?;
+        Ok(())
+    }
+
+    fn steps(&mut self) -> Result<(), GpuError> {
+        let me = self.sh.ranks[self.r as usize].clone();
+        let d = self.sh.dims.clone();
+        let row_len = d.route_row_len() as usize;
+        let mut row = vec![0u8; row_len];
+        for k in 1u64.. {
+            if !self.signal(&me.sig_counted, Phase::Route, "counted signal", k)? {
+                return Ok(());
+            }
+            let counted_seen = Instant::now();
+            me.route
+                .read(self.r as usize * row_len, &mut row)
+                .map_err(GpuError::cuda(Some(self.r), Phase::Route))?;
+            let counts: Vec<u32> = row
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let mut t = ProxyTimes {
+                step: k,
+                counted_seen,
+                first_write: counted_seen,
+                packed_seen: counted_seen,
+                dispatch_ready: counted_seen,
+                combine_packed_seen: counted_seen,
+                combine_ready: counted_seen,
+            };
+            self.net.posted = false;
+            let mut q = VecDeque::from([Event::Dispatch { row: counts }]);
+            while let Some(ev) = q.pop_front() {
+                for a in self.core.on(ev)? {
+                    if !self.act(&a, k, &mut t, &mut q)? {
+                        return Ok(());
+                    }
+                }
+            }
+            self.sh.times[self.r as usize].lock().push(t);
+        }
+        Ok(())
+    }
+
+    /// Runs one action; `Ok(false)` when the group is stopping.
+    fn act(
+        &mut self,
+        a: &Action,
+        k: u64,
+        t: &mut ProxyTimes,
+        q: &mut VecDeque<Event>,
+    ) -> Result<bool, GpuError> {
+        let me = self.sh.ranks[self.r as usize].clone();
+        match a {
+            Action::Wait(w) => match self.wait(w, true)? {
+                Some(e) => q.push_back(e),
+                None => return Ok(false),
+            },
+            Action::WriteRouteRow { .. } => {}
+            Action::PackDispatch => {
+                let ok = self.signal(&me.sig_packed, Phase::Dispatch, "packed signal", k)?;
+                t.packed_seen = Instant::now();
+                return Ok(ok);
+            }
+            Action::ReadRoutes => q.push_back(self.read_routes()?),
+            Action::Unpack => {
+                if self.wait(&Wait::Submits(Phase::Dispatch), true)?.is_none() {
+                    return Ok(false);
+                }
+                me.dispatch_ready.raise(k);
+                t.dispatch_ready = Instant::now();
+                return self.signal(&me.sig_unpacked, Phase::BarrierD, "unpacked signal", k);
+            }
+            Action::Finished(Phase::Dispatch) => q.push_back(Event::Combine),
+            Action::Finished(_) => {}
+            Action::PackCombine => {
+                let ok =
+                    self.signal(&me.sig_cpacked, Phase::Combine, "combine-packed signal", k)?;
+                t.combine_packed_seen = Instant::now();
+                return Ok(ok);
+            }
+            Action::WeightedSum => {
+                if self.wait(&Wait::Submits(Phase::Combine), true)?.is_none() {
+                    return Ok(false);
+                }
+                me.combine_ready.raise(k);
+                t.combine_ready = Instant::now();
+                return self.signal(&me.sig_summed, Phase::BarrierC, "summed signal", k);
+            }
+            _ => {
+                let first = !self.net.posted;
+                self.net.run(a)?;
+                if first && self.net.posted {
+                    t.first_write = Instant::now();
+                }
+            }
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,168 @@
+//! The device operations of the CPU path, on byte slices: pack the
+//! dispatch, unpack into the expert layout, pack the combine, and the
+//! weighted sum. The GPU kernels implement the same functions with the same
+//! formulas (and must be bit-identical).
+//!
+//! Every access is bounds-checked: a buffer that is too short is a
+//! [`MoeError::Shape`], never a panic.
+
+use crate::config::Dims;
+use crate::error::MoeError;
+use crate::expert::{ExpertTokens, RankInput};
+use crate::num::{push_elem, read_elem};
+use crate::plan::{CombineSlot, SrcSlot, StepPlan};
+use crate::routes::CountedPairs;
+
+fn slice<'a>(buf: &'a [u8], off: u64, len: u64, what: &'static str) -> Result<&'a [u8], MoeError> {
+    let end = off.saturating_add(len);
+    usize::try_from(off)
+        .ok()
+        .zip(usize::try_from(end).ok())
+        .and_then(|(a, b)| buf.get(a..b))
+        .ok_or(MoeError::Shape {
+            what,
+            got: buf.len() as u64,
+            want: end,
+        })
+}
+
+fn slice_mut<'a>(
+    buf: &'a mut [u8],
+    off: u64,
+    len: u64,
+    what: &'static str,
+) -> Result<&'a mut [u8], MoeError> {
+    let end = off.saturating_add(len);
+    let have = buf.len() as u64;
+    usize::try_from(off)
+        .ok()
+        .zip(usize::try_from(end).ok())
+        .and_then(|(a, b)| buf.get_mut(a..b))
+        .ok_or(MoeError::Shape {
+            what,
+            got: have,
+            want: end,
+        })
+}
+
+/// Copies every pair's token into its send-order slot of `send_buf`
+/// (`pairs` from [`count_pairs`](crate::count_pairs) of the same ids).
+pub fn pack_dispatch(
+    dims: &Dims,
+    input: &RankInput<'_>,
+    pairs: &CountedPairs,
+    send_buf: &mut [u8],
+) -> Result<(), MoeError> {
+    let tb = u64::from(dims.token_bytes);
+    let r = dims.topk as usize;
+    for (i, &slot) in pairs.slots.iter().enumerate() {
+        let t = (i / r) as u64;
+        let src = slice(input.tokens, t * tb, tb, "tokens")?;
+        slice_mut(send_buf, u64::from(slot) * dims.b_in, tb, "send buffer")?.copy_from_slice(src);
+    }
+    Ok(())
+}
+
+/// Gathers the received rows into the expert layout, following the plan's
+/// unpack map (own rows from `send_buf`, the rest from `recv_buf`).
+pub fn unpack(
+    dims: &Dims,
+    plan: &StepPlan,
+    send_buf: &[u8],
+    recv_buf: &[u8],
+) -> Result<ExpertTokens, MoeError> {
+    let tb = u64::from(dims.token_bytes);
+    let mut data = Vec::with_capacity(plan.unpack().len() * tb as usize);
+    for src in plan.unpack() {
+        let row = match *src {
+            SrcSlot::Local(s) => slice(send_buf, u64::from(s) * dims.b_in, tb, "send buffer")?,
+            SrcSlot::Private(s) => slice(recv_buf, u64::from(s) * dims.b_in, tb, "receive buffer")?,
+            SrcSlot::Contig(s) => slice(
+                recv_buf,
+                dims.contig_offset() + u64::from(s) * dims.b_in,
+                tb,
+                "receive buffer",
+            )?,
+        };
+        data.extend_from_slice(row);
+    }
+    Ok(ExpertTokens {
+        data,
+        token_bytes: dims.token_bytes,
+        expert_offsets: plan.expert_offsets().to_vec(),
+        source_rank: plan.source_rank().to_vec(),
+    })
+}
+
+/// Places the expert outputs (one `hidden`-element row per expert-layout
+/// row) into their combine slots: remote sources' rows into `send_buf`,
+/// own rows straight into the own combine region of `recv_buf`.
+pub fn pack_combine(
+    dims: &Dims,
+    plan: &StepPlan,
+    expert_outputs: &[u8],
+    send_buf: &mut [u8],
+    recv_buf: &mut [u8],
+) -> Result<(), MoeError> {
+    let ob = dims.out_row_bytes();
+    let want = plan.combine().len() as u64 * ob;
+    if expert_outputs.len() as u64 != want {
+        return Err(MoeError::Shape {
+            what: "expert outputs",
+            got: expert_outputs.len() as u64,
+            want,
+        });
+    }
+    for (i, dst) in plan.combine().iter().enumerate() {
+        let row = slice(expert_outputs, i as u64 * ob, ob, "expert outputs")?;
+        let (buf, slot, what) = match *dst {
+            CombineSlot::Send(s) => (&mut *send_buf, s, "send buffer"),
+            CombineSlot::Recv(s) => (&mut *recv_buf, s, "receive buffer"),
+        };
+        slice_mut(buf, u64::from(slot) * dims.b_out, ob, what)?.copy_from_slice(row);
+    }
+    Ok(())
+}
+
+/// The weighted sum of a rank's own tokens from its combine region:
+/// `out[t] = Σ_k w[t,k] · y(slot(t,k))`, f32 fused multiply-add in k order,
+/// converted to `out_dtype`. `slots` are the send-order slots of the
+/// step's pairs ([`CountedPairs::slots`]).
+pub fn weighted_sum(
+    dims: &Dims,
+    slots: &[u32],
+    weights: &[f32],
+    recv_buf: &[u8],
+) -> Result<Vec<u8>, MoeError> {
+    if slots.len() != weights.len() {
+        return Err(MoeError::Shape {
+            what: "topk_weights",
+            got: weights.len() as u64,
+            want: slots.len() as u64,
+        });
+    }
+    let r = dims.topk as usize;
+    let ob = dims.out_row_bytes();
+    let tokens = slots.len() / r;
+    let mut rows = Vec::with_capacity(r);
+    let mut out = Vec::with_capacity(tokens * ob as usize);
+    for t in 0..tokens {
+        rows.clear();
+        for &s in &slots[t * r..(t + 1) * r] {
+            rows.push(slice(
+                recv_buf,
+                u64::from(s) * dims.b_out,
+                ob,
+                "receive buffer",
+            )?);
+        }
+        for h in 0..dims.hidden as usize {
+            let mut acc = 0f32;
+            for (k, row) in rows.iter().enumerate() {
+                acc = weights[t * r + k].mul_add(read_elem(dims.out_dtype, row, h), acc);
+            }
+            push_elem(dims.out_dtype, &mut out, acc);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,288 @@
+//! [`MoeRank`]: the blocking CPU driver. It runs the [`RankCore`] of one
+//! rank on the calling thread (which plays the host proxy) and executes its
+//! actions on a [`TransferEngine`] with host buffers ([`crate::exec`]),
+//! blocking on every wait the core asks for.
+//!
+//! Per step: `dispatch` (route scatter, private scatter after BAR_C of the
+//! previous step, ROUTE round, plan, overflow writes, DISPATCH round,
+//! unpack, BAR_D) then `combine` (pack, BAR_D round, combine scatter,
+//! COMBINE round, weighted sum, BAR_C). Own submits are waited for before
+//! the buffers they read are overwritten.
+
+use crate::config::{Dims, MoeConfig};
+use crate::core::{Action, Event, RankCore};
+use crate::error::{MoeError, Phase};
+use crate::exec::{CombineIo, DispatchIo, HostExec, RankInfo};
+use crate::expert::{ExpertTokens, RankInput};
+use crate::imm::{ExpectedCounts, ImmValues};
+use crate::plan::StepPlan;
+use crate::routes::count_pairs;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use weft::TransferEngine;
+
+/// A step between `dispatch` and `combine`: what `combine` needs. Opaque.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    step: u64,
+    rank: u32,
+    plan: Arc<StepPlan>,
+    slots: Vec<u32>,
+    weights: Vec<f32>,
+    counts: ExpectedCounts,
+}
+
+impl Layout {
+    /// The step the layout belongs to.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The step's plan at this rank.
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// The step's expected immediate counts at this rank.
+    pub fn counts(&self) -> ExpectedCounts {
+        self.counts
+    }
+}
+
+/// One rank of a MoE group on a [`TransferEngine`], CPU data path. Buffers
+/// are allocated and registered once ([`MoeRank::prepare`]); every MoE
+/// layer then calls [`MoeRank::dispatch`] and [`MoeRank::combine`].
+pub struct MoeRank {
+    core: RankCore,
+    exec: HostExec,
+    poisoned: bool,
+    info: RankInfo,
+    released: bool,
+}
+
+impl std::fmt::Debug for MoeRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeRank")
+            .field("rank", &self.core.rank())
+            .field("step", &self.core.step())
+            .field("poisoned", &self.poisoned)
+            .finish()
+    }
+}
+
+/// Feeds `ev` and every event that follows from it to `core`, running the
+/// actions (`data` runs the data operations) and blocking on each wait,
+/// until the core reports `Finished`.
+fn drive(
+    core: &mut RankCore,
+    exec: &mut HostExec,
+    ev: Event,
+    mut data: impl FnMut(&mut HostExec, &Action, &RankCore) -> Result<(), MoeError>,
+) -> Result<(), MoeError> {
+    let mut q = VecDeque::from([ev]);
+    while let Some(ev) = q.pop_front() {
+        for a in core.on(ev)? {
+            match &a {
+                Action::Wait(w) => q.push_back(exec.block(w)?),
+                Action::Finished(_) => {}
+                Action::PackDispatch
+                | Action::Unpack
+                | Action::PackCombine
+                | Action::WeightedSum => data(exec, &a, core)?,
+                _ => {
+                    if let Some(e) = exec.net(&a, core)? {
+                        q.push_back(e);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+impl MoeRank {
+    /// Validates `cfg`, allocates and registers the buffers and reserves
+    /// the five immediates. Returns the rank and the info to send peers.
+    pub fn prepare(
+        engine: Arc<TransferEngine>,
+        cfg: &MoeConfig,
+        rank: u32,
+    ) -> Result<(MoeRank, RankInfo), MoeError> {
+        let (exec, info, ic) = HostExec::prepare(engine, cfg, rank)?;
+        let core = RankCore::new(exec.dims.clone(), rank, exec.imms, ic);
+        let me = MoeRank {
+            core,
+            exec,
+            poisoned: false,
+            info: info.clone(),
+            released: false,
+        };
+        Ok((me, info))
+    }
+
+    /// Connects to every rank (`all[s]` is rank s's info, self included):
+    /// checks the infos and adds the peer group in rotated order.
+    pub fn connect(&mut self, all: &[RankInfo]) -> Result<(), MoeError> {
+        self.exec.connect(&self.info, all)
+    }
+
+    /// The validated shape.
+    pub fn dims(&self) -> &Dims {
+        &self.exec.dims
+    }
+
+    /// The reserved immediate values.
+    pub fn imms(&self) -> ImmValues {
+        self.exec.imms
+    }
+
+    /// Steps completed (dispatch and combine).
+    pub fn step(&self) -> u64 {
+        self.core.step()
+    }
+
+    /// The protocol state machine (read only).
+    pub fn core(&self) -> &RankCore {
+        &self.core
+    }
+
+    /// Any error once a step has touched the engine (a round armed, a
+    /// transfer submitted) leaves this rank and its peers out of step:
+    /// every later call returns [`MoeError::Poisoned`]. Misuse caught before
+    /// that (shapes, call order, connection) does not poison.
+    fn poison<T>(&mut self, r: Result<T, MoeError>) -> Result<T, MoeError> {
+        if r.is_err() {
+            self.poisoned = true;
+        }
+        r
+    }
+
+    /// Dispatches this rank's tokens; returns the rows for the local experts
+    /// and the layout `combine` needs.
+    pub fn dispatch(&mut self, input: &RankInput<'_>) -> Result<(ExpertTokens, Layout), MoeError> {
+        if self.poisoned {
+            return Err(MoeError::Poisoned);
+        }
+        if !self.core.idle() {
+            return Err(MoeError::OutOfOrder {
+                expected: "combine",
+            });
+        }
+        if self.exec.peers.is_none() {
+            return Err(MoeError::NotConnected);
+        }
+        input.check(&self.exec.dims)?;
+        let pairs = count_pairs(&self.exec.dims, input.topk_ids)?;
+        let mut io = DispatchIo {
+            input: *input,
+            pairs: &pairs,
+            tokens: None,
+        };
+        let ev = Event::Dispatch {
+            row: pairs.row.clone(),
+        };
+        let r = drive(&mut self.core, &mut self.exec, ev, |x, a, c| {
+            x.data_dispatch(a, c, &mut io)
+        });
+        self.poison(r)?;
+        let (Some(tokens), Some(plan), Some(counts)) =
+            (io.tokens, self.core.plan().cloned(), self.core.counts())
+        else {
+            self.poisoned = true;
+            return Err(MoeError::OutOfOrder {
+                expected: "a finished dispatch",
+            });
+        };
+        let layout = Layout {
+            step: self.core.step(),
+            rank: self.core.rank(),
+            plan,
+            slots: pairs.slots,
+            weights: input.topk_weights.to_vec(),
+            counts,
+        };
+        Ok((tokens, layout))
+    }
+
+    /// Sends the expert outputs (one `hidden`-element row per row of the
+    /// step's [`ExpertTokens`]) back and returns this rank's combined tokens.
+    pub fn combine(&mut self, expert_outputs: &[u8], layout: &Layout) -> Result<Vec<u8>, MoeError> {
+        if self.poisoned {
+            return Err(MoeError::Poisoned);
+        }
+        if !self.core.in_step() {
+            return Err(MoeError::OutOfOrder {
+                expected: "dispatch",
+            });
+        }
+        if layout.step != self.core.step() || layout.rank != self.core.rank() {
+            return Err(MoeError::StaleLayout {
+                layout_step: layout.step,
+                step: self.core.step(),
+            });
+        }
+        let want = layout.plan.combine().len() as u64 * self.exec.dims.out_row_bytes();
+        if expert_outputs.len() as u64 != want {
+            return Err(MoeError::Shape {
+                what: "expert outputs",
+                got: expert_outputs.len() as u64,
+                want,
+            });
+        }
+        let mut io = CombineIo {
+            outputs: expert_outputs,
+            slots: &layout.slots,
+            weights: &layout.weights,
+            out: None,
+        };
+        let r = drive(&mut self.core, &mut self.exec, Event::Combine, |x, a, c| {
+            x.data_combine(a, c, &mut io)
+        });
+        self.poison(r)?;
+        let Some(out) = io.out else {
+            self.poisoned = true;
+            return Err(MoeError::OutOfOrder {
+                expected: "a finished combine",
+            });
+        };
+        Ok(out)
+    }
+
+    /// Waits for the last BAR_C round and the own submits, then frees the
+    /// immediates and unregisters the buffers.
+    pub fn shutdown(mut self) -> Result<(), MoeError> {
+        let mut res = Ok(());
+        if !self.poisoned {
+            if let Some(w) = self.core.shutdown_wait() {
+                res = self.exec.block(&w).map(|_| ());
+            }
+            if res.is_ok() {
+                res = self
+                    .exec
+                    .block(&crate::core::Wait::Submits(Phase::BarrierC))
+                    .map(|_| ());
+            }
+        }
+        let rel = self.release();
+        res.and(rel)
+    }
+
+    /// Frees the immediates and unregisters the buffers (once).
+    fn release(&mut self) -> Result<(), MoeError> {
+        if self.released {
+            return Ok(());
+        }
+        self.released = true;
+        self.exec.release()
+    }
+}
+
+impl Drop for MoeRank {
+    /// Unregisters the buffers before they are freed (a rank dropped
+    /// without [`MoeRank::shutdown`]).
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            tracing::warn!(rank = self.core.rank(), error = %e, "MoE rank dropped: release failed");
+        }
+    }
+}

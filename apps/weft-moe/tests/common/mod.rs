@@ -1,0 +1,125 @@
+//! Test inputs: routings (random and the edge cases), token data, weights,
+//! and the deterministic test "expert".
+#![allow(dead_code)]
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use weft_moe::{num, Dims, ExpertTokens, OutDtype, RankInput};
+
+/// How the top-k ids are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Uniform over all experts (duplicates possible).
+    Random,
+    /// Every pair to expert `x`.
+    OneExpert(u32),
+    /// Every pair to an expert of the sending rank.
+    AllLocal,
+    /// Each token names two experts of one rank, and one expert twice.
+    DupExperts,
+    /// Random, but rank `r` sends no tokens.
+    SenderEmpty(u32),
+    /// Most pairs to the first few experts.
+    Skewed,
+}
+
+/// One rank's owned inputs.
+#[derive(Debug, Clone)]
+pub struct Owned {
+    pub tokens: Vec<u8>,
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Owned {
+    pub fn input(&self) -> RankInput<'_> {
+        RankInput {
+            tokens: &self.tokens,
+            topk_ids: &self.ids,
+            topk_weights: &self.weights,
+        }
+    }
+}
+
+/// Inputs of every rank for one step; some ranks get fewer than T tokens
+/// when `ragged`.
+pub fn inputs(d: &Dims, routing: Routing, seed: u64, ragged: bool) -> Vec<Owned> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (e, l, r) = (d.experts, d.local, d.topk as usize);
+    (0..d.ranks)
+        .map(|rank| {
+            let t = match routing {
+                Routing::SenderEmpty(x) if x == rank => 0,
+                _ if ragged => rng.gen_range(0..=d.max_tokens),
+                _ => d.max_tokens,
+            };
+            let mut ids = Vec::with_capacity(t as usize * r);
+            for _ in 0..t {
+                for k in 0..r {
+                    ids.push(match routing {
+                        Routing::Random | Routing::SenderEmpty(_) => rng.gen_range(0..e),
+                        Routing::OneExpert(x) => x,
+                        Routing::AllLocal => rank * l + rng.gen_range(0..l),
+                        Routing::DupExperts => {
+                            let base = rng.gen_range(0..d.ranks) * l;
+                            match k {
+                                0 | 1 => base,
+                                _ => base + rng.gen_range(0..l),
+                            }
+                        }
+                        Routing::Skewed => {
+                            if rng.gen_bool(0.8) {
+                                rng.gen_range(0..l.min(e).max(1))
+                            } else {
+                                rng.gen_range(0..e)
+                            }
+                        }
+                    });
+                }
+            }
+            let tokens = (0..t as usize * d.token_bytes as usize)
+                .map(|_| rng.gen())
+                .collect();
+            let weights = (0..ids.len())
+                .map(|_| rng.gen_range(-1.0f32..1.0))
+                .collect();
+            Owned {
+                tokens,
+                ids,
+                weights,
+            }
+        })
+        .collect()
+}
+
+/// The test expert: `y[h] = f32(byte[h % token_bytes]) · (e + 1) / 7`, in
+/// `out_dtype`, for every row of a rank's expert layout.
+pub fn expert_outputs(d: &Dims, rank: u32, x: &ExpertTokens) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (le, w) in x.expert_offsets.windows(2).enumerate() {
+        let e = rank * d.local + le as u32;
+        for row in w[0]..w[1] {
+            let bytes = x.row(row as usize);
+            for h in 0..d.hidden as usize {
+                let v = f32::from(bytes[h % bytes.len()]) * (e + 1) as f32 / 7.0;
+                num::push_elem(d.out_dtype, &mut out, v);
+            }
+        }
+    }
+    out
+}
+
+/// Every routing for `d`.
+pub fn routings(d: &Dims) -> Vec<Routing> {
+    vec![
+        Routing::Random,
+        Routing::OneExpert(d.experts - 1),
+        Routing::AllLocal,
+        Routing::DupExperts,
+        Routing::SenderEmpty(d.ranks / 2),
+        Routing::Skewed,
+    ]
+}
+
+/// Both output types.
+pub const DTYPES: [OutDtype; 2] = [OutDtype::Bf16, OutDtype::F32];
