@@ -48,6 +48,7 @@ pub mod layout;
 mod liveness;
 mod pages;
 mod prefiller;
+mod send;
 mod timer;
 pub mod tp;
 pub mod wire;

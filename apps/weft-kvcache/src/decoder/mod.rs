@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-use weft::{GroupAddress, ImmCounts, MemRegion, MrHandle, OnDone, TransferEngine};
+use weft::{GroupAddress, ImmCounts, MemRegion, MrHandle, TransferEngine};
 
 /// Settings of a decoder or prefiller driver.
 #[derive(Debug, Clone, Copy)]
@@ -34,7 +34,7 @@ impl Default for KvConfig {
         Self {
             heartbeat: Heartbeat::default(),
             recv_len: 64 * 1024,
-            recv_count: 32,
+            recv_count: 128,
         }
     }
 }
@@ -340,8 +340,7 @@ impl Shared {
 
     fn exec(self: &Arc<Self>, actions: Vec<DecAction>) {
         let me = self.core.lock().address().clone();
-        let mut queue = std::collections::VecDeque::from(actions);
-        while let Some(a) = queue.pop_front() {
+        for a in actions {
             match a {
                 DecAction::Send { to, msg } => {
                     let bytes = match encode(&me, &msg) {
@@ -353,18 +352,11 @@ impl Shared {
                     };
                     let weak = Arc::downgrade(self);
                     let to2 = to.clone();
-                    let on_done = OnDone::callback(move |r| {
-                        if let (Err(e), Some(sh)) = (r, weak.upgrade()) {
+                    crate::send::send(&self.engine, &to, bytes, move |e| {
+                        if let Some(sh) = weak.upgrade() {
                             sh.step(|c| c.on_send_failed(&to2, e.to_string(), Instant::now()));
                         }
                     });
-                    if let Err(e) = self.engine.submit_send(&to, &bytes, on_done) {
-                        let more =
-                            self.core
-                                .lock()
-                                .on_send_failed(&to, e.to_string(), Instant::now());
-                        queue.extend(more);
-                    }
                 }
                 DecAction::Finish { id, imm, result } => {
                     self.engine.free_imm(imm);

@@ -31,7 +31,7 @@ struct Shared {
     kv: MrHandle,
     tail: MrHandle,
     serving: Mutex<BTreeMap<TaskKey, Completion<ServeOutcome>>>,
-    incoming: Sender<Incoming>,
+    incoming: Mutex<Option<Sender<Incoming>>>,
 }
 
 /// The prefill side: serves decoders' requests from the application's
@@ -98,7 +98,7 @@ impl Prefiller {
             kv,
             tail,
             serving: Mutex::new(BTreeMap::new()),
-            incoming: tx,
+            incoming: Mutex::new(Some(tx)),
         });
         let weak = Arc::downgrade(&sh);
         engine
@@ -141,7 +141,8 @@ impl Prefiller {
         self.sh.core.lock().pending()
     }
 
-    /// The next request (blocks); [`KvError::ShutDown`] once shut down.
+    /// The next request (blocks); [`KvError::ShutDown`] once shut down and
+    /// every request that came before was taken.
     pub fn next_request(&self) -> Result<Incoming, KvError> {
         self.incoming.recv().map_err(|_| KvError::ShutDown)
     }
@@ -191,6 +192,8 @@ impl Prefiller {
     /// nothing is in flight or `drain` passed — deregisters the cache.
     pub fn shutdown(&self, drain: Duration) {
         self.sh.step(|c| c.shutdown(Instant::now()));
+        // wakes `next_request` callers with `ShutDown`
+        drop(self.sh.incoming.lock().take());
         if let Some(mut t) = self.ticker.lock().take() {
             t.stop();
         }
@@ -318,31 +321,35 @@ impl Serve {
 }
 
 impl Shared {
-    /// Runs one core step: its sends and posts under the core lock (so a
-    /// request's writes are posted in step order, the tail last), its
+    /// Runs one core step: its posts under the core lock (so a request's
+    /// writes are posted in step order, the tail last), its sends and
     /// completions after.
     fn step(self: &Arc<Self>, f: impl FnOnce(&mut PrefillerCore) -> Vec<PreAction>) {
         let mut finished = Vec::new();
+        let mut sends = Vec::new();
         {
             let mut c = self.core.lock();
             let mut queue = std::collections::VecDeque::from(f(&mut c));
             while let Some(a) = queue.pop_front() {
                 match a {
-                    PreAction::Send { to, msg } => {
-                        if let Err(e) = self.send(&to, &msg) {
-                            queue.extend(c.on_send_failed(&to, e, Instant::now()));
-                        }
-                    }
+                    PreAction::Send { to, msg } => sends.push((to, msg)),
                     PreAction::Post { key, step, write } => {
                         if let Err(e) = self.post(&key, step, &write) {
                             queue.extend(c.on_posted(&key, step, Err(e), Instant::now()));
                         }
                     }
                     PreAction::Incoming(inc) => {
-                        let _ = self.incoming.send(inc);
+                        if let Some(tx) = self.incoming.lock().as_ref() {
+                            let _ = tx.send(inc);
+                        }
                     }
                     PreAction::Finish { key, result } => finished.push((key, result)),
                 }
+            }
+        }
+        for (to, msg) in sends {
+            if let Err(e) = self.send(&to, &msg) {
+                tracing::error!("prefiller: {e}");
             }
         }
         for (key, result) in finished {
@@ -357,15 +364,16 @@ impl Shared {
         let bytes = encode(&self.me, msg).map_err(|e| e.to_string())?;
         let weak = Arc::downgrade(self);
         let to2 = to.clone();
-        let on_done = OnDone::callback(move |r| {
-            if let (Err(e), Some(sh)) = (r, weak.upgrade()) {
+        // A failure reports through the callback (never inline: the core
+        // lock is held here).
+        let engine = self.engine.clone();
+        let fail = move |e: weft::EngineError| {
+            if let Some(sh) = weak.upgrade() {
                 sh.step(|c| c.on_send_failed(&to2, e.to_string(), Instant::now()));
             }
-        });
-        self.engine
-            .submit_send(to, &bytes, on_done)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        };
+        crate::send::send(&engine, to, bytes, fail);
+        Ok(())
     }
 
     fn post(self: &Arc<Self>, key: &TaskKey, step: u32, w: &Write) -> Result<(), String> {
