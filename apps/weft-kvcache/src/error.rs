@@ -210,6 +210,30 @@ pub enum KvError {
 }
 
 impl KvError {
+    /// The variant's name, stable for logs, metrics and CLIs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KvError::Engine { .. } => "Engine",
+            KvError::PrefillerDead { .. } => "PrefillerDead",
+            KvError::DecoderDead { .. } => "DecoderDead",
+            KvError::PeerDead { .. } => "PeerDead",
+            KvError::NoPages { .. } => "NoPages",
+            KvError::NoTailSlot { .. } => "NoTailSlot",
+            KvError::UnknownLease { .. } => "UnknownLease",
+            KvError::LeaseBusy { .. } => "LeaseBusy",
+            KvError::Cancelled { .. } => "Cancelled",
+            KvError::Refused { .. } => "Refused",
+            KvError::TransferFailed { .. } => "TransferFailed",
+            KvError::InvalidRoute { .. } => "InvalidRoute",
+            KvError::Layout { .. } => "Layout",
+            KvError::StepOutOfRange { .. } => "StepOutOfRange",
+            KvError::NotIncoming { .. } => "NotIncoming",
+            KvError::Wire(_) => "Wire",
+            KvError::ShutDown => "ShutDown",
+            KvError::Spawn { .. } => "Spawn",
+        }
+    }
+
     /// Wraps an engine error with the phase it happened in.
     pub(crate) fn engine(phase: &'static str) -> impl FnOnce(EngineError) -> KvError {
         move |source| KvError::Engine { phase, source }

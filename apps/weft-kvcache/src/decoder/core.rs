@@ -120,6 +120,8 @@ struct Req {
     /// `Some(outcome)` once the request is stopping: reported when every
     /// source is quiet.
     stopping: Option<KvError>,
+    /// Immediates seen arriving so far (liveness).
+    arrived: u64,
 }
 
 /// The decoder's state machine.
@@ -319,6 +321,7 @@ impl DecoderCore {
                 imm,
                 sources,
                 stopping: None,
+                arrived: 0,
             },
         );
         tracing::debug!(id, pages = n, imm, imm_count, "decoder: request");
@@ -510,6 +513,26 @@ impl DecoderCore {
             out.extend(self.settle(id));
         }
         out
+    }
+
+    /// Requests in flight and their immediates (for [`Self::progress`]).
+    pub fn in_flight(&self) -> Vec<(u64, u32)> {
+        self.reqs.iter().map(|(&id, r)| (id, r.imm)).collect()
+    }
+
+    /// `arrived` immediates of request `id` have arrived so far. Growth is
+    /// a sign of life of its source (when it has only one: the writes of a
+    /// busy link may hold its heartbeats back).
+    pub fn progress(&mut self, id: u64, arrived: u64, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if arrived > r.arrived {
+            r.arrived = arrived;
+            if let [s] = &r.sources[..] {
+                self.peers[s.peer].clock.heard(now);
+            }
+        }
     }
 
     /// Heartbeats due and silent peers declared dead at `now`.

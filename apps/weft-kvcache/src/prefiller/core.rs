@@ -436,6 +436,13 @@ impl PrefillerCore {
             return Vec::new();
         };
         t.in_flight = t.in_flight.saturating_sub(1);
+        if result.is_ok() {
+            // delivered: the decoder is alive (its heartbeats may wait
+            // behind these writes on a busy link)
+            if let Some(c) = self.decoders.get_mut(&key.decoder) {
+                c.heard(now);
+            }
+        }
         if let Err(error) = result {
             tracing::warn!(id = key.id, step, "prefiller: write failed: {error}");
             if t.stop.is_none() || matches!(t.stop, Some(Stop::Cancelled)) {
