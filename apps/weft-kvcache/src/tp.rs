@@ -43,13 +43,13 @@ pub fn rank_heads(kv_heads: u32, tp: u32, rank: u32) -> Result<Vec<u32>, KvError
         return bad(format!("rank {rank} out of range for tp {tp}"));
     }
     if kv_heads >= tp {
-        if kv_heads % tp != 0 {
+        if !kv_heads.is_multiple_of(tp) {
             return bad(format!("{kv_heads} KV heads do not split over tp {tp}"));
         }
         let per = kv_heads / tp;
         Ok((rank * per..(rank + 1) * per).collect())
     } else {
-        if tp % kv_heads != 0 {
+        if !tp.is_multiple_of(kv_heads) {
             return bad(format!("tp {tp} is not a multiple of {kv_heads} KV heads"));
         }
         Ok(vec![rank / (tp / kv_heads)])
