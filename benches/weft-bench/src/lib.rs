@@ -15,6 +15,7 @@ pub mod backend;
 pub mod engines;
 pub mod floor;
 pub mod imm;
+pub mod kvcache;
 pub mod p2p;
 mod progress;
 pub mod proxy;
@@ -39,6 +40,8 @@ pub enum Suite {
     Imm,
     /// All of the above.
     All,
+    /// KvCache transfer (not part of `All`).
+    Kvcache,
 }
 
 /// What to run and how long.
@@ -118,11 +121,14 @@ pub fn run(cfg: &Config) -> Report {
         Suite::Proxy => (false, true, false),
         Suite::Imm => (false, false, true),
         Suite::All => (true, true, true),
+        Suite::Kvcache => (false, false, false),
     };
+    let kv = cfg.suite == Suite::Kvcache;
     let plan = p2p::P2pPlan::new(cfg.quick);
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
         + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
-        + usize::from(imm) * 2;
+        + usize::from(imm) * 2
+        + usize::from(kv) * 2;
     let mut progress = Progress::new(per_backend * cfg.backends.len(), cfg.progress);
     let mut rows = Vec::new();
     let mut bds = Vec::new();
@@ -137,6 +143,9 @@ pub fn run(cfg: &Config) -> Report {
         }
         if imm {
             rows.extend(imm::run(cfg, kind, &mut progress));
+        }
+        if kv {
+            rows.extend(kvcache::run(cfg, kind, &mut progress));
         }
     }
     progress.finish();

@@ -61,6 +61,8 @@ enum Cmd {
     Imm,
     /// Everything.
     All,
+    /// KvCache transfer (Qwen3-235B-like and DeepSeek-V3 MLA shapes) vs raw paged writes.
+    Kvcache,
 }
 
 fn main() -> ExitCode {
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         Cmd::Proxy => Suite::Proxy,
         Cmd::Imm => Suite::Imm,
         Cmd::All => Suite::All,
+        Cmd::Kvcache => Suite::Kvcache,
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();
