@@ -15,6 +15,7 @@
 
 mod apt;
 mod gpu;
+mod kvcache;
 mod libfabric2;
 mod proc;
 
@@ -163,6 +164,7 @@ fn bench(root: &Path) -> Result {
                 .current_dir(root),
         )?;
     }
+    kvcache::bench(root, &release)?;
     Ok(())
 }
 
