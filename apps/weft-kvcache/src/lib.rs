@@ -20,6 +20,35 @@
 //! ([`Serve::watch`]). Each layer becomes one paged write of all its heads
 //! and pages; the tail (logits / hidden state) goes last.
 //!
+//! ## What a serving stack writes
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use weft::TransferEngine;
+//! use weft_kvcache::{CacheRegions, Decoder, KvConfig, KvLayout, Prefiller, Route};
+//! # fn f(engine: Arc<TransferEngine>, layout: KvLayout, cache: CacheRegions,
+//! #      prefiller_addr: weft::GroupAddress, prompt_id: u64, kernel: &dyn Fn(*mut u64))
+//! #      -> Result<(), weft_kvcache::KvError> {
+//! // Decode rank: its own KV cache (host or GPU MemRegions), registered once.
+//! let dec = Decoder::new(engine.clone(), layout, cache, KvConfig::default())?;
+//! let p = dec.add_prefiller(prefiller_addr);          // heartbeats start
+//! let lease = dec.alloc(32)?;                         // 32 pages + a tail slot
+//! let h = dec.request(&Route::single(p, layout.kv_heads), &lease, &prompt_id.to_le_bytes())?;
+//! h.wait()?;                                          // or h.future().await / h.on_complete(..)
+//! // ... decode from lease.pages(), then:
+//! dec.free(lease);
+//!
+//! // Prefill rank: serves what decoders ask for from its own cache.
+//! let pre = Prefiller::new(engine, layout, cache, KvConfig::default())?;
+//! let inc = pre.next_request()?;                      // inc.meta: the prompt id
+//! let serve = pre.accept(&inc, &[0, 1, 2], 0)?;       // where the prompt's KV is
+//! let word = serve.watch();                           // a kernel bumps it per layer...
+//! kernel(word.ptr().as_ptr().cast());
+//! // ...or, from host code: serve.layer_ready(l)?; then serve.tail_ready()?;
+//! serve.wait()?;                                      // all writes delivered
+//! # Ok(()) }
+//! ```
+//!
 //! ## Structure
 //! - [`layout`]: offsets, per-layer page sets, immediate counts.
 //! - [`tp`]: heads per rank, TP split/merge and MLA's seeded matching.
