@@ -20,7 +20,11 @@ pub fn bench(root: &Path, release: &Path) -> proc::Result {
         .unwrap_or_else(|| "--quick".into());
     proc::run(
         Command::new(&weft_bench)
-            .args(["kvcache", "--backend", "loopback,libfabric:tcp,libfabric:shm"])
+            .args([
+                "kvcache",
+                "--backend",
+                "loopback,libfabric:tcp,libfabric:shm",
+            ])
             .args(args.split_whitespace())
             .args(["--json", "bench-out/kvcache.json"])
             .args(["--csv", "bench-out/kvcache.csv"])

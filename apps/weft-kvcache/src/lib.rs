@@ -92,7 +92,8 @@ pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
 pub use pages::{PageLease, PagePool};
 pub use prefiller::{
-    Incoming, LayerWatch, PreAction, Prefiller, PrefillerCore, Serve, ServeOutcome, TaskKey, Write,
+    Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
+    TaskKey, Write,
 };
 pub use tp::{RankSource, TpShape};
 pub use wire::{KvRequest, Msg};

@@ -92,7 +92,12 @@ impl TpShape {
                 pos.map(|i| (d, i))
             });
             for (k, (d, i)) in wanting.enumerate() {
-                choice[d as usize][i] = holders[k % holders.len()];
+                let Some(&p) = holders.get(k % holders.len().max(1)) else {
+                    return Err(KvError::Layout {
+                        what: format!("no prefill rank holds head {g}"),
+                    });
+                };
+                choice[d as usize][i] = p;
             }
         }
         let mut out = Vec::with_capacity(d_heads.len());

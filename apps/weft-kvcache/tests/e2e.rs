@@ -273,3 +273,27 @@ fn freeing_a_lease_in_flight_returns_its_pages_after_the_confirmation() {
     release.send(()).unwrap();
     s.teardown();
 }
+
+#[test]
+fn an_external_watcher_word_reused_across_requests_drives_the_posts() {
+    let seed = 51;
+    let _g = SeedGuard::new(seed, "external_watcher_word");
+    let s = setup(seed, Signal::External, None);
+    for k in 0..4u64 {
+        let lease = s.dec.alloc(3 + k as u32).unwrap();
+        let h = s.dec.request(&s.route, &lease, &meta(seed + k)).unwrap();
+        h.wait().unwrap_or_else(|e| panic!("request {k}: {e}"));
+        check_request(
+            &s.dcache,
+            &[0, 1],
+            lease.pages(),
+            lease.tail_slot(),
+            seed + k,
+        )
+        .unwrap();
+        s.dec.free(lease);
+    }
+    let st = s.app.pre.stats();
+    assert!(st.steps.load(std::sync::atomic::Ordering::Relaxed) >= 4 * 7);
+    s.teardown();
+}

@@ -16,10 +16,24 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::{GroupAddress, MrHandle, OnDone, TransferEngine, UvmWatcher};
+
+/// Host-side cost of reporting layers: from a layer report (a watcher
+/// change or a call) until all its writes were handed to the engine.
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Layer reports that posted something.
+    pub reports: AtomicU64,
+    /// Steps (layers, tails) posted.
+    pub steps: AtomicU64,
+    /// Sum of the reports' host time (ns).
+    pub report_ns: AtomicU64,
+    /// Longest report (ns).
+    pub report_ns_max: AtomicU64,
+}
 
 /// The outcome of serving one request at the prefiller.
 pub type ServeOutcome = Result<(), KvError>;
@@ -32,6 +46,7 @@ struct Shared {
     tail: MrHandle,
     serving: Mutex<BTreeMap<TaskKey, Completion<ServeOutcome>>>,
     incoming: Mutex<Option<Sender<Incoming>>>,
+    stats: PrefillStats,
 }
 
 /// The prefill side: serves decoders' requests from the application's
@@ -99,6 +114,7 @@ impl Prefiller {
             tail,
             serving: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(Some(tx)),
+            stats: PrefillStats::default(),
         });
         let weak = Arc::downgrade(&sh);
         engine
@@ -134,6 +150,11 @@ impl Prefiller {
     /// This prefiller's address (what decoders add).
     pub fn address(&self) -> GroupAddress {
         self.sh.me.clone()
+    }
+
+    /// Host-side cost of the layer reports so far.
+    pub fn stats(&self) -> &PrefillStats {
+        &self.sh.stats
     }
 
     /// Requests not yet finished (incoming or being served).
@@ -258,16 +279,7 @@ impl Serve {
 
     /// Steps `0..steps` are computed.
     pub fn ready(&self, steps: u64) -> Result<(), KvError> {
-        let key = self.key.clone();
-        let mut res = Ok(());
-        self.sh.step(|c| match c.ready(&key, steps) {
-            Ok(a) => a,
-            Err(e) => {
-                res = Err(e);
-                Vec::new()
-            }
-        });
-        res
+        self.sh.report(&self.key, steps)
     }
 
     /// A UVM watcher word for this request: a kernel (or host code) stores
@@ -281,16 +293,40 @@ impl Serve {
         let key = self.key.clone();
         let w = self.sh.engine.alloc_uvm_watcher(move |_old, new| {
             if let Some(sh) = weak.upgrade() {
-                let k = key.clone();
-                sh.step(|c| match c.ready(&k, new) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(id = k.id, "prefiller: watcher: {e}");
-                        Vec::new()
-                    }
-                });
+                if let Err(e) = sh.report(&key, new) {
+                    tracing::warn!(id = key.id, "prefiller: watcher: {e}");
+                }
             }
         });
+        LayerWatch { w }
+    }
+
+    /// Watches an external word — e.g. a `weft_cuda::WatchWord`: a host-mapped
+    /// pinned word whose device pointer a kernel (or a CUDA graph) bumps with
+    /// `scalar_inc` after each layer and once more for the tail. The steps
+    /// computed are `value - base` (a word reused across requests: pass its
+    /// value at the start of this one).
+    ///
+    /// # Safety
+    /// `ptr` must point to an 8-byte aligned word that stays valid until the
+    /// returned [`LayerWatch`] is dropped, and is only ever written
+    /// atomically or by a device.
+    // Unsafe API: forwards the caller's promises to the engine's watcher.
+    #[allow(unsafe_code)]
+    pub unsafe fn watch_word(&self, ptr: NonNull<AtomicU64>, base: u64) -> LayerWatch {
+        let weak = Arc::downgrade(&self.sh);
+        let key = self.key.clone();
+        let cb = move |_old: u64, new: u64| {
+            if let Some(sh) = weak.upgrade() {
+                if let Err(e) = sh.report(&key, new.saturating_sub(base)) {
+                    tracing::warn!(id = key.id, "prefiller: watcher: {e}");
+                }
+            }
+        };
+        // SAFETY: the caller guarantees `ptr` outlives the returned watcher
+        // and is written only atomically or by a device (this function's
+        // contract, which is `watch_word`'s).
+        let w = unsafe { self.sh.engine.watch_word(ptr, cb) };
         LayerWatch { w }
     }
 
@@ -321,6 +357,35 @@ impl Serve {
 }
 
 impl Shared {
+    /// A layer report: posts the new steps and accounts its host time.
+    fn report(self: &Arc<Self>, key: &TaskKey, steps: u64) -> Result<(), KvError> {
+        let t0 = Instant::now();
+        let mut res = Ok(());
+        let mut posted = 0u64;
+        self.step(|c| match c.ready(key, steps) {
+            Ok(a) => {
+                posted = a
+                    .iter()
+                    .filter(|x| matches!(x, PreAction::Post { .. }))
+                    .count() as u64;
+                a
+            }
+            Err(e) => {
+                res = Err(e);
+                Vec::new()
+            }
+        });
+        if posted > 0 {
+            let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let st = &self.stats;
+            st.reports.fetch_add(1, Ordering::Relaxed);
+            st.steps.fetch_add(posted, Ordering::Relaxed);
+            st.report_ns.fetch_add(ns, Ordering::Relaxed);
+            st.report_ns_max.fetch_max(ns, Ordering::Relaxed);
+        }
+        res
+    }
+
     /// Runs one core step: its posts under the core lock (so a request's
     /// writes are posted in step order, the tail last), its sends and
     /// completions after.

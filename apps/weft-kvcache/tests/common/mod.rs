@@ -200,6 +200,9 @@ pub enum Signal {
     Watcher,
     /// Alternate by request id.
     Mixed,
+    /// An external word (as a GPU-mapped one would be), reused across
+    /// requests: `Serve::watch_word` with the word's value as the base.
+    External,
 }
 
 /// The prefill application of one rank: accepts every request, takes
@@ -232,6 +235,8 @@ impl PrefillApp {
                 (0..c2.layout.tail_slots).collect::<BTreeSet<u32>>(),
             ));
             let mut watches: Vec<(Serve, LayerWatch)> = Vec::new();
+            // outlives every watcher of it: dropped after `watches`
+            let external = Box::new(std::sync::atomic::AtomicU64::new(1_000));
             while !s2.load(std::sync::atomic::Ordering::SeqCst) {
                 watches.retain(|(s, _)| !s.is_done());
                 let Some(inc) = p2.next_request_timeout(Duration::from_millis(20)) else {
@@ -269,10 +274,24 @@ impl PrefillApp {
                 let id = inc.key.id;
                 let use_watch = match signal {
                     Signal::Call => false,
-                    Signal::Watcher => true,
+                    Signal::Watcher | Signal::External => true,
                     Signal::Mixed => id % 2 == 0,
                 };
-                let w = use_watch.then(|| serve.watch());
+                let base = external.load(std::sync::atomic::Ordering::SeqCst);
+                let w = use_watch.then(|| match signal {
+                    // SAFETY: `external` is boxed (stable address), aligned,
+                    // written only atomically, and outlives `watches`.
+                    #[allow(unsafe_code)]
+                    Signal::External => unsafe {
+                        serve.watch_word(std::ptr::NonNull::from(&*external), base)
+                    },
+                    _ => serve.watch(),
+                });
+                let word: &std::sync::atomic::AtomicU64 = match signal {
+                    Signal::External => &external,
+                    _ => w.as_ref().map_or(&*external, |w| w.word()),
+                };
+                let off = if signal == Signal::External { base } else { 0 };
                 for layer in 0..c2.layout.layers {
                     if let Some(h) = &hook {
                         h(id, layer);
@@ -282,9 +301,10 @@ impl PrefillApp {
                     // request must post nothing
                     compute_layer(&c2, &global_heads, &src, seed, layer);
                     match &w {
-                        Some(w) => w
-                            .word()
-                            .store(u64::from(layer) + 1, std::sync::atomic::Ordering::Release),
+                        Some(_) => word.store(
+                            off + u64::from(layer) + 1,
+                            std::sync::atomic::Ordering::Release,
+                        ),
                         None => {
                             serve.layer_ready(layer).expect("layer_ready");
                         }
@@ -293,8 +313,8 @@ impl PrefillApp {
                 if inc.tail {
                     compute_tail(&c2, slot, seed);
                     match &w {
-                        Some(w) => w.word().store(
-                            u64::from(serve.steps()),
+                        Some(_) => word.store(
+                            off + u64::from(serve.steps()),
                             std::sync::atomic::Ordering::Release,
                         ),
                         None => serve.tail_ready().expect("tail_ready"),
