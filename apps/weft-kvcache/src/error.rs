@@ -174,6 +174,15 @@ pub enum KvError {
         /// What is wrong.
         what: String,
     },
+    /// The pages or tail slot the prefill application gave for a request do
+    /// not fit it (count, range).
+    #[error("request {request}: source pages: {what}")]
+    InvalidSourcePages {
+        /// Request id.
+        request: u64,
+        /// What is wrong.
+        what: String,
+    },
     /// A layer index past the last step was reported ready.
     #[error("request {request}: step {step} out of range ({steps} steps)")]
     StepOutOfRange {
@@ -226,6 +235,7 @@ impl KvError {
             KvError::TransferFailed { .. } => "TransferFailed",
             KvError::InvalidRoute { .. } => "InvalidRoute",
             KvError::Layout { .. } => "Layout",
+            KvError::InvalidSourcePages { .. } => "InvalidSourcePages",
             KvError::StepOutOfRange { .. } => "StepOutOfRange",
             KvError::NotIncoming { .. } => "NotIncoming",
             KvError::Wire(_) => "Wire",

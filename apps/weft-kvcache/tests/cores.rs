@@ -410,3 +410,43 @@ fn a_dead_source_waits_for_the_other_sources_confirmation() {
     dec.free(lease, t0);
     assert_eq!(dec.pool().free_pages(), 16);
 }
+
+#[test]
+fn accept_checks_the_source_pages_and_reports_need_acceptance() {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let lease = dec.alloc(2).unwrap();
+    let st = dec
+        .begin(&Route::single(p, 2), &lease, 1, &counts(), b"", t0)
+        .unwrap();
+    let m = sends(&st.actions);
+    let key = match &pre.on_msg(&addr(100), m[0].1.clone(), t0)[..] {
+        [PreAction::Incoming(i)] => i.key.clone(),
+        other => panic!("{other:?}"),
+    };
+    // a report before acceptance is a misuse, not a post
+    assert!(matches!(
+        pre.ready(&key, 1),
+        Err(KvError::NotIncoming { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0], 0),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0, 16], 0),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0, 1], 4),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    pre.accept(&key, &[0, 1], 3).unwrap();
+    assert!(matches!(
+        pre.accept(&key, &[0, 1], 3),
+        Err(KvError::NotIncoming { .. })
+    ));
+    assert_eq!(posts(&pre.ready(&key, 5).unwrap()).len(), 5);
+}

@@ -123,7 +123,7 @@ const SHAPE: [&str; 10] = [
 ];
 
 fn args<'a>(role: &'a str, provider: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec![role, "--provider", provider, "--hb-timeout-ms", "1500"];
+    let mut v = vec![role, "--provider", provider, "--hb-timeout-ms", "3000"];
     v.extend_from_slice(&SHAPE);
     v.extend_from_slice(extra);
     v

@@ -315,7 +315,10 @@ impl PrefillerCore {
         if t.src.is_some() || t.stop.is_some() {
             return Err(not_incoming());
         }
-        let bad = |what: String| KvError::Layout { what };
+        let bad = |what: String| KvError::InvalidSourcePages {
+            request: key.id,
+            what,
+        };
         if src_pages.len() != t.req.pages.len() {
             return Err(bad(format!(
                 "{} source pages for {} destination pages",
