@@ -301,7 +301,9 @@ impl Decoder {
     }
 
     /// Stops the timer, ends every request with [`KvError::ShutDown`] and
-    /// deregisters the cache. The engine itself is the caller's.
+    /// deregisters the cache: once this returns, a prefiller's late write
+    /// fails at its NIC instead of landing, so the cache memory may be
+    /// freed. The engine itself is the caller's.
     pub fn shutdown(&self) {
         if let Some(mut t) = self.ticker.lock().take() {
             t.stop();
