@@ -206,23 +206,49 @@ impl Bed {
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// The same writes as engine paged writes (no protocol); seconds.
-    fn raw(&self, n: u32, pages: u32, conc: u32) -> Result<f64, String> {
+    /// The same writes as engine paged writes (no protocol); seconds. With
+    /// `imms`, every write carries an immediate and a request ends when the
+    /// receiver's count fires (what the protocol's completion costs on top
+    /// of the writes), else when the sender's completions are in.
+    fn raw(&self, n: u32, pages: u32, conc: u32, imms: bool) -> Result<f64, String> {
         let l = &self.layout;
+        let counts = self.de.imm_counts(0).map_err(e2s)?;
+        let per_req_imms = u64::from(l.layers)
+            * counts.paged_writes(l.page_len, u64::from(pages * l.kv_heads))
+            + counts.single_write(l.tail_len);
         let heads: Vec<HeadMap> = (0..l.kv_heads)
             .map(|h| HeadMap { src: h, dst: h })
             .collect();
         let per_req = u64::from(l.layers) + 1;
         let t0 = Instant::now();
-        let mut q: VecDeque<Arc<DoneCounter>> = VecDeque::new();
+        let mut q: VecDeque<(Arc<DoneCounter>, Option<(u32, Arc<weft::DoneFlag>)>)> =
+            VecDeque::new();
+        let finish = |(c, f): (Arc<DoneCounter>, Option<(u32, Arc<weft::DoneFlag>)>)| {
+            c.wait_for(per_req);
+            if let Some((imm, f)) = f {
+                f.wait().map_err(e2s)?;
+                self.de.free_imm(imm);
+            }
+            if c.failed() > 0 {
+                return Err("raw paged write failed".to_string());
+            }
+            Ok(())
+        };
         for r in 0..n {
             if q.len() >= conc as usize {
-                let c = q.pop_front().ok_or("queue")?;
-                c.wait_for(per_req);
-                if c.failed() > 0 {
-                    return Err("raw paged write failed".into());
-                }
+                finish(q.pop_front().ok_or("queue")?)?;
             }
+            let armed = if imms {
+                let imm = self.de.alloc_imm().map_err(e2s)?;
+                let (od, flag) = OnDone::flag();
+                self.de
+                    .expect_imm_count_with(imm, per_req_imms, od)
+                    .map_err(e2s)?;
+                Some((imm, flag))
+            } else {
+                None
+            };
+            let imm = armed.as_ref().map(|(i, _)| *i);
             let slot = r % conc;
             let pg: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
             let c = Arc::new(DoneCounter::new());
@@ -231,7 +257,7 @@ impl Bed {
                 self.pe
                     .submit_paged_writes(
                         l.page_len,
-                        None,
+                        imm,
                         (&self.src, &sp),
                         (&self.dst, &dp),
                         OnDone::counter(&c),
@@ -242,19 +268,16 @@ impl Bed {
             self.pe
                 .submit_single_write(
                     l.tail_len,
-                    None,
+                    imm,
                     (&self.src_tail, off),
                     (&self.dst_tail, off),
                     OnDone::counter(&c),
                 )
                 .map_err(e2s)?;
-            q.push_back(c);
+            q.push_back((c, armed));
         }
-        for c in q {
-            c.wait_for(per_req);
-            if c.failed() > 0 {
-                return Err("raw paged write failed".into());
-            }
+        for x in q {
+            finish(x)?;
         }
         Ok(t0.elapsed().as_secs_f64())
     }
@@ -266,13 +289,15 @@ fn shape_rows(cfg: &Config, tb: &Testbed, s: &Shape, backend: &str) -> Result<Ve
     let bytes = (u64::from(s.layers * s.kv_heads * pages) * s.page_len + s.tail_len) * u64::from(n);
     // warm-up (connections, registrations)
     bed.kvcache(conc, pages, conc)?;
-    bed.raw(conc, pages, conc)?;
-    let (mut kv, mut raw) = (Vec::new(), Vec::new());
+    bed.raw(conc, pages, conc, false)?;
+    bed.raw(conc, pages, conc, true)?;
+    let (mut kv, mut raw, mut raw_imm) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
         kv.push(bed.kvcache(n, pages, conc)?);
-        raw.push(bed.raw(n, pages, conc)?);
+        raw.push(bed.raw(n, pages, conc, false)?);
+        raw_imm.push(bed.raw(n, pages, conc, true)?);
     }
-    let (k, r) = (median(&mut kv), median(&mut raw));
+    let (k, r, ri) = (median(&mut kv), median(&mut raw), median(&mut raw_imm));
     let param = format!(
         "{} layers x {} head x {pages} pages x {} B + {} B tail, {conc} in flight",
         s.layers, s.kv_heads, s.page_len, s.tail_len
@@ -291,7 +316,10 @@ fn shape_rows(cfg: &Config, tb: &Testbed, s: &Shape, backend: &str) -> Result<Ve
             "GB/s",
             gbs(k),
             Some((gbs(r), base)),
-        ),
+        )
+        // the same writes carrying immediates, ended by the receiver's count:
+        // the part of the gap that is immediate counting, not the protocol
+        .extra("paged_writes_with_imm_count", gbs(ri)),
         Row::new(
             BENCH,
             s.name,
@@ -302,7 +330,8 @@ fn shape_rows(cfg: &Config, tb: &Testbed, s: &Shape, backend: &str) -> Result<Ve
             "req/s",
             rps(k),
             Some((rps(r), base)),
-        ),
+        )
+        .extra("paged_writes_with_imm_count", rps(ri)),
     ])
 }
 
