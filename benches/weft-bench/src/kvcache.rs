@@ -21,6 +21,10 @@ use weft_kvcache::{
 
 const BENCH: &str = "kvcache";
 
+/// A baseline request in flight: its sender-side counter, and the
+/// receiver's immediate and round flag when it counts immediates.
+type InFlight = (Arc<DoneCounter>, Option<(u32, Arc<weft::DoneFlag>)>);
+
 /// A model shape as one rank sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
@@ -221,9 +225,8 @@ impl Bed {
             .collect();
         let per_req = u64::from(l.layers) + 1;
         let t0 = Instant::now();
-        let mut q: VecDeque<(Arc<DoneCounter>, Option<(u32, Arc<weft::DoneFlag>)>)> =
-            VecDeque::new();
-        let finish = |(c, f): (Arc<DoneCounter>, Option<(u32, Arc<weft::DoneFlag>)>)| {
+        let mut q: VecDeque<InFlight> = VecDeque::new();
+        let finish = |(c, f): InFlight| {
             c.wait_for(per_req);
             if let Some((imm, f)) = f {
                 f.wait().map_err(e2s)?;
