@@ -16,6 +16,7 @@
 mod apt;
 mod etcd;
 mod gpu;
+mod kvcache;
 mod libfabric2;
 mod proc;
 mod python;
@@ -175,6 +176,7 @@ fn bench(root: &Path) -> Result {
                 .current_dir(root),
         )?;
     }
+    kvcache::bench(root, &release)?;
     Ok(())
 }
 

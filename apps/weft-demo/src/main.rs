@@ -15,7 +15,8 @@ use weft::{
     Backend, DomainGroupSpec, EngineConfig, LibfabricOptions, LoopbackOptions, LoopbackProfile,
     ProviderConfig, ProviderSpec, TransferEngine,
 };
-use weft_kvcache::{Decoder, KvConfig, KvLayout, Prefiller};
+
+mod kvcache;
 
 const NICS: usize = 2;
 
@@ -65,82 +66,12 @@ fn kvcache(spec: &ProviderSpec, seed: u64) -> Result<(), String> {
         config = config.with_libfabric(LibfabricOptions::same_machine(prov));
     }
     let backend = weft::provider_with(spec, &config).map_err(|e| e.to_string())?;
-    let layout = KvLayout {
-        layers: 16,
-        heads: 4,
-        page_len: 8 * 1024,
-        tail_len: 32 * 1024,
-    };
-    let pages = 128;
-    let pe = engine(&backend)?;
-    let des = [engine(&backend)?, engine(&backend)?];
-    let t0 = Instant::now();
-    let pre = Prefiller::new(pe.clone(), layout, KvConfig::default(), None)
-        .map_err(|e| format!("prefiller: {e}"))?;
-    let decs = des
-        .iter()
-        .map(|d| {
-            Decoder::new(
-                d.clone(),
-                layout,
-                pages,
-                pe.main_address(),
-                KvConfig::default(),
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("decoder: {e}"))?;
-    let mut total_bytes = 0u64;
-    let mut total_imms = 0u64;
-    let mut requests = 0u64;
-    let mut err = None;
-    for round in 0..4u64 {
-        let mut hs = Vec::new();
-        for (d, dec) in decs.iter().enumerate() {
-            for k in 0..3u64 {
-                let n = 4 + ((seed + round * 7 + k * 3 + d as u64) % 13) as u32;
-                let ps = seed ^ (round << 16) ^ (k << 8) ^ d as u64;
-                hs.push(dec.submit(n, ps).map_err(|e| format!("submit: {e}"))?);
-            }
-        }
-        for h in hs {
-            match h.wait() {
-                Ok(c) => {
-                    total_bytes += c.bytes;
-                    total_imms += u64::from(c.imms);
-                    requests += 1;
-                }
-                Err(e) => err = Some(format!("request {}: {e}", h.id)),
-            }
-        }
-    }
-    let secs = t0.elapsed().as_secs_f64();
-    let st = pre.stats();
-    println!(
-        "  {requests} requests ({} layers x {} heads x {} B pages + {} B tail) verified byte-exact: \
-         {total_bytes} bytes, {} write submits, {total_imms} immediates counted",
-        layout.layers,
-        layout.heads,
-        layout.page_len,
-        layout.tail_len,
-        st.submits.load(std::sync::atomic::Ordering::Relaxed),
-    );
-    for d in &decs {
-        d.shutdown();
-    }
-    pre.shutdown();
-    for d in &des {
-        d.shutdown();
-    }
-    pe.shutdown();
+    let (_, _, secs) = kvcache::run(|| engine(&backend), seed)?;
     match backend.loopback_fabric() {
         Some(fabric) => print_fabric("kvcache", &fabric.stats(), secs),
         None => println!("  [kvcache] {secs:.3} s"),
     }
-    match err {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 fn main() -> ExitCode {

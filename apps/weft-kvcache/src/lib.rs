@@ -1,54 +1,99 @@
 //! # weft-kvcache: disaggregated prefill/decode KvCache transfer
 //!
-//! A [`Decoder`] owns a paged KvCache (host memory standing in for GPU
-//! memory), registered once with its engine. For each request it takes free
-//! pages and a tail slot, arms `expect_imm_count` with the exact number of
-//! immediates the prefiller's submits produce (computed with
-//! [`weft_engine::ImmCounts`], not guessed) and SENDs the [`Prefiller`] a
-//! postcard-encoded [`KvRequest`] (its [`MrDesc`](weft_engine::MrDesc)s,
-//! page indices, imm).
+//! A [`Decoder`] registers the serving stack's own paged KV cache (host or
+//! `Device::Cuda` memory, given as [`CacheRegions`]) and describes it with a
+//! [`KvLayout`] (layers, KV heads on this rank, page bytes, tail bytes, head
+//! order). Per prompt the stack takes pages ([`Decoder::alloc`] →
+//! [`PageLease`]), picks its prefillers ([`Route`]: one for matching TP, a
+//! [`TpShape::plan`] for TP mismatch or MLA) and calls [`Decoder::request`].
+//! The decoder arms the engine's immediate count with exactly the number of
+//! immediates the prefillers' writes produce and sends each prefiller a
+//! [`KvRequest`] (versioned postcard, [`wire`]); the [`RequestHandle`]
+//! completes — flag, blocking wait, callback or future — when the count says
+//! every byte is in place.
 //!
-//! The prefiller "computes" each layer on a thread (writes pattern data into
-//! its source buffer), then bumps a UVM watcher word
-//! ([`TransferEngine::alloc_uvm_watcher`](weft_engine::TransferEngine::alloc_uvm_watcher));
-//! the watcher callback posts that layer's paged WRITEs (one
-//! `submit_paged_writes` per layer over all heads) and, after the last
-//! layer, the tail (logits / hidden state). When the
-//! decoder's immediate count is reached its callback verifies every byte of
-//! the request (against [`expected_kv_byte`] / [`expected_tail_byte`]) and
-//! completes the [`RequestHandle`].
+//! A [`Prefiller`] registers its own cache (the source) and hands each
+//! request to the application as an [`Incoming`]; the application
+//! [accepts](Prefiller::accept) it with the pages its prompt occupies and
+//! then reports layers as they are computed, by calls
+//! ([`Serve::layer_ready`]) or through a UVM watcher word a CUDA kernel bumps
+//! ([`Serve::watch`]). Each layer becomes one paged write of all its heads
+//! and pages; the tail (logits / hidden state) goes last.
 //!
-//! ## Layout
-//! KvCache bytes are `[layer][head][page][page_len]`: heads before pages,
-//! so consecutive pages of one head are contiguous. Page `p` of head `h` in
-//! layer `l` is at `((l * heads + h) * num_pages + p) * page_len`.
+//! ## What a serving stack writes
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use weft::TransferEngine;
+//! use weft_kvcache::{CacheRegions, Decoder, KvConfig, KvLayout, Prefiller, Route};
+//! # fn f(engine: Arc<TransferEngine>, layout: KvLayout, cache: CacheRegions,
+//! #      prefiller_addr: weft::GroupAddress, prompt_id: u64, kernel: &dyn Fn(*mut u64))
+//! #      -> Result<(), weft_kvcache::KvError> {
+//! // Decode rank: its own KV cache (host or GPU MemRegions), registered once.
+//! let dec = Decoder::new(engine.clone(), layout, cache, KvConfig::default())?;
+//! let p = dec.add_prefiller(prefiller_addr);          // heartbeats start
+//! let lease = dec.alloc(32)?;                         // 32 pages + a tail slot
+//! let h = dec.request(&Route::single(p, layout.kv_heads), &lease, &prompt_id.to_le_bytes())?;
+//! h.wait()?;                                          // or h.future().await / h.on_complete(..)
+//! // ... decode from lease.pages(), then:
+//! dec.free(lease);
+//!
+//! // Prefill rank: serves what decoders ask for from its own cache.
+//! let pre = Prefiller::new(engine, layout, cache, KvConfig::default())?;
+//! let inc = pre.next_request()?;                      // inc.meta: the prompt id
+//! let serve = pre.accept(&inc, &[0, 1, 2], 0)?;       // where the prompt's KV is
+//! let word = serve.watch();                           // a kernel bumps it per layer...
+//! kernel(word.ptr().as_ptr().cast());
+//! // ...or, from host code: serve.layer_ready(l)?; then serve.tail_ready()?;
+//! serve.wait()?;                                      // all writes delivered
+//! # Ok(()) }
+//! ```
+//!
+//! ## Structure
+//! - [`layout`]: offsets, per-layer page sets, immediate counts.
+//! - [`tp`]: heads per rank, TP split/merge and MLA's seeded matching.
+//! - [`wire`]: the protocol.
+//! - [`PagePool`]: page allocation.
+//! - [`DecoderCore`] / [`PrefillerCore`]: the request state machines,
+//!   clock-free (every event takes `now`, actions come out); the drivers
+//!   [`Decoder`] / [`Prefiller`] run them on the engine.
 //!
 //! ## Cancellation and liveness
-//! [`Decoder::cancel`] sends a cancel; pages stay reserved until the
-//! prefiller confirms that no write of the request can still land
-//! ([`Msg::CancelAck`], sent only after every posted write's delivery
-//! completion). Both sides send heartbeats; a decoder that hears nothing
-//! for [`KvConfig::heartbeat_timeout`] (or whose SEND to the prefiller
-//! fails) fails every pending request with [`KvError::PeerDead`]. The pages
-//! of such requests are released: a dead NIC's pending writes are dropped
-//! (weft's peer-death contract), so none can land later.
+//! [`Decoder::cancel`] (or freeing a lease in flight) sends a cancel; the
+//! request's pages stay reserved until every prefiller confirmed that no
+//! write can land any more (it answers only after every posted write
+//! completed). Both sides heartbeat; a prefiller found dead (silence past
+//! [`Heartbeat::timeout`], or a failed SEND) fails its requests with
+//! [`KvError::PrefillerDead`] — a dead peer's pending writes are dropped
+//! (weft's peer-death contract) — and a dead decoder makes the prefiller
+//! drop its work ([`KvError::DecoderDead`] on the [`Serve`]).
 
 #![deny(unsafe_code)]
 
-mod buf;
-
-pub use buf::{pattern, HostBuf};
-
-mod config;
+mod completion;
 mod decoder;
 mod error;
-mod layout;
+pub mod layout;
+mod liveness;
+mod pages;
 mod prefiller;
-mod wire;
+mod send;
+mod timer;
+pub mod tp;
+pub mod wire;
 
-pub use config::KvConfig;
-pub use decoder::{Completed, Decoder, RequestHandle};
-pub use error::KvError;
-pub use layout::{expected_kv_byte, expected_tail_byte, KvLayout};
-pub use prefiller::{LayerHook, PrefillStats, Prefiller};
+pub use completion::{Completion, CompletionFuture};
+pub use decoder::{
+    CacheRegions, Completed, DecAction, Decoder, DecoderCore, KvConfig, Outcome, PrefillerId,
+    RequestHandle, Route, Source, Started,
+};
+pub use error::{KvError, PeerLoss, Refusal};
+pub use layout::{HeadMap, HeadOrder, KvLayout};
+pub use liveness::Heartbeat;
+pub use pages::{PageLease, PagePool};
+pub use prefiller::{
+    Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
+    TaskKey, Write,
+};
+pub use tp::{RankSource, TpShape};
 pub use wire::{KvRequest, Msg};

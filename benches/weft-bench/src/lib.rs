@@ -17,6 +17,7 @@ pub mod floor;
 pub mod imm;
 pub mod moe;
 pub mod moe_model;
+pub mod kvcache;
 pub mod p2p;
 mod progress;
 pub mod proxy;
@@ -44,6 +45,8 @@ pub enum Suite {
     All,
     /// RL weight transfer at the paper's scale (simulated; not in `All`).
     Rl,
+    /// KvCache transfer (not part of `All`).
+    Kvcache,
 }
 
 /// What to run and how long.
@@ -124,11 +127,14 @@ pub fn run(cfg: &Config) -> Report {
         Suite::Imm => (false, false, true),
         Suite::All => (true, true, true),
         Suite::Rl => (false, false, false),
+        Suite::Kvcache => (false, false, false),
     };
+    let kv = cfg.suite == Suite::Kvcache;
     let plan = p2p::P2pPlan::new(cfg.quick);
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
         + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
-        + usize::from(imm) * 2;
+        + usize::from(imm) * 2
+        + usize::from(kv) * 2;
     let mut progress = Progress::new(per_backend * cfg.backends.len(), cfg.progress);
     let mut rows = Vec::new();
     let mut bds = Vec::new();
@@ -143,6 +149,9 @@ pub fn run(cfg: &Config) -> Report {
         }
         if imm {
             rows.extend(imm::run(cfg, kind, &mut progress));
+        }
+        if kv {
+            rows.extend(kvcache::run(cfg, kind, &mut progress));
         }
     }
     if cfg.suite == Suite::Rl {

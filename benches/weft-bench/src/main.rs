@@ -67,6 +67,8 @@ enum Cmd {
     Moe(weft_bench::moe::MoeArgs),
     /// MoE dispatch/combine latency MODEL (CX7, EFA) at EP8…64 next to the paper.
     MoeModel(weft_bench::moe_model::ModelArgs),
+    /// KvCache transfer (Qwen3-235B-like and DeepSeek-V3 MLA shapes) vs raw paged writes.
+    Kvcache,
 }
 
 fn main() -> ExitCode {
@@ -79,6 +81,7 @@ fn main() -> ExitCode {
         Cmd::Rl => Suite::Rl,
         Cmd::Moe(a) => return weft_bench::moe::run_cpu(&a, cli.quick),
         Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(&a, cli.quick),
+        Cmd::Kvcache => Suite::Kvcache,
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();

@@ -1,0 +1,569 @@
+//! The decoder's clock-free state machine: known prefillers and their
+//! liveness, the page pool, and every request from `begin` until no write of
+//! it can land any more. Events go in (with `now`), [`DecAction`]s come out;
+//! the driver ([`crate::Decoder`]) runs them on the engine, tests step it
+//! directly.
+
+use crate::layout::source_imm_count;
+use crate::liveness::{Beat, PeerClock};
+use crate::pages::{PageLease, PagePool};
+use crate::wire::{Failure, KvRequest, Msg};
+use crate::{HeadMap, Heartbeat, KvError, KvLayout, PeerLoss, RankSource};
+use std::collections::BTreeMap;
+use std::time::Instant;
+use weft::{GroupAddress, ImmCounts, MrDesc};
+
+/// A prefiller known to a decoder (index into its peer table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PrefillerId(pub u32);
+
+/// One prefiller's part of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// The prefiller.
+    pub prefiller: PrefillerId,
+    /// Its heads → this decoder's heads.
+    pub heads: Vec<HeadMap>,
+    /// Whether it writes the tail.
+    pub tail: bool,
+}
+
+/// Where a request's KV comes from: every head of the decoder's cache from
+/// exactly one source, the tail from exactly one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The sources.
+    pub sources: Vec<Source>,
+}
+
+impl Route {
+    /// All `kv_heads` heads (identity map) and the tail from one prefiller.
+    pub fn single(prefiller: PrefillerId, kv_heads: u32) -> Self {
+        Route {
+            sources: vec![Source {
+                prefiller,
+                heads: (0..kv_heads).map(|h| HeadMap { src: h, dst: h }).collect(),
+                tail: true,
+            }],
+        }
+    }
+
+    /// A route from a [`TpShape::plan`](crate::TpShape::plan) entry, with
+    /// `prefillers[r]` the id of prefill rank `r`.
+    pub fn from_plan(plan: &[RankSource], prefillers: &[PrefillerId]) -> Result<Self, KvError> {
+        let sources = plan
+            .iter()
+            .map(|s| {
+                let p = prefillers.get(s.prefill_rank as usize).ok_or_else(|| {
+                    KvError::InvalidRoute {
+                        what: format!("no prefiller for prefill rank {}", s.prefill_rank),
+                    }
+                })?;
+                Ok(Source {
+                    prefiller: *p,
+                    heads: s.heads.clone(),
+                    tail: s.tail,
+                })
+            })
+            .collect::<Result<_, KvError>>()?;
+        Ok(Route { sources })
+    }
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone)]
+pub enum DecAction {
+    /// SEND `msg` to `to`.
+    Send {
+        /// Destination.
+        to: GroupAddress,
+        /// Message.
+        msg: Msg,
+    },
+    /// Request `id` ended: free its immediate, report `result`.
+    Finish {
+        /// Request id.
+        id: u64,
+        /// Its immediate.
+        imm: u32,
+        /// Outcome.
+        result: Result<(), KvError>,
+    },
+}
+
+/// A request [`DecoderCore::begin`] started.
+#[derive(Debug)]
+pub struct Started {
+    /// Request id.
+    pub id: u64,
+    /// Immediates to expect (arm before running `actions`).
+    pub imm_count: u64,
+    /// The request messages to send.
+    pub actions: Vec<DecAction>,
+}
+
+struct Peer {
+    addr: GroupAddress,
+    clock: PeerClock,
+}
+
+struct SourceState {
+    peer: usize,
+    /// No write of this source can land any more.
+    quiet: bool,
+}
+
+struct Req {
+    lease: u64,
+    imm: u32,
+    sources: Vec<SourceState>,
+    /// `Some(outcome)` once the request is stopping: reported when every
+    /// source is quiet.
+    stopping: Option<KvError>,
+    /// Immediates seen arriving so far (liveness).
+    arrived: u64,
+}
+
+/// The decoder's state machine.
+pub struct DecoderCore {
+    me: GroupAddress,
+    layout: KvLayout,
+    kv: MrDesc,
+    tail: MrDesc,
+    hb: Heartbeat,
+    peers: Vec<Peer>,
+    by_addr: BTreeMap<GroupAddress, usize>,
+    pool: PagePool,
+    reqs: BTreeMap<u64, Req>,
+    next_id: u64,
+}
+
+impl DecoderCore {
+    /// A decoder `me` whose registered cache (`layout`) is described by `kv`
+    /// and `tail`.
+    pub fn new(
+        me: GroupAddress,
+        layout: KvLayout,
+        kv: MrDesc,
+        tail: MrDesc,
+        hb: Heartbeat,
+    ) -> Result<Self, KvError> {
+        layout.validate()?;
+        Ok(Self {
+            me,
+            layout,
+            kv,
+            tail,
+            hb,
+            peers: Vec::new(),
+            by_addr: BTreeMap::new(),
+            pool: PagePool::new(layout.num_pages, layout.tail_slots),
+            reqs: BTreeMap::new(),
+            next_id: 1,
+        })
+    }
+
+    /// This decoder's address.
+    pub fn address(&self) -> &GroupAddress {
+        &self.me
+    }
+
+    /// The cache layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The page pool.
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// Requests not yet finished.
+    pub fn pending(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Adds a prefiller (or returns the id it already has) and greets it.
+    pub fn add_prefiller(
+        &mut self,
+        addr: GroupAddress,
+        now: Instant,
+    ) -> (PrefillerId, Vec<DecAction>) {
+        if let Some(&i) = self.by_addr.get(&addr) {
+            return (PrefillerId(i as u32), Vec::new());
+        }
+        let i = self.peers.len();
+        self.peers.push(Peer {
+            addr: addr.clone(),
+            clock: PeerClock::new(now),
+        });
+        self.by_addr.insert(addr.clone(), i);
+        let act = vec![DecAction::Send {
+            to: addr,
+            msg: Msg::Hello,
+        }];
+        (PrefillerId(i as u32), act)
+    }
+
+    /// The address of a prefiller.
+    pub fn prefiller_address(&self, p: PrefillerId) -> Option<&GroupAddress> {
+        self.peers.get(p.0 as usize).map(|x| &x.addr)
+    }
+
+    /// Why a prefiller is dead, if it is.
+    pub fn prefiller_dead(&self, p: PrefillerId) -> Option<&PeerLoss> {
+        self.peers.get(p.0 as usize).and_then(|x| x.clock.dead())
+    }
+
+    /// Takes `pages` pages and a tail slot.
+    pub fn alloc(&mut self, pages: u32) -> Result<PageLease, KvError> {
+        self.pool.alloc(pages)
+    }
+
+    /// Frees a lease: its pages return at once, or — if a request on it is
+    /// in flight — that request is cancelled and they return once every
+    /// prefiller confirmed.
+    pub fn free(&mut self, lease: PageLease, now: Instant) -> Vec<DecAction> {
+        match self.pool.free(lease) {
+            Some(id) => self.cancel(id, now),
+            None => Vec::new(),
+        }
+    }
+
+    fn check_route(&self, route: &Route) -> Result<(), KvError> {
+        let bad = |what: String| Err(KvError::InvalidRoute { what });
+        if route.sources.is_empty() {
+            return bad("no source".into());
+        }
+        let mut seen = vec![false; self.layout.kv_heads as usize];
+        let mut tails = 0;
+        let mut peers = std::collections::BTreeSet::new();
+        for s in &route.sources {
+            let Some(peer) = self.peers.get(s.prefiller.0 as usize) else {
+                return bad(format!("unknown prefiller {:?}", s.prefiller));
+            };
+            if let Some(loss) = peer.clock.dead() {
+                return Err(KvError::PeerDead {
+                    peer: peer.addr.clone(),
+                    loss: loss.clone(),
+                });
+            }
+            if !peers.insert(s.prefiller) {
+                return bad(format!("prefiller {:?} twice", s.prefiller));
+            }
+            for hm in &s.heads {
+                match seen.get_mut(hm.dst as usize) {
+                    Some(x) if !*x => *x = true,
+                    Some(_) => return bad(format!("decoder head {} twice", hm.dst)),
+                    None => return bad(format!("decoder head {} out of range", hm.dst)),
+                }
+            }
+            tails += usize::from(s.tail);
+        }
+        if let Some(h) = seen.iter().position(|x| !x) {
+            return bad(format!("decoder head {h} has no source"));
+        }
+        let want = usize::from(self.layout.tail_len > 0);
+        if tails != want {
+            return bad(format!("{tails} tail sources, want {want}"));
+        }
+        Ok(())
+    }
+
+    /// Starts a request on `lease` along `route`, with immediate `imm`.
+    /// `counts` are the decoder engine's immediate-count parameters.
+    pub fn begin(
+        &mut self,
+        route: &Route,
+        lease: &PageLease,
+        imm: u32,
+        counts: &ImmCounts,
+        meta: &[u8],
+        now: Instant,
+    ) -> Result<Started, KvError> {
+        self.check_route(route)?;
+        let n = u32::try_from(lease.pages().len()).map_err(|_| KvError::Layout {
+            what: "too many pages".into(),
+        })?;
+        let mut imm_count = 0u64;
+        for s in &route.sources {
+            let heads = u32::try_from(s.heads.len()).unwrap_or(u32::MAX);
+            let c = source_imm_count(counts, &self.layout, heads, n, s.tail)?;
+            imm_count = imm_count.checked_add(c).ok_or_else(|| KvError::Layout {
+                what: "immediate count overflows".into(),
+            })?;
+        }
+        let id = self.next_id;
+        self.pool.start(lease.id(), id)?;
+        self.next_id += 1;
+        let mut actions = Vec::with_capacity(route.sources.len());
+        let mut sources = Vec::with_capacity(route.sources.len());
+        for s in &route.sources {
+            let peer = s.prefiller.0 as usize;
+            sources.push(SourceState { peer, quiet: false });
+            let req = KvRequest {
+                id,
+                layout: self.layout,
+                kv: self.kv.clone(),
+                tail: self.tail.clone(),
+                heads: s.heads.clone(),
+                pages: lease.pages().to_vec(),
+                tail_slot: (s.tail && self.layout.tail_len > 0).then_some(lease.tail_slot()),
+                imm,
+                meta: meta.to_vec(),
+            };
+            actions.push(self.send(peer, Msg::Request(req), now));
+        }
+        self.reqs.insert(
+            id,
+            Req {
+                lease: lease.id(),
+                imm,
+                sources,
+                stopping: None,
+                arrived: 0,
+            },
+        );
+        tracing::debug!(id, pages = n, imm, imm_count, "decoder: request");
+        Ok(Started {
+            id,
+            imm_count,
+            actions,
+        })
+    }
+
+    fn send(&mut self, peer: usize, msg: Msg, now: Instant) -> DecAction {
+        let p = &mut self.peers[peer];
+        p.clock.sent(now);
+        DecAction::Send {
+            to: p.addr.clone(),
+            msg,
+        }
+    }
+
+    /// The immediate count of request `id` was reached (all its bytes are in
+    /// place) or its round failed.
+    pub fn on_imms(&mut self, id: u64, result: Result<(), weft::EngineError>) -> Vec<DecAction> {
+        let Some(r) = self.reqs.remove(&id) else {
+            return Vec::new(); // stale: finished already
+        };
+        self.pool.end(r.lease);
+        let result = result.map_err(KvError::engine("immediate count"));
+        vec![DecAction::Finish {
+            id,
+            imm: r.imm,
+            result,
+        }]
+    }
+
+    /// Cancels request `id`: it ends with [`KvError::Cancelled`] once every
+    /// live prefiller confirmed (or with `Ok` if all its data lands first).
+    pub fn cancel(&mut self, id: u64, now: Instant) -> Vec<DecAction> {
+        self.stop(id, KvError::Cancelled { request: id }, now, None)
+    }
+
+    /// Ends `id`, whose request messages were never sent (arming its
+    /// immediate count failed), with `why`.
+    pub fn abort_unsent(&mut self, id: u64, why: KvError) -> Vec<DecAction> {
+        let Some(r) = self.reqs.remove(&id) else {
+            return Vec::new();
+        };
+        self.pool.end(r.lease);
+        vec![DecAction::Finish {
+            id,
+            imm: r.imm,
+            result: Err(why),
+        }]
+    }
+
+    /// Stops `id` with outcome `why`: asks every source not yet quiet (except
+    /// `skip`) to cancel.
+    fn stop(&mut self, id: u64, why: KvError, now: Instant, skip: Option<usize>) -> Vec<DecAction> {
+        let mut out = Vec::new();
+        let targets: Vec<usize> = match self.reqs.get_mut(&id) {
+            Some(r) if r.stopping.is_none() => {
+                r.stopping = Some(why);
+                r.sources
+                    .iter()
+                    .filter(|s| !s.quiet && Some(s.peer) != skip)
+                    .map(|s| s.peer)
+                    .collect()
+            }
+            _ => return out,
+        };
+        for peer in targets {
+            if self.peers[peer].clock.dead().is_none() {
+                out.push(self.send(peer, Msg::Cancel { id }, now));
+            }
+        }
+        out.extend(self.settle(id));
+        out
+    }
+
+    /// Finishes `id` if it is stopping and every source is quiet.
+    fn settle(&mut self, id: u64) -> Vec<DecAction> {
+        let done = self
+            .reqs
+            .get(&id)
+            .is_some_and(|r| r.stopping.is_some() && r.sources.iter().all(|s| s.quiet));
+        if !done {
+            return Vec::new();
+        }
+        let Some(r) = self.reqs.remove(&id) else {
+            return Vec::new();
+        };
+        self.pool.end(r.lease);
+        let why = r.stopping.unwrap_or(KvError::ShutDown);
+        vec![DecAction::Finish {
+            id,
+            imm: r.imm,
+            result: Err(why),
+        }]
+    }
+
+    fn quiet(&mut self, id: u64, peer: usize) {
+        if let Some(r) = self.reqs.get_mut(&id) {
+            for s in r.sources.iter_mut().filter(|s| s.peer == peer) {
+                s.quiet = true;
+            }
+        }
+    }
+
+    /// A message arrived from `from`.
+    pub fn on_msg(&mut self, from: &GroupAddress, msg: Msg, now: Instant) -> Vec<DecAction> {
+        let Some(&peer) = self.by_addr.get(from) else {
+            tracing::warn!(?from, "decoder: message from an unknown peer");
+            return Vec::new();
+        };
+        if self.peers[peer].clock.dead().is_some() {
+            return Vec::new(); // declared dead: its requests are settled
+        }
+        self.peers[peer].clock.heard(now);
+        match msg {
+            Msg::Heartbeat | Msg::Hello => Vec::new(),
+            Msg::CancelAck { id } => {
+                self.quiet(id, peer);
+                self.settle(id)
+            }
+            Msg::Failed { id, failure } => {
+                self.quiet(id, peer);
+                let addr = self.peers[peer].addr.clone();
+                let err = match failure {
+                    Failure::Refused(refusal) => KvError::Refused {
+                        request: id,
+                        peer: addr,
+                        refusal,
+                    },
+                    Failure::Write { step, error } => KvError::TransferFailed {
+                        request: id,
+                        peer: addr,
+                        step,
+                        error,
+                    },
+                };
+                let mut out = self.stop(id, err, now, Some(peer));
+                out.extend(self.settle(id));
+                out
+            }
+            other => {
+                tracing::warn!(?from, "decoder: unexpected message {other:?}");
+                Vec::new()
+            }
+        }
+    }
+
+    /// A SEND to `to` failed: it is dead.
+    pub fn on_send_failed(
+        &mut self,
+        to: &GroupAddress,
+        error: String,
+        now: Instant,
+    ) -> Vec<DecAction> {
+        match self.by_addr.get(to) {
+            Some(&peer) => self.peer_dead(peer, PeerLoss::SendFailed { error }, now),
+            None => Vec::new(),
+        }
+    }
+
+    fn peer_dead(&mut self, peer: usize, loss: PeerLoss, now: Instant) -> Vec<DecAction> {
+        self.peers[peer].clock.kill(loss.clone());
+        self.fail_peer(peer, loss, now)
+    }
+
+    fn fail_peer(&mut self, peer: usize, loss: PeerLoss, now: Instant) -> Vec<DecAction> {
+        let addr = self.peers[peer].addr.clone();
+        tracing::warn!(peer = ?addr, "decoder: prefiller dead: {loss}");
+        // A dead peer's pending writes are dropped (weft's peer-death
+        // contract): none of its writes can land any more.
+        let ids: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.sources.iter().any(|s| s.peer == peer))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut out = Vec::new();
+        for id in ids {
+            self.quiet(id, peer);
+            let err = KvError::PrefillerDead {
+                request: id,
+                peer: addr.clone(),
+                loss: loss.clone(),
+            };
+            out.extend(self.stop(id, err, now, Some(peer)));
+            out.extend(self.settle(id));
+        }
+        out
+    }
+
+    /// Requests in flight and their immediates (for [`Self::progress`]).
+    pub fn in_flight(&self) -> Vec<(u64, u32)> {
+        self.reqs.iter().map(|(&id, r)| (id, r.imm)).collect()
+    }
+
+    /// `arrived` immediates of request `id` have arrived so far. Growth is
+    /// a sign of life of its source (when it has only one: the writes of a
+    /// busy link may hold its heartbeats back).
+    pub fn progress(&mut self, id: u64, arrived: u64, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if arrived > r.arrived {
+            r.arrived = arrived;
+            if let [s] = &r.sources[..] {
+                self.peers[s.peer].clock.heard(now);
+            }
+        }
+    }
+
+    /// Heartbeats due and silent peers declared dead at `now`.
+    pub fn tick(&mut self, now: Instant) -> Vec<DecAction> {
+        let mut out = Vec::new();
+        for peer in 0..self.peers.len() {
+            match self.peers[peer].clock.tick(now, &self.hb) {
+                Beat::Idle => {}
+                Beat::Send => out.push(DecAction::Send {
+                    to: self.peers[peer].addr.clone(),
+                    msg: Msg::Heartbeat,
+                }),
+                Beat::Dead(loss) => out.extend(self.fail_peer(peer, loss, now)),
+            }
+        }
+        out
+    }
+
+    /// Ends every request with [`KvError::ShutDown`] (the engine is going
+    /// away, so nothing can land any more).
+    pub fn shutdown(&mut self) -> Vec<DecAction> {
+        let reqs = std::mem::take(&mut self.reqs);
+        reqs.into_iter()
+            .map(|(id, r)| {
+                self.pool.end(r.lease);
+                DecAction::Finish {
+                    id,
+                    imm: r.imm,
+                    result: Err(KvError::ShutDown),
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,373 @@
+//! The decode side on the engine: registers the application's KV cache,
+//! runs [`DecoderCore`] on the engine's receive and immediate callbacks and
+//! a heartbeat timer, and hands out [`RequestHandle`]s.
+
+mod core;
+
+pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started};
+
+use crate::completion::{Completion, CompletionFuture};
+use crate::pages::PageLease;
+use crate::timer::Ticker;
+use crate::wire::{decode, encode};
+use crate::{Heartbeat, KvError, KvLayout};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+use weft::{GroupAddress, ImmCounts, MemRegion, MrHandle, TransferEngine};
+
+/// Settings of a decoder or prefiller driver.
+#[derive(Debug, Clone, Copy)]
+pub struct KvConfig {
+    /// Heartbeats.
+    pub heartbeat: Heartbeat,
+    /// Bytes of each receive buffer (the largest message: a request with
+    /// its page list and metadata).
+    pub recv_len: u64,
+    /// Receive buffers.
+    pub recv_count: u32,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: Heartbeat::default(),
+            recv_len: 64 * 1024,
+            recv_count: 128,
+        }
+    }
+}
+
+/// The application's KV cache memory: the KV region (`layout.kv_bytes()`
+/// bytes) and the tail region (`layout.tail_bytes()`), host or GPU.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheRegions {
+    /// KV pages.
+    pub kv: MemRegion,
+    /// Tail slots (ignored when the layout has no tail).
+    pub tail: MemRegion,
+}
+
+/// A request that completed: every byte of it is in the lease's pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// Request id.
+    pub id: u64,
+    /// Immediates counted.
+    pub imms: u64,
+}
+
+/// The outcome of a request.
+pub type Outcome = Result<Completed, KvError>;
+
+/// A request in flight. Completes (flag, wait, callback or future) when the
+/// engine's immediate count says all its data is in place, or with an error
+/// once no write of it can land any more.
+#[derive(Debug, Clone)]
+pub struct RequestHandle {
+    id: u64,
+    done: Completion<Outcome>,
+}
+
+impl RequestHandle {
+    /// Request id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Whether it completed (the flag).
+    pub fn is_done(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// The outcome, if in.
+    pub fn result(&self) -> Option<Outcome> {
+        self.done.result()
+    }
+
+    /// Blocks until the outcome is in.
+    pub fn wait(&self) -> Outcome {
+        self.done.wait()
+    }
+
+    /// Blocks until the outcome is in or `timeout` passed.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Outcome> {
+        self.done.wait_timeout(timeout)
+    }
+
+    /// Runs `cb` with the outcome (on the engine's callback thread, or at
+    /// once if it is in).
+    pub fn on_complete(&self, cb: impl FnOnce(&Outcome) + Send + 'static) {
+        self.done.on_complete(cb)
+    }
+
+    /// A future of the outcome.
+    pub fn future(&self) -> CompletionFuture<Outcome> {
+        self.done.future()
+    }
+}
+
+struct Shared {
+    engine: Arc<TransferEngine>,
+    core: Mutex<DecoderCore>,
+    handles: Mutex<BTreeMap<u64, (Completion<Outcome>, u64)>>,
+    counts: ImmCounts,
+    mrs: Mutex<Vec<MrHandle>>,
+}
+
+/// The decode side: the application's paged KV cache, registered with the
+/// engine, filled by prefillers.
+pub struct Decoder {
+    sh: Arc<Shared>,
+    ticker: Mutex<Option<Ticker>>,
+}
+
+impl Decoder {
+    /// Registers the application's cache (`regions`, shaped as `layout`)
+    /// with `engine`, posts receive buffers (the decoder owns the engine's
+    /// receives) and starts the heartbeat timer.
+    pub fn new(
+        engine: Arc<TransferEngine>,
+        layout: KvLayout,
+        regions: CacheRegions,
+        cfg: KvConfig,
+    ) -> Result<Self, KvError> {
+        layout.validate()?;
+        check_region(&regions.kv, layout.kv_bytes()?, "kv")?;
+        let (kh, kv_desc) = engine
+            .reg_mr(regions.kv)
+            .map_err(KvError::engine("register kv"))?;
+        let (th, tail_desc) = match engine.reg_mr(regions.tail) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = engine.unreg_mr(kh);
+                return Err(KvError::engine("register tail")(e));
+            }
+        };
+        let mrs = vec![kh, th];
+        if layout.tail_len > 0 {
+            check_region(&regions.tail, layout.tail_bytes()?, "tail")?;
+        }
+        let counts = engine
+            .imm_counts(0)
+            .map_err(KvError::engine("imm counts"))?;
+        let core = DecoderCore::new(
+            engine.main_address(),
+            layout,
+            kv_desc,
+            tail_desc,
+            cfg.heartbeat,
+        )?;
+        let sh = Arc::new(Shared {
+            engine: engine.clone(),
+            core: Mutex::new(core),
+            handles: Mutex::new(BTreeMap::new()),
+            counts,
+            mrs: Mutex::new(mrs),
+        });
+        let weak = Arc::downgrade(&sh);
+        engine
+            .submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
+                let Some(sh) = weak.upgrade() else { return };
+                match r.map(decode) {
+                    Ok(Ok((from, msg))) => sh.step(|c| c.on_msg(&from, msg, Instant::now())),
+                    Ok(Err(e)) => tracing::warn!("decoder: {e}"),
+                    Err(e) => tracing::warn!("decoder: receive failed: {e}"),
+                }
+            })
+            .map_err(KvError::engine("post receives"))?;
+        let weak = Arc::downgrade(&sh);
+        let ticker =
+            Ticker::start(
+                "kv-decoder-hb",
+                cfg.heartbeat.interval / 2,
+                move |now| match weak.upgrade() {
+                    Some(sh) => {
+                        sh.step(|c| c.tick(now));
+                        true
+                    }
+                    None => false,
+                },
+            )?;
+        Ok(Self {
+            sh,
+            ticker: Mutex::new(Some(ticker)),
+        })
+    }
+
+    /// This decoder's address (what prefillers see as the sender).
+    pub fn address(&self) -> GroupAddress {
+        self.sh.core.lock().address().clone()
+    }
+
+    /// The cache layout.
+    pub fn layout(&self) -> KvLayout {
+        *self.sh.core.lock().layout()
+    }
+
+    /// Adds a prefiller (greets it and starts heartbeating it).
+    pub fn add_prefiller(&self, addr: GroupAddress) -> PrefillerId {
+        let mut id = PrefillerId(0);
+        self.sh.step(|c| {
+            let (p, a) = c.add_prefiller(addr, Instant::now());
+            id = p;
+            a
+        });
+        id
+    }
+
+    /// Why prefiller `p` is dead, if it is.
+    pub fn prefiller_dead(&self, p: PrefillerId) -> Option<crate::PeerLoss> {
+        self.sh.core.lock().prefiller_dead(p).cloned()
+    }
+
+    /// Free pages now.
+    pub fn free_pages(&self) -> u32 {
+        self.sh.core.lock().pool().free_pages()
+    }
+
+    /// Whether page `p` is free (not held by a lease).
+    pub fn is_page_free(&self, p: u32) -> bool {
+        self.sh.core.lock().pool().is_free(p)
+    }
+
+    /// Requests in flight.
+    pub fn pending(&self) -> usize {
+        self.sh.core.lock().pending()
+    }
+
+    /// Takes `pages` pages (per head) and a tail slot for one prompt.
+    pub fn alloc(&self, pages: u32) -> Result<PageLease, KvError> {
+        self.sh.core.lock().alloc(pages)
+    }
+
+    /// Returns a lease's pages to the pool: at once, or — while a request
+    /// on them is in flight — after cancelling it, once every prefiller
+    /// confirmed no write can land.
+    pub fn free(&self, lease: PageLease) {
+        self.sh.step(|c| c.free(lease, Instant::now()));
+    }
+
+    /// Starts filling `lease` along `route`; `meta` travels to the
+    /// prefillers (prompt id, tokens, ...).
+    pub fn request(
+        &self,
+        route: &Route,
+        lease: &PageLease,
+        meta: &[u8],
+    ) -> Result<RequestHandle, KvError> {
+        let sh = &self.sh;
+        let imm = sh
+            .engine
+            .alloc_imm()
+            .map_err(KvError::engine("alloc imm"))?;
+        let done = Completion::new();
+        let started = {
+            let mut c = sh.core.lock();
+            match c.begin(route, lease, imm, &sh.counts, meta, Instant::now()) {
+                Ok(s) => {
+                    sh.handles.lock().insert(s.id, (done.clone(), s.imm_count));
+                    s
+                }
+                Err(e) => {
+                    drop(c);
+                    sh.engine.free_imm(imm);
+                    return Err(e);
+                }
+            }
+        };
+        let id = started.id;
+        let weak: Weak<Shared> = Arc::downgrade(sh);
+        let armed = sh
+            .engine
+            .expect_imm_count(imm, started.imm_count, move |r| {
+                if let Some(sh) = weak.upgrade() {
+                    sh.step(|c| c.on_imms(id, r));
+                }
+            });
+        match armed {
+            Ok(()) => sh.exec(started.actions),
+            Err(e) => sh.step(|c| c.abort_unsent(id, KvError::engine("arm imm count")(e))),
+        }
+        Ok(RequestHandle { id, done })
+    }
+
+    /// Cancels a request: its handle ends with [`KvError::Cancelled`] once
+    /// every prefiller confirmed, or `Ok` if all data landed first.
+    pub fn cancel(&self, h: &RequestHandle) {
+        let id = h.id;
+        self.sh.step(|c| c.cancel(id, Instant::now()));
+    }
+
+    /// Stops the timer, ends every request with [`KvError::ShutDown`] and
+    /// deregisters the cache: once this returns, a prefiller's late write
+    /// fails at its NIC instead of landing, so the cache memory may be
+    /// freed. The engine itself is the caller's.
+    pub fn shutdown(&self) {
+        if let Some(mut t) = self.ticker.lock().take() {
+            t.stop();
+        }
+        self.sh.step(|c| c.shutdown());
+        for h in self.sh.mrs.lock().drain(..) {
+            let _ = self.sh.engine.unreg_mr(h);
+        }
+    }
+}
+
+impl Drop for Decoder {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn check_region(r: &MemRegion, need: u64, what: &str) -> Result<(), KvError> {
+    if (r.len() as u64) < need {
+        return Err(KvError::Layout {
+            what: format!(
+                "{what} region has {} bytes, the layout needs {need}",
+                r.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl Shared {
+    /// Runs one core step and its actions.
+    fn step(self: &Arc<Self>, f: impl FnOnce(&mut DecoderCore) -> Vec<DecAction>) {
+        let actions = f(&mut self.core.lock());
+        self.exec(actions);
+    }
+
+    fn exec(self: &Arc<Self>, actions: Vec<DecAction>) {
+        let me = self.core.lock().address().clone();
+        for a in actions {
+            match a {
+                DecAction::Send { to, msg } => {
+                    let bytes = match encode(&me, &msg) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            tracing::error!("decoder: {e}");
+                            continue;
+                        }
+                    };
+                    let weak = Arc::downgrade(self);
+                    let to2 = to.clone();
+                    crate::send::send(&self.engine, &to, bytes, move |e| {
+                        if let Some(sh) = weak.upgrade() {
+                            sh.step(|c| c.on_send_failed(&to2, e.to_string(), Instant::now()));
+                        }
+                    });
+                }
+                DecAction::Finish { id, imm, result } => {
+                    self.engine.free_imm(imm);
+                    let h = self.handles.lock().remove(&id);
+                    if let Some((done, imms)) = h {
+                        done.complete(result.map(|()| Completed { id, imms }));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! The decoder and prefiller state machines stepped by hand, clock passed
+//! in: messages go from one core to the other, posts complete when the test
+//! says so.
+
+use std::time::{Duration, Instant};
+use weft::{GroupAddress, ImmCounts, MrDesc, NetAddr, ShardConfig};
+use weft_kvcache::{
+    DecAction, DecoderCore, HeadMap, HeadOrder, Heartbeat, KvError, KvLayout, Msg, PreAction,
+    PrefillerCore, Route, Source, TaskKey, Write,
+};
+
+const LAYOUT: KvLayout = KvLayout {
+    layers: 4,
+    kv_heads: 2,
+    page_len: 4096,
+    tail_len: 1000,
+    num_pages: 16,
+    tail_slots: 4,
+    order: HeadOrder::HeadsBeforePages,
+};
+
+const HB: Heartbeat = Heartbeat {
+    interval: Duration::from_millis(10),
+    timeout: Duration::from_millis(100),
+};
+
+fn addr(b: u8) -> GroupAddress {
+    GroupAddress {
+        nics: vec![NetAddr(vec![b])],
+    }
+}
+
+fn desc() -> MrDesc {
+    MrDesc {
+        addr: 0,
+        len: 1 << 30,
+        rkeys: Vec::new(),
+    }
+}
+
+fn counts() -> ImmCounts {
+    ImmCounts {
+        nics: 1,
+        max_write_len: 1 << 30,
+        shard: ShardConfig::default(),
+    }
+}
+
+fn decoder(_t0: Instant) -> DecoderCore {
+    DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap()
+}
+
+fn sends(a: &[DecAction]) -> Vec<(GroupAddress, Msg)> {
+    a.iter()
+        .filter_map(|a| match a {
+            DecAction::Send { to, msg } => Some((to.clone(), msg.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn finishes(a: &[DecAction]) -> Vec<(u64, Result<(), KvError>)> {
+    a.iter()
+        .filter_map(|a| match a {
+            DecAction::Finish { id, result, .. } => Some((*id, result.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn posts(a: &[PreAction]) -> Vec<(TaskKey, u32, Write)> {
+    a.iter()
+        .filter_map(|a| match a {
+            PreAction::Post { key, step, write } => Some((key.clone(), *step, write.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn pre_sends(a: &[PreAction]) -> Vec<(GroupAddress, Msg)> {
+    a.iter()
+        .filter_map(|a| match a {
+            PreAction::Send { to, msg } => Some((to.clone(), msg.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn pre_finish(a: &[PreAction]) -> Option<Result<(), KvError>> {
+    a.iter().find_map(|a| match a {
+        PreAction::Finish { result, .. } => Some(result.clone()),
+        _ => None,
+    })
+}
+
+/// Decoder with one prefiller, a request of `n` pages started and delivered
+/// to the prefiller, which accepted it.
+struct Pair {
+    t0: Instant,
+    dec: DecoderCore,
+    pre: PrefillerCore,
+    key: TaskKey,
+    id: u64,
+    lease: weft_kvcache::PageLease,
+}
+
+fn pair(n: u32) -> Pair {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let (p, hello) = dec.add_prefiller(addr(1), t0);
+    for (_, m) in sends(&hello) {
+        assert!(pre.on_msg(&addr(100), m, t0).is_empty());
+    }
+    let lease = dec.alloc(n).unwrap();
+    let st = dec
+        .begin(&Route::single(p, 2), &lease, 5, &counts(), b"prompt", t0)
+        .unwrap();
+    // one paged write per layer (2 heads x n pages, 1 piece each) + tail
+    assert_eq!(st.imm_count, u64::from(LAYOUT.layers * 2 * n) + 1);
+    let msgs = sends(&st.actions);
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(msgs[0].0, addr(1));
+    let acts = pre.on_msg(&addr(100), msgs[0].1.clone(), t0);
+    let inc = match &acts[..] {
+        [PreAction::Incoming(i)] => i.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(inc.meta, b"prompt");
+    assert!(inc.tail);
+    let src: Vec<u32> = (0..n).map(|j| 15 - j).collect();
+    pre.accept(&inc.key, &src, 3).unwrap();
+    Pair {
+        t0,
+        dec,
+        pre,
+        key: inc.key,
+        id: st.id,
+        lease,
+    }
+}
+
+#[test]
+fn layers_post_in_order_then_the_tail_and_the_count_completes() {
+    let mut s = pair(3);
+    let a = s.pre.ready(&s.key, 2).unwrap();
+    let p = posts(&a);
+    assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1]);
+    match &p[1].2 {
+        Write::Layer {
+            layer,
+            src,
+            dst_pages,
+            imm,
+            ..
+        } => {
+            assert_eq!(*layer, 1);
+            assert_eq!(*imm, 5);
+            // heads before pages: head h page p at h*16+p
+            assert_eq!(src.indices, vec![15, 14, 13, 31, 30, 29]);
+            assert_eq!(dst_pages.indices, vec![0, 1, 2, 16, 17, 18]);
+            assert_eq!(src.offset, 2 * 16 * 4096);
+        }
+        w => panic!("{w:?}"),
+    }
+    // the same value again posts nothing; going back is ignored
+    assert!(s.pre.ready(&s.key, 2).unwrap().is_empty());
+    assert!(s.pre.ready(&s.key, 1).unwrap().is_empty());
+    assert!(matches!(
+        s.pre.ready(&s.key, 6),
+        Err(KvError::StepOutOfRange {
+            step: 6,
+            steps: 5,
+            ..
+        })
+    ));
+    let a = s.pre.ready(&s.key, 5).unwrap();
+    let p2 = posts(&a);
+    assert_eq!(p2.iter().map(|x| x.1).collect::<Vec<_>>(), vec![2, 3, 4]);
+    assert!(matches!(
+        p2[2].2,
+        Write::Tail {
+            len: 1000,
+            src_off: 3000,
+            dst_off: 0,
+            ..
+        }
+    ));
+    for (k, step, _) in p.iter().chain(&p2) {
+        let a = s.pre.on_posted(k, *step, Ok(()), s.t0);
+        if *step == 4 {
+            assert!(matches!(pre_finish(&a), Some(Ok(()))));
+        } else {
+            assert!(a.is_empty());
+        }
+    }
+    assert_eq!(s.pre.pending(), 0);
+    let f = finishes(&s.dec.on_imms(s.id, Ok(())));
+    assert_eq!(f.len(), 1);
+    assert!(f[0].1.is_ok());
+    // the pages stay the application's until it frees them
+    assert_eq!(s.dec.pool().free_pages(), 13);
+    assert!(s.dec.free(s.lease, s.t0).is_empty());
+    assert_eq!(s.dec.pool().free_pages(), 16);
+}
+
+#[test]
+fn cancel_is_confirmed_only_after_posted_writes_complete() {
+    let mut s = pair(2);
+    let p = posts(&s.pre.ready(&s.key, 2).unwrap());
+    let a = s.dec.cancel(s.id, s.t0);
+    let m = sends(&a);
+    assert_eq!(m, vec![(addr(1), Msg::Cancel { id: s.id })]);
+    assert!(finishes(&a).is_empty());
+    // the lease is still busy: no second request, no page reuse
+    let r = s.dec.begin(
+        &Route::single(weft_kvcache::PrefillerId(0), 2),
+        &s.lease,
+        6,
+        &counts(),
+        b"",
+        s.t0,
+    );
+    assert!(matches!(r, Err(KvError::LeaseBusy { .. })));
+    let a = s.pre.on_msg(&addr(100), m[0].1.clone(), s.t0);
+    assert!(a.is_empty(), "writes in flight: no ack yet");
+    // no more posts once cancelled
+    assert!(s.pre.ready(&s.key, 5).unwrap().is_empty());
+    assert!(s.pre.on_posted(&s.key, 0, Ok(()), s.t0).is_empty());
+    let a = s.pre.on_posted(&s.key, 1, Ok(()), s.t0);
+    assert!(matches!(
+        pre_finish(&a),
+        Some(Err(KvError::Cancelled { .. }))
+    ));
+    let ack = pre_sends(&a);
+    assert_eq!(ack, vec![(addr(100), Msg::CancelAck { id: s.id })]);
+    let _ = p;
+    let f = finishes(&s.dec.on_msg(&addr(1), ack[0].1.clone(), s.t0));
+    assert!(matches!(f[..], [(_, Err(KvError::Cancelled { .. }))]));
+    // a late imm callback (the freed round) is ignored
+    assert!(s.dec.on_imms(s.id, Ok(())).is_empty());
+    assert!(s.dec.free(s.lease, s.t0).is_empty());
+    assert_eq!(s.dec.pool().free_pages(), 16);
+    // a cancel of an unknown request is acknowledged at once
+    let a = s.pre.on_msg(&addr(100), Msg::Cancel { id: 99 }, s.t0);
+    assert_eq!(pre_sends(&a), vec![(addr(100), Msg::CancelAck { id: 99 })]);
+}
+
+#[test]
+fn freeing_a_lease_in_flight_cancels_and_defers_the_pages() {
+    let mut s = pair(4);
+    let a = s.dec.free(s.lease, s.t0);
+    assert_eq!(sends(&a), vec![(addr(1), Msg::Cancel { id: s.id })]);
+    assert_eq!(s.dec.pool().free_pages(), 12);
+    let a = s.pre.on_msg(&addr(100), Msg::Cancel { id: s.id }, s.t0);
+    let ack = pre_sends(&a);
+    s.dec.on_msg(&addr(1), ack[0].1.clone(), s.t0);
+    assert_eq!(s.dec.pool().free_pages(), 16);
+}
+
+#[test]
+fn heartbeats_and_silence() {
+    let mut s = pair(1);
+    let t = s.t0 + Duration::from_millis(10);
+    assert_eq!(sends(&s.dec.tick(t)), vec![(addr(1), Msg::Heartbeat)]);
+    assert!(s.dec.tick(t + Duration::from_millis(1)).is_empty());
+    assert_eq!(pre_sends(&s.pre.tick(t)), vec![(addr(100), Msg::Heartbeat)]);
+    // the prefiller keeps talking: the decoder keeps the request
+    let t2 = s.t0 + Duration::from_millis(90);
+    s.dec.on_msg(&addr(1), Msg::Heartbeat, t2);
+    assert!(finishes(&s.dec.tick(s.t0 + Duration::from_millis(150))).is_empty());
+    // silence past the timeout: the request fails, typed
+    let f = finishes(&s.dec.tick(s.t0 + Duration::from_millis(191)));
+    match &f[..] {
+        [(id, Err(KvError::PrefillerDead { peer, .. }))] => {
+            assert_eq!(*id, s.id);
+            assert_eq!(*peer, addr(1));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.dec.begin(
+            &Route::single(weft_kvcache::PrefillerId(0), 2),
+            &s.lease,
+            7,
+            &counts(),
+            b"",
+            s.t0
+        ),
+        Err(KvError::PeerDead { .. })
+    ));
+    // the prefiller, hearing nothing from the decoder, drops the request
+    // once its write in flight completed
+    let p = posts(&s.pre.ready(&s.key, 1).unwrap());
+    let a = s.pre.tick(s.t0 + Duration::from_millis(200));
+    assert!(pre_finish(&a).is_none(), "a write is in flight");
+    assert!(s.pre.ready(&s.key, 3).unwrap().is_empty(), "no new posts");
+    let a = s
+        .pre
+        .on_posted(&p[0].0, 0, Err("peer unreachable".into()), s.t0);
+    assert!(matches!(
+        pre_finish(&a),
+        Some(Err(KvError::DecoderDead { .. }))
+    ));
+    assert!(pre_sends(&a).is_empty());
+}
+
+#[test]
+fn a_failed_write_fails_the_request_at_the_decoder() {
+    let mut s = pair(1);
+    let p = posts(&s.pre.ready(&s.key, 1).unwrap());
+    let a = s.pre.on_posted(&p[0].0, 0, Err("nic down".into()), s.t0);
+    assert!(matches!(
+        pre_finish(&a),
+        Some(Err(KvError::TransferFailed { .. }))
+    ));
+    let m = pre_sends(&a);
+    let f = finishes(&s.dec.on_msg(&addr(1), m[0].1.clone(), s.t0));
+    match &f[..] {
+        [(_, Err(KvError::TransferFailed { step, error, .. }))] => {
+            assert_eq!(step, "layer 0");
+            assert_eq!(error, "nic down");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn refusals_are_typed() {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let mut pre = PrefillerCore::new(
+        KvLayout {
+            layers: 5,
+            ..LAYOUT
+        },
+        HB,
+    )
+    .unwrap();
+    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let lease = dec.alloc(1).unwrap();
+    let st = dec
+        .begin(&Route::single(p, 2), &lease, 1, &counts(), b"", t0)
+        .unwrap();
+    let m = sends(&st.actions);
+    let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
+    let r = pre_sends(&a);
+    let f = finishes(&dec.on_msg(&addr(1), r[0].1.clone(), t0));
+    assert!(matches!(
+        f[..],
+        [(
+            _,
+            Err(KvError::Refused {
+                refusal: weft_kvcache::Refusal::LayoutMismatch { .. },
+                ..
+            })
+        )]
+    ));
+    // malformed routes are refused before anything is sent
+    let bad = Route {
+        sources: vec![Source {
+            prefiller: p,
+            heads: vec![HeadMap { src: 0, dst: 0 }],
+            tail: true,
+        }],
+    };
+    assert!(matches!(
+        dec.begin(&bad, &lease, 1, &counts(), b"", t0),
+        Err(KvError::InvalidRoute { .. })
+    ));
+}
+
+#[test]
+fn a_dead_source_waits_for_the_other_sources_confirmation() {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let (a, _) = dec.add_prefiller(addr(1), t0);
+    let (b, _) = dec.add_prefiller(addr(2), t0);
+    let route = Route {
+        sources: vec![
+            Source {
+                prefiller: a,
+                heads: vec![HeadMap { src: 0, dst: 0 }],
+                tail: true,
+            },
+            Source {
+                prefiller: b,
+                heads: vec![HeadMap { src: 0, dst: 1 }],
+                tail: false,
+            },
+        ],
+    };
+    let lease = dec.alloc(2).unwrap();
+    let st = dec.begin(&route, &lease, 1, &counts(), b"", t0).unwrap();
+    assert_eq!(st.imm_count, 4 * 2 + 1 + 4 * 2);
+    let m = sends(&st.actions);
+    assert_eq!(m.len(), 2);
+    match (&m[0].1, &m[1].1) {
+        (Msg::Request(r0), Msg::Request(r1)) => {
+            assert_eq!(r0.tail_slot, Some(lease.tail_slot()));
+            assert_eq!(r1.tail_slot, None);
+        }
+        other => panic!("{other:?}"),
+    }
+    let acts = dec.on_send_failed(&addr(1), "unreachable".into(), t0);
+    assert_eq!(sends(&acts), vec![(addr(2), Msg::Cancel { id: st.id })]);
+    assert!(finishes(&acts).is_empty(), "b may still write");
+    let f = finishes(&dec.on_msg(&addr(2), Msg::CancelAck { id: st.id }, t0));
+    assert!(matches!(f[..], [(_, Err(KvError::PrefillerDead { .. }))]));
+    dec.free(lease, t0);
+    assert_eq!(dec.pool().free_pages(), 16);
+}
+
+#[test]
+fn accept_checks_the_source_pages_and_reports_need_acceptance() {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let lease = dec.alloc(2).unwrap();
+    let st = dec
+        .begin(&Route::single(p, 2), &lease, 1, &counts(), b"", t0)
+        .unwrap();
+    let m = sends(&st.actions);
+    let key = match &pre.on_msg(&addr(100), m[0].1.clone(), t0)[..] {
+        [PreAction::Incoming(i)] => i.key.clone(),
+        other => panic!("{other:?}"),
+    };
+    // a report before acceptance is a misuse, not a post
+    assert!(matches!(
+        pre.ready(&key, 1),
+        Err(KvError::NotIncoming { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0], 0),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0, 16], 0),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    assert!(matches!(
+        pre.accept(&key, &[0, 1], 4),
+        Err(KvError::InvalidSourcePages { .. })
+    ));
+    pre.accept(&key, &[0, 1], 3).unwrap();
+    assert!(matches!(
+        pre.accept(&key, &[0, 1], 3),
+        Err(KvError::NotIncoming { .. })
+    ));
+    assert_eq!(posts(&pre.ready(&key, 5).unwrap()).len(), 5);
+}
