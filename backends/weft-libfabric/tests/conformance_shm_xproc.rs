@@ -18,5 +18,5 @@ lf_conformance!(|seed| common::CrossProcess::new("shm", seed);
     remote_access_violations = "shm 1.17 drops a write with a bad key at the target and never completes it",
     usable_after_remote_error = "shm 1.17 never completes a write with a bad key",
     deregistered_memory = "shm 1.17 never completes a write to a deregistered key",
-    peer_death = "shm 1.17 across processes: after a peer with large writes in flight is SIGKILLed, the completion of a write to a live peer sometimes never arrives (suspected: the provider's in-order response queue stalls behind the dead peer's busy entries); passes in-process",
+    peer_death = "shm 1.17 across processes: after a peer with large writes in flight is SIGKILLed, the completion of a write to a live peer sometimes never arrives (whenever the peer died before answering one of them: shm completes operations through one in-order response queue per endpoint, and the dead peer's unanswered entry blocks it for good; docs/backends.md \"Provider limitations\", reproducer engine_xproc::shm_killed_peer_blocks_later_completions); passes in-process",
 );

@@ -12,7 +12,11 @@
 //!   SIGKILLed in mid-stream.
 //! - `shm_peer_restart_between_transfers`: shm's restart loop with the
 //!   peer killed while idle (`peer_restart`, which kills mid-transfer, is a
-//!   known failure of shm 1.17).
+//!   known failure of shm: see the next item).
+//! - `shm_killed_peer_blocks_later_completions`: minimal reproducer of that
+//!   provider defect (a killed peer's unanswered write blocks shm's
+//!   in-order response queue: later writes to live peers land but never
+//!   complete).
 //! - `stopped_peer_times_out` (libfabric-specific, `write_timeout`): a peer
 //!   that stops answering without closing its connection (SIGSTOP) fails
 //!   every WRITE to it with `PeerUnreachable` after `write_timeout`, and
@@ -53,16 +57,19 @@ mod shm {
         known_failures = [
             (
                 "peer_death",
-                "shm 1.17 across processes: while a peer is stopped with writes to it in flight, \
-             writes to the live peer stall behind them and fail after the 30 s write timeout \
-             (seen 3/3; the conformance suite's peer_death over shm across processes shows the \
-             same stall after a SIGKILL)"
+                "shm across processes: the stopped-then-killed victim never answers its writes, \
+             and shm completes operations through one in-order response queue per endpoint, so \
+             writes to the live peer land but never complete and fail after the 30 s write \
+             timeout (provider defect, docs/backends.md \"Provider limitations\"; reproducer: \
+             shm_killed_peer_blocks_later_completions)"
             ),
             (
                 "peer_restart",
-                "shm 1.17 across processes: after a peer is SIGKILLed with writes to it in flight \
-             (failed and removed at once by weft), writes to its restarted successor stall and \
-             fail after the 30 s write timeout (seen 1/1; the same stall as peer_death)"
+                "shm across processes: a peer SIGKILLed with writes unanswered blocks shm's \
+             in-order response queue for good, so writes to its restarted successor (and to the \
+             survivor) land but never complete and fail after the 30 s write timeout (provider \
+             defect, docs/backends.md \"Provider limitations\"; reproducer: \
+             shm_killed_peer_blocks_later_completions)"
             )
         ]
     );
@@ -275,7 +282,8 @@ fn stopped_peer_times_out() {
 }
 
 /// shm restart loop without writes in flight at the kill (the engine
-/// scenario `peer_restart` kills mid-transfer, a known failure on shm 1.17):
+/// scenario `peer_restart` kills mid-transfer, a known failure on shm, see
+/// `shm_killed_peer_blocks_later_completions`):
 /// a peer process gets a verified round, is SIGKILLed while idle, removed
 /// and restarted (a new pid, so a new shm address), 20 times, a survivor
 /// alongside; writes to the removed incarnation's descriptor fail with
@@ -352,6 +360,128 @@ fn shm_peer_restart_between_transfers() {
     drop(h);
     eprintln!(
         "shm_peer_restart_between_transfers: {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+/// Minimal reproducer of the shm provider defect behind the `peer_death`
+/// and `peer_restart` known failures on shm (docs/backends.md, "Provider
+/// limitations"). libfabric's shm provider (`smr_progress_resp` in
+/// prov/shm/src/smr_progress.c, 1.17; 2.1's source is the same) completes
+/// every operation that waits for its target (all of weft's:
+/// `FI_DELIVERY_COMPLETE` WRITEs and SENDs with bytes) through one FIFO
+/// response queue per endpoint, in posting order, and stops at the first
+/// entry its target has not answered. A peer killed before answering
+/// leaves its entry at the head for good: no such operation on that
+/// endpoint completes again, whichever peer it went to and although it was
+/// delivered. Other endpoints are unaffected.
+///
+/// The victim gets one 2 KiB write (on one NIC, i.e. one of the two shm
+/// endpoints) while stopped, so it certainly never answers, and is then
+/// SIGKILLed. Afterwards the survivor and a peer started after the kill (a
+/// restarted incarnation) each get two 2 KiB writes (the engine puts
+/// consecutive small single writes on alternate NICs): both land (the peer
+/// verifies every byte and gets the immediates), the one on the other NIC
+/// completes, the one on the victim's NIC never does and fails after
+/// `write_timeout` as a stalled peer. When the provider stops doing that,
+/// the test fails: then remove the known failures and this test.
+#[test]
+fn shm_killed_peer_blocks_later_completions() {
+    const SMALL: u64 = 2 << 10;
+    const LEN: usize = 1 << 20;
+    const SEED: u64 = 0x5eed_0023;
+    let t0 = Instant::now();
+    let src: HostBuffer;
+    let mut h = common::XprocEngines::new("shm;write_timeout_ms=2000", SEED);
+    let init = match h.initiator() {
+        Ok(e) => e,
+        Err(HarnessError::Unsupported(m)) => {
+            eprintln!("SKIP: {m}");
+            return;
+        }
+        Err(e) => panic!("initiator: {e}"),
+    };
+    src = mem::patterned(SEED, LEN + 4096);
+    let (smr, _) = init.reg_mr(src.region()).expect("reg src");
+    let victim = h.add_peer(LEN).expect("spawn victim");
+    let survivor = h.add_peer(LEN).expect("spawn survivor");
+    // Control: while everyone is alive, the same writes complete on both
+    // NICs (connections set up everywhere).
+    for p in [victim, survivor] {
+        for f in singles(&mut h, &init, &smr, SEED, p, 1, true, 2, SMALL, |k| k * 3) {
+            wait_ok("write before the kill", &f);
+        }
+        wait_round(&mut h, p, 1);
+    }
+
+    // A write the victim never answers: posted while it is stopped, then
+    // it is killed; weft fails it (the pid check).
+    h.stop_peer(victim).expect("SIGSTOP the victim");
+    let to_v = singles(
+        &mut h,
+        &init,
+        &smr,
+        SEED,
+        victim,
+        10,
+        false,
+        1,
+        SMALL,
+        |_| 0,
+    );
+    h.kill_peer(victim).expect("SIGKILL the victim");
+    let stuck_nic = match wait_flag("write to the killed victim", &to_v[0]) {
+        Ok(()) => panic!("a write to a peer stopped and killed before answering succeeded"),
+        Err(e) => match &e {
+            EngineError::Transport { nic, .. } if is_unreachable(&e) => *nic,
+            _ => panic!("write to the killed victim: {e}"),
+        },
+    };
+
+    let restarted = h.add_peer(LEN).expect("spawn a peer after the kill");
+    for (p, who, tag) in [
+        (survivor, "survivor", 20),
+        (restarted, "restarted peer", 30),
+    ] {
+        let t = Instant::now();
+        let flags = singles(&mut h, &init, &smr, SEED, p, tag, true, 2, SMALL, |k| k + 5);
+        // Delivered: the peer verified every byte and got the immediates.
+        wait_round(&mut h, p, tag);
+        let (mut completed, mut stalled) = (0, 0);
+        for f in &flags {
+            match wait_flag(&format!("write to the {who} after the kill"), f) {
+                Ok(()) => completed += 1,
+                Err(e) => match &e {
+                    EngineError::Transport { nic, .. } if is_unreachable(&e) => {
+                        assert_eq!(
+                            *nic, stuck_nic,
+                            "a write to the {who} stalled on a NIC the victim did not block: {e}"
+                        );
+                        stalled += 1;
+                    }
+                    _ => panic!("write to the {who}: {e}"),
+                },
+            }
+        }
+        assert!(
+            stalled > 0,
+            "every write to the {who} completed after a peer was killed with a write \
+             unanswered: the shm provider no longer blocks on the dead peer's response; \
+             remove the shm known failures of peer_death/peer_restart and this test"
+        );
+        assert!(
+            completed > 0,
+            "no write to the {who} completed on the NIC the victim did not block"
+        );
+        eprintln!(
+            "shm_killed_peer_blocks_later_completions: {who}: {completed} completed, {stalled} \
+             delivered but stalled on NIC {stuck_nic} (failed after {:.2} s)",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    drop(h);
+    eprintln!(
+        "shm_killed_peer_blocks_later_completions: {:.2} s",
         t0.elapsed().as_secs_f64()
     );
 }
