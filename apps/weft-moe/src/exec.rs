@@ -264,22 +264,7 @@ impl HostExec {
     fn dsts(&self, entries: &[Entry], route: bool) -> Result<Vec<ScatterDst>, MoeError> {
         let p = self.peers()?;
         let descs = if route { &p.route } else { &p.recv };
-        entries
-            .iter()
-            .map(|e| {
-                let dst = descs.get(e.member).ok_or(MoeError::Shape {
-                    what: "scatter member",
-                    got: e.member as u64,
-                    want: descs.len() as u64,
-                })?;
-                Ok(ScatterDst {
-                    len: e.len,
-                    src_offset: e.src_offset,
-                    dst: dst.clone(),
-                    dst_offset: e.dst_offset,
-                })
-            })
-            .collect()
+        scatter_dsts(descs, entries)
     }
 
     fn scatter(
@@ -550,4 +535,29 @@ impl HostExec {
         }
         res
     }
+}
+
+/// The engine's scatter destinations for `entries`, each member's region
+/// taken from `descs` (one per peer-group member); shared by the host
+/// executor and the GPU proxy.
+pub(crate) fn scatter_dsts(
+    descs: &[MrDesc],
+    entries: &[Entry],
+) -> Result<Vec<ScatterDst>, MoeError> {
+    entries
+        .iter()
+        .map(|e| {
+            let dst = descs.get(e.member).ok_or(MoeError::Shape {
+                what: "scatter member",
+                got: e.member as u64,
+                want: descs.len() as u64,
+            })?;
+            Ok(ScatterDst {
+                len: e.len,
+                src_offset: e.src_offset,
+                dst: dst.clone(),
+                dst_offset: e.dst_offset,
+            })
+        })
+        .collect()
 }

@@ -330,22 +330,7 @@ impl Net {
 
     fn dsts(&self, entries: &[Entry], route: bool) -> Result<Vec<ScatterDst>, GpuError> {
         let descs = if route { &self.route } else { &self.recv };
-        entries
-            .iter()
-            .map(|e| {
-                let dst = descs.get(e.member).ok_or(MoeError::Shape {
-                    what: "scatter member",
-                    got: e.member as u64,
-                    want: descs.len() as u64,
-                })?;
-                Ok(ScatterDst {
-                    len: e.len,
-                    src_offset: e.src_offset,
-                    dst: dst.clone(),
-                    dst_offset: e.dst_offset,
-                })
-            })
-            .collect()
+        Ok(crate::exec::scatter_dsts(descs, entries)?)
     }
 
     fn scatter(
