@@ -8,6 +8,39 @@ use std::hash::{Hash, Hasher};
 
 use crate::errors;
 
+/// Decodes a wire value; bad input raises `DescriptorError` naming `what`.
+fn from_wire<T: serde::de::DeserializeOwned>(
+    py: Python<'_>,
+    data: &[u8],
+    what: &str,
+) -> PyResult<T> {
+    weft::decode::<T>(data).map_err(|e| {
+        errors::new_err(
+            py,
+            "DescriptorError",
+            Some("wire"),
+            format!("bad {what}: {e}"),
+        )
+    })
+}
+
+/// Encodes a wire value as Python bytes; a failure raises `DescriptorError`.
+fn to_wire<'py, T: serde::Serialize>(
+    py: Python<'py>,
+    value: &T,
+    what: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let b = weft::encode(value).map_err(|e| {
+        errors::new_err(
+            py,
+            "DescriptorError",
+            Some("wire"),
+            format!("encoding {what}: {e}"),
+        )
+    })?;
+    Ok(PyBytes::new(py, &b))
+}
+
 /// What a peer needs to write into a registered region: its address, length
 /// and one remote key per NIC. Send it to the peer with `to_bytes()` and
 /// rebuild it there with `MrDesc.from_bytes(b)`.
@@ -23,29 +56,12 @@ impl PyMrDesc {
     /// garbage input raises `DescriptorError`.
     #[classmethod]
     fn from_bytes(_cls: &Bound<'_, PyType>, py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        weft::decode::<weft::MrDesc>(data)
-            .map(|inner| PyMrDesc { inner })
-            .map_err(|e| {
-                errors::new_err(
-                    py,
-                    "DescriptorError",
-                    Some("wire"),
-                    format!("bad MrDesc: {e}"),
-                )
-            })
+        from_wire(py, data, "MrDesc").map(|inner| PyMrDesc { inner })
     }
 
     /// The descriptor as bytes (stable wire encoding).
     fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let b = weft::encode(&self.inner).map_err(|e| {
-            errors::new_err(
-                py,
-                "DescriptorError",
-                Some("wire"),
-                format!("encoding MrDesc: {e}"),
-            )
-        })?;
-        Ok(PyBytes::new(py, &b))
+        to_wire(py, &self.inner, "MrDesc")
     }
 
     /// Start address of the region in its owner's address space.
@@ -153,29 +169,12 @@ impl PyPeerAddress {
     /// Decodes `to_bytes()` output; bad input raises `DescriptorError`.
     #[classmethod]
     fn from_bytes(_cls: &Bound<'_, PyType>, py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        weft::decode::<weft::GroupAddress>(data)
-            .map(|inner| PyPeerAddress { inner })
-            .map_err(|e| {
-                errors::new_err(
-                    py,
-                    "DescriptorError",
-                    Some("wire"),
-                    format!("bad PeerAddress: {e}"),
-                )
-            })
+        from_wire(py, data, "PeerAddress").map(|inner| PyPeerAddress { inner })
     }
 
     /// The address as bytes (stable wire encoding).
     fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let b = weft::encode(&self.inner).map_err(|e| {
-            errors::new_err(
-                py,
-                "DescriptorError",
-                Some("wire"),
-                format!("encoding PeerAddress: {e}"),
-            )
-        })?;
-        Ok(PyBytes::new(py, &b))
+        to_wire(py, &self.inner, "PeerAddress")
     }
 
     /// Number of NICs of the peer's group.
