@@ -39,7 +39,12 @@ fn shapes() -> Vec<Shape> {
         s("expert.w13 (gate|up) 4096x7168", &[2048, 2048], 7168, true),
         s("expert.w2 7168x2048", &[7168], 2048, true),
         s("8 experts w13 stacked 32768x7168", &[2048; 16], 7168, false),
-        s("dsv3 dense gate_up 36864x7168", &[18432, 18432], 7168, false),
+        s(
+            "dsv3 dense gate_up 36864x7168",
+            &[18432, 18432],
+            7168,
+            false,
+        ),
         s("dsv3 q_b_proj 24576x1536", &[24576], 1536, false),
         s("dsv3 kv_b_proj 32768x512", &[32768], 512, false),
         s("dsv3 o_proj 7168x16384", &[7168], 16384, false),
@@ -68,7 +73,11 @@ fn weights(seed: u64, n: usize) -> Vec<u8> {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let exp = if x % 997 == 0 { 127 + (x >> 40) % 4 } else { 115 + (x >> 40) % 10 };
+        let exp = if x.is_multiple_of(997) {
+            127 + (x >> 40) % 4
+        } else {
+            115 + (x >> 40) % 10
+        };
         let b = (((x >> 63) << 15) | (exp << 7) | ((x >> 20) & 0x7F)) as u16;
         out.extend_from_slice(&b.to_le_bytes());
     }
@@ -135,7 +144,9 @@ fn main() -> Res<()> {
         a.iters,
         a.fsdp
     );
-    let mut tsv = String::from("shape\tparts\trows\tcols\tbf16_bytes\tquant_ms\tquant_gbps\tchain_ms\tchain_gbps\n");
+    let mut tsv = String::from(
+        "shape\tparts\trows\tcols\tbf16_bytes\tquant_ms\tquant_gbps\tchain_ms\tchain_gbps\n",
+    );
     println!(
         "{:<36} {:>10} {:>10} {:>10} {:>10}",
         "shape", "quant ms", "GB/s", "chain ms", "GB/s"
@@ -173,7 +184,12 @@ fn main() -> Res<()> {
             let mut v = Vec::new();
             let mut r = 0;
             for c in chunks(pr, a.fsdp) {
-                v.push(DevMat::dense(&shards, (2 * (at + r) * cols) as usize, c, cols));
+                v.push(DevMat::dense(
+                    &shards,
+                    (2 * (at + r) * cols) as usize,
+                    c,
+                    cols,
+                ));
                 r += c;
             }
             part_shards.push(v);
@@ -206,7 +222,11 @@ fn main() -> Res<()> {
         tsv += &format!(
             "{}\t{}\t{rows}\t{cols}\t{}\t{quant_ms:.5}\t{qg:.2}\t{chain_ms:.5}\t{cg:.2}\n",
             sh.name,
-            sh.parts.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+            sh.parts
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
             2 * n
         );
     }

@@ -59,7 +59,9 @@ fn matrix(seed: u64, rows: usize, cols: usize, specials: u64) -> Vec<u16> {
         .map(|_| {
             let x = g.next();
             if x % 1000 < specials {
-                [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F][(x >> 20) as usize % 8]
+                [
+                    0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F,
+                ][(x >> 20) as usize % 8]
             } else {
                 let sign = ((x >> 63) as u16) << 15;
                 let exp = 90 + ((x >> 8) % 60) as u16;

@@ -143,7 +143,11 @@ impl RlKernels {
 
     /// Copies every `(src, dst)` pair (same shape) with `rl_copy_boxes`,
     /// [`MAX_BOXES`] per launch.
-    pub fn copy_boxes(&self, stream: &Stream, boxes: &[(DevMat<'_>, DevMat<'_>)]) -> Result<(), GpuError> {
+    pub fn copy_boxes(
+        &self,
+        stream: &Stream,
+        boxes: &[(DevMat<'_>, DevMat<'_>)],
+    ) -> Result<(), GpuError> {
         let mut raw = Vec::with_capacity(boxes.len());
         for (s, d) in boxes {
             if s.rows != d.rows || s.cols != d.cols {
@@ -170,7 +174,9 @@ impl RlKernels {
             };
             t.boxes[..chunk.len()].copy_from_slice(chunk);
             let most = chunk.iter().map(|b| b.rows * b.cols).max().unwrap_or(1);
-            let blocks = most.div_ceil(8 * u64::from(THREADS)).clamp(1, MAX_COPY_BLOCKS);
+            let blocks = most
+                .div_ceil(8 * u64::from(THREADS))
+                .clamp(1, MAX_COPY_BLOCKS);
             let mut params = [arg(&t)];
             // SAFETY: `t` matches `RlBoxTable`; every box was checked to lie
             // inside its live device buffer, and the buffers synchronise
@@ -228,7 +234,12 @@ impl RlKernels {
     /// Projection fusion: stacks `segments` (each a box of a full tensor,
     /// all as wide as `dst`) top to bottom into `dst`, as an
     /// [`crate::InferTensor`]'s segments are laid out.
-    pub fn fuse(&self, stream: &Stream, segments: &[DevMat<'_>], dst: &DevMat<'_>) -> Result<(), GpuError> {
+    pub fn fuse(
+        &self,
+        stream: &Stream,
+        segments: &[DevMat<'_>],
+        dst: &DevMat<'_>,
+    ) -> Result<(), GpuError> {
         let mut at = 0u64;
         let mut boxes = Vec::with_capacity(segments.len());
         for s in segments {
@@ -306,7 +317,10 @@ impl RlKernels {
             )));
         }
         let inside = |b: &DeviceBuffer, off: usize, len: u64, what: &str| {
-            if (off as u64).checked_add(len).is_some_and(|e| e <= b.len() as u64) {
+            if (off as u64)
+                .checked_add(len)
+                .is_some_and(|e| e <= b.len() as u64)
+            {
                 Ok(b.device_ptr() + off as u64)
             } else {
                 Err(GpuError::Invalid(format!(
@@ -324,18 +338,13 @@ impl RlKernels {
             )));
         }
         let fast = !generic && block == 128 && cols % 8 == 0 && s % 16 == 0 && qp % 8 == 0;
-                let grid = (bc as u32, br as u32, 1);
-        // SAFETY: the argument lists match the kernels' signatures; every
-        // range the kernels touch was checked to lie inside its live
-        // buffer, and the buffers synchronise the device before freeing.
+        let grid = (bc as u32, br as u32, 1);
         let r = if fast {
-            let mut p = [
-                arg(&s),
-                arg(&rows),
-                arg(&cols),
-                arg(&qp),
-                arg(&sp),
-            ];
+            let mut p = [arg(&s), arg(&rows), arg(&cols), arg(&qp), arg(&sp)];
+            // SAFETY: `p` matches `rl_quant_fp8_128(src, rows, cols, q,
+            // scales)`; every range the kernel touches was checked to lie
+            // inside its live buffer (alignment too), and the buffers
+            // synchronise the device before they are freed.
             unsafe {
                 self.module
                     .launch(self.quant128, stream, grid, (256, 1, 1), 0, &mut p)
@@ -349,6 +358,8 @@ impl RlKernels {
                 arg(&qp),
                 arg(&sp),
             ];
+            // SAFETY: `p` matches `rl_quant_fp8(src, rows, cols, block, q,
+            // scales)`; ranges checked as above.
             unsafe {
                 self.module
                     .launch(self.quant, stream, grid, (256, 1, 1), 0, &mut p)

@@ -156,7 +156,8 @@ extern "C" __global__ void rl_quant_fp8(const rl_u16* __restrict__ src, rl_u64 r
                                         float* __restrict__ scales) {
     __shared__ float sh[32];
     const rl_u64 r0 = (rl_u64)blockIdx.y * block, c0 = (rl_u64)blockIdx.x * block;
-    const rl_u64 h = min(block, rows - r0), w = min(block, cols - c0);
+    const rl_u64 h = rows - r0 < block ? rows - r0 : block;
+    const rl_u64 w = cols - c0 < block ? cols - c0 : block;
     float amax = 0.0f;
     for (rl_u64 i = threadIdx.x; i < h * w; i += blockDim.x) {
         const rl_u64 r = r0 + i / w, c = c0 + i % w;

@@ -307,12 +307,8 @@ impl GpuUpdate {
                         param.name
                     )));
                 };
-                let whole = DevMat::dense(
-                    &self.shards,
-                    (base + po) as usize,
-                    pb.height(),
-                    pb.width(),
-                );
+                let whole =
+                    DevMat::dense(&self.shards, (base + po) as usize, pb.height(), pb.width());
                 shards.push(whole.sub(
                     b.rows.start - pb.rows.start,
                     b.cols.start - pb.cols.start,
@@ -400,7 +396,10 @@ impl GpuUpdate {
                     (&self.target_desc, off),
                     OnDone::counter(&done),
                 )
-                .map_err(GpuError::engine(TRAINER, format!("WRITE of {len} bytes at {off}")))?;
+                .map_err(GpuError::engine(
+                    TRAINER,
+                    format!("WRITE of {len} bytes at {off}"),
+                ))?;
             bytes += len;
         }
         let t = self.cfg.timeout;
