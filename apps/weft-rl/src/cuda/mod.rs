@@ -22,10 +22,10 @@
 //! Needs a CUDA 13 driver and NVRTC at run time (see `weft-cuda`); builds
 //! without either.
 
-#![allow(unsafe_code)] // kernel launches with raw device pointers
-
+#[allow(unsafe_code)] // kernel launches with raw device pointers
 mod kernels;
 mod kernels_cu;
+#[allow(unsafe_code)] // registering device memory with the engines
 mod pipeline;
 
 pub use kernels::{DevMat, RlKernels, MAX_BOXES};
