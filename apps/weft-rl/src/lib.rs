@@ -12,6 +12,9 @@
 //! - [`exec`]: the per-step pipeline over the engine ([`exec::Trainer`],
 //!   [`exec::Inference`]) and the Rank0 baseline in the same code.
 //! - [`sim`]: an event-level scale model driven by the same plan.
+//! - `cuda` (feature `cuda`): the unshard / fuse / fp8-quantise stages as
+//!   NVRTC kernels on device memory, and one trainer and one inference rank
+//!   on one GPU writing through the engine.
 //! - [`models`]: parameter tables of Qwen3-235B-A22B, DeepSeek-V3 and
 //!   Kimi-K2 from their published configs, and the paper's layouts.
 //!
@@ -20,6 +23,8 @@
 
 #![deny(unsafe_code)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod exec;
 pub mod fp8;
