@@ -6,14 +6,17 @@ For every shape of the Rust bench (read from its --out TSV, so both run the
 same shapes and the same FSDP split) it times
   quant: bf16 [R, C] -> pad to 128x128 tiles, view as tiles, amax over each
          tile, scale = amax / 448 (1 where amax == 0), q = x / scale,
-         clamp to +-448, .to(torch.float8_e4m3fn);
+         clamp to +-448, .to(torch.float8_e4m3fn) (timed as written, with
+         torch's default scalar division);
   chain: torch.cat of each part's FSDP Shard(0) chunks (unshard), torch.cat
          of the parts (fuse), then quant;
 with CUDA events, and prints GB/s of bf16 input and ours / torch.
 
 With --dump DIR (written by gpu_quant_bench --dump) it also quantises the
 dumped inputs with the torch reference and compares fp8 bytes and scales
-with ours, bit for bit.
+with ours, bit for bit, against the reference with IEEE division of the
+scale (weft-rl's convention); the plain reference's difference from it is
+printed too.
 
 usage: quant_torch.py --ours results.tsv [--dump DIR] [--iters N] [--fsdp N]
 """
@@ -26,17 +29,32 @@ BLOCK = 128
 E4M3_MAX = 448.0
 
 
-def quant(x: torch.Tensor, block: int = BLOCK):
+def quant(x: torch.Tensor, block: int = BLOCK, ieee: bool = False):
+    """The straightforward reference. `amax / 448` with a Python scalar
+    divisor is computed by torch on CUDA as `amax * (1 / 448)` (its
+    scalar-divisor fast path), which differs from IEEE division in the last
+    bit of about half the scales; `ieee=True` divides by a tensor instead,
+    which is true IEEE division, weft-rl's convention (src/fp8.rs)."""
     rows, cols = x.shape
     pr, pc = (-rows) % block, (-cols) % block
     xp = torch.nn.functional.pad(x, (0, pc, 0, pr)) if pr or pc else x
     br, bc = xp.shape[0] // block, xp.shape[1] // block
     t = xp.view(br, block, bc, block)
     amax = t.abs().amax(dim=(1, 3)).float()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    div = torch.full_like(amax, E4M3_MAX) if ieee else E4M3_MAX
+    scale = torch.where(amax > 0, amax / div, torch.ones_like(amax))
     q = (t.float() / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     q = q.to(torch.float8_e4m3fn).view(xp.shape)[:rows, :cols].contiguous()
     return q, scale
+
+
+def tile_amax(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Per-tile amax (f32), as `quant` computes it."""
+    rows, cols = x.shape
+    pr, pc = (-rows) % block, (-cols) % block
+    xp = torch.nn.functional.pad(x, (0, pc, 0, pr)) if pr or pc else x
+    t = xp.view(xp.shape[0] // block, block, xp.shape[1] // block, block)
+    return t.abs().amax(dim=(1, 3)).float()
 
 
 def chunks(ext: int, n: int):
@@ -67,7 +85,20 @@ def check(dump: str) -> bool:
         rows, cols = int(rows), int(cols)
         raw = open(f"{dump}/{si}.in.bf16", "rb").read()
         x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(rows, cols).cuda()
-        q, scale = quant(x)
+        # The plain reference, for information: how far torch's default
+        # scalar division lands from IEEE division, and whether it is
+        # exactly amax * f32(1/448) (the scalar fast path).
+        pq, ps = quant(x)
+        q, scale = quant(x, ieee=True)
+        amax = tile_amax(x)
+        nz = amax > 0
+        recip = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32, device=amax.device)
+        is_recip = bool(torch.equal(ps[nz], amax[nz] * recip))
+        plain_s = int((ps != scale).sum())
+        plain_q = int((pq.view(torch.uint8) != q.view(torch.uint8)).sum())
+        print(f"  plain torch (amax / 448.0) vs IEEE division: scales differing "
+              f"{plain_s} / {scale.numel()}, fp8 bytes differing {plain_q} / {q.numel()}; "
+              f"plain scales == amax * f32(1/448): {is_recip}")
         ours_q = torch.frombuffer(bytearray(open(f"{dump}/{si}.q.bin", "rb").read()), dtype=torch.uint8)
         ours_s = torch.frombuffer(bytearray(open(f"{dump}/{si}.scales.f32", "rb").read()), dtype=torch.int32)
         tq = q.view(torch.uint8).flatten().cpu()
