@@ -77,6 +77,7 @@ pub mod layout;
 mod liveness;
 mod pages;
 mod prefiller;
+pub mod rendezvous;
 mod send;
 mod timer;
 pub mod tp;
@@ -91,6 +92,7 @@ pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
 pub use pages::{PageLease, PagePool};
+pub use rendezvous::{Follower, KvPeer, KvRendezvous, Member};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
     TaskKey, Write,
