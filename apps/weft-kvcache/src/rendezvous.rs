@@ -41,7 +41,13 @@ pub struct KvPeer {
 pub struct KvRendezvous {
     decoders: Records<KvPeer>,
     prefillers: Records<KvPeer>,
+    grace: Duration,
 }
+
+/// How long a follower waits, after a record left, for it to come back
+/// with the same address before it acts on the leave (see
+/// [`KvRendezvous::with_grace`]).
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(1);
 
 fn store_err(store: &Arc<dyn Store>, what: &'static str) -> impl FnOnce(StoreError) -> KvError {
     let store = store.endpoint().to_string();
@@ -59,7 +65,19 @@ impl KvRendezvous {
         KvRendezvous {
             decoders: Records::new(&ns, DECODERS),
             prefillers: Records::new(&ns, PREFILLERS),
+            grace: DEFAULT_GRACE,
         }
+    }
+
+    /// Sets how long followers wait after a record left before acting on
+    /// it ([`DEFAULT_GRACE`]). A record can leave and come back with the
+    /// same address when its process's session had to re-grant its lease
+    /// (a keep-alive delayed past the TTL, a store that lost its data);
+    /// within the grace that is no departure. The follower's members drop
+    /// the record at once either way, so nothing new is routed to it.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     /// The store.
@@ -135,7 +153,7 @@ impl KvRendezvous {
     pub fn follow_prefillers(&self, dec: &Arc<Decoder>) -> Result<Follower, KvError> {
         let weak = Arc::downgrade(dec);
         let store = self.store().endpoint().to_string();
-        Follower::start(&self.prefillers, "kv-follow-prefillers", move |ch| {
+        Follower::start(&self.prefillers, "kv-follow-prefillers", self.grace, move |ch| {
             let dec = weak.upgrade()?;
             match ch {
                 Change::Join(p) => Some(dec.add_prefiller(p.addr.clone())),
@@ -158,7 +176,7 @@ impl KvRendezvous {
     pub fn follow_decoders(&self, pre: &Arc<Prefiller>) -> Result<Follower, KvError> {
         let weak = Arc::downgrade(pre);
         let store = self.store().endpoint().to_string();
-        Follower::start(&self.decoders, "kv-follow-decoders", move |ch| {
+        Follower::start(&self.decoders, "kv-follow-decoders", self.grace, move |ch| {
             if let (Change::Leave(p), Some(pre)) = (ch, weak.upgrade()) {
                 pre.remove_decoder(
                     &p.addr,
@@ -174,7 +192,7 @@ impl KvRendezvous {
     /// Follows the decoders without acting on them (a router picking a
     /// decoder per request, a monitor).
     pub fn watch_decoders(&self) -> Result<Follower, KvError> {
-        Follower::start(&self.decoders, "kv-watch-decoders", |_| None)
+        Follower::start(&self.decoders, "kv-watch-decoders", self.grace, |_| None)
     }
 }
 
@@ -201,6 +219,8 @@ pub struct Member {
 #[derive(Default)]
 struct FollowState {
     members: BTreeMap<String, Member>,
+    /// Left, not yet acted on: since when.
+    leaving: BTreeMap<String, (Member, Instant)>,
     joins: u64,
     leaves: u64,
     closed: Option<String>,
@@ -232,10 +252,13 @@ impl std::fmt::Debug for Follower {
 
 impl Follower {
     /// Watches `records`, calling `on` for every join and leave (from the
-    /// follower's thread) and keeping what it returns with the member.
+    /// follower's thread) and keeping what it returns with the member. A
+    /// leave is acted on once the record stayed away for `grace`; a record
+    /// that comes back with the same address within it keeps its member.
     pub fn start(
         records: &Records<KvPeer>,
         name: &'static str,
+        grace: Duration,
         mut on: impl FnMut(Change<'_>) -> Option<PrefillerId> + Send + 'static,
     ) -> Result<Follower, KvError> {
         let store = records.namespace().store().clone();
@@ -250,7 +273,8 @@ impl Follower {
             .name(name.into())
             .spawn(move || {
                 while !bg.stop.load(Ordering::Acquire) {
-                    let ev = match watch.recv_timeout(Duration::from_millis(50)) {
+                    bg.expire(grace, &mut on);
+                    let ev = match watch.recv_timeout(Duration::from_millis(20)) {
                         Ok(Some(ev)) => ev,
                         Ok(None) => continue,
                         Err(e @ StoreError::WatchClosed { .. }) => {
@@ -328,6 +352,29 @@ impl Drop for Follower {
 }
 
 impl FollowShared {
+    /// Acts on the leaves older than `grace`.
+    fn expire(&self, grace: Duration, on: &mut impl FnMut(Change<'_>) -> Option<PrefillerId>) {
+        let now = Instant::now();
+        let gone: Vec<Member> = {
+            let mut s = self.state.lock();
+            let names: Vec<String> = s
+                .leaving
+                .iter()
+                .filter(|(_, (_, t))| now.saturating_duration_since(*t) >= grace)
+                .map(|(n, _)| n.clone())
+                .collect();
+            names
+                .iter()
+                .filter_map(|n| s.leaving.remove(n).map(|(m, _)| m))
+                .collect()
+        };
+        for m in gone {
+            on(Change::Leave(&m.peer));
+            self.state.lock().leaves += 1;
+            self.cv.notify_all();
+        }
+    }
+
     fn apply(
         &self,
         ev: RecordEvent<KvPeer>,
@@ -340,38 +387,47 @@ impl FollowShared {
             RecordEvent::Left { name } => (name, None),
             _ => return,
         };
-        let old = self.state.lock().members.get(&name).cloned();
+        let Some(rec) = rec else {
+            // Out of the members now; acted on after the grace.
+            let mut s = self.state.lock();
+            if let Some(m) = s.members.remove(&name) {
+                s.leaving.insert(name, (m, Instant::now()));
+            }
+            drop(s);
+            self.cv.notify_all();
+            return;
+        };
+        let old = {
+            let mut s = self.state.lock();
+            match s.leaving.remove(&name) {
+                Some((m, _)) => Some(m),
+                None => s.members.remove(&name),
+            }
+        };
         // The callbacks run without the lock: they step the decoder or
         // prefiller, whose own callbacks may read the members.
-        if let Some(o) = &old {
-            if rec.as_ref().is_some_and(|r| r.addr == o.peer.addr) {
-                // Same address (a new generation or a re-put): keep it.
-                let mut s = self.state.lock();
-                if let (Some(m), Some(r)) = (s.members.get_mut(&name), rec) {
-                    m.peer = r;
-                }
-                drop(s);
-                self.cv.notify_all();
-                return;
+        let member = match old {
+            // Same address (back within the grace, a new generation, a
+            // re-put): the same peer.
+            Some(mut m) if m.peer.addr == rec.addr => {
+                m.peer = rec;
+                m
             }
-            on(Change::Leave(&o.peer));
-            let mut s = self.state.lock();
-            s.members.remove(&name);
-            s.leaves += 1;
-        }
-        if let Some(r) = rec {
-            let prefiller = on(Change::Join(&r));
-            let mut s = self.state.lock();
-            s.joins += 1;
-            s.members.insert(
-                name.clone(),
+            old => {
+                if let Some(o) = old {
+                    on(Change::Leave(&o.peer));
+                    self.state.lock().leaves += 1;
+                }
+                let prefiller = on(Change::Join(&rec));
+                self.state.lock().joins += 1;
                 Member {
-                    name,
-                    peer: r,
+                    name: name.clone(),
+                    peer: rec,
                     prefiller,
-                },
-            );
-        }
+                }
+            }
+        };
+        self.state.lock().members.insert(name, member);
         self.cv.notify_all();
     }
 }
