@@ -153,21 +153,26 @@ impl KvRendezvous {
     pub fn follow_prefillers(&self, dec: &Arc<Decoder>) -> Result<Follower, KvError> {
         let weak = Arc::downgrade(dec);
         let store = self.store().endpoint().to_string();
-        Follower::start(&self.prefillers, "kv-follow-prefillers", self.grace, move |ch| {
-            let dec = weak.upgrade()?;
-            match ch {
-                Change::Join(p) => Some(dec.add_prefiller(p.addr.clone())),
-                Change::Leave(p) => {
-                    dec.remove_prefiller(
-                        &p.addr,
-                        PeerLoss::Left {
-                            store: store.clone(),
-                        },
-                    );
-                    None
+        Follower::start(
+            &self.prefillers,
+            "kv-follow-prefillers",
+            self.grace,
+            move |ch| {
+                let dec = weak.upgrade()?;
+                match ch {
+                    Change::Join(p) => Some(dec.add_prefiller(p.addr.clone())),
+                    Change::Leave(p) => {
+                        dec.remove_prefiller(
+                            &p.addr,
+                            PeerLoss::Left {
+                                store: store.clone(),
+                            },
+                        );
+                        None
+                    }
                 }
-            }
-        })
+            },
+        )
     }
 
     /// Follows the decoders for `pre`: each one that leaves is removed
@@ -176,17 +181,22 @@ impl KvRendezvous {
     pub fn follow_decoders(&self, pre: &Arc<Prefiller>) -> Result<Follower, KvError> {
         let weak = Arc::downgrade(pre);
         let store = self.store().endpoint().to_string();
-        Follower::start(&self.decoders, "kv-follow-decoders", self.grace, move |ch| {
-            if let (Change::Leave(p), Some(pre)) = (ch, weak.upgrade()) {
-                pre.remove_decoder(
-                    &p.addr,
-                    PeerLoss::Left {
-                        store: store.clone(),
-                    },
-                );
-            }
-            None
-        })
+        Follower::start(
+            &self.decoders,
+            "kv-follow-decoders",
+            self.grace,
+            move |ch| {
+                if let (Change::Leave(p), Some(pre)) = (ch, weak.upgrade()) {
+                    pre.remove_decoder(
+                        &p.addr,
+                        PeerLoss::Left {
+                            store: store.clone(),
+                        },
+                    );
+                }
+                None
+            },
+        )
     }
 
     /// Follows the decoders without acting on them (a router picking a

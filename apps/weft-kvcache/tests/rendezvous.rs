@@ -170,7 +170,11 @@ impl DecProc {
     /// The route to the first prefiller this decoder knows.
     fn route(&self) -> Option<Route> {
         let f = self.follower.lock();
-        let p = f.as_ref()?.members().into_iter().find_map(|m| m.prefiller)?;
+        let p = f
+            .as_ref()?
+            .members()
+            .into_iter()
+            .find_map(|m| m.prefiller)?;
         Some(Route::single(p, lay().kv_heads))
     }
 
@@ -223,7 +227,12 @@ impl Client {
         let ledger: Arc<Mutex<BTreeMap<u64, Entry>>> = Arc::default();
         let done_by: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
         let issued = Arc::new(AtomicU64::new(0));
-        let (s2, l2, d2, i2) = (stop.clone(), ledger.clone(), done_by.clone(), issued.clone());
+        let (s2, l2, d2, i2) = (
+            stop.clone(),
+            ledger.clone(),
+            done_by.clone(),
+            issued.clone(),
+        );
         let thread = std::thread::spawn(move || {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             let mut flying: Vec<InFlight> = Vec::new();
@@ -492,21 +501,28 @@ fn pool_run(seed: u64) {
             .lock()
             .insert(n.into(), DecProc::start(&fabric, &mem, n));
     }
-    let router = Arc::new(KvRendezvous::new(mem.clone(), NS).with_grace(GRACE).watch_decoders().unwrap());
+    let router = Arc::new(
+        KvRendezvous::new(mem.clone(), NS)
+            .with_grace(GRACE)
+            .watch_decoders()
+            .unwrap(),
+    );
     assert!(router.wait_until(HANG, |m| m.len() == 2));
     let mut client = Client::start(seed, router.clone(), procs.clone());
     client.wait_done_by("decode-0", 4);
     client.wait_done_by("decode-1", 4);
 
     // decode-2 joins under load: the client starts using it.
-    procs.lock().insert(
-        "decode-2".into(),
-        DecProc::start(&fabric, &mem, "decode-2"),
-    );
+    procs
+        .lock()
+        .insert("decode-2".into(), DecProc::start(&fabric, &mem, "decode-2"));
     client.wait_done_by("decode-2", 4);
     assert_eq!(names(&pfollow), ["decode-0", "decode-1", "decode-2"]);
 
-    println!("seed {seed}: router joins/leaves before the first leave: {:?}", router.counts());
+    println!(
+        "seed {seed}: router joins/leaves before the first leave: {:?}",
+        router.counts()
+    );
     // decode-0 leaves cleanly: withdraws, drains what it has in flight,
     // closes its session.
     {
@@ -548,7 +564,11 @@ fn pool_run(seed: u64) {
     let after_leave = client.done_by("decode-0");
     client.wait_done_by("decode-1", 4);
     client.wait_done_by("decode-2", 4);
-    assert_eq!(client.done_by("decode-0"), after_leave, "routed to a decoder that left");
+    assert_eq!(
+        client.done_by("decode-0"),
+        after_leave,
+        "routed to a decoder that left"
+    );
 
     // decode-1 is killed with requests parked at the prefiller.
     let d1 = procs.lock().get("decode-1").cloned().unwrap();
@@ -601,7 +621,11 @@ fn pool_run(seed: u64) {
             None => panic!("request {seq} to {} never ended", e.decoder),
         }
     }
-    assert!(failed >= parked.len(), "{failed} failed, {} parked", parked.len());
+    assert!(
+        failed >= parked.len(),
+        "{failed} failed, {} parked",
+        parked.len()
+    );
     println!(
         "seed {seed}: {} requests, {failed} failed (killed decoder), completed per decoder {:?}",
         ledger.len(),

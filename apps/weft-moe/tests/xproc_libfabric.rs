@@ -15,8 +15,8 @@ mod common;
 use common::{expert_outputs, inputs, Routing};
 use std::sync::Arc;
 use std::time::Duration;
-use weft::{DomainGroupSpec, EngineConfig, LibfabricOptions, ProviderConfig, TransferEngine};
 use weft::rendezvous::{self, Session};
+use weft::{DomainGroupSpec, EngineConfig, LibfabricOptions, ProviderConfig, TransferEngine};
 use weft_moe::{reference, MoeConfig, MoeRank, MoeRendezvous, RankInfo};
 use weft_testkit::child::{self, spawn_role, ChildProcess};
 

@@ -5,6 +5,10 @@
 //! - `weft-rl simulate` predicts update times at the paper's scale.
 //! - `weft-rl run --provider libfabric:tcp` runs real updates between
 //!   processes (P2P and Rank0 side by side, checked bit-exact; `--kill`).
+//!   With `--rendezvous dir:/path` (or `etcd:http://host:2379`; `mem` for
+//!   loopback threads) the ranks publish their memory descriptors in the
+//!   store and read each other's from it; the controller only relays each
+//!   rank's generation.
 
 mod demo;
 mod run;

@@ -8,6 +8,11 @@
 //! `check D` (inference: compare the live buffer with the reference of
 //! data step `D`), `recover`, `quit`. Rank → parent: `ep …` once, then
 //! `done ok`, `done err MESSAGE`, `checked BAD`, `recovered`.
+//!
+//! With a rendezvous store ([`Spec::rendezvous`]) a rank publishes its
+//! descriptors there ([`RankRecord`], kind `rl-ranks`) and says `ep rdv GEN`;
+//! the `dir` line then carries `rdv GEN` per rank and each rank reads the
+//! descriptors from the store at exactly those generations.
 #![allow(dead_code)]
 
 use std::sync::Arc;
@@ -183,7 +188,7 @@ pub struct RankRecord {
 
 /// The store `spec` names: `mem` is this process's one in-memory store
 /// (loopback ranks are threads of one process).
-pub fn open_store(spec: &Spec) -> Result<Option<(Records<RankRecord>, Arc<dyn Store>)>, String> {
+pub fn open_store(spec: &Spec) -> Result<Option<Records<RankRecord>>, String> {
     static MEM: std::sync::OnceLock<Arc<dyn Store>> = std::sync::OnceLock::new();
     let Some((r, ns)) = &spec.rendezvous else {
         return Ok(None);
@@ -195,8 +200,8 @@ pub fn open_store(spec: &Spec) -> Result<Option<(Records<RankRecord>, Arc<dyn St
             .clone(),
         other => rendezvous::open(&other).map_err(|e| e.to_string())?,
     };
-    let ns = Namespace::new(store.clone(), ns);
-    Ok(Some((Records::new(&ns, "rl-ranks"), store)))
+    let ns = Namespace::new(store, ns);
+    Ok(Some(Records::new(&ns, "rl-ranks")))
 }
 
 /// A generation no other rank process of this run has: the process id and
@@ -240,7 +245,11 @@ fn resolve_dir(
     wait: Duration,
 ) -> Result<Vec<String>, String> {
     if w.len() != 1 + 2 * (nt + ni) {
-        return Err(format!("dir rdv line has {} words, want {}", w.len(), 1 + 2 * (nt + ni)));
+        return Err(format!(
+            "dir rdv line has {} words, want {}",
+            w.len(),
+            1 + 2 * (nt + ni)
+        ));
     }
     let names = (0..nt)
         .map(|k| format!("trainer-{k}"))
@@ -254,9 +263,7 @@ fn resolve_dir(
         let rec = loop {
             match recs.get(&name) {
                 Ok(Some(r)) if r.generation == g => break r,
-                Ok(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
+                Ok(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
                 Ok(r) => {
                     return Err(format!(
                         "{name} generation {g} not in the store (found {:?})",
@@ -291,8 +298,8 @@ pub fn serve(
     let e = |x: weft_rl::RlError| x.to_string();
     // With a store: a session (the records leave with this rank).
     let rdv = match open_store(spec)? {
-        Some((recs, store)) => {
-            let session = Session::new(store, Duration::from_secs(5))
+        Some(recs) => {
+            let session = Session::new(recs.namespace().store().clone(), Duration::from_secs(5))
                 .map_err(|e| format!("rendezvous session: {e}"))?;
             Some((recs, session))
         }

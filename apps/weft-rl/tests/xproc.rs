@@ -101,7 +101,7 @@ fn run(spec: &Spec, kill: bool) {
 
 /// The generations of the ranks' records in the spec's store, by name.
 fn store_generations(spec: &Spec) -> Vec<(String, u64)> {
-    let (recs, _) = worker::open_store(spec).unwrap().expect("a store");
+    let recs = worker::open_store(spec).unwrap().expect("a store");
     recs.list()
         .unwrap()
         .into_iter()

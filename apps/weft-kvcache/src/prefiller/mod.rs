@@ -207,8 +207,7 @@ impl Prefiller {
     /// completed, nothing more is written to it and its later requests are
     /// ignored.
     pub fn remove_decoder(&self, addr: &GroupAddress, loss: crate::PeerLoss) {
-        self.sh
-            .step(|c| c.decoder_gone(addr, loss, Instant::now()));
+        self.sh.step(|c| c.decoder_gone(addr, loss, Instant::now()));
     }
 
     /// Refuses `inc`; its decoder gets [`KvError::Refused`].

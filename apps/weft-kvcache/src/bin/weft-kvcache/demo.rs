@@ -68,7 +68,10 @@ pub(crate) fn prefill(a: PrefillArgs) -> Result<ExitCode, String> {
             rdv.announce_prefiller(&session, &name, &pre, 1)
                 .map_err(|e| e.to_string())?;
             let follower = rdv.follow_decoders(&pre).map_err(|e| e.to_string())?;
-            eprintln!("weft-kvcache: prefiller {name} in {}", rdv.store().endpoint());
+            eprintln!(
+                "weft-kvcache: prefiller {name} in {}",
+                rdv.store().endpoint()
+            );
             Some((session, follower))
         }
         None => None,
@@ -257,7 +260,10 @@ pub(crate) fn decode(a: DecodeArgs) -> Result<ExitCode, String> {
                 .ok_or("the prefiller left")?;
             rdv.announce_decoder(&session, &name, &dec, 1)
                 .map_err(|e| e.to_string())?;
-            eprintln!("weft-kvcache: decoder {name} routes to prefiller {}", m.name);
+            eprintln!(
+                "weft-kvcache: decoder {name} routes to prefiller {}",
+                m.name
+            );
             found = Some((session, follower));
             m.prefiller.ok_or("the prefiller left")?
         }

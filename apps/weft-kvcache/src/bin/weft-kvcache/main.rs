@@ -26,11 +26,11 @@ use clap::{Args, Parser, Subcommand};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
+use weft::rendezvous::{self, RendezvousSpec, Session};
 use weft::{
     DomainGroupSpec, EngineConfig, GroupAddress, LibfabricOptions, NetAddr, ProviderConfig,
     ProviderSpec, TransferEngine,
 };
-use weft::rendezvous::{self, RendezvousSpec, Session};
 use weft_kvcache::{HeadOrder, Heartbeat, KvConfig, KvLayout, KvRendezvous};
 
 #[derive(Parser, Debug)]
@@ -165,10 +165,7 @@ impl Common {
 
     /// The store `--rendezvous` names, a session in it and this process's
     /// name; `None` without `--rendezvous`.
-    fn rendezvous(
-        &self,
-        role: &str,
-    ) -> Result<Option<(KvRendezvous, Session, String)>, String> {
+    fn rendezvous(&self, role: &str) -> Result<Option<(KvRendezvous, Session, String)>, String> {
         let Some(spec) = &self.rendezvous else {
             return Ok(None);
         };
