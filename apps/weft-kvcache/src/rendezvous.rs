@@ -8,6 +8,11 @@
 //!
 //! Keys: `weft/<namespace>/app/kv-decoders/<name>` and
 //! `weft/<namespace>/app/kv-prefillers/<name>`, each a [`KvPeer`].
+//!
+//! A peer acted on as departed stays dead for its address: if the same
+//! address comes back after the grace, the decoder keeps refusing routes
+//! to it and the prefiller keeps ignoring it. A restarted process has a new
+//! engine, hence a new address, and joins as a new peer.
 
 use crate::{Decoder, KvError, PeerLoss, Prefiller, PrefillerId};
 use parking_lot::{Condvar, Mutex};
