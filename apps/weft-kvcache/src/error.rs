@@ -20,6 +20,13 @@ pub enum PeerLoss {
         /// The engine's error, rendered.
         error: String,
     },
+    /// Its record left the rendezvous store: it left cleanly, or its lease
+    /// ran out (the process died).
+    #[error("it left the rendezvous store {store}")]
+    Left {
+        /// The store's endpoint.
+        store: String,
+    },
 }
 
 /// Why a prefiller refused a request.
@@ -216,6 +223,16 @@ pub enum KvError {
         /// The OS error.
         error: String,
     },
+    /// A rendezvous store operation failed (publishing, watching).
+    #[error("rendezvous store {store}: {what}: {error}")]
+    Rendezvous {
+        /// What was being done.
+        what: &'static str,
+        /// The store's endpoint.
+        store: String,
+        /// The store's error, rendered.
+        error: String,
+    },
 }
 
 impl KvError {
@@ -241,6 +258,7 @@ impl KvError {
             KvError::Wire(_) => "Wire",
             KvError::ShutDown => "ShutDown",
             KvError::Spawn { .. } => "Spawn",
+            KvError::Rendezvous { .. } => "Rendezvous",
         }
     }
 

@@ -49,6 +49,34 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Finding each other through a rendezvous store
+//! [`KvRendezvous`] (module [`rendezvous`]): each process announces its role
+//! in a `weft::rendezvous` store under its session's lease; a decoder
+//! follows the prefillers (adding each that joins, failing the requests of
+//! each that leaves), a prefiller follows the decoders (dropping the work of
+//! each that leaves). A record leaves on a clean leave or when the process
+//! dies and its lease runs out.
+//!
+//! ```no_run
+//! # use std::{sync::Arc, time::Duration};
+//! # use weft_kvcache::{Decoder, KvRendezvous, Route};
+//! # fn f(dec: Arc<Decoder>) -> Result<(), Box<dyn std::error::Error>> {
+//! use weft::rendezvous::{self, Session};
+//! let store = rendezvous::open(&"dir:/run/weft".parse()?)?;
+//! let session = Session::new(store.clone(), Duration::from_secs(5))?;
+//! let rdv = KvRendezvous::new(store, "prod-kv");
+//! let prefillers = rdv.follow_prefillers(&dec)?;     // joins and leaves, from now on
+//! prefillers.wait_until(Duration::from_secs(30), |m| !m.is_empty());
+//! rdv.announce_decoder(&session, "decode-0", &dec, 1)?;
+//! let p = prefillers.members()[0].prefiller.unwrap();
+//! let route = Route::single(p, dec.layout().kv_heads);
+//! // ... requests; then a clean leave:
+//! rdv.withdraw_decoder(&session, "decode-0")?;       // routers stop sending here
+//! // drain (dec.pending() == 0), then
+//! session.close()?;
+//! # let _ = route; Ok(()) }
+//! ```
+//!
 //! ## Structure
 //! - [`layout`]: offsets, per-layer page sets, immediate counts.
 //! - [`tp`]: heads per rank, TP split/merge and MLA's seeded matching.
@@ -77,6 +105,7 @@ pub mod layout;
 mod liveness;
 mod pages;
 mod prefiller;
+pub mod rendezvous;
 mod send;
 mod timer;
 pub mod tp;
@@ -95,5 +124,6 @@ pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
     TaskKey, Write,
 };
+pub use rendezvous::{Follower, KvPeer, KvRendezvous, Member};
 pub use tp::{RankSource, TpShape};
 pub use wire::{KvRequest, Msg};

@@ -220,3 +220,63 @@ fn a_killed_prefiller_fails_the_decoders_requests() {
         assert_eq!(st.code(), Some(3), "{provider}: {:?}", dec.seen);
     }
 }
+
+/// A fresh directory for a `dir:` rendezvous store.
+fn store_dir(tag: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!(
+        "weft-kvcache-rdv-{tag}-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    ));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).expect("store dir");
+    p
+}
+
+#[test]
+fn processes_find_each_other_through_a_dir_store() {
+    for provider in ["tcp", "shm"] {
+        if !available(provider) {
+            continue;
+        }
+        let dir = store_dir(provider);
+        let rdv = format!("dir:{}", dir.display());
+        let spec = format!("libfabric:{provider}");
+        let mut pre = spawn(&args(
+            "prefill",
+            &spec,
+            &["--rendezvous", &rdv, "--name", "p0", "--max-requests", "8"],
+        ));
+        pre.expect("ready ");
+        // No address is pasted: the decoder finds the prefiller in the store.
+        let mut dec = spawn(&args(
+            "decode",
+            &spec,
+            &[
+                "--rendezvous",
+                &rdv,
+                "--requests",
+                "8",
+                "--prompt-pages",
+                "5",
+                "--concurrency",
+                "2",
+            ],
+        ));
+        let s = dec.expect("summary ");
+        assert!(s.contains("requests=8"), "{provider}: {s}");
+        assert!(dec.wait().success(), "{provider}: decoder {:?}", dec.seen);
+        assert_eq!(
+            dec.seen.iter().filter(|l| l.starts_with("done ")).count(),
+            8,
+            "{provider}: {:?}",
+            dec.seen
+        );
+        assert!(pre.wait().success(), "{provider}: prefiller {:?}", pre.seen);
+        // Both left cleanly: nothing of them stays in the store.
+        let store = weft::rendezvous::DirStore::open(&dir, Default::default()).expect("open");
+        let left = weft::rendezvous::Store::list(&store, "weft/kvcache/").expect("list");
+        assert!(left.is_empty(), "{provider}: {left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

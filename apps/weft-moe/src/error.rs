@@ -184,6 +184,18 @@ pub enum MoeError {
     /// `dispatch` or `combine` before `connect`.
     #[error("MoE rank is not connected")]
     NotConnected,
+    /// Publishing or reading a rank's [`RankInfo`](crate::RankInfo) in a
+    /// rendezvous store failed (the store unreachable, the rank not there
+    /// in time, an undecodable record).
+    #[error("MoE rendezvous {store}, rank {rank}: {what}")]
+    Rendezvous {
+        /// The store's endpoint.
+        store: String,
+        /// The rank concerned.
+        rank: u32,
+        /// What failed.
+        what: String,
+    },
     /// A peer's [`RankInfo`](crate::RankInfo) does not fit this rank.
     #[error("MoE peer info of rank {rank}: {what}")]
     PeerInfo {

@@ -25,6 +25,8 @@
 //! naive [`reference`](mod@reference), and [`MoeRank`], the blocking CPU driver over a
 //! [`weft::TransferEngine`] with host buffers. The GPU path (feature `cuda`)
 //! is in the `cuda` module: NVRTC kernels, GPU buffers and a proxy per rank.
+//! Ranks in separate processes exchange their [`RankInfo`]s out of band or
+//! through a rendezvous store ([`MoeRendezvous`]).
 
 #![deny(unsafe_code)]
 
@@ -41,6 +43,7 @@ pub mod pack;
 mod plan;
 mod rank;
 pub mod reference;
+pub mod rendezvous;
 mod routes;
 pub mod sim;
 
@@ -55,4 +58,5 @@ pub use plan::{
     SrcSlot, StepPlan,
 };
 pub use rank::{Layout, MoeRank};
+pub use rendezvous::MoeRendezvous;
 pub use routes::{count_pairs, row_to_le_bytes, CountedPairs, RouteMatrix};

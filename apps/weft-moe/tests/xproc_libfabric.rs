@@ -5,21 +5,26 @@
 //! every child the full list, and each child runs three steps on routings
 //! generated from the shared seed and checks its own expert tokens and
 //! combined tokens byte for byte against the naive reference, which it
-//! computes from the same seed. Skips (printing SKIP) when libfabric or the
-//! provider is unavailable.
+//! computes from the same seed. With a rendezvous store (`dir:`, named in
+//! the children's environment) the parent relays nothing: each child
+//! publishes its `RankInfo` in the store and gathers everyone's from it.
+//! Skips (printing SKIP) when libfabric or the provider is unavailable.
 
 mod common;
 
 use common::{expert_outputs, inputs, Routing};
 use std::sync::Arc;
 use std::time::Duration;
+use weft::rendezvous::{self, Session};
 use weft::{DomainGroupSpec, EngineConfig, LibfabricOptions, ProviderConfig, TransferEngine};
-use weft_moe::{reference, MoeConfig, MoeRank, RankInfo};
+use weft_moe::{reference, MoeConfig, MoeRank, MoeRendezvous, RankInfo};
 use weft_testkit::child::{self, spawn_role, ChildProcess};
 
 const ENTRY: &str = "moe_rank_entry";
 const NICS: usize = 2;
 const STEPS: u64 = 3;
+/// The environment variable naming the children's rendezvous store.
+const RDV_ENV: &str = "WEFT_MOE_TEST_RDV";
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -84,14 +89,29 @@ fn moe_rank_entry() {
     let d = c.validate().unwrap();
     let e = engine(prov);
     let (mut rank, info) = MoeRank::prepare(e.clone(), &c, r).expect("prepare");
-    child::send_line(&format!("info {}", hex(&info.to_bytes()))).unwrap();
-    let line = child::recv_line().unwrap().expect("peers line");
-    let infos: Vec<RankInfo> = line
-        .strip_prefix("peers ")
-        .expect("peers")
-        .split(',')
-        .map(|h| RankInfo::from_bytes(&unhex(h)).expect("rank info"))
-        .collect();
+    let mut session = None;
+    let infos: Vec<RankInfo> = match std::env::var(RDV_ENV) {
+        // Through the store: publish, gather, nothing from the parent.
+        Ok(spec) => {
+            let store = rendezvous::open(&spec.parse().expect("spec")).expect("store");
+            let s = Session::new(store.clone(), Duration::from_secs(10)).expect("session");
+            let rdv = MoeRendezvous::new(store, &format!("xproc-{seed}"));
+            rdv.publish(&s, &info).expect("publish");
+            session = Some(s);
+            let all = rdv.gather(n, Duration::from_secs(120)).expect("gather");
+            child::send_line("gathered").unwrap();
+            all
+        }
+        Err(_) => {
+            child::send_line(&format!("info {}", hex(&info.to_bytes()))).unwrap();
+            let line = child::recv_line().unwrap().expect("peers line");
+            line.strip_prefix("peers ")
+                .expect("peers")
+                .split(',')
+                .map(|h| RankInfo::from_bytes(&unhex(h)).expect("rank info"))
+                .collect()
+        }
+    };
     rank.connect(&infos).expect("connect");
     for k in 0..STEPS {
         let ins = inputs(&d, Routing::Random, seed * 1000 + k, k == 1);
@@ -115,6 +135,9 @@ fn moe_rank_entry() {
         assert_eq!(e.imm_pending(v), 0);
     }
     assert_eq!(e.stats().imm_excess, 0);
+    if let Some(s) = session {
+        s.close().expect("leave the store");
+    }
     child::send_line("done").unwrap();
     e.shutdown();
     std::process::exit(0);
@@ -131,21 +154,36 @@ fn expect(c: &mut ChildProcess, what: &str, r: usize) -> String {
 }
 
 fn cluster(prov: &str, n: u32, seed: u64) {
+    cluster_with(prov, n, seed, None)
+}
+
+/// `rdv`: the children's rendezvous store spec (`dir:/path`).
+fn cluster_with(prov: &str, n: u32, seed: u64, rdv: Option<&str>) {
     if let Err(why) = backend(prov) {
         println!("SKIP: libfabric:{prov} unavailable: {why}");
         return;
     }
-    let mut kids: Vec<ChildProcess> = (0..n)
-        .map(|r| spawn_role(ENTRY, &format!("{r}/{n}/{seed}/{prov}"), &[]).expect("spawn"))
+    let env: Vec<(&str, &std::ffi::OsStr)> = rdv
+        .map(|s| (RDV_ENV, std::ffi::OsStr::new(s)))
+        .into_iter()
         .collect();
-    let mut infos = Vec::new();
-    for (r, c) in kids.iter_mut().enumerate() {
-        let l = expect(c, "info", r);
-        infos.push(l.strip_prefix("info ").expect("info line").to_string());
-    }
-    let line = format!("peers {}", infos.join(","));
-    for c in &mut kids {
-        c.send_line(&line).expect("send peers");
+    let mut kids: Vec<ChildProcess> = (0..n)
+        .map(|r| spawn_role(ENTRY, &format!("{r}/{n}/{seed}/{prov}"), &env).expect("spawn"))
+        .collect();
+    if rdv.is_some() {
+        for (r, c) in kids.iter_mut().enumerate() {
+            assert_eq!(expect(c, "gathered", r), "gathered", "rank {r}");
+        }
+    } else {
+        let mut infos = Vec::new();
+        for (r, c) in kids.iter_mut().enumerate() {
+            let l = expect(c, "info", r);
+            infos.push(l.strip_prefix("info ").expect("info line").to_string());
+        }
+        let line = format!("peers {}", infos.join(","));
+        for c in &mut kids {
+            c.send_line(&line).expect("send peers");
+        }
     }
     for (r, c) in kids.iter_mut().enumerate() {
         for k in 0..STEPS {
@@ -168,4 +206,17 @@ fn tcp_ep4_ep8() {
 fn shm_ep4_ep8() {
     cluster("shm", 4, 3);
     cluster("shm", 8, 4);
+}
+
+#[test]
+fn tcp_ep4_through_a_dir_store() {
+    let dir = std::env::temp_dir().join(format!("weft-moe-rdv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = format!("dir:{}", dir.display());
+    cluster_with("tcp", 4, 5, Some(&spec));
+    // Every rank left cleanly: nothing of the job stays in the store.
+    let store = rendezvous::open(&spec.parse().unwrap()).unwrap();
+    assert!(store.list("weft/xproc-5/").unwrap().is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
 }

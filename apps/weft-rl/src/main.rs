@@ -5,6 +5,10 @@
 //! - `weft-rl simulate` predicts update times at the paper's scale.
 //! - `weft-rl run --provider libfabric:tcp` runs real updates between
 //!   processes (P2P and Rank0 side by side, checked bit-exact; `--kill`).
+//!   With `--rendezvous dir:/path` (or `etcd:http://host:2379`; `mem` for
+//!   loopback threads) the ranks publish their memory descriptors in the
+//!   store and read each other's from it; the controller only relays each
+//!   rank's generation.
 
 mod demo;
 mod run;
@@ -92,6 +96,15 @@ struct RunArgs {
     /// Step deadline in ms.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// Ranks publish their memory descriptors in this rendezvous store and
+    /// read each other's from it (`mem` for loopback threads, `dir:/path`
+    /// or `etcd:http://host:2379` for processes); the controller only
+    /// relays generations.
+    #[arg(long)]
+    rendezvous: Option<String>,
+    /// The rendezvous namespace (one per run sharing a store).
+    #[arg(long, default_value = "weft-rl")]
+    namespace: String,
 }
 
 #[derive(Args, Clone)]
@@ -278,6 +291,10 @@ fn main() -> ExitCode {
                 unit_bytes: a.unit_kib << 10,
                 watermark: a.watermark_kib << 10,
                 timeout_ms: a.timeout_ms,
+                rendezvous: a
+                    .rendezvous
+                    .as_ref()
+                    .map(|r| (r.clone(), a.namespace.clone())),
             },
             a.steps,
             a.kill,

@@ -8,11 +8,17 @@
 //! `check D` (inference: compare the live buffer with the reference of
 //! data step `D`), `recover`, `quit`. Rank → parent: `ep …` once, then
 //! `done ok`, `done err MESSAGE`, `checked BAD`, `recovered`.
+//!
+//! With a rendezvous store ([`Spec::rendezvous`]) a rank publishes its
+//! descriptors there ([`RankRecord`], kind `rl-ranks`) and says `ep rdv GEN`;
+//! the `dir` line then carries `rdv GEN` per rank and each rank reads the
+//! descriptors from the store at exactly those generations.
 #![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use weft::rendezvous::{self, Namespace, Records, RendezvousSpec, Session, Store};
 use weft::{
     DomainGroupSpec, LibfabricOptions, MrDesc, ProviderConfig, ProviderSpec, TransferEngine,
 };
@@ -44,6 +50,9 @@ pub struct Spec {
     pub watermark: u64,
     /// Step deadline (ms).
     pub timeout_ms: u64,
+    /// Rendezvous store spec and namespace: ranks publish their descriptors
+    /// there (`ep rdv GEN`) and read each other's from it.
+    pub rendezvous: Option<(String, String)>,
 }
 
 impl Spec {
@@ -63,7 +72,10 @@ impl Spec {
             self.unit_bytes,
             self.watermark,
             self.timeout_ms
-        )
+        ) + &self
+            .rendezvous
+            .as_ref()
+            .map_or(String::new(), |(r, ns)| format!(";rdv={r};ns={ns}"))
     }
 
     /// Parses [`Self::encode`].
@@ -95,6 +107,11 @@ impl Spec {
             unit_bytes: num("unit")?,
             watermark: num("wm")?,
             timeout_ms: num("timeout")?,
+            rendezvous: match (m.get("rdv"), m.get("ns")) {
+                (Some(r), Some(ns)) => Some((r.clone(), ns.clone())),
+                (None, None) => None,
+                _ => return Err("spec has one of rdv / ns without the other".into()),
+            },
         })
     }
 
@@ -159,6 +176,108 @@ fn unhex(s: &str) -> Result<Option<MrDesc>, String> {
     weft::decode(&b).map(Some).map_err(|e| format!("{e}"))
 }
 
+/// The rendezvous record of one rank: its memory descriptors in the
+/// order of its `ep` line (`None` where that line has `-`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RankRecord {
+    /// Unique per rank process (a replaced rank publishes a new one).
+    pub generation: u64,
+    /// The descriptors.
+    pub descs: Vec<Option<MrDesc>>,
+}
+
+/// The store `spec` names: `mem` is this process's one in-memory store
+/// (loopback ranks are threads of one process).
+pub fn open_store(spec: &Spec) -> Result<Option<Records<RankRecord>>, String> {
+    static MEM: std::sync::OnceLock<Arc<dyn Store>> = std::sync::OnceLock::new();
+    let Some((r, ns)) = &spec.rendezvous else {
+        return Ok(None);
+    };
+    let rs: RendezvousSpec = r.parse().map_err(|e| format!("{e}"))?;
+    let store = match rs {
+        RendezvousSpec::Mem => MEM
+            .get_or_init(|| Arc::new(rendezvous::MemStore::new()))
+            .clone(),
+        other => rendezvous::open(&other).map_err(|e| e.to_string())?,
+    };
+    let ns = Namespace::new(store, ns);
+    Ok(Some(Records::new(&ns, "rl-ranks")))
+}
+
+/// A generation no other rank process of this run has: the process id and
+/// a per-process counter.
+fn generation() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    (u64::from(std::process::id()) << 32)
+        | (NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0xffff_ffff)
+}
+
+/// Announces a rank's descriptors: with a store, publishes them and
+/// returns `rdv GEN`; without, the hex words.
+fn announce(
+    rdv: &Option<(Records<RankRecord>, Session)>,
+    name: &str,
+    descs: Vec<Option<MrDesc>>,
+) -> Result<String, String> {
+    match rdv {
+        Some((recs, session)) => {
+            let generation = generation();
+            recs.publish(session, name, &RankRecord { generation, descs })
+                .map_err(|e| format!("publishing {name}: {e}"))?;
+            Ok(format!("rdv {generation}"))
+        }
+        None => Ok(descs
+            .iter()
+            .map(|d| d.as_ref().map_or("-".into(), hex))
+            .collect::<Vec<_>>()
+            .join(" ")),
+    }
+}
+
+/// A `dir rdv G0 rdv G1 ...` line's descriptors, read from the store
+/// (trainers then inference ranks, each at the generation the controller
+/// relayed), as the hex words of a plain `dir` line.
+fn resolve_dir(
+    recs: &Records<RankRecord>,
+    w: &[&str],
+    nt: usize,
+    ni: usize,
+    wait: Duration,
+) -> Result<Vec<String>, String> {
+    if w.len() != 1 + 2 * (nt + ni) {
+        return Err(format!(
+            "dir rdv line has {} words, want {}",
+            w.len(),
+            1 + 2 * (nt + ni)
+        ));
+    }
+    let names = (0..nt)
+        .map(|k| format!("trainer-{k}"))
+        .chain((0..ni).map(|k| format!("inference-{k}")));
+    let mut out = vec![w[0].to_string()];
+    for (k, name) in names.enumerate() {
+        let g: u64 = w[2 + 2 * k]
+            .parse()
+            .map_err(|e| format!("generation of {name}: {e}"))?;
+        let deadline = Instant::now() + wait;
+        let rec = loop {
+            match recs.get(&name) {
+                Ok(Some(r)) if r.generation == g => break r,
+                Ok(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(r) => {
+                    return Err(format!(
+                        "{name} generation {g} not in the store (found {:?})",
+                        r.map(|r| r.generation)
+                    ))
+                }
+                Err(e) => return Err(format!("reading {name}: {e}")),
+            }
+        };
+        out.extend(rec.descs.iter().map(|d| d.as_ref().map_or("-".into(), hex)));
+    }
+    Ok(out)
+}
+
 enum Role {
     T(Arc<Trainer>, Arc<Rank0Trainer>),
     I(Arc<Inference>, Arc<Rank0Inference>),
@@ -177,17 +296,29 @@ pub fn serve(
     let (ml, plan) = (Arc::new(ml), Arc::new(plan));
     let cfg = spec.step_config();
     let e = |x: weft_rl::RlError| x.to_string();
+    // With a store: a session (the records leave with this rank).
+    let rdv = match open_store(spec)? {
+        Some(recs) => {
+            let session = Session::new(recs.namespace().store().clone(), Duration::from_secs(5))
+                .map_err(|e| format!("rendezvous session: {e}"))?;
+            Some((recs, session))
+        }
+        None => None,
+    };
     let me = if role == "trainer" {
         let t = Trainer::new(engine.clone(), rank, plan.clone(), cfg).map_err(e)?;
         let t0 =
             Rank0Trainer::new(engine.clone(), rank, ml.clone(), plan.clone(), cfg).map_err(e)?;
         let ep = t.endpoint();
+        let descs = vec![
+            Some(ep.shards),
+            Some(ep.arena),
+            Some(t0.ack_desc()),
+            t0.full_desc(),
+        ];
         send(&format!(
-            "ep {} {} {} {}",
-            hex(&ep.shards),
-            hex(&ep.arena),
-            hex(&t0.ack_desc()),
-            t0.full_desc().map_or("-".into(), |d| hex(&d))
+            "ep {}",
+            announce(&rdv, &format!("trainer-{rank}"), descs)?
         ));
         Role::T(Arc::new(t), Arc::new(t0))
     } else {
@@ -195,13 +326,12 @@ pub fn serve(
         let i0 = Rank0Inference::new(engine.clone(), rank, plan.clone(), cfg).map_err(e)?;
         let ep = i.endpoint();
         let w0 = i0.weights_desc();
+        let [a, b] = ep.weights;
+        let [c, d] = w0;
+        let descs = vec![Some(a), Some(b), Some(c), Some(d), i0.staging_desc()];
         send(&format!(
-            "ep {} {} {} {} {}",
-            hex(&ep.weights[0]),
-            hex(&ep.weights[1]),
-            hex(&w0[0]),
-            hex(&w0[1]),
-            i0.staging_desc().map_or("-".into(), |d| hex(&d))
+            "ep {}",
+            announce(&rdv, &format!("inference-{rank}"), descs)?
         ));
         Role::I(Arc::new(i), Arc::new(i0))
     };
@@ -209,7 +339,13 @@ pub fn serve(
     let ni = spec.infer.ranks as usize;
     let mut dirs: Option<(Directory, Rank0Directory)> = None;
     while let Some(line) = recv() {
-        let w: Vec<&str> = line.split_whitespace().collect();
+        let mut w: Vec<&str> = line.split_whitespace().collect();
+        let resolved;
+        if let (Some(&"dir"), Some(&"rdv"), Some((recs, _))) = (w.first(), w.get(1), &rdv) {
+            let wait = Duration::from_millis(spec.timeout_ms * 3 + 30_000);
+            resolved = resolve_dir(recs, &w, nt, ni, wait)?;
+            w = resolved.iter().map(String::as_str).collect();
+        }
         match (w.first().copied(), &me) {
             (Some("dir"), _) => {
                 let need = 1 + 4 * nt + 5 * ni;

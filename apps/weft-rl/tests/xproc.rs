@@ -4,7 +4,9 @@
 //! Rank0 side by side, checked bit-exact (fp8 values and scales included);
 //! a trainer SIGKILLed during an update fails the step on every rank, the
 //! previous weights stay live, a replacement trainer joins and the retry
-//! succeeds.
+//! succeeds. With a rendezvous store (`dir:` across processes, `mem` for
+//! loopback threads) the ranks publish their descriptors there and read
+//! each other's from it, the replacement under a new generation.
 
 #[path = "../src/demo.rs"]
 mod demo;
@@ -83,6 +85,7 @@ fn spec_for(provider: &str, model: &str, train: TrainLayout, infer: InferLayout)
         unit_bytes: 64 << 10,
         watermark: 1 << 20,
         timeout_ms: 4000,
+        rendezvous: None,
     }
 }
 
@@ -93,7 +96,28 @@ fn run(spec: &Spec, kill: bool) {
             .map_err(|e| e.to_string())?;
         Ok(Box::new(Tk(c)))
     };
-    let mut c = Cluster::start(spec, &mut spawn).unwrap();
+    run_with(spec, kill, &mut spawn);
+}
+
+/// The generations of the ranks' records in the spec's store, by name.
+fn store_generations(spec: &Spec) -> Vec<(String, u64)> {
+    let recs = worker::open_store(spec).unwrap().expect("a store");
+    recs.list()
+        .unwrap()
+        .into_iter()
+        .map(|(n, r)| (n, r.generation))
+        .collect()
+}
+
+fn run_with(spec: &Spec, kill: bool, spawn: &mut worker::SpawnFn<'_>) {
+    let mut c = Cluster::start(spec, spawn).unwrap();
+    let ranks = (spec.train.ranks() + spec.infer.ranks) as usize;
+    let before = spec.rendezvous.as_ref().map(|_| {
+        let g = store_generations(spec);
+        // every rank is in the store: the descriptors came from there
+        assert_eq!(g.len(), ranks, "{g:?}");
+        g
+    });
     let ok = |r: &[Result<(), String>]| {
         for (k, x) in r.iter().enumerate() {
             assert!(x.is_ok(), "rank {k}: {x:?}");
@@ -137,7 +161,17 @@ fn run(spec: &Spec, kill: bool) {
             c.check(11, None).unwrap().iter().all(|&b| b == 0),
             "old weights damaged"
         );
-        c.replace_trainer(1, &mut spawn).unwrap();
+        c.replace_trainer(1, spawn).unwrap();
+        if let Some(before) = &before {
+            // the replacement published a new generation, the others kept
+            // theirs, and the ranks read the new one
+            let after = store_generations(spec);
+            assert_eq!(after.len(), ranks, "{after:?}");
+            for ((n0, g0), (n1, g1)) in before.iter().zip(&after) {
+                assert_eq!(n0, n1);
+                assert_eq!(g0 != g1, n0 == "trainer-1", "{n0}: {g0} -> {g1}");
+            }
+        }
         c.recover().unwrap();
         let (r, _) = c.step("p2p", 2, 50, &mut |_| {}).unwrap();
         ok(&r);
@@ -191,4 +225,62 @@ fn shm_eight_trainers_to_four() {
         },
     );
     run(&s, false);
+}
+
+/// A fresh `dir:` store for one test.
+fn store_dir(tag: &str) -> String {
+    let p = std::env::temp_dir().join(format!("weft-rl-rdv-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    format!("dir:{}", p.display())
+}
+
+#[test]
+fn tcp_ranks_find_each_other_through_a_dir_store_with_a_killed_trainer() {
+    if !available("libfabric:tcp") {
+        return;
+    }
+    let mut s = spec_for(
+        "libfabric:tcp",
+        "tiny-moe",
+        TrainLayout {
+            fsdp: 2,
+            pp: 1,
+            ep: 2,
+        },
+        InferLayout {
+            ranks: 2,
+            instance: 2,
+            attn_tp: 2,
+        },
+    );
+    let dir = store_dir("tcp");
+    s.rendezvous = Some((dir.clone(), "xproc-tcp".into()));
+    run(&s, true);
+    let _ = std::fs::remove_dir_all(dir.trim_start_matches("dir:"));
+}
+
+#[test]
+fn loopback_threads_find_each_other_through_the_mem_store() {
+    let mut s = spec_for(
+        "loopback",
+        "tiny-moe",
+        TrainLayout {
+            fsdp: 2,
+            pp: 1,
+            ep: 2,
+        },
+        InferLayout {
+            ranks: 2,
+            instance: 2,
+            attn_tp: 2,
+        },
+    );
+    s.rendezvous = Some(("mem".into(), "threads".into()));
+    let b = worker::backend(&s).unwrap();
+    let s2 = s.clone();
+    let mut spawn = move |role: &str, rank: u32| -> Result<Box<dyn Peer>, String> {
+        Ok(Box::new(worker::ThreadPeer::spawn(&s2, &b, role, rank)?) as Box<dyn Peer>)
+    };
+    run_with(&s, true, &mut spawn);
 }

@@ -24,7 +24,9 @@
 //! keeps it alive on a background thread and, when the store lost it (etcd
 //! restarted without its data, the lease expired during an outage),
 //! grants a new one and puts the session's entries again. [`Namespace`]
-//! holds the weft records ([`PeerRecord`], [`MrRecord`]) on top.
+//! holds the weft records ([`PeerRecord`], [`MrRecord`]) on top, and
+//! [`Records`] an application's own typed records (a KvCache role with its
+//! engine address, an MoE rank's descriptors) next to them.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -40,6 +42,7 @@
 
 #![deny(unsafe_code)]
 
+mod app;
 mod dir;
 mod error;
 mod etcd;
@@ -49,6 +52,7 @@ mod session;
 mod spec;
 mod watch;
 
+pub use app::{RecordEvent, RecordWatch, Records};
 pub use dir::{DirOptions, DirStore};
 pub use error::StoreError;
 pub use etcd::{EtcdOptions, EtcdStore};

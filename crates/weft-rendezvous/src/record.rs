@@ -55,14 +55,14 @@ pub enum PeerEvent {
     },
 }
 
-fn encode<T: Serialize>(key: &str, rec: &T) -> Result<Vec<u8>, StoreError> {
+pub(crate) fn encode<T: Serialize>(key: &str, rec: &T) -> Result<Vec<u8>, StoreError> {
     postcard::to_stdvec(&(FORMAT_VERSION, rec)).map_err(|e| StoreError::Record {
         key: key.to_string(),
         reason: format!("encode: {e}"),
     })
 }
 
-fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
+pub(crate) fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
     let err = |reason: String| StoreError::Record {
         key: key.to_string(),
         reason,
@@ -112,7 +112,12 @@ impl Namespace {
         &self.store
     }
 
-    fn check(&self, what: &str) -> Result<(), StoreError> {
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.ns
+    }
+
+    pub(crate) fn check(&self, what: &str) -> Result<(), StoreError> {
         for part in [self.ns.as_str(), what] {
             if part.is_empty() || part.contains('/') {
                 return Err(StoreError::InvalidKey {
@@ -217,7 +222,7 @@ impl Namespace {
         decode(&key, &v)
     }
 
-    fn wait_key(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+    pub(crate) fn wait_key(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
         let start = Instant::now();
         let w = self.store.watch(key)?;
         let ev = w.wait_for(

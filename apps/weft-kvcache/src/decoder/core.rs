@@ -485,6 +485,23 @@ impl DecoderCore {
         }
     }
 
+    /// Prefiller `addr` is gone (`loss` says how, e.g. its rendezvous
+    /// record left): its requests fail with [`KvError::PrefillerDead`] and
+    /// no new request goes to it. Nothing if unknown or already dead.
+    pub fn prefiller_gone(
+        &mut self,
+        addr: &GroupAddress,
+        loss: PeerLoss,
+        now: Instant,
+    ) -> Vec<DecAction> {
+        match self.by_addr.get(addr) {
+            Some(&peer) if self.peers[peer].clock.dead().is_none() => {
+                self.peer_dead(peer, loss, now)
+            }
+            _ => Vec::new(),
+        }
+    }
+
     fn peer_dead(&mut self, peer: usize, loss: PeerLoss, now: Instant) -> Vec<DecAction> {
         self.peers[peer].clock.kill(loss.clone());
         self.fail_peer(peer, loss, now)

@@ -217,6 +217,20 @@ impl Decoder {
         id
     }
 
+    /// Prefiller `addr` is gone (its rendezvous record left, or the
+    /// application knows it died): its requests fail with
+    /// [`KvError::PrefillerDead`] carrying `loss`, and routes to it are
+    /// refused from now on.
+    pub fn remove_prefiller(&self, addr: &GroupAddress, loss: crate::PeerLoss) {
+        self.sh
+            .step(|c| c.prefiller_gone(addr, loss, Instant::now()));
+    }
+
+    /// The address of prefiller `p`.
+    pub fn prefiller_address(&self, p: PrefillerId) -> Option<GroupAddress> {
+        self.sh.core.lock().prefiller_address(p).cloned()
+    }
+
     /// Why prefiller `p` is dead, if it is.
     pub fn prefiller_dead(&self, p: PrefillerId) -> Option<crate::PeerLoss> {
         self.sh.core.lock().prefiller_dead(p).cloned()

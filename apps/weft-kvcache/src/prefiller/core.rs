@@ -551,6 +551,26 @@ impl PrefillerCore {
         }
     }
 
+    /// Decoder `addr` is gone (`loss` says how, e.g. its rendezvous record
+    /// left): its requests stop ([`KvError::DecoderDead`]), nothing more is
+    /// written to it and its later messages are ignored.
+    pub fn decoder_gone(
+        &mut self,
+        addr: &GroupAddress,
+        loss: PeerLoss,
+        now: Instant,
+    ) -> Vec<PreAction> {
+        let clock = self
+            .decoders
+            .entry(addr.clone())
+            .or_insert_with(|| PeerClock::new(now));
+        if clock.kill(loss.clone()) {
+            self.decoder_dead(addr.clone(), loss, now)
+        } else {
+            Vec::new()
+        }
+    }
+
     fn decoder_dead(&mut self, d: GroupAddress, loss: PeerLoss, now: Instant) -> Vec<PreAction> {
         tracing::warn!(decoder = ?d, "prefiller: decoder dead: {loss}");
         self.stop_where(now, |k| k.decoder == d, || Stop::DecoderDead(loss.clone()))

@@ -201,6 +201,15 @@ impl Prefiller {
         })
     }
 
+    /// Decoder `addr` is gone (its rendezvous record left, or the
+    /// application knows it died): its requests end with
+    /// [`KvError::DecoderDead`] carrying `loss` once their posted writes
+    /// completed, nothing more is written to it and its later requests are
+    /// ignored.
+    pub fn remove_decoder(&self, addr: &GroupAddress, loss: crate::PeerLoss) {
+        self.sh.step(|c| c.decoder_gone(addr, loss, Instant::now()));
+    }
+
     /// Refuses `inc`; its decoder gets [`KvError::Refused`].
     pub fn reject(&self, inc: &Incoming, reason: &str) {
         let key = inc.key.clone();

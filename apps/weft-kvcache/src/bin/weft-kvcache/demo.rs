@@ -57,8 +57,25 @@ pub(crate) fn prefill(a: PrefillArgs) -> Result<ExitCode, String> {
     let l = a.common.layout();
     let engine = a.common.engine()?;
     let cache = Cache::new(&l)?;
-    let pre = Prefiller::new(engine.clone(), l, cache.regions(), a.common.config())
-        .map_err(|e| e.to_string())?;
+    let pre = Arc::new(
+        Prefiller::new(engine.clone(), l, cache.regions(), a.common.config())
+            .map_err(|e| e.to_string())?,
+    );
+    // With a store: announce this prefiller, drop the work of decoders
+    // that leave.
+    let rdv = match a.common.rendezvous("prefill")? {
+        Some((rdv, session, name)) => {
+            rdv.announce_prefiller(&session, &name, &pre, 1)
+                .map_err(|e| e.to_string())?;
+            let follower = rdv.follow_decoders(&pre).map_err(|e| e.to_string())?;
+            eprintln!(
+                "weft-kvcache: prefiller {name} in {}",
+                rdv.store().endpoint()
+            );
+            Some((session, follower))
+        }
+        None => None,
+    };
     let addr = addr_to_string(&pre.address());
     if a.addr_out != "-" {
         let tmp = format!("{}.tmp", a.addr_out);
@@ -169,6 +186,11 @@ pub(crate) fn prefill(a: PrefillArgs) -> Result<ExitCode, String> {
         }
         watches.retain(|(s, _)| !s.is_done());
     }
+    if let Some((session, follower)) = rdv {
+        drop(follower);
+        // A clean leave: decoders stop routing here.
+        let _ = session.close();
+    }
     pre.shutdown(Duration::from_secs(2));
     drop(watches);
     engine.shutdown();
@@ -204,22 +226,49 @@ fn verify(c: &Cache, l: &KvLayout, pages: &[u32], slot: u32, seed: u64) -> Resul
 
 pub(crate) fn decode(a: DecodeArgs) -> Result<ExitCode, String> {
     let l = a.common.layout();
-    let peer = if a.peer == "-" {
-        let mut line = String::new();
-        std::io::stdin()
-            .lock()
-            .read_line(&mut line)
-            .map_err(|e| format!("stdin: {e}"))?;
-        line
-    } else {
-        std::fs::read_to_string(&a.peer).map_err(|e| format!("{}: {e}", a.peer))?
+    let rdv = a.common.rendezvous("decode")?;
+    let peer = match (&a.peer, &rdv) {
+        (_, Some(_)) => None,
+        (Some(p), None) => Some(read_peer(p)?),
+        (None, None) => return Err("--peer or --rendezvous is required".into()),
     };
-    let peer = addr_from_str(peer.trim().trim_start_matches("ready "))?;
     let engine = a.common.engine()?;
     let cache = Cache::new(&l)?;
-    let dec = Decoder::new(engine.clone(), l, cache.regions(), a.common.config())
-        .map_err(|e| e.to_string())?;
-    let p = dec.add_prefiller(peer);
+    let dec = Arc::new(
+        Decoder::new(engine.clone(), l, cache.regions(), a.common.config())
+            .map_err(|e| e.to_string())?,
+    );
+    // With a store: follow the prefillers, route to the first one listed,
+    // announce this decoder.
+    let mut found = None;
+    let p = match (peer, rdv) {
+        (Some(peer), _) => dec.add_prefiller(peer),
+        (None, Some((rdv, session, name))) => {
+            let follower = rdv.follow_prefillers(&dec).map_err(|e| e.to_string())?;
+            let wait = Duration::from_millis(a.wait_ms);
+            if !follower.wait_until(wait, |m| m.iter().any(|x| x.prefiller.is_some())) {
+                return Err(format!(
+                    "no prefiller in {} namespace {} within {wait:?}",
+                    rdv.store().endpoint(),
+                    a.common.namespace
+                ));
+            }
+            let m = follower
+                .members()
+                .into_iter()
+                .find(|x| x.prefiller.is_some())
+                .ok_or("the prefiller left")?;
+            rdv.announce_decoder(&session, &name, &dec, 1)
+                .map_err(|e| e.to_string())?;
+            eprintln!(
+                "weft-kvcache: decoder {name} routes to prefiller {}",
+                m.name
+            );
+            found = Some((session, follower));
+            m.prefiller.ok_or("the prefiller left")?
+        }
+        (None, None) => return Err("--peer or --rendezvous is required".into()),
+    };
     let route = Route::single(p, l.kv_heads);
     let t0 = Instant::now();
     let mut inflight = VecDeque::new();
@@ -274,7 +323,26 @@ pub(crate) fn decode(a: DecodeArgs) -> Result<ExitCode, String> {
         "summary requests={done} bytes={bytes} secs={secs:.3} gbps={:.3}",
         bytes as f64 * 8.0 / secs / 1e9
     ));
+    if let Some((session, follower)) = found {
+        drop(follower);
+        let _ = session.close();
+    }
     dec.shutdown();
     engine.shutdown();
     Ok(code)
+}
+
+/// The prefiller's address from a file, or from a line on stdin (`-`).
+fn read_peer(p: &str) -> Result<weft::GroupAddress, String> {
+    let peer = if p == "-" {
+        let mut line = String::new();
+        std::io::stdin()
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| format!("stdin: {e}"))?;
+        line
+    } else {
+        std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"))?
+    };
+    addr_from_str(peer.trim().trim_start_matches("ready "))
 }

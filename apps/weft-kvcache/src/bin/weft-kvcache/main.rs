@@ -2,7 +2,13 @@
 //! weft provider spec (`libfabric:tcp`, `libfabric:shm`, `libfabric:efa`,
 //! `verbs`, ...). Addresses are exchanged through a file or a pipe: the
 //! prefiller writes its address (`--addr-out FILE`, `-` for stdout only);
-//! the decoder reads it (`--peer FILE`, `-` for a line on stdin).
+//! the decoder reads it (`--peer FILE`, `-` for a line on stdin). Or both
+//! find each other through a rendezvous store (`--rendezvous dir:/path` or
+//! `etcd:http://host:2379`, namespace `--namespace`): the prefiller
+//! announces itself and follows the decoders (dropping the work of one that
+//! leaves), the decoder announces itself and routes to the first prefiller
+//! the store lists; a killed process's record leaves when its lease runs
+//! out.
 //!
 //! Demo mode: the prefiller "computes" each layer by writing a pattern
 //! (optionally taking `--layer-us` per layer) and the decoder checks every
@@ -20,11 +26,12 @@ use clap::{Args, Parser, Subcommand};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
+use weft::rendezvous::{self, RendezvousSpec, Session};
 use weft::{
     DomainGroupSpec, EngineConfig, GroupAddress, LibfabricOptions, NetAddr, ProviderConfig,
     ProviderSpec, TransferEngine,
 };
-use weft_kvcache::{HeadOrder, Heartbeat, KvConfig, KvLayout};
+use weft_kvcache::{HeadOrder, Heartbeat, KvConfig, KvLayout, KvRendezvous};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -74,6 +81,20 @@ struct Common {
     /// Heartbeat timeout (ms).
     #[arg(long, default_value_t = 1000)]
     hb_timeout_ms: u64,
+    /// Find the other role through this rendezvous store (`dir:/path`,
+    /// `etcd:http://host:2379`) instead of pasting addresses.
+    #[arg(long)]
+    rendezvous: Option<String>,
+    /// The rendezvous namespace.
+    #[arg(long, default_value = "kvcache")]
+    namespace: String,
+    /// This process's name in the namespace (default: ROLE-PID).
+    #[arg(long)]
+    name: Option<String>,
+    /// Rendezvous lease TTL (ms): a killed process's record leaves this
+    /// long after its last keep-alive.
+    #[arg(long, default_value_t = 5000)]
+    ttl_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -98,9 +119,13 @@ struct PrefillArgs {
 struct DecodeArgs {
     #[command(flatten)]
     common: Common,
-    /// The prefiller's address: a file, or `-` for a line on stdin.
-    #[arg(long)]
-    peer: String,
+    /// The prefiller's address: a file, or `-` for a line on stdin (not
+    /// with `--rendezvous`).
+    #[arg(long, required_unless_present = "rendezvous")]
+    peer: Option<String>,
+    /// With `--rendezvous`: how long to wait for a prefiller (ms).
+    #[arg(long, default_value_t = 60_000)]
+    wait_ms: u64,
     /// Requests.
     #[arg(long, default_value_t = 8)]
     requests: u64,
@@ -136,6 +161,32 @@ impl Common {
             },
             ..KvConfig::default()
         }
+    }
+
+    /// The store `--rendezvous` names, a session in it and this process's
+    /// name; `None` without `--rendezvous`.
+    fn rendezvous(&self, role: &str) -> Result<Option<(KvRendezvous, Session, String)>, String> {
+        let Some(spec) = &self.rendezvous else {
+            return Ok(None);
+        };
+        let spec: RendezvousSpec = spec.parse().map_err(|e| format!("{e}"))?;
+        if spec == RendezvousSpec::Mem {
+            return Err(
+                "--rendezvous mem only works inside one process; use dir:/path or etcd:URL".into(),
+            );
+        }
+        let store = rendezvous::open(&spec).map_err(|e| e.to_string())?;
+        let session = Session::new(store.clone(), Duration::from_millis(self.ttl_ms))
+            .map_err(|e| e.to_string())?;
+        let name = self
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{role}-{}", std::process::id()));
+        Ok(Some((
+            KvRendezvous::new(store, &self.namespace),
+            session,
+            name,
+        )))
     }
 
     fn engine(&self) -> Result<Arc<TransferEngine>, String> {
