@@ -70,6 +70,10 @@ impl EngineBackend for Loopback {
         self.build(host)
     }
 
+    fn revives_hosts(&self) -> bool {
+        true
+    }
+
     fn revive_host(
         &mut self,
         host: usize,

@@ -183,6 +183,12 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
 /// old incarnation fails with `PeerRemoved`, one with the new works; the
 /// initiator's resolved peer count is unchanged (the old peer was freed).
 pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
+    if !h.restarts_in_place() {
+        return Err(CaseFailure::Skipped(format!(
+            "{} cannot restart a peer at its NIC addresses",
+            h.name()
+        )));
+    }
     let mut r = Run::new(h, BUF + 4096)?;
     let survivor = r.add_peers(1, BUF)?[0];
     full_round(&mut r, survivor, 1, 0)?;

@@ -176,6 +176,11 @@ pub trait EngineBackend {
             "no fault hook to kill host {host}"
         )))
     }
+    /// Whether [`revive_host`](EngineBackend::revive_host) is supported.
+    /// Default: false.
+    fn revives_hosts(&self) -> bool {
+        false
+    }
     /// Fault hook: killed host `host` comes back at the same NIC addresses
     /// with a fresh engine, returned (`old`, its previous engine, is shut
     /// down already, so its domains are closed). The default returns
@@ -285,6 +290,10 @@ impl<B: EngineBackend> EngineHarness for InProcessEngines<B> {
             return Err(HarnessError::Failed(format!("no peer {ix}")));
         };
         self.backend.kill_host(host, p.engine())
+    }
+
+    fn restarts_in_place(&self) -> bool {
+        self.backend.revives_hosts()
     }
 
     fn restart_peer_in_place(&mut self, ix: usize, buf_len: usize) -> Result<usize, HarnessError> {

@@ -192,6 +192,12 @@ pub trait EngineHarness {
             "no fault hook to kill peer {ix}"
         )))
     }
+    /// Whether [`restart_peer_in_place`](EngineHarness::restart_peer_in_place)
+    /// is supported (checked before a scenario kills anything). Default:
+    /// false.
+    fn restarts_in_place(&self) -> bool {
+        false
+    }
     /// Fault hook: killed peer `ix` comes back as a new peer at the same
     /// NIC addresses (a restarted process given its predecessor's
     /// address): a fresh engine (so a new incarnation) with a zeroed buffer
