@@ -154,7 +154,7 @@ mod tests {
     fn round_trip_and_version_check() {
         let from = GroupAddress {
             nics: Vec::new(),
-            incarnation: weft_engine::Incarnation(5),
+            incarnation: weft::Incarnation(5),
         };
         for m in [
             Msg::Hello,
