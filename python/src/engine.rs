@@ -437,6 +437,14 @@ impl PyTransferEngine {
         Ok(d)
     }
 
+    /// The engine's incarnation: drawn when it was built, carried by its
+    /// address and descriptors so peers tell a restarted process from the
+    /// old one at the same NIC addresses.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.engine.incarnation().0
+    }
+
     /// The engine's address (its main domain group), for peers.
     #[getter]
     fn address(&self) -> PyPeerAddress {

@@ -82,6 +82,12 @@ impl PyMrDesc {
         self.inner.rkeys.len()
     }
 
+    /// The owner engine's incarnation.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation.0
+    }
+
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
         other
             .cast::<PyMrDesc>()
@@ -181,6 +187,12 @@ impl PyPeerAddress {
     #[getter]
     fn nic_count(&self) -> usize {
         self.inner.nics.len()
+    }
+
+    /// The peer engine's incarnation.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation.0
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {

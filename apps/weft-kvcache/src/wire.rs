@@ -152,7 +152,10 @@ mod tests {
 
     #[test]
     fn round_trip_and_version_check() {
-        let from = GroupAddress { nics: Vec::new() };
+        let from = GroupAddress {
+            nics: Vec::new(),
+            incarnation: weft::Incarnation(5),
+        };
         for m in [
             Msg::Hello,
             Msg::Cancel { id: 7 },

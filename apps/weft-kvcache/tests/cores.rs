@@ -27,6 +27,7 @@ const HB: Heartbeat = Heartbeat {
 fn addr(b: u8) -> GroupAddress {
     GroupAddress {
         nics: vec![NetAddr(vec![b])],
+        incarnation: Default::default(),
     }
 }
 
@@ -35,6 +36,7 @@ fn desc() -> MrDesc {
         addr: 0,
         len: 1 << 30,
         rkeys: Vec::new(),
+        incarnation: Default::default(),
     }
 }
 

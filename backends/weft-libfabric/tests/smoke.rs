@@ -40,6 +40,7 @@ fn desc_of(b: &dyn Domain, mr: &LocalMr) -> MrDesc {
         addr: mr.addr,
         len: mr.len,
         rkeys: vec![(b.local_addr().clone(), mr.rkey)],
+        incarnation: Default::default(),
     }
 }
 

@@ -1,8 +1,9 @@
 //! The engine scenario suite (`weft_conformance::engine`) over the loopback
 //! fabric: manual-mode engines in step mode on the adversarial profile
 //! (chunked, shuffled, jittered, lossy delivery), one host per engine with
-//! 1..=3 NICs depending on the seed. Every scenario runs under several
-//! seeds; a failure prints the seed, which alone reproduces it (step mode is
+//! 1..=3 NICs depending on the seed; a killed host can be revived at the
+//! same NIC addresses (`peer_restart_in_place`). Every scenario runs under
+//! several seeds; a failure prints the seed, which alone reproduces it (step mode is
 //! deterministic).
 
 use std::sync::Arc;
@@ -29,20 +30,9 @@ impl Loopback {
             hosts: Vec::new(),
         }
     }
-}
 
-impl EngineBackend for Loopback {
-    fn name(&self) -> String {
-        format!("loopback/adversarial/{}-nic", self.nics)
-    }
-
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    fn engine(&mut self, _host: usize) -> Result<TransferEngine, HarnessError> {
-        let host = self.fabric.add_host(self.nics);
-        self.hosts.push(host);
+    /// A manual-mode engine over every NIC of `host`.
+    fn build(&self, host: weft_loopback::HostId) -> Result<TransferEngine, HarnessError> {
         let cfg = EngineConfig {
             queue_capacity: 256,
             send_slots: 16,
@@ -62,6 +52,41 @@ impl EngineBackend for Loopback {
             .manual()
             .build()
             .map_err(|e| HarnessError::Failed(format!("engine: {e}")))
+    }
+}
+
+impl EngineBackend for Loopback {
+    fn name(&self) -> String {
+        format!("loopback/adversarial/{}-nic", self.nics)
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn engine(&mut self, _host: usize) -> Result<TransferEngine, HarnessError> {
+        let host = self.fabric.add_host(self.nics);
+        self.hosts.push(host);
+        self.build(host)
+    }
+
+    fn revives_hosts(&self) -> bool {
+        true
+    }
+
+    fn revive_host(
+        &mut self,
+        host: usize,
+        _old: &TransferEngine,
+    ) -> Result<TransferEngine, HarnessError> {
+        let h = *self
+            .hosts
+            .get(host)
+            .ok_or_else(|| HarnessError::Failed(format!("no host {host}")))?;
+        self.fabric
+            .revive_host(h)
+            .map_err(|e| HarnessError::Failed(format!("revive host {host}: {e}")))?;
+        self.build(h)
     }
 
     fn progress(&mut self, engines: &[TransferEngine]) {

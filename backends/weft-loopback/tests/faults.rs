@@ -452,12 +452,39 @@ fn kill_host_fails_pending_and_later_ops() {
             fabric.open(hb, 0),
             Err(TransportError::InvalidArgument { .. }) | Err(TransportError::NicDown { .. })
         ));
+        assert!(
+            fabric.revive_host(hb).is_err(),
+            "seed {seed}: revived with a domain still open"
+        );
         drop(b);
         assert!(matches!(
             fabric.open(hb, 0),
             Err(TransportError::NicDown { .. })
         ));
-        drop((a, c));
+        // Revived at the same address (a restarted process): fresh state;
+        // the old incarnation's key matches nothing, new ones work.
+        assert!(fabric.revive_host(hc).is_err(), "seed {seed}: a live host");
+        fabric.revive_host(hb).unwrap();
+        assert!(fabric.is_alive(hb, 0));
+        let mut b2 = fabric.open(hb, 0).unwrap();
+        assert_eq!(b2.local_addr(), &Fabric::nic_addr(hb, 0));
+        a.remove_peer(pb).unwrap();
+        let pb2 = a.add_peer(b2.local_addr()).unwrap();
+        a.post_write(&w(6, pb2, &mb)).unwrap();
+        fabric.run_until_idle();
+        let old = write_results(&poll_all(&mut a));
+        assert!(
+            matches!(old[..], [(6, Err(TransportError::RemoteAccess { .. }))]),
+            "seed {seed}: old key after the revival: {old:?}"
+        );
+        assert!(imms(&poll_all(&mut b2)).is_empty(), "seed {seed}");
+        let mb2 = b2.register(&db.region(), Access::RemoteWrite).unwrap();
+        a.post_write(&w(7, pb2, &mb2)).unwrap();
+        fabric.run_until_idle();
+        assert_eq!(write_results(&poll_all(&mut a)), vec![(7, Ok(()))]);
+        assert_eq!(imms(&poll_all(&mut b2)), vec![7], "seed {seed}");
+        assert_eq!(db.snapshot(), src.snapshot(), "seed {seed}");
+        drop((a, b2, c));
     });
 }
 

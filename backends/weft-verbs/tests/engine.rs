@@ -5,7 +5,8 @@
 //! single writes, paged writes, scatter, barrier, two-sided messages with a
 //! receive pool, early immediates, peer death (the host's devices are
 //! killed) and shutdown with work in flight; completion via ImmCounter,
-//! bytes checked by every receiver. A failure prints the seed.
+//! bytes checked by every receiver; a killed host can be revived at the
+//! same addresses (`peer_restart_in_place`). A failure prints the seed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,26 +35,15 @@ impl VerbsSim {
             hosts: 0,
         }
     }
-}
 
-impl EngineBackend for VerbsSim {
-    fn name(&self) -> String {
-        format!("verbs/sim/{NICS}-nic")
-    }
-
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    fn engine(&mut self, host: usize) -> Result<TransferEngine, HarnessError> {
+    /// A manual-mode engine over the devices `lib` lists.
+    fn build(lib: weft_verbs::sim::SimLib) -> Result<TransferEngine, HarnessError> {
         let cfg = VerbsConfig {
             handshake_timeout_ns: 40_000,
             handshake_tries: 40,
             max_wr_len: Some(64 * 1024),
             ..VerbsConfig::default()
         };
-        let lib = self.fabric.add_host(&format!("h{host}"), NICS);
-        self.hosts += 1;
         let p = Arc::new(VerbsProvider::with_lib(lib, cfg));
         let ecfg = EngineConfig {
             // Nothing moves while a manual engine drains at shutdown.
@@ -66,6 +56,40 @@ impl EngineBackend for VerbsSim {
             .manual()
             .build()
             .map_err(|e| HarnessError::Failed(format!("engine over verbs/sim: {e}")))
+    }
+}
+
+impl EngineBackend for VerbsSim {
+    fn name(&self) -> String {
+        format!("verbs/sim/{NICS}-nic")
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn engine(&mut self, host: usize) -> Result<TransferEngine, HarnessError> {
+        let lib = self.fabric.add_host(&format!("h{host}"), NICS);
+        self.hosts += 1;
+        Self::build(lib)
+    }
+
+    fn revives_hosts(&self) -> bool {
+        true
+    }
+
+    fn revive_host(
+        &mut self,
+        host: usize,
+        _old: &TransferEngine,
+    ) -> Result<TransferEngine, HarnessError> {
+        let names: Vec<String> = (0..NICS).map(|n| format!("h{host}n{n}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let lib = self
+            .fabric
+            .revive(&names)
+            .map_err(|e| HarnessError::Failed(format!("revive host {host}: {e}")))?;
+        Self::build(lib)
     }
 
     fn progress(&mut self, engines: &[TransferEngine]) {

@@ -1,8 +1,9 @@
 //! Peer removal and restart on the simulated device: a peer killed with
 //! writes in flight is removed (its QPs flushed and destroyed, its work
-//! failed with `PeerRemoved`) and comes back as a new device (new UD QPN,
-//! so a new address): new QPs and a new handshake, 20 times, with the
-//! domain's QP count back to zero after every removal.
+//! failed with `PeerRemoved`) and comes back, alternately, as a new device
+//! (new UD QPN, so a new address) or as the same device revived at the same
+//! address (`SimFabric::revive`): new QPs and a new handshake, 20 times,
+//! with the domain's QP count back to zero after every removal.
 
 mod common;
 
@@ -84,18 +85,41 @@ fn removed_peer_restarts_with_new_qps_and_nothing_leaks() {
             );
             old_peers.push(p);
 
-            // Restart: a new device (a new process) with fresh memory.
-            let name = format!("sim1-{k}");
-            let lib: SimLib = s.fabric.add_device(&name);
-            s.hosts[1] = VerbsDomain::open(lib.open(0).unwrap(), sim_cfg(), Some(0)).unwrap();
-            s.names[1] = name;
+            // Restart with fresh memory: on even rounds a new device (a
+            // new process at a new address), on odd rounds the same device
+            // revived at the same address (same GID, LID and UD QPN), as a
+            // process given its predecessor's address would be. Either way
+            // the next round connects anew and nothing of the old
+            // incarnation's QPs answers.
+            let lib: SimLib = if k % 2 == 0 {
+                let name = format!("sim1-{k}");
+                let lib = s.fabric.add_device(&name);
+                s.names[1] = name;
+                lib
+            } else {
+                // The old incarnation's domain goes first (its QPN is about
+                // to be reused).
+                s.hosts.truncate(1);
+                s.fabric.revive(&[s.names[1].as_str()]).unwrap()
+            };
+            let d = VerbsDomain::open(lib.open(0).unwrap(), sim_cfg(), Some(0)).unwrap();
+            s.hosts.truncate(1);
+            s.hosts.push(d);
             dst = mem::zeroed(4096);
             dmr = s.reg(1, &dst, Access::RemoteWrite);
             let a = s.addr(1);
-            assert!(
-                !addrs.contains(&a),
-                "seed {seed}: restart reuses an address"
-            );
+            if k % 2 == 0 {
+                assert!(
+                    !addrs.contains(&a),
+                    "seed {seed}: a new device reuses an address"
+                );
+            } else {
+                assert_eq!(
+                    addrs.last(),
+                    Some(&a),
+                    "seed {seed}: the revived device has its old address"
+                );
+            }
             addrs.push(a);
         }
         assert_eq!(s.hosts[0].live_qps(), 0);

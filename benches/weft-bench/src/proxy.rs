@@ -103,8 +103,12 @@ fn add_peer(tb: &Testbed, pe: &mut Peers) -> Result<(), String> {
         addr: mr.addr,
         len: mr.len,
         rkeys: vec![(a.clone(), mr.rkey)],
+        incarnation: Default::default(),
     });
-    pe.addrs.push(GroupAddress { nics: vec![a] });
+    pe.addrs.push(GroupAddress {
+        nics: vec![a],
+        incarnation: Default::default(),
+    });
     pe.domains.push(d);
     pe._bufs.push(b);
     Ok(())

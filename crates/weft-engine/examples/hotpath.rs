@@ -16,7 +16,7 @@ use weft_engine::{
     TransferEngine,
 };
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::{Access, HostBuffer, Provider};
+use weft_transport::{Access, HostBuffer, Incarnation, Provider};
 
 fn engine(fabric: &Fabric) -> TransferEngine {
     let host = fabric.add_host(1);
@@ -89,6 +89,7 @@ fn main() {
                 let a = d.local_addr().clone();
                 addrs.push(GroupAddress {
                     nics: vec![a.clone()],
+                    incarnation: Incarnation::default(),
                 });
                 dsts.push(ScatterDst {
                     len: 1024,
@@ -97,6 +98,7 @@ fn main() {
                         addr: mr.addr,
                         len: mr.len,
                         rkeys: vec![(a, mr.rkey)],
+                        incarnation: Incarnation::default(),
                     },
                     dst_offset: 0,
                 });

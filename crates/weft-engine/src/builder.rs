@@ -26,6 +26,7 @@ pub struct EngineBuilder {
     config: EngineConfig,
     manual: bool,
     excess: Option<ExcessHandler>,
+    incarnation: Option<weft_transport::Incarnation>,
 }
 
 impl std::fmt::Debug for EngineBuilder {
@@ -34,6 +35,7 @@ impl std::fmt::Debug for EngineBuilder {
             .field("groups", &self.groups)
             .field("config", &self.config)
             .field("manual", &self.manual)
+            .field("incarnation", &self.incarnation)
             .finish()
     }
 }
@@ -68,6 +70,19 @@ impl EngineBuilder {
     /// Handler for never-consumed immediates (default: a `tracing` warning).
     pub fn on_imm_excess(mut self, f: impl Fn(Imm, u64) + Send + Sync + 'static) -> Self {
         self.excess = Some(Arc::new(f));
+        self
+    }
+
+    /// Sets the engine's incarnation instead of drawing one (for
+    /// deterministic tests). By default an engine draws a fresh one at
+    /// build: the wall clock in nanoseconds since the Unix epoch, its low
+    /// 16 bits replaced by a mix of the process id, and strictly larger
+    /// than any this process drew before, so that a process restarted on
+    /// the same host gets a larger incarnation than its predecessor. Peers
+    /// refuse an incarnation older than the newest they saw at the same
+    /// NIC address (see [`TransferEngine::incarnation`]).
+    pub fn incarnation(mut self, incarnation: weft_transport::Incarnation) -> Self {
+        self.incarnation = Some(incarnation);
         self
     }
 
@@ -116,6 +131,7 @@ impl EngineBuilder {
         let addrs = Arc::new(AddrBook::default());
         let inner = Arc::new(Inner {
             id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            incarnation: self.incarnation.unwrap_or_else(crate::incarnation::fresh),
             groups: groups.clone(),
             imms: Arc::clone(&imms),
             imm_waits: Arc::clone(&imm_waits),

@@ -39,6 +39,7 @@ mod engine;
 mod error;
 mod gate;
 mod imm;
+mod incarnation;
 #[allow(unsafe_code)]
 mod mem;
 mod ondone;
@@ -63,7 +64,8 @@ pub use shard::{Piece, ScatterMode, ShardConfig};
 pub use stats::{EngineStats, GroupStats, NicStats};
 pub use watcher::{UvmWatcher, WatchCallback};
 pub use weft_transport::{
-    DataPath, DeviceMemoryPath, DirectKind, Imm, MrDesc, Pages, ProgressMode, ScatterDst,
+    DataPath, DeviceMemoryPath, DirectKind, Imm, Incarnation, MrDesc, Pages, ProgressMode,
+    ScatterDst,
 };
 
 /// Most NICs in one group.

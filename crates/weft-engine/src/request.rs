@@ -1,22 +1,31 @@
 //! Submitted requests as they travel through a group's request queue: the
 //! request body and its destinations as plain values (no descriptor is
 //! cloned per submit), and the engine-wide [`AddrBook`] that interns the
-//! NIC addresses of single and paged write destinations.
+//! NIC addresses (with their incarnation) of single and paged write
+//! destinations and holds the engine's [`Incarnations`] table.
 
 use crate::error::{EngineError, TransferId};
+use crate::incarnation::Incarnations;
 use crate::mem::SendPayload;
 use crate::ondone::OnDone;
 use crate::shard::ScatterMode;
 use crate::MAX_NICS;
-use weft_transport::{Imm, MrDesc, NetAddr, Pages, Rkey, ScatterDst};
+use weft_transport::{Imm, Incarnation, MrDesc, NetAddr, Pages, Rkey, ScatterDst};
 
-/// The remote addresses of one peer group member: one per NIC, in NIC order.
+/// The remote addresses of one peer group member: one per NIC, in NIC
+/// order, and the incarnation of the engine that answers there.
 #[derive(
     Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 pub struct GroupAddress {
     /// Address of NIC `i` of the peer's group.
     pub nics: Vec<NetAddr>,
+    /// The peer engine's incarnation
+    /// ([`TransferEngine::incarnation`](crate::TransferEngine::incarnation)):
+    /// a removed or replaced incarnation is refused even when a restarted
+    /// process answers at the same addresses.
+    #[serde(default)]
+    pub incarnation: Incarnation,
 }
 
 #[derive(Debug)]
@@ -61,6 +70,7 @@ pub(crate) enum Body {
     },
     Send {
         peer: NetAddr,
+        incarnation: Incarnation,
         payload: SendPayload,
     },
 }
@@ -122,7 +132,8 @@ pub(crate) struct RoutedDst {
 
 impl RoutedDst {
     /// `dst` as seen through `member`: `Some` when each of its rkeys' NIC
-    /// addresses is `member`'s address of the same NIC.
+    /// addresses is `member`'s address of the same NIC and both name the
+    /// same incarnation.
     pub(crate) fn matched(
         member: &GroupAddress,
         dst: &MrDesc,
@@ -131,6 +142,9 @@ impl RoutedDst {
         dst_offset: u64,
     ) -> Option<Self> {
         let keys = DstKeys::of(dst)?;
+        if dst.incarnation != member.incarnation {
+            return None;
+        }
         for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
             if member.nics.get(nic) != Some(addr) {
                 return None;
@@ -145,41 +159,59 @@ impl RoutedDst {
     }
 }
 
-/// The NIC addresses single and paged writes target, interned engine-wide:
-/// a submit turns each descriptor's addresses into small ids here (one
-/// read lock and hash look-up per address), so no descriptor is cloned
-/// into the request queue; workers map ids to their peers and fetch the
-/// address itself only the first time they meet an id. Addresses are never
-/// removed (one entry per distinct remote NIC address ever written to).
+/// A remote NIC address and the incarnation that answers there.
+pub(crate) type Remote = (NetAddr, Incarnation);
+
+/// The NIC addresses single and paged writes target, interned engine-wide
+/// with their incarnation: a submit turns each descriptor's addresses into
+/// small ids here (one read lock and hash look-up per address), so no
+/// descriptor is cloned into the request queue; workers map ids to their
+/// peers and fetch the address itself only the first time they meet an id
+/// (that is when its incarnation is checked). Entries are never removed
+/// (one per distinct remote NIC address and incarnation ever written to).
 #[derive(Debug, Default)]
 pub(crate) struct AddrBook {
     index: parking_lot::RwLock<AddrIndex>,
+    /// The live incarnation of each remote address and the removed ones.
+    pub(crate) incs: Incarnations,
 }
 
 #[derive(Debug, Default)]
 struct AddrIndex {
-    ids: std::collections::HashMap<NetAddr, u32>,
-    addrs: Vec<NetAddr>,
+    /// Per address, the id of each incarnation seen there (a handful:
+    /// one per restart), so a look-up allocates nothing.
+    ids: std::collections::HashMap<NetAddr, Vec<(Incarnation, u32)>>,
+    addrs: Vec<Remote>,
+}
+
+impl AddrIndex {
+    fn get(&self, addr: &NetAddr, inc: Incarnation) -> Option<u32> {
+        self.ids
+            .get(addr)?
+            .iter()
+            .find(|(i, _)| *i == inc)
+            .map(|(_, id)| *id)
+    }
 }
 
 impl AddrBook {
-    /// The id of `addr`, entered on first sight.
-    fn id(&self, addr: &NetAddr) -> u32 {
-        if let Some(&id) = self.index.read().ids.get(addr) {
+    /// The id of `addr` at incarnation `inc`, entered on first sight.
+    fn id(&self, addr: &NetAddr, inc: Incarnation) -> u32 {
+        if let Some(id) = self.index.read().get(addr, inc) {
             return id;
         }
         let mut ix = self.index.write();
-        if let Some(&id) = ix.ids.get(addr) {
+        if let Some(id) = ix.get(addr, inc) {
             return id;
         }
         let id = ix.addrs.len() as u32;
-        ix.addrs.push(addr.clone());
-        ix.ids.insert(addr.clone(), id);
+        ix.addrs.push((addr.clone(), inc));
+        ix.ids.entry(addr.clone()).or_default().push((inc, id));
         id
     }
 
-    /// The address of `id`.
-    pub(crate) fn addr(&self, id: u32) -> Option<NetAddr> {
+    /// The address and incarnation of `id`.
+    pub(crate) fn addr(&self, id: u32) -> Option<Remote> {
         self.index.read().addrs.get(id as usize).cloned()
     }
 }
@@ -200,7 +232,7 @@ impl PlainDst {
         let keys = DstKeys::of(dst)?;
         let mut addrs = [0u32; MAX_NICS];
         for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
-            addrs[nic] = book.id(addr);
+            addrs[nic] = book.id(addr, dst.incarnation);
         }
         Some(Self { keys, addrs })
     }
@@ -247,16 +279,26 @@ mod tests {
         NetAddr(vec![b, b])
     }
 
-    /// One id per distinct address, stable, and back to the address; a
-    /// plain destination keeps every NIC's rkey and address in order.
+    const INC: Incarnation = Incarnation(9);
+
+    /// One id per distinct address and incarnation, stable, and back to
+    /// both; a plain destination keeps every NIC's rkey and address in
+    /// order.
     #[test]
     fn addr_book_interns_descriptor_addresses() {
         let book = AddrBook::default();
-        let (a, b) = (book.id(&addr(1)), book.id(&addr(2)));
+        let (a, b) = (book.id(&addr(1), INC), book.id(&addr(2), INC));
         assert_ne!(a, b);
-        assert_eq!(book.id(&addr(1)), a);
-        assert_eq!(book.addr(a), Some(addr(1)));
-        assert_eq!(book.addr(b), Some(addr(2)));
+        assert_eq!(book.id(&addr(1), INC), a);
+        let restarted = book.id(&addr(1), Incarnation(10));
+        assert!(
+            restarted != a && restarted != b,
+            "same address, new incarnation"
+        );
+        assert_eq!(book.id(&addr(1), Incarnation(10)), restarted);
+        assert_eq!(book.addr(a), Some((addr(1), INC)));
+        assert_eq!(book.addr(b), Some((addr(2), INC)));
+        assert_eq!(book.addr(restarted), Some((addr(1), Incarnation(10))));
         assert_eq!(book.addr(99), None);
         let d = desc(&[2, 3, 1]);
         let p = PlainDst::new(&d, &book).expect("3 nics fit");
@@ -266,7 +308,7 @@ mod tests {
         );
         for (nic, (na, rk)) in d.rkeys.iter().enumerate() {
             assert_eq!(p.keys.rkeys[nic], *rk);
-            assert_eq!(book.addr(p.addrs[nic]).as_ref(), Some(na));
+            assert_eq!(book.addr(p.addrs[nic]), Some((na.clone(), INC)));
         }
         assert_eq!(p.addrs[2], a, "a known address keeps its id");
         let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
@@ -281,6 +323,7 @@ mod tests {
                 .iter()
                 .map(|&b| (addr(b), Rkey(u64::from(b) + 100)))
                 .collect(),
+            incarnation: INC,
         }
     }
 
@@ -288,6 +331,7 @@ mod tests {
     fn routed_dst_only_when_every_nic_matches() {
         let member = GroupAddress {
             nics: vec![addr(1), addr(2)],
+            incarnation: INC,
         };
         let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
         assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
@@ -304,8 +348,13 @@ mod tests {
                 "{d:?}"
             );
         }
+        // The same addresses of another incarnation (a restart).
+        let mut other = desc(&[1, 2]);
+        other.incarnation = Incarnation(INC.0 + 1);
+        assert!(RoutedDst::matched(&member, &other, 8, 0, 0).is_none());
         let many = GroupAddress {
             nics: (0..=MAX_NICS as u8).map(addr).collect(),
+            incarnation: INC,
         };
         let all: Vec<u8> = (0..=MAX_NICS as u8).collect();
         assert!(RoutedDst::matched(&many, &desc(&all), 8, 0, 0).is_none());

@@ -15,8 +15,9 @@ use weft_transport::{MrDesc, NetAddr};
 use crate::watch::Event;
 use crate::{Session, Store, StoreError, Watch};
 
-/// The format version written in front of every record.
-pub const FORMAT_VERSION: u16 = 1;
+/// The format version written in front of every record (2: descriptors
+/// carry their owner's incarnation).
+pub const FORMAT_VERSION: u16 = 2;
 
 /// One process's engine, as others find it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,7 +25,9 @@ pub struct PeerRecord {
     /// The process's name in the namespace (`prefill-0`, `rank3`).
     pub name: String,
     /// Bumped by the process each time it restarts, so peers can tell a new
-    /// incarnation from the old one.
+    /// incarnation from the old one. weft's `publish_engine` publishes the
+    /// engine's incarnation here (`TransferEngine::incarnation`), the
+    /// value its addresses and descriptors carry.
     pub generation: u64,
     /// The engine's addresses: one entry per domain group, one address per
     /// NIC of the group (the engine's `group_address(g).nics`).
@@ -281,9 +284,9 @@ mod tests {
         let bytes = encode("k", &rec).unwrap();
         assert_eq!(decode::<PeerRecord>("k", &bytes).unwrap(), rec);
         let mut other = bytes.clone();
-        other[0] = 2;
+        other[0] = 1; // the format before descriptors carried incarnations
         let e = decode::<PeerRecord>("k", &other).unwrap_err();
-        assert!(e.to_string().contains("format version 2"), "{e}");
+        assert!(e.to_string().contains("format version 1"), "{e}");
         let mut long = bytes;
         long.push(0);
         assert!(decode::<PeerRecord>("k", &long).is_err());

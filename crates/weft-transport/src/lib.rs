@@ -82,8 +82,8 @@ pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
 pub use path::{DataPath, DeviceMemoryPath, DirectKind, ProgressMode};
 pub use types::{
-    Capabilities, Completion, Imm, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages, PeerId,
-    RemoteSlice, ScatterDst, WrId, WriteWr,
+    Capabilities, Completion, Imm, Incarnation, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages,
+    PeerId, RemoteSlice, ScatterDst, WrId, WriteWr,
 };
 pub use wire::{decode, encode};
 

@@ -79,6 +79,29 @@ fn hex_val(c: u8) -> Option<u8> {
     }
 }
 
+/// The incarnation (generation) of the engine instance that owns a NIC
+/// address: distinguishes a restarted process from its predecessor even
+/// when both answer at the same [`NetAddr`] (a reused port, a fixed port,
+/// the same GID and QPN space).
+///
+/// Larger is newer: an engine draws its incarnation at build time so that
+/// a later restart on the same host gets a larger one (weft-engine's
+/// `EngineBuilder` documents how). A receiver of descriptors and addresses
+/// holds at most one live incarnation per NIC address: older or removed
+/// ones are refused, a newer one replaces the old. Hand-built descriptors
+/// carry [`Incarnation::default`] (0), the oldest.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct Incarnation(pub u64);
+
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
 /// A serializable remote memory descriptor: where a region is and, for each
 /// NIC of its owner, the address of that NIC and the rkey valid on it.
 ///
@@ -93,6 +116,11 @@ pub struct MrDesc {
     pub len: u64,
     /// One `(NIC address, rkey)` per NIC of the owner.
     pub rkeys: Vec<(NetAddr, Rkey)>,
+    /// The owner's incarnation: a descriptor of an incarnation that was
+    /// removed or replaced by a newer one at the same addresses is refused
+    /// by the engine (never written to whatever answers there now).
+    #[serde(default)]
+    pub incarnation: Incarnation,
 }
 
 impl MrDesc {
@@ -292,6 +320,7 @@ mod tests {
             addr: 1000,
             len: 64,
             rkeys: vec![(NetAddr(vec![1]), Rkey(7)), (NetAddr(vec![2]), Rkey(8))],
+            incarnation: Incarnation(3),
         };
         let s = d.slice(1, 60, 4).unwrap();
         assert_eq!(s.rkey, Rkey(8));
@@ -329,8 +358,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn mrdesc_roundtrip(addr: u64, len: u64, keys in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 0..40), any::<u64>()), 0..8)) {
-            let d = MrDesc { addr, len, rkeys: keys.into_iter().map(|(a, k)| (NetAddr(a), Rkey(k))).collect() };
+        fn mrdesc_roundtrip(addr: u64, len: u64, inc: u64, keys in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 0..40), any::<u64>()), 0..8)) {
+            let d = MrDesc { addr, len, rkeys: keys.into_iter().map(|(a, k)| (NetAddr(a), Rkey(k))).collect(), incarnation: Incarnation(inc) };
             let bytes = encode(&d).unwrap();
             prop_assert_eq!(decode::<MrDesc>(&bytes).unwrap(), d);
         }

@@ -41,6 +41,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         addr: mr.addr,
         len: mr.len,
         rkeys: vec![(dom.local_addr().clone(), mr.rkey)],
+        // A bare domain, no engine: the oldest incarnation.
+        incarnation: Default::default(),
     };
     let blob = NetAddr(encode(&desc)?);
     println!("WEFT_PEER={blob}");

@@ -1,7 +1,9 @@
 //! How weft processes find each other: everything of `weft-rendezvous`
 //! (the [`Store`] trait, the in-process, directory and etcd stores,
 //! [`Session`], [`Namespace`] and its records), plus [`publish_engine`],
-//! which publishes a [`TransferEngine`]'s addresses.
+//! which publishes a [`TransferEngine`]'s addresses with its incarnation as
+//! the record's generation, and [`group_address`], which turns a record
+//! back into the [`GroupAddress`] of one of its groups.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -14,16 +16,18 @@
 //! let store = rendezvous::open(&"mem".parse()?)?;
 //! let session = Session::new(store.clone(), Duration::from_secs(10))?;
 //! let ns = Namespace::new(store, "doc");
-//! rendezvous::publish_engine(&ns, &session, "me", 1, &engine)?;
-//! assert_eq!(ns.peer("me")?.unwrap().groups.len(), 1);
+//! rendezvous::publish_engine(&ns, &session, "me", &engine)?;
+//! let rec = ns.peer("me")?.unwrap();
+//! assert_eq!(rec.generation, engine.incarnation().0);
+//! assert_eq!(rendezvous::group_address(&rec, 0), Some(engine.main_address()));
 //! engine.shutdown();
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 pub use weft_rendezvous::*;
 
-use weft_engine::TransferEngine;
-use weft_transport::NetAddr;
+use weft_engine::{GroupAddress, TransferEngine};
+use weft_transport::{Incarnation, NetAddr};
 
 /// The addresses of every domain group of `engine`, in group order (one
 /// address per NIC), as a [`PeerRecord`] holds them.
@@ -33,14 +37,31 @@ pub fn engine_groups(engine: &TransferEngine) -> Vec<Vec<NetAddr>> {
         .collect()
 }
 
-/// Publishes `engine` as peer `name` (generation `generation`) in `ns`
-/// under `session`'s lease.
+/// Publishes `engine` as peer `name` in `ns` under `session`'s lease, with
+/// the engine's [incarnation](TransferEngine::incarnation) as the record's
+/// generation (a restarted process publishes a larger one, and peers that
+/// build addresses from the record with [`group_address`] tell the two
+/// apart even at the same NIC addresses).
 pub fn publish_engine(
     ns: &Namespace,
     session: &Session,
     name: &str,
-    generation: u64,
     engine: &TransferEngine,
 ) -> Result<(), StoreError> {
-    ns.publish_peer(session, name, generation, &engine_groups(engine))
+    ns.publish_peer(
+        session,
+        name,
+        engine.incarnation().0,
+        &engine_groups(engine),
+    )
+}
+
+/// The address of group `g` of the peer `rec` describes, with the record's
+/// generation as its incarnation (what [`publish_engine`] publishes);
+/// `None` when the record has no group `g`.
+pub fn group_address(rec: &PeerRecord, g: usize) -> Option<GroupAddress> {
+    rec.groups.get(g).map(|nics| GroupAddress {
+        nics: nics.clone(),
+        incarnation: Incarnation(rec.generation),
+    })
 }

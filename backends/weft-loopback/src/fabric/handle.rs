@@ -238,13 +238,27 @@ impl Fabric {
         self.lock().kill_host(host.0);
     }
 
+    /// Brings killed host `host` back at the same NIC addresses, as a
+    /// process restarted there would be: every NIC alive again with fresh
+    /// state (no registrations, no posted receives, nothing queued) and
+    /// its model kept, ready for [`Fabric::open`]. Registration keys are
+    /// never reused, so a key of the old incarnation matches nothing.
+    ///
+    /// Refused with `InvalidArgument` while any NIC of the host is alive or
+    /// still has an open domain (drop the old incarnation's domains first:
+    /// a stale domain must not come back to life).
+    pub fn revive_host(&self, host: HostId) -> Result<(), TransportError> {
+        self.lock().revive_host(host)
+    }
+
     /// Kills one NIC: every pending operation to it fails at its initiator
     /// with `PeerUnreachable` (reported at the initiator's next poll), later
     /// ones fail the same way on arrival. The dead NIC's own domain returns
     /// `Err(NicDown)` from `poll`, `post_*` and `register`; its pending
     /// operations never complete (they are dropped, as its bytes would be).
     /// `deregister` still succeeds, so memory can be released. A killed NIC
-    /// cannot be reopened. Unknown hosts/NICs are ignored.
+    /// cannot be reopened, except after [`Fabric::revive_host`]. Unknown
+    /// hosts/NICs are ignored.
     pub fn kill_nic(&self, host: HostId, nic: usize) {
         let mut st = self.lock();
         if let Ok(loc) = st.loc(host, nic) {

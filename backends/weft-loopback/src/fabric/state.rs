@@ -389,6 +389,27 @@ impl State {
         }
     }
 
+    /// See [`Fabric::revive_host`](crate::Fabric::revive_host).
+    pub(crate) fn revive_host(&mut self, host: HostId) -> Result<(), TransportError> {
+        let h = self
+            .hosts
+            .get_mut(host.0 as usize)
+            .ok_or_else(|| unknown_nic(host, 0))?;
+        if let Some((i, _)) = h.nics.iter().enumerate().find(|(_, n)| n.alive || n.open) {
+            return Err(TransportError::InvalidArgument {
+                nic: format!("lo/host{}/nic{i}", host.0),
+                what: "only a killed host whose domains are all closed can be revived".into(),
+            });
+        }
+        for n in &mut h.nics {
+            *n = NicState::new(n.model);
+        }
+        // In-order delivery state of the old incarnation's pairs.
+        self.last_landed
+            .retain(|(src, dst), _| src.0 != host.0 && dst.0 != host.0);
+        Ok(())
+    }
+
     /// A NIC dies (`killed`) or its domain closes.
     pub(crate) fn nic_down(&mut self, loc: Loc, killed: bool) {
         let Some(n) = self.nic_mut(loc) else { return };

@@ -237,8 +237,22 @@ impl VerbsOps for SimDevice {
         if !ok {
             return Err(verr("ibv_create_qp", EINVAL, format!("{init:?}")));
         }
-        f.next_qpn += 1;
-        let qpn = f.next_qpn;
+        let reuse = match f.nodes.get_mut(node) {
+            Some(n) if init.qp_type == QpType::Ud => n.reuse_ud_qpn.take(),
+            _ => None,
+        };
+        let qpn = match reuse.filter(|q| !f.qps.contains_key(q)) {
+            Some(q) => q,
+            None => {
+                f.next_qpn += 1;
+                f.next_qpn
+            }
+        };
+        if init.qp_type == QpType::Ud {
+            if let Some(n) = f.nodes.get_mut(node) {
+                n.last_ud_qpn = Some(qpn);
+            }
+        }
         f.qps.insert(
             qpn,
             SimQp {

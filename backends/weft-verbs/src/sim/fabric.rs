@@ -68,6 +68,11 @@ pub(super) struct Node {
     pub(super) stats: SimStats,
     pub(super) fail_post_at: Option<usize>,
     pub(super) drop_ud_to: u32,
+    /// QPN of the last UD QP created on this device.
+    pub(super) last_ud_qpn: Option<u32>,
+    /// After a revival: the QPN the next UD QP of this device gets (its
+    /// predecessor's, so the revived device has the same address).
+    pub(super) reuse_ud_qpn: Option<u32>,
 }
 
 pub(super) struct Fabric {

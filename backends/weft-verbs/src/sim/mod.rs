@@ -166,6 +166,8 @@ impl SimFabric {
             stats: SimStats::default(),
             fail_post_at: None,
             drop_ud_to: 0,
+            last_ud_qpn: None,
+            reuse_ud_qpn: None,
         });
         SimLib {
             fabric: self.clone(),
@@ -197,6 +199,45 @@ impl SimFabric {
         if let Some(i) = Self::node_idx(&f, name) {
             f.nodes[i].alive = false;
         }
+    }
+
+    /// Brings killed devices back at the same addresses, as a process
+    /// restarted on the same host and given its predecessor's GID, LID and
+    /// UD QPN would be: every object of the old incarnation on them (QPs,
+    /// CQs, SRQs, MRs, PDs, address handles) is destroyed, so nothing
+    /// aimed at the old one can land; the next UD QP created on each gets
+    /// the old UD QPN. Returns a library listing the devices in order.
+    /// Fails on an unknown or still alive device (nothing is changed).
+    /// Drop the old incarnation's domains first: a handle it still holds
+    /// cannot be told apart from the revived device's QP of the same QPN.
+    pub fn revive(&self, names: &[&str]) -> Result<SimLib, String> {
+        let mut f = self.lock();
+        let mut nodes = Vec::with_capacity(names.len());
+        for name in names {
+            let i = Self::node_idx(&f, name).ok_or_else(|| format!("no device {name}"))?;
+            if f.nodes[i].alive {
+                return Err(format!("device {name} is alive"));
+            }
+            nodes.push(i);
+        }
+        for &i in &nodes {
+            f.qps.retain(|_, q| q.node != i);
+            f.cqs.retain(|_, c| c.node != i);
+            f.srqs.retain(|_, q| q.node != i);
+            f.mrs.retain(|_, m| m.node != i);
+            f.pds.retain(|_, n| *n != i);
+            f.ahs.retain(|_, (n, _)| *n != i);
+            let n = &mut f.nodes[i];
+            n.alive = true;
+            n.fail_post_at = None;
+            n.drop_ud_to = 0;
+            n.reuse_ud_qpn = n.last_ud_qpn;
+        }
+        drop(f);
+        Ok(SimLib {
+            fabric: self.clone(),
+            nodes,
+        })
     }
 
     /// Counters of a device.

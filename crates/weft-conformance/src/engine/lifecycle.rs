@@ -1,6 +1,9 @@
-//! The peer lifecycle scenario: a peer killed mid-transfer, removed with
-//! `TransferEngine::remove_peer` and restarted (a new host / process at a
-//! new address), [`RESTARTS`] times.
+//! The peer lifecycle scenarios: a peer killed mid-transfer, removed with
+//! `TransferEngine::remove_peer` and restarted (a new host / process, at a
+//! new address or a reused one), [`RESTARTS`] times; and a peer killed and
+//! restarted at the same NIC addresses without `remove_peer`
+//! ([`IN_PLACE_RESTARTS`] times), which the new incarnation replaces
+//! implicitly.
 
 use super::run::{bail, engine_err, ensure, harness, is_unreachable, Run};
 use super::{EngineHarness, Kind};
@@ -9,6 +12,9 @@ use weft_engine::{GroupAddress, OnDone, TransferEngine};
 
 /// Restarts of the peer per run.
 pub const RESTARTS: u64 = 20;
+
+/// Restarts at the same NIC addresses per run of `peer_restart_in_place`.
+pub const IN_PLACE_RESTARTS: u64 = 6;
 
 /// Bytes per write.
 const WLEN: u64 = 64 << 10;
@@ -56,7 +62,9 @@ fn full_round(r: &mut Run<'_>, p: usize, tag: u64, salt: u64) -> Result<(), Case
 /// writes pending at the kill each resolve once (success, `PeerUnreachable`
 /// or `PeerRemoved`); a write to the old incarnation's descriptor after the
 /// removal fails with `PeerRemoved`; the initiator's resolved peer count is
-/// back to its baseline after each removal; no address comes back.
+/// back to its baseline after each removal; every incarnation differs from
+/// the earlier ones (its NIC addresses may be reused: the engine tells
+/// incarnations apart, not addresses).
 pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
     let mut r = Run::new(h, BUF + 4096)?;
     let survivor = r.add_peers(1, BUF)?[0];
@@ -65,13 +73,21 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
     let mut gone: Vec<GroupAddress> = Vec::new();
     let mut dead = Vec::new();
     let mut cur = r.add_peers(1, BUF)?[0];
+    let mut reused = 0;
     for k in 0..RESTARTS {
         let addr = r.h.peer(cur).address();
-        if let Some(old) = gone
+        ensure!(
+            r.h.peer(cur).desc().incarnation == addr.incarnation,
+            "incarnation {k}: descriptor and address name different incarnations"
+        );
+        if let Some(old) = gone.iter().find(|g| g.incarnation == addr.incarnation) {
+            bail!("incarnation {k} repeats an earlier one: {old:?}");
+        }
+        if gone
             .iter()
-            .find(|g| g.nics.iter().any(|a| addr.nics.contains(a)))
+            .any(|g| g.nics.iter().any(|a| addr.nics.contains(a)))
         {
-            bail!("incarnation {k} reuses an address of an earlier one: {old:?}");
+            reused += 1;
         }
         full_round(&mut r, cur, 100 + k, k)?;
         if k % 5 == 4 {
@@ -143,6 +159,141 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
         cur = r.add_peers(1, BUF)?[0];
     }
     full_round(&mut r, cur, 100 + RESTARTS, RESTARTS)?;
+    full_round(&mut r, survivor, 2, 1)?;
+    if reused > 0 {
+        crate::note(&format!(
+            "peer_restart on {}: {reused} of {RESTARTS} incarnations reused an earlier address",
+            r.h.name()
+        ));
+    }
+    r.finish(&dead)
+}
+
+/// A peer is killed with writes to it in flight and restarted at the same
+/// NIC addresses ([`EngineHarness::restart_peer_in_place`]) without
+/// `remove_peer`, [`IN_PLACE_RESTARTS`] times; a second peer survives
+/// throughout. The new incarnation is newer than the old; the first write
+/// to it replaces the old one implicitly. Each incarnation's rounds fire
+/// once with every byte in place (rounds reuse the old incarnation's
+/// immediate value, so a stray immediate would fire one early or twice);
+/// writes pending at the kill resolve once (success, `PeerUnreachable` or
+/// `PeerRemoved`); a write with an immediate to the old incarnation's
+/// descriptor after the replacement fails with `PeerRemoved` (never
+/// posted: the next round still fires exactly once); a peer group with the
+/// old incarnation fails with `PeerRemoved`, one with the new works; the
+/// initiator's resolved peer count is unchanged (the old peer was freed).
+pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
+    if !h.restarts_in_place() {
+        return Err(CaseFailure::Skipped(format!(
+            "{} cannot restart a peer at its NIC addresses",
+            h.name()
+        )));
+    }
+    let mut r = Run::new(h, BUF + 4096)?;
+    let survivor = r.add_peers(1, BUF)?[0];
+    full_round(&mut r, survivor, 1, 0)?;
+    let mut dead = Vec::new();
+    let mut cur = r.add_peers(1, BUF)?[0];
+    full_round(&mut r, cur, 100, 0)?;
+    let baseline = peers_resolved(&r.init);
+    for k in 0..IN_PLACE_RESTARTS {
+        let addr = r.h.peer(cur).address();
+        let sur = r.h.peer(survivor).address();
+        let group = r
+            .init
+            .add_peer_group(&[sur.clone(), addr.clone()])
+            .map_err(|e| engine_err("add_peer_group", e))?;
+        let desc = r.desc(cur);
+        let imm = r.imms()[0];
+        let mut pending = Vec::new();
+        for w in 0..WRITES {
+            pending.push(r.single(WLEN, Some(imm), w * WLEN, &desc, w * WLEN)?);
+        }
+        r.h.kill_peer(cur).map_err(harness)?;
+        let results = r.wait_flags(
+            &format!("writes pending at the kill of incarnation {k}"),
+            &pending,
+        )?;
+        for (w, res) in results.into_iter().enumerate() {
+            if let Err(e) = res {
+                ensure!(
+                    is_unreachable(&e) || e.is_peer_removed(),
+                    "incarnation {k}, write {w} pending at the kill: expected \
+                     PeerUnreachable or PeerRemoved, got {e}"
+                );
+            }
+        }
+        dead.push(cur);
+        let next = r.restart_in_place(cur, BUF)?;
+        let naddr = r.h.peer(next).address();
+        ensure!(
+            naddr.nics == addr.nics,
+            "incarnation {k}: restarted in place at {naddr:?}, was {addr:?}"
+        );
+        ensure!(
+            naddr.incarnation > addr.incarnation,
+            "incarnation {k}: the restart's incarnation {} is not newer than {}",
+            naddr.incarnation,
+            addr.incarnation
+        );
+        // The first round to the new incarnation replaces the old one.
+        full_round(&mut r, next, 200 + k, k)?;
+        // The old incarnation's descriptor is refused, never posted.
+        let f = r.single(WLEN, Some(imm), 0, &desc, 0)?;
+        match r
+            .wait_flags("write to a replaced incarnation", &[f])?
+            .remove(0)
+        {
+            Ok(()) => bail!("incarnation {k}: a write to the replaced incarnation succeeded"),
+            Err(e) => ensure!(
+                e.is_peer_removed(),
+                "incarnation {k}: write to the replaced incarnation: expected PeerRemoved, \
+                 got {e}"
+            ),
+        }
+        // A stray immediate from that write would fire this round early
+        // or twice (`finish` checks once).
+        full_round(&mut r, next, 300 + k, k + 1)?;
+        let (od, flag) = OnDone::flag();
+        let dsts = [r.desc(survivor), desc.clone()];
+        let refused = match r.init.submit_barrier(&group, od, imm, &dsts) {
+            Err(e) => Some(e),
+            Ok(_) => r
+                .wait_flags("barrier to a group with a replaced member", &[flag])?
+                .remove(0)
+                .err(),
+        };
+        match refused {
+            Some(e) => ensure!(
+                e.is_peer_removed(),
+                "incarnation {k}: barrier to a group with a replaced member: expected \
+                 PeerRemoved, got {e}"
+            ),
+            None => bail!("incarnation {k}: barrier to a group with a replaced member succeeded"),
+        }
+        let fresh = r
+            .init
+            .add_peer_group(&[sur, naddr])
+            .map_err(|e| engine_err("add_peer_group with the new incarnation", e))?;
+        let bimm = r.imms()[1];
+        let btag = 400 + k;
+        for p in [survivor, next] {
+            r.expect(p, btag, bimm, vec![Kind::Barrier], vec![])?;
+        }
+        let (od, flag) = OnDone::flag();
+        let dsts = [r.desc(survivor), r.desc(next)];
+        r.init
+            .submit_barrier(&fresh, od, bimm, &dsts)
+            .map_err(|e| engine_err("barrier with the new incarnation", e))?;
+        r.wait_ok("barrier with the new incarnation", &[flag])?;
+        r.wait_rounds(&[survivor, next], btag)?;
+        let now = peers_resolved(&r.init);
+        ensure!(
+            now == baseline,
+            "incarnation {k}: {now} peers resolved after the replacement, {baseline} before"
+        );
+        cur = next;
+    }
     full_round(&mut r, survivor, 2, 1)?;
     r.finish(&dead)
 }

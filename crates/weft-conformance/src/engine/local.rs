@@ -176,6 +176,25 @@ pub trait EngineBackend {
             "no fault hook to kill host {host}"
         )))
     }
+    /// Whether [`revive_host`](EngineBackend::revive_host) is supported.
+    /// Default: false.
+    fn revives_hosts(&self) -> bool {
+        false
+    }
+    /// Fault hook: killed host `host` comes back at the same NIC addresses
+    /// with a fresh engine, returned (`old`, its previous engine, is shut
+    /// down already, so its domains are closed). The default returns
+    /// [`HarnessError::Unsupported`].
+    fn revive_host(
+        &mut self,
+        host: usize,
+        old: &TransferEngine,
+    ) -> Result<TransferEngine, HarnessError> {
+        let _ = old;
+        Err(HarnessError::Unsupported(format!(
+            "no fault hook to revive host {host}"
+        )))
+    }
 }
 
 /// An [`EngineHarness`] whose engines all live in this process.
@@ -271,5 +290,23 @@ impl<B: EngineBackend> EngineHarness for InProcessEngines<B> {
             return Err(HarnessError::Failed(format!("no peer {ix}")));
         };
         self.backend.kill_host(host, p.engine())
+    }
+
+    fn restarts_in_place(&self) -> bool {
+        self.backend.revives_hosts()
+    }
+
+    fn restart_peer_in_place(&mut self, ix: usize, buf_len: usize) -> Result<usize, HarnessError> {
+        let (Some(&host), Some(p)) = (self.peer_hosts.get(ix), self.peers.get_mut(ix)) else {
+            return Err(HarnessError::Failed(format!("no peer {ix}")));
+        };
+        p.shutdown()?;
+        let old = p.engine().clone();
+        let e = self.backend.revive_host(host, &old)?;
+        self.engines.push(e.clone());
+        let p = LocalPeer::new(e, buf_len).map_err(HarnessError::Failed)?;
+        self.peers.push(p);
+        self.peer_hosts.push(host);
+        Ok(self.peers.len() - 1)
     }
 }

@@ -32,7 +32,8 @@
 //! | `send_recv_pools` | a pool of 4 receive buffers re-posted while 12 messages (1 B .. 8000 B) arrive from the initiator; each message once, intact |
 //! | `imm_early_arrival` | rounds whose immediates arrive (all, or some) before `expect_imm_count` is armed: each fires exactly once, with every byte in place |
 //! | `peer_death` | writes pending to a peer whose host dies: each resolves once, with success or `PeerUnreachable` (all fail when the harness can stop the peer first); later writes to it fail; writes to the survivor complete byte-exact, before and after |
-//! | `peer_restart` | a peer killed with writes in flight, removed (`remove_peer`) and restarted at a new address, 20 times, a survivor alongside: each incarnation's round fires once with every byte; pending writes resolve once (ok, `PeerUnreachable` or `PeerRemoved`); the old descriptor fails `PeerRemoved`; resolved peer count back to baseline |
+//! | `peer_restart` | a peer killed with writes in flight, removed (`remove_peer`) and restarted (at a new address or, where the backend reuses one, the same), 20 times, a survivor alongside: every incarnation differs; each incarnation's round fires once with every byte; pending writes resolve once (ok, `PeerUnreachable` or `PeerRemoved`); the old descriptor fails `PeerRemoved`; resolved peer count back to baseline |
+//! | `peer_restart_in_place` | a peer killed with writes in flight and restarted at the same NIC addresses ([`EngineHarness::restart_peer_in_place`]) without `remove_peer`, 6 times, a survivor alongside: the new incarnation is newer; its first write replaces the old implicitly; its rounds fire once with every byte (an immediate aimed at the old is never delivered: writes to the old descriptor fail `PeerRemoved`, never posted); peer groups with the old fail `PeerRemoved`; resolved peer count unchanged |
 //! | `shutdown_in_flight` | initiator shut down with writes in flight: every accepted transfer resolves, later submits fail `ShutDown`; a peer shut down with an armed round resolves it with an error |
 //!
 //! ## Waits
@@ -191,6 +192,23 @@ pub trait EngineHarness {
             "no fault hook to kill peer {ix}"
         )))
     }
+    /// Whether [`restart_peer_in_place`](EngineHarness::restart_peer_in_place)
+    /// is supported (checked before a scenario kills anything). Default:
+    /// false.
+    fn restarts_in_place(&self) -> bool {
+        false
+    }
+    /// Fault hook: killed peer `ix` comes back as a new peer at the same
+    /// NIC addresses (a restarted process given its predecessor's
+    /// address): a fresh engine (so a new incarnation) with a zeroed buffer
+    /// of `buf_len` bytes. Returns the new peer's index. Default:
+    /// unsupported (the scenario that needs it skips).
+    fn restart_peer_in_place(&mut self, ix: usize, buf_len: usize) -> Result<usize, HarnessError> {
+        let _ = buf_len;
+        Err(HarnessError::Unsupported(format!(
+            "no fault hook to restart peer {ix} at its address"
+        )))
+    }
     /// Fault hook: peer `ix` stops making progress but stays connected
     /// (SIGSTOP), so nothing sent to it can complete. Optional; the
     /// peer-death scenario then knows every write to it is pending.
@@ -233,6 +251,7 @@ macro_rules! __weft_engine_scenarios {
             peer_death,
             shutdown_in_flight,
             peer_restart,
+            peer_restart_in_place,
         }
     };
 }

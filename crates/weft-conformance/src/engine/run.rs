@@ -121,6 +121,32 @@ impl<'a> Run<'a> {
         Ok(out)
     }
 
+    /// Restarts killed peer `old` at its NIC addresses
+    /// ([`EngineHarness::restart_peer_in_place`]); the new peer joins the
+    /// run like one from [`Run::add_peers`].
+    pub(super) fn restart_in_place(
+        &mut self,
+        old: usize,
+        buf_len: usize,
+    ) -> Result<usize, CaseFailure> {
+        let p = self
+            .h
+            .restart_peer_in_place(old, buf_len)
+            .map_err(harness)?;
+        let (addr, desc) = (self.h.peer(p).address(), self.h.peer(p).desc());
+        ensure!(
+            desc.rkeys.len() == addr.nics.len() && desc.len as usize == buf_len,
+            "restarted peer {p}: descriptor {desc:?} for address {addr:?}"
+        );
+        let imms = self.imms();
+        ensure!(
+            self.h.peer(p).imms() == imms,
+            "a restarted engine should hand out the same imm values as fresh ones"
+        );
+        self.peers.push(p);
+        Ok(p)
+    }
+
     pub(super) fn imms(&mut self) -> Vec<Imm> {
         match self.peers.first() {
             Some(&p) => self.h.peer(p).imms(),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use weft_engine::{DoneCounter, EngineError, Imm, MrDesc, OnDone, Pages, ScatterDst, ScatterMode};
 use weft_testkit::pattern;
 
-pub(crate) use super::lifecycle::peer_restart;
+pub(crate) use super::lifecycle::{peer_restart, peer_restart_in_place};
 
 const SIZES: [u64; 9] = [
     1,

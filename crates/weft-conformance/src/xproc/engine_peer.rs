@@ -146,11 +146,15 @@ impl ProcPeer {
             idx,
             child,
             pid: 0,
-            addr: GroupAddress { nics: Vec::new() },
+            addr: GroupAddress {
+                nics: Vec::new(),
+                incarnation: Default::default(),
+            },
             desc: MrDesc {
                 addr: 0,
                 len: 0,
                 rkeys: Vec::new(),
+                incarnation: Default::default(),
             },
             imms: Vec::new(),
             rounds: Vec::new(),

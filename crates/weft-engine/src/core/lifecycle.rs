@@ -1,74 +1,133 @@
-//! Peer lifecycle: `TransferEngine::remove_peer` on one group.
+//! Peer lifecycle: removed and replaced incarnations on one group.
 //!
-//! Removing a peer (all NIC addresses of its group address):
-//! * its addresses join `removed` for good: a later destination naming one
-//!   (a descriptor of the old incarnation) fails with
-//!   [`TransportError::PeerRemoved`] instead of reaching whatever process
-//!   now answers at that address; a restarted peer is reached at its new
-//!   address;
-//! * its WRs still waiting for send-queue room fail with `PeerRemoved`
-//!   (never posted);
+//! Every remote NIC address is bound, engine-wide, to at most one live
+//! [`Incarnation`] (the table is [`Incarnations`](crate::incarnation::Incarnations),
+//! shared by all groups). An incarnation stops being live when
+//! `TransferEngine::remove_peer` removes it, or when a *newer* incarnation
+//! shows up at the same address (in a descriptor, a group address or a send
+//! destination being resolved): the old one is then replaced exactly as if
+//! `remove_peer` had been called for it. On each group, a peer whose
+//! incarnation stopped being live is dropped:
+//! * its WRs still waiting for send-queue room fail with
+//!   [`TransportError::PeerRemoved`] (never posted);
 //! * the domains forget it ([`weft_transport::Domain::remove_peer`]), which
 //!   fails (or lets complete) what is already posted and frees its
 //!   connection state; the core's own caches (address → peer, interned
 //!   address → peer) drop it;
 //! * peer groups with it as a member are refused from then on
 //!   ([`EngineError::PeerRemoved`]).
+//!
+//! A destination naming a removed incarnation, or one older than the
+//! incarnation bound to its address (a descriptor of a process that has
+//! since restarted there), fails with `PeerRemoved` when it is resolved and
+//! never reaches whichever process answers at that address now; the newer
+//! incarnation is resolved with fresh domain state. Groups notice a
+//! replacement found by another group through the table's epoch, one
+//! atomic load before each request and control message
+//! ([`WorkerCore::sync_incarnations`]); nothing is checked per WR.
 
 use super::nic::Op;
 use super::WorkerCore;
 use crate::error::EngineError;
+use crate::incarnation::Refused;
 use std::collections::VecDeque;
-use weft_transport::{NetAddr, PeerId, TransportError};
+use weft_transport::{Incarnation, NetAddr, PeerId, TransportError};
 
 impl WorkerCore {
-    /// Removes the peers at `addrs` (see the module docs). Idempotent.
-    pub(super) fn remove_peers(&mut self, addrs: &[NetAddr]) -> Result<(), EngineError> {
-        let mut first = Ok(());
+    /// Removes incarnation `inc` of the peer at `addrs` (see the module
+    /// docs). Idempotent.
+    pub(super) fn remove_peers(
+        &mut self,
+        addrs: &[NetAddr],
+        inc: Incarnation,
+    ) -> Result<(), EngineError> {
         for addr in addrs {
-            self.removed.insert(addr.clone());
+            self.addrs.incs.remove(addr, inc);
         }
+        self.sync_now()
+    }
+
+    /// Drops the peers and refuses the peer groups whose incarnation is no
+    /// longer live, if the incarnation table changed since the last look
+    /// (one atomic load otherwise). Backend errors are logged.
+    pub(super) fn sync_incarnations(&mut self) {
+        if self.addrs.incs.epoch() != self.inc_epoch {
+            let _ = self.sync_now();
+        }
+    }
+
+    /// [`WorkerCore::sync_incarnations`] without the epoch shortcut;
+    /// returns the first backend error.
+    fn sync_now(&mut self) -> Result<(), EngineError> {
+        self.inc_epoch = self.addrs.incs.epoch();
+        let mut first = Ok(());
         for nic in 0..self.nics.len() {
-            for addr in addrs {
-                let Some(peer) = self.nics[nic].peers.remove(addr) else {
-                    continue;
-                };
-                for slot in self.nics[nic].by_addr_id.iter_mut() {
-                    if *slot == Some(peer) {
-                        *slot = None;
-                    }
+            let stale: Vec<(NetAddr, Incarnation)> = self.nics[nic]
+                .peers
+                .iter()
+                .filter(|(a, (inc, _))| !self.addrs.incs.is_live(a, *inc))
+                .map(|(a, (inc, _))| (a.clone(), *inc))
+                .collect();
+            for (addr, inc) in stale {
+                let r = self.drop_peer(nic, &addr, inc);
+                if first.is_ok() {
+                    first = r;
                 }
-                let err = TransportError::PeerRemoved {
-                    nic: self.nics[nic].name.clone(),
-                    peer: addr.clone(),
-                };
-                self.fail_queued_to(nic, peer, &err);
-                if let Err(e) = self.nics[nic].domain.remove_peer(peer) {
-                    tracing::warn!(group = self.group, nic, peer = %addr, error = %e, "backend cannot remove the peer");
-                    if first.is_ok() {
-                        first = Err(EngineError::Control {
-                            group: self.group,
-                            nic,
-                            op: "remove_peer",
-                            source: Box::new(e),
-                        });
-                    }
-                }
-                self.nics[nic].peer_addrs.remove(&peer);
             }
         }
+        let group = self.group;
         for pg in &mut self.reg.peer_groups {
             if pg.removed.is_some() {
                 continue;
             }
             pg.removed = pg.members.iter().enumerate().find_map(|(j, m)| {
-                m.iter()
-                    .find(|(a, _)| addrs.contains(a))
+                m.nics
+                    .iter()
+                    .find(|(a, _)| !self.addrs.incs.is_live(a, m.incarnation))
                     .map(|(a, _)| (j, a.clone()))
             });
+            if let Some((j, a)) = &pg.removed {
+                tracing::debug!(group, member = j, peer = %a, incarnation = %pg.members[*j].incarnation,
+                    "peer group refused from now on: a member is no longer live");
+            }
         }
         self.publish_peers();
         first
+    }
+
+    /// Drops the peer at `addr` (incarnation `inc`) on `nic`: fails its
+    /// queued WRs, removes it from the domain and the caches.
+    pub(super) fn drop_peer(
+        &mut self,
+        nic: usize,
+        addr: &NetAddr,
+        inc: Incarnation,
+    ) -> Result<(), EngineError> {
+        let Some((_, peer)) = self.nics[nic].peers.remove(addr) else {
+            return Ok(());
+        };
+        tracing::debug!(group = self.group, nic, peer = %addr, incarnation = %inc,
+            "dropping a peer whose incarnation is no longer live");
+        for slot in self.nics[nic].by_addr_id.iter_mut() {
+            if *slot == Some(peer) {
+                *slot = None;
+            }
+        }
+        let err = TransportError::PeerRemoved {
+            nic: self.nics[nic].name.clone(),
+            peer: addr.clone(),
+        };
+        self.fail_queued_to(nic, peer, &err);
+        self.nics[nic].peer_addrs.remove(&peer);
+        self.nics[nic].domain.remove_peer(peer).map_err(|e| {
+            tracing::warn!(group = self.group, nic, peer = %addr, error = %e, "backend cannot remove the peer");
+            EngineError::Control {
+                group: self.group,
+                nic,
+                op: "remove_peer",
+                source: Box::new(e),
+            }
+        })
     }
 
     /// Fails the WRs to `peer` on `nic` that wait for send-queue room.
@@ -95,22 +154,35 @@ impl WorkerCore {
         }
     }
 
-    /// Refuses addresses removed with `TransferEngine::remove_peer`.
-    pub(super) fn check_not_removed(
-        &self,
+    /// Admits incarnation `inc` at `addr` for a destination resolved on
+    /// `nic`: a removed or replaced incarnation is refused with
+    /// [`TransportError::PeerRemoved`]; a newer one replaces the one bound
+    /// there (dropped on this group at once, on the others at their next
+    /// [`WorkerCore::sync_incarnations`]).
+    pub(super) fn admit(
+        &mut self,
         nic: usize,
         addr: &NetAddr,
+        inc: Incarnation,
     ) -> Result<(), TransportError> {
-        if self.removed.contains(addr) {
+        if let Err(why) = self.addrs.incs.admit(addr, inc) {
+            let name = self
+                .nics
+                .get(nic)
+                .map(|n| n.name.clone())
+                .unwrap_or_default();
+            match why {
+                Refused::Removed => tracing::debug!(group = self.group, nic, peer = %addr,
+                    incarnation = %inc, "refused: this incarnation was removed"),
+                Refused::Replaced(live) => tracing::debug!(group = self.group, nic, peer = %addr,
+                    incarnation = %inc, live = %live, "refused: a newer incarnation answers there"),
+            }
             return Err(TransportError::PeerRemoved {
-                nic: self
-                    .nics
-                    .get(nic)
-                    .map(|n| n.name.clone())
-                    .unwrap_or_default(),
+                nic: name,
                 peer: addr.clone(),
             });
         }
+        self.sync_incarnations();
         Ok(())
     }
 

@@ -25,7 +25,8 @@
 //!
 //! One module per piece of state: `nic` (per-NIC rings, posting and
 //! completion queues), `slab` (transfers in flight), `registry`
-//! (registrations, peer groups, receive pools), `lifecycle` (removed peers), `route` (per-NIC routes of
+//! (registrations, peer groups, receive pools), `lifecycle` (removed and replaced peer
+//! incarnations), `route` (per-NIC routes of
 //! a destination) and `plan` (turning a request body into WRs).
 
 mod lifecycle;
@@ -85,6 +86,7 @@ pub(crate) enum Control {
     },
     RemovePeer {
         addrs: Vec<NetAddr>,
+        incarnation: weft_transport::Incarnation,
         reply: crossbeam_channel::Sender<Result<(), EngineError>>,
     },
 }
@@ -127,9 +129,9 @@ pub(crate) struct WorkerCore {
     pending_pieces: usize,
     /// Per-NIC posting counters for `TransferEngine::stats`.
     counters: Arc<GroupCounters>,
-    /// Addresses removed with `TransferEngine::remove_peer`: refused for
-    /// good (see `lifecycle`).
-    removed: std::collections::BTreeSet<NetAddr>,
+    /// The epoch of the engine's incarnation table this group last synced
+    /// its peers with (see `lifecycle`).
+    inc_epoch: u64,
     #[cfg(feature = "latency-probe")]
     probes: Arc<crate::probe::ProbeSink>,
 }
@@ -224,7 +226,7 @@ impl WorkerCore {
             comps: Vec::new(),
             pending_pieces: 0,
             counters,
-            removed: std::collections::BTreeSet::new(),
+            inc_epoch: 0,
             #[cfg(feature = "latency-probe")]
             probes,
         })
@@ -283,6 +285,7 @@ impl WorkerCore {
 
     /// Takes one new request and posts its first WRs (priority 1).
     pub(crate) fn take_request(&mut self, req: Submitted) {
+        self.sync_incarnations();
         let Submitted {
             id,
             on_done,

@@ -9,8 +9,8 @@ use crate::wrid::{decode, Decoded};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use weft_transport::{
-    Capabilities, Completion, Domain, LocalSlice, NetAddr, PeerId, PostError, TransportError, WrId,
-    WriteWr,
+    Capabilities, Completion, Domain, Incarnation, LocalSlice, NetAddr, PeerId, PostError,
+    TransportError, WrId, WriteWr,
 };
 
 /// A work request waiting for send-queue room.
@@ -45,7 +45,9 @@ pub(super) struct Nic {
     pub(super) fresh: VecDeque<Op>,
     /// WRs of older requests waiting for room (priority 2).
     pub(super) backlog: VecDeque<Op>,
-    pub(super) peers: BTreeMap<NetAddr, PeerId>,
+    /// Resolved peers: the incarnation each was resolved for (at most one
+    /// per address: a newer one replaces it, see `lifecycle`) and its id.
+    pub(super) peers: BTreeMap<NetAddr, (Incarnation, PeerId)>,
     pub(super) peer_addrs: BTreeMap<PeerId, NetAddr>,
     /// `peers` by [`AddrBook`](crate::request::AddrBook) id (filled on
     /// first use).
@@ -74,24 +76,67 @@ impl Nic {
         }
     }
 
-    /// The peer at `addr`, added to the domain on first use.
-    pub(super) fn resolve(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        if let Some(p) = self.peers.get(addr) {
-            return Ok(*p);
+    /// The peer at `addr` resolved for incarnation `inc`, added to the
+    /// domain on first use; `None` when another incarnation holds the
+    /// address (the caller drops it first).
+    pub(super) fn resolve(
+        &mut self,
+        addr: &NetAddr,
+        inc: Incarnation,
+    ) -> Result<Option<PeerId>, TransportError> {
+        if let Some((i, p)) = self.peers.get(addr) {
+            return Ok((*i == inc).then_some(*p));
         }
         let p = self.domain.add_peer(addr)?;
-        self.peers.insert(addr.clone(), p);
+        self.peers.insert(addr.clone(), (inc, p));
         self.peer_addrs.insert(p, addr.clone());
-        Ok(p)
+        Ok(Some(p))
     }
 }
 
 impl WorkerCore {
-    /// The peer at `addr` on NIC `nic`, added on first use.
-    /// Addresses removed with `TransferEngine::remove_peer` are refused
-    /// ([`TransportError::PeerRemoved`]).
-    pub(super) fn resolve(&mut self, nic: usize, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        self.check_not_removed(nic, addr)?;
+    /// The peer at `addr` (incarnation `inc`) on NIC `nic`, added on
+    /// first use. Removed and replaced incarnations are refused
+    /// ([`TransportError::PeerRemoved`]); a newer one replaces the old (see
+    /// `lifecycle`).
+    pub(super) fn resolve(
+        &mut self,
+        nic: usize,
+        addr: &NetAddr,
+        inc: Incarnation,
+    ) -> Result<PeerId, TransportError> {
+        if nic >= self.nics.len() {
+            return Err(TransportError::InvalidArgument {
+                nic: String::new(),
+                what: format!("no NIC {nic}"),
+            });
+        }
+        self.admit(nic, addr, inc)?;
+        let p = match self.resolve_on(nic, addr, inc)? {
+            Some(p) => p,
+            None => {
+                // Another incarnation still holds the address here (one
+                // that became stale after the sync above): drop it first.
+                if let Some((old, _)) = self.nics[nic].peers.get(addr).copied() {
+                    // Logged by `drop_peer`; the new peer is added anyway.
+                    let _ = self.drop_peer(nic, addr, old);
+                }
+                self.resolve_on(nic, addr, inc)?
+                    .ok_or_else(|| TransportError::PeerRemoved {
+                        nic: self.nics[nic].name.clone(),
+                        peer: addr.clone(),
+                    })?
+            }
+        };
+        Ok(p)
+    }
+
+    fn resolve_on(
+        &mut self,
+        nic: usize,
+        addr: &NetAddr,
+        inc: Incarnation,
+    ) -> Result<Option<PeerId>, TransportError> {
         let n = self
             .nics
             .get_mut(nic)
@@ -100,7 +145,7 @@ impl WorkerCore {
                 what: format!("no NIC {nic}"),
             })?;
         let known = n.peers.len();
-        let p = n.resolve(addr)?;
+        let p = n.resolve(addr, inc)?;
         if n.peers.len() != known {
             self.counters.set_peers(nic, self.nics[nic].peers.len());
         }

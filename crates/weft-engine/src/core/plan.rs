@@ -10,7 +10,7 @@ use crate::mem::SendPayload;
 use crate::request::{Body, Dsts};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
-use weft_transport::{Access, Imm, MemRegion, NetAddr, RemoteSlice, WrId, WriteWr};
+use weft_transport::{Access, Imm, Incarnation, MemRegion, NetAddr, RemoteSlice, WrId, WriteWr};
 
 impl WorkerCore {
     pub(super) fn plan(&mut self, slot: u32, wr: WrId, body: Body) -> Result<(), EngineError> {
@@ -162,7 +162,11 @@ impl WorkerCore {
                 }
                 Ok(())
             }
-            Body::Send { peer, payload } => self.plan_send(slot, wr, peer, payload),
+            Body::Send {
+                peer,
+                incarnation,
+                payload,
+            } => self.plan_send(slot, wr, peer, incarnation, payload),
         }
     }
 
@@ -244,12 +248,13 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         peer: NetAddr,
+        inc: Incarnation,
         payload: SendPayload,
     ) -> Result<(), EngineError> {
         let tid = self.slab[slot as usize].id;
         let group = self.group;
         let pid = self
-            .resolve(0, &peer)
+            .resolve(0, &peer, inc)
             .map_err(|e| transport(group, 0, tid, Some(peer.clone()), e));
         let (src, res) = match payload {
             SendPayload::Slot { slot: s, len } => {

@@ -9,17 +9,27 @@ use crate::request::GroupAddress;
 use crate::wrid::{mr_key, split_mr_key, wr_recv};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use weft_transport::{Access, LocalMr, MemRegion, MrKey, NetAddr, PeerId, TransportError};
+use weft_transport::{
+    Access, Incarnation, LocalMr, MemRegion, MrKey, NetAddr, PeerId, TransportError,
+};
 
 pub(super) struct MrEntry {
     pub(super) nics: Vec<LocalMr>,
 }
 
+/// One member of a peer group.
+pub(super) struct Member {
+    /// The member's incarnation.
+    pub(super) incarnation: Incarnation,
+    /// Per NIC, the resolved peer and the address it was resolved from.
+    pub(super) nics: Vec<(NetAddr, PeerId)>,
+}
+
 pub(super) struct PeerGroup {
-    /// `[member][nic]` resolved peer and the address it was resolved from.
-    pub(super) members: Vec<Vec<(NetAddr, PeerId)>>,
-    /// A member removed with `TransferEngine::remove_peer`: `(member,
-    /// address)`; the group is refused from then on.
+    pub(super) members: Vec<Member>,
+    /// A member removed with `TransferEngine::remove_peer` or replaced by
+    /// a newer incarnation: `(member, address)`; the group is refused from
+    /// then on.
     pub(super) removed: Option<(usize, NetAddr)>,
 }
 
@@ -93,6 +103,7 @@ impl Registry {
 
 impl WorkerCore {
     pub(crate) fn handle_control(&mut self, c: Control) {
+        self.sync_incarnations();
         match c {
             Control::RegMr { region, reply } => {
                 let _ = reply.send(self.reg_mr(&region));
@@ -106,8 +117,12 @@ impl WorkerCore {
             Control::RecvPool { pool, reply } => {
                 let _ = reply.send(self.add_recv_pool(pool));
             }
-            Control::RemovePeer { addrs, reply } => {
-                let _ = reply.send(self.remove_peers(&addrs));
+            Control::RemovePeer {
+                addrs,
+                incarnation,
+                reply,
+            } => {
+                let _ = reply.send(self.remove_peers(&addrs, incarnation));
             }
         }
     }
@@ -192,15 +207,20 @@ impl WorkerCore {
             let nics = p.nics.len().min(self.nics.len());
             let mut m = Vec::with_capacity(nics);
             for (nic, addr) in p.nics.into_iter().take(nics).enumerate() {
-                let id = self.resolve(nic, &addr).map_err(|e| EngineError::Control {
-                    group: self.group,
-                    nic,
-                    op: "add_peer",
-                    source: Box::new(e),
-                })?;
+                let id =
+                    self.resolve(nic, &addr, p.incarnation)
+                        .map_err(|e| EngineError::Control {
+                            group: self.group,
+                            nic,
+                            op: "add_peer",
+                            source: Box::new(e),
+                        })?;
                 m.push((addr, id));
             }
-            members.push(m);
+            members.push(Member {
+                incarnation: p.incarnation,
+                nics: m,
+            });
         }
         let id = u32::try_from(self.reg.peer_groups.len()).map_err(|_| {
             EngineError::InvalidArgument {

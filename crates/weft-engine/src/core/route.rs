@@ -124,7 +124,9 @@ impl WorkerCore {
                             .peer_groups
                             .get(g as usize)?
                             .members
-                            .get(j)?
+                            .get(j)
+                            .filter(|m| m.incarnation == dst.incarnation)?
+                            .nics
                             .get(nic)
                     })
                     .and_then(|(a, id)| (a == addr).then_some(*id));
@@ -132,7 +134,7 @@ impl WorkerCore {
                     Some(p) => p,
                     None => {
                         let group = self.group;
-                        self.resolve(nic, addr)
+                        self.resolve(nic, addr, dst.incarnation)
                             .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?
                     }
                 };
@@ -162,14 +164,14 @@ impl WorkerCore {
             return Ok(*p);
         }
         let group = self.group;
-        let addr = self
+        let (addr, inc) = self
             .addrs
             .addr(id)
             .ok_or_else(|| EngineError::InvalidArgument {
                 what: format!("unknown interned address {id}"),
             })?;
         let peer = self
-            .resolve(nic, &addr)
+            .resolve(nic, &addr, inc)
             .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?;
         let cache = &mut self.nics[nic].by_addr_id;
         if cache.len() <= id as usize {
@@ -194,7 +196,7 @@ impl WorkerCore {
             .reg
             .peer_groups
             .get(g as usize)
-            .and_then(|pg| pg.members.get(j)?.get(nic))
+            .and_then(|pg| pg.members.get(j)?.nics.get(nic))
             .map(|(_, id)| *id)
             .ok_or_else(|| EngineError::InvalidArgument {
                 what: format!("peer group {g} member {j} has no NIC {nic}"),

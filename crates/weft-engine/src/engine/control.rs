@@ -105,6 +105,7 @@ impl TransferEngine {
                 .zip(&mrs)
                 .map(|(a, mr)| (a.clone(), mr.rkey))
                 .collect(),
+            incarnation: self.inner.incarnation,
         };
         let h = MrHandle {
             engine: self.inner.id,
@@ -143,9 +144,9 @@ impl TransferEngine {
         })
     }
 
-    /// Removes a peer (every NIC address of `peer`) on every group, e.g.
-    /// one whose process died or left; see "Peer lifecycle" in
-    /// docs/engine.md.
+    /// Removes a peer (every NIC address of `peer`, at its incarnation) on
+    /// every group, e.g. one whose process died or left; see "Peer
+    /// lifecycle" in docs/engine.md and docs/operations.md.
     ///
     /// Its WRs still waiting for send-queue room fail with
     /// [`TransportError::PeerRemoved`](weft_transport::TransportError::PeerRemoved)
@@ -153,11 +154,13 @@ impl TransferEngine {
     /// same way or complete as usual, as the backend decides (each transfer
     /// still resolves exactly once); the backends free its connection
     /// state; peer groups with it as a member fail with
-    /// [`EngineError::PeerRemoved`] from now on. Its addresses stay refused
-    /// for good: transfers naming them later (descriptors of the old
+    /// [`EngineError::PeerRemoved`] from now on. Its incarnation stays
+    /// refused for good: transfers naming it later (descriptors of the old
     /// incarnation) fail with `PeerRemoved` and never reach a process that
-    /// answers at the same address later. A restarted peer is reached at its
-    /// new address (every weft backend gives a new process a new one).
+    /// answers at the same address later. A restarted peer (a new
+    /// [`incarnation`](TransferEngine::incarnation)) is reached at its
+    /// address, new or reused. A newer incarnation showing up at an address
+    /// replaces the older one there as if this were called for it.
     /// Removing an unknown or already removed peer is a no-op. A peer with
     /// several domain groups is removed by passing each of its group
     /// addresses (each call removes the NIC addresses it names).
@@ -165,7 +168,12 @@ impl TransferEngine {
         let mut first = Ok(());
         for gs in &self.inner.groups {
             let addrs = peer.nics.clone();
-            let r = self.control(gs, |reply| Control::RemovePeer { addrs, reply });
+            let incarnation = peer.incarnation;
+            let r = self.control(gs, |reply| Control::RemovePeer {
+                addrs,
+                incarnation,
+                reply,
+            });
             if first.is_ok() {
                 first = r;
             }

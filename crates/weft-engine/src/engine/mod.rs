@@ -88,6 +88,8 @@ pub(crate) static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 pub(crate) struct Inner {
     /// Process-unique engine id: peer group handles name their engine.
     pub(crate) id: u64,
+    /// This engine's incarnation, in its addresses and descriptors.
+    pub(crate) incarnation: weft_transport::Incarnation,
     pub(crate) groups: Vec<Arc<GroupShared>>,
     pub(crate) imms: Arc<ImmTable<ImmDone>>,
     pub(crate) imm_waits: Arc<ImmWaits>,
@@ -253,13 +255,25 @@ impl TransferEngine {
     pub fn group_address(&self, g: usize) -> Result<GroupAddress, EngineError> {
         Ok(GroupAddress {
             nics: self.info(g)?.addrs.clone(),
+            incarnation: self.inner.incarnation,
         })
     }
 
     /// Address of group 0 (its NIC 0 takes sends).
     pub fn main_address(&self) -> GroupAddress {
-        self.group_address(0)
-            .unwrap_or(GroupAddress { nics: Vec::new() })
+        self.group_address(0).unwrap_or(GroupAddress {
+            nics: Vec::new(),
+            incarnation: self.inner.incarnation,
+        })
+    }
+
+    /// This engine's incarnation: drawn at build time (see
+    /// [`EngineBuilder::incarnation`](crate::EngineBuilder::incarnation)),
+    /// carried by its [`GroupAddress`]es and the descriptors
+    /// [`TransferEngine::reg_mr`] returns, so peers tell it apart from an
+    /// earlier or later process at the same NIC addresses.
+    pub fn incarnation(&self) -> weft_transport::Incarnation {
+        self.inner.incarnation
     }
 
     /// Immediate-count parameters of group `g`.

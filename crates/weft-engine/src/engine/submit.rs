@@ -195,6 +195,7 @@ impl TransferEngine {
             on_done,
             Body::Send {
                 peer: addr.clone(),
+                incarnation: peer.incarnation,
                 payload,
             },
         );

@@ -200,6 +200,7 @@ pub fn late_joiner_finds_published_records<B: Backend>(b: &B) {
         addr: 0x1000,
         len: 4096,
         rkeys: vec![(NetAddr(vec![1, 2]), Rkey(9))],
+        incarnation: Default::default(),
     };
     ns.publish_peer(&early, "early", 3, &[vec![NetAddr(vec![1, 2])]])
         .unwrap();
@@ -311,6 +312,7 @@ pub fn late_process_joins_and_leaves_cleanly<B: Backend>(b: &B, entry: &str) {
         addr: 64,
         len: 4096,
         rkeys: vec![(NetAddr(vec![3]), Rkey(1))],
+        incarnation: Default::default(),
     };
     ns.publish_peer(&session, "early", 2, &[vec![NetAddr(vec![3])]])
         .unwrap();

@@ -209,25 +209,40 @@ impl Common {
     }
 }
 
-/// A group address as text: its NICs' addresses, comma-separated.
+/// A group address as text: its NICs' addresses, comma-separated, then
+/// `@` and the engine's incarnation (decimal).
 fn addr_to_string(a: &GroupAddress) -> String {
-    a.nics
+    let nics = a
+        .nics
         .iter()
         .map(|n| n.to_string())
         .collect::<Vec<_>>()
-        .join(",")
+        .join(",");
+    format!("{nics}@{}", a.incarnation.0)
 }
 
+/// Parses [`addr_to_string`]'s text (without `@`, the incarnation is 0, the
+/// oldest: an engine that saw a newer one at these addresses refuses it).
 fn addr_from_str(s: &str) -> Result<GroupAddress, String> {
-    let nics = s
-        .trim()
+    let (nics, inc) = match s.trim().split_once('@') {
+        Some((n, i)) => (
+            n,
+            i.parse::<u64>()
+                .map_err(|e| format!("incarnation {i:?}: {e}"))?,
+        ),
+        None => (s.trim(), 0),
+    };
+    let nics = nics
         .split(',')
         .map(|x| {
             x.parse::<NetAddr>()
                 .map_err(|e| format!("address {x:?}: {e}"))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(GroupAddress { nics })
+    Ok(GroupAddress {
+        nics,
+        incarnation: weft::Incarnation(inc),
+    })
 }
 
 fn main() -> ExitCode {

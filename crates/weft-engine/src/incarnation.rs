@@ -1,0 +1,223 @@
+//! Incarnations: which engine instance answers at a remote NIC address.
+//!
+//! Every engine draws its own [`Incarnation`] at build time
+//! ([`fresh`]; [`EngineBuilder::incarnation`](crate::EngineBuilder::incarnation)
+//! overrides it) and puts it into what peers hold: its
+//! [`GroupAddress`](crate::GroupAddress)es and [`MrDesc`](crate::MrDesc)s.
+//!
+//! On the receiving side, [`Incarnations`] (one per engine, shared by its
+//! workers) binds each remote NIC address to at most one live incarnation
+//! and remembers the `(address, incarnation)` pairs removed with
+//! `TransferEngine::remove_peer`. A worker asks it ([`Incarnations::admit`])
+//! only when it resolves a destination to a domain peer (once per address,
+//! incarnation and NIC, then cached), never per WR. A newer incarnation at
+//! a bound address replaces the bound one and bumps [`Incarnations::epoch`];
+//! each worker compares the epoch (one atomic load) before it takes a
+//! request or a control message and, when it moved, drops its peers that
+//! are no longer live (see `core::lifecycle`).
+
+use parking_lot::RwLock;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use weft_transport::{Incarnation, NetAddr};
+
+/// Low bits of a fresh incarnation that are not wall-clock time.
+const MIX_BITS: u32 = 16;
+
+/// The largest incarnation [`fresh`] handed out in this process.
+static LAST: AtomicU64 = AtomicU64::new(0);
+
+/// A new incarnation for an engine built now: the wall clock in
+/// nanoseconds since the Unix epoch with its low 16 bits replaced by a mix
+/// of the process id (so two processes built in the same 65 µs window
+/// differ), and strictly larger than every incarnation this process drew
+/// before. So a process restarted on the same host orders after its
+/// predecessor as long as the host clock does not step back by more than
+/// the time between the two builds; tests that need fixed values set them
+/// with [`EngineBuilder::incarnation`](crate::EngineBuilder::incarnation).
+pub(crate) fn fresh() -> Incarnation {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    let pid = u64::from(std::process::id());
+    let mix = pid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - MIX_BITS);
+    let candidate = (now & !((1 << MIX_BITS) - 1)) | mix;
+    let prev = LAST
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+            Some(candidate.max(last.saturating_add(1)))
+        })
+        .unwrap_or(0);
+    Incarnation(candidate.max(prev.saturating_add(1)))
+}
+
+/// Why [`Incarnations::admit`] refused an incarnation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Removed with `TransferEngine::remove_peer`.
+    Removed,
+    /// Older than the incarnation bound to the address (`.0`).
+    Replaced(Incarnation),
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// The live (newest seen) incarnation at each remote NIC address.
+    bound: BTreeMap<NetAddr, Incarnation>,
+    /// `(address, incarnation)` pairs removed with `remove_peer`.
+    removed: BTreeSet<(NetAddr, Incarnation)>,
+}
+
+/// The engine-wide table of remote incarnations (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Incarnations {
+    table: RwLock<Table>,
+    /// Bumped whenever a bound incarnation stops being live (replaced by a
+    /// newer one or removed).
+    epoch: AtomicU64,
+}
+
+impl Incarnations {
+    /// Whether `inc` may be used at `addr`: `Ok` when it is (now) the live
+    /// incarnation there. An address not seen before is bound to `inc`; a
+    /// newer incarnation replaces the bound one (bumping the epoch). A
+    /// removed or older one is refused.
+    pub(crate) fn admit(&self, addr: &NetAddr, inc: Incarnation) -> Result<(), Refused> {
+        {
+            let t = self.table.read();
+            if t.removed.contains(&(addr.clone(), inc)) {
+                return Err(Refused::Removed);
+            }
+            match t.bound.get(addr) {
+                Some(&b) if b == inc => return Ok(()),
+                Some(&b) if b > inc => return Err(Refused::Replaced(b)),
+                _ => {}
+            }
+        }
+        let mut t = self.table.write();
+        if t.removed.contains(&(addr.clone(), inc)) {
+            return Err(Refused::Removed);
+        }
+        match t.bound.get(addr).copied() {
+            Some(b) if b == inc => Ok(()),
+            Some(b) if b > inc => Err(Refused::Replaced(b)),
+            old => {
+                t.bound.insert(addr.clone(), inc);
+                if let Some(old) = old {
+                    tracing::info!(
+                        peer = %addr, old = %old, new = %inc,
+                        "a newer incarnation answers at this address: the old one is replaced"
+                    );
+                    self.epoch.fetch_add(1, Ordering::Release);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Records that `inc` at `addr` was removed: refused from now on. An
+    /// incarnation older than `inc` bound there stops being live as well
+    /// (a newer one existed).
+    pub(crate) fn remove(&self, addr: &NetAddr, inc: Incarnation) {
+        let mut t = self.table.write();
+        let fresh = t.removed.insert((addr.clone(), inc));
+        let bound = t.bound.get(addr).copied();
+        if bound.is_none_or(|b| b < inc) {
+            t.bound.insert(addr.clone(), inc);
+        }
+        if fresh && bound.is_some_and(|b| b <= inc) {
+            self.epoch.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Whether `inc` is the live incarnation at `addr` (bound and not
+    /// removed).
+    pub(crate) fn is_live(&self, addr: &NetAddr, inc: Incarnation) -> bool {
+        let t = self.table.read();
+        t.bound.get(addr) == Some(&inc) && !t.removed.contains(&(addr.clone(), inc))
+    }
+
+    /// Changes whenever a bound incarnation stops being live.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(b: u8) -> NetAddr {
+        NetAddr(vec![b; 4])
+    }
+
+    /// The rules: first sight binds; the same incarnation is admitted; an
+    /// older one is refused; a newer one replaces (epoch moves, the old is
+    /// no longer live); a removed one is refused for good while a later
+    /// one at the same address is admitted; other addresses are unaffected.
+    #[test]
+    fn newer_replaces_older_and_removed_are_refused() {
+        let t = Incarnations::default();
+        let e0 = t.epoch();
+        assert_eq!(t.admit(&a(1), Incarnation(5)), Ok(()));
+        assert_eq!(t.admit(&a(1), Incarnation(5)), Ok(()));
+        assert_eq!(t.epoch(), e0, "binding a fresh address replaces nothing");
+        assert!(t.is_live(&a(1), Incarnation(5)));
+        assert_eq!(
+            t.admit(&a(1), Incarnation(4)),
+            Err(Refused::Replaced(Incarnation(5)))
+        );
+        assert_eq!(t.admit(&a(1), Incarnation(7)), Ok(()));
+        let e1 = t.epoch();
+        assert_ne!(e1, e0, "a replacement moves the epoch");
+        assert!(!t.is_live(&a(1), Incarnation(5)));
+        assert!(t.is_live(&a(1), Incarnation(7)));
+        assert_eq!(
+            t.admit(&a(1), Incarnation(5)),
+            Err(Refused::Replaced(Incarnation(7)))
+        );
+        t.remove(&a(1), Incarnation(7));
+        let e2 = t.epoch();
+        assert_ne!(e2, e1, "removing the live incarnation moves the epoch");
+        assert!(!t.is_live(&a(1), Incarnation(7)));
+        assert_eq!(t.admit(&a(1), Incarnation(7)), Err(Refused::Removed));
+        t.remove(&a(1), Incarnation(7));
+        assert_eq!(t.epoch(), e2, "removing twice is a no-op");
+        assert_eq!(t.admit(&a(1), Incarnation(8)), Ok(()));
+        assert!(t.is_live(&a(1), Incarnation(8)));
+        assert_eq!(t.admit(&a(1), Incarnation(7)), Err(Refused::Removed));
+        assert_eq!(t.admit(&a(2), Incarnation(1)), Ok(()), "other address");
+        // Removing an incarnation newer than the bound one ends the bound
+        // one too; removing an older one leaves the bound one live.
+        t.remove(&a(2), Incarnation(3));
+        assert!(!t.is_live(&a(2), Incarnation(1)));
+        assert_eq!(
+            t.admit(&a(2), Incarnation(1)),
+            Err(Refused::Replaced(Incarnation(3)))
+        );
+        assert_eq!(t.admit(&a(2), Incarnation(4)), Ok(()));
+        t.remove(&a(2), Incarnation(2));
+        assert!(t.is_live(&a(2), Incarnation(4)));
+    }
+
+    /// Fresh incarnations strictly increase within a process and carry the
+    /// wall clock in their high bits.
+    #[test]
+    fn fresh_incarnations_increase() {
+        let mut last = fresh();
+        for _ in 0..1000 {
+            let next = fresh();
+            assert!(next > last, "{next} after {last}");
+            last = next;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        assert!(
+            last.0 >> 32 <= now >> 32,
+            "{last} is not from the wall clock"
+        );
+        assert!(last.0 > (1 << 60), "{last} is not from the wall clock");
+    }
+}
