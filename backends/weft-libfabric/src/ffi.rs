@@ -999,6 +999,11 @@ pub(crate) struct Resources {
     fabric: *mut FidFabric,
     domain: *mut FidDomain,
     ep: *mut FidEp,
+    /// Further endpoints (index `k` is endpoint `k + 1`; `null` once
+    /// closed), bound to the same AV and CQ: the per-peer transmit
+    /// endpoints of providers whose completions of one endpoint wait for
+    /// each other (`domain::peer_eps`).
+    tx_eps: Vec<*mut FidEp>,
     av: *mut FidAv,
     cq: *mut FidCq,
     mr_endpoint: bool,
@@ -1051,6 +1056,7 @@ impl Resources {
             fabric: ptr::null_mut(),
             domain: ptr::null_mut(),
             ep: ptr::null_mut(),
+            tx_eps: Vec::new(),
             av: ptr::null_mut(),
             cq: ptr::null_mut(),
             mr_endpoint: info.mr_mode & FI_MR_ENDPOINT != 0,
@@ -1400,6 +1406,7 @@ impl Resources {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn writemsg(
         &mut self,
+        ep: usize,
         i: usize,
         src: u64,
         len: usize,
@@ -1410,8 +1417,9 @@ impl Resources {
         data: Option<u64>,
         more: bool,
     ) -> Result<i64, TransportError> {
+        let ep = self.ep_at(ep)?;
         // SAFETY: the endpoint is open; `rma` is its RMA ops table.
-        let rma = unsafe { (*self.ep).rma };
+        let rma = unsafe { (*ep).rma };
         let writemsg = op!(self, rma, FiOpsRma, writemsg, "fi_writemsg")?;
         let s = self
             .slots
@@ -1441,8 +1449,83 @@ impl Resources {
         // SAFETY: the template's pointers all point into this slot, which
         // stays allocated and untouched until the operation's completion; the
         // source range is registered memory (checked by the caller).
-        let rc = unsafe { writemsg(self.ep, msg, flags) };
+        let rc = unsafe { writemsg(ep, msg, flags) };
         Ok(rc as i64)
+    }
+
+    /// Endpoint `ep`: 0 is the main one, `k + 1` the `k`th of
+    /// [`Resources::open_tx_ep`].
+    fn ep_at(&self, ep: usize) -> Result<*mut FidEp, TransportError> {
+        let p = match ep {
+            0 => self.ep,
+            k => self.tx_eps.get(k - 1).copied().unwrap_or(ptr::null_mut()),
+        };
+        if p.is_null() {
+            return Err(TransportError::InvalidArgument {
+                nic: self.nic.clone(),
+                what: format!("internal: endpoint {ep} is not open"),
+            });
+        }
+        Ok(p)
+    }
+
+    /// Opens another endpoint of `info` on this domain, bound to the same
+    /// AV and CQ (so registrations, peer addresses and completions are
+    /// shared) and enabled; its index for [`Resources::writemsg`] and
+    /// [`Resources::send`]. It has an address of its own, which nobody is
+    /// told: peers keep sending to the main endpoint.
+    pub(crate) fn open_tx_ep(&mut self, info: &Info) -> Result<usize, TransportError> {
+        if self.mr_endpoint {
+            // Registrations would have to be bound to each endpoint.
+            return Err(TransportError::Unsupported {
+                nic: self.nic.clone(),
+                what: "extra endpoints with FI_MR_ENDPOINT registrations".into(),
+            });
+        }
+        // SAFETY: the domain is open.
+        let dops = unsafe { (*self.domain).ops };
+        let endpoint = op!(self, dops, FiOpsDomain, endpoint, "fi_endpoint")?;
+        let mut ep: *mut FidEp = ptr::null_mut();
+        // SAFETY: valid domain and info (the one the domain was opened with).
+        let rc = unsafe { endpoint(self.domain, info.ptr, &mut ep, ptr::null_mut()) };
+        self.check("fi_endpoint", i64::from(rc))?;
+        let fid = ep.cast::<Fid>();
+        let set_up = self
+            .fid_bind(fid, self.av.cast(), 0, "fi_ep_bind(av)")
+            .and_then(|()| {
+                self.fid_bind(fid, self.cq.cast(), FI_TRANSMIT | FI_RECV, "fi_ep_bind(cq)")
+            })
+            .and_then(|()| self.fid_control(fid, FI_ENABLE, "fi_enable"));
+        if let Err(e) = set_up {
+            let rc = Self::close(fid);
+            if rc != 0 {
+                tracing::warn!(nic = %self.nic, rc, "fi_close of a half-opened endpoint failed");
+            }
+            return Err(e);
+        }
+        let k = match self.tx_eps.iter().position(|p| p.is_null()) {
+            Some(k) => {
+                self.tx_eps[k] = ep;
+                k
+            }
+            None => {
+                self.tx_eps.push(ep);
+                self.tx_eps.len() - 1
+            }
+        };
+        Ok(k + 1)
+    }
+
+    /// Closes endpoint `ep` of [`Resources::open_tx_ep`]. Operations still
+    /// inside it never complete: the caller has read every completion the
+    /// CQ holds and no longer expects any from it.
+    pub(crate) fn close_tx_ep(&mut self, ep: usize) -> Result<(), TransportError> {
+        let p = match ep.checked_sub(1).and_then(|k| self.tx_eps.get_mut(k)) {
+            Some(p) if !p.is_null() => std::mem::replace(p, ptr::null_mut()),
+            _ => return Err(self.error("fi_close(ep)", -(libc::EINVAL as i64))),
+        };
+        let rc = Self::close(p.cast());
+        self.check("fi_close(ep)", i64::from(rc))
     }
 
     /// `fi_sendmsg` of `parts` (one or two `(address, length, descriptor)`
@@ -1451,12 +1534,14 @@ impl Resources {
     /// shm 1.17 never completes a zero-length one). Returns the raw code.
     pub(crate) fn send(
         &mut self,
+        ep: usize,
         i: usize,
         parts: &[(u64, usize, Desc)],
         dest: u64,
     ) -> Result<i64, TransportError> {
+        let ep = self.ep_at(ep)?;
         // SAFETY: the endpoint is open; `msg` is its MSG ops table.
-        let ops = unsafe { (*self.ep).msg };
+        let ops = unsafe { (*ep).msg };
         let sendmsg = op!(self, ops, FiOpsMsg, sendmsg, "fi_sendmsg")?;
         let ctx = self.slot_ctx(i)?;
         if parts.is_empty() || parts.len() > 2 {
@@ -1487,7 +1572,7 @@ impl Resources {
         // SAFETY: registered source memory valid until completion; the iovs
         // and descriptors live in the reserved slot; the provider copies the
         // fi_msg itself during the call.
-        let rc = unsafe { sendmsg(self.ep, &msg, flags) };
+        let rc = unsafe { sendmsg(ep, &msg, flags) };
         Ok(rc as i64)
     }
 
@@ -1625,9 +1710,15 @@ fn self_error_slot(nic: &str, i: usize) -> TransportError {
 
 impl Drop for Resources {
     fn drop(&mut self) {
-        // Endpoint first (cancels outstanding operations), then
+        // Endpoints first (cancels outstanding operations), then
         // registrations, AV, CQ, domain, fabric.
-        let mut fids: Vec<*mut Fid> = vec![self.ep.cast()];
+        let mut fids: Vec<*mut Fid> = self
+            .tx_eps
+            .drain(..)
+            .filter(|p| !p.is_null())
+            .map(|p| p.cast::<Fid>())
+            .collect();
+        fids.push(self.ep.cast());
         fids.extend(self.mrs.drain(..).map(|m| m.cast::<Fid>()));
         fids.extend([
             self.av.cast(),
