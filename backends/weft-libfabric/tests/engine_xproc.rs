@@ -10,8 +10,6 @@
 //!   stopped (SIGSTOP, so nothing to it can complete), then SIGKILLed.
 //! - `peer_death_while_streaming`: `peer_death` with a running victim,
 //!   SIGKILLed in mid-stream.
-//! - `shm_peer_restart_between_transfers`: shm's restart loop with the
-//!   peer killed while idle (`peer_restart` kills mid-transfer).
 //! - `shm_killed_peer_does_not_block_later_completions`: regression test of
 //!   the provider defect that per-peer endpoints work around (a killed
 //!   peer's unanswered write blocks shm's in-order response queue of its
@@ -275,88 +273,6 @@ fn stopped_peer_times_out() {
     );
 }
 
-/// shm restart loop without writes in flight at the kill (the engine
-/// scenario `peer_restart` kills mid-transfer):
-/// a peer process gets a verified round, is SIGKILLed while idle, removed
-/// and restarted (a new pid, so a new shm address), 20 times, a survivor
-/// alongside; writes to the removed incarnation's descriptor fail with
-/// `PeerRemoved`; the resolved peer count is back to its baseline.
-#[test]
-fn shm_peer_restart_between_transfers() {
-    const WLEN: u64 = 64 << 10;
-    const LEN: usize = (4 * WLEN) as usize;
-    const SEED: u64 = 0x5eed_0022;
-    let t0 = Instant::now();
-    let src: HostBuffer;
-    let mut h = common::XprocEngines::new("shm", SEED);
-    let init = match h.initiator() {
-        Ok(e) => e,
-        Err(HarnessError::Unsupported(m)) => {
-            eprintln!("SKIP: {m}");
-            return;
-        }
-        Err(e) => panic!("initiator: {e}"),
-    };
-    src = mem::patterned(SEED, LEN + 4096);
-    let (smr, _) = init.reg_mr(src.region()).expect("reg src");
-    let peers = |e: &TransferEngine| -> u64 {
-        e.stats()
-            .groups
-            .iter()
-            .flat_map(|g| g.nics.iter())
-            .map(|n| n.peers)
-            .sum()
-    };
-    let survivor = h.add_peer(LEN).expect("spawn survivor");
-    for f in singles(&mut h, &init, &smr, SEED, survivor, 1, true, 4, WLEN, |k| {
-        k * WLEN
-    }) {
-        wait_ok("write to the survivor", &f);
-    }
-    wait_round(&mut h, survivor, 1);
-    let baseline = peers(&init);
-    let mut gone = Vec::new();
-    for k in 0..20u64 {
-        let p = h.add_peer(LEN).expect("spawn an incarnation");
-        let addr = h.peer(p).address();
-        assert!(!gone.contains(&addr), "incarnation {k} reuses an address");
-        let tag = 100 + k;
-        for f in singles(&mut h, &init, &smr, SEED, p, tag, true, 4, WLEN, |i| {
-            i * WLEN + k
-        }) {
-            wait_ok(&format!("write to incarnation {k}"), &f);
-        }
-        wait_round(&mut h, p, tag);
-        let desc = h.peer(p).desc();
-        h.kill_peer(p).expect("SIGKILL");
-        init.remove_peer(&addr).expect("remove_peer");
-        let (od, flag) = OnDone::flag();
-        init.submit_single_write(64, None, (&smr, 0), (&desc, 0), od)
-            .expect("submit to the removed peer");
-        let e = wait_flag("write to the removed peer", &flag)
-            .expect_err("write to a removed peer succeeded");
-        assert!(e.is_peer_removed(), "write to the removed peer: {e}");
-        assert_eq!(
-            peers(&init),
-            baseline,
-            "incarnation {k}: peers after removal"
-        );
-        gone.push(addr);
-    }
-    for f in singles(&mut h, &init, &smr, SEED, survivor, 2, true, 4, WLEN, |k| {
-        k * WLEN + 1
-    }) {
-        wait_ok("write to the survivor at the end", &f);
-    }
-    wait_round(&mut h, survivor, 2);
-    h.peer(survivor).shutdown().expect("survivor exits cleanly");
-    drop(h);
-    eprintln!(
-        "shm_peer_restart_between_transfers: {:.2} s",
-        t0.elapsed().as_secs_f64()
-    );
-}
-
 /// Regression test of the shm provider defect that per-peer endpoints
 /// work around (docs/backends.md, "Provider limitations"; the engine
 /// scenarios `peer_death` and `peer_restart` on shm failed because of it).
@@ -464,7 +380,9 @@ fn shm_killed_peer_does_not_block_later_completions() {
         );
     }
     h.peer(survivor).shutdown().expect("survivor exits cleanly");
-    h.peer(restarted).shutdown().expect("restarted peer exits cleanly");
+    h.peer(restarted)
+        .shutdown()
+        .expect("restarted peer exits cleanly");
     drop(h);
     eprintln!(
         "shm_killed_peer_does_not_block_later_completions: {:.2} s",

@@ -52,7 +52,13 @@ impl LibfabricDomain {
         Ok(rc)
     }
 
-    fn issue_on(&mut self, ep: usize, i: usize, n: Native, more: bool) -> Result<i64, TransportError> {
+    fn issue_on(
+        &mut self,
+        ep: usize,
+        i: usize,
+        n: Native,
+        more: bool,
+    ) -> Result<i64, TransportError> {
         match n {
             Native::Write {
                 src,
