@@ -8,7 +8,8 @@
 //! domain writes to each peer on an endpoint of its own (a region in
 //! `/dev/shm`), closed once the peer is removed: open per-peer endpoints
 //! and this process's regions in `/dev/shm` are back to their baseline
-//! after every removal (tcp opens none).
+//! after every removal (tcp opens none; the shm test is the only one in
+//! this binary that makes regions, so the count is its own).
 
 use std::time::Duration;
 
@@ -124,7 +125,10 @@ fn restart_loop(name: &str) {
             0,
             "{name} #{k}: per-peer endpoint closed"
         );
-        assert_eq!(own_shm_regions(), regions, "{name} #{k}: /dev/shm regions");
+        if name == "shm" {
+            // (Only here: the tcp loop may run alongside the shm one.)
+            assert_eq!(own_shm_regions(), regions, "{name} #{k}: /dev/shm regions");
+        }
     }
 }
 

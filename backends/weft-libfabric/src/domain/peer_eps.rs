@@ -31,6 +31,7 @@
 use weft_transport::{Completion, PeerId, TransportError};
 
 use super::clock::Clock;
+use super::shm::shm_peer;
 use super::slots::SlotUse;
 use super::LibfabricDomain;
 
@@ -79,19 +80,31 @@ impl PeerEps {
 }
 
 impl LibfabricDomain {
-    /// The endpoint that issues reserved slot `i`: the main one (0) without
-    /// the quirk and for receives, else its peer's own, opened now if it
-    /// has none yet.
-    pub(super) fn ep_for(&mut self, i: usize) -> Result<usize, TransportError> {
+    /// The endpoint that issues reserved slot `i` and the peer's address
+    /// there: the main one (0, `None`: the address the operation carries)
+    /// without the quirk and for receives, else its peer's own, opened now
+    /// if it has none yet.
+    pub(super) fn ep_for(&mut self, i: usize) -> Result<(usize, Option<u64>), TransportError> {
         if !self.peer_eps.enabled {
-            return Ok(0);
+            return Ok((0, None));
         }
         let Some(peer) = self.slots.table.get(i).and_then(|s| s.peer()) else {
-            return Ok(0);
+            return Ok((0, None));
         };
         let p = self.peer(peer)?;
-        if let Some(ep) = p.ep {
-            return Ok(ep);
+        if let Some((ep, dest)) = p.ep {
+            return Ok((ep, Some(dest)));
+        }
+        // Gone since it was added (its region removed)? Opening an
+        // endpoint to it would map a stale region.
+        if let (_, Some(reason)) = shm_peer(&p.addr.0) {
+            let addr = p.addr.clone();
+            self.mark_dead(peer, reason.clone());
+            return Err(TransportError::PeerUnreachable {
+                nic: self.nic_name(),
+                peer: addr,
+                reason,
+            });
         }
         if self.peer_eps.open >= self.peer_eps.limit {
             return Err(TransportError::Unsupported {
@@ -104,13 +117,14 @@ impl LibfabricDomain {
                 ),
             });
         }
-        let ep = self.res.open_tx_ep(&self._info)?;
+        let addr = p.addr.0.clone();
+        let (ep, dest) = self.res.open_tx_ep(&self._info, &addr)?;
         self.peer_eps.open += 1;
         if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
             tracing::debug!(nic = %self.nic.name, peer = %p.addr, ep, "per-peer endpoint opened");
-            p.ep = Some(ep);
+            p.ep = Some((ep, dest));
         }
-        Ok(ep)
+        Ok((ep, Some(dest)))
     }
 
     /// Closes the endpoints of peers removed or declared unreachable: their
@@ -159,7 +173,7 @@ impl LibfabricDomain {
             return;
         }
         for peer in due {
-            let Some(ep) = self
+            let Some((ep, _)) = self
                 .peers
                 .table
                 .get_mut(peer.0 as usize)

@@ -42,7 +42,14 @@ impl LibfabricDomain {
     /// Operations to a peer go out on its own endpoint where the provider
     /// needs that (`peer_eps`); receives always on the main one.
     pub(super) fn issue(&mut self, i: usize, n: Native, more: bool) -> Result<i64, TransportError> {
-        let ep = self.ep_for(i)?;
+        let (ep, dest) = self.ep_for(i)?;
+        let mut n = n;
+        if let Some(d) = dest {
+            match &mut n {
+                Native::Write { dest, .. } | Native::Send { dest, .. } => *dest = d,
+                Native::Recv { .. } => {}
+            }
+        }
         let rc = self.issue_on(ep, i, n, more)?;
         if rc == 0 && ep != 0 {
             if let Some(e) = self.peer_eps.slot_ep.get_mut(i) {
