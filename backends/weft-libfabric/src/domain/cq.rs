@@ -92,7 +92,7 @@ impl LibfabricDomain {
             return;
         };
         // Handed back by the provider: no longer inside its endpoint.
-        self.peer_eps.clear_slot(i);
+        self.peer_eps.clear_slot(i, true);
         match self.slots.table.get(i).copied().unwrap_or(SlotUse::Free) {
             SlotUse::Bounce { j } => {
                 self.on_message(j, e.len, out, clock);
@@ -153,7 +153,7 @@ impl LibfabricDomain {
             );
             return;
         };
-        self.peer_eps.clear_slot(i);
+        self.peer_eps.clear_slot(i, false);
         if let Some(SlotUse::Bounce { j }) = self.slots.table.get(i).copied() {
             // A message that did not fit (FI_ETRUNC: a peer with a larger
             // max_send_len) or a cancelled receive at close: nothing to

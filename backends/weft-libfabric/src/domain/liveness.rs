@@ -182,6 +182,9 @@ impl LibfabricDomain {
         }
         self.sweep_unanswered(out, now);
         self.retire_av_entries();
+        if self.peer_eps.deferred {
+            self.peer_eps.check = true;
+        }
     }
 
     /// Fails every operation to dead `peer` still inside libfabric: its slot

@@ -58,6 +58,13 @@ pub(super) struct PeerEps {
     /// Some peer was removed or declared unreachable since the last look:
     /// endpoints may be due for closing.
     pub(super) check: bool,
+    /// Per endpoint index: its peer has answered at least one operation
+    /// on it (so it has processed the connection request the endpoint
+    /// sent first, and holds the endpoint's region mapped).
+    answered: Vec<bool>,
+    /// Endpoints of removed or unreachable peers left open for now (see
+    /// `closable`); looked at again every sweep.
+    pub(super) deferred: bool,
 }
 
 impl PeerEps {
@@ -68,13 +75,22 @@ impl PeerEps {
             open: 0,
             slot_ep: vec![None; slots],
             check: false,
+            answered: Vec::new(),
+            deferred: false,
         }
     }
 
-    /// Slot `i`'s operation is no longer inside an endpoint.
-    pub(super) fn clear_slot(&mut self, i: usize) {
-        if let Some(e) = self.slot_ep.get_mut(i) {
-            *e = None;
+    /// Slot `i`'s operation is no longer inside an endpoint: the provider
+    /// handed it back, `answered` if it completed.
+    pub(super) fn clear_slot(&mut self, i: usize, answered: bool) {
+        let Some(ep) = self.slot_ep.get_mut(i).and_then(Option::take) else {
+            return;
+        };
+        if answered {
+            if self.answered.len() <= ep {
+                self.answered.resize(ep + 1, false);
+            }
+            self.answered[ep] = true;
         }
     }
 }
@@ -120,6 +136,9 @@ impl LibfabricDomain {
         let addr = p.addr.0.clone();
         let (ep, dest) = self.res.open_tx_ep(&self._info, &addr)?;
         self.peer_eps.open += 1;
+        if let Some(a) = self.peer_eps.answered.get_mut(ep) {
+            *a = false;
+        }
         if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
             tracing::debug!(nic = %self.nic.name, peer = %p.addr, ep, "per-peer endpoint opened");
             p.ep = Some((ep, dest));
@@ -127,28 +146,58 @@ impl LibfabricDomain {
         Ok((ep, Some(dest)))
     }
 
+    /// Whether the endpoint of removed or unreachable `peer` may be closed
+    /// now. Closing unlinks and unmaps its region, and the peer may still
+    /// use it: a peer that processes our connection request after that
+    /// crashes (shm 1.17's `smr_progress_connreq` dereferences the region
+    /// it failed to map), and a peer in this process shares our mapping
+    /// (shm hands out the region pointer of endpoints in the same process),
+    /// so it must not write an answer into it after the close. So: at once
+    /// if the peer is gone (process exited, or its region removed); else
+    /// once it has answered something on the endpoint, and, for a peer in
+    /// this process, nothing of ours is left inside it.
+    fn closable(&self, peer: PeerId, ep: usize) -> bool {
+        let Ok(p) = self.peer(peer) else {
+            return true;
+        };
+        if shm_peer(&p.addr.0).1.is_some() {
+            return true;
+        }
+        let answered = self.peer_eps.answered.get(ep).copied().unwrap_or(false);
+        let own = p.pid == i32::try_from(std::process::id()).ok();
+        let inside = self.peer_eps.slot_ep.contains(&Some(ep));
+        answered && !(own && inside)
+    }
+
     /// Closes the endpoints of peers removed or declared unreachable: their
     /// operations still inside are failed first (`fail_issued`), the CQ is
     /// read empty (so no completion of a slot freed here is left in it),
-    /// the endpoint is closed and those slots are freed.
+    /// the endpoint is closed and those slots are freed. Endpoints that
+    /// cannot be closed yet (`closable`) are looked at again every sweep.
     pub(super) fn close_peer_eps(&mut self, out: &mut Vec<Completion>, clock: &mut Clock) {
         if !self.peer_eps.check {
             return;
         }
         self.peer_eps.check = false;
-        let due: Vec<PeerId> = self
+        let gone: Vec<(PeerId, usize)> = self
             .peers
             .table
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.ep.is_some() && (p.removed || p.dead.is_some()))
-            .map(|(k, _)| PeerId(k as u32))
+            .filter(|(_, p)| p.removed || p.dead.is_some())
+            .filter_map(|(k, p)| p.ep.map(|(ep, _)| (PeerId(k as u32), ep)))
             .collect();
+        for &(peer, _) in &gone {
+            self.fail_issued(peer, out);
+        }
+        let due: Vec<PeerId> = gone
+            .iter()
+            .filter(|&&(peer, ep)| self.closable(peer, ep))
+            .map(|&(peer, _)| peer)
+            .collect();
+        self.peer_eps.deferred = due.len() < gone.len();
         if due.is_empty() {
             return;
-        }
-        for &peer in &due {
-            self.fail_issued(peer, out);
         }
         // Read the CQ until it is empty; progress happens only inside
         // libfabric calls, so nothing of these endpoints can enter the CQ
@@ -168,8 +217,8 @@ impl LibfabricDomain {
             }
         }
         if !empty {
-            // Try again at the next poll.
-            self.peer_eps.check = true;
+            // Try again at the next sweep.
+            self.peer_eps.deferred = true;
             return;
         }
         for peer in due {
