@@ -692,7 +692,10 @@ fn peer_endpoint_limit_is_a_typed_error() {
             a.remove_peer(targets[0].3).unwrap();
             let deadline = Instant::now() + Duration::from_secs(60);
             while a.peer_endpoints() > 0 {
-                assert!(Instant::now() < deadline, "the removed peer's endpoint stayed open");
+                assert!(
+                    Instant::now() < deadline,
+                    "the removed peer's endpoint stayed open"
+                );
                 a.poll(&mut out).unwrap();
                 targets[0].0.poll(&mut Vec::new()).unwrap();
             }

@@ -475,7 +475,7 @@ impl Domain for LibfabricDomain {
             self.flush_backlog(out, clock);
         }
         self.sweep(out, clock);
-        if self.peer_eps.check {
+        if self.peer_eps.enabled && self.peer_eps.check {
             self.close_peer_eps(out, clock);
         }
         Ok(out.len() - before)
