@@ -999,6 +999,12 @@ pub(crate) struct Resources {
     fabric: *mut FidFabric,
     domain: *mut FidDomain,
     ep: *mut FidEp,
+    /// Further endpoints (index `k` is endpoint `k + 1`; `null` once
+    /// closed), each with an AV of its own holding its one peer, bound to
+    /// the main CQ: the per-peer transmit endpoints of providers whose
+    /// completions of one endpoint wait for each other
+    /// (`domain::peer_eps`).
+    tx_eps: Vec<(*mut FidEp, *mut FidAv)>,
     av: *mut FidAv,
     cq: *mut FidCq,
     mr_endpoint: bool,
@@ -1051,6 +1057,7 @@ impl Resources {
             fabric: ptr::null_mut(),
             domain: ptr::null_mut(),
             ep: ptr::null_mut(),
+            tx_eps: Vec::new(),
             av: ptr::null_mut(),
             cq: ptr::null_mut(),
             mr_endpoint: info.mr_mode & FI_MR_ENDPOINT != 0,
@@ -1129,24 +1136,7 @@ impl Resources {
         let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
         r.check("fi_cq_open", i64::from(rc))?;
 
-        // SAFETY: domain_attr is non-NULL for fi_getinfo results.
-        let av_type = match unsafe { (*(*fi).domain_attr).av_type } {
-            FI_AV_UNSPEC => FI_AV_TABLE,
-            t => t,
-        };
-        let mut av_attr = Padded::new(FiAvAttr {
-            type_: av_type,
-            rx_ctx_bits: 0,
-            count: 0,
-            ep_per_node: 0,
-            name: ptr::null(),
-            map_addr: ptr::null_mut(),
-            flags: 0,
-        });
-        let av_open = op!(r, dops, FiOpsDomain, av_open, "fi_av_open")?;
-        // SAFETY: valid domain, padded attribute struct.
-        let rc = unsafe { av_open(r.domain, av_attr.as_mut(), &mut r.av, ptr::null_mut()) };
-        r.check("fi_av_open", i64::from(rc))?;
+        r.av = r.open_av(info)?;
 
         let endpoint = op!(r, dops, FiOpsDomain, endpoint, "fi_endpoint")?;
         // SAFETY: valid domain and info.
@@ -1160,6 +1150,33 @@ impl Resources {
         r.fid_bind(ep_fid, cq_fid, FI_TRANSMIT | FI_RECV, "fi_ep_bind(cq)")?;
         r.fid_control(ep_fid, FI_ENABLE, "fi_enable")?;
         Ok(r)
+    }
+
+    /// Opens an address vector of the type `info` asks for (a table when
+    /// it does not say).
+    fn open_av(&self, info: &Info) -> Result<*mut FidAv, TransportError> {
+        // SAFETY: domain_attr is non-NULL for fi_getinfo results.
+        let av_type = match unsafe { (*(*info.ptr).domain_attr).av_type } {
+            FI_AV_UNSPEC => FI_AV_TABLE,
+            t => t,
+        };
+        let mut av_attr = Padded::new(FiAvAttr {
+            type_: av_type,
+            rx_ctx_bits: 0,
+            count: 0,
+            ep_per_node: 0,
+            name: ptr::null(),
+            map_addr: ptr::null_mut(),
+            flags: 0,
+        });
+        // SAFETY: the domain is open.
+        let dops = unsafe { (*self.domain).ops };
+        let av_open = op!(self, dops, FiOpsDomain, av_open, "fi_av_open")?;
+        let mut av: *mut FidAv = ptr::null_mut();
+        // SAFETY: valid domain, padded attribute struct.
+        let rc = unsafe { av_open(self.domain, av_attr.as_mut(), &mut av, ptr::null_mut()) };
+        self.check("fi_av_open", i64::from(rc))?;
+        Ok(av)
     }
 
     fn error(&self, op: &'static str, code: i64) -> TransportError {
@@ -1263,8 +1280,12 @@ impl Resources {
     /// `fi_av_insert` of one address. `addr` must be at least as long as the
     /// provider's address format requires (the caller checks the length).
     pub(crate) fn av_insert(&mut self, addr: &[u8]) -> Result<u64, TransportError> {
+        self.av_insert_into(self.av, addr)
+    }
+
+    fn av_insert_into(&self, av: *mut FidAv, addr: &[u8]) -> Result<u64, TransportError> {
         // SAFETY: the AV is open.
-        let ops = unsafe { (*self.av).ops };
+        let ops = unsafe { (*av).ops };
         let insert = op!(self, ops, FiOpsAv, insert, "fi_av_insert")?;
         // Copy into a zero-padded buffer: the provider reads as many bytes as
         // its address format needs, which must stay inside our memory.
@@ -1272,16 +1293,7 @@ impl Resources {
         buf.resize(addr.len() + PAD, 0);
         let mut fi_addr: u64 = FI_ADDR_UNSPEC;
         // SAFETY: valid AV, address buffer, one output slot.
-        let rc = unsafe {
-            insert(
-                self.av,
-                buf.as_ptr().cast(),
-                1,
-                &mut fi_addr,
-                0,
-                ptr::null_mut(),
-            )
-        };
+        let rc = unsafe { insert(av, buf.as_ptr().cast(), 1, &mut fi_addr, 0, ptr::null_mut()) };
         if rc < 0 {
             return Err(self.error("fi_av_insert", i64::from(rc)));
         }
@@ -1400,6 +1412,7 @@ impl Resources {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn writemsg(
         &mut self,
+        ep: usize,
         i: usize,
         src: u64,
         len: usize,
@@ -1410,8 +1423,9 @@ impl Resources {
         data: Option<u64>,
         more: bool,
     ) -> Result<i64, TransportError> {
+        let ep = self.ep_at(ep)?;
         // SAFETY: the endpoint is open; `rma` is its RMA ops table.
-        let rma = unsafe { (*self.ep).rma };
+        let rma = unsafe { (*ep).rma };
         let writemsg = op!(self, rma, FiOpsRma, writemsg, "fi_writemsg")?;
         let s = self
             .slots
@@ -1441,8 +1455,115 @@ impl Resources {
         // SAFETY: the template's pointers all point into this slot, which
         // stays allocated and untouched until the operation's completion; the
         // source range is registered memory (checked by the caller).
-        let rc = unsafe { writemsg(self.ep, msg, flags) };
+        let rc = unsafe { writemsg(ep, msg, flags) };
         Ok(rc as i64)
+    }
+
+    /// Endpoint `ep`: 0 is the main one, `k + 1` the `k`th of
+    /// [`Resources::open_tx_ep`].
+    fn ep_at(&self, ep: usize) -> Result<*mut FidEp, TransportError> {
+        let p = match ep {
+            0 => self.ep,
+            k => self.tx_eps.get(k - 1).map_or(ptr::null_mut(), |e| e.0),
+        };
+        if p.is_null() {
+            return Err(TransportError::InvalidArgument {
+                nic: self.nic.clone(),
+                what: format!("internal: endpoint {ep} is not open"),
+            });
+        }
+        Ok(p)
+    }
+
+    /// Opens another endpoint of `info` on this domain for the peer of
+    /// endpoint name `peer`: it gets an AV of its own holding only that
+    /// peer, shares the main CQ (slots identify operations whichever
+    /// endpoint carried them) and the domain's registrations, and is
+    /// enabled. Returns its index for [`Resources::writemsg`] and
+    /// [`Resources::send`] and the peer's address in its AV. Its own
+    /// address is told nobody: peers keep sending to the main endpoint.
+    ///
+    /// Its own AV rather than the main one: shm's `fi_enable` visits every
+    /// peer of the endpoint's AV (`smr_exchange_all_peers` reads each
+    /// peer's region), and the main AV keeps the entries of peers that are
+    /// gone, whose regions may be unmapped (peers in this process).
+    pub(crate) fn open_tx_ep(
+        &mut self,
+        info: &Info,
+        peer: &[u8],
+    ) -> Result<(usize, u64), TransportError> {
+        if self.mr_endpoint {
+            // Registrations would have to be bound to each endpoint.
+            return Err(TransportError::Unsupported {
+                nic: self.nic.clone(),
+                what: "extra endpoints with FI_MR_ENDPOINT registrations".into(),
+            });
+        }
+        let av = self.open_av(info)?;
+        let fi_addr = match self.av_insert_into(av, peer) {
+            Ok(a) => a,
+            Err(e) => {
+                self.close_quietly(av.cast(), "av");
+                return Err(e);
+            }
+        };
+        // SAFETY: the domain is open.
+        let dops = unsafe { (*self.domain).ops };
+        let mut ep: *mut FidEp = ptr::null_mut();
+        let opened = op!(self, dops, FiOpsDomain, endpoint, "fi_endpoint").and_then(|endpoint| {
+            // SAFETY: valid domain and info (the one the domain was opened
+            // with).
+            let rc = unsafe { endpoint(self.domain, info.ptr, &mut ep, ptr::null_mut()) };
+            self.check("fi_endpoint", i64::from(rc))
+        });
+        if let Err(e) = opened {
+            self.close_quietly(av.cast(), "av");
+            return Err(e);
+        }
+        let fid = ep.cast::<Fid>();
+        let set_up = self
+            .fid_bind(fid, av.cast(), 0, "fi_ep_bind(av)")
+            .and_then(|()| {
+                self.fid_bind(fid, self.cq.cast(), FI_TRANSMIT | FI_RECV, "fi_ep_bind(cq)")
+            })
+            .and_then(|()| self.fid_control(fid, FI_ENABLE, "fi_enable"));
+        if let Err(e) = set_up {
+            self.close_quietly(fid, "ep");
+            self.close_quietly(av.cast(), "av");
+            return Err(e);
+        }
+        let k = match self.tx_eps.iter().position(|p| p.0.is_null()) {
+            Some(k) => {
+                self.tx_eps[k] = (ep, av);
+                k
+            }
+            None => {
+                self.tx_eps.push((ep, av));
+                self.tx_eps.len() - 1
+            }
+        };
+        Ok((k + 1, fi_addr))
+    }
+
+    fn close_quietly(&self, fid: *mut Fid, what: &str) {
+        let rc = Self::close(fid);
+        if rc != 0 {
+            tracing::warn!(nic = %self.nic, rc, what, "fi_close failed");
+        }
+    }
+
+    /// Closes endpoint `ep` of [`Resources::open_tx_ep`] and its AV.
+    /// Operations still inside it never complete: the caller has read every
+    /// completion the CQ holds and no longer expects any from it.
+    pub(crate) fn close_tx_ep(&mut self, ep: usize) -> Result<(), TransportError> {
+        let (e, av) = match ep.checked_sub(1).and_then(|k| self.tx_eps.get_mut(k)) {
+            Some(p) if !p.0.is_null() => std::mem::replace(p, (ptr::null_mut(), ptr::null_mut())),
+            _ => return Err(self.error("fi_close(ep)", -(libc::EINVAL as i64))),
+        };
+        let rc = Self::close(e.cast());
+        self.check("fi_close(ep)", i64::from(rc))?;
+        let rc = Self::close(av.cast());
+        self.check("fi_close(av)", i64::from(rc))
     }
 
     /// `fi_sendmsg` of `parts` (one or two `(address, length, descriptor)`
@@ -1451,12 +1572,14 @@ impl Resources {
     /// shm 1.17 never completes a zero-length one). Returns the raw code.
     pub(crate) fn send(
         &mut self,
+        ep: usize,
         i: usize,
         parts: &[(u64, usize, Desc)],
         dest: u64,
     ) -> Result<i64, TransportError> {
+        let ep = self.ep_at(ep)?;
         // SAFETY: the endpoint is open; `msg` is its MSG ops table.
-        let ops = unsafe { (*self.ep).msg };
+        let ops = unsafe { (*ep).msg };
         let sendmsg = op!(self, ops, FiOpsMsg, sendmsg, "fi_sendmsg")?;
         let ctx = self.slot_ctx(i)?;
         if parts.is_empty() || parts.len() > 2 {
@@ -1487,7 +1610,7 @@ impl Resources {
         // SAFETY: registered source memory valid until completion; the iovs
         // and descriptors live in the reserved slot; the provider copies the
         // fi_msg itself during the call.
-        let rc = unsafe { sendmsg(self.ep, &msg, flags) };
+        let rc = unsafe { sendmsg(ep, &msg, flags) };
         Ok(rc as i64)
     }
 
@@ -1625,9 +1748,12 @@ fn self_error_slot(nic: &str, i: usize) -> TransportError {
 
 impl Drop for Resources {
     fn drop(&mut self) {
-        // Endpoint first (cancels outstanding operations), then
+        // Endpoints first (cancels outstanding operations), then
         // registrations, AV, CQ, domain, fabric.
-        let mut fids: Vec<*mut Fid> = vec![self.ep.cast()];
+        let tx: Vec<(*mut FidEp, *mut FidAv)> = self.tx_eps.drain(..).collect();
+        let mut fids: Vec<*mut Fid> = tx.iter().map(|p| p.0.cast::<Fid>()).collect();
+        fids.push(self.ep.cast());
+        fids.extend(tx.iter().map(|p| p.1.cast::<Fid>()));
         fids.extend(self.mrs.drain(..).map(|m| m.cast::<Fid>()));
         fids.extend([
             self.av.cast(),

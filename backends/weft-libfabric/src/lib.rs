@@ -115,6 +115,18 @@ pub struct LibfabricConfig {
     /// after such a failure if the peer can come back; the domain keeps the
     /// operations' slots reserved until the provider returns them.
     pub write_timeout: Duration,
+    /// Most per-peer endpoints a domain keeps open at once, for providers
+    /// that issue every operation to a peer on an endpoint of its own
+    /// (`shm`: its completions of one endpoint wait for each other, so a
+    /// killed peer would block every other; docs/backends.md, "Provider
+    /// limitations"). Other providers open none. Each shm endpoint is a
+    /// region in `/dev/shm` (sized by the provider's queue sizes; its pages
+    /// are allocated as they are used) and an entry in the peer's map of
+    /// at most 256 endpoints (`SMR_MAX_PEERS`), which also bounds the
+    /// domain's own address vector. A post that would need one more
+    /// endpoint fails with `TransportError::Unsupported`; removing peers
+    /// (`Domain::remove_peer`, or their death) closes theirs. Default 256.
+    pub max_peer_endpoints: usize,
 }
 
 impl LibfabricConfig {
@@ -134,6 +146,7 @@ impl LibfabricConfig {
             require_delivery_complete: false,
             connect_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
+            max_peer_endpoints: 256,
         }
     }
 
@@ -152,6 +165,12 @@ impl LibfabricConfig {
     /// Sets [`LibfabricConfig::connect_timeout`].
     pub fn with_connect_timeout(mut self, t: Duration) -> Self {
         self.connect_timeout = t;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::max_peer_endpoints`].
+    pub fn with_max_peer_endpoints(mut self, n: usize) -> Self {
+        self.max_peer_endpoints = n;
         self
     }
 
@@ -340,6 +359,7 @@ impl LibfabricProvider {
             ack_timeout: self.config.ack_timeout,
             bounces: self.config.bounce_buffers.clamp(1, rx),
             acks: 64.min(tx),
+            max_peer_endpoints: self.config.max_peer_endpoints,
         };
         LibfabricDomain::open(self.lib, Arc::clone(info), n.name.clone(), opts)
     }

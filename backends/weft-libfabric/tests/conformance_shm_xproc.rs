@@ -13,10 +13,9 @@ fn peer_process_entry() {
 lf_conformance!(|seed| common::CrossProcess::new("shm", seed);
     pass: capabilities_sane, send_recv_sizes, recv_buffer_pool, write_sizes, write_large, imm_only_writes,
     batch_writes_queue_full, imm_exactly_once, payload_visible_at_imm, concurrent_writes, multi_nic,
-    local_access_errors, message_too_long, receiver_not_ready, unknown_peer, peer_removal;
+    local_access_errors, message_too_long, receiver_not_ready, unknown_peer, peer_removal, peer_death;
     known_failures:
     remote_access_violations = "shm 1.17 drops a write with a bad key at the target and never completes it",
     usable_after_remote_error = "shm 1.17 never completes a write with a bad key",
     deregistered_memory = "shm 1.17 never completes a write to a deregistered key",
-    peer_death = "shm 1.17 across processes: after a peer with large writes in flight is SIGKILLed, the completion of a write to a live peer sometimes never arrives (whenever the peer died before answering one of them: shm completes operations through one in-order response queue per endpoint, and the dead peer's unanswered entry blocks it for good; docs/backends.md \"Provider limitations\", reproducer engine_xproc::shm_killed_peer_blocks_later_completions); passes in-process",
 );

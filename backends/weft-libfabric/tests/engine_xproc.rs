@@ -10,13 +10,10 @@
 //!   stopped (SIGSTOP, so nothing to it can complete), then SIGKILLed.
 //! - `peer_death_while_streaming`: `peer_death` with a running victim,
 //!   SIGKILLed in mid-stream.
-//! - `shm_peer_restart_between_transfers`: shm's restart loop with the
-//!   peer killed while idle (`peer_restart`, which kills mid-transfer, is a
-//!   known failure of shm: see the next item).
-//! - `shm_killed_peer_blocks_later_completions`: minimal reproducer of that
-//!   provider defect (a killed peer's unanswered write blocks shm's
-//!   in-order response queue: later writes to live peers land but never
-//!   complete).
+//! - `shm_killed_peer_does_not_block_later_completions`: regression test of
+//!   the provider defect that per-peer endpoints work around (a killed
+//!   peer's unanswered write blocks shm's in-order response queue of its
+//!   endpoint: later writes on that endpoint land but never complete).
 //! - `stopped_peer_times_out` (libfabric-specific, `write_timeout`): a peer
 //!   that stops answering without closing its connection (SIGSTOP) fails
 //!   every WRITE to it with `PeerUnreachable` after `write_timeout`, and
@@ -54,27 +51,12 @@ mod tcp {
 }
 
 mod shm {
+    // No known failures: a killed peer's unanswered writes no longer block
+    // the others (one endpoint per peer, see
+    // `shm_killed_peer_does_not_block_later_completions`).
     weft_conformance::engine_scenarios!(
         |seed| super::common::XprocEngines::new("shm", seed),
-        seeds = [1u64],
-        known_failures = [
-            (
-                "peer_death",
-                "shm across processes: the stopped-then-killed victim never answers its writes, \
-             and shm completes operations through one in-order response queue per endpoint, so \
-             writes to the live peer land but never complete and fail after the 30 s write \
-             timeout (provider defect, docs/backends.md \"Provider limitations\"; reproducer: \
-             shm_killed_peer_blocks_later_completions)"
-            ),
-            (
-                "peer_restart",
-                "shm across processes: a peer SIGKILLed with writes unanswered blocks shm's \
-             in-order response queue for good, so writes to its restarted successor (and to the \
-             survivor) land but never complete and fail after the 30 s write timeout (provider \
-             defect, docs/backends.md \"Provider limitations\"; reproducer: \
-             shm_killed_peer_blocks_later_completions)"
-            )
-        ]
+        seeds = [1u64]
     );
 }
 
@@ -284,98 +266,10 @@ fn stopped_peer_times_out() {
     );
 }
 
-/// shm restart loop without writes in flight at the kill (the engine
-/// scenario `peer_restart` kills mid-transfer, a known failure on shm, see
-/// `shm_killed_peer_blocks_later_completions`):
-/// a peer process gets a verified round, is SIGKILLed while idle, removed
-/// and restarted (a new process, so a new incarnation; its shm address may
-/// or may not repeat an earlier one), 20 times, a survivor alongside;
-/// writes to the removed incarnation's descriptor fail with `PeerRemoved`;
-/// the resolved peer count is back to its baseline.
-#[test]
-fn shm_peer_restart_between_transfers() {
-    const WLEN: u64 = 64 << 10;
-    const LEN: usize = (4 * WLEN) as usize;
-    const SEED: u64 = 0x5eed_0022;
-    let t0 = Instant::now();
-    let src: HostBuffer;
-    let mut h = common::XprocEngines::new("shm", SEED);
-    let init = match h.initiator() {
-        Ok(e) => e,
-        Err(HarnessError::Unsupported(m)) => {
-            eprintln!("SKIP: {m}");
-            return;
-        }
-        Err(e) => panic!("initiator: {e}"),
-    };
-    src = mem::patterned(SEED, LEN + 4096);
-    let (smr, _) = init.reg_mr(src.region()).expect("reg src");
-    let peers = |e: &TransferEngine| -> u64 {
-        e.stats()
-            .groups
-            .iter()
-            .flat_map(|g| g.nics.iter())
-            .map(|n| n.peers)
-            .sum()
-    };
-    let survivor = h.add_peer(LEN).expect("spawn survivor");
-    for f in singles(&mut h, &init, &smr, SEED, survivor, 1, true, 4, WLEN, |k| {
-        k * WLEN
-    }) {
-        wait_ok("write to the survivor", &f);
-    }
-    wait_round(&mut h, survivor, 1);
-    let baseline = peers(&init);
-    let mut gone = Vec::new();
-    for k in 0..20u64 {
-        let p = h.add_peer(LEN).expect("spawn an incarnation");
-        let addr = h.peer(p).address();
-        assert!(
-            !gone
-                .iter()
-                .any(|g: &weft_engine::GroupAddress| g.incarnation == addr.incarnation),
-            "incarnation {k} repeats an earlier incarnation"
-        );
-        let tag = 100 + k;
-        for f in singles(&mut h, &init, &smr, SEED, p, tag, true, 4, WLEN, |i| {
-            i * WLEN + k
-        }) {
-            wait_ok(&format!("write to incarnation {k}"), &f);
-        }
-        wait_round(&mut h, p, tag);
-        let desc = h.peer(p).desc();
-        h.kill_peer(p).expect("SIGKILL");
-        init.remove_peer(&addr).expect("remove_peer");
-        let (od, flag) = OnDone::flag();
-        init.submit_single_write(64, None, (&smr, 0), (&desc, 0), od)
-            .expect("submit to the removed peer");
-        let e = wait_flag("write to the removed peer", &flag)
-            .expect_err("write to a removed peer succeeded");
-        assert!(e.is_peer_removed(), "write to the removed peer: {e}");
-        assert_eq!(
-            peers(&init),
-            baseline,
-            "incarnation {k}: peers after removal"
-        );
-        gone.push(addr);
-    }
-    for f in singles(&mut h, &init, &smr, SEED, survivor, 2, true, 4, WLEN, |k| {
-        k * WLEN + 1
-    }) {
-        wait_ok("write to the survivor at the end", &f);
-    }
-    wait_round(&mut h, survivor, 2);
-    h.peer(survivor).shutdown().expect("survivor exits cleanly");
-    drop(h);
-    eprintln!(
-        "shm_peer_restart_between_transfers: {:.2} s",
-        t0.elapsed().as_secs_f64()
-    );
-}
-
-/// Minimal reproducer of the shm provider defect behind the `peer_death`
-/// and `peer_restart` known failures on shm (docs/backends.md, "Provider
-/// limitations"). libfabric's shm provider (`smr_progress_resp` in
+/// Regression test of the shm provider defect that per-peer endpoints
+/// work around (docs/backends.md, "Provider limitations"; the engine
+/// scenarios `peer_death` and `peer_restart` on shm failed because of it).
+/// libfabric's shm provider (`smr_progress_resp` in
 /// prov/shm/src/smr_progress.c, 1.17; 2.1's source is the same) completes
 /// every operation that waits for its target (all of weft's:
 /// `FI_DELIVERY_COMPLETE` WRITEs and SENDs with bytes) through one FIFO
@@ -383,19 +277,21 @@ fn shm_peer_restart_between_transfers() {
 /// entry its target has not answered. A peer killed before answering
 /// leaves its entry at the head for good: no such operation on that
 /// endpoint completes again, whichever peer it went to and although it was
-/// delivered. Other endpoints are unaffected.
+/// delivered. Other endpoints are unaffected, which is why the libfabric
+/// backend issues everything to an shm peer on an endpoint of its own
+/// (`domain::peer_eps`): the dead peer then blocks only its own.
 ///
-/// The victim gets one 2 KiB write (on one NIC, i.e. one of the two shm
-/// endpoints) while stopped, so it certainly never answers, and is then
-/// SIGKILLed. Afterwards the survivor and a peer started after the kill (a
-/// restarted incarnation) each get two 2 KiB writes (the engine puts
-/// consecutive small single writes on alternate NICs): both land (the peer
-/// verifies every byte and gets the immediates), the one on the other NIC
-/// completes, the one on the victim's NIC never does and fails after
-/// `write_timeout` as a stalled peer. When the provider stops doing that,
-/// the test fails: then remove the known failures and this test.
+/// The victim gets two 2 KiB writes (the engine puts consecutive small
+/// single writes on alternate NICs, so one on each of the initiator's two
+/// shm domains) while stopped, so it certainly never answers, and is then
+/// SIGKILLed: both fail as unreachable (the pid check). Afterwards the
+/// survivor and a peer started after the kill (a restarted incarnation)
+/// each get two 2 KiB writes, one per NIC: all land (the peer verifies
+/// every byte and gets the immediates) and all complete. Without the
+/// workaround both would stall behind the victim's entries and fail after
+/// the 2 s `write_timeout`.
 #[test]
-fn shm_killed_peer_blocks_later_completions() {
+fn shm_killed_peer_does_not_block_later_completions() {
     const SMALL: u64 = 2 << 10;
     const LEN: usize = 1 << 20;
     const SEED: u64 = 0x5eed_0023;
@@ -414,8 +310,8 @@ fn shm_killed_peer_blocks_later_completions() {
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");
     let victim = h.add_peer(LEN).expect("spawn victim");
     let survivor = h.add_peer(LEN).expect("spawn survivor");
-    // Control: while everyone is alive, the same writes complete on both
-    // NICs (connections set up everywhere).
+    // While everyone is alive, writes complete on both NICs (connections
+    // set up everywhere).
     for p in [victim, survivor] {
         for f in singles(&mut h, &init, &smr, SEED, p, 1, true, 2, SMALL, |k| k * 3) {
             wait_ok("write before the kill", &f);
@@ -423,8 +319,8 @@ fn shm_killed_peer_blocks_later_completions() {
         wait_round(&mut h, p, 1);
     }
 
-    // A write the victim never answers: posted while it is stopped, then
-    // it is killed; weft fails it (the pid check).
+    // Writes the victim never answers, one per NIC: posted while it is
+    // stopped, then it is killed; weft fails them (the pid check).
     h.stop_peer(victim).expect("SIGSTOP the victim");
     let to_v = singles(
         &mut h,
@@ -434,18 +330,21 @@ fn shm_killed_peer_blocks_later_completions() {
         victim,
         10,
         false,
-        1,
+        2,
         SMALL,
-        |_| 0,
+        |k| k * 5,
     );
     h.kill_peer(victim).expect("SIGKILL the victim");
-    let stuck_nic = match wait_flag("write to the killed victim", &to_v[0]) {
-        Ok(()) => panic!("a write to a peer stopped and killed before answering succeeded"),
-        Err(e) => match &e {
-            EngineError::Transport { nic, .. } if is_unreachable(&e) => *nic,
-            _ => panic!("write to the killed victim: {e}"),
-        },
-    };
+    let mut stuck_nics = Vec::new();
+    for f in &to_v {
+        match wait_flag("write to the killed victim", f) {
+            Ok(()) => panic!("a write to a peer stopped and killed before answering succeeded"),
+            Err(e) => match &e {
+                EngineError::Transport { nic, .. } if is_unreachable(&e) => stuck_nics.push(*nic),
+                _ => panic!("write to the killed victim: {e}"),
+            },
+        }
+    }
 
     let restarted = h.add_peer(LEN).expect("spawn a peer after the kill");
     for (p, who, tag) in [
@@ -456,41 +355,30 @@ fn shm_killed_peer_blocks_later_completions() {
         let flags = singles(&mut h, &init, &smr, SEED, p, tag, true, 2, SMALL, |k| k + 5);
         // Delivered: the peer verified every byte and got the immediates.
         wait_round(&mut h, p, tag);
-        let (mut completed, mut stalled) = (0, 0);
+        // And completed, on the NICs whose endpoints the victim would have
+        // blocked too.
         for f in &flags {
-            match wait_flag(&format!("write to the {who} after the kill"), f) {
-                Ok(()) => completed += 1,
-                Err(e) => match &e {
-                    EngineError::Transport { nic, .. } if is_unreachable(&e) => {
-                        assert_eq!(
-                            *nic, stuck_nic,
-                            "a write to the {who} stalled on a NIC the victim did not block: {e}"
-                        );
-                        stalled += 1;
-                    }
-                    _ => panic!("write to the {who}: {e}"),
-                },
+            if let Err(e) = wait_flag(&format!("write to the {who} after the kill"), f) {
+                panic!(
+                    "a write to the {who} failed after a peer was killed with writes unanswered \
+                     on NICs {stuck_nics:?} (the shm provider's per-endpoint response queue \
+                     blocked it: are operations still issued on a shared endpoint?): {e}"
+                );
             }
         }
-        assert!(
-            stalled > 0,
-            "every write to the {who} completed after a peer was killed with a write \
-             unanswered: the shm provider no longer blocks on the dead peer's response; \
-             remove the shm known failures of peer_death/peer_restart and this test"
-        );
-        assert!(
-            completed > 0,
-            "no write to the {who} completed on the NIC the victim did not block"
-        );
         eprintln!(
-            "shm_killed_peer_blocks_later_completions: {who}: {completed} completed, {stalled} \
-             delivered but stalled on NIC {stuck_nic} (failed after {:.2} s)",
+            "shm_killed_peer_does_not_block_later_completions: {who}: 2 writes completed in \
+             {:.2} s (victim's writes failed on NICs {stuck_nics:?})",
             t.elapsed().as_secs_f64()
         );
     }
+    h.peer(survivor).shutdown().expect("survivor exits cleanly");
+    h.peer(restarted)
+        .shutdown()
+        .expect("restarted peer exits cleanly");
     drop(h);
     eprintln!(
-        "shm_killed_peer_blocks_later_completions: {:.2} s",
+        "shm_killed_peer_does_not_block_later_completions: {:.2} s",
         t0.elapsed().as_secs_f64()
     );
 }

@@ -4,7 +4,12 @@
 //! verified write with one immediate, and after each removal the domain's
 //! peer table is back to its baseline, and so is the address vector on tcp
 //! (the removed peer's AV entry is `fi_av_remove`d once nothing uses it;
-//! shm keeps its entries: removing one crashes shm 1.17).
+//! shm keeps its entries: removing one crashes shm 1.17). On shm the
+//! domain writes to each peer on an endpoint of its own (a region in
+//! `/dev/shm`), closed once the peer is removed: open per-peer endpoints
+//! and this process's regions in `/dev/shm` are back to their baseline
+//! after every removal (tcp opens none; the shm test is the only one in
+//! this binary that makes regions, so the count is its own).
 
 use std::time::Duration;
 
@@ -29,11 +34,23 @@ fn provider(name: &str) -> Option<LibfabricProvider> {
     }
 }
 
+/// This process's shm regions (`/dev/shm/<pid>:...`).
+fn own_shm_regions() -> usize {
+    let prefix = format!("{}:", std::process::id());
+    std::fs::read_dir("/dev/shm").map_or(0, |d| {
+        d.flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .count()
+    })
+}
+
 fn restart_loop(name: &str) {
     let Some(p) = provider(name) else { return };
     let src = mem::patterned(7, 4096);
     let mut a: LibfabricDomain = p.open_domain(0).expect("open a");
     let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+    let regions = own_shm_regions();
+    let per_peer = usize::from(name == "shm");
     for k in 0..20u32 {
         // A new incarnation: fresh domain, fresh memory, new address.
         let dst = mem::zeroed(4096);
@@ -74,6 +91,11 @@ fn restart_loop(name: &str) {
             "{name} #{k}: {ob:?}"
         );
         assert_eq!(dst.bytes(0, 4096), src.bytes(0, 4096), "{name} #{k}");
+        assert_eq!(
+            a.peer_endpoints(),
+            per_peer,
+            "{name} #{k}: per-peer endpoints"
+        );
 
         // It goes away (nothing in flight) and is removed.
         drop(b);
@@ -98,6 +120,15 @@ fn restart_loop(name: &str) {
             out.is_empty(),
             "{name} #{k}: unexpected completions {out:?}"
         );
+        assert_eq!(
+            a.peer_endpoints(),
+            0,
+            "{name} #{k}: per-peer endpoint closed"
+        );
+        if name == "shm" {
+            // (Only here: the tcp loop may run alongside the shm one.)
+            assert_eq!(own_shm_regions(), regions, "{name} #{k}: /dev/shm regions");
+        }
     }
 }
 

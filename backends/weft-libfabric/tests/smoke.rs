@@ -4,11 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
 use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{
-    Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, NetAddr, PeerId, Provider, Rkey,
-    TransportError, WrId, WriteWr,
+    Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, NetAddr, PeerId, Provider,
+    RemoteSlice, Rkey, TransportError, WrId, WriteWr,
 };
 
 fn provider(name: &str) -> Option<LibfabricProvider> {
@@ -624,4 +624,89 @@ fn shm_stalled_peer_times_out() {
         out.iter().all(|c| !matches!(c, Completion::Write { .. })),
         "a timed-out WRITE completed again: {out:?}"
     );
+}
+
+/// shm issues the operations to each peer on an endpoint of its own, at
+/// most `max_peer_endpoints` at once: a WRITE that would need one more
+/// fails with `Unsupported` (nothing issued, no panic), and once a peer
+/// with one is removed its endpoint is closed and the next peer gets one.
+/// tcp opens none.
+#[test]
+fn peer_endpoint_limit_is_a_typed_error() {
+    for name in ["shm", "tcp"] {
+        let Some(p) = provider_with(name, |c| c.with_max_peer_endpoints(1)) else {
+            return;
+        };
+        let src = mem::patterned(3, 4096);
+        let mut a: LibfabricDomain = p.open_domain(0).expect("open a");
+        let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+        let mut targets = Vec::new();
+        for _ in 0..2 {
+            let dst = mem::zeroed(4096);
+            let mut d: LibfabricDomain = p.open_domain(0).expect("open target");
+            let mr = d.register(&dst.region(), Access::RemoteWrite).unwrap();
+            let peer = a.add_peer(&d.local_addr().clone()).unwrap();
+            targets.push((d, dst, mr, peer));
+        }
+        let wr = |k: usize, t: &(LibfabricDomain, HostBuffer, LocalMr, PeerId)| WriteWr {
+            wr: WrId(k as u64),
+            peer: t.3,
+            src: smr.slice(0, 4096).unwrap(),
+            dst: RemoteSlice {
+                base: t.2.addr,
+                offset: 0,
+                rkey: t.2.rkey,
+            },
+            imm: None,
+        };
+        let mut out = Vec::new();
+        let write_to = |a: &mut LibfabricDomain,
+                        targets: &mut Vec<(LibfabricDomain, HostBuffer, LocalMr, PeerId)>,
+                        out: &mut Vec<Completion>,
+                        k: usize| {
+            let w = wr(k, &targets[k % 2]);
+            a.post_write(&w).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !has_write(out, k as u64) {
+                assert!(Instant::now() < deadline, "{name}: write {k} timed out");
+                a.poll(out).unwrap();
+                for t in targets.iter_mut() {
+                    t.0.poll(&mut Vec::new()).unwrap();
+                }
+            }
+            assert_eq!(
+                targets[k % 2].1.bytes(0, 4096),
+                src.bytes(0, 4096),
+                "{name}: write {k}"
+            );
+        };
+        write_to(&mut a, &mut targets, &mut out, 0);
+        let shm = usize::from(name == "shm");
+        assert_eq!(a.peer_endpoints(), shm, "{name}");
+        if name == "shm" {
+            match a.post_write(&wr(1, &targets[1])) {
+                Err(TransportError::Unsupported { what, .. }) => {
+                    assert!(what.contains("max_peer_endpoints"), "{what}")
+                }
+                other => panic!("a second peer past the limit of 1: {other:?}"),
+            }
+            a.remove_peer(targets[0].3).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while a.peer_endpoints() > 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the removed peer's endpoint stayed open"
+                );
+                a.poll(&mut out).unwrap();
+                targets[0].0.poll(&mut Vec::new()).unwrap();
+            }
+        }
+        write_to(&mut a, &mut targets, &mut out, 1);
+        assert_eq!(a.peer_endpoints(), shm, "{name}");
+        assert!(
+            out.iter()
+                .all(|c| matches!(c, Completion::Write { result: Ok(()), .. })),
+            "{name}: {out:?}"
+        );
+    }
 }

@@ -29,6 +29,18 @@ impl LibfabricDomain {
         clock: &mut Clock,
     ) -> Result<usize, TransportError> {
         let before = out.len();
+        self.drain_cq_checked(out, clock)?;
+        Ok(out.len() - before)
+    }
+
+    /// Drains the CQ (bounded) into `out`; whether it was read empty (the
+    /// last read returned fewer entries than asked for and no error entry
+    /// was pending).
+    pub(super) fn drain_cq_checked(
+        &mut self,
+        out: &mut Vec<Completion>,
+        clock: &mut Clock,
+    ) -> Result<bool, TransportError> {
         for _ in 0..8 {
             let mut scratch = std::mem::take(&mut self.cq.scratch);
             scratch.clear();
@@ -46,7 +58,7 @@ impl LibfabricDomain {
             self.cq.scratch = scratch;
             match r {
                 CqRead::Entries(n) if n >= 64 => continue,
-                CqRead::Entries(_) | CqRead::Empty => break,
+                CqRead::Entries(_) | CqRead::Empty => return Ok(true),
                 CqRead::ErrorAvailable => {
                     // Bounded: at most a batch of error entries per round.
                     for _ in 0..64 {
@@ -58,7 +70,7 @@ impl LibfabricDomain {
                 }
             }
         }
-        Ok(out.len() - before)
+        Ok(false)
     }
 
     /// Handles one CQ entry: a remote immediate, a message in a bounce
@@ -79,6 +91,8 @@ impl LibfabricDomain {
             tracing::debug!(nic = %self.nic.name, flags = format_args!("{:#x}", e.flags), "CQ entry without our context ignored");
             return;
         };
+        // Handed back by the provider: no longer inside its endpoint.
+        self.peer_eps.clear_slot(i, true);
         match self.slots.table.get(i).copied().unwrap_or(SlotUse::Free) {
             SlotUse::Bounce { j } => {
                 self.on_message(j, e.len, out, clock);
@@ -139,6 +153,7 @@ impl LibfabricDomain {
             );
             return;
         };
+        self.peer_eps.clear_slot(i, false);
         if let Some(SlotUse::Bounce { j }) = self.slots.table.get(i).copied() {
             // A message that did not fit (FI_ETRUNC: a peer with a larger
             // max_send_len) or a cancelled receive at close: nothing to

@@ -59,6 +59,7 @@ impl LibfabricDomain {
     pub(super) fn mark_dead(&mut self, peer: PeerId, reason: String) {
         if let Some(p) = self.peers.table.get_mut(peer.0 as usize) {
             if p.dead.is_none() {
+                self.peer_eps.check = true;
                 tracing::warn!(nic = %self.nic.name, peer = %p.addr, %reason, "peer unreachable");
                 p.dead = Some(reason);
             }
@@ -181,13 +182,16 @@ impl LibfabricDomain {
         }
         self.sweep_unanswered(out, now);
         self.retire_av_entries();
+        if self.peer_eps.deferred {
+            self.peer_eps.check = true;
+        }
     }
 
     /// Fails every operation to dead `peer` still inside libfabric: its slot
     /// becomes a zombie, reused once the provider hands it back (a SEND
     /// already completed there only waits for the answer: handled by
     /// `sweep_unanswered` and `settle_removed`).
-    fn fail_issued(&mut self, peer: PeerId, out: &mut Vec<Completion>) {
+    pub(super) fn fail_issued(&mut self, peer: PeerId, out: &mut Vec<Completion>) {
         for i in 0..self.slots.table.len() {
             let used = self.slots.table[i];
             let to_peer = matches!(used,

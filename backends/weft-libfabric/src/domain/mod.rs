@@ -8,7 +8,8 @@
 //! EAGAIN for), [`cq`] (completion polling), [`errors`] (libfabric errors
 //! to transport errors), [`messages`] (SEND/RECV with receiver ACKs),
 //! [`liveness`] (dead peers, the sweep), [`limbo`] (tcp: operations
-//! cancelled by a closed connection) and [`shm`]. Time is an input: each
+//! cancelled by a closed connection), [`peer_eps`] (shm: one transmit
+//! endpoint per peer) and [`shm`]. Time is an input: each
 //! entry point below makes one [`Clock`] and passes it down, so the logic
 //! reads no clock of its own.
 #![forbid(unsafe_code)]
@@ -20,6 +21,7 @@ mod errors;
 mod limbo;
 mod liveness;
 mod messages;
+mod peer_eps;
 mod peers;
 mod post;
 mod shm;
@@ -41,6 +43,7 @@ use self::limbo::Limbo;
 use self::liveness::Sweeper;
 use self::messages::wire as msg;
 use self::messages::Messages;
+use self::peer_eps::PeerEps;
 use self::peers::Peers;
 use self::slots::Slots;
 use crate::ffi::{self, CtlBuf, Desc, HostWindow, Info, Lib, Mr, Resources};
@@ -67,6 +70,9 @@ pub(crate) struct DomainOptions {
     pub(crate) bounces: usize,
     /// Internal slots for the ACKs this domain sends.
     pub(crate) acks: usize,
+    /// Most per-peer endpoints open at once (providers with the
+    /// per-endpoint completion-order defect only: `peer_eps`).
+    pub(crate) max_peer_endpoints: usize,
 }
 
 struct MrEntry {
@@ -120,6 +126,8 @@ pub struct LibfabricDomain {
     /// wait in `limbo`.
     is_tcp: bool,
     limbo: Limbo,
+    /// shm: one transmit endpoint per peer (`peer_eps`).
+    peer_eps: PeerEps,
 }
 
 impl std::fmt::Debug for LibfabricDomain {
@@ -216,6 +224,7 @@ impl LibfabricDomain {
             addr = %nic.addr,
             "libfabric domain open"
         );
+        let info_prov = info.prov_name.clone();
         let mut d = LibfabricDomain {
             lib,
             hmem: caps.device_memory,
@@ -243,6 +252,11 @@ impl LibfabricDomain {
                 send_gen: 0,
             },
             limbo: Limbo::new(opts.max_inflight),
+            peer_eps: PeerEps::new(
+                peer_eps::needs_peer_endpoints(&info_prov),
+                opts.max_peer_endpoints,
+                slots,
+            ),
             opts,
             cq: Completions {
                 stash: Vec::new(),
@@ -461,6 +475,9 @@ impl Domain for LibfabricDomain {
             self.flush_backlog(out, clock);
         }
         self.sweep(out, clock);
+        if self.peer_eps.enabled && self.peer_eps.check {
+            self.close_peer_eps(out, clock);
+        }
         Ok(out.len() - before)
     }
 }

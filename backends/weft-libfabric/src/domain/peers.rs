@@ -23,6 +23,9 @@ pub(super) struct Peer {
     /// Since when posts to it (with nothing in flight) keep failing with
     /// EAGAIN: the provider is still trying to connect.
     pub(super) eagain_since: Option<Instant>,
+    /// Its own transmit endpoint (`peer_eps`), once opened, and its
+    /// address in that endpoint's AV.
+    pub(super) ep: Option<(usize, u64)>,
     /// Process id of an `shm` peer, for liveness checks.
     pub(super) pid: Option<i32>,
     /// Its entries in the EAGAIN backlog: while there are any, new work to
@@ -134,6 +137,7 @@ impl LibfabricDomain {
             removed: false,
             inflight: 0,
             eagain_since: None,
+            ep: None,
             pid,
             backlogged: 0,
             issued: 0,
@@ -172,6 +176,7 @@ impl LibfabricDomain {
         }
         self.peers.removing.push(peer);
         self.peers.av_stale.push(peer);
+        self.peer_eps.check = true;
         tracing::debug!(nic = %self.nic.name, peer = %addr, "peer removed");
     }
 

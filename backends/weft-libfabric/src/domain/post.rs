@@ -38,7 +38,34 @@ pub(super) enum Native {
 impl LibfabricDomain {
     /// Hands `n` to libfabric with context `i`; the provider's return
     /// code.
+    ///
+    /// Operations to a peer go out on its own endpoint where the provider
+    /// needs that (`peer_eps`); receives always on the main one.
     pub(super) fn issue(&mut self, i: usize, n: Native, more: bool) -> Result<i64, TransportError> {
+        let (ep, dest) = self.ep_for(i)?;
+        let mut n = n;
+        if let Some(d) = dest {
+            match &mut n {
+                Native::Write { dest, .. } | Native::Send { dest, .. } => *dest = d,
+                Native::Recv { .. } => {}
+            }
+        }
+        let rc = self.issue_on(ep, i, n, more)?;
+        if rc == 0 && ep != 0 {
+            if let Some(e) = self.peer_eps.slot_ep.get_mut(i) {
+                *e = Some(ep);
+            }
+        }
+        Ok(rc)
+    }
+
+    fn issue_on(
+        &mut self,
+        ep: usize,
+        i: usize,
+        n: Native,
+        more: bool,
+    ) -> Result<i64, TransportError> {
         match n {
             Native::Write {
                 src,
@@ -50,10 +77,10 @@ impl LibfabricDomain {
                 data,
             } => self
                 .res
-                .writemsg(i, src, len, desc, dest, raddr, key, data, more),
+                .writemsg(ep, i, src, len, desc, dest, raddr, key, data, more),
             Native::Send { hdr, payload, dest } => match payload {
-                Some(p) => self.res.send(i, &[hdr, p], dest),
-                None => self.res.send(i, &[hdr], dest),
+                Some(p) => self.res.send(ep, i, &[hdr, p], dest),
+                None => self.res.send(ep, i, &[hdr], dest),
             },
             Native::Recv { addr, len, desc } => self.res.recv(i, addr, len, desc),
         }
@@ -260,8 +287,11 @@ impl LibfabricDomain {
                 raddr,
                 len: wr.src.len,
             };
+            // With per-peer endpoints a batch continues on the same
+            // endpoint only if the next WR goes to the same peer.
             let more = self.opts.fi_more
                 && k + 1 < n
+                && (!self.peer_eps.enabled || wrs[k + 1].peer == wr.peer)
                 && !self.slots.free_tx.is_empty()
                 && self.backlog.queue.is_empty();
             let native = Native::Write {

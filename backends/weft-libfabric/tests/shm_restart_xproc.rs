@@ -1,0 +1,231 @@
+//! shm restart loop across processes with a write unanswered at every
+//! kill, in a test binary of its own: it counts this process's regions in
+//! `/dev/shm`, which other tests' engines in the same process would change.
+//! Children are this binary re-executed (see `engine_xproc.rs`). Skipped
+//! (printed) when libfabric is unavailable.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_conformance::engine::{EngineHarness, Kind, Region};
+use weft_conformance::HarnessError;
+use weft_engine::{DoneFlag, EngineError, MrDesc, MrHandle, OnDone, TransferEngine};
+use weft_testkit::mem;
+use weft_transport::{HostBuffer, TransportError};
+
+/// Generous bound on every wait (it only catches hangs).
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Entry point of the peer processes (run directly, it checks the proxy
+/// codec).
+#[test]
+fn peer_process_entry() {
+    common::child_entry();
+}
+
+fn is_unreachable(e: &EngineError) -> bool {
+    matches!(e, EngineError::Transport { .. })
+        && matches!(e.transport(), Some(TransportError::PeerUnreachable { .. }))
+}
+
+/// Waits for `f` to be resolved and returns its result.
+fn wait_flag(what: &str, f: &Arc<DoneFlag>) -> Result<(), EngineError> {
+    weft_testkit::wait_until(what, DEADLINE, || f.is_done());
+    f.result()
+        .unwrap_or_else(|| panic!("{what}: done flag without a result"))
+}
+
+fn wait_ok(what: &str, f: &Arc<DoneFlag>) {
+    wait_flag(what, f).unwrap_or_else(|e| panic!("{what} failed: {e}"));
+}
+
+/// Waits until round `tag` fired at peer `p` with every byte in place.
+fn wait_round(h: &mut common::XprocEngines, p: usize, tag: u64) {
+    let mut got = None;
+    weft_testkit::wait_until(&format!("round {tag} at peer {p}"), DEADLINE, || {
+        got = h.peer(p).take_rounds().into_iter().find(|(t, _)| *t == tag);
+        got.is_some()
+    });
+    if let Some((_, Err(e))) = got {
+        panic!("peer {p}: round {tag}: {e}");
+    }
+}
+
+/// Arms round `tag` at `p` for `writes` single writes of `wlen` bytes,
+/// write `k` from source offset `src_off(k)` to `k * wlen`, and submits
+/// them; returns the flags.
+#[allow(clippy::too_many_arguments)]
+fn singles(
+    h: &mut common::XprocEngines,
+    init: &TransferEngine,
+    smr: &MrHandle,
+    seed: u64,
+    p: usize,
+    tag: u64,
+    arm: bool,
+    writes: u64,
+    wlen: u64,
+    src_off: impl Fn(u64) -> u64,
+) -> Vec<Arc<DoneFlag>> {
+    let imm = h.peer(p).imms()[0];
+    let desc: MrDesc = h.peer(p).desc();
+    if arm {
+        let kinds = (0..writes).map(|_| Kind::Single { len: wlen }).collect();
+        let regions = (0..writes)
+            .map(|k| Region {
+                src_off: src_off(k),
+                dst_off: k * wlen,
+                len: wlen,
+                seed,
+            })
+            .collect();
+        h.peer(p)
+            .expect(tag, imm, kinds, regions)
+            .expect("arm round");
+    }
+    (0..writes)
+        .map(|k| {
+            let (od, flag) = OnDone::flag();
+            init.submit_single_write(wlen, Some(imm), (smr, src_off(k)), (&desc, k * wlen), od)
+                .expect("submit single write");
+            flag
+        })
+        .collect()
+}
+
+/// This process's shm regions (`/dev/shm/<pid>:...`): the initiator's
+/// endpoints, main and per-peer.
+fn own_shm_regions() -> usize {
+    let prefix = format!("{}:", std::process::id());
+    std::fs::read_dir("/dev/shm").map_or(0, |d| {
+        d.flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .count()
+    })
+}
+
+/// shm restart loop with a write unanswered at each kill: a peer process
+/// gets a verified round, is stopped (SIGSTOP) with a write to it posted,
+/// SIGKILLed, removed and restarted (a new pid, so a new shm address), 20
+/// times, a survivor alongside. The unanswered write fails
+/// (`PeerUnreachable` or `PeerRemoved`); a write to the survivor after
+/// each kill completes (the dead peer's stuck response-queue entry is on
+/// its own endpoint); writes to the removed incarnation's descriptor fail
+/// with `PeerRemoved`; the resolved peer count and this process's regions
+/// in `/dev/shm` are back to their baseline (the per-peer endpoint of each
+/// removed incarnation is closed: nothing leaks).
+#[test]
+fn shm_peer_restart_with_writes_unanswered() {
+    const WLEN: u64 = 64 << 10;
+    const LEN: usize = (4 * WLEN) as usize;
+    const SEED: u64 = 0x5eed_0022;
+    let t0 = Instant::now();
+    let src: HostBuffer;
+    let mut h = common::XprocEngines::new("shm", SEED);
+    let init = match h.initiator() {
+        Ok(e) => e,
+        Err(HarnessError::Unsupported(m)) => {
+            eprintln!("SKIP: {m}");
+            return;
+        }
+        Err(e) => panic!("initiator: {e}"),
+    };
+    src = mem::patterned(SEED, LEN + 4096);
+    let (smr, _) = init.reg_mr(src.region()).expect("reg src");
+    let peers = |e: &TransferEngine| -> u64 {
+        e.stats()
+            .groups
+            .iter()
+            .flat_map(|g| g.nics.iter())
+            .map(|n| n.peers)
+            .sum()
+    };
+    let survivor = h.add_peer(LEN).expect("spawn survivor");
+    for f in singles(&mut h, &init, &smr, SEED, survivor, 1, true, 4, WLEN, |k| {
+        k * WLEN
+    }) {
+        wait_ok("write to the survivor", &f);
+    }
+    wait_round(&mut h, survivor, 1);
+    let baseline = peers(&init);
+    let regions = own_shm_regions();
+    let mut gone = Vec::new();
+    for k in 0..20u64 {
+        let p = h.add_peer(LEN).expect("spawn an incarnation");
+        let addr = h.peer(p).address();
+        assert!(
+            !gone
+                .iter()
+                .any(|g: &weft_engine::GroupAddress| g.incarnation == addr.incarnation),
+            "incarnation {k} repeats an earlier incarnation"
+        );
+        let tag = 100 + k;
+        for f in singles(&mut h, &init, &smr, SEED, p, tag, true, 4, WLEN, |i| {
+            i * WLEN + k
+        }) {
+            wait_ok(&format!("write to incarnation {k}"), &f);
+        }
+        wait_round(&mut h, p, tag);
+        let desc = h.peer(p).desc();
+        // A write it never answers, then the kill.
+        h.stop_peer(p).expect("SIGSTOP");
+        let pending = singles(&mut h, &init, &smr, SEED, p, 0, false, 1, WLEN, |_| k);
+        h.kill_peer(p).expect("SIGKILL");
+        init.remove_peer(&addr).expect("remove_peer");
+        let e = wait_flag("write pending at the kill", &pending[0])
+            .expect_err("a write to a peer stopped and killed before answering succeeded");
+        assert!(
+            e.is_peer_removed() || is_unreachable(&e),
+            "incarnation {k}: write pending at the kill: {e}"
+        );
+        let (od, flag) = OnDone::flag();
+        init.submit_single_write(64, None, (&smr, 0), (&desc, 0), od)
+            .expect("submit to the removed peer");
+        let e = wait_flag("write to the removed peer", &flag)
+            .expect_err("write to a removed peer succeeded");
+        assert!(e.is_peer_removed(), "write to the removed peer: {e}");
+        // The survivor is not blocked by the dead incarnation.
+        let stag = 1000 + k;
+        for f in singles(
+            &mut h,
+            &init,
+            &smr,
+            SEED,
+            survivor,
+            stag,
+            true,
+            2,
+            WLEN,
+            |i| i * WLEN + k + 1,
+        ) {
+            wait_ok(&format!("write to the survivor after kill {k}"), &f);
+        }
+        wait_round(&mut h, survivor, stag);
+        assert_eq!(
+            peers(&init),
+            baseline,
+            "incarnation {k}: peers after removal"
+        );
+        let t = Instant::now();
+        while own_shm_regions() != regions {
+            assert!(
+                t.elapsed() < DEADLINE,
+                "incarnation {k}: this process has {} regions in /dev/shm, {regions} before \
+                 the loop (per-peer endpoints not closed): {:?}",
+                own_shm_regions(),
+                std::fs::read_dir("/dev/shm")
+                    .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        gone.push(addr);
+    }
+    h.peer(survivor).shutdown().expect("survivor exits cleanly");
+    drop(h);
+    eprintln!(
+        "shm_peer_restart_with_writes_unanswered: {:.2} s, {regions} own /dev/shm regions \
+         throughout",
+        t0.elapsed().as_secs_f64()
+    );
+}
