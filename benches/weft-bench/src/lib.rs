@@ -22,6 +22,7 @@ pub mod moe;
 pub mod moe_model;
 pub mod p2p;
 pub mod pingpong;
+pub mod poll;
 mod progress;
 pub mod proxy;
 pub mod raw;
@@ -50,6 +51,8 @@ pub enum Suite {
     Rl,
     /// KvCache transfer (not part of `All`).
     Kvcache,
+    /// Polling policies: latency after idleness and idle CPU (part of `All`).
+    Poll,
     /// Two-process ping-pong next to `fi_pingpong`, and CPU cost (part of
     /// `All` on libfabric backends).
     Pingpong,
@@ -142,7 +145,9 @@ pub fn run(cfg: &Config) -> Report {
         Suite::Rl => (false, false, false),
         Suite::Kvcache => (false, false, false),
         Suite::Pingpong => (false, false, false),
+        Suite::Poll => (false, false, false),
     };
+    let poll = matches!(cfg.suite, Suite::Poll | Suite::All);
     let ping = |kind: &BackendKind| match cfg.suite {
         Suite::Pingpong => true,
         Suite::All => matches!(kind, BackendKind::Libfabric(_)),
@@ -153,7 +158,8 @@ pub fn run(cfg: &Config) -> Report {
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
         + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
         + usize::from(imm) * 2
-        + usize::from(kv) * 2;
+        + usize::from(kv) * 2
+        + usize::from(poll);
     let ping_steps =
         cfg.backends.iter().filter(|k| ping(k)).count() * cfg.pingpong.steps(cfg.quick);
     let mut progress = Progress::new(per_backend * cfg.backends.len() + ping_steps, cfg.progress);
@@ -173,6 +179,9 @@ pub fn run(cfg: &Config) -> Report {
         }
         if kv {
             rows.extend(kvcache::run(cfg, kind, &mut progress));
+        }
+        if poll {
+            rows.extend(poll::run(cfg, kind, &mut progress));
         }
         if ping(kind) {
             rows.extend(pingpong::run(cfg, &cfg.pingpong, kind, &mut progress));

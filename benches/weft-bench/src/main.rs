@@ -72,6 +72,8 @@ enum Cmd {
     /// SEND/RECV and WRITE-with-imm ping-pong, two processes on libfabric,
     /// measured like and next to fi_pingpong; CPU per GB and per M WRs.
     Pingpong(weft_bench::pingpong::PingArgs),
+    /// Polling policies: submit → completion after an idle gap, idle CPU per group.
+    Poll,
     /// The server side of `pingpong` (started by it; control on stdin/stdout).
     #[command(hide = true)]
     PingpongPeer,
@@ -89,6 +91,7 @@ fn main() -> ExitCode {
         Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(a, cli.quick),
         Cmd::Kvcache => Suite::Kvcache,
         Cmd::Pingpong(_) => Suite::Pingpong,
+        Cmd::Poll => Suite::Poll,
         Cmd::PingpongPeer => {
             let Some(kind) = cli.backend.first() else {
                 eprintln!("pingpong-peer: no --backend");
