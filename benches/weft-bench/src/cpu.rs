@@ -75,8 +75,14 @@ impl CpuSample {
         let now = CpuSample::now();
         CpuUse {
             wall: now.at.saturating_duration_since(self.at),
-            process_ns: now.process.zip(self.process).map(|(b, a)| b.saturating_sub(a)),
-            engine_ns: now.engine.zip(self.engine).map(|(b, a)| b.saturating_sub(a)),
+            process_ns: now
+                .process
+                .zip(self.process)
+                .map(|(b, a)| b.saturating_sub(a)),
+            engine_ns: now
+                .engine
+                .zip(self.engine)
+                .map(|(b, a)| b.saturating_sub(a)),
         }
     }
 }

@@ -213,7 +213,8 @@ mod tests {
 
     #[test]
     fn parses_the_result_table() {
-        let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+        let out =
+            "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
                    64k     2k      =2k      250m        0.39s    677.68      96.71       0.01\n";
         let r = parse(out).expect("parsed");
         assert_eq!(r.usec_per_xfer, 96.71);

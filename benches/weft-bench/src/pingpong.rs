@@ -172,7 +172,9 @@ struct ChanCtl {
 
 impl Ctl for ChanCtl {
     fn send_line(&mut self, line: String) -> Result<(), String> {
-        self.tx.send(line).map_err(|_| "peer thread gone".to_string())
+        self.tx
+            .send(line)
+            .map_err(|_| "peer thread gone".to_string())
     }
     fn recv_line(&mut self) -> Result<String, String> {
         self.rx.recv().map_err(|_| "peer thread gone".to_string())
@@ -610,9 +612,9 @@ pub fn run(cfg: &Config, args: &PingArgs, kind: &BackendKind, progress: &mut Pro
         BackendKind::Libfabric(p) => Some(p.clone()),
         _ => None,
     };
-    let fi = fi_prov.as_ref().and_then(|_| {
-        FiPingpong::find(args.fi_pingpong.as_deref().unwrap_or("auto"))
-    });
+    let fi = fi_prov
+        .as_ref()
+        .and_then(|_| FiPingpong::find(args.fi_pingpong.as_deref().unwrap_or("auto")));
     let fi_note = match (&fi_prov, &fi) {
         (None, _) => "no fi_pingpong for this backend".to_string(),
         (Some(_), None) => "fi_pingpong not installed".to_string(),
@@ -679,7 +681,10 @@ pub fn run(cfg: &Config, args: &PingArgs, kind: &BackendKind, progress: &mut Pro
             .extra("iters", iters as f64)
             .extra("warmup_iters", warm as f64)
             .extra("mb_per_s", 2.0 * size as f64 / us)
-            .extra("two_processes", f64::from(u8::from(sess.where_ == "two processes")));
+            .extra(
+                "two_processes",
+                f64::from(u8::from(sess.where_ == "two processes")),
+            );
             if !cpu[k].is_empty() {
                 row = row.extra("cpu_us_per_xfer_both_sides", median(&mut cpu[k]));
             }

@@ -123,10 +123,17 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
         }
     }
     let busy_p50 = (!p50[0].is_empty()).then(|| median(&mut p50[0].clone()));
+    let busy_idle = (!idle[0].is_empty()).then(|| median(&mut idle[0].clone()));
     let mut rows = Vec::new();
     for (k, (name, _)) in pols.iter().enumerate() {
         if let Some(e) = err[k].take() {
-            rows.push(Row::failed(BENCH, "submit_to_done_after_idle", &backend, 1, e));
+            rows.push(Row::failed(
+                BENCH,
+                "submit_to_done_after_idle",
+                &backend,
+                1,
+                e,
+            ));
             continue;
         }
         let v50 = median(&mut p50[k]);
@@ -156,7 +163,7 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 "engine threads CPU",
                 "cores",
                 median(&mut idle[k]),
-                None,
+                busy_idle.map(|b| (b, "busy polling")),
             ));
         }
     }

@@ -47,10 +47,13 @@ pub enum PollPolicy {
     /// Poll without ever yielding or parking: the lowest latency, one full
     /// core per group while idle. On groups whose NICs need software
     /// progress each poll is a round of system calls, as in `fi_pingpong`.
+    /// The callback thread likewise polls its queue instead of blocking, so
+    /// a callback after idleness pays no thread wake-up (a second core).
     Busy,
     /// Poll (spinning; yielding on software-progress NICs) for `spin` after
     /// the last work, then park for [`EngineConfig::idle_sleep`] at a time
-    /// (1 ms when that is `None`).
+    /// (1 ms when that is `None`); the callback thread polls its queue for
+    /// `spin` after its last message, then blocks on it.
     SpinThenPark {
         /// How long an idle worker keeps polling before it parks.
         spin: Duration,
