@@ -8,17 +8,18 @@
 
 use std::time::{Duration, Instant};
 
-/// On-CPU nanoseconds of this process's live threads; with `prefix`, only
-/// the threads whose name (`comm`, at most 15 bytes) starts with it.
-pub fn threads_cpu_ns(prefix: Option<&str>) -> Option<u64> {
+/// On-CPU nanoseconds of this process's live threads; with `prefixes`,
+/// only the threads whose name (`comm`, at most 15 bytes) starts with one
+/// of them.
+pub fn threads_cpu_ns(prefixes: Option<&[&str]>) -> Option<u64> {
     let dir = std::fs::read_dir("/proc/self/task").ok()?;
     let mut total = 0u64;
     let mut any = false;
     for e in dir.flatten() {
         let p = e.path();
-        if let Some(pre) = prefix {
+        if let Some(pre) = prefixes {
             let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
-            if !comm.trim_end().starts_with(pre) {
+            if !pre.iter().any(|x| comm.trim_end().starts_with(x)) {
                 continue;
             }
         }
@@ -34,12 +35,13 @@ pub fn threads_cpu_ns(prefix: Option<&str>) -> Option<u64> {
             any = true;
         }
     }
-    (any || prefix.is_some()).then_some(total)
+    (any || prefixes.is_some()).then_some(total)
 }
 
-/// Name prefix of every thread a `TransferEngine` starts (workers,
-/// callback thread, UVM watcher).
-pub const ENGINE_THREADS: &str = "weft-";
+/// Name prefixes of the threads a `TransferEngine` starts (workers,
+/// callback thread, UVM watcher; `comm` keeps 15 bytes of a name). Not
+/// `weft-` alone: that would also match this binary's main thread.
+pub const ENGINE_THREADS: &[&str] = &["weft-worker-", "weft-callbacks", "weft-uvm-watch"];
 
 /// A CPU-time sample: the whole process and the engine's threads.
 #[derive(Debug, Clone, Copy)]
