@@ -6,13 +6,28 @@ use std::time::{Duration, Instant};
 use weft::HostBuffer;
 use weft::{
     DomainGroupSpec, DoneCounter, EngineConfig, EngineError, MrDesc, MrHandle, OnDone, Pages,
-    TransferEngine,
+    PollPolicy, TransferEngine,
 };
 
 /// The engine settings the benchmarks use: defaults, except a worker that
 /// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`
-/// sets that sleep (0: never sleep, spin/yield only).
+/// sets that sleep (0: never sleep, spin/yield only); `WEFT_BENCH_POLL`
+/// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park).
 pub fn bench_config() -> EngineConfig {
+    let poll = match std::env::var("WEFT_BENCH_POLL")
+        .ok()
+        .as_deref()
+        .map(str::trim)
+    {
+        Some("busy") => PollPolicy::Busy,
+        Some(s) if s.starts_with("spin:") => s[5..]
+            .parse::<u64>()
+            .map(|us| PollPolicy::SpinThenPark {
+                spin: Duration::from_micros(us),
+            })
+            .unwrap_or_default(),
+        _ => PollPolicy::Adaptive,
+    };
     let idle_sleep = match std::env::var("WEFT_BENCH_IDLE_SLEEP_US")
         .ok()
         .and_then(|v| v.trim().parse::<u64>().ok())
@@ -23,6 +38,7 @@ pub fn bench_config() -> EngineConfig {
     };
     EngineConfig {
         idle_sleep,
+        poll,
         ..EngineConfig::default()
     }
 }

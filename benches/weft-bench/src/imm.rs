@@ -67,9 +67,11 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
         Err(why) => rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why)),
     }
     progress.step(&format!("imm {backend} early arrivals"));
-    match early(cfg, &ep, &backend) {
-        Ok(r) => rows.push(r),
-        Err(why) => rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why)),
+    for flag in [false, true] {
+        match early(cfg, &ep, &backend, flag) {
+            Ok(r) => rows.push(r),
+            Err(why) => rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why)),
+        }
     }
     rows
 }
@@ -142,7 +144,21 @@ fn throughput(
     ))
 }
 
-fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
+/// A round reported by [`OnDone::flag`]: set by the thread that fires it
+/// (for early arrivals, the arming thread itself), no callback-thread hop.
+fn arm_flag(ep: &EnginePair, imm: u32, count: u64) -> Result<Arc<weft::DoneFlag>, String> {
+    let (od, flag) = OnDone::flag();
+    ep.rx
+        .expect_imm_count_with(imm, count, od)
+        .map_err(|e| e.to_string())?;
+    Ok(flag)
+}
+
+/// Early arrivals: all `n` immediates are counted before the round is
+/// armed; arm → fire as the application sees it, through a callback (on the
+/// callback thread, idle while the arrivals streamed in: one thread wake-up
+/// under the default poll policy) or a flag (`flag`).
+fn early(cfg: &Config, ep: &EnginePair, backend: &str, flag: bool) -> Result<Row, String> {
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let n: u64 = if cfg.quick { 100 } else { 1000 };
     let reps = if cfg.quick { 10 } else { 50 };
@@ -164,12 +180,23 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
                 .map_err(|e| e.to_string())?;
             wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
             let t0 = Instant::now();
-            let fired = arm(ep, imm, expect)?;
-            wait_until(|| fired_at(&fired).is_some())?;
-            let (t, ok) = fired_at(&fired).ok_or("not fired")?;
-            if !ok {
-                return Err("early-arrival round failed or fired twice".into());
-            }
+            let t = if flag {
+                let f = arm_flag(ep, imm, expect)?;
+                wait_until(|| f.is_done())?;
+                let t = Instant::now();
+                if !matches!(f.result(), Some(Ok(()))) {
+                    return Err("early-arrival round failed".into());
+                }
+                t
+            } else {
+                let fired = arm(ep, imm, expect)?;
+                wait_until(|| fired_at(&fired).is_some())?;
+                let (t, ok) = fired_at(&fired).ok_or("not fired")?;
+                if !ok {
+                    return Err("early-arrival round failed or fired twice".into());
+                }
+                t
+            };
             if ep.rx.imm_pending(imm) != 0 || ep.rx.imm_armed(imm) {
                 return Err(format!(
                     "after firing: {} arrivals pending, armed={} (expected 0, false)",
@@ -190,7 +217,10 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str) -> Result<Row, String> {
         "early_arrival",
         backend,
         1,
-        format!("{expect} arrived before arm"),
+        format!(
+            "{expect} arrived before arm, {}",
+            if flag { "flag" } else { "callback" }
+        ),
         "arm->fire p50",
         "us",
         p.p50,

@@ -11,14 +11,18 @@
 #![deny(unsafe_code)]
 
 pub mod backend;
+pub mod cpu;
 #[allow(unsafe_code)]
 pub mod engines;
+pub mod fi_pingpong;
 pub mod floor;
 pub mod imm;
 pub mod kvcache;
 pub mod moe;
 pub mod moe_model;
 pub mod p2p;
+pub mod pingpong;
+pub mod poll;
 mod progress;
 pub mod proxy;
 pub mod raw;
@@ -47,6 +51,11 @@ pub enum Suite {
     Rl,
     /// KvCache transfer (not part of `All`).
     Kvcache,
+    /// Polling policies: latency after idleness and idle CPU (part of `All`).
+    Poll,
+    /// Two-process ping-pong next to `fi_pingpong`, and CPU cost (part of
+    /// `All` on libfabric backends).
+    Pingpong,
 }
 
 /// What to run and how long.
@@ -66,6 +75,11 @@ pub struct Config {
     pub progress: bool,
     /// The command line, recorded in the report.
     pub command: String,
+    /// `pingpong` settings.
+    pub pingpong: pingpong::PingArgs,
+    /// This binary, re-executed as `pingpong-peer` for the server side of
+    /// a libfabric ping-pong; `None` runs the server on a thread.
+    pub peer_exe: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -79,6 +93,8 @@ impl Config {
             rounds: None,
             progress: false,
             command: String::new(),
+            pingpong: pingpong::PingArgs::default(),
+            peer_exe: None,
         }
     }
 
@@ -128,14 +144,25 @@ pub fn run(cfg: &Config) -> Report {
         Suite::All => (true, true, true),
         Suite::Rl => (false, false, false),
         Suite::Kvcache => (false, false, false),
+        Suite::Pingpong => (false, false, false),
+        Suite::Poll => (false, false, false),
+    };
+    let poll = matches!(cfg.suite, Suite::Poll | Suite::All);
+    let ping = |kind: &BackendKind| match cfg.suite {
+        Suite::Pingpong => true,
+        Suite::All => matches!(kind, BackendKind::Libfabric(_)),
+        _ => false,
     };
     let kv = cfg.suite == Suite::Kvcache;
     let plan = p2p::P2pPlan::new(cfg.quick);
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
         + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
         + usize::from(imm) * 2
-        + usize::from(kv) * 2;
-    let mut progress = Progress::new(per_backend * cfg.backends.len(), cfg.progress);
+        + usize::from(kv) * 2
+        + usize::from(poll);
+    let ping_steps =
+        cfg.backends.iter().filter(|k| ping(k)).count() * cfg.pingpong.steps(cfg.quick);
+    let mut progress = Progress::new(per_backend * cfg.backends.len() + ping_steps, cfg.progress);
     let mut rows = Vec::new();
     let mut bds = Vec::new();
     for kind in &cfg.backends {
@@ -152,6 +179,12 @@ pub fn run(cfg: &Config) -> Report {
         }
         if kv {
             rows.extend(kvcache::run(cfg, kind, &mut progress));
+        }
+        if poll {
+            rows.extend(poll::run(cfg, kind, &mut progress));
+        }
+        if ping(kind) {
+            rows.extend(pingpong::run(cfg, &cfg.pingpong, kind, &mut progress));
         }
     }
     if cfg.suite == Suite::Rl {

@@ -51,7 +51,7 @@ struct Cli {
     no_progress: bool,
 }
 
-#[derive(Subcommand, Debug, Clone, Copy)]
+#[derive(Subcommand, Debug, Clone)]
 enum Cmd {
     /// Single WRITE bandwidth/latency 64 B … 64 MiB, paged WRITEs, imm-only latency.
     P2p,
@@ -69,19 +69,42 @@ enum Cmd {
     MoeModel(weft_bench::moe_model::ModelArgs),
     /// KvCache transfer (Qwen3-235B-like and DeepSeek-V3 MLA shapes) vs raw paged writes.
     Kvcache,
+    /// SEND/RECV and WRITE-with-imm ping-pong, two processes on libfabric,
+    /// measured like and next to fi_pingpong; CPU per GB and per M WRs.
+    Pingpong(weft_bench::pingpong::PingArgs),
+    /// Polling policies: submit → completion after an idle gap, idle CPU per group.
+    Poll,
+    /// The server side of `pingpong` (started by it; control on stdin/stdout).
+    #[command(hide = true)]
+    PingpongPeer,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let suite = match cli.cmd {
+    let suite = match &cli.cmd {
         Cmd::P2p => Suite::P2p,
         Cmd::Proxy => Suite::Proxy,
         Cmd::Imm => Suite::Imm,
         Cmd::All => Suite::All,
         Cmd::Rl => Suite::Rl,
-        Cmd::Moe(a) => return weft_bench::moe::run_cpu(&a, cli.quick),
-        Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(&a, cli.quick),
+        Cmd::Moe(a) => return weft_bench::moe::run_cpu(a, cli.quick),
+        Cmd::MoeModel(a) => return weft_bench::moe_model::run_model(a, cli.quick),
         Cmd::Kvcache => Suite::Kvcache,
+        Cmd::Pingpong(_) => Suite::Pingpong,
+        Cmd::Poll => Suite::Poll,
+        Cmd::PingpongPeer => {
+            let Some(kind) = cli.backend.first() else {
+                eprintln!("pingpong-peer: no --backend");
+                return ExitCode::FAILURE;
+            };
+            return match weft_bench::pingpong::peer_main(kind) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("pingpong-peer ({kind}): {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
     };
     let mut cfg = Config::new(suite, cli.quick);
     cfg.backends = cli.backend.clone();
@@ -89,6 +112,10 @@ fn main() -> ExitCode {
     cfg.rounds = cli.rounds;
     cfg.progress = !cli.no_progress;
     cfg.command = std::env::args().collect::<Vec<_>>().join(" ");
+    if let Cmd::Pingpong(a) = &cli.cmd {
+        cfg.pingpong = a.clone();
+    }
+    cfg.peer_exe = std::env::current_exe().ok();
     let report = weft_bench::run(&cfg);
     println!(
         "weft-bench on {} ({}; {:.1} s)\n",

@@ -442,17 +442,26 @@ fn imm_only(
     let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let ops = plan.lat_max_ops;
     let idle_ops = ops.min(100);
-    let (mut e, mut idle, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut e, mut idle, mut late, mut r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // One imm-only WRITE, timed from its submit to the receiver's round
-    // flag (set by its worker: no callback-thread hop);
-    // with `pause`, the round is armed that long before the submit.
-    let once = |pause: Option<Duration>| -> Result<f64, String> {
+    // flag (set by its worker: no callback-thread hop); with `pause`, both
+    // engines sit idle that long before the submit, the round armed before
+    // the pause (`arm_early`) or right before the submit. The pair of
+    // paused rows separates arming early from waking idle workers.
+    let once = |pause: Option<Duration>, arm_early: bool| -> Result<f64, String> {
         let (od, fired) = OnDone::flag();
+        if !arm_early {
+            if let Some(p) = pause {
+                std::thread::sleep(p);
+            }
+        }
         ep.rx
             .expect_imm_count_with(imm, 1, od)
             .map_err(|e| e.to_string())?;
-        if let Some(p) = pause {
-            std::thread::sleep(p);
+        if arm_early {
+            if let Some(p) = pause {
+                std::thread::sleep(p);
+            }
         }
         let t0 = Instant::now();
         ep.tx
@@ -463,18 +472,20 @@ fn imm_only(
     };
     for _ in 0..cfg.rounds() {
         for k in 0..ops {
-            e.push(once(None)?);
+            e.push(once(None, true)?);
             if k < idle_ops {
-                idle.push(once(Some(IMM_IDLE))?);
+                idle.push(once(Some(IMM_IDLE), true)?);
+                late.push(once(Some(IMM_IDLE), false)?);
             }
             let t = raw.drive(1, 1, 1, |r, i| Ok((0, r.wr(i, 0, 0, 0, 0, Some(imm))?)))?;
             r.push(ns(t.imms_seen) / 1e3);
         }
     }
     ep.rx.free_imm(imm);
-    let (ep50, ip, rp) = (
+    let (ep50, ip, lp, rp) = (
         percentiles(&mut e),
         percentiles(&mut idle),
+        percentiles(&mut late),
         percentiles(&mut r),
     );
     let row = |param: &str, p: &Percentiles| {
@@ -494,6 +505,7 @@ fn imm_only(
     };
     Ok(vec![
         row("0 B + imm", &ep50),
-        row("0 B + imm, armed 1 ms before", &ip),
+        row("0 B + imm, 1 ms idle, armed before it", &ip),
+        row("0 B + imm, 1 ms idle, armed after it", &lp),
     ])
 }

@@ -35,13 +35,22 @@ fn quick_all_on_loopback_null_has_every_row() {
         assert_eq!(has("p2p", "single_write", "latency p50", nics), 3);
         assert_eq!(has("p2p", "paged_write", "page rate", nics), 2);
         assert_eq!(has("p2p", "paged_write", "bandwidth", nics), 2);
-        // Back to back, and with the round armed 1 ms before the submit.
-        assert_eq!(has("p2p", "imm_only", "latency p50", nics), 2);
+        // Back to back, and after 1 ms idle with the round armed before
+        // or after the idle time.
+        assert_eq!(has("p2p", "imm_only", "latency p50", nics), 3);
     }
     assert_eq!(has("proxy", "scatter", "submit->first WR p50", 1), 2);
     assert_eq!(has("proxy", "scatter", "submit->all posted p50", 1), 2);
     assert_eq!(has("imm", "counter_throughput", "imm completions", 1), 1);
-    assert_eq!(has("imm", "early_arrival", "arm->fire p50", 1), 1);
+    // Reported through a callback and through a flag.
+    assert_eq!(has("imm", "early_arrival", "arm->fire p50", 1), 2);
+    // Each poll policy: latency after idleness and idle CPU.
+    let n_pol = weft_bench::poll::policies().len();
+    assert_eq!(has("poll", "submit_to_done_after_idle", "p50", 1), n_pol);
+    assert_eq!(
+        has("poll", "idle_cpu_per_group", "engine threads CPU", 1),
+        n_pol
+    );
     // Every weft row carries a baseline from the same run, and the
     // proxy/null-WR-rate targets are attached.
     for r in &rep.rows {
@@ -159,4 +168,30 @@ fn quick_proxy_on_libfabric_tcp() {
     }
     assert_eq!(rep.proxy_breakdown.len(), 2 * 8);
     assert!(rep.proxy_breakdown.iter().all(|b| b.n > 0));
+}
+
+#[test]
+fn quick_pingpong_on_loopback_has_both_ops_and_cpu_rows() {
+    let mut cfg = Config::new(Suite::Pingpong, true);
+    cfg.backends = vec![BackendKind::Loopback];
+    cfg.rounds = Some(1);
+    let rep = weft_bench::run(&cfg);
+    let bad: Vec<_> = rep.rows.iter().filter(|r| r.status != Status::Ok).collect();
+    assert!(bad.is_empty(), "{bad:#?}");
+    for case in ["send_recv", "write_imm"] {
+        let n = rep
+            .rows
+            .iter()
+            .filter(|r| r.bench == "pingpong" && r.case == case)
+            .inspect(|r| assert!(r.measured.is_some_and(|m| m > 0.0), "{r:?}"))
+            .count();
+        assert_eq!(n, 2, "{case}: one row per quick size");
+    }
+    for case in ["cpu_per_gb", "cpu_per_mwr"] {
+        assert!(
+            rep.rows.iter().any(|r| r.case == case),
+            "no {case} row: {:#?}",
+            rep.rows
+        );
+    }
 }

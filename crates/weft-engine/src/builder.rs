@@ -224,9 +224,10 @@ impl EngineBuilder {
             }
             // Callback and watcher threads.
             let cb_excess = Arc::clone(&inner.excess);
+            let cb_idle = Idle::from(&cfg);
             let cb = std::thread::Builder::new()
                 .name("weft-callbacks".into())
-                .spawn(move || callback_main(&cb_excess, &cb_rx))
+                .spawn(move || callback_main(&cb_excess, &cb_rx, cb_idle))
                 .map_err(|e| EngineError::Setup {
                     group: 0,
                     what: format!("spawning callback thread: {e}"),

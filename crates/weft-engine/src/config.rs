@@ -4,7 +4,7 @@
 
 use crate::shard::{ScatterMode, ShardConfig};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use weft_transport::{Device, Imm, Provider};
 
 /// What a submit does when its group's request queue is full.
@@ -18,6 +18,46 @@ pub enum QueueFullPolicy {
     /// Return [`EngineError::QueueFull`](crate::EngineError::QueueFull) at once
     /// (the submit's `on_done` is not called).
     Fail,
+}
+
+/// How an idle worker (and the UVM watcher) waits for work. Whatever the
+/// policy, a worker with WRs in flight or an armed immediate round keeps
+/// polling (see [`EngineConfig::inflight_spin`]), and a submit or an arm
+/// wakes a parked worker at once; the policy decides what an idle worker
+/// costs (CPU) against how fast it notices what nobody wakes it for
+/// (received messages, immediates of no armed round) and how long a wake
+/// takes. `weft-bench poll` measures each (submit → completion p50/p99
+/// after an idle gap, and idle CPU per group): see docs/benchmarks.md.
+///
+/// Event-driven waiting (sleeping in the completion queue's file
+/// descriptor) is not offered: the transport contract has no wait
+/// primitive, hardware providers would need their completion channels
+/// armed per poll, and libfabric's software providers progress only inside
+/// `fi_cq_read`, so a thread asleep on the fd would stall the transfers it
+/// waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PollPolicy {
+    /// Spin [`EngineConfig::idle_spins`] polls, yield
+    /// [`EngineConfig::idle_yields`] polls, then park for
+    /// [`EngineConfig::idle_sleep`] at a time (or keep yielding when that is
+    /// `None`). The default.
+    #[default]
+    Adaptive,
+    /// Poll without ever yielding or parking: the lowest latency, one full
+    /// core per group while idle. On groups whose NICs need software
+    /// progress each poll is a round of system calls, as in `fi_pingpong`.
+    /// The callback thread likewise polls its queue instead of blocking, so
+    /// a callback after idleness pays no thread wake-up (a second core).
+    Busy,
+    /// Poll (spinning; yielding on software-progress NICs) for `spin` after
+    /// the last work, then park for [`EngineConfig::idle_sleep`] at a time
+    /// (1 ms when that is `None`); the callback thread polls its queue for
+    /// `spin` after its last message, then blocks on it.
+    SpinThenPark {
+        /// How long an idle worker keeps polling before it parks.
+        spin: Duration,
+    },
 }
 
 /// Engine-wide settings.
@@ -71,6 +111,8 @@ pub struct EngineConfig {
     pub inflight_spin: Duration,
     /// How long `shutdown` waits for in-flight WRs before failing them.
     pub drain_timeout: Duration,
+    /// How idle workers and the watcher wait; see [`PollPolicy`].
+    pub poll: PollPolicy,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +131,7 @@ impl Default for EngineConfig {
             idle_sleep: Some(Duration::from_micros(200)),
             inflight_spin: Duration::from_millis(100),
             drain_timeout: Duration::from_secs(5),
+            poll: PollPolicy::Adaptive,
         }
     }
 }
@@ -152,12 +195,13 @@ impl DomainGroupSpec {
 pub type ExcessHandler = Arc<dyn Fn(Imm, u64) + Send + Sync + 'static>;
 
 /// The idle policy of a worker or watcher thread: spin, then yield, then
-/// sleep (see [`EngineConfig::idle_spins`]).
+/// sleep (see [`EngineConfig::idle_spins`] and [`PollPolicy`]).
 #[derive(Clone, Copy)]
 pub(crate) struct Idle {
     pub(crate) spins: u32,
     pub(crate) yields: u32,
     pub(crate) sleep: Option<Duration>,
+    pub(crate) poll: PollPolicy,
 }
 
 impl From<&EngineConfig> for Idle {
@@ -166,22 +210,106 @@ impl From<&EngineConfig> for Idle {
             spins: c.idle_spins,
             yields: c.idle_yields,
             sleep: c.idle_sleep,
+            poll: c.poll,
         }
     }
 }
 
+/// Where an idle thread is in its idle policy; `reset` after any work.
+#[derive(Debug, Default)]
+pub(crate) struct IdleState {
+    n: u32,
+    since: Option<Instant>,
+}
+
+impl IdleState {
+    /// Work was done: start over.
+    pub(crate) fn reset(&mut self) {
+        self.n = 0;
+        self.since = None;
+    }
+}
+
 impl Idle {
-    /// Returns true when the caller should park for `sleep`.
-    pub(crate) fn step(&self, idle: &mut u32) -> Option<Duration> {
-        *idle = idle.saturating_add(1);
-        if *idle <= self.spins {
-            std::hint::spin_loop();
-            None
-        } else if *idle <= self.spins + self.yields || self.sleep.is_none() {
-            std::thread::yield_now();
-            None
-        } else {
-            self.sleep
+    /// One idle poll. Returns `Some(d)` when the caller should park for
+    /// (at most) `d`; otherwise it spun or yielded already.
+    pub(crate) fn step(&self, st: &mut IdleState) -> Option<Duration> {
+        st.n = st.n.saturating_add(1);
+        match self.poll {
+            PollPolicy::Busy => {
+                std::hint::spin_loop();
+                None
+            }
+            PollPolicy::SpinThenPark { spin } => {
+                let since = *st.since.get_or_insert_with(Instant::now);
+                if since.elapsed() < spin {
+                    // `spins == 0` on software-progress groups: yield.
+                    if self.spins == 0 {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                    None
+                } else {
+                    Some(self.sleep.unwrap_or(Duration::from_millis(1)))
+                }
+            }
+            PollPolicy::Adaptive => {
+                if st.n <= self.spins {
+                    std::hint::spin_loop();
+                    None
+                } else if st.n <= self.spins + self.yields || self.sleep.is_none() {
+                    std::thread::yield_now();
+                    None
+                } else {
+                    self.sleep
+                }
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle(poll: PollPolicy) -> Idle {
+        Idle {
+            spins: 2,
+            yields: 2,
+            sleep: Some(Duration::from_micros(50)),
+            poll,
+        }
+    }
+
+    #[test]
+    fn adaptive_spins_yields_then_parks() {
+        let i = idle(PollPolicy::Adaptive);
+        let mut st = IdleState::default();
+        let steps: Vec<_> = (0..6).map(|_| i.step(&mut st)).collect();
+        assert_eq!(&steps[..4], &[None, None, None, None]);
+        assert_eq!(steps[4], Some(Duration::from_micros(50)));
+        st.reset();
+        assert_eq!(i.step(&mut st), None);
+    }
+
+    #[test]
+    fn busy_never_parks() {
+        let i = idle(PollPolicy::Busy);
+        let mut st = IdleState::default();
+        assert!((0..10_000).all(|_| i.step(&mut st).is_none()));
+    }
+
+    #[test]
+    fn spin_then_park_parks_after_its_bound() {
+        let i = idle(PollPolicy::SpinThenPark {
+            spin: Duration::from_millis(2),
+        });
+        let mut st = IdleState::default();
+        assert_eq!(i.step(&mut st), None);
+        std::thread::sleep(Duration::from_millis(3));
+        assert_eq!(i.step(&mut st), Some(Duration::from_micros(50)));
+        st.reset();
+        assert_eq!(i.step(&mut st), None, "work restarts the spin phase");
     }
 }

@@ -54,7 +54,7 @@ mod watcher;
 mod wrid;
 
 pub use builder::EngineBuilder;
-pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, QueueFullPolicy};
+pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, PollPolicy, QueueFullPolicy};
 pub use engine::{DataPathReport, ImmCounts, NicReport, PeerGroupHandle, Reach, TransferEngine};
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};

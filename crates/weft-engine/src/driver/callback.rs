@@ -3,9 +3,9 @@
 //! excess handler, one message at a time, with panics caught.
 
 use super::CbMsg;
-use crate::config::ExcessHandler;
+use crate::config::{ExcessHandler, Idle, IdleState, PollPolicy};
 use crate::core::Event;
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, TryRecvError};
 use std::cell::Cell;
 
 thread_local! {
@@ -43,8 +43,41 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
 }
 
 /// The callback thread's main loop: until `Stop`, then what is queued.
-pub(crate) fn callback_main(excess: &ExcessHandler, rx: &Receiver<CbMsg>) {
-    while let Ok(msg) = rx.recv() {
+/// Under [`PollPolicy::Adaptive`] it blocks on the channel as soon as it is
+/// empty (a callback after idleness pays one thread wake-up); under `Busy`
+/// it polls the channel without ever blocking, and under `SpinThenPark` it
+/// polls for the policy's `spin` after the last message, then blocks.
+pub(crate) fn callback_main(excess: &ExcessHandler, rx: &Receiver<CbMsg>, idle: Idle) {
+    let mut st = IdleState::default();
+    loop {
+        let msg = if idle.poll == PollPolicy::Adaptive {
+            match rx.recv() {
+                Ok(m) => m,
+                Err(_) => break,
+            }
+        } else {
+            match rx.try_recv() {
+                Ok(m) => {
+                    st.reset();
+                    m
+                }
+                Err(TryRecvError::Empty) => {
+                    if idle.step(&mut st).is_some() {
+                        // Past the spin bound: block until the next message.
+                        match rx.recv() {
+                            Ok(m) => {
+                                st.reset();
+                                m
+                            }
+                            Err(_) => break,
+                        }
+                    } else {
+                        continue;
+                    }
+                }
+                Err(TryRecvError::Disconnected) => break,
+            }
+        };
         if matches!(msg, CbMsg::Stop) {
             // Run whatever is still queued, then exit.
             while let Ok(m) = rx.try_recv() {

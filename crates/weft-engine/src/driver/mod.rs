@@ -9,7 +9,7 @@
 pub(crate) mod callback;
 pub(crate) mod worker;
 
-use crate::config::Idle;
+use crate::config::{Idle, IdleState};
 use crate::core::{Control, Event, GroupInfo};
 use crate::error::EngineError;
 use crate::mem::SendPool;
@@ -63,10 +63,10 @@ impl GroupShared {
 /// The UVM watcher thread: scans the watched words, idling per `idle`.
 pub(crate) fn watcher_main(w: &Arc<WatcherShared>, idle: Idle) {
     w.set_thread();
-    let mut idle_n = 0u32;
+    let mut idle_n = IdleState::default();
     while !w.stop.load(Ordering::SeqCst) {
         if w.scan() {
-            idle_n = 0;
+            idle_n.reset();
             continue;
         }
         if !w.has_entries() {

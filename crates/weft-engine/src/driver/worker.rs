@@ -5,7 +5,7 @@
 
 use super::{CbMsg, GroupShared};
 use crate::affinity;
-use crate::config::{DomainGroupSpec, EngineConfig, Idle};
+use crate::config::{DomainGroupSpec, EngineConfig, Idle, IdleState, PollPolicy};
 use crate::core::{Control, Event, WorkerCore};
 use crate::error::EngineError;
 use crate::imm::{ImmDone, ImmTable, ImmWaits};
@@ -224,7 +224,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
         }
     };
     drop(init);
-    let mut idle_n = 0u32;
+    let mut idle_n = IdleState::default();
     let mut last_progress = Instant::now();
     let mut seen_arms = w.imm_waits.arms.load(Ordering::SeqCst);
     let software_progress = w.core.software_progress();
@@ -247,7 +247,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
             }
         }
         if did {
-            idle_n = 0;
+            idle_n.reset();
             if !software_progress {
                 // Only the hardware path's in-flight spin limit reads it.
                 last_progress = Instant::now();
@@ -262,7 +262,11 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 last_progress = Instant::now();
             }
             let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
-            if software_progress || (awaited && last_progress.elapsed() < inflight_spin) {
+            // `SpinThenPark` parks software-progress groups too: what peers
+            // write into this host then waits for the next poll (at most
+            // `idle_sleep`), the price of a bounded idle CPU.
+            let keep_polling = software_progress && idle.poll == PollPolicy::Adaptive;
+            if keep_polling || (awaited && last_progress.elapsed() < inflight_spin) {
                 // Completions are due, or the NIC moves data (also what
                 // peers write into this host) only while polled: keep
                 // polling, only yield the core.
