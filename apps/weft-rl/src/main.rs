@@ -30,8 +30,9 @@ struct Cli {
 enum Cmd {
     /// Print the routing summary of a model and layout.
     Plan(LayoutArgs),
-    /// Predict update times at the paper's scale (event-level model driven
-    /// by the plan): P2P vs Rank0 vs the bandwidth bound vs the paper.
+    /// Predict update times at the paper's scale (the plan's WRITEs over the
+    /// loopback fabric's NIC model, simulated time; the event-level cost
+    /// model next to it): P2P vs Rank0 vs the bandwidth bound vs the paper.
     Simulate(SimArgs),
     /// Real updates: trainer and inference ranks as processes (libfabric)
     /// or threads (loopback), P2P and Rank0 side by side, checked bit-exact.

@@ -70,7 +70,9 @@ struct Post {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Waiting for the barrier of its `pos`-th wave (since `since`).
-    Barrier { since: u64 },
+    Barrier {
+        since: u64,
+    },
     /// Posting / waiting for the WRITEs of its `pos`-th wave.
     Work,
     /// Trainer: waiting for the acknowledgements. Inference: waiting for
@@ -509,7 +511,8 @@ impl<'a> Driver<'a> {
             for x in d.xfers() {
                 if x.is_single() {
                     let len = x.dst.bytes();
-                    let pieces = plan_single_write(len, self.nics, u64::MAX, self.rr[a], &self.shard);
+                    let pieces =
+                        plan_single_write(len, self.nics, u64::MAX, self.rr[a], &self.shard);
                     self.rr[a] += 1;
                     for p in pieces {
                         self.actors[a].pending.push_back(Post {
@@ -566,9 +569,8 @@ impl<'a> Driver<'a> {
         let t = |b: u64, bs: f64| (b as f64 / bs * 1e9) as u64;
         let submit = ns(self.cfg.submit_us);
         let sent = |s: u32| {
-            io.get(&s).map_or(0, |v| {
-                v[4] * submit + t(v[2], nic_bs).max(t(v[3], nvl_bs))
-            })
+            io.get(&s)
+                .map_or(0, |v| v[4] * submit + t(v[2], nic_bs).max(t(v[3], nvl_bs)))
         };
         let mut out = WaveGather::default();
         for (w, srcs) in &sources {
