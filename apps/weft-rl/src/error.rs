@@ -43,6 +43,17 @@ pub enum RlError {
     /// A buffer could not be allocated.
     #[error("buffer: {0}")]
     Buffer(String),
+    /// The scale simulation failed: the simulated fabric refused an
+    /// operation of the plan (a transfer outside a registration, ...) or
+    /// the simulated update stalled.
+    #[error("simulation: {what}")]
+    Sim {
+        /// What failed.
+        what: String,
+        /// The fabric's error, if it reported one.
+        #[source]
+        source: Option<weft::TransportError>,
+    },
     /// A rank that is not part of the plan, or a directory without it.
     #[error("unknown {role} rank {rank}")]
     UnknownRank {

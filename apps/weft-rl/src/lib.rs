@@ -11,7 +11,9 @@
 //! - [`fp8`]: bf16 → e4m3 with per-128×128-tile f32 scales.
 //! - [`exec`]: the per-step pipeline over the engine ([`exec::Trainer`],
 //!   [`exec::Inference`]) and the Rank0 baseline in the same code.
-//! - [`sim`]: an event-level scale model driven by the same plan.
+//! - [`sim`]: the scale simulation: the same plan's WRITEs over the
+//!   loopback fabric's NIC model in simulated time, next to an event-level
+//!   cost model.
 //! - `cuda` (feature `cuda`): the unshard / fuse / fp8-quantise stages as
 //!   NVRTC kernels on device memory, and one trainer and one inference rank
 //!   on one GPU writing through the engine.

@@ -34,8 +34,9 @@ struct Cli {
 enum Cmd {
     /// Print the routing summary of a model and layout.
     Plan(LayoutArgs),
-    /// Predict update times at the paper's scale (event-level model driven
-    /// by the plan): P2P vs Rank0 vs the bandwidth bound vs the paper.
+    /// Predict update times at the paper's scale (the plan's WRITEs over the
+    /// loopback fabric's NIC model, simulated time; the event-level cost
+    /// model next to it): P2P vs Rank0 vs the bandwidth bound vs the paper.
     Simulate(SimArgs),
     /// Real updates: trainer and inference ranks as processes (libfabric)
     /// or threads (loopback), P2P and Rank0 side by side, checked bit-exact.
@@ -124,6 +125,9 @@ struct SimArgs {
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]
     watermark_mib: u64,
+    /// Fabric seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Args, Clone)]
@@ -236,11 +240,17 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
     let cfg = SimConfig {
         nics: a.nics,
         nic_gbps: a.nic_gbps,
+        seed: a.seed,
         ..SimConfig::default()
     };
-    println!("event-level model, {} x {} Gb/s NICs per GPU, NVLink {} GB/s, quantise {} GB/s/GPU, submit {} us/WRITE", cfg.nics, cfg.nic_gbps, cfg.nvlink_gbs, cfg.quant_gbs, cfg.submit_us);
-    println!("| model | layout | into inference | weft P2P (pred.) | unshard / quantise / write / wait on slowest rank | bytes / aggregate bw | Rank0 (pred.) | paper | plan + sim wall |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "loopback fabric (timing-only, step mode, seed {}): {} x {} Gb/s NICs per GPU, {} us one-way; \
+         modelled: unshard over NVLink {} GB/s (same {}-GPU node) or the NICs, quantise {} GB/s/GPU + {} us/kernel, submit {} us/WR",
+        cfg.seed, cfg.nics, cfg.nic_gbps, cfg.latency_us, cfg.nvlink_gbs, cfg.gpus_per_node, cfg.quant_gbs,
+        cfg.kernel_us, cfg.submit_us
+    );
+    println!("| model | layout | into inference | weft P2P (fabric) | unshard / quantise / write / wait (slowest rank) | cost model | bytes / aggregate bw | Rank0 (model) | paper | WRs / fabric events | plan + sim wall |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for n in names {
         let t0 = Instant::now();
         let la = LayoutArgs {
@@ -256,13 +266,15 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             watermark_mib: a.watermark_mib,
         };
         let (_, t, i, ml, p) = la.build()?;
-        let r = simulate(&ml, &p, &cfg);
+        let planned = t0.elapsed();
+        let r = simulate(&ml, &p, &cfg).map_err(|e| e.to_string())?;
         println!(
-            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}, instances of {}) | {} | {:.2} s | {:.2} / {:.2} / {:.2} / {:.2} s | {:.3} s | {:.1} s | {} | {:.1} s |",
+            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
             t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp, i.instance,
             weft_rl::summary::human(r.bytes as f64),
-            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.bound_s, r.rank0_s, paper(&n),
-            t0.elapsed().as_secs_f64()
+            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.model.p2p_s, r.bound_s, r.rank0_s, paper(&n),
+            r.wrs as f64 / 1e6, r.events as f64 / 1e6,
+            planned.as_secs_f64(), (t0.elapsed() - planned).as_secs_f64()
         );
     }
     Ok(())

@@ -39,6 +39,8 @@ pub struct FabricConfig {
     pub seed: u64,
     /// Null mode: see [`FabricConfig::null`].
     pub null: bool,
+    /// Timing-only mode: see [`FabricConfig::timing`].
+    pub timing_only: bool,
     /// Default NIC model for every NIC (override per NIC with
     /// [`crate::Fabric::set_nic_model`]).
     pub nic: NicModel,
@@ -92,6 +94,7 @@ impl fmt::Debug for FabricConfig {
         f.debug_struct("FabricConfig")
             .field("seed", &self.seed)
             .field("null", &self.null)
+            .field("timing_only", &self.timing_only)
             .field("nic", &self.nic)
             .field("jitter", &self.jitter)
             .field("chunk_min", &self.chunk_min)
@@ -135,6 +138,7 @@ impl FabricConfig {
         Self {
             seed,
             null: false,
+            timing_only: false,
             nic: NicModel::default(),
             jitter: Duration::from_micros(20),
             chunk_min: 1024,
@@ -167,6 +171,25 @@ impl FabricConfig {
             random_recv_match: false,
             drop_prob: 0.0,
             ..Self::adversarial(seed)
+        }
+    }
+
+    /// Timing-only mode, for simulations at scales whose payload would not
+    /// fit in memory: the [`FabricConfig::ideal`] profile (latency and
+    /// bandwidth model, step-mode delivery, every check at post and at
+    /// arrival, immediates and completions at their simulated times), but
+    /// **no payload byte is copied**, so registrations need no memory
+    /// behind them: [`crate::LoopbackDomain::register_virtual`] registers a
+    /// length at an address the fabric makes up (ordinary registrations
+    /// work too; their memory is never read or written). Queue limits are
+    /// raised (`max_inflight` 2^20, `max_batch` 1024) so that a driver
+    /// posting a whole schedule is not throttled by them.
+    pub fn timing(seed: u64) -> Self {
+        Self {
+            timing_only: true,
+            max_inflight: 1 << 20,
+            max_batch: 1024,
+            ..Self::ideal(seed)
         }
     }
 

@@ -63,6 +63,19 @@ impl LoopbackDomain {
         self.loc.1 as usize
     }
 
+    /// Registers `len` bytes that exist only in the simulation: no memory
+    /// backs them, the fabric makes up the address. Only on a timing-only
+    /// fabric ([`crate::FabricConfig::timing`]), which never copies payload;
+    /// elsewhere it fails with `Unsupported`. Checks at post and at arrival
+    /// (keys, bounds, access) apply to it as to any registration.
+    pub fn register_virtual(
+        &mut self,
+        len: u64,
+        access: Access,
+    ) -> Result<LocalMr, TransportError> {
+        self.fabric.lock().register_virtual(self.loc, len, access)
+    }
+
     /// The fabric this domain belongs to.
     pub fn fabric(&self) -> &Fabric {
         &self.fabric

@@ -65,6 +65,10 @@
 //!   the latency/bandwidth model.
 //! - [`FabricConfig::null`]: no bytes copied, everything completes at the
 //!   next poll; see its docs for exactly what is skipped.
+//! - [`FabricConfig::timing`]: the ideal profile's timing without payload:
+//!   no bytes copied, registrations may be virtual
+//!   ([`LoopbackDomain::register_virtual`]); for simulating transfers far
+//!   larger than memory (weft-rl's scale simulation).
 //!
 //! Every NIC has a [`NicModel`] (default 400 Gbit/s, 2 µs): transmit and
 //! receive links are occupied for `bytes * 8 / gbps` ns, so incast and
@@ -76,7 +80,10 @@
 //!   [`Fabric::step`] (one event), [`Fabric::advance`] and
 //!   [`Fabric::run_until_idle`]. `poll` reports what is due at the current
 //!   time and never advances it. Fully deterministic: the same seed and the
-//!   same sequence of calls give the same [`Fabric::trace`].
+//!   same sequence of calls give the same [`Fabric::trace`]. A driver of
+//!   many domains interleaves its own simulated work with
+//!   [`Fabric::next_event_at`] and polls only the domains
+//!   [`Fabric::take_ready`] lists.
 //! - **Realtime** ([`Fabric::new_realtime`]): every call into the fabric
 //!   (any domain's `poll`, from any thread) first advances simulated time to
 //!   the wall time elapsed since creation. Nothing runs in the background:

@@ -61,7 +61,7 @@ enum Cmd {
     Imm,
     /// Everything.
     All,
-    /// RL weight transfer at the paper's scale (weft-rl's event model).
+    /// RL weight transfer at the paper's scale (weft-rl's simulation over the loopback fabric).
     Rl,
     /// MoE dispatch/combine, CPU path on loopback, P swept, vs the naive reference.
     Moe(weft_bench::moe::MoeArgs),

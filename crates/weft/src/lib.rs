@@ -71,7 +71,7 @@ pub use weft_transport::{
 #[cfg(feature = "loopback")]
 pub mod loopback {
     pub use weft_loopback::{
-        Action, Fabric, FabricConfig, FabricStats, HostId, Matcher, NicModel, OpKind, Rule,
-        TraceEvent, TraceKind,
+        Action, Fabric, FabricConfig, FabricStats, HostId, LoopbackDomain, Matcher, NicModel,
+        OpKind, Rule, SimTime, TraceEvent, TraceKind,
     };
 }

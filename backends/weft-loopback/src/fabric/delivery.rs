@@ -144,7 +144,7 @@ impl State {
         };
         let off = u64::from(idx).saturating_mul(chunk);
         let bytes = chunk.min(len.saturating_sub(off));
-        if !self.cfg.null {
+        if self.copies() {
             // Bounds of the whole write were checked above; off + bytes <= len.
             let (Some(d), Some(s)) = (
                 dst_addr.and_then(|a| a.checked_add(off)),
@@ -215,6 +215,7 @@ impl State {
             if let Some(n) = self.nic_mut(dst) {
                 n.cq.push(Completion::Imm { imm });
             }
+            self.mark_ready(dst);
             self.stats.imms_delivered += 1;
             self.record(TraceKind::ImmDelivered { op: id, imm });
         }
@@ -311,7 +312,7 @@ impl State {
             };
             return self.finish(id, Err(e));
         };
-        if !self.cfg.null {
+        if self.copies() {
             let r = mem::copy(
                 Span {
                     addr: recv.addr,
@@ -336,6 +337,7 @@ impl State {
                 result: Ok(len),
             });
         }
+        self.mark_ready(dst);
         self.stats.recvs_matched += 1;
         self.stats.bytes_delivered += len;
         self.record(TraceKind::RecvMatched {

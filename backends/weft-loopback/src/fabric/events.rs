@@ -136,6 +136,7 @@ impl State {
                     Body::Send { .. } => Completion::Send { wr: op.wr, result },
                     Body::Write { .. } => Completion::Write { wr: op.wr, result },
                 });
+                self.mark_ready(op.src);
             }
         }
     }

@@ -148,6 +148,25 @@ impl Fabric {
         }
     }
 
+    /// When the next pending event is due, if any (step mode: the time
+    /// [`Fabric::step`] would move to). A driver that interleaves its own
+    /// simulated work with the fabric's advances to whichever comes first.
+    pub fn next_event_at(&self) -> Option<SimTime> {
+        self.lock().events.next_time().map(SimTime)
+    }
+
+    /// Appends to `out` every `(host, NIC)` whose completion queue received
+    /// something (a completion or an immediate) since the last call, each
+    /// once, in the order they were first noted, and forgets them: a
+    /// driver of many domains polls only those. A NIC may be listed with
+    /// nothing left to poll (its domain polled it meanwhile, or it went
+    /// down).
+    pub fn take_ready(&self, out: &mut Vec<(HostId, usize)>) {
+        let mut locs = Vec::new();
+        self.lock().take_ready(&mut locs);
+        out.extend(locs.into_iter().map(|(h, n)| (HostId(h), n as usize)));
+    }
+
     /// Number of events still queued.
     pub fn pending_events(&self) -> usize {
         self.lock().events.len()

@@ -338,6 +338,7 @@ impl State {
                         if let Some(n) = self.nic_mut(dst) {
                             n.cq.push(Completion::Imm { imm });
                         }
+                        self.mark_ready(dst);
                         self.stats.imms_delivered += 1;
                         self.record(TraceKind::ImmDelivered { op: id, imm });
                     }
@@ -358,5 +359,6 @@ impl State {
             n.inflight += 1;
             n.cq.push(Completion::Write { wr: wr.wr, result });
         }
+        self.mark_ready(src);
     }
 }

@@ -23,6 +23,11 @@ use weft_transport::{
 /// the reverse) is rejected.
 const RKEY_SALT: u64 = 0x1f00_d5ee_d000_0000;
 
+/// Where virtual registrations start (never dereferenced).
+const VIRTUAL_BASE: u64 = 1 << 52;
+/// Alignment of virtual registrations.
+const VIRTUAL_ALIGN: u64 = 4096;
+
 fn span_within(base: u64, base_len: u64, a: u64, len: u64) -> bool {
     match (a.checked_add(len), base.checked_add(base_len)) {
         (Some(end), Some(base_end)) => a >= base && end <= base_end,
@@ -66,6 +71,8 @@ pub(crate) struct NicState {
     pub(super) inflight: usize,
     pub(super) tx_free: u64,
     pub(super) rx_free: u64,
+    /// In [`State::ready`] since the last [`crate::Fabric::take_ready`].
+    pub(super) notified: bool,
 }
 
 impl NicState {
@@ -81,6 +88,7 @@ impl NicState {
             inflight: 0,
             tx_free: 0,
             rx_free: 0,
+            notified: false,
         }
     }
 }
@@ -100,6 +108,11 @@ pub(crate) struct State {
     pub(super) last_landed: BTreeMap<(Loc, Loc), u64>,
     pub(super) device_copy: Option<Arc<dyn DeviceCopy>>,
     pub(super) shuffle_buf: Vec<u32>,
+    /// NICs whose completion queue received something since the last
+    /// [`crate::Fabric::take_ready`] (each at most once).
+    pub(super) ready: Vec<Loc>,
+    /// Next address handed out by [`State::register_virtual`].
+    pub(super) next_virtual: u64,
 }
 
 impl State {
@@ -119,7 +132,36 @@ impl State {
             stats: FabricStats::default(),
             last_landed: BTreeMap::new(),
             shuffle_buf: Vec::new(),
+            ready: Vec::new(),
+            next_virtual: VIRTUAL_BASE,
         }
+    }
+
+    /// Notes that `loc`'s completion queue has something to poll.
+    pub(super) fn mark_ready(&mut self, loc: Loc) {
+        if let Some(n) = self.nic_mut(loc) {
+            if !n.notified {
+                n.notified = true;
+                self.ready.push(loc);
+            }
+        }
+    }
+
+    /// Hands out the NICs noted by [`State::mark_ready`], in the order they
+    /// were noted, and clears the notes.
+    pub(crate) fn take_ready(&mut self, out: &mut Vec<Loc>) {
+        let ready = std::mem::take(&mut self.ready);
+        for &loc in &ready {
+            if let Some(n) = self.nic_mut(loc) {
+                n.notified = false;
+            }
+        }
+        out.extend(ready);
+    }
+
+    /// Whether payload bytes are copied (not in null or timing-only mode).
+    pub(super) fn copies(&self) -> bool {
+        !self.cfg.null && !self.cfg.timing_only
     }
 
     // --- lookup helpers ---------------------------------------------------
@@ -225,6 +267,55 @@ impl State {
         })
     }
 
+    /// A registration of `len` bytes with no memory behind it, at an
+    /// address the fabric makes up. Only in timing-only mode, where the
+    /// fabric never touches registered memory.
+    pub(crate) fn register_virtual(
+        &mut self,
+        loc: Loc,
+        len: u64,
+        access: Access,
+    ) -> Result<LocalMr, TransportError> {
+        if !self.cfg.timing_only {
+            return Err(TransportError::Unsupported {
+                nic: nic_name(loc),
+                what: "virtual registrations need a timing-only fabric (FabricConfig::timing_only)"
+                    .into(),
+            });
+        }
+        let key = self.next_key;
+        let addr = self.next_virtual;
+        let end = len
+            .checked_add(VIRTUAL_ALIGN - 1)
+            .map(|l| l - l % VIRTUAL_ALIGN)
+            .and_then(|l| addr.checked_add(l.max(VIRTUAL_ALIGN)))
+            .ok_or_else(|| TransportError::InvalidArgument {
+                nic: nic_name(loc),
+                what: format!("virtual registration of {len} bytes exhausts the address space"),
+            })?;
+        let Some(n) = self.nic_mut(loc).filter(|n| n.alive) else {
+            return Err(TransportError::NicDown { nic: nic_name(loc) });
+        };
+        n.regs.insert(
+            key,
+            Reg {
+                addr,
+                len,
+                device: Device::Host,
+                access,
+            },
+        );
+        self.next_key += 1;
+        self.next_virtual = end;
+        Ok(LocalMr {
+            key: MrKey(key),
+            rkey: Rkey(key ^ RKEY_SALT),
+            addr,
+            len,
+            device: Device::Host,
+        })
+    }
+
     pub(crate) fn deregister(&mut self, loc: Loc, key: MrKey) -> Result<(), TransportError> {
         let Some(n) = self.nic_mut(loc) else {
             return Err(TransportError::NicDown { nic: nic_name(loc) });
@@ -237,11 +328,13 @@ impl State {
         }
         // Posted receive buffers in this registration are flushed.
         let alive = n.alive;
+        let mut flushed = false;
         let mut i = 0;
         while i < n.recvs.len() {
             if n.recvs[i].key == key.0 {
                 let r = n.recvs.remove(i);
                 if alive {
+                    flushed = true;
                     n.cq.push(Completion::Recv {
                         wr: r.wr,
                         result: Err(TransportError::LocalAccess {
@@ -253,6 +346,9 @@ impl State {
             } else {
                 i += 1;
             }
+        }
+        if flushed {
+            self.mark_ready(loc);
         }
         Ok(())
     }

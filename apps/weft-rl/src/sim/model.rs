@@ -1,10 +1,6 @@
-//! Scale prediction: an **event-level model** driven by the same [`Plan`]
-//! the real pipeline executes (same units, writers, gathers, waves, mesh
-//! group order), with simulated time only (no clock, no sleeping).
-//!
-//! Driving 256 real engines over the loopback fabric's bandwidth model
-//! moves terabytes through memory and is far too slow on 2 cores, so each
-//! wave of each mesh group is costed from its byte counts instead:
+//! The **event-level cost model** (the cross-check of the fabric-driven
+//! simulation): the same [`Plan`] (same units, writers, gathers, waves,
+//! mesh group order) costed wave by wave from its byte counts, no fabric.
 //!
 //! - a wave of group `g` starts when every rank of `g` is free (its
 //!   previous wave / group done) plus one barrier (`barrier_us`);
@@ -27,56 +23,18 @@
 //! order, and of the waves at the head of all their ranks' queues the one
 //! that can start earliest runs next. Not modelled: congestion inside the
 //! fabric, trainer NVLink/NIC sharing between concurrent waves, the
-//! paper's H2D copy. The Rank0
-//! prediction runs the same cost model over the Rank0 data flow
-//! (everything through trainer 0's and inference 0's NICs, one GPU
-//! quantising).
+//! paper's H2D copy, the final acknowledgements. The Rank0 prediction runs
+//! the same cost model over the Rank0 data flow (everything through
+//! trainer 0's and inference 0's NICs, one GPU quantising).
 
 use crate::meta::ModelLayout;
 use crate::plan::Plan;
 
-/// Hardware and software costs of the model.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SimConfig {
-    /// Bandwidth of one NIC, Gbit/s (400: ConnectX-7 or 2×200 EFA per GPU).
-    pub nic_gbps: f64,
-    /// NICs per GPU.
-    pub nics: u32,
-    /// NVLink bandwidth per GPU, GB/s (H100/H200: 450 per direction).
-    pub nvlink_gbs: f64,
-    /// GPUs per node (trainer `r` is on node `r / gpus_per_node`).
-    pub gpus_per_node: u32,
-    /// bf16 → fp8 quantisation throughput per GPU, GB/s of bf16 input.
-    pub quant_gbs: f64,
-    /// Fixed cost of one quantise / fuse kernel.
-    pub kernel_us: f64,
-    /// Host cost of one WRITE submit.
-    pub submit_us: f64,
-    /// One-way latency.
-    pub latency_us: f64,
-    /// One barrier among a group's ranks.
-    pub barrier_us: f64,
-}
+use super::SimConfig;
 
-impl Default for SimConfig {
-    fn default() -> Self {
-        SimConfig {
-            nic_gbps: 400.0,
-            nics: 1,
-            nvlink_gbs: 450.0,
-            gpus_per_node: 8,
-            quant_gbs: 1000.0,
-            kernel_us: 10.0,
-            submit_us: 5.0,
-            latency_us: 5.0,
-            barrier_us: 50.0,
-        }
-    }
-}
-
-/// What the model predicts.
+/// What the cost model predicts.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct SimReport {
+pub struct ModelReport {
     /// P2P update time, seconds.
     pub p2p_s: f64,
     /// Sum over ranks' critical path of unshard / quantise / write / wait
@@ -97,8 +55,8 @@ pub struct SimReport {
     pub bytes: u64,
 }
 
-/// Runs the model.
-pub fn simulate(m: &ModelLayout, plan: &Plan, cfg: &SimConfig) -> SimReport {
+/// Runs the cost model.
+pub fn cost_model(m: &ModelLayout, plan: &Plan, cfg: &SimConfig) -> ModelReport {
     let nt = plan.trainers.len();
     let ni = plan.inference.len();
     let nic_bs = cfg.nic_gbps * 1e9 / 8.0 * f64::from(cfg.nics.max(1));
@@ -261,7 +219,7 @@ pub fn simulate(m: &ModelLayout, plan: &Plan, cfg: &SimConfig) -> SimReport {
     let scatter = bytes.saturating_sub(own) as f64 / nic_bs;
     let rank0 = gather0 + quant0 + link + scatter;
     let p = parts.get(slow).copied().unwrap_or_default();
-    SimReport {
+    ModelReport {
         p2p_s: p2p,
         unshard_s: p[0],
         quant_s: p[1],
