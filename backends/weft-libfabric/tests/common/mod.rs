@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 
 pub mod engines;
+pub mod xflow;
 
 use std::io::Write;
 use std::time::Duration;
