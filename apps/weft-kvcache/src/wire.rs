@@ -6,8 +6,9 @@ use crate::{HeadMap, KvLayout, Refusal};
 use serde::{Deserialize, Serialize};
 use weft::{GroupAddress, MrDesc};
 
-/// Version of the wire protocol this build speaks.
-pub const WIRE_VERSION: u16 = 1;
+/// Version of the wire protocol this build speaks (2: addresses and
+/// descriptors carry the peer engine's incarnation).
+pub const WIRE_VERSION: u16 = 2;
 
 /// Errors decoding a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -176,7 +177,10 @@ mod tests {
                 want: WIRE_VERSION
             })
         );
-        assert!(matches!(decode(&[1, 0xff]), Err(WireError::Decode { .. })));
+        assert!(matches!(
+            decode(&[WIRE_VERSION as u8, 0xff]),
+            Err(WireError::Decode { .. })
+        ));
         assert!(matches!(decode(&[]), Err(WireError::Decode { .. })));
     }
 }

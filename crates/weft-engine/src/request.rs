@@ -23,7 +23,10 @@ pub struct GroupAddress {
     /// The peer engine's incarnation
     /// ([`TransferEngine::incarnation`](crate::TransferEngine::incarnation)):
     /// a removed or replaced incarnation is refused even when a restarted
-    /// process answers at the same addresses.
+    /// process answers at the same addresses. (`serde(default)` lets
+    /// self-describing formats read addresses written before the field
+    /// existed; postcard, the wire format, has no field names: there the
+    /// field changed the encoding.)
     #[serde(default)]
     pub incarnation: Incarnation,
 }

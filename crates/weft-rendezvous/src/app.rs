@@ -145,15 +145,22 @@ impl<T: Serialize + DeserializeOwned> Records<T> {
             .transpose()
     }
 
-    /// Every record of this kind, by name.
+    /// Every record of this kind, by name. A record that does not decode
+    /// (another format version, another type under the same kind) is
+    /// skipped with a warning, as [`RecordWatch`] does, so one foreign
+    /// record cannot hide every other one.
     pub fn list(&self) -> Result<Vec<(String, T)>, StoreError> {
         let prefix = self.prefix();
-        self.ns
-            .store()
-            .list(&prefix)?
-            .iter()
-            .map(|(k, v)| Ok((name_of(&prefix, k), decode(k, v)?)))
-            .collect()
+        let mut out = Vec::new();
+        for (k, v) in self.ns.store().list(&prefix)? {
+            match decode(&k, &v) {
+                Ok(r) => out.push((name_of(&prefix, &k), r)),
+                Err(e) => {
+                    tracing::warn!(key = %k, error = %e, "skipping a record that does not decode")
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Waits up to `timeout` for record `name` to be published.

@@ -119,6 +119,8 @@ pub struct MrDesc {
     /// The owner's incarnation: a descriptor of an incarnation that was
     /// removed or replaced by a newer one at the same addresses is refused
     /// by the engine (never written to whatever answers there now).
+    /// (`serde(default)` only helps self-describing formats; in postcard,
+    /// the wire format, the field changed the encoding.)
     #[serde(default)]
     pub incarnation: Incarnation,
 }

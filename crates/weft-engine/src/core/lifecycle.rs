@@ -50,7 +50,7 @@ impl WorkerCore {
     /// Drops the peers and refuses the peer groups whose incarnation is no
     /// longer live, if the incarnation table changed since the last look
     /// (one atomic load otherwise). Backend errors are logged.
-    pub(super) fn sync_incarnations(&mut self) {
+    pub(crate) fn sync_incarnations(&mut self) {
         if self.addrs.incs.epoch() != self.inc_epoch {
             let _ = self.sync_now();
         }

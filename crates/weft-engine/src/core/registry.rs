@@ -227,10 +227,16 @@ impl WorkerCore {
                 what: "too many peer groups".into(),
             }
         })?;
-        self.reg.peer_groups.push(PeerGroup {
-            members,
-            removed: None,
+        // Resolving a later member can admit a newer incarnation elsewhere
+        // and drop a member resolved before it (with the epoch already
+        // consumed): check every member once more now.
+        let removed = members.iter().enumerate().find_map(|(j, m)| {
+            m.nics
+                .iter()
+                .find(|(a, _)| !self.addrs.incs.is_live(a, m.incarnation))
+                .map(|(a, _)| (j, a.clone()))
         });
+        self.reg.peer_groups.push(PeerGroup { members, removed });
         Ok(id)
     }
 

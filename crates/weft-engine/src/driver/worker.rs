@@ -109,7 +109,10 @@ impl Worker {
             }
             did |= n > 0;
         }
-        // (2) more WRs of pending requests
+        // (2) more WRs of pending requests (after dropping peers another
+        // group replaced by a newer incarnation: their queued WRs must fail,
+        // never be posted to whatever now answers at their address)
+        self.core.sync_incarnations();
         did |= self.core.post_backlog();
         // (3) completion queues
         did |= self.core.poll() > 0;

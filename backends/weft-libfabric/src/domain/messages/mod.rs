@@ -280,7 +280,14 @@ impl LibfabricDomain {
                 dest,
             };
             if let Err(e) = self.submit(i, SlotUse::Ack { peer }, native, false, clock) {
-                tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e, "ACK not sent");
+                if matches!(e, TransportError::Unsupported { .. }) {
+                    // e.g. past `max_peer_endpoints` on shm: the sender will
+                    // time out and declare this domain unreachable
+                    tracing::warn!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e,
+                        "ACK not sent: the sender's SEND will time out");
+                } else {
+                    tracing::debug!(nic = %self.nic.name, peer = %self.peer_addr(peer), error = %e, "ACK not sent");
+                }
             }
         }
     }
