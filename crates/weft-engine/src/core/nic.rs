@@ -231,11 +231,25 @@ impl WorkerCore {
                 Op::Write(_) => {
                     let max = room.min(self.nics[nic].caps.max_batch);
                     self.scratch.clear();
+                    // Whether the transfer of the previous WR failed: the
+                    // pieces of one transfer share its WR id and sit next to
+                    // each other, and nothing in this loop changes whether a
+                    // transfer failed (a skipped piece can finish its
+                    // transfer only once no other piece of it is queued).
+                    let mut last: Option<(WrId, bool)> = None;
                     while self.scratch.len() < max {
                         let Some(Op::Write(w)) = self.ring(nic, fresh).front().copied() else {
                             break;
                         };
-                        if self.slab.failed(w.wr) {
+                        let failed = match last {
+                            Some((id, f)) if id == w.wr => f,
+                            _ => {
+                                let f = self.slab.failed(w.wr);
+                                last = Some((w.wr, f));
+                                f
+                            }
+                        };
+                        if failed {
                             self.ring(nic, fresh).pop_front();
                             self.skip_piece(w.wr);
                             continue;
@@ -252,9 +266,21 @@ impl WorkerCore {
                         Err(PostError { posted, error }) => (posted.min(batch.len()), Some(error)),
                     };
                     let mut bytes = 0u64;
+                    // One slab update per run of WRs of one transfer.
+                    let mut run: Option<(WrId, usize)> = None;
                     for w in &batch[..accepted] {
-                        self.posted(nic, w.wr);
                         bytes = bytes.wrapping_add(w.src.len);
+                        match &mut run {
+                            Some((id, k)) if *id == w.wr => *k += 1,
+                            _ => {
+                                if let Some((id, k)) = run.replace((w.wr, 1)) {
+                                    self.posted_n(nic, id, k);
+                                }
+                            }
+                        }
+                    }
+                    if let Some((id, k)) = run {
+                        self.posted_n(nic, id, k);
                     }
                     self.counters.posted(nic, accepted as u64, bytes);
                     progressed |= accepted > 0;

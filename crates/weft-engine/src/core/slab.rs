@@ -139,16 +139,24 @@ impl Slab {
 
 impl WorkerCore {
     pub(super) fn posted(&mut self, nic: usize, wr: WrId) {
-        self.nics[nic].inflight += 1;
-        self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        self.posted_n(nic, wr, 1);
+    }
+
+    /// `k` WRs of transfer `wr` were accepted by NIC `nic` (one call per
+    /// run of consecutive WRs of one transfer in a posted batch: the
+    /// transfer is looked up once per run, not per WR).
+    pub(super) fn posted_n(&mut self, nic: usize, wr: WrId, k: usize) {
+        self.nics[nic].inflight += k;
+        self.pending_pieces = self.pending_pieces.saturating_sub(k);
         if let Some(slot) = self.slab.lookup(wr) {
             let t = &mut self.slab[slot as usize];
-            t.posted_on[nic] += 1;
-            t.unposted = t.unposted.saturating_sub(1);
+            let k32 = u32::try_from(k).unwrap_or(u32::MAX);
+            t.posted_on[nic] = t.posted_on[nic].saturating_add(k32);
+            t.unposted = t.unposted.saturating_sub(k as u64);
             #[cfg(feature = "latency-probe")]
             {
                 if let Some(n) = t.probe.wrs_per_nic.get_mut(nic) {
-                    *n += 1;
+                    *n = n.saturating_add(k32);
                 }
                 t.probe.posted(t.unposted == 0);
                 if t.unposted == 0 {
