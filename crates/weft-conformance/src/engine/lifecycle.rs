@@ -8,7 +8,8 @@
 use super::run::{bail, engine_err, ensure, harness, is_unreachable, Run};
 use super::{EngineHarness, Kind};
 use crate::CaseFailure;
-use weft_engine::{GroupAddress, OnDone, TransferEngine};
+use std::sync::Arc;
+use weft_engine::{DoneFlag, GroupAddress, Imm, MrDesc, OnDone, PeerGroupHandle, TransferEngine};
 
 /// Restarts of the peer per run.
 pub const RESTARTS: u64 = 20;
@@ -51,6 +52,75 @@ fn full_round(r: &mut Run<'_>, p: usize, tag: u64, salt: u64) -> Result<(), Case
     }
     r.wait_ok(&format!("round {tag} to peer {p}"), &flags)?;
     r.wait_rounds(&[p], tag)
+}
+
+/// Waits for the writes pending at the kill of incarnation `k`: each
+/// resolves once, with success, `PeerUnreachable` or `PeerRemoved`.
+fn pending_resolved_once(
+    r: &mut Run<'_>,
+    k: u64,
+    pending: &[Arc<DoneFlag>],
+) -> Result<(), CaseFailure> {
+    let results = r.wait_flags(
+        &format!("writes pending at the kill of incarnation {k}"),
+        pending,
+    )?;
+    for (w, res) in results.into_iter().enumerate() {
+        if let Err(e) = res {
+            ensure!(
+                is_unreachable(&e) || e.is_peer_removed(),
+                "incarnation {k}, write {w} pending at the kill: expected \
+                 PeerUnreachable or PeerRemoved, got {e}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A write with `imm` to `desc` (a descriptor of `whom`, an incarnation
+/// gone at step `k`) fails with `PeerRemoved`.
+fn write_refused(
+    r: &mut Run<'_>,
+    k: u64,
+    whom: &str,
+    imm: Imm,
+    desc: &MrDesc,
+) -> Result<(), CaseFailure> {
+    let f = r.single(WLEN, Some(imm), 0, desc, 0)?;
+    match r.wait_flags(&format!("write to {whom}"), &[f])?.remove(0) {
+        Ok(()) => bail!("incarnation {k}: a write to {whom} succeeded"),
+        Err(e) => ensure!(
+            e.is_peer_removed(),
+            "incarnation {k}: write to {whom}: expected PeerRemoved, got {e}"
+        ),
+    }
+    Ok(())
+}
+
+/// A barrier to peer `group`, which has a `how` (removed or replaced)
+/// member, is refused or fails with `PeerRemoved`.
+fn barrier_refused(
+    r: &mut Run<'_>,
+    k: u64,
+    how: &str,
+    group: &PeerGroupHandle,
+    imm: Imm,
+    dsts: &[MrDesc],
+) -> Result<(), CaseFailure> {
+    let what = format!("barrier to a group with a {how} member");
+    let (od, flag) = OnDone::flag();
+    let refused = match r.init.submit_barrier(group, od, imm, dsts) {
+        Err(e) => Some(e),
+        Ok(_) => r.wait_flags(&what, &[flag])?.remove(0).err(),
+    };
+    match refused {
+        Some(e) => ensure!(
+            e.is_peer_removed(),
+            "incarnation {k}: {what}: expected PeerRemoved, got {e}"
+        ),
+        None => bail!("incarnation {k}: {what} succeeded"),
+    }
+    Ok(())
 }
 
 /// A peer is killed with writes to it in flight, removed, and restarted at
@@ -109,46 +179,12 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
         r.init
             .remove_peer(&addr)
             .map_err(|e| engine_err("remove_peer", e))?;
-        let results = r.wait_flags(
-            &format!("writes pending at the kill of incarnation {k}"),
-            &pending,
-        )?;
-        for (w, res) in results.into_iter().enumerate() {
-            if let Err(e) = res {
-                ensure!(
-                    is_unreachable(&e) || e.is_peer_removed(),
-                    "incarnation {k}, write {w} pending at the kill: expected \
-                     PeerUnreachable or PeerRemoved, got {e}"
-                );
-            }
-        }
+        pending_resolved_once(&mut r, k, &pending)?;
         // The old incarnation's descriptor is refused from now on.
-        let f = r.single(WLEN, Some(imm), 0, &desc, 0)?;
-        match r.wait_flags("write to a removed peer", &[f])?.remove(0) {
-            Ok(()) => bail!("incarnation {k}: a write to the removed peer succeeded"),
-            Err(e) => ensure!(
-                e.is_peer_removed(),
-                "incarnation {k}: write to the removed peer: expected PeerRemoved, got {e}"
-            ),
-        }
+        write_refused(&mut r, k, "the removed peer", imm, &desc)?;
         // So is every peer group it was a member of.
-        let (od, flag) = OnDone::flag();
         let dsts = [r.desc(survivor), desc.clone()];
-        let refused = match r.init.submit_barrier(&group, od, imm, &dsts) {
-            Err(e) => Some(e),
-            Ok(_) => r
-                .wait_flags("barrier to a group with a removed member", &[flag])?
-                .remove(0)
-                .err(),
-        };
-        match refused {
-            Some(e) => ensure!(
-                e.is_peer_removed(),
-                "incarnation {k}: barrier to a group with a removed member: expected \
-                 PeerRemoved, got {e}"
-            ),
-            None => bail!("incarnation {k}: barrier to a group with a removed member succeeded"),
-        }
+        barrier_refused(&mut r, k, "removed", &group, imm, &dsts)?;
         let now = peers_resolved(&r.init);
         ensure!(
             now == baseline,
@@ -210,19 +246,7 @@ pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), Cas
             pending.push(r.single(WLEN, Some(imm), w * WLEN, &desc, w * WLEN)?);
         }
         r.h.kill_peer(cur).map_err(harness)?;
-        let results = r.wait_flags(
-            &format!("writes pending at the kill of incarnation {k}"),
-            &pending,
-        )?;
-        for (w, res) in results.into_iter().enumerate() {
-            if let Err(e) = res {
-                ensure!(
-                    is_unreachable(&e) || e.is_peer_removed(),
-                    "incarnation {k}, write {w} pending at the kill: expected \
-                     PeerUnreachable or PeerRemoved, got {e}"
-                );
-            }
-        }
+        pending_resolved_once(&mut r, k, &pending)?;
         dead.push(cur);
         let next = r.restart_in_place(cur, BUF)?;
         let naddr = r.h.peer(next).address();
@@ -239,38 +263,12 @@ pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), Cas
         // The first round to the new incarnation replaces the old one.
         full_round(&mut r, next, 200 + k, k)?;
         // The old incarnation's descriptor is refused, never posted.
-        let f = r.single(WLEN, Some(imm), 0, &desc, 0)?;
-        match r
-            .wait_flags("write to a replaced incarnation", &[f])?
-            .remove(0)
-        {
-            Ok(()) => bail!("incarnation {k}: a write to the replaced incarnation succeeded"),
-            Err(e) => ensure!(
-                e.is_peer_removed(),
-                "incarnation {k}: write to the replaced incarnation: expected PeerRemoved, \
-                 got {e}"
-            ),
-        }
+        write_refused(&mut r, k, "the replaced incarnation", imm, &desc)?;
         // A stray immediate from that write would fire this round early
         // or twice (`finish` checks once).
         full_round(&mut r, next, 300 + k, k + 1)?;
-        let (od, flag) = OnDone::flag();
         let dsts = [r.desc(survivor), desc.clone()];
-        let refused = match r.init.submit_barrier(&group, od, imm, &dsts) {
-            Err(e) => Some(e),
-            Ok(_) => r
-                .wait_flags("barrier to a group with a replaced member", &[flag])?
-                .remove(0)
-                .err(),
-        };
-        match refused {
-            Some(e) => ensure!(
-                e.is_peer_removed(),
-                "incarnation {k}: barrier to a group with a replaced member: expected \
-                 PeerRemoved, got {e}"
-            ),
-            None => bail!("incarnation {k}: barrier to a group with a replaced member succeeded"),
-        }
+        barrier_refused(&mut r, k, "replaced", &group, imm, &dsts)?;
         let fresh = r
             .init
             .add_peer_group(&[sur, naddr])
