@@ -183,13 +183,10 @@ fn run_with(spec: &Spec, kill: bool, spawn: &mut worker::SpawnFn<'_>) {
     c.quit();
 }
 
-#[test]
-fn tcp_four_trainers_to_two_with_a_killed_trainer() {
-    if !available("libfabric:tcp") {
-        return;
-    }
-    let s = spec_for(
-        "libfabric:tcp",
+/// tiny-moe from 4 trainers (FSDP 2 × EP 2) to 2 inference ranks (TP 2).
+fn four_to_two(provider: &str) -> Spec {
+    spec_for(
+        provider,
         "tiny-moe",
         TrainLayout {
             fsdp: 2,
@@ -201,7 +198,15 @@ fn tcp_four_trainers_to_two_with_a_killed_trainer() {
             instance: 2,
             attn_tp: 2,
         },
-    );
+    )
+}
+
+#[test]
+fn tcp_four_trainers_to_two_with_a_killed_trainer() {
+    if !available("libfabric:tcp") {
+        return;
+    }
+    let s = four_to_two("libfabric:tcp");
     run(&s, true);
 }
 
@@ -240,20 +245,7 @@ fn tcp_ranks_find_each_other_through_a_dir_store_with_a_killed_trainer() {
     if !available("libfabric:tcp") {
         return;
     }
-    let mut s = spec_for(
-        "libfabric:tcp",
-        "tiny-moe",
-        TrainLayout {
-            fsdp: 2,
-            pp: 1,
-            ep: 2,
-        },
-        InferLayout {
-            ranks: 2,
-            instance: 2,
-            attn_tp: 2,
-        },
-    );
+    let mut s = four_to_two("libfabric:tcp");
     let dir = store_dir("tcp");
     s.rendezvous = Some((dir.clone(), "xproc-tcp".into()));
     run(&s, true);
@@ -262,20 +254,7 @@ fn tcp_ranks_find_each_other_through_a_dir_store_with_a_killed_trainer() {
 
 #[test]
 fn loopback_threads_find_each_other_through_the_mem_store() {
-    let mut s = spec_for(
-        "loopback",
-        "tiny-moe",
-        TrainLayout {
-            fsdp: 2,
-            pp: 1,
-            ep: 2,
-        },
-        InferLayout {
-            ranks: 2,
-            instance: 2,
-            attn_tp: 2,
-        },
-    );
+    let mut s = four_to_two("loopback");
     s.rendezvous = Some(("mem".into(), "threads".into()));
     let b = worker::backend(&s).unwrap();
     let s2 = s.clone();
