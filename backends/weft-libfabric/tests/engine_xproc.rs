@@ -25,11 +25,10 @@
 
 mod common;
 
-use common::xflow::{is_unreachable, singles, wait_flag, wait_ok, wait_round};
+use common::xflow::{initiator_or_skip, is_unreachable, singles, wait_flag, wait_ok, wait_round};
 
 use std::time::{Duration, Instant};
 use weft_conformance::engine::EngineHarness;
-use weft_conformance::HarnessError;
 use weft_engine::{EngineError, OnDone};
 use weft_testkit::mem;
 use weft_transport::HostBuffer;
@@ -80,13 +79,8 @@ fn stopped_peer_times_out() {
     // Declared first, dropped last: outlives the engine's registration.
     let src: HostBuffer;
     let mut h = common::XprocEngines::new("tcp;write_timeout_ms=2000", SEED);
-    let init = match h.initiator() {
-        Ok(e) => e,
-        Err(HarnessError::Unsupported(m)) => {
-            eprintln!("SKIP: {m}");
-            return;
-        }
-        Err(e) => panic!("initiator: {e}"),
+    let Some(init) = initiator_or_skip(&mut h) else {
+        return;
     };
     src = mem::patterned(SEED, LEN);
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");
@@ -226,13 +220,8 @@ fn shm_killed_peer_does_not_block_later_completions() {
     let t0 = Instant::now();
     let src: HostBuffer;
     let mut h = common::XprocEngines::new("shm;write_timeout_ms=2000", SEED);
-    let init = match h.initiator() {
-        Ok(e) => e,
-        Err(HarnessError::Unsupported(m)) => {
-            eprintln!("SKIP: {m}");
-            return;
-        }
-        Err(e) => panic!("initiator: {e}"),
+    let Some(init) = initiator_or_skip(&mut h) else {
+        return;
     };
     src = mem::patterned(SEED, LEN + 4096);
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");

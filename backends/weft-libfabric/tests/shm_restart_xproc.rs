@@ -6,11 +6,12 @@
 
 mod common;
 
-use common::xflow::{is_unreachable, singles, wait_flag, wait_ok, wait_round, DEADLINE};
+use common::xflow::{
+    initiator_or_skip, is_unreachable, singles, wait_flag, wait_ok, wait_round, DEADLINE,
+};
 
 use std::time::{Duration, Instant};
 use weft_conformance::engine::EngineHarness;
-use weft_conformance::HarnessError;
 use weft_engine::{OnDone, TransferEngine};
 use weft_testkit::mem;
 use weft_transport::HostBuffer;
@@ -51,13 +52,8 @@ fn shm_peer_restart_with_writes_unanswered() {
     let t0 = Instant::now();
     let src: HostBuffer;
     let mut h = common::XprocEngines::new("shm", SEED);
-    let init = match h.initiator() {
-        Ok(e) => e,
-        Err(HarnessError::Unsupported(m)) => {
-            eprintln!("SKIP: {m}");
-            return;
-        }
-        Err(e) => panic!("initiator: {e}"),
+    let Some(init) = initiator_or_skip(&mut h) else {
+        return;
     };
     src = mem::patterned(SEED, LEN + 4096);
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");

@@ -6,11 +6,25 @@ use super::XprocEngines;
 use std::sync::Arc;
 use std::time::Duration;
 use weft_conformance::engine::{EngineHarness, Kind, Region};
+use weft_conformance::HarnessError;
 use weft_engine::{DoneFlag, EngineError, MrDesc, MrHandle, OnDone, TransferEngine};
 use weft_transport::TransportError;
 
 /// Generous bound on every wait (it only catches hangs).
 pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The harness's initiator engine, or `None` with a printed SKIP line when
+/// libfabric is unavailable here; any other harness error panics.
+pub fn initiator_or_skip(h: &mut XprocEngines) -> Option<TransferEngine> {
+    match h.initiator() {
+        Ok(e) => Some(e),
+        Err(HarnessError::Unsupported(m)) => {
+            eprintln!("SKIP: {m}");
+            None
+        }
+        Err(e) => panic!("initiator: {e}"),
+    }
+}
 
 /// Whether `e` is a transport `PeerUnreachable`.
 pub fn is_unreachable(e: &EngineError) -> bool {
