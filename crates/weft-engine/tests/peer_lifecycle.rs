@@ -8,9 +8,9 @@ mod common;
 
 use common::*;
 use std::sync::Arc;
-use weft_engine::{EngineError, OnDone};
+use weft_engine::{EngineError, MrDesc, MrHandle, OnDone, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::TransportError;
+use weft_transport::{HostBuffer, TransportError};
 
 fn peers(e: &weft_engine::TransferEngine) -> u64 {
     e.stats().groups[0].nics.iter().map(|n| n.peers).sum()
@@ -21,27 +21,72 @@ fn is_removed_transport(e: &EngineError) -> bool {
         && matches!(e.transport(), Some(TransportError::PeerRemoved { .. }))
 }
 
+/// Three engines A, B, C (one NIC each, manual mode) on a step-mode
+/// adversarial fabric with one WR in flight per NIC (the rest of a batch
+/// waits for send-queue room); A's source buffer and B's and C's
+/// destination buffers registered. Destructure it binding every buffer
+/// (no `..`): a buffer left in the temporary would be freed while
+/// registered.
+struct Trio {
+    fabric: Fabric,
+    ea: TransferEngine,
+    eb: TransferEngine,
+    ec: TransferEngine,
+    src: Arc<HostBuffer>,
+    bd: Arc<HostBuffer>,
+    _cd: Arc<HostBuffer>,
+    sh: MrHandle,
+    bdesc: MrDesc,
+    cdesc: MrDesc,
+}
+
+fn trio(seed: u64) -> Trio {
+    let fabric = Fabric::new(FabricConfig {
+        max_inflight: 1,
+        ..FabricConfig::adversarial(seed)
+    });
+    let (a, b, c) = (fabric.add_host(1), fabric.add_host(1), fabric.add_host(1));
+    let ea = engine(&fabric, a, 1, test_config(), true);
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let ec = engine(&fabric, c, 1, test_config(), true);
+    let src = Arc::new(mem::patterned(seed, 1 << 16));
+    let (bd, cd) = (
+        Arc::new(mem::zeroed(1 << 16)),
+        Arc::new(mem::zeroed(1 << 16)),
+    );
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, bdesc) = eb.reg_mr(bd.region()).unwrap();
+    let (_, cdesc) = ec.reg_mr(cd.region()).unwrap();
+    Trio {
+        fabric,
+        ea,
+        eb,
+        ec,
+        src,
+        bd,
+        _cd: cd,
+        sh,
+        bdesc,
+        cdesc,
+    }
+}
+
 #[test]
 fn remove_peer_fails_queued_work_and_refuses_the_old_incarnation() {
     for seed in seeds_or([41, 42, 43]) {
         let _g = SeedGuard::new(seed, "remove_peer_fails_queued_work");
-        // One WR in flight per NIC: the rest of a batch waits for room.
-        let fabric = Fabric::new(FabricConfig {
-            max_inflight: 1,
-            ..FabricConfig::adversarial(seed)
-        });
-        let (a, b, c) = (fabric.add_host(1), fabric.add_host(1), fabric.add_host(1));
-        let ea = engine(&fabric, a, 1, test_config(), true);
-        let eb = engine(&fabric, b, 1, test_config(), true);
-        let ec = engine(&fabric, c, 1, test_config(), true);
-        let src = Arc::new(mem::patterned(seed, 1 << 16));
-        let (bd, cd) = (
-            Arc::new(mem::zeroed(1 << 16)),
-            Arc::new(mem::zeroed(1 << 16)),
-        );
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, bdesc) = eb.reg_mr(bd.region()).unwrap();
-        let (_, cdesc) = ec.reg_mr(cd.region()).unwrap();
+        let Trio {
+            fabric,
+            ea,
+            eb,
+            ec,
+            src: _src,
+            bd: _bd,
+            _cd,
+            sh,
+            bdesc,
+            cdesc,
+        } = trio(seed);
         let (baddr, caddr) = (eb.main_address(), ec.main_address());
         let engines = [ea.clone(), eb.clone(), ec.clone()];
 
@@ -158,26 +203,22 @@ fn settle(fabric: &Fabric, engines: &[weft_engine::TransferEngine]) {
 fn a_newer_incarnation_at_the_same_address_replaces_the_old() {
     for seed in seeds_or([51, 52, 53]) {
         let _g = SeedGuard::new(seed, "a_newer_incarnation_replaces_the_old");
-        let fabric = Fabric::new(FabricConfig {
-            max_inflight: 1,
-            ..FabricConfig::adversarial(seed)
-        });
-        let (a, b, c) = (fabric.add_host(1), fabric.add_host(1), fabric.add_host(1));
-        let ea = engine(&fabric, a, 1, test_config(), true);
-        let eb = engine(&fabric, b, 1, test_config(), true);
-        let ec = engine(&fabric, c, 1, test_config(), true);
+        let Trio {
+            fabric,
+            ea,
+            eb,
+            ec,
+            src,
+            bd,
+            sh,
+            _cd,
+            bdesc: old_desc,
+            cdesc,
+        } = trio(seed);
         assert!(
             ea.incarnation() != eb.incarnation() && eb.incarnation() != ec.incarnation(),
             "seed {seed}: incarnations differ"
         );
-        let src = Arc::new(mem::patterned(seed, 1 << 16));
-        let (bd, cd) = (
-            Arc::new(mem::zeroed(1 << 16)),
-            Arc::new(mem::zeroed(1 << 16)),
-        );
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, old_desc) = eb.reg_mr(bd.region()).unwrap();
-        let (_, cdesc) = ec.reg_mr(cd.region()).unwrap();
         assert_eq!(old_desc.incarnation, eb.incarnation());
         let (old_addr, caddr) = (eb.main_address(), ec.main_address());
         assert_eq!(old_addr.incarnation, eb.incarnation());
