@@ -56,14 +56,8 @@ fi
 case "$dir" in /*) ;; *) dir="$here/$dir" ;; esac
 out="${OUT:-./gpu-out}/rl"
 mkdir -p "$out"
-# NVRTC on the loader path: the toolkit's lib64, or a pip wheel's copy.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
-if ! ldconfig -p 2>/dev/null | grep -q libnvrtc.so && ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1; then
-  f=$(find / -xdev -name 'libnvrtc.so*' -path '*nvidia*' 2>/dev/null | head -n1 || true)
-  [ -n "$f" ] && LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
+# NVRTC on the loader path.
+. "$here/scripts/nvrtc-path.sh"
 export LD_LIBRARY_PATH WEFT_REQUIRE_GPU=1 WEFT_CUDA_REQUIRE_GPU=1 RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
