@@ -68,6 +68,8 @@ const FI_AV_TABLE: c_int = 2;
 const FI_THREAD_DOMAIN: c_int = 3;
 const FI_CQ_FORMAT_DATA: c_int = 3;
 const FI_WAIT_NONE: c_int = 0;
+const FI_WAIT_FD: c_int = 3;
+const FI_GETWAIT: c_int = 5;
 const FI_ENABLE: c_int = 6;
 const FI_HMEM_CUDA: c_int = 1;
 const FI_ADDR_UNSPEC: u64 = u64::MAX;
@@ -250,10 +252,16 @@ struct Fid {
 type DomainOpenFn =
     unsafe extern "C" fn(*mut FidFabric, *mut FiInfo, *mut *mut FidDomain, *mut c_void) -> c_int;
 
+type TrywaitFn = unsafe extern "C" fn(*mut FidFabric, *mut *mut Fid, c_int) -> c_int;
+
 #[repr(C)]
 struct FiOpsFabric {
     size: usize,
     domain: Option<DomainOpenFn>,
+    passive_ep: Option<unsafe extern "C" fn()>,
+    eq_open: Option<unsafe extern "C" fn()>,
+    wait_open: Option<unsafe extern "C" fn()>,
+    trywait: Option<TrywaitFn>,
 }
 
 #[repr(C)]
@@ -584,6 +592,7 @@ const _: () = {
     assert!(offset_of!(FiBusAttr, pci) == 4);
     assert!(offset_of!(FiOps, control) == 24);
     assert!(offset_of!(FiOpsFabric, domain) == 8);
+    assert!(offset_of!(FiOpsFabric, trywait) == 40);
     assert!(offset_of!(FiOpsDomain, endpoint) == 24);
     assert!(offset_of!(FiOpsMr, regattr) == 24);
     assert!(offset_of!(FiOpsAv, insert) == 8);
@@ -1007,6 +1016,8 @@ pub(crate) struct Resources {
     tx_eps: Vec<(*mut FidEp, *mut FidAv)>,
     av: *mut FidAv,
     cq: *mut FidCq,
+    /// The CQ's wait fd (`FI_WAIT_FD`), when it was opened with one.
+    wait_fd: Option<c_int>,
     mr_endpoint: bool,
     delivery_complete: bool,
     mrs: Vec<*mut FidMr>,
@@ -1045,11 +1056,14 @@ macro_rules! op {
 
 impl Resources {
     /// Opens fabric, domain, CQ, AV and an enabled endpoint for `info`.
+    /// With `wait_fd` the CQ is opened with an `FI_WAIT_FD` wait object if
+    /// the provider accepts one ([`Resources::wait_fd`]), else without.
     pub(crate) fn open(
         lib: &'static Lib,
         nic: &str,
         info: &Info,
         slots: usize,
+        wait_fd: bool,
     ) -> Result<Resources, TransportError> {
         let mut r = Resources {
             lib,
@@ -1060,6 +1074,7 @@ impl Resources {
             tx_eps: Vec::new(),
             av: ptr::null_mut(),
             cq: ptr::null_mut(),
+            wait_fd: None,
             mr_endpoint: info.mr_mode & FI_MR_ENDPOINT != 0,
             delivery_complete: info.tx_op_flags & FI_DELIVERY_COMPLETE != 0,
             mrs: Vec::new(),
@@ -1122,19 +1137,49 @@ impl Resources {
         // SAFETY: r.domain was just opened successfully.
         let dops = unsafe { (*r.domain).ops };
 
-        let mut cq_attr = Padded::new(FiCqAttr {
-            size: 0,
-            flags: 0,
-            format: FI_CQ_FORMAT_DATA,
-            wait_obj: FI_WAIT_NONE,
-            signaling_vector: 0,
-            wait_cond: 0,
-            wait_set: ptr::null_mut(),
-        });
         let cq_open = op!(r, dops, FiOpsDomain, cq_open, "fi_cq_open")?;
-        // SAFETY: valid domain, attribute struct padded for newer ABIs.
-        let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
-        r.check("fi_cq_open", i64::from(rc))?;
+        let mut opened = false;
+        if wait_fd {
+            let mut cq_attr = Padded::new(FiCqAttr {
+                size: 0,
+                flags: 0,
+                format: FI_CQ_FORMAT_DATA,
+                wait_obj: FI_WAIT_FD,
+                signaling_vector: 0,
+                wait_cond: 0,
+                wait_set: ptr::null_mut(),
+            });
+            // SAFETY: valid domain, attribute struct padded for newer ABIs.
+            let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
+            if rc == 0 {
+                opened = true;
+                r.wait_fd = r.cq_getwait();
+                if r.wait_fd.is_none() {
+                    tracing::debug!(nic, "CQ opened with FI_WAIT_FD but FI_GETWAIT failed");
+                }
+            } else {
+                r.cq = ptr::null_mut();
+                tracing::debug!(
+                    nic,
+                    rc,
+                    "provider refuses a CQ with FI_WAIT_FD; polling only"
+                );
+            }
+        }
+        if !opened {
+            let mut cq_attr = Padded::new(FiCqAttr {
+                size: 0,
+                flags: 0,
+                format: FI_CQ_FORMAT_DATA,
+                wait_obj: FI_WAIT_NONE,
+                signaling_vector: 0,
+                wait_cond: 0,
+                wait_set: ptr::null_mut(),
+            });
+            // SAFETY: valid domain, attribute struct padded for newer ABIs.
+            let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
+            r.check("fi_cq_open", i64::from(rc))?;
+        }
 
         r.av = r.open_av(info)?;
 
@@ -1676,6 +1721,44 @@ impl Resources {
         } else {
             CqRead::Entries(got)
         })
+    }
+
+    /// The CQ's wait object as a file descriptor (`fi_control(FI_GETWAIT)`),
+    /// or `None` if the provider gives none.
+    fn cq_getwait(&self) -> Option<c_int> {
+        let fid = self.cq.cast::<Fid>();
+        let control = op!(self, self.fid_ops(fid), FiOps, control, "fi_control").ok()?;
+        let mut fd: c_int = -1;
+        // SAFETY: the CQ is open; FI_GETWAIT on an FI_WAIT_FD CQ writes one
+        // int (the fd) through the pointer, which points at `fd`.
+        let rc = unsafe { control(fid, FI_GETWAIT, (&mut fd as *mut c_int).cast()) };
+        (rc == 0 && fd >= 0).then_some(fd)
+    }
+
+    /// The CQ's wait fd, when it has one: readable when `fi_cq_read` may
+    /// find something (a completion, or socket data only progress moves).
+    /// Owned by the provider; closed with the CQ.
+    pub(crate) fn wait_fd(&self) -> Option<c_int> {
+        self.wait_fd
+    }
+
+    /// `fi_trywait` on the CQ: `true` when the caller may block on
+    /// [`Resources::wait_fd`], `false` when it must read the CQ first (or the
+    /// CQ has no wait fd, or the call failed).
+    pub(crate) fn trywait(&mut self) -> bool {
+        if self.wait_fd.is_none() {
+            return false;
+        }
+        // SAFETY: the fabric is open.
+        let fops = unsafe { (*self.fabric).ops };
+        let Ok(trywait) = op!(self, fops, FiOpsFabric, trywait, "fi_trywait") else {
+            return false;
+        };
+        let mut fids = [self.cq.cast::<Fid>()];
+        // SAFETY: the fabric and the CQ in `fids` are open; the array holds
+        // exactly the one fid we pass as count.
+        let rc = unsafe { trywait(self.fabric, fids.as_mut_ptr(), 1) };
+        rc == 0
     }
 
     /// Reads one CQ error entry (`fi_cq_readerr`), with its text.

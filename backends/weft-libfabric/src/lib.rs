@@ -127,6 +127,12 @@ pub struct LibfabricConfig {
     /// endpoint fails with `TransportError::Unsupported`; removing peers
     /// (`Domain::remove_peer`, or their death) closes theirs. Default 256.
     pub max_peer_endpoints: usize,
+    /// Open each software-progress domain's completion queue with a wait
+    /// fd (`FI_WAIT_FD`), so an idle engine worker can sleep in `poll(2)`
+    /// instead of polling (`Domain::wait_fd`). Providers that refuse one
+    /// are opened without it. Hardware-progress providers (EFA, verbs) are
+    /// never given one. Default `true`.
+    pub wait_fd: bool,
 }
 
 impl LibfabricConfig {
@@ -147,6 +153,7 @@ impl LibfabricConfig {
             connect_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
             max_peer_endpoints: 256,
+            wait_fd: true,
         }
     }
 
@@ -165,6 +172,12 @@ impl LibfabricConfig {
     /// Sets [`LibfabricConfig::connect_timeout`].
     pub fn with_connect_timeout(mut self, t: Duration) -> Self {
         self.connect_timeout = t;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::wait_fd`].
+    pub fn with_wait_fd(mut self, on: bool) -> Self {
+        self.wait_fd = on;
         self
     }
 
@@ -360,6 +373,7 @@ impl LibfabricProvider {
             bounces: self.config.bounce_buffers.clamp(1, rx),
             acks: 64.min(tx),
             max_peer_endpoints: self.config.max_peer_endpoints,
+            wait_fd: self.config.wait_fd,
         };
         LibfabricDomain::open(self.lib, Arc::clone(info), n.name.clone(), opts)
     }

@@ -12,7 +12,8 @@ use weft::{
 /// The engine settings the benchmarks use: defaults, except a worker that
 /// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`
 /// sets that sleep (0: never sleep, spin/yield only); `WEFT_BENCH_POLL`
-/// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park).
+/// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park);
+/// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`.
 pub fn bench_config() -> EngineConfig {
     let poll = match std::env::var("WEFT_BENCH_POLL")
         .ok()
@@ -36,9 +37,20 @@ pub fn bench_config() -> EngineConfig {
         Some(us) => Some(Duration::from_micros(us)),
         None => Some(Duration::from_micros(20)),
     };
+    let idle_block_after = match std::env::var("WEFT_BENCH_BLOCK_AFTER_US").ok() {
+        Some(v) if v.trim() == "off" => None,
+        Some(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(Duration::from_micros)
+            .ok()
+            .or(EngineConfig::default().idle_block_after),
+        None => EngineConfig::default().idle_block_after,
+    };
     EngineConfig {
         idle_sleep,
         poll,
+        idle_block_after,
         ..EngineConfig::default()
     }
 }

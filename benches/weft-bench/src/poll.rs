@@ -21,26 +21,56 @@ const GAP: Duration = Duration::from_millis(1);
 /// Window over which idle CPU is measured.
 const IDLE_WINDOW: Duration = Duration::from_millis(300);
 
-/// The policies measured, with their row names.
-pub fn policies() -> Vec<(&'static str, PollPolicy)> {
+/// One measured setting: a policy and, for `Adaptive`, when a
+/// software-progress group sleeps in its NICs' wait fds
+/// (`EngineConfig::idle_block_after`; the fd rows differ from plain
+/// `adaptive` only on backends whose NICs have wait fds: libfabric tcp,
+/// shm).
+#[derive(Debug, Clone, Copy)]
+pub struct Setting {
+    /// The policy.
+    pub poll: PollPolicy,
+    /// `EngineConfig::idle_block_after`.
+    pub block_after: Option<Duration>,
+}
+
+/// The settings measured, with their row names.
+pub fn policies() -> Vec<(&'static str, Setting)> {
+    let default = EngineConfig::default().idle_block_after;
+    let adaptive = |block_after| Setting {
+        poll: PollPolicy::Adaptive,
+        block_after,
+    };
     vec![
-        ("busy", PollPolicy::Busy),
-        ("adaptive (default)", PollPolicy::Adaptive),
+        (
+            "busy",
+            Setting {
+                poll: PollPolicy::Busy,
+                block_after: default,
+            },
+        ),
+        ("adaptive (default: fd sleep after 1 ms)", adaptive(default)),
+        ("adaptive, fd sleep at once", adaptive(Some(Duration::ZERO))),
+        ("adaptive, no fd sleep", adaptive(None)),
         (
             "spin 50 us then park",
-            PollPolicy::SpinThenPark {
-                spin: Duration::from_micros(50),
+            Setting {
+                poll: PollPolicy::SpinThenPark {
+                    spin: Duration::from_micros(50),
+                },
+                block_after: default,
             },
         ),
     ]
 }
 
-fn engine(tb: &Testbed, poll: PollPolicy) -> Result<Shutdown, String> {
+fn engine(tb: &Testbed, set: Setting) -> Result<Shutdown, String> {
     let p = tb.host()?;
     TransferEngine::builder()
         .group(DomainGroupSpec::new(p, vec![0]))
         .config(EngineConfig {
-            poll,
+            poll: set.poll,
+            idle_block_after: set.block_after,
             ..EngineConfig::default()
         })
         .build()
@@ -53,9 +83,9 @@ struct Measured {
     idle_cores_per_group: Option<f64>,
 }
 
-fn measure(tb: &Testbed, poll: PollPolicy, samples: usize) -> Result<Measured, String> {
-    let tx = engine(tb, poll)?;
-    let rx = engine(tb, poll)?;
+fn measure(tb: &Testbed, set: Setting, samples: usize) -> Result<Measured, String> {
+    let tx = engine(tb, set)?;
+    let rx = engine(tb, set)?;
     // Idle CPU first: two engines, nothing to do.
     std::thread::sleep(Duration::from_millis(50));
     let s = CpuSample::now();

@@ -122,6 +122,7 @@ impl EngineBuilder {
                 closing: AtomicBool::new(false),
                 sleeping: AtomicBool::new(false),
                 thread: OnceLock::new(),
+                wake_fd: crate::driver::block::WakeFd::new(),
                 failed: OnceLock::new(),
                 counters: Arc::new(GroupCounters::new(spec.nics.len())),
             }));

@@ -29,12 +29,17 @@ pub enum QueueFullPolicy {
 /// takes. `weft-bench poll` measures each (submit → completion p50/p99
 /// after an idle gap, and idle CPU per group): see docs/benchmarks.md.
 ///
-/// Event-driven waiting (sleeping in the completion queue's file
-/// descriptor) is not offered: the transport contract has no wait
-/// primitive, hardware providers would need their completion channels
-/// armed per poll, and libfabric's software providers progress only inside
-/// `fi_cq_read`, so a thread asleep on the fd would stall the transfers it
-/// waits for.
+/// Groups whose NICs need software progress (libfabric tcp, shm) and
+/// offer a wait fd ([`weft_transport::Domain::wait_fd`]) sleep in those
+/// fds when idle, under `Adaptive` after
+/// [`EngineConfig::idle_block_after`] and under `SpinThenPark` after its
+/// spin: the fd wakes them when a peer sends something only a poll would
+/// move (a WRITE into this host, a message), and submits, arms and
+/// control requests wake them through an eventfd. Without wait fds such a
+/// group never parks under `Adaptive` (a thread asleep without them would
+/// stall what peers write into this host) and parks for `idle_sleep` at a
+/// time under `SpinThenPark`. Hardware-progress groups park as before:
+/// their NICs move data without polls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum PollPolicy {
@@ -113,6 +118,15 @@ pub struct EngineConfig {
     pub drain_timeout: Duration,
     /// How idle workers and the watcher wait; see [`PollPolicy`].
     pub poll: PollPolicy,
+    /// Under [`PollPolicy::Adaptive`]: how long a software-progress group
+    /// with nothing in flight and no armed round keeps polling before its
+    /// worker sleeps in its NICs' wait fds (where every NIC has one; see
+    /// [`PollPolicy`]). It then costs no CPU while idle; the first message
+    /// after the sleep pays one thread wake-up. `None`: never sleep in
+    /// fds (the group polls, one core, while idle). Also off when
+    /// `idle_sleep` is `None`. Default 1 ms (docs/benchmarks.md, polling
+    /// policy).
+    pub idle_block_after: Option<Duration>,
 }
 
 impl Default for EngineConfig {
@@ -132,6 +146,7 @@ impl Default for EngineConfig {
             inflight_spin: Duration::from_millis(100),
             drain_timeout: Duration::from_secs(5),
             poll: PollPolicy::Adaptive,
+            idle_block_after: Some(Duration::from_millis(1)),
         }
     }
 }
@@ -202,6 +217,7 @@ pub(crate) struct Idle {
     pub(crate) yields: u32,
     pub(crate) sleep: Option<Duration>,
     pub(crate) poll: PollPolicy,
+    pub(crate) block_after: Option<Duration>,
 }
 
 impl From<&EngineConfig> for Idle {
@@ -211,6 +227,7 @@ impl From<&EngineConfig> for Idle {
             yields: c.idle_yields,
             sleep: c.idle_sleep,
             poll: c.poll,
+            block_after: c.idle_block_after,
         }
     }
 }
@@ -279,6 +296,7 @@ mod tests {
             yields: 2,
             sleep: Some(Duration::from_micros(50)),
             poll,
+            block_after: None,
         }
     }
 

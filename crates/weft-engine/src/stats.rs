@@ -35,6 +35,10 @@ pub struct GroupStats {
     /// Planned WRs waiting for send-queue room (the worker stops taking
     /// requests at [`EngineConfig::max_pending_wrs`](crate::EngineConfig::max_pending_wrs)).
     pub pending_wrs: usize,
+    /// Times the group's worker, idle, slept in its NICs' wait fds
+    /// ([`weft_transport::Domain::wait_fd`]) instead of polling them (see
+    /// [`PollPolicy`](crate::PollPolicy)).
+    pub fd_sleeps: u64,
     /// One entry per NIC of the group, in NIC order.
     pub nics: Vec<NicStats>,
 }
@@ -82,6 +86,7 @@ struct NicCounters {
 pub(crate) struct GroupCounters {
     in_flight: AtomicUsize,
     pending_wrs: AtomicUsize,
+    fd_sleeps: Counter,
     nics: Vec<NicCounters>,
 }
 
@@ -91,6 +96,7 @@ impl GroupCounters {
         Self {
             in_flight: AtomicUsize::new(0),
             pending_wrs: AtomicUsize::new(0),
+            fd_sleeps: Counter::default(),
             nics: (0..nics).map(|_| NicCounters::default()).collect(),
         }
     }
@@ -111,6 +117,11 @@ impl GroupCounters {
         }
     }
 
+    /// The worker slept once in its NICs' wait fds.
+    pub(crate) fn fd_slept(&self) {
+        self.fd_sleeps.add(1);
+    }
+
     /// The worker's current load.
     #[inline]
     pub(crate) fn publish(&self, in_flight: usize, pending_wrs: usize) {
@@ -124,6 +135,7 @@ impl GroupCounters {
             queued,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending_wrs: self.pending_wrs.load(Ordering::Relaxed),
+            fd_sleeps: self.fd_sleeps.get(),
             nics: self
                 .nics
                 .iter()

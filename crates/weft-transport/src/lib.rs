@@ -196,4 +196,31 @@ pub trait Domain: Send {
     /// appended. An `Err` means the domain itself is unusable (e.g. its NIC
     /// died); per-operation failures are reported as completions instead.
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError>;
+
+    /// A file descriptor that becomes readable when [`Domain::poll`] may
+    /// have something to do (a completion, or data a peer sends that only
+    /// a poll moves), for a caller that would rather sleep in `poll(2)`
+    /// than poll an idle domain. It stays valid, and the same, for the
+    /// domain's life; the caller only waits on it and never reads, writes
+    /// or closes it.
+    ///
+    /// `None` (the default) when the domain has none; hardware domains
+    /// whose completions need no software progress may leave it `None`
+    /// (their callers can sleep on their own timers). A domain that
+    /// returns `Some` must also implement [`Domain::try_wait`].
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
+    /// Whether the caller may sleep on [`Domain::wait_fd`] now: `true` when
+    /// nothing is pending that only another [`Domain::poll`] would move
+    /// (no completions queued, no operations of the domain's own in
+    /// flight, nothing the provider still has to progress; libfabric's
+    /// `fi_trywait`), `false` when the caller must poll again first. Call
+    /// it right before sleeping and after the last poll; a `true` stays
+    /// valid until the next call into the domain. The default (`false`)
+    /// never lets a caller sleep.
+    fn try_wait(&mut self) -> bool {
+        false
+    }
 }

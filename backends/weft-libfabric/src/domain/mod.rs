@@ -73,6 +73,8 @@ pub(crate) struct DomainOptions {
     /// Most per-peer endpoints open at once (providers with the
     /// per-endpoint completion-order defect only: `peer_eps`).
     pub(crate) max_peer_endpoints: usize,
+    /// Ask for a CQ wait fd (software-progress providers only).
+    pub(crate) wait_fd: bool,
 }
 
 struct MrEntry {
@@ -153,7 +155,8 @@ impl LibfabricDomain {
         if info.prov_name == "shm" {
             shm::remove_stale_shm_regions();
         }
-        let res = Resources::open(lib, &name, &info, slots)?;
+        let want_fd = opts.wait_fd && info.data_progress == ffi::FI_PROGRESS_MANUAL;
+        let res = Resources::open(lib, &name, &info, slots, want_fd)?;
         let addr = NetAddr(res.getname()?);
         if addr.0.len() > msg::MAX_ADDR {
             return Err(TransportError::Unsupported {
@@ -479,5 +482,29 @@ impl Domain for LibfabricDomain {
             self.close_peer_eps(out, clock);
         }
         Ok(out.len() - before)
+    }
+
+    /// The CQ's `FI_WAIT_FD` (software-progress providers, with
+    /// [`crate::LibfabricConfig::wait_fd`]): readable when the provider has
+    /// something to progress, including what peers send into this host.
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.res.wait_fd()
+    }
+
+    /// `true` only when this domain has nothing of its own pending (no
+    /// stashed completions, no operation or ACK in flight, no backlog,
+    /// held message, cancelled operation, removal or endpoint to close:
+    /// all of them need polls, some on timers) and `fi_trywait` agrees.
+    fn try_wait(&mut self) -> bool {
+        self.res.wait_fd().is_some()
+            && self.cq.stash.is_empty()
+            && self.slots.idle()
+            && self.backlog.queue.is_empty()
+            && self.msgs.held.is_empty()
+            && self.msgs.acks_out.is_empty()
+            && self.limbo.entries.is_empty()
+            && self.peers.removing.is_empty()
+            && !(self.peer_eps.enabled && self.peer_eps.check)
+            && self.res.trywait()
     }
 }

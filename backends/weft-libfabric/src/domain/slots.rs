@@ -86,6 +86,12 @@ impl Slots {
         }
     }
 
+    /// Whether no TX or ACK slot is in use (no operation of this domain in
+    /// flight, none reported failed and still held by the provider).
+    pub(super) fn idle(&self) -> bool {
+        self.free_tx.len() == self.tx && self.free_ack.len() == self.table.len() - self.ack_base
+    }
+
     /// Returns a reserved, never-issued slot to its free list.
     pub(super) fn unreserve(&mut self, i: usize) {
         let Some(s) = self.table.get_mut(i) else {

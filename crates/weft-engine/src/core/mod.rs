@@ -268,6 +268,18 @@ impl WorkerCore {
         self.nics.iter().any(|n| n.caps.software_progress)
     }
 
+    /// Every NIC's wait fd ([`weft_transport::Domain::wait_fd`]), or `None`
+    /// if one of them has none.
+    pub(crate) fn wait_fds(&self) -> Option<Vec<std::os::fd::RawFd>> {
+        self.nics.iter().map(|n| n.domain.wait_fd()).collect()
+    }
+
+    /// Whether every NIC lets the worker sleep on its wait fd now
+    /// ([`weft_transport::Domain::try_wait`]).
+    pub(crate) fn try_wait(&mut self) -> bool {
+        self.nics.iter_mut().all(|n| n.domain.try_wait())
+    }
+
     /// Whether WRs are posted and not yet completed, or waiting for room.
     pub(crate) fn in_flight(&self) -> bool {
         self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)

@@ -6,6 +6,8 @@
 //! ([`watcher_main`]). In manual mode `TransferEngine::progress` runs the
 //! same steps on the caller's thread instead.
 
+#[allow(unsafe_code)]
+pub(crate) mod block;
 pub(crate) mod callback;
 pub(crate) mod worker;
 
@@ -44,6 +46,9 @@ pub(crate) struct GroupShared {
     pub(crate) closing: AtomicBool,
     pub(crate) sleeping: AtomicBool,
     pub(crate) thread: OnceLock<Thread>,
+    /// Written to wake the worker when it sleeps in its NICs' wait fds
+    /// (`None`: no eventfd; the worker then only parks).
+    pub(crate) wake_fd: Option<block::WakeFd>,
     /// Set once the worker panicked: later submits fail with it.
     pub(crate) failed: OnceLock<EngineError>,
     /// Load and per-NIC counters the worker publishes.
@@ -51,11 +56,23 @@ pub(crate) struct GroupShared {
 }
 
 impl GroupShared {
+    /// Wakes the worker if it sleeps (parked or in its wait fds). Callers
+    /// store what it should see first; the worker re-checks after
+    /// announcing `sleeping`.
     pub(crate) fn wake(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
+            self.kick();
+        }
+    }
+
+    /// Wakes the worker whether or not it announced sleeping (shutdown, a
+    /// full queue, control requests).
+    pub(crate) fn kick(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+        if let Some(w) = &self.wake_fd {
+            w.signal();
         }
     }
 }

@@ -3,6 +3,7 @@
 //! backlog, completion queues), hands the core's events to the callback
 //! thread and idles per the engine's idle policy.
 
+use super::block::Blocker;
 use super::{CbMsg, GroupShared};
 use crate::affinity;
 use crate::config::{DomainGroupSpec, EngineConfig, Idle, IdleState, PollPolicy};
@@ -88,6 +89,11 @@ pub(crate) struct Worker {
 
 const BURST: usize = 64;
 
+/// Longest single sleep in the wait fds: a bound on what a provider that
+/// missed a wake-up could delay, not a poll interval (the fds wake the
+/// worker).
+const FD_SLEEP_MAX: Duration = Duration::from_millis(10);
+
 impl Worker {
     /// One loop iteration in SPEC priority order. Returns whether anything
     /// happened.
@@ -121,6 +127,32 @@ impl Worker {
             .publish(self.core.live_transfers(), self.core.pending_pieces());
         self.flush();
         did
+    }
+
+    /// Sleeps in the NICs' wait fds for at most `timeout`, unless
+    /// something arrived since the last poll or a NIC has work pending.
+    /// Returns whether it slept, and whether a NIC's fd woke it.
+    fn sleep_in_fds(
+        &mut self,
+        blocker: &mut Blocker,
+        seen_arms: u64,
+        timeout: Duration,
+    ) -> Option<bool> {
+        let wake = self.shared.wake_fd.as_ref()?;
+        let mut slept = None;
+        self.shared.sleeping.store(true, Ordering::SeqCst);
+        // Each check pairs with its waker's `wake` after its store.
+        if self.shared.queue.is_empty()
+            && self.ctrl_rx.is_empty()
+            && !self.shared.closing.load(Ordering::SeqCst)
+            && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
+            && self.core.try_wait()
+        {
+            slept = Some(blocker.sleep(wake, timeout));
+            self.shared.counters.fd_slept();
+        }
+        self.shared.sleeping.store(false, Ordering::SeqCst);
+        slept
     }
 
     pub(crate) fn flush(&mut self) {
@@ -235,6 +267,14 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
         // See `EngineConfig::idle_spins`.
         idle.spins = 0;
     }
+    // Software-progress groups with wait fds sleep in them (`PollPolicy`).
+    let mut blocker = if software_progress {
+        Blocker::new(w.core.wait_fds(), w.shared.wake_fd.as_ref())
+    } else {
+        None
+    };
+    let block_after = ctx_block_after(&idle, blocker.is_some());
+    let mut idle_since: Option<Instant> = None;
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
@@ -251,11 +291,15 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
         }
         if did {
             idle_n.reset();
+            idle_since = None;
             if !software_progress {
                 // Only the hardware path's in-flight spin limit reads it.
                 last_progress = Instant::now();
             }
             continue;
+        }
+        if block_after.is_some() && idle_since.is_none() {
+            idle_since = Some(Instant::now());
         }
         if let Some(d) = idle.step(&mut idle_n) {
             let arms = w.imm_waits.arms.load(Ordering::SeqCst);
@@ -265,9 +309,29 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 last_progress = Instant::now();
             }
             let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
-            // `SpinThenPark` parks software-progress groups too: what peers
-            // write into this host then waits for the next poll (at most
-            // `idle_sleep`), the price of a bounded idle CPU.
+            if let (Some(after), Some(b)) = (block_after, blocker.as_mut()) {
+                // Adaptive, software progress, wait fds: poll (yielding)
+                // for `after`, then sleep in the fds while nothing is
+                // awaited.
+                let since = *idle_since.get_or_insert_with(Instant::now);
+                if awaited || since.elapsed() < after {
+                    std::thread::yield_now();
+                    continue;
+                }
+                match w.sleep_in_fds(b, seen_arms, FD_SLEEP_MAX) {
+                    // A peer sent something (e.g. a WRITE into this host,
+                    // which completes nothing here): poll at full speed
+                    // for `after` again rather than once per wake-up.
+                    Some(true) => idle_since = Some(Instant::now()),
+                    Some(false) => {}
+                    None => std::thread::yield_now(),
+                }
+                continue;
+            }
+            // Without wait fds, `SpinThenPark` parks software-progress
+            // groups too: what peers write into this host then waits for
+            // the next poll (at most `idle_sleep`), the price of a bounded
+            // idle CPU.
             let keep_polling = software_progress && idle.poll == PollPolicy::Adaptive;
             if keep_polling || (awaited && last_progress.elapsed() < inflight_spin) {
                 // Completions are due, or the NIC moves data (also what
@@ -275,6 +339,14 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 // polling, only yield the core.
                 std::thread::yield_now();
                 continue;
+            }
+            if let Some(b) = blocker.as_mut() {
+                // SpinThenPark with wait fds: the fds wake it for what
+                // peers send, so it needs no `idle_sleep` bound. A NIC
+                // with work pending (`try_wait` false) parks as below.
+                if w.sleep_in_fds(b, seen_arms, d.max(FD_SLEEP_MAX)).is_some() {
+                    continue;
+                }
             }
             w.shared.sleeping.store(true, Ordering::SeqCst);
             // Each check pairs with its waker's `wake` after its store.
@@ -299,4 +371,13 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     if std::panic::catch_unwind(AssertUnwindSafe(|| core.close())).is_err() {
         tracing::error!(group = g, "closing the group's domains panicked");
     }
+}
+
+/// When an idle `Adaptive` worker with wait fds sleeps in them (`None`:
+/// it never does; other policies decide in their own branch).
+fn ctx_block_after(idle: &crate::config::Idle, has_fds: bool) -> Option<Duration> {
+    if !has_fds || idle.poll != PollPolicy::Adaptive || idle.sleep.is_none() {
+        return None;
+    }
+    idle.block_after
 }

@@ -39,10 +39,7 @@ impl TransferEngine {
                 }
             }
         } else {
-            g.wake();
-            if let Some(t) = g.thread.get() {
-                t.unpark();
-            }
+            g.kick();
         }
         rx.recv()
             .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?

@@ -122,9 +122,7 @@ impl Drop for Inner {
             self.shut.store(true, Ordering::SeqCst);
             for g in &self.groups {
                 g.closing.store(true, Ordering::SeqCst);
-                if let Some(t) = g.thread.get() {
-                    t.unpark();
-                }
+                g.kick();
             }
             self.watcher.stop.store(true, Ordering::SeqCst);
             self.watcher.unpark();
@@ -391,9 +389,7 @@ impl TransferEngine {
                 b.snooze();
             }
             g.closing.store(true, Ordering::SeqCst);
-            if let Some(t) = g.thread.get() {
-                t.unpark();
-            }
+            g.kick();
         }
         if let Some(m) = &self.inner.manual {
             let deadline = Instant::now() + self.inner.config.drain_timeout;

@@ -71,9 +71,7 @@ impl TransferEngine {
                     {
                         return Err((EngineError::QueueFull { group: gs.index }, req));
                     }
-                    if let Some(t) = gs.thread.get() {
-                        t.unpark();
-                    }
+                    gs.kick();
                     if backoff.is_completed() {
                         std::thread::yield_now();
                     } else {
