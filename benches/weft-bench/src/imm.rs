@@ -7,8 +7,8 @@ use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
 use crate::floor::HandoffFloor;
 use crate::pin::Placement;
-use crate::rig::Rig;
 use crate::report::Row;
+use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles};
 use crate::{Config, Progress};
 use std::sync::{Arc, Mutex};
@@ -66,17 +66,17 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
     let mut rows = Vec::new();
     match throughput(cfg, &mut rig, &backend, n, mem) {
         Ok(r) => rows.push(r.placed(&placement)),
-        Err(why) => rows.push(
-            Row::failed(BENCH, "counter_throughput", &backend, 1, why).placed(&placement),
-        ),
+        Err(why) => {
+            rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why).placed(&placement))
+        }
     }
     progress.step(&format!("imm {backend} early arrivals"));
     for flag in [false, true] {
         match early(cfg, &rig, &backend, flag) {
             Ok(r) => rows.push(r.placed(&placement)),
-            Err(why) => rows.push(
-                Row::failed(BENCH, "early_arrival", &backend, 1, why).placed(&placement),
-            ),
+            Err(why) => {
+                rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why).placed(&placement))
+            }
         }
     }
     rows

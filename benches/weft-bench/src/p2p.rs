@@ -1,14 +1,16 @@
 //! `p2p`: single WRITE bandwidth and latency (64 B … 64 MiB), paged WRITEs
 //! (1–64 KiB pages, 100 and 10 000 pages), immediate-only latency; one set
 //! of rows per NIC count. Every weft measurement alternates, round by round,
-//! with the same WRs posted on the raw backend.
+//! with the same WRs posted on the raw backend; each weft round runs on an
+//! engine pair built (and warmed up) for it and shut down before the raw
+//! round, with the threads placed by `--pin` (see [`crate::rig`]).
 
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
 use crate::pin::Placement;
 use crate::raw::RawPair;
-use crate::rig::Rig;
 use crate::report::{fmt_bytes, Row, Target};
+use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::time::{Duration, Instant};

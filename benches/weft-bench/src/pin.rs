@@ -82,7 +82,8 @@ impl fmt::Display for PinMode {
 fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("--pin: `{part}` is not a CPU number or range (auto, off, or e.g. 2,3,5-7)");
+        let bad =
+            || format!("--pin: `{part}` is not a CPU number or range (auto, off, or e.g. 2,3,5-7)");
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (usize, usize) = (
@@ -350,7 +351,10 @@ mod tests {
         assert_eq!(o, vec![1, 2, 3, 0, 4, 9, 10, 11, 8]);
         let p = Placement::from_list(&o).unwrap();
         assert_eq!(p.cpus(), [1, 2, 3, 0, 4]);
-        assert_eq!(p.label(), "initiator 1 target 2 submitter 3 tx-aux 0 rx-aux 4");
+        assert_eq!(
+            p.label(),
+            "initiator 1 target 2 submitter 3 tx-aux 0 rx-aux 4"
+        );
     }
 
     #[test]

@@ -134,9 +134,9 @@ fn quick_p2p_pinned_at_8_nics() {
             .count(),
         2
     );
-    assert!(rep
-        .table()
-        .contains(&format!("threads of p2p on loopback-null, 8 NIC(s): {want}")));
+    assert!(rep.table().contains(&format!(
+        "threads of p2p on loopback-null, 8 NIC(s): {want}"
+    )));
     // The bench thread got its own affinity back.
     assert_eq!(weft_bench::pin::allowed_cpus(), allowed);
 }
