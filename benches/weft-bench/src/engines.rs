@@ -1,6 +1,8 @@
 //! A sender and a receiver TransferEngine on two fresh hosts of a testbed.
 
 use crate::backend::Testbed;
+use crate::pin::{PinGuard, Placement};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::HostBuffer;
@@ -57,12 +59,46 @@ pub fn bench_config() -> EngineConfig {
 
 /// Builds one engine over a fresh host of `tb` with all its NICs.
 pub fn engine(tb: &Testbed) -> Result<TransferEngine, String> {
+    engine_on(tb, None, None)
+}
+
+/// [`engine`], its worker pinned to `worker` and its callback and watcher
+/// threads to `aux` (they inherit the affinity of the thread that builds
+/// the engine, which is pinned to `aux` meanwhile); `None`: not pinned by
+/// the bench.
+pub fn engine_on(
+    tb: &Testbed,
+    worker: Option<usize>,
+    aux: Option<usize>,
+) -> Result<TransferEngine, String> {
     let p = tb.host()?;
+    let mut spec = DomainGroupSpec::new(p, (0..tb.nics()).collect::<Vec<_>>());
+    if let Some(cpu) = worker {
+        spec = spec.cpu(cpu);
+    }
+    let _pin = PinGuard::new(aux);
     TransferEngine::builder()
-        .group(DomainGroupSpec::new(p, (0..tb.nics()).collect::<Vec<_>>()))
+        .group(spec)
         .config(bench_config())
         .build()
         .map_err(|e| e.to_string())
+}
+
+/// The source and destination buffers of an [`EnginePair`], kept across
+/// the pairs built for successive rounds.
+pub struct PairBuffers {
+    src: HostBuffer,
+    dst: HostBuffer,
+}
+
+impl PairBuffers {
+    /// `src_len` and `dst_len` bytes.
+    pub fn new(src_len: usize, dst_len: usize) -> Result<Self, String> {
+        Ok(PairBuffers {
+            src: HostBuffer::new(src_len).map_err(|e| e.to_string())?,
+            dst: HostBuffer::new(dst_len).map_err(|e| e.to_string())?,
+        })
+    }
 }
 
 /// Sender and receiver engines with a registered source (sender) and
@@ -76,8 +112,8 @@ pub struct EnginePair {
     pub src: MrHandle,
     /// Destination descriptor (registered on `rx`).
     pub dst: MrDesc,
-    _src_buf: HostBuffer,
-    _dst_buf: HostBuffer,
+    _bufs: Arc<PairBuffers>,
+    live: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for EnginePair {
@@ -85,6 +121,9 @@ impl Drop for EnginePair {
         // Before the buffers go (they drop after this body).
         self.tx.shutdown();
         self.rx.shutdown();
+        if let Some(l) = &self.live {
+            l.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -95,20 +134,50 @@ fn e2s(e: EngineError) -> String {
 impl EnginePair {
     /// Two engines on fresh hosts of `tb`.
     pub fn new(tb: &Testbed, src_len: usize, dst_len: usize) -> Result<Self, String> {
-        let tx = engine(tb)?;
-        let rx = engine(tb)?;
-        let src_buf = HostBuffer::new(src_len).map_err(|e| e.to_string())?;
-        let dst_buf = HostBuffer::new(dst_len).map_err(|e| e.to_string())?;
-        let (src, _) = tx.reg_mr(src_buf.region()).map_err(e2s)?;
-        let (_, dst) = rx.reg_mr(dst_buf.region()).map_err(e2s)?;
-        Ok(EnginePair {
-            tx,
-            rx,
-            src,
-            dst,
-            _src_buf: src_buf,
-            _dst_buf: dst_buf,
-        })
+        Self::on(tb, &Arc::new(PairBuffers::new(src_len, dst_len)?), None)
+    }
+
+    /// Two engines on fresh hosts of `tb` over `bufs`, placed as `place`
+    /// says (sender worker on `initiator`, receiver worker on `target`,
+    /// each engine's other threads on its aux CPU).
+    pub fn on(
+        tb: &Testbed,
+        bufs: &Arc<PairBuffers>,
+        place: Option<&Placement>,
+    ) -> Result<Self, String> {
+        let tx = engine_on(tb, place.map(|p| p.initiator), place.map(|p| p.tx_aux))?;
+        let rx = match engine_on(tb, place.map(|p| p.target), place.map(|p| p.rx_aux)) {
+            Ok(rx) => rx,
+            Err(e) => {
+                tx.shutdown();
+                return Err(e);
+            }
+        };
+        let regs = tx
+            .reg_mr(bufs.src.region())
+            .and_then(|(src, _)| rx.reg_mr(bufs.dst.region()).map(|(_, dst)| (src, dst)));
+        match regs {
+            Ok((src, dst)) => Ok(EnginePair {
+                tx,
+                rx,
+                src,
+                dst,
+                _bufs: Arc::clone(bufs),
+                live: None,
+            }),
+            Err(e) => {
+                tx.shutdown();
+                rx.shutdown();
+                Err(e2s(e))
+            }
+        }
+    }
+
+    /// Counts this pair in `live` until it drops.
+    pub fn counted(mut self, live: &Arc<AtomicUsize>) -> Self {
+        live.fetch_add(1, Ordering::SeqCst);
+        self.live = Some(Arc::clone(live));
+        self
     }
 
     /// `count` single writes of `len` bytes, at most `window` outstanding.

@@ -1,6 +1,7 @@
 //! The floor for the proxy path: a bare cross-thread hand-off through a
 //! lock-free queue (what "submit → worker picked it up" costs at best).
 
+use crate::pin::PinGuard;
 use crossbeam_queue::ArrayQueue;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,6 +34,11 @@ impl Default for HandoffFloor {
 impl HandoffFloor {
     /// Starts the consumer thread.
     pub fn new() -> Self {
+        Self::on(None)
+    }
+
+    /// Starts the consumer thread pinned to `cpu` (`None`: not pinned).
+    pub fn on(cpu: Option<usize>) -> Self {
         let q: Arc<ArrayQueue<Instant>> = Arc::new(ArrayQueue::new(1024));
         let last_ns = Arc::new(AtomicU64::new(0));
         let acks = Arc::new(AtomicU64::new(0));
@@ -41,6 +47,7 @@ impl HandoffFloor {
         let thread = std::thread::Builder::new()
             .name("weft-bench-floor".into())
             .spawn(move || {
+                let _pin = PinGuard::new(cpu);
                 let mut idle = 0u32;
                 while !s2.load(Ordering::Relaxed) {
                     match q2.pop() {

@@ -6,8 +6,9 @@
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
 use crate::floor::HandoffFloor;
-use crate::raw::RawPair;
+use crate::pin::Placement;
 use crate::report::Row;
+use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles};
 use crate::{Config, Progress};
 use std::sync::{Arc, Mutex};
@@ -52,25 +53,30 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
     };
     let n: u64 = if cfg.quick { 10_000 } else { 100_000 };
     let mem = (n * IMM_WRITE_LEN).min(16 << 20);
-    let setup = EnginePair::new(&tb, mem as usize, mem as usize)
-        .and_then(|e| RawPair::new(&tb, mem as usize, mem as usize).map(|r| (e, r)));
-    let (ep, mut raw) = match setup {
+    let setup = Placement::resolve(&cfg.pin)
+        .and_then(|place| Rig::new(&tb, mem as usize, mem as usize, place));
+    let mut rig = match setup {
         Ok(x) => x,
         Err(why) => {
             progress.step("");
             return vec![Row::failed(BENCH, "setup", &backend, 1, why)];
         }
     };
+    let placement = rig.label();
     let mut rows = Vec::new();
-    match throughput(cfg, &ep, &mut raw, &backend, n, mem) {
-        Ok(r) => rows.push(r),
-        Err(why) => rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why)),
+    match throughput(cfg, &mut rig, &backend, n, mem) {
+        Ok(r) => rows.push(r.placed(&placement)),
+        Err(why) => {
+            rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why).placed(&placement))
+        }
     }
     progress.step(&format!("imm {backend} early arrivals"));
     for flag in [false, true] {
-        match early(cfg, &ep, &backend, flag) {
-            Ok(r) => rows.push(r),
-            Err(why) => rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why)),
+        match early(cfg, &rig, &backend, flag) {
+            Ok(r) => rows.push(r.placed(&placement)),
+            Err(why) => {
+                rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why).placed(&placement))
+            }
         }
     }
     rows
@@ -89,47 +95,59 @@ fn pages(n: u64, mem: u64) -> Pages {
 
 fn throughput(
     cfg: &Config,
-    ep: &EnginePair,
-    raw: &mut RawPair,
+    rig: &mut Rig<'_>,
     backend: &str,
     n: u64,
     mem: u64,
 ) -> Result<Row, String> {
-    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
-    let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
-    let expect = counts.paged_writes(IMM_WRITE_LEN, n);
     let pg = pages(n, mem);
     let slots = (mem / IMM_WRITE_LEN).max(1);
     let (mut e, mut r) = (Vec::new(), Vec::new());
+    let mut expect = 0;
     for _ in 0..cfg.rounds() {
-        let fired = arm(ep, imm, expect)?;
-        let t0 = Instant::now();
-        ep.tx
-            .submit_paged_writes(
-                IMM_WRITE_LEN,
-                Some(imm),
-                (&ep.src, &pg),
-                (&ep.dst, &pg),
-                OnDone::Ignore,
-            )
-            .map_err(|e| e.to_string())?;
-        wait_until(|| fired_at(&fired).is_some())?;
-        let (t, ok) = fired_at(&fired).ok_or("not fired")?;
-        if !ok {
-            return Err("round failed or fired twice".into());
-        }
-        e.push(expect as f64 / ns(t.saturating_duration_since(t0)) * 1e3);
-        let lanes = raw.lanes();
-        let t = raw.drive(n, 1024, n, |rp, i| {
-            let off = (i % slots) * IMM_WRITE_LEN;
-            let lane = (i % lanes as u64) as usize;
-            Ok((lane, rp.wr(i, lane, off, off, IMM_WRITE_LEN, Some(imm))?))
+        // weft, on a pair that lives for this round only.
+        let imm = {
+            let ep = rig.engines()?;
+            let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+            let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
+            expect = counts.paged_writes(IMM_WRITE_LEN, n);
+            // Warm-up: one round (pools grown, peer connected).
+            for measured in [false, true] {
+                let fired = arm(&ep, imm, expect)?;
+                let t0 = Instant::now();
+                ep.tx
+                    .submit_paged_writes(
+                        IMM_WRITE_LEN,
+                        Some(imm),
+                        (&ep.src, &pg),
+                        (&ep.dst, &pg),
+                        OnDone::Ignore,
+                    )
+                    .map_err(|e| e.to_string())?;
+                wait_until(|| fired_at(&fired).is_some())?;
+                let (t, ok) = fired_at(&fired).ok_or("not fired")?;
+                if !ok {
+                    return Err("round failed or fired twice".into());
+                }
+                if measured {
+                    e.push(expect as f64 / ns(t.saturating_duration_since(t0)) * 1e3);
+                }
+            }
+            // Let stragglers settle before the value is released.
+            std::thread::sleep(Duration::from_millis(5));
+            ep.rx.free_imm(imm);
+            imm
+        };
+        let t = rig.raw(|raw| {
+            let lanes = raw.lanes();
+            raw.drive(n, 1024, n, |rp, i| {
+                let off = (i % slots) * IMM_WRITE_LEN;
+                let lane = (i % lanes as u64) as usize;
+                Ok((lane, rp.wr(i, lane, off, off, IMM_WRITE_LEN, Some(imm))?))
+            })
         })?;
         r.push(n as f64 / ns(t.imms_seen) * 1e3);
     }
-    // Let stragglers settle before the value is released.
-    std::thread::sleep(Duration::from_millis(5));
-    ep.rx.free_imm(imm);
     let (em, rm) = (median(&mut e), median(&mut r));
     Ok(Row::new(
         BENCH,
@@ -158,16 +176,21 @@ fn arm_flag(ep: &EnginePair, imm: u32, count: u64) -> Result<Arc<weft::DoneFlag>
 /// armed; arm → fire as the application sees it, through a callback (on the
 /// callback thread, idle while the arrivals streamed in: one thread wake-up
 /// under the default poll policy) or a flag (`flag`).
-fn early(cfg: &Config, ep: &EnginePair, backend: &str, flag: bool) -> Result<Row, String> {
-    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+///
+/// Each round: `reps` early rounds on an engine pair that lives for them
+/// only, then `reps` hand-offs of the floor (its consumer on the receiver's
+/// aux CPU, where the callback thread runs; its thread lives for them only).
+fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Row, String> {
     let n: u64 = if cfg.quick { 100 } else { 1000 };
     let reps = if cfg.quick { 10 } else { 50 };
     let pg = pages(n, n * IMM_WRITE_LEN);
-    let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
-    let expect = counts.paged_writes(IMM_WRITE_LEN, n);
-    let floor = HandoffFloor::new();
+    let mut expect = 0;
     let (mut lat, mut fl) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
+        let ep = rig.engines()?;
+        let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+        let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
+        expect = counts.paged_writes(IMM_WRITE_LEN, n);
         for _ in 0..reps {
             ep.tx
                 .submit_paged_writes(
@@ -181,7 +204,7 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str, flag: bool) -> Result<Row
             wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
             let t0 = Instant::now();
             let t = if flag {
-                let f = arm_flag(ep, imm, expect)?;
+                let f = arm_flag(&ep, imm, expect)?;
                 wait_until(|| f.is_done())?;
                 let t = Instant::now();
                 if !matches!(f.result(), Some(Ok(()))) {
@@ -189,7 +212,7 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str, flag: bool) -> Result<Row
                 }
                 t
             } else {
-                let fired = arm(ep, imm, expect)?;
+                let fired = arm(&ep, imm, expect)?;
                 wait_until(|| fired_at(&fired).is_some())?;
                 let (t, ok) = fired_at(&fired).ok_or("not fired")?;
                 if !ok {
@@ -205,12 +228,16 @@ fn early(cfg: &Config, ep: &EnginePair, backend: &str, flag: bool) -> Result<Row
                 ));
             }
             lat.push(ns(t.saturating_duration_since(t0)) / 1e3);
+        }
+        ep.rx.free_imm(imm);
+        drop(ep);
+        let floor = HandoffFloor::on(rig.placement().map(|p| p.rx_aux));
+        for _ in 0..reps {
             if let Some(v) = floor.once() {
                 fl.push(v / 1e3);
             }
         }
     }
-    ep.rx.free_imm(imm);
     let (p, f) = (percentiles(&mut lat), percentiles(&mut fl));
     Ok(Row::new(
         BENCH,

@@ -21,12 +21,15 @@ pub mod kvcache;
 pub mod moe;
 pub mod moe_model;
 pub mod p2p;
+#[allow(unsafe_code)]
+pub mod pin;
 pub mod pingpong;
 pub mod poll;
 mod progress;
 pub mod proxy;
 pub mod raw;
 pub mod report;
+pub mod rig;
 pub mod rl;
 pub mod stats;
 
@@ -67,10 +70,12 @@ pub struct Config {
     pub backends: Vec<BackendKind>,
     /// Short run for CI smoke tests.
     pub quick: bool,
-    /// NIC counts for `p2p` (default: 1, 2, 4; quick: 1, 2).
+    /// NIC counts for `p2p` (default: 1, 2, 4, 8; quick: 1, 2).
     pub nics: Option<Vec<usize>>,
     /// Interleaved rounds (weft batch, baseline batch) per case.
     pub rounds: Option<usize>,
+    /// Thread placement of `p2p` and `imm` rows (see [`pin`]).
+    pub pin: pin::PinMode,
     /// Show progress on stderr.
     pub progress: bool,
     /// The command line, recorded in the report.
@@ -91,6 +96,7 @@ impl Config {
             quick,
             nics: None,
             rounds: None,
+            pin: pin::PinMode::Auto,
             progress: false,
             command: String::new(),
             pingpong: pingpong::PingArgs::default(),
@@ -103,7 +109,7 @@ impl Config {
         match &self.nics {
             Some(v) if !v.is_empty() => v.clone(),
             _ if self.quick => vec![1, 2],
-            _ => vec![1, 2, 4],
+            _ => vec![1, 2, 4, 8],
         }
     }
 

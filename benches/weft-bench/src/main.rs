@@ -30,12 +30,18 @@ struct Cli {
     /// Short run for CI smoke tests (numbers are not meaningful).
     #[arg(long, global = true)]
     quick: bool,
-    /// NIC counts for p2p (default 1,2,4; quick 1,2).
+    /// NIC counts for p2p (default 1,2,4,8; quick 1,2).
     #[arg(long, global = true, value_delimiter = ',')]
     nics: Vec<usize>,
     /// Interleaved rounds per case (default 5; quick 2).
     #[arg(long, global = true)]
     rounds: Option<usize>,
+    /// Thread placement of p2p and imm rows: `auto` (distinct CPUs from
+    /// the topology when this process may use >= 8 CPUs, else unpinned),
+    /// `off`, or 5 CPUs for initiator,target,submitter,tx-aux,rx-aux
+    /// (e.g. 2,4,6,8,10 or 2-6).
+    #[arg(long, global = true, default_value = "auto")]
+    pin: weft_bench::pin::PinMode,
     /// Write the report as JSON.
     #[arg(long, global = true, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -110,6 +116,11 @@ fn main() -> ExitCode {
     cfg.backends = cli.backend.clone();
     cfg.nics = (!cli.nics.is_empty()).then(|| cli.nics.clone());
     cfg.rounds = cli.rounds;
+    if let Err(e) = weft_bench::pin::Placement::resolve(&cli.pin) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
+    cfg.pin = cli.pin.clone();
     cfg.progress = !cli.no_progress;
     cfg.command = std::env::args().collect::<Vec<_>>().join(" ");
     if let Cmd::Pingpong(a) = &cli.cmd {

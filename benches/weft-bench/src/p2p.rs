@@ -1,12 +1,16 @@
 //! `p2p`: single WRITE bandwidth and latency (64 B … 64 MiB), paged WRITEs
 //! (1–64 KiB pages, 100 and 10 000 pages), immediate-only latency; one set
 //! of rows per NIC count. Every weft measurement alternates, round by round,
-//! with the same WRs posted on the raw backend.
+//! with the same WRs posted on the raw backend; each weft round runs on an
+//! engine pair built (and warmed up) for it and shut down before the raw
+//! round, with the threads placed by `--pin` (see [`crate::rig`]).
 
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
+use crate::pin::Placement;
 use crate::raw::RawPair;
 use crate::report::{fmt_bytes, Row, Target};
+use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::time::{Duration, Instant};
@@ -117,15 +121,21 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
             .max()
             .unwrap_or(64)
             .max(plan.paged_mem);
-        let setup = EnginePair::new(&tb, max as usize, max as usize)
-            .and_then(|e| RawPair::new(&tb, max as usize, max as usize).map(|r| (e, r)));
-        let (ep, mut raw) = match setup {
+        let place = match Placement::resolve(&cfg.pin) {
+            Ok(p) => p,
+            Err(why) => {
+                rows.push(Row::failed(BENCH, "setup", &backend, nics, why));
+                continue;
+            }
+        };
+        let mut rig = match Rig::new(&tb, max as usize, max as usize, place) {
             Ok(x) => x,
             Err(why) => {
                 rows.push(Row::failed(BENCH, "setup", &backend, nics, why));
                 continue;
             }
         };
+        let placement = rig.label();
         // After a stall the engine/backend pair is in an unknown state:
         // the remaining cases of this NIC count are reported, not run.
         let mut stalled: Option<String> = None;
@@ -144,12 +154,12 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 return;
             }
             match f() {
-                Ok(mut r) => rows.append(&mut r),
+                Ok(r) => rows.extend(r.into_iter().map(|r| r.placed(&placement))),
                 Err(why) => {
                     if why.contains("stalled") || why.contains("timed out") {
                         stalled = Some(why.clone());
                     }
-                    let mut row = Row::failed(BENCH, name, &backend, nics, why);
+                    let mut row = Row::failed(BENCH, name, &backend, nics, why).placed(&placement);
                     row.size_bytes = size;
                     rows.push(row);
                 }
@@ -161,7 +171,7 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 fmt_bytes(size)
             ));
             case(&mut rows, "single_write", Some(size), &mut || {
-                single(cfg, &plan, &tb, &ep, &mut raw, size)
+                single(cfg, &plan, &tb, &mut rig, size)
             });
         }
         for &pl in &plan.page_lens {
@@ -171,13 +181,13 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                     fmt_bytes(pl)
                 ));
                 case(&mut rows, "paged_write", None, &mut || {
-                    paged(cfg, &plan, &tb, &ep, &mut raw, pl, n)
+                    paged(cfg, &plan, &tb, &mut rig, pl, n)
                 });
             }
         }
         progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
         case(&mut rows, "imm_only", None, &mut || {
-            imm_only(cfg, &plan, &tb, &ep, &mut raw)
+            imm_only(cfg, &plan, &tb, &mut rig)
         });
     }
     rows
@@ -254,8 +264,7 @@ fn single(
     cfg: &Config,
     plan: &P2pPlan,
     tb: &Testbed,
-    ep: &EnginePair,
-    raw: &mut RawPair,
+    rig: &mut Rig<'_>,
     size: u64,
 ) -> Result<Vec<Row>, String> {
     let backend = tb.kind().to_string();
@@ -270,18 +279,30 @@ fn single(
     let split = matches!(tb.kind(), BackendKind::Libfabric(_));
     let mut s_bw = Vec::new();
     for _ in 0..cfg.rounds() {
-        let te = ep.single_writes(size, bw_ops, plan.window, None)?;
-        e_bw.push((size * bw_ops) as f64 / ns(te));
-        let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
-        r_bw.push((size * bw_ops) as f64 / tr);
-        if split {
-            let ts = raw_single_as(raw, size, bw_ops, plan.window, None, true)?;
-            s_bw.push((size * bw_ops) as f64 / ts);
+        // weft: a fresh pair, warmed up (peers connected, pools grown to
+        // the window) with small writes, then measured, then shut down.
+        {
+            let ep = rig.engines()?;
+            let warm = plan.window.min(bw_ops);
+            ep.single_writes(size.min(64 << 10), warm, plan.window, None)?;
+            let te = ep.single_writes(size, bw_ops, plan.window, None)?;
+            e_bw.push((size * bw_ops) as f64 / ns(te));
+            for _ in 0..lat_ops {
+                e_lat.push(ns(ep.single_writes(size, 1, 1, None)?) / 1e3);
+            }
         }
-        for _ in 0..lat_ops {
-            e_lat.push(ns(ep.single_writes(size, 1, 1, None)?) / 1e3);
-            r_lat.push(raw_single(raw, size, 1, 1, None)? / 1e3);
-        }
+        rig.raw(|raw| {
+            let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
+            r_bw.push((size * bw_ops) as f64 / tr);
+            if split {
+                let ts = raw_single_as(raw, size, bw_ops, plan.window, None, true)?;
+                s_bw.push((size * bw_ops) as f64 / ts);
+            }
+            for _ in 0..lat_ops {
+                r_lat.push(raw_single(raw, size, 1, 1, None)? / 1e3);
+            }
+            Ok(())
+        })?;
     }
     let (eb, rb) = (median(&mut e_bw), median(&mut r_bw));
     // weft's bandwidth against one baseline.
@@ -330,8 +351,7 @@ fn paged(
     cfg: &Config,
     plan: &P2pPlan,
     tb: &Testbed,
-    ep: &EnginePair,
-    raw: &mut RawPair,
+    rig: &mut Rig<'_>,
     page_len: u64,
     n: u64,
 ) -> Result<Vec<Row>, String> {
@@ -352,8 +372,8 @@ fn paged(
         offset: 0,
     };
     let submits = (plan.paged_pages / n).max(1);
-    let lanes = raw.lanes();
-    let mwl = raw.max_write_len();
+    let lanes = rig.raw_pair().lanes();
+    let mwl = rig.raw_pair().max_write_len();
     let per_page = plan_page(0, page_len, lanes, mwl, ShardConfig::default().align)
         .len()
         .max(1) as u64;
@@ -372,21 +392,29 @@ fn paged(
     };
     let (mut e_rate, mut r_rate) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
-        let te = ep.paged_writes(page_len, &sp, &dp, submits, sub_window)?;
-        e_rate.push(total_pages as f64 / ns(te) * 1e3); // Mpages/s
+        {
+            let ep = rig.engines()?;
+            // Warm-up: a window of the same submits (peers connected, the
+            // worker's queues grown), not measured.
+            ep.paged_writes(page_len, &sp, &dp, sub_window.min(submits), sub_window)?;
+            let te = ep.paged_writes(page_len, &sp, &dp, submits, sub_window)?;
+            e_rate.push(total_pages as f64 / ns(te) * 1e3); // Mpages/s
+        }
         let window = (4 * n * per_page).min(1024 * lanes as u64);
-        let t = raw.drive(total_pages * per_page, window, 0, |r, i| {
-            let page = i / per_page;
-            let k = (i % per_page) as usize;
-            let j = (page % n) as usize;
-            let so = sp.page_offset(j).ok_or("src page")?;
-            let dof = dp.page_offset(j).ok_or("dst page")?;
-            let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
-            let p = pieces.get(k).ok_or("piece")?;
-            Ok((
-                p.nic,
-                r.wr(i, p.nic, so + p.offset, dof + p.offset, p.len, None)?,
-            ))
+        let t = rig.raw(|raw| {
+            raw.drive(total_pages * per_page, window, 0, |r, i| {
+                let page = i / per_page;
+                let k = (i % per_page) as usize;
+                let j = (page % n) as usize;
+                let so = sp.page_offset(j).ok_or("src page")?;
+                let dof = dp.page_offset(j).ok_or("dst page")?;
+                let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
+                let p = pieces.get(k).ok_or("piece")?;
+                Ok((
+                    p.nic,
+                    r.wr(i, p.nic, so + p.offset, dof + p.offset, p.len, None)?,
+                ))
+            })
         })?;
         r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
     }
@@ -427,6 +455,39 @@ fn paged(
     Ok(vec![ops, bw])
 }
 
+/// One imm-only WRITE, timed from its submit to the receiver's round flag
+/// (set by its worker: no callback-thread hop); with `pause`, both engines
+/// sit idle that long before the submit, the round armed before the pause
+/// (`arm_early`) or right before the submit. The pair of paused rows
+/// separates arming early from waking idle workers.
+fn imm_once(
+    ep: &EnginePair,
+    imm: u32,
+    pause: Option<Duration>,
+    arm_early: bool,
+) -> Result<f64, String> {
+    let (od, fired) = OnDone::flag();
+    if !arm_early {
+        if let Some(p) = pause {
+            std::thread::sleep(p);
+        }
+    }
+    ep.rx
+        .expect_imm_count_with(imm, 1, od)
+        .map_err(|e| e.to_string())?;
+    if arm_early {
+        if let Some(p) = pause {
+            std::thread::sleep(p);
+        }
+    }
+    let t0 = Instant::now();
+    ep.tx
+        .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
+        .map_err(|e| e.to_string())?;
+    wait_until(|| fired.is_done())?;
+    Ok(ns(t0.elapsed()) / 1e3)
+}
+
 /// How long the receiver sits idle, with the round armed, before the
 /// `imm_only` "after idle" WRITE is submitted: longer than a worker's spin
 /// and yield phases, so a worker that slept while idle would show it.
@@ -436,52 +497,34 @@ fn imm_only(
     cfg: &Config,
     plan: &P2pPlan,
     tb: &Testbed,
-    ep: &EnginePair,
-    raw: &mut RawPair,
+    rig: &mut Rig<'_>,
 ) -> Result<Vec<Row>, String> {
-    let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
     let ops = plan.lat_max_ops;
     let idle_ops = ops.min(100);
     let (mut e, mut idle, mut late, mut r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // One imm-only WRITE, timed from its submit to the receiver's round
-    // flag (set by its worker: no callback-thread hop); with `pause`, both
-    // engines sit idle that long before the submit, the round armed before
-    // the pause (`arm_early`) or right before the submit. The pair of
-    // paused rows separates arming early from waking idle workers.
-    let once = |pause: Option<Duration>, arm_early: bool| -> Result<f64, String> {
-        let (od, fired) = OnDone::flag();
-        if !arm_early {
-            if let Some(p) = pause {
-                std::thread::sleep(p);
-            }
-        }
-        ep.rx
-            .expect_imm_count_with(imm, 1, od)
-            .map_err(|e| e.to_string())?;
-        if arm_early {
-            if let Some(p) = pause {
-                std::thread::sleep(p);
-            }
-        }
-        let t0 = Instant::now();
-        ep.tx
-            .submit_single_write(0, Some(imm), (&ep.src, 0), (&ep.dst, 0), OnDone::Ignore)
-            .map_err(|e| e.to_string())?;
-        wait_until(|| fired.is_done())?;
-        Ok(ns(t0.elapsed()) / 1e3)
-    };
     for _ in 0..cfg.rounds() {
-        for k in 0..ops {
-            e.push(once(None, true)?);
-            if k < idle_ops {
-                idle.push(once(Some(IMM_IDLE), true)?);
-                late.push(once(Some(IMM_IDLE), false)?);
+        let imm = {
+            let ep = rig.engines()?;
+            let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
+            imm_once(&ep, imm, None, true)?; // warm-up
+            for k in 0..ops {
+                e.push(imm_once(&ep, imm, None, true)?);
+                if k < idle_ops {
+                    idle.push(imm_once(&ep, imm, Some(IMM_IDLE), true)?);
+                    late.push(imm_once(&ep, imm, Some(IMM_IDLE), false)?);
+                }
             }
-            let t = raw.drive(1, 1, 1, |r, i| Ok((0, r.wr(i, 0, 0, 0, 0, Some(imm))?)))?;
-            r.push(ns(t.imms_seen) / 1e3);
-        }
+            ep.rx.free_imm(imm);
+            imm
+        };
+        rig.raw(|raw| {
+            for _ in 0..ops {
+                let t = raw.drive(1, 1, 1, |r, i| Ok((0, r.wr(i, 0, 0, 0, 0, Some(imm))?)))?;
+                r.push(ns(t.imms_seen) / 1e3);
+            }
+            Ok(())
+        })?;
     }
-    ep.rx.free_imm(imm);
     let (ep50, ip, lp, rp) = (
         percentiles(&mut e),
         percentiles(&mut idle),

@@ -5,15 +5,16 @@
 //! bare cross-thread queue hand-off (the floor of submit → pickup).
 
 use crate::backend::{BackendKind, Testbed};
-use crate::engines::{engine, wait_until, Shutdown, STALL};
+use crate::engines::{engine_on, wait_until, Shutdown, STALL};
 use crate::floor::HandoffFloor;
+use crate::pin::{self, PinGuard, Placement};
 use crate::report::{Breakdown, Row, Target};
 use crate::stats::{ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::sync::Arc;
 use std::time::Instant;
 use weft::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, WriteWr};
-use weft::{DoneCounter, GroupAddress, MrDesc, OnDone, ScatterDst, TransferEngine};
+use weft::{DoneCounter, GroupAddress, MrDesc, MrHandle, OnDone, ScatterDst, TransferEngine};
 
 const BENCH: &str = "proxy";
 
@@ -283,10 +284,25 @@ fn run_inner(
     let backend = kind.to_string();
     let tb = Testbed::new(kind, 1)?;
     let max_peers = counts.iter().copied().max().unwrap_or(8);
+    let place = Placement::resolve(&cfg.pin)?;
+    let placement = pin::label(place.as_ref());
+    // The bench thread submits (and, on libfabric, progresses the peers).
+    let _submitter = PinGuard::new(place.map(|p| p.submitter));
     let (mut pe, limit) = peers(&tb, max_peers);
     let src_buf = HostBuffer::new(SCATTER_LEN as usize * max_peers).map_err(|e| e.to_string())?;
-    let eng = Shutdown(engine(&tb)?);
-    let (src, _) = eng.reg_mr(src_buf.region()).map_err(|e| e.to_string())?;
+    // One engine per round, alive only for that round's weft scatters (an
+    // idle worker polls every 20 µs, on the CPU the raw posting uses).
+    let new_engine = || -> Result<(Shutdown, MrHandle), String> {
+        let eng = Shutdown(engine_on(
+            &tb,
+            place.map(|p| p.initiator),
+            place.map(|p| p.tx_aux),
+        )?);
+        let (src, _) = eng.reg_mr(src_buf.region()).map_err(|e| e.to_string())?;
+        Ok((eng, src))
+    };
+    // Setup errors show up before any row.
+    drop(new_engine()?);
     // Raw sender on its own host.
     let mut raw = tb.raw_host()?;
     let rd = raw.first_mut().ok_or("no raw domain")?;
@@ -298,7 +314,6 @@ fn run_inner(
         let addr = a.nics.first().ok_or("peer without NIC")?;
         rpeers.push(rd.add_peer(addr).map_err(|e| e.to_string())?);
     }
-    let floor = HandoffFloor::new();
     let per_round = per_round(cfg, kind);
     let mut rows = Vec::new();
     let mut bds = Vec::new();
@@ -322,9 +337,6 @@ fn run_inner(
             rows.push(row);
             continue;
         }
-        let group = eng
-            .add_peer_group(&pe.addrs[..n])
-            .map_err(|e| e.to_string())?;
         let dsts: Vec<ScatterDst> = (0..n)
             .map(|j| ScatterDst {
                 len: SCATTER_LEN,
@@ -360,60 +372,66 @@ fn run_inner(
         let mut early_records = 0usize;
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
-        // Warm-up: connections to new peers (tcp;ofi_rxm connects lazily,
-        // on the first WRITE) are not part of the host path measured.
-        let warm = Arc::new(DoneCounter::new());
-        eng.submit_scatter(&group, OnDone::counter(&warm), None, &src, &dsts)
-            .map_err(|e| e.to_string())?;
-        let mut perr = None;
-        wait_until(|| {
-            if let Err(e) = pe.progress(n) {
-                perr = Some(e);
-                return true;
-            }
-            warm.total() > 0
-        })
-        .map_err(|e| format!("warm-up scatter to {n} peers: {e}"))?;
-        if let Some(e) = perr.take() {
-            return Err(e);
-        }
         let wrs = raw_wrs(&mut next_wr);
-        raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)
-            .map_err(|e| format!("warm-up raw scatter to {n} peers: {e}"))?;
-        let _ = eng.take_probe_records_compat();
+        {
+            let _pin = PinGuard::new(place.map(|p| p.initiator));
+            raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)
+                .map_err(|e| format!("warm-up raw scatter to {n} peers: {e}"))?;
+        }
         for _ in 0..cfg.rounds() {
-            // weft
-            let counter = Arc::new(DoneCounter::new());
-            for i in 0..per_round as u64 {
-                eng.submit_scatter(&group, OnDone::counter(&counter), None, &src, &dsts)
+            // weft, on this round's engine
+            {
+                let (eng, src) = new_engine()?;
+                let group = eng
+                    .add_peer_group(&pe.addrs[..n])
                     .map_err(|e| e.to_string())?;
-                wait_until(|| {
-                    if let Err(e) = pe.progress(n) {
-                        perr = Some(e);
-                        return true;
+                let mut scatters = |count: usize| -> Result<(), String> {
+                    let counter = Arc::new(DoneCounter::new());
+                    let mut perr = None;
+                    for i in 0..count as u64 {
+                        eng.submit_scatter(&group, OnDone::counter(&counter), None, &src, &dsts)
+                            .map_err(|e| e.to_string())?;
+                        wait_until(|| {
+                            if let Err(e) = pe.progress(n) {
+                                perr = Some(e);
+                                return true;
+                            }
+                            counter.total() > i
+                        })?;
+                        if let Some(e) = perr.take() {
+                            return Err(e);
+                        }
                     }
-                    counter.total() > i
-                })?;
-                if let Some(e) = perr.take() {
-                    return Err(e);
+                    if counter.failed() > 0 {
+                        return Err(format!(
+                            "scatter failed: {}",
+                            counter
+                                .first_error()
+                                .map(|e| e.to_string())
+                                .unwrap_or_default()
+                        ));
+                    }
+                    Ok(())
+                };
+                // Warm-up: connections to new peers (tcp;ofi_rxm connects
+                // lazily, on the first WRITE) are not part of the host path
+                // measured.
+                scatters(1).map_err(|e| format!("warm-up scatter to {n} peers: {e}"))?;
+                let _ = eng.take_probe_records_compat();
+                scatters(per_round)?;
+                early_records += collect(&eng, &mut st);
+            }
+            // raw posting of the same WRs, on the worker's CPU
+            {
+                let _pin = PinGuard::new(place.map(|p| p.initiator));
+                for _ in 0..per_round {
+                    let wrs = raw_wrs(&mut next_wr);
+                    raw_post.push(raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)?);
                 }
             }
-            if counter.failed() > 0 {
-                return Err(format!(
-                    "scatter failed: {}",
-                    counter
-                        .first_error()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default()
-                ));
-            }
-            early_records += collect(&eng, &mut st);
-            // raw posting of the same WRs
-            for _ in 0..per_round {
-                let wrs = raw_wrs(&mut next_wr);
-                raw_post.push(raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)?);
-            }
-            // floor
+            // floor: producer on the submitter's CPU, consumer on the
+            // worker's; its thread lives for this phase only
+            let floor = HandoffFloor::on(place.map(|p| p.initiator));
             for _ in 0..per_round {
                 if let Some(v) = floor.once() {
                     floor_ns.push(v);
@@ -511,8 +529,8 @@ fn run_inner(
         rows.push(all);
     }
     drop(raw);
-    drop(eng);
     drop(src_buf);
+    let rows = rows.into_iter().map(|r| r.placed(&placement)).collect();
     Ok((rows, bds))
 }
 

@@ -3,6 +3,7 @@
 
 use crate::backend::Testbed;
 use crate::engines::STALL;
+use crate::pin::PinGuard;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -25,6 +26,8 @@ pub struct RawPair {
     max_batch: Vec<usize>,
     comps: Vec<Completion>,
     poll_target: bool,
+    /// CPU of the target poller thread of [`RawPair::drive_split`].
+    target_cpu: Option<usize>,
     // Dropped after the domains (field order).
     _src_buf: HostBuffer,
     _dst_buf: HostBuffer,
@@ -78,9 +81,16 @@ impl RawPair {
             max_batch,
             comps: Vec::new(),
             poll_target: tb.target_needs_polling(),
+            target_cpu: None,
             _src_buf: src_buf,
             _dst_buf: dst_buf,
         })
+    }
+
+    /// Pins the target poller thread of [`RawPair::drive_split`] to `cpu`
+    /// (`None`: not pinned).
+    pub fn set_target_cpu(&mut self, cpu: Option<usize>) {
+        self.target_cpu = cpu;
     }
 
     /// Lanes (NICs).
@@ -160,8 +170,10 @@ impl RawPair {
         let mut targets = std::mem::take(&mut self.b);
         let stop = AtomicBool::new(false);
         let imms = AtomicU64::new(0);
+        let cpu = self.target_cpu;
         let r = std::thread::scope(|s| {
             let poller = s.spawn(|| -> Result<(), String> {
+                let _pin = PinGuard::new(cpu);
                 let mut comps = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
                     let mut n = 0;

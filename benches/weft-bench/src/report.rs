@@ -92,6 +92,10 @@ pub struct Row {
     pub status: Status,
     /// Extra numbers (percentile breakdowns and the like).
     pub extra: BTreeMap<String, f64>,
+    /// Thread placement of both sides' rounds (`--pin`): `initiator 2
+    /// target 4 …`, `unpinned`, or empty where the bench does not place
+    /// threads.
+    pub placement: String,
 }
 
 impl Row {
@@ -128,6 +132,7 @@ impl Row {
             target: None,
             status: Status::Ok,
             extra: BTreeMap::new(),
+            placement: String::new(),
         }
     }
 
@@ -149,6 +154,7 @@ impl Row {
             target: None,
             status: Status::Unavailable(why),
             extra: BTreeMap::new(),
+            placement: String::new(),
         }
     }
 
@@ -169,6 +175,12 @@ impl Row {
     /// Sets the target.
     pub fn target(mut self, t: Target) -> Self {
         self.target = Some(t);
+        self
+    }
+
+    /// Records the thread placement (see [`Row::placement`]).
+    pub fn placed(mut self, placement: &str) -> Self {
+        self.placement = placement.into();
         self
     }
 
@@ -337,7 +349,18 @@ impl Report {
         for row in &cells {
             line(&mut out, row);
         }
-        for n in notes {
+        // Where the threads ran, once per row group.
+        let mut placed: Vec<String> = Vec::new();
+        for r in self.rows.iter().filter(|r| !r.placement.is_empty()) {
+            let n = format!(
+                "threads of {} on {}, {} NIC(s): {}",
+                r.bench, r.backend, r.nics, r.placement
+            );
+            if !placed.contains(&n) {
+                placed.push(n);
+            }
+        }
+        for n in notes.into_iter().chain(placed) {
             out.push_str(&n);
             out.push('\n');
         }
@@ -380,7 +403,7 @@ impl Report {
     /// CSV, one line per row.
     pub fn csv(&self) -> String {
         let mut out = String::from(
-            "bench,case,backend,nics,param,size_bytes,metric,unit,weft,baseline,baseline_name,ratio,target,target_met,status,reason\n",
+            "bench,case,backend,nics,param,size_bytes,metric,unit,weft,baseline,baseline_name,ratio,target,target_met,status,reason,placement\n",
         );
         let q = |s: &str| {
             if s.contains([',', '"', '\n']) {
@@ -398,7 +421,7 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 q(&r.bench),
                 q(&r.case),
                 q(&r.backend),
@@ -418,6 +441,7 @@ impl Report {
                     .unwrap_or_default(),
                 status,
                 q(&reason),
+                q(&r.placement),
             );
         }
         out

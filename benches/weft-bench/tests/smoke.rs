@@ -82,6 +82,19 @@ fn quick_all_on_loopback_null_has_every_row() {
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len(), rep.rows.len() + 1);
     assert!(lines[0].starts_with("bench,case,backend,nics,"));
+    assert!(lines[0].ends_with(",placement"));
+    // The rows that place threads say where they ran (`auto`: unpinned
+    // below 8 CPUs, the roles' CPUs above).
+    for r in rep
+        .rows
+        .iter()
+        .filter(|r| ["p2p", "imm", "proxy"].contains(&r.bench.as_str()))
+    {
+        assert!(
+            r.placement == "unpinned" || r.placement.starts_with("initiator "),
+            "{r:?}"
+        );
+    }
     // SVG: one weft and one raw series per NIC count.
     let svg = rep.svg();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
@@ -90,6 +103,42 @@ fn quick_all_on_loopback_null_has_every_row() {
     let t = rep.table();
     assert!(t.lines().count() >= rep.rows.len() + 2);
     assert!(t.contains("target"));
+}
+
+/// `--pin` with an explicit list, at 8 NICs: every row measured and
+/// labelled with the list's placement (CPUs repeat on hosts with fewer
+/// than 5).
+#[test]
+fn quick_p2p_pinned_at_8_nics() {
+    let allowed = weft_bench::pin::allowed_cpus();
+    let cpus: Vec<usize> = (0..5).map(|i| allowed[i % allowed.len()]).collect();
+    let mut cfg = Config::new(Suite::P2p, true);
+    cfg.nics = Some(vec![8]);
+    cfg.rounds = Some(1);
+    cfg.pin = weft_bench::pin::PinMode::Cpus(cpus.clone());
+    let rep = weft_bench::run(&cfg);
+    let want = format!(
+        "initiator {} target {} submitter {} tx-aux {} rx-aux {}",
+        cpus[0], cpus[1], cpus[2], cpus[3], cpus[4]
+    );
+    assert!(!rep.rows.is_empty());
+    for r in &rep.rows {
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        assert_eq!(r.nics, 8, "{r:?}");
+        assert_eq!(r.placement, want, "{r:?}");
+    }
+    assert_eq!(
+        rep.rows
+            .iter()
+            .filter(|r| r.case == "paged_write" && r.metric == "page rate")
+            .count(),
+        2
+    );
+    assert!(rep.table().contains(&format!(
+        "threads of p2p on loopback-null, 8 NIC(s): {want}"
+    )));
+    // The bench thread got its own affinity back.
+    assert_eq!(weft_bench::pin::allowed_cpus(), allowed);
 }
 
 #[test]
