@@ -266,12 +266,15 @@ impl Dsts {
 /// not match (then the worker resolves descriptors by address).
 pub(crate) fn routed_dsts<'a>(
     members: &[GroupAddress],
-    dsts: impl Iterator<Item = (&'a MrDesc, u64, u64, u64)>,
+    dsts: impl ExactSizeIterator<Item = (&'a MrDesc, u64, u64, u64)>,
 ) -> Option<Dsts> {
-    dsts.zip(members)
-        .map(|((d, len, so, doff), m)| RoutedDst::matched(m, d, len, so, doff))
-        .collect::<Option<Vec<_>>>()
-        .map(Dsts::Routed)
+    // Sized up front: collecting into `Option<Vec<_>>` knows no length and
+    // grew the vector four times for 64 destinations.
+    let mut v = Vec::with_capacity(dsts.len().min(members.len()));
+    for ((d, len, so, doff), m) in dsts.zip(members) {
+        v.push(RoutedDst::matched(m, d, len, so, doff)?);
+    }
+    Some(Dsts::Routed(v))
 }
 
 #[cfg(test)]

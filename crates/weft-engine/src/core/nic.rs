@@ -238,9 +238,14 @@ impl WorkerCore {
                     // transfer only once no other piece of it is queued).
                     let mut last: Option<(WrId, bool)> = None;
                     while self.scratch.len() < max {
-                        let Some(Op::Write(w)) = self.ring(nic, fresh).front().copied() else {
-                            break;
+                        // Taken off the ring whether it is posted or
+                        // skipped: one ring access and one copy of the WR.
+                        let ring = self.ring(nic, fresh);
+                        let w = match ring.front() {
+                            Some(Op::Write(w)) => *w,
+                            _ => break,
                         };
+                        ring.pop_front();
                         let failed = match last {
                             Some((id, f)) if id == w.wr => f,
                             _ => {
@@ -250,12 +255,10 @@ impl WorkerCore {
                             }
                         };
                         if failed {
-                            self.ring(nic, fresh).pop_front();
                             self.skip_piece(w.wr);
                             continue;
                         }
                         self.scratch.push(w);
-                        self.ring(nic, fresh).pop_front();
                     }
                     if self.scratch.is_empty() {
                         continue;

@@ -65,7 +65,7 @@ impl Registry {
                 .mrs
                 .get(id as usize)
                 .and_then(Option::as_ref)
-                .ok_or(EngineError::UnknownMr(u64::from(id))),
+                .ok_or_else(|| EngineError::UnknownMr(u64::from(id))),
         }
     }
 

@@ -332,8 +332,15 @@ impl TransferEngine {
             )?;
         }
         let g = src.group as usize;
-        for d in dsts {
-            self.check_nic_count(g, &d.dst)?;
+        // `check_nic_count` per destination, with the group's NIC count
+        // looked up once.
+        let local = self.nic_count(g)?;
+        if let Some(d) = dsts.iter().find(|d| d.dst.rkeys.len() != local) {
+            return Err(EngineError::NicCountMismatch {
+                group: g,
+                local,
+                remote: d.dst.rkeys.len(),
+            });
         }
         let pg = *peers.ids.get(g).ok_or_else(|| no_group(g))?;
         let req = self.new_req(
