@@ -15,7 +15,8 @@ use weft::{
 /// never sleeps longer than 20 µs when idle. `WEFT_BENCH_IDLE_SLEEP_US=N`
 /// sets that sleep (0: never sleep, spin/yield only); `WEFT_BENCH_POLL`
 /// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park);
-/// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`.
+/// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`;
+/// `WEFT_BENCH_MAX_INFLIGHT=N` `EngineConfig::max_inflight_per_nic`.
 pub fn bench_config() -> EngineConfig {
     let poll = match std::env::var("WEFT_BENCH_POLL")
         .ok()
@@ -49,10 +50,15 @@ pub fn bench_config() -> EngineConfig {
             .or(EngineConfig::default().idle_block_after),
         None => EngineConfig::default().idle_block_after,
     };
+    let max_inflight_per_nic = std::env::var("WEFT_BENCH_MAX_INFLIGHT")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(EngineConfig::default().max_inflight_per_nic);
     EngineConfig {
         idle_sleep,
         poll,
         idle_block_after,
+        max_inflight_per_nic,
         ..EngineConfig::default()
     }
 }

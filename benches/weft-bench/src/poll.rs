@@ -49,7 +49,10 @@ pub fn policies() -> Vec<(&'static str, Setting)> {
                 block_after: default,
             },
         ),
-        ("adaptive (default: fd sleep after 10 ms)", adaptive(default)),
+        (
+            "adaptive (default: fd sleep after 10 ms)",
+            adaptive(default),
+        ),
         ("adaptive, fd sleep at once", adaptive(Some(Duration::ZERO))),
         ("adaptive, no fd sleep", adaptive(None)),
         (

@@ -165,6 +165,7 @@ impl WorkerCore {
         shard: ShardConfig,
         send_slots: u32,
         send_slot_len: u64,
+        max_inflight_per_nic: usize,
         counters: Arc<GroupCounters>,
         #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
     ) -> Result<Self, EngineError> {
@@ -204,7 +205,7 @@ impl WorkerCore {
             zero_mrs.push(mr);
         }
         for n in &mut nics {
-            n.caps.max_inflight = n.caps.max_inflight.max(1);
+            n.caps.max_inflight = n.caps.max_inflight.min(max_inflight_per_nic).max(1);
             n.caps.max_batch = n.caps.max_batch.max(1);
         }
         Ok(Self {

@@ -52,6 +52,7 @@ impl WorkerCtx {
             self.cfg.shard,
             self.cfg.send_slots,
             self.cfg.send_slot_len,
+            self.cfg.max_inflight_per_nic,
             Arc::clone(&self.shared.counters),
             #[cfg(feature = "latency-probe")]
             self.probes,
