@@ -11,7 +11,8 @@ use crate::report::Row;
 use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles};
 use crate::{Config, Progress};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::{OnDone, Pages};
 
@@ -19,25 +20,47 @@ const BENCH: &str = "imm";
 /// Payload of each counted WRITE.
 pub const IMM_WRITE_LEN: u64 = 64;
 
-type Fired = Arc<Mutex<Option<(Instant, bool)>>>;
+/// When a round's callback ran, written once by the callback thread and
+/// read by a spinning waiter without a lock (a mutex the waiter keeps
+/// taking would slow the callback that needs it; the floor has none).
+struct FiredCell {
+    base: Instant,
+    /// 0: not fired; else nanoseconds since `base` plus one.
+    at_ns: AtomicU64,
+    /// 0: not fired; 1: fired once, ok; 2: failed or fired twice.
+    state: AtomicU8,
+}
+
+type Fired = Arc<FiredCell>;
 
 fn arm(ep: &EnginePair, imm: u32, count: u64) -> Result<Fired, String> {
-    let fired: Fired = Arc::new(Mutex::new(None));
+    let fired: Fired = Arc::new(FiredCell {
+        base: Instant::now(),
+        at_ns: AtomicU64::new(0),
+        state: AtomicU8::new(0),
+    });
     let f2 = Arc::clone(&fired);
     ep.rx
         .expect_imm_count(imm, count, move |r| {
-            if let Ok(mut g) = f2.lock() {
-                // A second firing would be a bug: remember it.
-                let again = g.is_some();
-                *g = Some((Instant::now(), r.is_ok() && !again));
-            }
+            let at = f2.base.elapsed().as_nanos() as u64 + 1;
+            // A second firing would be a bug: remember it.
+            let again = f2.at_ns.load(Ordering::Acquire) != 0;
+            f2.state
+                .store(if r.is_ok() && !again { 1 } else { 2 }, Ordering::Relaxed);
+            f2.at_ns.store(at, Ordering::Release);
         })
         .map_err(|e| e.to_string())?;
     Ok(fired)
 }
 
 fn fired_at(f: &Fired) -> Option<(Instant, bool)> {
-    f.lock().ok().and_then(|g| *g)
+    let at = f.at_ns.load(Ordering::Acquire);
+    (at != 0).then(|| {
+        (
+            f.base + Duration::from_nanos(at - 1),
+            f.state.load(Ordering::Relaxed) == 1,
+        )
+    })
 }
 
 /// Runs `imm` on `kind` (1 NIC).

@@ -31,7 +31,8 @@
 //! the round was reported (or dropped unreported), so idle workers keep
 //! polling while a round waits.
 
-use crate::ondone::{DoneCallback, DoneResult, OnDone};
+use crate::core::Event;
+use crate::ondone::{DoneResult, OnDone};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 // `ImmWaits` is read by the workers' idle loop, outside the loom model:
 // plain std atomics, under loom too.
@@ -359,18 +360,13 @@ impl ImmDone {
         }
     }
 
-    /// Resolves a flag or counter at once; a callback comes back, with the
-    /// round's count inside it, to be run on the callback thread.
-    pub(crate) fn resolve(self, r: DoneResult) -> Option<(DoneCallback, DoneResult)> {
+    /// Resolves a flag or counter at once; a callback comes back as the
+    /// event that runs it on the callback thread, with the round's count
+    /// (dropped once the callback returned; no second box around it).
+    pub(crate) fn resolve(self, r: DoneResult) -> Option<Event> {
         let ImmDone { on_done, round } = self;
         let (cb, r) = on_done.resolve_inline(r)?;
-        Some((
-            Box::new(move |r| {
-                let _round = round;
-                cb(r)
-            }),
-            r,
-        ))
+        Some(Event::RoundDone(cb, r, round))
     }
 }
 

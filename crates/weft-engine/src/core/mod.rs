@@ -57,6 +57,9 @@ use weft_transport::{
 pub(crate) enum Event {
     /// A transfer finished; run its callback.
     Done(DoneCallback, DoneResult),
+    /// An immediate round fired; run its callback, then drop the round's
+    /// [`ArmedRound`](crate::imm::ArmedRound) count.
+    RoundDone(DoneCallback, DoneResult, crate::imm::ArmedRound),
     /// A receive completed: the message, copied out of its buffer (which
     /// is already re-posted), or why the receive failed.
     Recv {

@@ -426,8 +426,8 @@ impl WorkerCore {
                 });
             }
             Completion::Imm { imm } => {
-                if let Some((cb, r)) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
-                    self.events.push(Event::Done(cb, r));
+                if let Some(e) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
+                    self.events.push(e);
                 }
             }
         }

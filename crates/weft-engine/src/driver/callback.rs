@@ -21,6 +21,10 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
     let mut spent = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match msg {
         CbMsg::Event(Event::Done(cb, r)) => cb(r),
+        CbMsg::Event(Event::RoundDone(cb, r, round)) => {
+            cb(r);
+            drop(round);
+        }
         CbMsg::Event(Event::Recv { pool, result }) => match result {
             Ok(m) => {
                 // Kept outside the closure before the call, so a panicking

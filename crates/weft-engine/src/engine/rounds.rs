@@ -110,8 +110,8 @@ impl TransferEngine {
     /// Reports a round: flags and counters here, callbacks on the callback
     /// thread.
     pub(super) fn finish_imm(&self, d: ImmDone, r: DoneResult) {
-        if let Some((cb, r)) = d.resolve(r) {
-            self.dispatch(Event::Done(cb, r));
+        if let Some(e) = d.resolve(r) {
+            self.dispatch(e);
         }
     }
 
