@@ -7,6 +7,7 @@ use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
 use crate::floor::HandoffFloor;
 use crate::pin::Placement;
+use crate::raw::RawPair;
 use crate::report::Row;
 use crate::rig::Rig;
 use crate::stats::{median, ns, percentiles};
@@ -88,7 +89,7 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
     let placement = rig.label();
     let mut rows = Vec::new();
     match throughput(cfg, &mut rig, &backend, n, mem) {
-        Ok(r) => rows.push(r.placed(&placement)),
+        Ok(rs) => rows.extend(rs.into_iter().map(|r| r.placed(&placement))),
         Err(why) => {
             rows.push(Row::failed(BENCH, "counter_throughput", &backend, 1, why).placed(&placement))
         }
@@ -122,10 +123,10 @@ fn throughput(
     backend: &str,
     n: u64,
     mem: u64,
-) -> Result<Row, String> {
+) -> Result<Vec<Row>, String> {
     let pg = pages(n, mem);
     let slots = (mem / IMM_WRITE_LEN).max(1);
-    let (mut e, mut r) = (Vec::new(), Vec::new());
+    let (mut e, mut r, mut rs) = (Vec::new(), Vec::new(), Vec::new());
     let mut expect = 0;
     for _ in 0..cfg.rounds() {
         // weft, on a pair that lives for this round only.
@@ -161,28 +162,44 @@ fn throughput(
             ep.rx.free_imm(imm);
             imm
         };
-        let t = rig.raw(|raw| {
-            let lanes = raw.lanes();
-            raw.drive(n, 1024, n, |rp, i| {
-                let off = (i % slots) * IMM_WRITE_LEN;
-                let lane = (i % lanes as u64) as usize;
-                Ok((lane, rp.wr(i, lane, off, off, IMM_WRITE_LEN, Some(imm))?))
-            })
-        })?;
-        r.push(n as f64 / ns(t.imms_seen) * 1e3);
+        // The raw loop twice: on one thread (initiator and target polled
+        // in turn), and with the target polled by a thread of its own, as
+        // the engine's two workers (one per engine) split the work.
+        for (split, out) in [(false, &mut r), (true, &mut rs)] {
+            let t = rig.raw(|raw| {
+                let lanes = raw.lanes();
+                let gen = |rp: &RawPair, i: u64| {
+                    let off = (i % slots) * IMM_WRITE_LEN;
+                    let lane = (i % lanes as u64) as usize;
+                    Ok((lane, rp.wr(i, lane, off, off, IMM_WRITE_LEN, Some(imm))?))
+                };
+                if split {
+                    raw.drive_split(n, 1024, n, gen)
+                } else {
+                    raw.drive(n, 1024, n, gen)
+                }
+            })?;
+            out.push(n as f64 / ns(t.imms_seen) * 1e3);
+        }
     }
-    let (em, rm) = (median(&mut e), median(&mut r));
-    Ok(Row::new(
-        BENCH,
-        "counter_throughput",
-        backend,
-        1,
-        format!("{expect} x {IMM_WRITE_LEN} B"),
-        "imm completions",
-        "M/s",
-        em,
-        Some((rm, "raw backend")),
-    ))
+    let (em, rm, rsm) = (median(&mut e), median(&mut r), median(&mut rs));
+    let row = |base: f64, what: &'static str| {
+        Row::new(
+            BENCH,
+            "counter_throughput",
+            backend,
+            1,
+            format!("{expect} x {IMM_WRITE_LEN} B"),
+            "imm completions",
+            "M/s",
+            em,
+            Some((base, what)),
+        )
+    };
+    Ok(vec![
+        row(rm, "raw backend"),
+        row(rsm, "raw, target on own thread"),
+    ])
 }
 
 /// A round reported by [`OnDone::flag`]: set by the thread that fires it

@@ -79,11 +79,13 @@ pub struct EngineConfig {
     /// and applies `queue_full`).
     pub max_pending_wrs: usize,
     /// Most WRs a worker keeps posted and not yet completed per NIC (the
-    /// lower of this and the NIC's own `Capabilities::max_inflight`). A
-    /// deeper window than the NIC needs to stay busy only spreads the
-    /// in-flight bookkeeping over more cache: with 65,536 in flight on the
-    /// null fabric the worker took 16 L2 misses per WR against 0.06 at
-    /// 1,024 (docs/benchmarks.md, "Unmet #23 targets"). Default 4096.
+    /// lower of this and the NIC's own `Capabilities::max_inflight`),
+    /// bounding the worker's in-flight bookkeeping where a backend allows
+    /// far more (the null fabric allows 65,536). 4096 WRITEs of 64 B keep
+    /// a 400 Gbit/s NIC busy across a 5 µs round trip. On the 16-core H200
+    /// host the ImmCounter row did not move between 1,024, 4,096 and
+    /// 65,536 (0.65–0.71 of the raw loop; docs/benchmarks.md, "Unmet #23
+    /// targets"). Default 4096.
     pub max_inflight_per_nic: usize,
     /// Immediate values handed out by `alloc_imm` (`0..imm_capacity`).
     pub imm_capacity: u32,
