@@ -1,7 +1,7 @@
 //! Planning: a request body becomes pieces (see [`crate::shard`]) and each
 //! piece a WR on the fresh ring of its NIC.
 
-use super::nic::Op;
+use super::nic::send_op;
 use super::route::{Routes, Target};
 use super::slab::SendRes;
 use super::{transport, WorkerCore};
@@ -237,7 +237,7 @@ impl WorkerCore {
             },
             imm: Some(imm),
         };
-        self.push_op(slot, nic, Op::Write(w));
+        self.push_op(slot, nic, w);
         Ok(())
     }
 
@@ -333,7 +333,7 @@ impl WorkerCore {
         let src = src.ok_or_else(|| EngineError::InvalidArgument {
             what: "send buffer slice".into(),
         })?;
-        self.push_op(slot, 0, Op::Send { wr, peer: pid, src });
+        self.push_op(slot, 0, send_op(wr, pid, src));
         Ok(())
     }
 }

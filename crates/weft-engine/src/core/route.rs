@@ -250,7 +250,7 @@ impl WorkerCore {
             },
             imm,
         };
-        self.push_op(slot, nic, Op::Write(w));
+        self.push_op(slot, nic, w);
         Ok(())
     }
 
