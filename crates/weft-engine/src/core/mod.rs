@@ -347,6 +347,9 @@ impl WorkerCore {
                 } else {
                     n.backlog.append(&mut n.fresh);
                 }
+                // Empty: start the next request's WRs at the buffer's
+                // start, so growing it never moves a wrapped ring.
+                n.fresh.clear();
             }
         }
         self.maybe_finish(slot);
