@@ -288,9 +288,6 @@ impl WorkerCore {
             .map_or(&[], |g| &g.members[..]);
         let mut err = None;
         let mut j = start;
-        // `(nics, nic)` of the previous destination: the next one with the
-        // same NIC count takes the next NIC (`j % nics` without a division).
-        let mut prev = (0usize, 0usize);
         while let Some(d) = v.get(j) {
             if d.len > cap {
                 break;
@@ -303,16 +300,7 @@ impl WorkerCore {
                 });
                 break;
             }
-            let nic = if prev.0 == nics {
-                if prev.1 + 1 == nics {
-                    0
-                } else {
-                    prev.1 + 1
-                }
-            } else {
-                j % nics
-            };
-            prev = (nics, nic);
+            let nic = j % nics;
             // `member_route`.
             let rkey = match d.keys.rkey(nic) {
                 Ok(r) => r,
