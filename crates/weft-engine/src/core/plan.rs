@@ -3,7 +3,7 @@
 
 use super::nic::send_op;
 use super::registry::Member;
-use super::route::{build_write, Route, Routes, Target};
+use super::route::{build_write, Routes, Target};
 use super::slab::SendRes;
 use super::{transport, WorkerCore};
 use crate::error::EngineError;
@@ -12,7 +12,8 @@ use crate::request::{Body, Dsts, RoutedDst};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
 use weft_transport::{
-    Access, Imm, Incarnation, LocalMr, MemRegion, NetAddr, Pages, RemoteSlice, WrId, WriteWr,
+    Access, Imm, Incarnation, LocalMr, LocalSlice, MemRegion, NetAddr, Pages, RemoteSlice, WrId,
+    WriteWr,
 };
 
 impl WorkerCore {
@@ -319,28 +320,39 @@ impl WorkerCore {
                 });
                 break;
             };
-            let route = Route {
-                mr: src_mrs.get(nic).copied().flatten(),
-                peer,
-                rkey,
+            let Some(mr) = src_mrs.get(nic).copied().flatten() else {
+                // `build_write` without a source registration on `nic`.
+                err = Some(EngineError::OutOfBounds {
+                    what: format!("source on NIC {nic}"),
+                    offset: d.src_offset,
+                    len: d.len,
+                    region_len: 0,
+                });
+                break;
             };
-            match build_write(
+            // `build_write` without its span checks: submit checked the
+            // source span against this registration and the destination
+            // span against the descriptor `d.keys` was made from.
+            debug_assert!(mr.slice(d.src_offset, d.len).is_some());
+            debug_assert!(d
+                .dst_offset
+                .checked_add(d.len)
+                .is_some_and(|e| e <= d.keys.region_len));
+            self.nics[nic].fresh.push_back(WriteWr {
                 wr,
-                route,
-                nic,
-                d.src_offset,
-                d.keys.base,
-                d.keys.region_len,
-                d.dst_offset,
-                d.len,
+                peer,
+                src: LocalSlice {
+                    mr: mr.key,
+                    addr: mr.addr.wrapping_add(d.src_offset),
+                    len: d.len,
+                },
+                dst: RemoteSlice {
+                    base: d.keys.base,
+                    offset: d.dst_offset,
+                    rkey,
+                },
                 imm,
-            ) {
-                Ok(w) => self.nics[nic].fresh.push_back(w),
-                Err(e) => {
-                    err = Some(e);
-                    break;
-                }
-            }
+            });
             j += 1;
         }
         // `push_op`'s counts, once for the run.
