@@ -236,13 +236,30 @@ impl WorkerCore {
             let Some(route) = routes.cached(nic) else {
                 break;
             };
-            match build_write(wr, route, nic, so, base, region_len, d_o, page_len, imm) {
-                Ok(w) => self.nics[nic].fresh.push_back(w),
-                Err(e) => {
-                    err = Some(e);
-                    break;
-                }
-            }
+            let Some(mr) = route.mr else {
+                // `build_write` without a source registration on `nic`.
+                err = build_write(wr, route, nic, so, base, region_len, d_o, page_len, imm).err();
+                break;
+            };
+            // `build_write` without its span checks: submit checked every
+            // page of both sides (the largest page index of each).
+            debug_assert!(mr.slice(so, page_len).is_some());
+            debug_assert!(d_o.checked_add(page_len).is_some_and(|e| e <= region_len));
+            self.nics[nic].fresh.push_back(WriteWr {
+                wr,
+                peer: route.peer,
+                src: LocalSlice {
+                    mr: mr.key,
+                    addr: mr.addr.wrapping_add(so),
+                    len: page_len,
+                },
+                dst: RemoteSlice {
+                    base,
+                    offset: d_o,
+                    rkey: route.rkey,
+                },
+                imm,
+            });
             i += 1;
             nic += 1;
             if nic == nics {
