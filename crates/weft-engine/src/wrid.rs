@@ -40,6 +40,13 @@ pub(crate) fn wr_recv(pool: u16, idx: u32) -> WrId {
     WrId((KIND_RECV << KIND_SHIFT) | (u64::from(pool) << 32) | u64::from(idx))
 }
 
+/// Whether `wr` is a transfer's SEND (made by [`wr_transfer`] with
+/// [`KIND_SEND`]).
+#[inline]
+pub(crate) fn is_send(wr: WrId) -> bool {
+    wr.0 >> KIND_SHIFT == KIND_SEND
+}
+
 /// What a [`WrId`] names.
 pub(crate) enum Decoded {
     Transfer { slot: u32, gen: u32 },

@@ -26,7 +26,6 @@
 //! atomic load before each request and control message
 //! ([`WorkerCore::sync_incarnations`]); nothing is checked per WR.
 
-use super::nic::Op;
 use super::WorkerCore;
 use crate::error::EngineError;
 use crate::incarnation::Refused;
@@ -137,11 +136,7 @@ impl WorkerCore {
             let mut keep = VecDeque::with_capacity(ring.len());
             let mut failed = Vec::new();
             for op in ring {
-                let to = match op {
-                    Op::Write(w) => w.peer,
-                    Op::Send { peer, .. } => peer,
-                };
-                if to == peer {
+                if op.peer == peer {
                     failed.push(op);
                 } else {
                     keep.push_back(op);

@@ -49,9 +49,7 @@ use nic::Nic;
 use registry::Registry;
 use slab::Slab;
 use std::sync::Arc;
-use weft_transport::{
-    Access, Completion, Domain, LocalMr, MemRegion, NetAddr, TransportError, WriteWr,
-};
+use weft_transport::{Access, Completion, Domain, LocalMr, MemRegion, NetAddr, TransportError};
 
 /// What the core hands to the driver.
 pub(crate) enum Event {
@@ -125,7 +123,6 @@ pub(crate) struct WorkerCore {
     max_write_len: u64,
     rr: usize,
     events: Vec<Event>,
-    scratch: Vec<WriteWr>,
     /// Reused buffer of planned pieces.
     pieces: Vec<Piece>,
     comps: Vec<Completion>,
@@ -225,7 +222,6 @@ impl WorkerCore {
             max_write_len,
             rr: 0,
             events: Vec::new(),
-            scratch: Vec::new(),
             pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
@@ -354,6 +350,9 @@ impl WorkerCore {
                 } else {
                     n.backlog.append(&mut n.fresh);
                 }
+                // Empty: start the next request's WRs at the buffer's
+                // start, so growing it never moves a wrapped ring.
+                n.fresh.clear();
             }
         }
         self.maybe_finish(slot);
@@ -369,7 +368,7 @@ impl WorkerCore {
         }
         for nic in 0..self.nics.len() {
             while let Some(op) = self.nics[nic].backlog.pop_front() {
-                self.skip_piece(op.wr());
+                self.skip_piece(op.wr);
             }
         }
     }

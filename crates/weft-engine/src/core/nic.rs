@@ -5,33 +5,34 @@
 
 use super::{transport, Event, WorkerCore};
 use crate::error::EngineError;
-use crate::wrid::{decode, Decoded};
+use crate::wrid::{decode, is_send, Decoded};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use weft_transport::{
     Capabilities, Completion, Domain, Incarnation, LocalSlice, NetAddr, PeerId, PostError,
-    TransportError, WrId, WriteWr,
+    RemoteSlice, Rkey, TransportError, WrId, WriteWr,
 };
 
-/// A work request waiting for send-queue room.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Op {
-    Write(WriteWr),
-    Send {
-        wr: WrId,
-        peer: PeerId,
-        src: LocalSlice,
-    },
-}
+/// A work request waiting for send-queue room: a WRITE, or a SEND (its WR
+/// id's kind is `KIND_SEND`, see [`is_send`]; `peer` and `src` are the
+/// SEND's, `dst` and `imm` are unused). One type for both, so the rings'
+/// WRITEs are handed to the backend in place (`post_writes` takes a slice
+/// of the ring), never copied into a separate batch.
+pub(super) type Op = WriteWr;
 
-impl Op {
-    /// The WR id the op is posted under.
-    #[inline]
-    pub(super) fn wr(&self) -> WrId {
-        match self {
-            Op::Write(w) => w.wr,
-            Op::Send { wr, .. } => *wr,
-        }
+/// The ring entry of a SEND.
+#[inline]
+pub(super) fn send_op(wr: WrId, peer: PeerId, src: LocalSlice) -> Op {
+    WriteWr {
+        wr,
+        peer,
+        src,
+        dst: RemoteSlice {
+            base: 0,
+            offset: 0,
+            rkey: Rkey(0),
+        },
+        imm: None,
     }
 }
 
@@ -184,6 +185,10 @@ impl WorkerCore {
 
     /// Posts from one ring of one NIC while there is room. Returns whether
     /// anything was posted or resolved.
+    ///
+    /// WRITEs go to the backend straight from the ring (a slice of its
+    /// front, no copy) and leave it once accepted; what the backend does
+    /// not take stays at the front, in order.
     pub(super) fn post_ring(&mut self, nic: usize, fresh: bool) -> bool {
         let mut progressed = false;
         loop {
@@ -199,125 +204,128 @@ impl WorkerCore {
             if room == 0 {
                 return progressed;
             }
+            let max = room.min(n.caps.max_batch);
             // Skip (and resolve) pieces of transfers that already failed.
             let Some(front) = self.ring(nic, fresh).front().copied() else {
                 return progressed;
             };
-            if self.slab.failed(front.wr()) {
+            if self.slab.failed(front.wr) {
                 self.ring(nic, fresh).pop_front();
-                self.skip_piece(front.wr());
+                self.skip_piece(front.wr);
                 progressed = true;
                 continue;
             }
-            match front {
-                Op::Send { wr, peer, src } => {
-                    self.ring(nic, fresh).pop_front();
-                    match self.nics[nic].domain.post_send(wr, peer, src) {
-                        Ok(()) => {
-                            self.posted(nic, wr);
-                            self.counters.posted(nic, 1, src.len);
-                            progressed = true;
-                        }
-                        Err(e) if e.is_retryable() => {
-                            self.ring(nic, fresh).push_front(front);
-                            return progressed;
-                        }
-                        Err(e) => {
-                            self.post_failed(nic, wr, Some(peer), e);
-                            progressed = true;
-                        }
+            if is_send(front.wr) {
+                self.ring(nic, fresh).pop_front();
+                match self.nics[nic]
+                    .domain
+                    .post_send(front.wr, front.peer, front.src)
+                {
+                    Ok(()) => {
+                        self.posted(nic, front.wr);
+                        self.counters.posted(nic, 1, front.src.len);
+                        progressed = true;
                     }
-                }
-                Op::Write(_) => {
-                    let max = room.min(self.nics[nic].caps.max_batch);
-                    self.scratch.clear();
-                    // Whether the transfer of the previous WR failed: the
-                    // pieces of one transfer share its WR id and sit next to
-                    // each other, and nothing in this loop changes whether a
-                    // transfer failed (a skipped piece can finish its
-                    // transfer only once no other piece of it is queued).
-                    let mut last: Option<(WrId, bool)> = None;
-                    while self.scratch.len() < max {
-                        // Taken off the ring whether it is posted or
-                        // skipped: one ring access and one copy of the WR.
-                        let ring = self.ring(nic, fresh);
-                        let w = match ring.front() {
-                            Some(Op::Write(w)) => *w,
-                            _ => break,
-                        };
-                        ring.pop_front();
-                        let failed = match last {
-                            Some((id, f)) if id == w.wr => f,
-                            _ => {
-                                let f = self.slab.failed(w.wr);
-                                last = Some((w.wr, f));
-                                f
-                            }
-                        };
-                        if failed {
-                            self.skip_piece(w.wr);
-                            continue;
-                        }
-                        self.scratch.push(w);
-                    }
-                    if self.scratch.is_empty() {
-                        continue;
-                    }
-                    let batch = std::mem::take(&mut self.scratch);
-                    let (accepted, err) = match self.nics[nic].domain.post_writes(&batch) {
-                        Ok(k) => (k.min(batch.len()), None),
-                        Err(PostError { posted, error }) => (posted.min(batch.len()), Some(error)),
-                    };
-                    let mut bytes = 0u64;
-                    // One slab update per run of WRs of one transfer.
-                    let mut run: Option<(WrId, usize)> = None;
-                    for w in &batch[..accepted] {
-                        bytes = bytes.wrapping_add(w.src.len);
-                        match &mut run {
-                            Some((id, k)) if *id == w.wr => *k += 1,
-                            _ => {
-                                if let Some((id, k)) = run.replace((w.wr, 1)) {
-                                    self.posted_n(nic, id, k);
-                                }
-                            }
-                        }
-                    }
-                    if let Some((id, k)) = run {
-                        self.posted_n(nic, id, k);
-                    }
-                    self.counters.posted(nic, accepted as u64, bytes);
-                    progressed |= accepted > 0;
-                    let mut rest = accepted;
-                    let mut stop = accepted < batch.len() && err.is_none();
-                    let mut died = None;
-                    if let Some(e) = err {
-                        if e.is_retryable() {
-                            stop = true;
-                        } else if let Some(w) = batch.get(accepted) {
-                            let fatal = matches!(e, TransportError::NicDown { .. });
-                            self.post_failed(nic, w.wr, Some(w.peer), e.clone());
-                            rest += 1;
-                            progressed = true;
-                            if fatal {
-                                died = Some(e);
-                            }
-                        }
-                    }
-                    // Put back what was not taken, in order, at the front.
-                    for w in batch[rest.min(batch.len())..].iter().rev() {
-                        self.ring(nic, fresh).push_front(Op::Write(*w));
-                    }
-                    self.scratch = batch;
-                    if let Some(e) = died {
-                        // Resolve what is already posted on this NIC too:
-                        // `poll` skips dead NICs, so nothing else would.
-                        tracing::error!(group = self.group, nic, error = %e, "NIC down on post");
-                        self.nic_died(nic, e);
-                    }
-                    if stop {
+                    Err(e) if e.is_retryable() => {
+                        self.ring(nic, fresh).push_front(front);
                         return progressed;
                     }
+                    Err(e) => {
+                        self.post_failed(nic, front.wr, Some(front.peer), e);
+                        progressed = true;
+                    }
                 }
+                continue;
+            }
+            // A run of WRITEs from the front: at most `max`, within the
+            // ring's first contiguous slice, up to the first SEND or WR of
+            // a failed transfer (those are handled by the next lap). The
+            // pieces of one transfer share its WR id and sit next to each
+            // other, so the checks run once per transfer, and nothing here
+            // changes whether a transfer failed until the post returns.
+            let n = &mut self.nics[nic];
+            let ring = if fresh { &n.fresh } else { &n.backlog };
+            let head = ring.as_slices().0;
+            let lim = head.len().min(max);
+            let mut k = 1;
+            let mut cur = front.wr;
+            while k < lim {
+                let w = head[k].wr;
+                if w != cur {
+                    if is_send(w) || self.slab.failed(w) {
+                        break;
+                    }
+                    cur = w;
+                }
+                k += 1;
+            }
+            let batch = &head[..k];
+            let (accepted, err) = match n.domain.post_writes(batch) {
+                Ok(a) => (a.min(k), None),
+                Err(PostError { posted, error }) => (posted.min(k), Some(error)),
+            };
+            let mut bytes = 0u64;
+            // One slab update per run of WRs of one transfer.
+            let mut run: Option<(WrId, usize)> = None;
+            for w in &batch[..accepted] {
+                bytes = bytes.wrapping_add(w.src.len);
+                match &mut run {
+                    Some((id, c)) if *id == w.wr => *c += 1,
+                    _ => {
+                        if let Some((id, c)) = run.replace((w.wr, 1)) {
+                            self.slab.posted_run(
+                                nic,
+                                id,
+                                c,
+                                #[cfg(feature = "latency-probe")]
+                                &self.probes,
+                            );
+                        }
+                    }
+                }
+            }
+            if let Some((id, c)) = run {
+                self.slab.posted_run(
+                    nic,
+                    id,
+                    c,
+                    #[cfg(feature = "latency-probe")]
+                    &self.probes,
+                );
+            }
+            let rejected = match &err {
+                Some(e) if !e.is_retryable() => batch.get(accepted).copied(),
+                _ => None,
+            };
+            let stop = match &err {
+                None => accepted < k,
+                Some(e) => e.is_retryable(),
+            };
+            n.inflight += accepted;
+            self.pending_pieces = self.pending_pieces.saturating_sub(accepted);
+            self.counters.posted(nic, accepted as u64, bytes);
+            progressed |= accepted > 0;
+            // The accepted WRs (and a rejected one) leave the ring.
+            let taken = accepted + usize::from(rejected.is_some());
+            let ring = self.ring(nic, fresh);
+            if taken == ring.len() {
+                ring.clear();
+            } else if taken > 0 {
+                ring.drain(..taken);
+            }
+            if let (Some(w), Some(e)) = (rejected, err) {
+                let fatal = matches!(e, TransportError::NicDown { .. });
+                self.post_failed(nic, w.wr, Some(w.peer), e.clone());
+                progressed = true;
+                if fatal {
+                    // Resolve what is already posted on this NIC too:
+                    // `poll` skips dead NICs, so nothing else would.
+                    tracing::error!(group = self.group, nic, error = %e, "NIC down on post");
+                    self.nic_died(nic, e);
+                }
+            }
+            if stop {
+                return progressed;
             }
         }
     }

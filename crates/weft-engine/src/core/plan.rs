@@ -1,16 +1,20 @@
 //! Planning: a request body becomes pieces (see [`crate::shard`]) and each
 //! piece a WR on the fresh ring of its NIC.
 
-use super::nic::Op;
-use super::route::{Routes, Target};
+use super::nic::send_op;
+use super::registry::Member;
+use super::route::{build_write, Routes, Target};
 use super::slab::SendRes;
 use super::{transport, WorkerCore};
 use crate::error::EngineError;
 use crate::mem::SendPayload;
-use crate::request::{Body, Dsts};
+use crate::request::{Body, Dsts, RoutedDst};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
-use weft_transport::{Access, Imm, Incarnation, MemRegion, NetAddr, RemoteSlice, WrId, WriteWr};
+use weft_transport::{
+    Access, Imm, Incarnation, LocalMr, LocalSlice, MemRegion, NetAddr, Pages, RemoteSlice, WrId,
+    WriteWr,
+};
 
 impl WorkerCore {
     pub(super) fn plan(&mut self, slot: u32, wr: WrId, body: Body) -> Result<(), EngineError> {
@@ -61,7 +65,20 @@ impl WorkerCore {
                 // (what `plan_page` says): pushed without the piece list.
                 let one_piece = page_len > 0
                     && page_len <= shard::piece_cap(self.max_write_len, self.shard.align);
-                for i in 0..src_pages.len() {
+                let mut i = 0;
+                while i < src_pages.len() {
+                    if one_piece && i >= nics {
+                        // Pages 0..nics looked up every NIC's route: the
+                        // rest are pushed in one run.
+                        let next = self.push_paged_run(
+                            slot, wr, &routes, nics, i, &src_pages, &dst_pages, page_len, target,
+                            imm,
+                        )?;
+                        if next > i {
+                            i = next;
+                            continue;
+                        }
+                    }
                     let (Some(so), Some(d_o)) =
                         (src_pages.page_offset(i), dst_pages.page_offset(i))
                     else {
@@ -73,6 +90,7 @@ impl WorkerCore {
                         let nic = i % nics;
                         let route = self.route(&mut routes, tid, nic, Some(src), target)?;
                         self.push_write(slot, wr, route, nic, so, target, d_o, page_len, imm)?;
+                        i += 1;
                         continue;
                     }
                     shard::plan_page_into(
@@ -84,6 +102,7 @@ impl WorkerCore {
                         self.shard.align,
                     );
                     self.push_pieces(slot, wr, &mut routes, target, src, so, d_o, imm)?;
+                    i += 1;
                 }
                 Ok(())
             }
@@ -107,7 +126,20 @@ impl WorkerCore {
                         src_mrs[l] = Some(*mr);
                     }
                 }
-                for j in 0..dsts.len() {
+                let mut j = 0;
+                while j < dsts.len() {
+                    if j > 0 && matches!(mode, ScatterMode::ByPeer) {
+                        if let Dsts::Routed(v) = &dsts {
+                            // After the first WRITE: runs of one-piece
+                            // destinations are pushed in one go.
+                            let next =
+                                self.push_routed_run(slot, wr, v, j, peers, cap, &src_mrs, imm)?;
+                            if next > j {
+                                j = next;
+                                continue;
+                            }
+                        }
+                    }
                     let one_piece = match (&dsts, mode) {
                         (Dsts::Routed(v), ScatterMode::ByPeer) if v[j].len <= cap => Some(&v[j]),
                         _ => None,
@@ -144,6 +176,7 @@ impl WorkerCore {
                         // Failed (an early post was rejected): plan no more.
                         break;
                     }
+                    j += 1;
                 }
                 Ok(())
             }
@@ -167,6 +200,187 @@ impl WorkerCore {
                 incarnation,
                 payload,
             } => self.plan_send(slot, wr, peer, incarnation, payload),
+        }
+    }
+
+    /// Pushes pages `start..` of a paged write whose pages are one piece
+    /// each (page `i` on NIC `i % nics`, what `plan_page` says) while their
+    /// NIC's route is cached in `routes`: the same WRs as `push_write`
+    /// makes, with the transfer's counts updated once per run. Returns the
+    /// first page not pushed.
+    #[allow(clippy::too_many_arguments)]
+    fn push_paged_run(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        routes: &Routes,
+        nics: usize,
+        start: usize,
+        src_pages: &Pages,
+        dst_pages: &Pages,
+        page_len: u64,
+        target: Target<'_>,
+        imm: Option<Imm>,
+    ) -> Result<usize, EngineError> {
+        let (base, region_len) = (target.base(), target.region_len());
+        let mut err = None;
+        let mut i = start;
+        let mut nic = start % nics.max(1);
+        while i < src_pages.len() {
+            let (Some(so), Some(d_o)) = (src_pages.page_offset(i), dst_pages.page_offset(i)) else {
+                err = Some(EngineError::InvalidArgument {
+                    what: format!("page {i} offset overflows"),
+                });
+                break;
+            };
+            let Some(route) = routes.cached(nic) else {
+                break;
+            };
+            let Some(mr) = route.mr else {
+                // `build_write` without a source registration on `nic`.
+                err = build_write(wr, route, nic, so, base, region_len, d_o, page_len, imm).err();
+                break;
+            };
+            // `build_write` without its span checks: submit checked every
+            // page of both sides (the largest page index of each).
+            debug_assert!(mr.slice(so, page_len).is_some());
+            debug_assert!(d_o.checked_add(page_len).is_some_and(|e| e <= region_len));
+            self.nics[nic].fresh.push_back(WriteWr {
+                wr,
+                peer: route.peer,
+                src: LocalSlice {
+                    mr: mr.key,
+                    addr: mr.addr.wrapping_add(so),
+                    len: page_len,
+                },
+                dst: RemoteSlice {
+                    base,
+                    offset: d_o,
+                    rkey: route.rkey,
+                },
+                imm,
+            });
+            i += 1;
+            nic += 1;
+            if nic == nics {
+                nic = 0;
+            }
+        }
+        // `push_op`'s counts, once for the run.
+        let k = i - start;
+        let t = &mut self.slab[slot as usize];
+        t.remaining += k as u64;
+        t.unposted += k as u64;
+        self.pending_pieces += k;
+        match err {
+            Some(e) => Err(e),
+            None => Ok(i),
+        }
+    }
+
+    /// Pushes destinations `j..` of a routed `ByPeer` scatter for as long
+    /// as each is one piece (length within `cap`: NIC `j % nics`, the whole
+    /// length, what `plan_scatter_dst` says), making the same WRs as the
+    /// per-destination path (`member_route` + `push_write`) with the peer
+    /// group's member table and the transfer's counts looked up once per
+    /// run instead of once per WR. Returns the first destination not
+    /// pushed. Pushing changes no transfer's failure state, so the caller's
+    /// per-destination failure check is not needed inside a run.
+    #[allow(clippy::too_many_arguments)]
+    fn push_routed_run(
+        &mut self,
+        slot: u32,
+        wr: WrId,
+        v: &[RoutedDst],
+        start: usize,
+        peers: u32,
+        cap: u64,
+        src_mrs: &[Option<LocalMr>; MAX_NICS],
+        imm: Option<Imm>,
+    ) -> Result<usize, EngineError> {
+        let local_nics = self.nics.len();
+        let members: &[Member] = self
+            .reg
+            .peer_groups
+            .get(peers as usize)
+            .map_or(&[], |g| &g.members[..]);
+        let mut err = None;
+        let mut j = start;
+        while let Some(d) = v.get(j) {
+            if d.len > cap {
+                break;
+            }
+            // `nics_for(Target::Member)`.
+            let nics = local_nics.min(d.keys.nics);
+            if nics == 0 {
+                err = Some(EngineError::InvalidArgument {
+                    what: "destination descriptor has no rkeys".into(),
+                });
+                break;
+            }
+            let nic = j % nics;
+            // `member_route`.
+            let rkey = match d.keys.rkey(nic) {
+                Ok(r) => r,
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            };
+            let Some(peer) = members
+                .get(j)
+                .and_then(|m| m.nics.get(nic))
+                .map(|(_, id)| *id)
+            else {
+                err = Some(EngineError::InvalidArgument {
+                    what: format!("peer group {peers} member {j} has no NIC {nic}"),
+                });
+                break;
+            };
+            let Some(mr) = src_mrs.get(nic).copied().flatten() else {
+                // `build_write` without a source registration on `nic`.
+                err = Some(EngineError::OutOfBounds {
+                    what: format!("source on NIC {nic}"),
+                    offset: d.src_offset,
+                    len: d.len,
+                    region_len: 0,
+                });
+                break;
+            };
+            // `build_write` without its span checks: submit checked the
+            // source span against this registration and the destination
+            // span against the descriptor `d.keys` was made from.
+            debug_assert!(mr.slice(d.src_offset, d.len).is_some());
+            debug_assert!(d
+                .dst_offset
+                .checked_add(d.len)
+                .is_some_and(|e| e <= d.keys.region_len));
+            self.nics[nic].fresh.push_back(WriteWr {
+                wr,
+                peer,
+                src: LocalSlice {
+                    mr: mr.key,
+                    addr: mr.addr.wrapping_add(d.src_offset),
+                    len: d.len,
+                },
+                dst: RemoteSlice {
+                    base: d.keys.base,
+                    offset: d.dst_offset,
+                    rkey,
+                },
+                imm,
+            });
+            j += 1;
+        }
+        // `push_op`'s counts, once for the run.
+        let k = j - start;
+        let t = &mut self.slab[slot as usize];
+        t.remaining += k as u64;
+        t.unposted += k as u64;
+        self.pending_pieces += k;
+        match err {
+            Some(e) => Err(e),
+            None => Ok(j),
         }
     }
 
@@ -237,7 +451,7 @@ impl WorkerCore {
             },
             imm: Some(imm),
         };
-        self.push_op(slot, nic, Op::Write(w));
+        self.push_op(slot, nic, w);
         Ok(())
     }
 
@@ -333,7 +547,7 @@ impl WorkerCore {
         let src = src.ok_or_else(|| EngineError::InvalidArgument {
             what: "send buffer slice".into(),
         })?;
-        self.push_op(slot, 0, Op::Send { wr, peer: pid, src });
+        self.push_op(slot, 0, send_op(wr, pid, src));
         Ok(())
     }
 }

@@ -62,6 +62,14 @@ pub(super) struct Route {
 #[derive(Default)]
 pub(super) struct Routes([Option<Route>; MAX_NICS]);
 
+impl Routes {
+    /// The route of `nic`, if looked up already.
+    #[inline]
+    pub(super) fn cached(&self, nic: usize) -> Option<Route> {
+        self.0.get(nic).copied().flatten()
+    }
+}
+
 impl WorkerCore {
     pub(super) fn push_op(&mut self, slot: u32, nic: usize, op: Op) {
         let t = &mut self.slab[slot as usize];
@@ -217,40 +225,18 @@ impl WorkerCore {
         len: u64,
         imm: Option<Imm>,
     ) -> Result<(), EngineError> {
-        // The one place a piece becomes a WR: domain, lkey, remote NIC
-        // address and rkey all come from `nic` (its `Route`).
-        let local = route
-            .mr
-            .and_then(|mr| mr.slice(src_off, len))
-            .ok_or_else(|| EngineError::OutOfBounds {
-                what: format!("source on NIC {nic}"),
-                offset: src_off,
-                len,
-                region_len: route.mr.map_or(0, |mr| mr.len),
-            })?;
-        if dst_off
-            .checked_add(len)
-            .is_none_or(|e| e > target.region_len())
-        {
-            return Err(EngineError::OutOfBounds {
-                what: "destination".into(),
-                offset: dst_off,
-                len,
-                region_len: target.region_len(),
-            });
-        }
-        let w = WriteWr {
+        let w = build_write(
             wr,
-            peer: route.peer,
-            src: local,
-            dst: RemoteSlice {
-                base: target.base(),
-                offset: dst_off,
-                rkey: route.rkey,
-            },
+            route,
+            nic,
+            src_off,
+            target.base(),
+            target.region_len(),
+            dst_off,
+            len,
             imm,
-        };
-        self.push_op(slot, nic, Op::Write(w));
+        )?;
+        self.push_op(slot, nic, w);
         Ok(())
     }
 
@@ -314,4 +300,50 @@ impl WorkerCore {
                 what: format!("no NIC {nic}"),
             })
     }
+}
+
+/// The one place a piece becomes a WR: domain, lkey, remote NIC address and
+/// rkey all come from `nic` (its `Route`); the source and destination
+/// spans are checked against the registrations (`base`, `region_len`: the
+/// destination's).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn build_write(
+    wr: WrId,
+    route: Route,
+    nic: usize,
+    src_off: u64,
+    base: u64,
+    region_len: u64,
+    dst_off: u64,
+    len: u64,
+    imm: Option<Imm>,
+) -> Result<WriteWr, EngineError> {
+    let Some(local) = route.mr.and_then(|mr| mr.slice(src_off, len)) else {
+        return Err(EngineError::OutOfBounds {
+            what: format!("source on NIC {nic}"),
+            offset: src_off,
+            len,
+            region_len: route.mr.map_or(0, |mr| mr.len),
+        });
+    };
+    if dst_off.checked_add(len).is_none_or(|e| e > region_len) {
+        return Err(EngineError::OutOfBounds {
+            what: "destination".into(),
+            offset: dst_off,
+            len,
+            region_len,
+        });
+    }
+    Ok(WriteWr {
+        wr,
+        peer: route.peer,
+        src: local,
+        dst: RemoteSlice {
+            base,
+            offset: dst_off,
+            rkey: route.rkey,
+        },
+        imm,
+    })
 }

@@ -112,6 +112,36 @@ impl Slab {
         (slot, 0)
     }
 
+    /// The transfer's side of `k` of its WRs (id `wr`) accepted by NIC
+    /// `nic`; the caller counts them on the NIC and in `pending_pieces`.
+    #[inline]
+    pub(super) fn posted_run(
+        &mut self,
+        nic: usize,
+        wr: WrId,
+        k: usize,
+        #[cfg(feature = "latency-probe")] probes: &crate::probe::ProbeSink,
+    ) {
+        if let Some(slot) = self.lookup(wr) {
+            let t = &mut self.transfers[slot as usize];
+            let k32 = u32::try_from(k).unwrap_or(u32::MAX);
+            if let Some(p) = t.posted_on.get_mut(nic) {
+                *p = p.saturating_add(k32);
+            }
+            t.unposted = t.unposted.saturating_sub(k as u64);
+            #[cfg(feature = "latency-probe")]
+            {
+                if let Some(n) = t.probe.wrs_per_nic.get_mut(nic) {
+                    *n = n.saturating_add(k32);
+                }
+                t.probe.posted(t.unposted == 0);
+                if t.unposted == 0 {
+                    probes.push(t.probe);
+                }
+            }
+        }
+    }
+
     /// Whether the transfer `wr` belongs to has already failed.
     #[inline]
     pub(super) fn failed(&self, wr: WrId) -> bool {
@@ -148,22 +178,13 @@ impl WorkerCore {
     pub(super) fn posted_n(&mut self, nic: usize, wr: WrId, k: usize) {
         self.nics[nic].inflight += k;
         self.pending_pieces = self.pending_pieces.saturating_sub(k);
-        if let Some(slot) = self.slab.lookup(wr) {
-            let t = &mut self.slab[slot as usize];
-            let k32 = u32::try_from(k).unwrap_or(u32::MAX);
-            t.posted_on[nic] = t.posted_on[nic].saturating_add(k32);
-            t.unposted = t.unposted.saturating_sub(k as u64);
+        self.slab.posted_run(
+            nic,
+            wr,
+            k,
             #[cfg(feature = "latency-probe")]
-            {
-                if let Some(n) = t.probe.wrs_per_nic.get_mut(nic) {
-                    *n = n.saturating_add(k32);
-                }
-                t.probe.posted(t.unposted == 0);
-                if t.unposted == 0 {
-                    self.probes.push(t.probe);
-                }
-            }
-        }
+            &self.probes,
+        );
     }
 
     /// A piece never reached the backend (failed transfer): resolve it.
@@ -178,11 +199,7 @@ impl WorkerCore {
     }
 
     pub(super) fn unposted_failed(&mut self, nic: usize, op: Op, e: TransportError) {
-        let peer = match op {
-            Op::Write(w) => Some(w.peer),
-            Op::Send { peer, .. } => Some(peer),
-        };
-        self.post_failed(nic, op.wr(), peer, e);
+        self.post_failed(nic, op.wr, Some(op.peer), e);
     }
 
     /// The backend rejected a WR at post time.
