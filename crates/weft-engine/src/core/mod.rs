@@ -268,16 +268,31 @@ impl WorkerCore {
         self.nics.iter().any(|n| n.caps.software_progress)
     }
 
-    /// Every NIC's wait fd ([`weft_transport::Domain::wait_fd`]), or `None`
-    /// if one of them has none.
+    /// Every live NIC's wait fd ([`weft_transport::Domain::wait_fd`]), or
+    /// `None` if one of them has none. Dead NICs are left out: nothing
+    /// polls them any more, so their fds and pending work must not keep
+    /// the worker awake.
     pub(crate) fn wait_fds(&self) -> Option<Vec<std::os::fd::RawFd>> {
-        self.nics.iter().map(|n| n.domain.wait_fd()).collect()
+        self.nics
+            .iter()
+            .filter(|n| n.dead.is_none())
+            .map(|n| n.domain.wait_fd())
+            .collect()
     }
 
-    /// Whether every NIC lets the worker sleep on its wait fd now
+    /// Whether every live NIC lets the worker sleep on its wait fd now
     /// ([`weft_transport::Domain::try_wait`]).
     pub(crate) fn try_wait(&mut self) -> bool {
-        self.nics.iter_mut().all(|n| n.domain.try_wait())
+        self.nics
+            .iter_mut()
+            .filter(|n| n.dead.is_none())
+            .all(|n| n.domain.try_wait())
+    }
+
+    /// How many of the group's NICs died (the worker rebuilds its wait-fd
+    /// set when this changes).
+    pub(crate) fn dead_nics(&self) -> usize {
+        self.nics.iter().filter(|n| n.dead.is_some()).count()
     }
 
     /// Whether WRs are posted and not yet completed, or waiting for room.

@@ -276,6 +276,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     };
     let block_after = ctx_block_after(&idle, blocker.is_some());
     let mut idle_since: Option<Instant> = None;
+    let mut dead_nics = 0;
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
@@ -310,6 +311,11 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 last_progress = Instant::now();
             }
             let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
+            if blocker.is_some() && w.core.dead_nics() != dead_nics {
+                // A NIC died: sleep on the live NICs' fds only.
+                dead_nics = w.core.dead_nics();
+                blocker = Blocker::new(w.core.wait_fds(), w.shared.wake_fd.as_ref());
+            }
             if let (Some(after), Some(b)) = (block_after, blocker.as_mut()) {
                 // Adaptive, software progress, wait fds: poll (yielding)
                 // for `after`, then sleep in the fds while nothing is
