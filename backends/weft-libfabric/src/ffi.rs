@@ -1138,19 +1138,26 @@ impl Resources {
         let dops = unsafe { (*r.domain).ops };
 
         let cq_open = op!(r, dops, FiOpsDomain, cq_open, "fi_cq_open")?;
-        let mut opened = false;
-        if wait_fd {
+        let open_cq = |r: &mut Resources, wait_obj: c_int| {
             let mut cq_attr = Padded::new(FiCqAttr {
                 size: 0,
                 flags: 0,
                 format: FI_CQ_FORMAT_DATA,
-                wait_obj: FI_WAIT_FD,
+                wait_obj,
                 signaling_vector: 0,
                 wait_cond: 0,
                 wait_set: ptr::null_mut(),
             });
             // SAFETY: valid domain, attribute struct padded for newer ABIs.
             let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
+            if rc != 0 {
+                r.cq = ptr::null_mut();
+            }
+            rc
+        };
+        let mut opened = false;
+        if wait_fd {
+            let rc = open_cq(&mut r, FI_WAIT_FD);
             if rc == 0 {
                 opened = true;
                 r.wait_fd = r.cq_getwait();
@@ -1158,7 +1165,6 @@ impl Resources {
                     tracing::debug!(nic, "CQ opened with FI_WAIT_FD but FI_GETWAIT failed");
                 }
             } else {
-                r.cq = ptr::null_mut();
                 tracing::debug!(
                     nic,
                     rc,
@@ -1167,17 +1173,7 @@ impl Resources {
             }
         }
         if !opened {
-            let mut cq_attr = Padded::new(FiCqAttr {
-                size: 0,
-                flags: 0,
-                format: FI_CQ_FORMAT_DATA,
-                wait_obj: FI_WAIT_NONE,
-                signaling_vector: 0,
-                wait_cond: 0,
-                wait_set: ptr::null_mut(),
-            });
-            // SAFETY: valid domain, attribute struct padded for newer ABIs.
-            let rc = unsafe { cq_open(r.domain, cq_attr.as_mut(), &mut r.cq, ptr::null_mut()) };
+            let rc = open_cq(&mut r, FI_WAIT_NONE);
             r.check("fi_cq_open", i64::from(rc))?;
         }
 

@@ -15,7 +15,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, TransferEngine};
+use weft_engine::{DomainGroupSpec, EngineConfig, Imm, MrDesc, MrHandle, OnDone, TransferEngine};
 use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
 use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{Access, Completion, Domain, RemoteSlice, WrId, WriteWr};
@@ -74,18 +74,18 @@ fn domain_wakes_its_sleeper(name: &str) {
     // a first WRITE to a target asleep in its fd waits for the target's
     // next poll; the engine bounds that sleep, see `EngineConfig::
     // idle_block_after`).
-    let warm = WriteWr {
-        wr: WrId(99),
+    let write = |id: u64, len: u64, imm: Option<u32>| WriteWr {
+        wr: WrId(id),
         peer,
-        src: smr.slice(0, 64).unwrap(),
+        src: smr.slice(0, len).unwrap(),
         dst: RemoteSlice {
             base: dmr.addr,
             offset: 0,
             rkey: dmr.rkey,
         },
-        imm: None,
+        imm,
     };
-    a.post_write(&warm).unwrap();
+    a.post_write(&write(99, 64, None)).unwrap();
     let mut oa = Vec::new();
     weft_testkit::wait_until(&format!("{name}: first contact"), DEADLINE, || {
         a.poll(&mut oa).unwrap();
@@ -108,18 +108,8 @@ fn domain_wakes_its_sleeper(name: &str) {
             !readable(fd, Duration::ZERO),
             "{name} #{round}: idle fd readable"
         );
-        let wr = WriteWr {
-            wr: WrId(u64::from(round)),
-            peer,
-            src: smr.slice(0, 8192).unwrap(),
-            dst: RemoteSlice {
-                base: dmr.addr,
-                offset: 0,
-                rkey: dmr.rkey,
-            },
-            imm: Some(100 + round),
-        };
-        a.post_write(&wr).unwrap();
+        a.post_write(&write(u64::from(round), 8192, Some(100 + round)))
+            .unwrap();
         // The initiator progresses on another thread while b sleeps in
         // its fd (on tcp nothing reaches b without a's progress).
         let t = Instant::now();
@@ -181,6 +171,21 @@ fn engine(name: &str) -> Option<TransferEngine> {
     )
 }
 
+/// A single WRITE of `len` bytes from offset 0 to offset 0, waited for.
+fn write_and_wait(
+    from: &TransferEngine,
+    len: u64,
+    imm: Option<Imm>,
+    src: &MrHandle,
+    dst: &MrDesc,
+    what: &str,
+) {
+    let (on, flag) = OnDone::flag();
+    from.submit_single_write(len, imm, (src, 0), (dst, 0), on)
+        .unwrap();
+    flag.wait_timeout(DEADLINE).expect(what).unwrap();
+}
+
 fn fd_sleeps(e: &TransferEngine) -> u64 {
     e.stats().groups[0].fd_sleeps
 }
@@ -211,22 +216,21 @@ fn sleeping_engines_get_all_work(name: &str) {
 
     // 1. A WRITE without immediate into the sleeping b.
     slept_again(name, "b", &b);
-    let (on, flag) = OnDone::flag();
-    a.submit_single_write(len as u64, None, (&smr, 0), (&ddesc, 0), on)
-        .unwrap();
-    flag.wait_timeout(DEADLINE)
-        .expect("write into a sleeping engine completes")
-        .unwrap();
+    write_and_wait(
+        &a,
+        len as u64,
+        None,
+        &smr,
+        &ddesc,
+        "write into a sleeping engine completes",
+    );
     assert_eq!(dst.bytes(0, len), src.bytes(0, len), "{name}: bytes");
 
     // 2. An immediate that reaches the sleeping b before its round is
     //    armed, then one after.
     let imm = b.alloc_imm().unwrap();
     slept_again(name, "b", &b);
-    let (on, f1) = OnDone::flag();
-    a.submit_single_write(1024, Some(imm), (&smr, 0), (&ddesc, 0), on)
-        .unwrap();
-    f1.wait_timeout(DEADLINE).expect("early imm write").unwrap();
+    write_and_wait(&a, 1024, Some(imm), &smr, &ddesc, "early imm write");
     slept_again(name, "b", &b);
     let (on, r1) = OnDone::flag();
     b.expect_imm_count_with(imm, 1, on).unwrap();
@@ -236,22 +240,21 @@ fn sleeping_engines_get_all_work(name: &str) {
     let (on, r2) = OnDone::flag();
     b.expect_imm_count_with(imm, 1, on).unwrap();
     slept_again(name, "a", &a);
-    let (on, f2) = OnDone::flag();
-    a.submit_single_write(1024, Some(imm), (&smr, 0), (&ddesc, 0), on)
-        .unwrap();
-    f2.wait_timeout(DEADLINE).expect("armed imm write").unwrap();
+    write_and_wait(&a, 1024, Some(imm), &smr, &ddesc, "armed imm write");
     r2.wait_timeout(DEADLINE).expect("armed round").unwrap();
 
     // 3. b's own submit wakes b (its eventfd), and its WRITE reaches the
     //    sleeping a.
     slept_again(name, "a", &a);
     slept_again(name, "b", &b);
-    let (on, f3) = OnDone::flag();
-    b.submit_single_write(len as u64, None, (&bsmr, 0), (&back_desc, 0), on)
-        .unwrap();
-    f3.wait_timeout(DEADLINE)
-        .expect("write from a sleeping engine")
-        .unwrap();
+    write_and_wait(
+        &b,
+        len as u64,
+        None,
+        &bsmr,
+        &back_desc,
+        "write from a sleeping engine",
+    );
     assert_eq!(back.bytes(0, len), src.bytes(0, len), "{name}: bytes back");
 
     assert!(fd_sleeps(&a) > 0 && fd_sleeps(&b) > 0);

@@ -3,7 +3,7 @@
 
 use super::nic::send_op;
 use super::registry::Member;
-use super::route::{build_write, Routes, Target};
+use super::route::{build_write, build_write_checked, Routes, Target};
 use super::slab::SendRes;
 use super::{transport, WorkerCore};
 use crate::error::EngineError;
@@ -12,8 +12,7 @@ use crate::request::{Body, Dsts, RoutedDst};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
 use weft_transport::{
-    Access, Imm, Incarnation, LocalMr, LocalSlice, MemRegion, NetAddr, Pages, RemoteSlice, WrId,
-    WriteWr,
+    Access, Imm, Incarnation, LocalMr, MemRegion, NetAddr, Pages, RemoteSlice, WrId, WriteWr,
 };
 
 impl WorkerCore {
@@ -241,25 +240,11 @@ impl WorkerCore {
                 err = build_write(wr, route, nic, so, base, region_len, d_o, page_len, imm).err();
                 break;
             };
-            // `build_write` without its span checks: submit checked every
-            // page of both sides (the largest page index of each).
-            debug_assert!(mr.slice(so, page_len).is_some());
-            debug_assert!(d_o.checked_add(page_len).is_some_and(|e| e <= region_len));
-            self.nics[nic].fresh.push_back(WriteWr {
-                wr,
-                peer: route.peer,
-                src: LocalSlice {
-                    mr: mr.key,
-                    addr: mr.addr.wrapping_add(so),
-                    len: page_len,
-                },
-                dst: RemoteSlice {
-                    base,
-                    offset: d_o,
-                    rkey: route.rkey,
-                },
-                imm,
-            });
+            // Submit checked every page of both sides (the largest page
+            // index of each).
+            self.nics[nic].fresh.push_back(build_write_checked(
+                wr, route.peer, mr, so, base, region_len, d_o, route.rkey, page_len, imm,
+            ));
             i += 1;
             nic += 1;
             if nic == nics {
@@ -267,11 +252,7 @@ impl WorkerCore {
             }
         }
         // `push_op`'s counts, once for the run.
-        let k = i - start;
-        let t = &mut self.slab[slot as usize];
-        t.remaining += k as u64;
-        t.unposted += k as u64;
-        self.pending_pieces += k;
+        self.count_pushed(slot, i - start);
         match err {
             Some(e) => Err(e),
             None => Ok(i),
@@ -347,37 +328,25 @@ impl WorkerCore {
                 });
                 break;
             };
-            // `build_write` without its span checks: submit checked the
-            // source span against this registration and the destination
-            // span against the descriptor `d.keys` was made from.
-            debug_assert!(mr.slice(d.src_offset, d.len).is_some());
-            debug_assert!(d
-                .dst_offset
-                .checked_add(d.len)
-                .is_some_and(|e| e <= d.keys.region_len));
-            self.nics[nic].fresh.push_back(WriteWr {
+            // Submit checked the source span against this registration
+            // and the destination span against the descriptor `d.keys`
+            // was made from.
+            self.nics[nic].fresh.push_back(build_write_checked(
                 wr,
                 peer,
-                src: LocalSlice {
-                    mr: mr.key,
-                    addr: mr.addr.wrapping_add(d.src_offset),
-                    len: d.len,
-                },
-                dst: RemoteSlice {
-                    base: d.keys.base,
-                    offset: d.dst_offset,
-                    rkey,
-                },
+                mr,
+                d.src_offset,
+                d.keys.base,
+                d.keys.region_len,
+                d.dst_offset,
+                rkey,
+                d.len,
                 imm,
-            });
+            ));
             j += 1;
         }
         // `push_op`'s counts, once for the run.
-        let k = j - start;
-        let t = &mut self.slab[slot as usize];
-        t.remaining += k as u64;
-        t.unposted += k as u64;
-        self.pending_pieces += k;
+        self.count_pushed(slot, j - start);
         match err {
             Some(e) => Err(e),
             None => Ok(j),

@@ -72,11 +72,17 @@ impl Routes {
 
 impl WorkerCore {
     pub(super) fn push_op(&mut self, slot: u32, nic: usize, op: Op) {
-        let t = &mut self.slab[slot as usize];
-        t.remaining += 1;
-        t.unposted += 1;
-        self.pending_pieces += 1;
+        self.count_pushed(slot, 1);
         self.nics[nic].fresh.push_back(op);
+    }
+
+    /// `k` more WRs of transfer `slot` were pushed to fresh rings.
+    #[inline]
+    pub(super) fn count_pushed(&mut self, slot: u32, k: usize) {
+        let t = &mut self.slab[slot as usize];
+        t.remaining += k as u64;
+        t.unposted += k as u64;
+        self.pending_pieces += k;
     }
 
     /// The route of `nic` toward `target` from source registration `src`
@@ -346,4 +352,39 @@ pub(super) fn build_write(
         },
         imm,
     })
+}
+
+/// [`build_write`] for spans that submit already checked (the runs of
+/// `plan`): the checks are only debug-asserted here.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn build_write_checked(
+    wr: WrId,
+    peer: PeerId,
+    mr: LocalMr,
+    src_off: u64,
+    base: u64,
+    region_len: u64,
+    dst_off: u64,
+    rkey: Rkey,
+    len: u64,
+    imm: Option<Imm>,
+) -> WriteWr {
+    debug_assert!(mr.slice(src_off, len).is_some());
+    debug_assert!(dst_off.checked_add(len).is_some_and(|e| e <= region_len));
+    WriteWr {
+        wr,
+        peer,
+        src: LocalSlice {
+            mr: mr.key,
+            addr: mr.addr.wrapping_add(src_off),
+            len,
+        },
+        dst: RemoteSlice {
+            base,
+            offset: dst_off,
+            rkey,
+        },
+        imm,
+    }
 }

@@ -168,20 +168,16 @@ impl Slab {
 }
 
 impl WorkerCore {
+    /// One WR (a SEND) of transfer `wr` was accepted by NIC `nic`. Runs of
+    /// WRITEs are counted in `post_ring` itself (`Slab::posted_run` once
+    /// per run of one transfer).
     pub(super) fn posted(&mut self, nic: usize, wr: WrId) {
-        self.posted_n(nic, wr, 1);
-    }
-
-    /// `k` WRs of transfer `wr` were accepted by NIC `nic` (one call per
-    /// run of consecutive WRs of one transfer in a posted batch: the
-    /// transfer is looked up once per run, not per WR).
-    pub(super) fn posted_n(&mut self, nic: usize, wr: WrId, k: usize) {
-        self.nics[nic].inflight += k;
-        self.pending_pieces = self.pending_pieces.saturating_sub(k);
+        self.nics[nic].inflight += 1;
+        self.pending_pieces = self.pending_pieces.saturating_sub(1);
         self.slab.posted_run(
             nic,
             wr,
-            k,
+            1,
             #[cfg(feature = "latency-probe")]
             &self.probes,
         );

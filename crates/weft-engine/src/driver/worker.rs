@@ -142,18 +142,23 @@ impl Worker {
         let wake = self.shared.wake_fd.as_ref()?;
         let mut slept = None;
         self.shared.sleeping.store(true, Ordering::SeqCst);
-        // Each check pairs with its waker's `wake` after its store.
-        if self.shared.queue.is_empty()
-            && self.ctrl_rx.is_empty()
-            && !self.shared.closing.load(Ordering::SeqCst)
-            && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
-            && self.core.try_wait()
-        {
+        if self.nothing_to_wake_for(seen_arms) && self.core.try_wait() {
             slept = Some(blocker.sleep(wake, timeout));
             self.shared.counters.fd_slept();
         }
         self.shared.sleeping.store(false, Ordering::SeqCst);
         slept
+    }
+
+    /// Whether nothing a waker announces is pending: no request, control
+    /// message, shutdown or new arm since `seen_arms`. Checked after
+    /// storing `sleeping`; each check pairs with its waker's `wake` after
+    /// the waker's store, so a wake-up is never lost.
+    fn nothing_to_wake_for(&self, seen_arms: u64) -> bool {
+        self.shared.queue.is_empty()
+            && self.ctrl_rx.is_empty()
+            && !self.shared.closing.load(Ordering::SeqCst)
+            && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
     }
 
     pub(crate) fn flush(&mut self) {
@@ -274,7 +279,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     } else {
         None
     };
-    let block_after = ctx_block_after(&idle, blocker.is_some());
+    let block_after = block_after_of(&idle, blocker.is_some());
     let mut idle_since: Option<Instant> = None;
     let mut dead_nics = 0;
     loop {
@@ -320,8 +325,8 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 // Adaptive, software progress, wait fds: poll (yielding)
                 // for `after`, then sleep in the fds while nothing is
                 // awaited.
-                let since = *idle_since.get_or_insert_with(Instant::now);
-                if awaited || since.elapsed() < after {
+                // (`idle_since` was set when this idle stretch began.)
+                if awaited || idle_since.is_none_or(|s| s.elapsed() < after) {
                     std::thread::yield_now();
                     continue;
                 }
@@ -356,12 +361,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 }
             }
             w.shared.sleeping.store(true, Ordering::SeqCst);
-            // Each check pairs with its waker's `wake` after its store.
-            if w.shared.queue.is_empty()
-                && w.ctrl_rx.is_empty()
-                && !w.shared.closing.load(Ordering::SeqCst)
-                && w.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
-            {
+            if w.nothing_to_wake_for(seen_arms) {
                 std::thread::park_timeout(d);
             }
             w.shared.sleeping.store(false, Ordering::SeqCst);
@@ -382,7 +382,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
 
 /// When an idle `Adaptive` worker with wait fds sleeps in them (`None`:
 /// it never does; other policies decide in their own branch).
-fn ctx_block_after(idle: &crate::config::Idle, has_fds: bool) -> Option<Duration> {
+fn block_after_of(idle: &crate::config::Idle, has_fds: bool) -> Option<Duration> {
     if !has_fds || idle.poll != PollPolicy::Adaptive || idle.sleep.is_none() {
         return None;
     }
