@@ -32,35 +32,35 @@ pub fn bench_config() -> EngineConfig {
             .unwrap_or_default(),
         _ => PollPolicy::Adaptive,
     };
-    let idle_sleep = match std::env::var("WEFT_BENCH_IDLE_SLEEP_US")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
+    let idle_sleep = match env_num::<u64>("WEFT_BENCH_IDLE_SLEEP_US") {
         Some(0) => None,
         Some(us) => Some(Duration::from_micros(us)),
         None => Some(Duration::from_micros(20)),
     };
-    let idle_block_after = match std::env::var("WEFT_BENCH_BLOCK_AFTER_US").ok() {
-        Some(v) if v.trim() == "off" => None,
-        Some(v) => v
-            .trim()
-            .parse::<u64>()
+    let defaults = EngineConfig::default();
+    let block_after_off =
+        std::env::var("WEFT_BENCH_BLOCK_AFTER_US").is_ok_and(|v| v.trim() == "off");
+    let idle_block_after = if block_after_off {
+        None
+    } else {
+        env_num::<u64>("WEFT_BENCH_BLOCK_AFTER_US")
             .map(Duration::from_micros)
-            .ok()
-            .or(EngineConfig::default().idle_block_after),
-        None => EngineConfig::default().idle_block_after,
+            .or(defaults.idle_block_after)
     };
-    let max_inflight_per_nic = std::env::var("WEFT_BENCH_MAX_INFLIGHT")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(EngineConfig::default().max_inflight_per_nic);
+    let max_inflight_per_nic =
+        env_num::<usize>("WEFT_BENCH_MAX_INFLIGHT").unwrap_or(defaults.max_inflight_per_nic);
     EngineConfig {
         idle_sleep,
         poll,
         idle_block_after,
         max_inflight_per_nic,
-        ..EngineConfig::default()
+        ..defaults
     }
+}
+
+/// The number in environment variable `name`, if set and a number.
+fn env_num<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok()?.trim().parse().ok()
 }
 
 /// Builds one engine over a fresh host of `tb` with all its NICs.

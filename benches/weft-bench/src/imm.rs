@@ -54,6 +54,21 @@ fn arm(ep: &EnginePair, imm: u32, count: u64) -> Result<Fired, String> {
     Ok(fired)
 }
 
+/// One counted round's WRITEs: a paged write of `IMM_WRITE_LEN`-byte
+/// pages `pg`, each with immediate `imm`.
+fn submit_counted(ep: &EnginePair, imm: u32, pg: &Pages) -> Result<(), String> {
+    ep.tx
+        .submit_paged_writes(
+            IMM_WRITE_LEN,
+            Some(imm),
+            (&ep.src, pg),
+            (&ep.dst, pg),
+            OnDone::Ignore,
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
 fn fired_at(f: &Fired) -> Option<(Instant, bool)> {
     let at = f.at_ns.load(Ordering::Acquire);
     (at != 0).then(|| {
@@ -139,15 +154,7 @@ fn throughput(
             for measured in [false, true] {
                 let fired = arm(&ep, imm, expect)?;
                 let t0 = Instant::now();
-                ep.tx
-                    .submit_paged_writes(
-                        IMM_WRITE_LEN,
-                        Some(imm),
-                        (&ep.src, &pg),
-                        (&ep.dst, &pg),
-                        OnDone::Ignore,
-                    )
-                    .map_err(|e| e.to_string())?;
+                submit_counted(&ep, imm, &pg)?;
                 wait_until(|| fired_at(&fired).is_some())?;
                 let (t, ok) = fired_at(&fired).ok_or("not fired")?;
                 if !ok {
@@ -232,15 +239,7 @@ fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Row, 
         let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
         expect = counts.paged_writes(IMM_WRITE_LEN, n);
         for _ in 0..reps {
-            ep.tx
-                .submit_paged_writes(
-                    IMM_WRITE_LEN,
-                    Some(imm),
-                    (&ep.src, &pg),
-                    (&ep.dst, &pg),
-                    OnDone::Ignore,
-                )
-                .map_err(|e| e.to_string())?;
+            submit_counted(&ep, imm, &pg)?;
             wait_until(|| ep.rx.imm_pending(imm) >= expect)?;
             let t0 = Instant::now();
             let t = if flag {
