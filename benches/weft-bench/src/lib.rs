@@ -16,6 +16,7 @@ pub mod cpu;
 pub mod engines;
 pub mod fi_pingpong;
 pub mod floor;
+pub mod handoff;
 pub mod imm;
 pub mod kvcache;
 pub mod moe;
@@ -74,6 +75,8 @@ pub struct Config {
     pub nics: Option<Vec<usize>>,
     /// Interleaved rounds (weft batch, baseline batch) per case.
     pub rounds: Option<usize>,
+    /// Cases of `p2p` to run (default: all).
+    pub p2p_cases: Option<Vec<p2p::Case>>,
     /// Thread placement of `p2p` and `imm` rows (see [`pin`]).
     pub pin: pin::PinMode,
     /// Show progress on stderr.
@@ -96,6 +99,7 @@ impl Config {
             quick,
             nics: None,
             rounds: None,
+            p2p_cases: None,
             pin: pin::PinMode::Auto,
             progress: false,
             command: String::new(),
@@ -111,6 +115,11 @@ impl Config {
             _ if self.quick => vec![1, 2],
             _ => vec![1, 2, 4, 8],
         }
+    }
+
+    /// Whether `p2p` runs `case`.
+    pub fn runs_p2p(&self, case: p2p::Case) -> bool {
+        self.p2p_cases.as_ref().is_none_or(|c| c.contains(&case))
     }
 
     /// Rounds per case.

@@ -33,6 +33,10 @@ struct Cli {
     /// NIC counts for p2p (default 1,2,4,8; quick 1,2).
     #[arg(long, global = true, value_delimiter = ',')]
     nics: Vec<usize>,
+    /// Cases of p2p to run: single, paged, imm (default: all). Repeat or
+    /// comma-separate
+    #[arg(long, global = true, value_delimiter = ',')]
+    cases: Vec<weft_bench::p2p::Case>,
     /// Interleaved rounds per case (default 5; quick 2).
     #[arg(long, global = true)]
     rounds: Option<usize>,
@@ -116,6 +120,7 @@ fn main() -> ExitCode {
     cfg.backends = cli.backend.clone();
     cfg.nics = (!cli.nics.is_empty()).then(|| cli.nics.clone());
     cfg.rounds = cli.rounds;
+    cfg.p2p_cases = (!cli.cases.is_empty()).then(|| cli.cases.clone());
     if let Err(e) = weft_bench::pin::Placement::resolve(&cli.pin) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

@@ -21,6 +21,32 @@ const BENCH: &str = "p2p";
 const RAW: &str = "raw backend";
 /// The raw baseline with the target progressed by a thread of its own.
 const RAW_SPLIT: &str = "raw, target on own thread";
+/// The raw baseline with the engine's threading: requests handed from the
+/// bench thread to a posting worker (and the target, where it needs
+/// polling, on a thread of its own); see [`RawPair::drive_handoff`].
+const RAW_HANDOFF: &str = "raw behind a hand-off";
+
+/// A group of `p2p` rows (`--cases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Case {
+    /// Single WRITE bandwidth and latency per size.
+    Single,
+    /// Paged WRITEs.
+    Paged,
+    /// Immediate-only latency.
+    Imm,
+}
+
+/// How a raw round is driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RawMode {
+    /// [`RawPair::drive`]: one thread does everything.
+    Same,
+    /// [`RawPair::drive_split`]: the target on a thread of its own.
+    Split,
+    /// [`RawPair::drive_handoff`]: each transfer handed to a worker.
+    Handoff,
+}
 
 /// The sizes, counts and budgets of one run.
 #[derive(Debug, Clone)]
@@ -165,7 +191,12 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 }
             }
         };
-        for &size in &plan.sizes {
+        let sizes: &[u64] = if cfg.runs_p2p(Case::Single) {
+            &plan.sizes
+        } else {
+            &[]
+        };
+        for &size in sizes {
             progress.step(&format!(
                 "p2p {backend} {nics}nic single_write {}",
                 fmt_bytes(size)
@@ -174,7 +205,12 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 single(cfg, &plan, &tb, &mut rig, size)
             });
         }
-        for &pl in &plan.page_lens {
+        let page_lens: &[u64] = if cfg.runs_p2p(Case::Paged) {
+            &plan.page_lens
+        } else {
+            &[]
+        };
+        for &pl in page_lens {
             for &n in &plan.page_counts {
                 progress.step(&format!(
                     "p2p {backend} {nics}nic paged {n} x {}",
@@ -185,10 +221,12 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
                 });
             }
         }
-        progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
-        case(&mut rows, "imm_only", None, &mut || {
-            imm_only(cfg, &plan, &tb, &mut rig)
-        });
+        if cfg.runs_p2p(Case::Imm) {
+            progress.step(&format!("p2p {backend} {nics}nic imm-only latency"));
+            case(&mut rows, "imm_only", None, &mut || {
+                imm_only(cfg, &plan, &tb, &mut rig)
+            });
+        }
     }
     rows
 }
@@ -221,17 +259,19 @@ fn raw_single(
     window: u64,
     imm: Option<u32>,
 ) -> Result<f64, String> {
-    raw_single_as(raw, len, count, window, imm, false)
+    raw_single_as(raw, len, count, window, imm, RawMode::Same, false)
 }
 
-/// [`raw_single`]; `split`: with [`RawPair::drive_split`].
+/// [`raw_single`] driven as `mode`; `split_target`: under
+/// [`RawMode::Handoff`], whether the target gets a thread of its own.
 fn raw_single_as(
     raw: &mut RawPair,
     len: u64,
     count: u64,
     window: u64,
     imm: Option<u32>,
-    split: bool,
+    mode: RawMode,
+    split_target: bool,
 ) -> Result<f64, String> {
     let lanes = raw.lanes();
     let mwl = raw.max_write_len();
@@ -252,10 +292,12 @@ fn raw_single_as(
         let p = ps.get(k).ok_or("piece index")?;
         Ok((p.nic, r.wr(i, p.nic, p.offset, p.offset, p.len, imm)?))
     };
-    let t = if split {
-        raw.drive_split(total, window * per, 0, gen)?
-    } else {
-        raw.drive(total, window * per, 0, gen)?
+    let t = match mode {
+        RawMode::Same => raw.drive(total, window * per, 0, gen)?,
+        RawMode::Split => raw.drive_split(total, window * per, 0, gen)?,
+        RawMode::Handoff => {
+            raw.drive_handoff(count, per, window, window * per, 0, split_target, gen)?
+        }
     };
     Ok(ns(t.all_done))
 }
@@ -278,6 +320,8 @@ fn single(
     // any deployment with the target in another process) does.
     let split = matches!(tb.kind(), BackendKind::Libfabric(_));
     let mut s_bw = Vec::new();
+    let mut h_bw = Vec::new();
+    let split_target = tb.target_needs_polling();
     for _ in 0..cfg.rounds() {
         // weft: a fresh pair, warmed up (peers connected, pools grown to
         // the window) with small writes, then measured, then shut down.
@@ -295,7 +339,7 @@ fn single(
             let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
             r_bw.push((size * bw_ops) as f64 / tr);
             if split {
-                let ts = raw_single_as(raw, size, bw_ops, plan.window, None, true)?;
+                let ts = raw_single_as(raw, size, bw_ops, plan.window, None, RawMode::Split, true)?;
                 s_bw.push((size * bw_ops) as f64 / ts);
             }
             for _ in 0..lat_ops {
@@ -303,6 +347,18 @@ fn single(
             }
             Ok(())
         })?;
+        let th = rig.raw_handoff(|raw| {
+            raw_single_as(
+                raw,
+                size,
+                bw_ops,
+                plan.window,
+                None,
+                RawMode::Handoff,
+                split_target,
+            )
+        })?;
+        h_bw.push((size * bw_ops) as f64 / th);
     }
     let (eb, rb) = (median(&mut e_bw), median(&mut r_bw));
     // weft's bandwidth against one baseline.
@@ -343,6 +399,7 @@ fn single(
     if split {
         rows.push(bw_row(median(&mut s_bw), RAW_SPLIT));
     }
+    rows.push(bw_row(median(&mut h_bw), RAW_HANDOFF));
     rows.push(lat);
     Ok(rows)
 }
@@ -390,7 +447,22 @@ fn paged(
     } else {
         (20_000 / n).clamp(1, 4)
     };
-    let (mut e_rate, mut r_rate) = (Vec::new(), Vec::new());
+    let (mut e_rate, mut r_rate, mut h_rate) = (Vec::new(), Vec::new(), Vec::new());
+    // WR `i` of the raw rounds: page `i / per_page` of the batch.
+    let page_wr = |r: &RawPair, i: u64| -> Result<(usize, weft::WriteWr), String> {
+        let page = i / per_page;
+        let k = (i % per_page) as usize;
+        let j = (page % n) as usize;
+        let so = sp.page_offset(j).ok_or("src page")?;
+        let dof = dp.page_offset(j).ok_or("dst page")?;
+        let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
+        let p = pieces.get(k).ok_or("piece")?;
+        Ok((
+            p.nic,
+            r.wr(i, p.nic, so + p.offset, dof + p.offset, p.len, None)?,
+        ))
+    };
+    let split_target = tb.target_needs_polling();
     for _ in 0..cfg.rounds() {
         {
             let ep = rig.engines()?;
@@ -401,24 +473,28 @@ fn paged(
             e_rate.push(total_pages as f64 / ns(te) * 1e3); // Mpages/s
         }
         let window = (4 * n * per_page).min(1024 * lanes as u64);
-        let t = rig.raw(|raw| {
-            raw.drive(total_pages * per_page, window, 0, |r, i| {
-                let page = i / per_page;
-                let k = (i % per_page) as usize;
-                let j = (page % n) as usize;
-                let so = sp.page_offset(j).ok_or("src page")?;
-                let dof = dp.page_offset(j).ok_or("dst page")?;
-                let pieces = lane_pieces.get(j % lanes.max(1)).ok_or("lane")?;
-                let p = pieces.get(k).ok_or("piece")?;
-                Ok((
-                    p.nic,
-                    r.wr(i, p.nic, so + p.offset, dof + p.offset, p.len, None)?,
-                ))
-            })
-        })?;
+        let t = rig.raw(|raw| raw.drive(total_pages * per_page, window, 0, page_wr))?;
         r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
+        // The same WRs, each submit's pages handed to a posting worker (at
+        // most `sub_window` submits incomplete, as for weft).
+        let t = rig.raw_handoff(|raw| {
+            raw.drive_handoff(
+                submits,
+                n * per_page,
+                sub_window,
+                window,
+                0,
+                split_target,
+                page_wr,
+            )
+        })?;
+        h_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
     }
-    let (em, rm) = (median(&mut e_rate), median(&mut r_rate));
+    let (em, rm, hm) = (
+        median(&mut e_rate),
+        median(&mut r_rate),
+        median(&mut h_rate),
+    );
     let param = format!("{n} x {}", fmt_bytes(page_len));
     let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
     let mut ops = Row::new(
@@ -445,14 +521,26 @@ fn paged(
             "paged_write",
             &backend,
             nics,
-            param,
+            param.clone(),
             "bandwidth",
             "GB/s",
             gb(em),
             Some((gb(rm), RAW)),
         ),
     );
-    Ok(vec![ops, bw])
+    let handoff = Row::new(
+        BENCH,
+        "paged_write",
+        &backend,
+        nics,
+        param,
+        "page rate",
+        "Mops/s",
+        em,
+        Some((hm, RAW_HANDOFF)),
+    )
+    .extra("pages_per_batch", total_pages as f64);
+    Ok(vec![ops, handoff, bw])
 }
 
 /// One imm-only WRITE, timed from its submit to the receiver's round flag

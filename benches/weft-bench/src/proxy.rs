@@ -1,12 +1,15 @@
 //! `proxy`: the host-path breakdown of a scatter (paper Tables 8/9):
 //! submit → enqueued → worker picked up → first WR accepted by the backend
 //! → all WRs posted, as p50/p99/p99.9, for 8…128 peers. Interleaved with
-//! two baselines: the backend's own posting of the same WRs (raw), and a
-//! bare cross-thread queue hand-off (the floor of submit → pickup).
+//! three baselines: the backend's own posting of the same WRs (raw), a
+//! bare cross-thread queue hand-off (the floor of submit → pickup), and the
+//! raw posting behind that hand-off (the floor of any engine with a worker
+//! thread, [`crate::handoff`]).
 
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{engine_on, wait_until, Shutdown, STALL};
 use crate::floor::HandoffFloor;
+use crate::handoff::{self, HandedDst};
 use crate::pin::{self, PinGuard, Placement};
 use crate::report::{Breakdown, Row, Target};
 use crate::stats::{ns, percentiles, Percentiles};
@@ -17,6 +20,8 @@ use weft::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, Wr
 use weft::{DoneCounter, GroupAddress, MrDesc, MrHandle, OnDone, ScatterDst, TransferEngine};
 
 const BENCH: &str = "proxy";
+/// The baseline of [`crate::handoff`].
+const HANDOFF: &str = "raw behind a hand-off";
 
 /// Peer counts (Table 9 shape).
 pub fn peer_counts(quick: bool) -> Vec<usize> {
@@ -372,6 +377,16 @@ fn run_inner(
         let mut early_records = 0usize;
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
+        let (mut h_first, mut h_all) = (Vec::new(), Vec::new());
+        let handed: Vec<HandedDst> = (0..n)
+            .map(|j| HandedDst {
+                peer: rpeers[j],
+                src_offset: j as u64 * SCATTER_LEN,
+                len: SCATTER_LEN,
+                base: descs[j].addr,
+                rkey: descs[j].rkeys[0].1,
+            })
+            .collect();
         let wrs = raw_wrs(&mut next_wr);
         {
             let _pin = PinGuard::new(place.map(|p| p.initiator));
@@ -429,6 +444,16 @@ fn run_inner(
                     raw_post.push(raw_scatter(rd.as_mut(), &wrs, &mut pe, &mut comps)?);
                 }
             }
+            // raw behind a hand-off: the bench thread (submitter's CPU)
+            // hands each scatter to a poster on the worker's CPU
+            handoff::with_poster(rd.as_mut(), &rsrc, place.map(|p| p.initiator), |poster| {
+                for _ in 0..per_round {
+                    let r = poster.scatter(handed.clone(), || pe.progress(n))?;
+                    h_first.push(r.first_wr);
+                    h_all.push(r.all_posted);
+                }
+                Ok(())
+            })?;
             // floor: producer on the submitter's CPU, consumer on the
             // worker's; its thread lives for this phase only
             let floor = HandoffFloor::on(place.map(|p| p.initiator));
@@ -449,6 +474,7 @@ fn run_inner(
         );
         let rawp = p(&mut raw_post);
         let fl = p(&mut floor_ns);
+        let (hf, ha) = (p(&mut h_first), p(&mut h_all));
         if first.n == 0 {
             return Err("no latency-probe records (engine built without latency-probe?)".into());
         }
@@ -461,6 +487,8 @@ fn run_inner(
             ("submit -> all posted", total),
             ("raw backend posting", rawp),
             ("queue hand-off floor", fl),
+            ("raw behind a hand-off: push -> first WR", hf),
+            ("raw behind a hand-off: push -> all posted", ha),
         ] {
             bds.push(Breakdown {
                 backend: backend.clone(),
@@ -489,6 +517,17 @@ fn run_inner(
             .extra("p99_us", first.p99)
             .extra("p999_us", first.p999),
         );
+        rows.push(Row::new(
+            BENCH,
+            "scatter",
+            &backend,
+            1,
+            param.clone(),
+            "submit->first WR p50",
+            "us",
+            first.p50,
+            Some((hf.p50, HANDOFF)),
+        ));
         rows.push(
             Row::new(
                 BENCH,
@@ -527,6 +566,20 @@ fn run_inner(
             });
         }
         rows.push(all);
+        rows.push(
+            Row::new(
+                BENCH,
+                "scatter",
+                &backend,
+                1,
+                format!("{n} peers"),
+                "submit->all posted p50",
+                "us",
+                total.p50,
+                Some((ha.p50, HANDOFF)),
+            )
+            .extra("engine_overhead_us", total.p50 - ha.p50),
+        );
     }
     drop(raw);
     drop(src_buf);

@@ -1,9 +1,12 @@
 //! The raw baseline: the backend's domains driven directly, without the
-//! engine, on the bench thread (post, poll initiator, poll target).
+//! engine, on the bench thread (post, poll initiator, poll target); or, in
+//! [`RawPair::drive_handoff`], on a worker thread fed by the bench thread
+//! through a queue: the engine's threading with none of its bookkeeping.
 
 use crate::backend::Testbed;
 use crate::engines::STALL;
 use crate::pin::PinGuard;
+use crossbeam_queue::ArrayQueue;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -28,6 +31,8 @@ pub struct RawPair {
     poll_target: bool,
     /// CPU of the target poller thread of [`RawPair::drive_split`].
     target_cpu: Option<usize>,
+    /// CPU of the worker thread of [`RawPair::drive_handoff`].
+    worker_cpu: Option<usize>,
     // Dropped after the domains (field order).
     _src_buf: HostBuffer,
     _dst_buf: HostBuffer,
@@ -82,6 +87,7 @@ impl RawPair {
             comps: Vec::new(),
             poll_target: tb.target_needs_polling(),
             target_cpu: None,
+            worker_cpu: None,
             _src_buf: src_buf,
             _dst_buf: dst_buf,
         })
@@ -91,6 +97,12 @@ impl RawPair {
     /// (`None`: not pinned).
     pub fn set_target_cpu(&mut self, cpu: Option<usize>) {
         self.target_cpu = cpu;
+    }
+
+    /// Pins the worker thread of [`RawPair::drive_handoff`] to `cpu`
+    /// (`None`: not pinned).
+    pub fn set_worker_cpu(&mut self, cpu: Option<usize>) {
+        self.worker_cpu = cpu;
     }
 
     /// Lanes (NICs).
@@ -152,7 +164,7 @@ impl RawPair {
         want_imms: u64,
         gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
     ) -> Result<DriveTimes, String> {
-        self.drive_inner(total, window, want_imms, gen, None)
+        self.drive_inner(total, window, want_imms, gen, None, None)
     }
 
     /// [`RawPair::drive`] with the target domains polled by a second
@@ -167,32 +179,105 @@ impl RawPair {
         want_imms: u64,
         gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
     ) -> Result<DriveTimes, String> {
+        self.drive_split_fed(total, window, want_imms, gen, None)
+    }
+
+    /// The engine's threading without the engine: the bench thread (the
+    /// caller, where it is pinned) hands `requests` request numbers, one at
+    /// a time, through a lock-free queue to a worker thread (on the CPU of
+    /// [`RawPair::set_worker_cpu`]) that generates each request's `per` WRs
+    /// with `gen`, posts and polls them as [`RawPair::drive`] does (with
+    /// `split`, as [`RawPair::drive_split`]: the target on a thread of its
+    /// own). At most `req_window` requests are handed over and not yet
+    /// complete, and at most `wr_window` WRs outstanding, as the engine's
+    /// submitter and worker keep them. Times run from the worker's start,
+    /// which precedes the first hand-off.
+    #[allow(clippy::too_many_arguments)]
+    pub fn drive_handoff(
+        &mut self,
+        requests: u64,
+        per: u64,
+        req_window: u64,
+        wr_window: u64,
+        want_imms: u64,
+        split: bool,
+        gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String> + Send,
+    ) -> Result<DriveTimes, String> {
+        let per = per.max(1);
+        let req_window = req_window.max(1);
+        let feed = Feed {
+            q: ArrayQueue::new(usize::try_from(req_window).unwrap_or(usize::MAX)),
+            per,
+            done: AtomicU64::new(0),
+            started: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+        };
+        let cpu = self.worker_cpu;
+        let total = requests * per;
+        std::thread::scope(|s| {
+            let feed = &feed;
+            let worker = std::thread::Builder::new()
+                .name("raw-handoff".into())
+                .spawn_scoped(s, move || {
+                    let _pin = PinGuard::new(cpu);
+                    feed.started.store(true, Ordering::Release);
+                    let r = if split {
+                        self.drive_split_fed(total, wr_window, want_imms, gen, Some(feed))
+                    } else {
+                        self.drive_inner(total, wr_window, want_imms, gen, None, Some(feed))
+                    };
+                    if r.is_err() {
+                        feed.failed.store(true, Ordering::Release);
+                    }
+                    r
+                })
+                .map_err(|e| format!("spawning the raw hand-off worker: {e}"))?;
+            let fed = feed.hand_over(requests, req_window);
+            let r = worker
+                .join()
+                .unwrap_or_else(|_| Err("raw hand-off worker panicked".into()));
+            r.and_then(|t| fed.map(|()| t))
+        })
+    }
+
+    /// [`RawPair::drive_split`], optionally fed (see [`RawPair::drive_handoff`]).
+    fn drive_split_fed(
+        &mut self,
+        total: u64,
+        window: u64,
+        want_imms: u64,
+        gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
+        feed: Option<&Feed>,
+    ) -> Result<DriveTimes, String> {
         let mut targets = std::mem::take(&mut self.b);
         let stop = AtomicBool::new(false);
         let imms = AtomicU64::new(0);
         let cpu = self.target_cpu;
         let r = std::thread::scope(|s| {
-            let poller = s.spawn(|| -> Result<(), String> {
-                let _pin = PinGuard::new(cpu);
-                let mut comps = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let mut n = 0;
-                    for d in targets.iter_mut() {
-                        comps.clear();
-                        n += d.poll(&mut comps).map_err(err)?;
-                        let k = comps
-                            .iter()
-                            .filter(|c| matches!(c, Completion::Imm { .. }))
-                            .count() as u64;
-                        imms.fetch_add(k, Ordering::Relaxed);
+            let poller = std::thread::Builder::new()
+                .name("raw-target".into())
+                .spawn_scoped(s, || -> Result<(), String> {
+                    let _pin = PinGuard::new(cpu);
+                    let mut comps = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut n = 0;
+                        for d in targets.iter_mut() {
+                            comps.clear();
+                            n += d.poll(&mut comps).map_err(err)?;
+                            let k = comps
+                                .iter()
+                                .filter(|c| matches!(c, Completion::Imm { .. }))
+                                .count() as u64;
+                            imms.fetch_add(k, Ordering::Relaxed);
+                        }
+                        if n == 0 {
+                            std::thread::yield_now();
+                        }
                     }
-                    if n == 0 {
-                        std::thread::yield_now();
-                    }
-                }
-                Ok(())
-            });
-            let r = self.drive_inner(total, window, want_imms, gen, Some(&imms));
+                    Ok(())
+                })
+                .map_err(|e| format!("spawning the raw target poller: {e}"))?;
+            let r = self.drive_inner(total, window, want_imms, gen, Some(&imms), feed);
             stop.store(true, Ordering::Relaxed);
             let polled = poller
                 .join()
@@ -204,7 +289,9 @@ impl RawPair {
     }
 
     /// The drive loop; with `split_imms` the targets are polled elsewhere
-    /// and their immediates counted there.
+    /// and their immediates counted there; with `feed`, only the WRs of
+    /// requests handed over so far are generated, and completions are
+    /// published back.
     fn drive_inner(
         &mut self,
         total: u64,
@@ -212,14 +299,23 @@ impl RawPair {
         want_imms: u64,
         mut gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String>,
         split_imms: Option<&AtomicU64>,
+        feed: Option<&Feed>,
     ) -> Result<DriveTimes, String> {
         let start = Instant::now();
         let window = window.max(1);
         let (mut generated, mut done, mut imms) = (0u64, 0u64, 0u64);
         let mut all_done = None;
         let mut imms_seen = (want_imms == 0).then(Duration::default);
+        // WRs that may be generated: all of them, or those of the requests
+        // handed over so far.
+        let mut avail = if feed.is_some() { 0 } else { total };
         loop {
-            while generated < total && generated - done < window {
+            if let Some(f) = feed {
+                while f.q.pop().is_some() {
+                    avail += f.per;
+                }
+            }
+            while generated < total.min(avail) && generated - done < window {
                 let (lane, wr) = gen(self, generated)?;
                 self.pending
                     .get_mut(lane)
@@ -257,6 +353,9 @@ impl RawPair {
                         _ => {}
                     }
                 }
+            }
+            if let Some(f) = feed {
+                f.done.store(done, Ordering::Release);
             }
             if let Some(n) = split_imms {
                 imms = n.load(Ordering::Relaxed);
@@ -296,5 +395,60 @@ impl RawPair {
                 ));
             }
         }
+    }
+}
+
+/// What the bench thread and the worker of [`RawPair::drive_handoff`]
+/// share: the request queue and the completion count.
+struct Feed {
+    /// Request numbers handed over, not yet taken by the worker.
+    q: ArrayQueue<u64>,
+    /// WRs per request.
+    per: u64,
+    /// WRITEs completed, published by the worker after each poll.
+    done: AtomicU64,
+    /// The worker runs (the bench thread starts handing over then).
+    started: AtomicBool,
+    /// The worker gave up (the bench thread stops handing over).
+    failed: AtomicBool,
+}
+
+impl Feed {
+    /// The bench thread's side: hands over `requests` request numbers,
+    /// keeping at most `req_window` requests incomplete.
+    fn hand_over(&self, requests: u64, req_window: u64) -> Result<(), String> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        let mut wait = |what: &str| -> Result<(), String> {
+            if self.failed.load(Ordering::Acquire) {
+                return Err("raw hand-off worker failed".into());
+            }
+            if start.elapsed() > STALL {
+                return Err(format!("raw hand-off stalled waiting for {what}"));
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        };
+        while !self.started.load(Ordering::Acquire) {
+            wait("the worker to start")?;
+        }
+        for r in 0..requests {
+            // Request `r` may go once request `r - req_window` completed.
+            while (r + 1).saturating_sub(req_window) * self.per > self.done.load(Ordering::Acquire)
+            {
+                wait("completions")?;
+            }
+            let mut item = r;
+            while let Err(back) = self.q.push(item) {
+                item = back;
+                wait("room in the queue")?;
+            }
+        }
+        Ok(())
     }
 }

@@ -36,6 +36,7 @@ impl<'a> Rig<'a> {
         let bufs = Arc::new(PairBuffers::new(src_len, dst_len)?);
         let mut raw = RawPair::new(tb, src_len, dst_len)?;
         raw.set_target_cpu(place.map(|p| p.target));
+        raw.set_worker_cpu(place.map(|p| p.initiator));
         drop(EnginePair::on(tb, &bufs, place.as_ref())?);
         Ok(Rig {
             tb,
@@ -59,14 +60,29 @@ impl<'a> Rig<'a> {
         &mut self,
         f: impl FnOnce(&mut RawPair) -> Result<R, String>,
     ) -> Result<R, String> {
-        let live = self.live.load(Ordering::SeqCst);
-        if live > 0 {
-            return Err(format!(
-                "bench bug: raw round started with {live} engine pair(s) alive"
-            ));
-        }
+        self.no_engines()?;
         let _pin = PinGuard::new(self.place.map(|p| p.initiator));
         f(&mut self.raw)
+    }
+
+    /// Runs a round of the raw baseline from the submitter CPU, where the
+    /// bench thread stays (for [`RawPair::drive_handoff`], whose worker
+    /// takes the initiator CPU), with no engine pair of this rig alive.
+    pub fn raw_handoff<R>(
+        &mut self,
+        f: impl FnOnce(&mut RawPair) -> Result<R, String>,
+    ) -> Result<R, String> {
+        self.no_engines()?;
+        f(&mut self.raw)
+    }
+
+    fn no_engines(&self) -> Result<(), String> {
+        match self.live.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            live => Err(format!(
+                "bench bug: raw round started with {live} engine pair(s) alive"
+            )),
+        }
     }
 
     /// The raw pair, for its shape (lanes, largest write).

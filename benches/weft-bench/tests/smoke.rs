@@ -29,18 +29,38 @@ fn quick_all_on_loopback_null_has_every_row() {
             .filter(|r| r.bench == bench && r.case == case && r.metric == metric && r.nics == nics)
             .count()
     };
+    let handoff = |bench: &str, case: &str, metric: &str, nics: usize| {
+        rep.rows
+            .iter()
+            .filter(|r| {
+                r.bench == bench
+                    && r.case == case
+                    && r.metric == metric
+                    && r.nics == nics
+                    && r.baseline_name == "raw behind a hand-off"
+            })
+            .count()
+    };
     for nics in [1, 2] {
-        // Quick plan: 3 sizes, 1 page size x 2 page counts.
-        assert_eq!(has("p2p", "single_write", "bandwidth", nics), 3);
+        // Quick plan: 3 sizes, 1 page size x 2 page counts; bandwidth and
+        // page rate against the raw loop and the raw loop behind a
+        // hand-off.
+        assert_eq!(has("p2p", "single_write", "bandwidth", nics), 6);
+        assert_eq!(handoff("p2p", "single_write", "bandwidth", nics), 3);
         assert_eq!(has("p2p", "single_write", "latency p50", nics), 3);
-        assert_eq!(has("p2p", "paged_write", "page rate", nics), 2);
+        assert_eq!(has("p2p", "paged_write", "page rate", nics), 4);
+        assert_eq!(handoff("p2p", "paged_write", "page rate", nics), 2);
         assert_eq!(has("p2p", "paged_write", "bandwidth", nics), 2);
         // Back to back, and after 1 ms idle with the round armed before
         // or after the idle time.
         assert_eq!(has("p2p", "imm_only", "latency p50", nics), 3);
     }
-    assert_eq!(has("proxy", "scatter", "submit->first WR p50", 1), 2);
-    assert_eq!(has("proxy", "scatter", "submit->all posted p50", 1), 2);
+    // Against the hand-off floor / raw posting, and against the raw
+    // posting behind a hand-off.
+    assert_eq!(has("proxy", "scatter", "submit->first WR p50", 1), 4);
+    assert_eq!(has("proxy", "scatter", "submit->all posted p50", 1), 4);
+    assert_eq!(handoff("proxy", "scatter", "submit->first WR p50", 1), 2);
+    assert_eq!(handoff("proxy", "scatter", "submit->all posted p50", 1), 2);
     // Against the raw loop on one thread and with the target on its own.
     assert_eq!(has("imm", "counter_throughput", "imm completions", 1), 2);
     // Reported through a callback and through a flag.
@@ -69,7 +89,7 @@ fn quick_all_on_loopback_null_has_every_row() {
         .iter()
         .any(|r| r.bench == "proxy" && r.target.as_ref().is_some_and(|t| t.text.contains("0.5"))));
     // The breakdown has every stage for both peer counts.
-    assert_eq!(rep.proxy_breakdown.len(), 2 * 8);
+    assert_eq!(rep.proxy_breakdown.len(), 2 * 10);
     assert!(rep.proxy_breakdown.iter().all(|b| b.n > 0));
 
     // JSON parses and holds the same rows.
@@ -133,7 +153,7 @@ fn quick_p2p_pinned_at_8_nics() {
             .iter()
             .filter(|r| r.case == "paged_write" && r.metric == "page rate")
             .count(),
-        2
+        4
     );
     assert!(rep.table().contains(&format!(
         "threads of p2p on loopback-null, 8 NIC(s): {want}"
@@ -203,7 +223,7 @@ fn quick_proxy_on_libfabric_tcp() {
             .iter()
             .filter(|r| r.bench == "proxy" && r.param == peers)
             .collect();
-        assert_eq!(rows.len(), 3, "{peers}: {rows:#?}");
+        assert_eq!(rows.len(), 5, "{peers}: {rows:#?}");
         for r in rows {
             assert_eq!(r.backend, "libfabric:tcp");
             assert!(
@@ -216,8 +236,22 @@ fn quick_proxy_on_libfabric_tcp() {
             );
         }
     }
-    assert_eq!(rep.proxy_breakdown.len(), 2 * 8);
+    assert_eq!(rep.proxy_breakdown.len(), 2 * 10);
     assert!(rep.proxy_breakdown.iter().all(|b| b.n > 0));
+}
+
+#[test]
+fn p2p_cases_select_rows() {
+    let mut cfg = Config::new(Suite::P2p, true);
+    cfg.nics = Some(vec![1]);
+    cfg.rounds = Some(1);
+    cfg.p2p_cases = Some(vec![weft_bench::p2p::Case::Paged]);
+    let rep = weft_bench::run(&cfg);
+    assert!(!rep.rows.is_empty());
+    for r in &rep.rows {
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        assert_eq!(r.case, "paged_write", "{r:?}");
+    }
 }
 
 #[test]
