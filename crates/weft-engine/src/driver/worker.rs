@@ -281,6 +281,13 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     };
     let block_after = block_after_of(&idle, blocker.is_some());
     let mut idle_since: Option<Instant> = None;
+    // Progress is stamped lazily, by the first idle lap that may park: a
+    // clock read per productive lap was a seventh of a busy worker's time
+    // (a seventh of a paged write's, more of a scatter's) on a host with a
+    // slow clock (`docs/benchmarks.md`, "Where the worker's time goes").
+    // Both windows it feeds (`inflight_spin`, `idle_block_after`) then start
+    // up to one spin-and-yield phase late.
+    let mut progressed = false;
     let mut dead_nics = 0;
     loop {
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
@@ -299,16 +306,22 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
         if did {
             idle_n.reset();
             idle_since = None;
-            if !software_progress {
-                // Only the hardware path's in-flight spin limit reads it.
-                last_progress = Instant::now();
-            }
+            progressed = true;
             continue;
         }
-        if block_after.is_some() && idle_since.is_none() {
-            idle_since = Some(Instant::now());
-        }
         if let Some(d) = idle.step(&mut idle_n) {
+            let stamp_idle = block_after.is_some() && idle_since.is_none();
+            if progressed || stamp_idle {
+                let now = Instant::now();
+                if progressed && !software_progress {
+                    // Only the hardware path's in-flight spin limit reads it.
+                    last_progress = now;
+                }
+                progressed = false;
+                if stamp_idle {
+                    idle_since = Some(now);
+                }
+            }
             let arms = w.imm_waits.arms.load(Ordering::SeqCst);
             if arms != seen_arms {
                 // A round was armed since: its immediates are due.
@@ -325,7 +338,8 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 // Adaptive, software progress, wait fds: poll (yielding)
                 // for `after`, then sleep in the fds while nothing is
                 // awaited.
-                // (`idle_since` was set when this idle stretch began.)
+                // (`idle_since` was set when this idle stretch first got
+                // here.)
                 if awaited || idle_since.is_none_or(|s| s.elapsed() < after) {
                     std::thread::yield_now();
                     continue;
