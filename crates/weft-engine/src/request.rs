@@ -79,8 +79,7 @@ pub(crate) enum Body {
 }
 
 /// A descriptor's region and per-NIC rkeys as plain values, the part of
-/// [`RoutedDst`] and [`PlainDst`] that travels instead of a cloned
-/// `MrDesc`.
+/// a [`PlainDst`] that travels instead of a cloned `MrDesc`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DstKeys {
     /// The destination region's base address and length.
@@ -123,29 +122,57 @@ impl DstKeys {
 }
 
 /// A scatter or barrier destination whose per-NIC NIC addresses were
-/// matched, at submit, to the peer group member it goes to. It holds plain
-/// values only, so no descriptor is cloned into the request queue.
+/// matched, at submit, to the peer group member it goes to: plain values
+/// only (no descriptor is cloned into the request queue), its rkeys in the
+/// [`Routed::rkeys`] of its request. 48 bytes, so a 64-peer scatter hands
+/// the worker 3 KiB of destinations rather than the 7 KiB it took with a
+/// fixed `MAX_NICS` rkey array per destination: those bytes cross from the
+/// submitting core to the worker's, and each one costs (see
+/// docs/benchmarks.md, "Destination records across the hand-off").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RoutedDst {
     pub(crate) len: u64,
     pub(crate) src_offset: u64,
     pub(crate) dst_offset: u64,
-    pub(crate) keys: DstKeys,
+    /// The destination region's base address and length.
+    pub(crate) base: u64,
+    pub(crate) region_len: u64,
+    /// Where its rkeys start in [`Routed::rkeys`].
+    rkey_at: u32,
+    /// How many rkeys it has (the descriptor's count, at most `MAX_NICS`).
+    pub(crate) nics: u32,
 }
 
-impl RoutedDst {
-    /// `dst` as seen through `member`: `Some` when each of its rkeys' NIC
-    /// addresses is `member`'s address of the same NIC and both name the
-    /// same incarnation.
+/// The destinations of a scatter or barrier, each matched to its peer
+/// group member ([`Routed::matched`]).
+#[derive(Debug, Default)]
+pub(crate) struct Routed {
+    pub(crate) dsts: Vec<RoutedDst>,
+    /// Every destination's rkeys, by NIC, one destination after another.
+    rkeys: Vec<Rkey>,
+}
+
+impl Routed {
+    /// Room for `n` destinations of up to `nics` rkeys each.
+    fn with_capacity(n: usize, nics: usize) -> Self {
+        Routed {
+            dsts: Vec::with_capacity(n),
+            rkeys: Vec::with_capacity(n * nics),
+        }
+    }
+
+    /// Appends `dst` as seen through `member`: `Some` when each of its
+    /// rkeys' NIC addresses is `member`'s address of the same NIC, both
+    /// name the same incarnation and it has at most `MAX_NICS` rkeys.
     pub(crate) fn matched(
+        &mut self,
         member: &GroupAddress,
         dst: &MrDesc,
         len: u64,
         src_offset: u64,
         dst_offset: u64,
-    ) -> Option<Self> {
-        let keys = DstKeys::of(dst)?;
-        if dst.incarnation != member.incarnation {
+    ) -> Option<()> {
+        if dst.rkeys.len() > MAX_NICS || dst.incarnation != member.incarnation {
             return None;
         }
         for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
@@ -153,12 +180,28 @@ impl RoutedDst {
                 return None;
             }
         }
-        Some(Self {
+        let rkey_at = u32::try_from(self.rkeys.len()).ok()?;
+        self.rkeys.extend(dst.rkeys.iter().map(|(_, k)| *k));
+        self.dsts.push(RoutedDst {
             len,
             src_offset,
             dst_offset,
-            keys,
-        })
+            base: dst.addr,
+            region_len: dst.len,
+            rkey_at,
+            nics: dst.rkeys.len() as u32,
+        });
+        Some(())
+    }
+
+    /// The rkey of destination `d` on `nic`, if its descriptor has one.
+    pub(crate) fn rkey(&self, d: &RoutedDst, nic: usize) -> Result<Rkey, EngineError> {
+        (nic < d.nics as usize)
+            .then(|| self.rkeys.get(d.rkey_at as usize + nic).copied())
+            .flatten()
+            .ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination has no rkey for NIC {nic}"),
+            })
     }
 }
 
@@ -246,7 +289,7 @@ impl PlainDst {
 pub(crate) enum Dsts {
     /// Every descriptor matched its peer group member (the common case):
     /// the member's pre-resolved peers are used, nothing is looked up.
-    Routed(Vec<RoutedDst>),
+    Routed(Routed),
     /// Some descriptor names NIC addresses other than its member's: each
     /// destination is resolved by its descriptor's addresses.
     Described(Vec<ScatterDst>),
@@ -255,26 +298,28 @@ pub(crate) enum Dsts {
 impl Dsts {
     pub(crate) fn len(&self) -> usize {
         match self {
-            Dsts::Routed(v) => v.len(),
+            Dsts::Routed(r) => r.dsts.len(),
             Dsts::Described(v) => v.len(),
         }
     }
 }
 
 /// Matches every destination `(descriptor, len, src_offset, dst_offset)`
-/// to its peer group member ([`RoutedDst::matched`]); `None` if any does
-/// not match (then the worker resolves descriptors by address).
+/// to its peer group member ([`Routed::matched`]); `None` if any does
+/// not match (then the worker resolves descriptors by address). `nics`:
+/// the rkeys per destination to make room for (the group's NIC count).
 pub(crate) fn routed_dsts<'a>(
     members: &[GroupAddress],
+    nics: usize,
     dsts: impl ExactSizeIterator<Item = (&'a MrDesc, u64, u64, u64)>,
 ) -> Option<Dsts> {
     // Sized up front: collecting into `Option<Vec<_>>` knows no length and
     // grew the vector four times for 64 destinations.
-    let mut v = Vec::with_capacity(dsts.len().min(members.len()));
+    let mut r = Routed::with_capacity(dsts.len().min(members.len()), nics);
     for ((d, len, so, doff), m) in dsts.zip(members) {
-        v.push(RoutedDst::matched(m, d, len, so, doff)?);
+        r.matched(m, d, len, so, doff)?;
     }
-    Some(Dsts::Routed(v))
+    Some(Dsts::Routed(r))
 }
 
 #[cfg(test)]
@@ -339,30 +384,44 @@ mod tests {
             nics: vec![addr(1), addr(2)],
             incarnation: INC,
         };
-        let r = RoutedDst::matched(&member, &desc(&[1, 2]), 8, 1, 2).expect("matches");
+        let mut routed = Routed::default();
+        routed
+            .matched(&member, &desc(&[1, 2]), 8, 1, 2)
+            .expect("matches");
+        routed
+            .matched(&member, &desc(&[1, 2]), 4, 0, 0)
+            .expect("matches");
+        let r = routed.dsts[0];
         assert_eq!((r.len, r.src_offset, r.dst_offset), (8, 1, 2));
-        assert_eq!(
-            (r.keys.base, r.keys.region_len, r.keys.nics),
-            (0x1000, 64, 2)
-        );
-        assert_eq!(&r.keys.rkeys[..2], &[Rkey(101), Rkey(102)]);
+        assert_eq!((r.base, r.region_len, r.nics), (0x1000, 64, 2));
+        for d in &routed.dsts {
+            assert_eq!(routed.rkey(d, 0).ok(), Some(Rkey(101)));
+            assert_eq!(routed.rkey(d, 1).ok(), Some(Rkey(102)));
+            assert!(routed.rkey(d, 2).is_err());
+        }
         // Another member's NICs, NICs swapped, one NIC different, more
         // rkeys than the member has NICs: resolved by address instead.
         for d in [&[3, 4][..], &[2, 1], &[1, 3], &[1, 2, 3]] {
             assert!(
-                RoutedDst::matched(&member, &desc(d), 8, 0, 0).is_none(),
+                Routed::default()
+                    .matched(&member, &desc(d), 8, 0, 0)
+                    .is_none(),
                 "{d:?}"
             );
         }
         // The same addresses of another incarnation (a restart).
         let mut other = desc(&[1, 2]);
         other.incarnation = Incarnation(INC.0 + 1);
-        assert!(RoutedDst::matched(&member, &other, 8, 0, 0).is_none());
+        assert!(Routed::default()
+            .matched(&member, &other, 8, 0, 0)
+            .is_none());
         let many = GroupAddress {
             nics: (0..=MAX_NICS as u8).map(addr).collect(),
             incarnation: INC,
         };
         let all: Vec<u8> = (0..=MAX_NICS as u8).collect();
-        assert!(RoutedDst::matched(&many, &desc(&all), 8, 0, 0).is_none());
+        assert!(Routed::default()
+            .matched(&many, &desc(&all), 8, 0, 0)
+            .is_none());
     }
 }

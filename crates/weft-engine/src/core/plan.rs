@@ -8,7 +8,7 @@ use super::slab::SendRes;
 use super::{transport, WorkerCore};
 use crate::error::EngineError;
 use crate::mem::SendPayload;
-use crate::request::{Body, Dsts, RoutedDst};
+use crate::request::{Body, Dsts, Routed};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
 use weft_transport::{
@@ -140,14 +140,15 @@ impl WorkerCore {
                         }
                     }
                     let one_piece = match (&dsts, mode) {
-                        (Dsts::Routed(v), ScatterMode::ByPeer) if v[j].len <= cap => Some(&v[j]),
+                        (Dsts::Routed(r), ScatterMode::ByPeer) if r.dsts[j].len <= cap => Some(r),
                         _ => None,
                     };
-                    if let Some(d) = one_piece {
-                        let target = Target::Member(d, peers, j);
+                    if let Some(r) = one_piece {
+                        let d = r.dsts[j];
+                        let target = Target::Member(r, peers, j);
                         let nic = j % self.nics_for(target)?;
                         let mr = src_mrs.get(nic).copied().flatten();
-                        let route = self.member_route(d, peers, j, nic, mr)?;
+                        let route = self.member_route(r, peers, j, nic, mr)?;
                         self.push_write(
                             slot,
                             wr,
@@ -183,7 +184,7 @@ impl WorkerCore {
                 self.reg.check_peer_group(self.group, peers, dsts.len())?;
                 for j in 0..dsts.len() {
                     let target = match &dsts {
-                        Dsts::Routed(v) => Target::Member(&v[j], peers, j),
+                        Dsts::Routed(r) => Target::Member(r, peers, j),
                         Dsts::Described(v) => Target::Desc(&v[j].dst, Some((peers, j))),
                     };
                     let nics = self.nics_for(target)?;
@@ -272,7 +273,7 @@ impl WorkerCore {
         &mut self,
         slot: u32,
         wr: WrId,
-        v: &[RoutedDst],
+        r: &Routed,
         start: usize,
         peers: u32,
         cap: u64,
@@ -287,12 +288,12 @@ impl WorkerCore {
             .map_or(&[], |g| &g.members[..]);
         let mut err = None;
         let mut j = start;
-        while let Some(d) = v.get(j) {
+        while let Some(d) = r.dsts.get(j) {
             if d.len > cap {
                 break;
             }
             // `nics_for(Target::Member)`.
-            let nics = local_nics.min(d.keys.nics);
+            let nics = local_nics.min(d.nics as usize);
             if nics == 0 {
                 err = Some(EngineError::InvalidArgument {
                     what: "destination descriptor has no rkeys".into(),
@@ -301,7 +302,7 @@ impl WorkerCore {
             }
             let nic = j % nics;
             // `member_route`.
-            let rkey = match d.keys.rkey(nic) {
+            let rkey = match r.rkey(d, nic) {
                 Ok(r) => r,
                 Err(e) => {
                     err = Some(e);
@@ -336,8 +337,8 @@ impl WorkerCore {
                 peer,
                 mr,
                 d.src_offset,
-                d.keys.base,
-                d.keys.region_len,
+                d.base,
+                d.region_len,
                 d.dst_offset,
                 rkey,
                 d.len,
@@ -368,10 +369,10 @@ impl WorkerCore {
         imm: Option<Imm>,
     ) -> Result<(), EngineError> {
         let (target, len, src_off, dst_off) = match dsts {
-            Dsts::Routed(v) => {
-                let d = &v[j];
+            Dsts::Routed(r) => {
+                let d = &r.dsts[j];
                 (
-                    Target::Member(d, peers, j),
+                    Target::Member(r, peers, j),
                     d.len,
                     d.src_offset,
                     d.dst_offset,

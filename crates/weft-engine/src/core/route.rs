@@ -5,7 +5,7 @@
 use super::nic::Op;
 use super::{transport, WorkerCore};
 use crate::error::{EngineError, TransferId};
-use crate::request::{PlainDst, RoutedDst};
+use crate::request::{PlainDst, Routed};
 use crate::MAX_NICS;
 use weft_transport::{Imm, LocalMr, LocalSlice, MrDesc, PeerId, RemoteSlice, Rkey, WrId, WriteWr};
 
@@ -15,8 +15,9 @@ pub(super) enum Target<'a> {
     /// A descriptor; with `(peer group, member)`, that member's
     /// pre-resolved peers are used where their address is the descriptor's.
     Desc(&'a MrDesc, Option<(u32, usize)>),
-    /// A destination matched at submit to member `.2` of peer group `.1`.
-    Member(&'a RoutedDst, u32, usize),
+    /// Destination `.2` of a request's routed destinations, matched at
+    /// submit to member `.2` of peer group `.1`.
+    Member(&'a Routed, u32, usize),
     /// A single or paged write's destination (addresses interned).
     Plain(&'a PlainDst),
 }
@@ -25,7 +26,7 @@ impl Target<'_> {
     pub(super) fn base(&self) -> u64 {
         match self {
             Target::Desc(d, _) => d.addr,
-            Target::Member(r, ..) => r.keys.base,
+            Target::Member(r, _, j) => r.dsts[*j].base,
             Target::Plain(p) => p.keys.base,
         }
     }
@@ -33,7 +34,7 @@ impl Target<'_> {
     pub(super) fn region_len(&self) -> u64 {
         match self {
             Target::Desc(d, _) => d.len,
-            Target::Member(r, ..) => r.keys.region_len,
+            Target::Member(r, _, j) => r.dsts[*j].region_len,
             Target::Plain(p) => p.keys.region_len,
         }
     }
@@ -42,7 +43,7 @@ impl Target<'_> {
     pub(super) fn rkey_count(&self) -> usize {
         match self {
             Target::Desc(d, _) => d.rkeys.len(),
-            Target::Member(r, ..) => r.keys.nics,
+            Target::Member(r, _, j) => r.dsts[*j].nics as usize,
             Target::Plain(p) => p.keys.nics,
         }
     }
@@ -199,13 +200,13 @@ impl WorkerCore {
     /// destination matched to it at submit.
     pub(super) fn member_route(
         &self,
-        d: &RoutedDst,
+        r: &Routed,
         g: u32,
         j: usize,
         nic: usize,
         mr: Option<LocalMr>,
     ) -> Result<Route, EngineError> {
-        let rkey = d.keys.rkey(nic)?;
+        let rkey = r.rkey(&r.dsts[j], nic)?;
         let peer = self
             .reg
             .peer_groups

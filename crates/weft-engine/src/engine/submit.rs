@@ -351,6 +351,7 @@ impl TransferEngine {
                 peers: pg,
                 dsts: routed_dsts(
                     &peers.members,
+                    local,
                     dsts.iter()
                         .map(|d| (&d.dst, d.len, d.src_offset, d.dst_offset)),
                 )
@@ -375,13 +376,14 @@ impl TransferEngine {
             Self::check_dst(d, format_args!("barrier destination {j}"), 0, 0)?;
         }
         let gs = self.group(0)?;
+        let nics = self.nic_count(0)?;
         let pg = *peers.ids.first().ok_or_else(|| no_group(0))?;
         let req = self.new_req(
             on_done,
             Body::Barrier {
                 imm,
                 peers: pg,
-                dsts: routed_dsts(&peers.members, dsts.iter().map(|d| (d, 0, 0, 0)))
+                dsts: routed_dsts(&peers.members, nics, dsts.iter().map(|d| (d, 0, 0, 0)))
                     .unwrap_or_else(|| {
                         Dsts::Described(
                             dsts.iter()
