@@ -123,12 +123,14 @@ impl DstKeys {
 
 /// A scatter or barrier destination whose per-NIC NIC addresses were
 /// matched, at submit, to the peer group member it goes to: plain values
-/// only (no descriptor is cloned into the request queue), its rkeys in the
-/// [`Routed::rkeys`] of its request. 48 bytes, so a 64-peer scatter hands
-/// the worker 3 KiB of destinations rather than the 7 KiB it took with a
-/// fixed `MAX_NICS` rkey array per destination: those bytes cross from the
-/// submitting core to the worker's, and each one costs (see
-/// docs/benchmarks.md, "Destination records across the hand-off").
+/// only (no descriptor is cloned into the request queue), its NIC 0 rkey
+/// inline and the others in the [`Routed::rkeys`] of its request. 56 bytes,
+/// so a 64-peer scatter hands the worker 3.5 KiB of destinations rather
+/// than the 7 KiB it took with a fixed `MAX_NICS` rkey array per
+/// destination: those bytes cross from the submitting core to the
+/// worker's, and each one costs (see docs/benchmarks.md, "Destination
+/// records across the hand-off"). NIC 0's rkey inline keeps a one-NIC
+/// group's first WRITE from waiting on a second line from the other core.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RoutedDst {
     pub(crate) len: u64,
@@ -137,7 +139,9 @@ pub(crate) struct RoutedDst {
     /// The destination region's base address and length.
     pub(crate) base: u64,
     pub(crate) region_len: u64,
-    /// Where its rkeys start in [`Routed::rkeys`].
+    /// The rkey of NIC 0.
+    rkey0: Rkey,
+    /// Where its rkeys of NIC 1 and on start in [`Routed::rkeys`].
     rkey_at: u32,
     /// How many rkeys it has (the descriptor's count, at most `MAX_NICS`).
     pub(crate) nics: u32,
@@ -148,7 +152,8 @@ pub(crate) struct RoutedDst {
 #[derive(Debug, Default)]
 pub(crate) struct Routed {
     pub(crate) dsts: Vec<RoutedDst>,
-    /// Every destination's rkeys, by NIC, one destination after another.
+    /// Every destination's rkeys of NIC 1 and on, by NIC, one destination
+    /// after another.
     rkeys: Vec<Rkey>,
 }
 
@@ -157,7 +162,7 @@ impl Routed {
     fn with_capacity(n: usize, nics: usize) -> Self {
         Routed {
             dsts: Vec::with_capacity(n),
-            rkeys: Vec::with_capacity(n * nics),
+            rkeys: Vec::with_capacity(n * nics.saturating_sub(1)),
         }
     }
 
@@ -181,13 +186,15 @@ impl Routed {
             }
         }
         let rkey_at = u32::try_from(self.rkeys.len()).ok()?;
-        self.rkeys.extend(dst.rkeys.iter().map(|(_, k)| *k));
+        let rkey0 = dst.rkeys.first().map_or(Rkey(0), |(_, k)| *k);
+        self.rkeys.extend(dst.rkeys.iter().skip(1).map(|(_, k)| *k));
         self.dsts.push(RoutedDst {
             len,
             src_offset,
             dst_offset,
             base: dst.addr,
             region_len: dst.len,
+            rkey0,
             rkey_at,
             nics: dst.rkeys.len() as u32,
         });
@@ -197,7 +204,10 @@ impl Routed {
     /// The rkey of destination `d` on `nic`, if its descriptor has one.
     pub(crate) fn rkey(&self, d: &RoutedDst, nic: usize) -> Result<Rkey, EngineError> {
         (nic < d.nics as usize)
-            .then(|| self.rkeys.get(d.rkey_at as usize + nic).copied())
+            .then(|| match nic {
+                0 => Some(d.rkey0),
+                _ => self.rkeys.get(d.rkey_at as usize + nic - 1).copied(),
+            })
             .flatten()
             .ok_or_else(|| EngineError::InvalidArgument {
                 what: format!("destination has no rkey for NIC {nic}"),
