@@ -58,6 +58,19 @@ pub fn bench_config() -> EngineConfig {
     }
 }
 
+/// The receiving engine's configuration: [`bench_config`], with its idle
+/// sleep from `WEFT_BENCH_RX_IDLE_SLEEP_US` when set (an experiment knob:
+/// how much a receiver that polls the loopback fabric's one lock while
+/// idle costs the sender; rows that need the receiver to poll, immediates
+/// and software providers, then wait that long).
+fn receiver_config() -> EngineConfig {
+    let mut cfg = bench_config();
+    if let Some(us) = env_num::<u64>("WEFT_BENCH_RX_IDLE_SLEEP_US") {
+        cfg.idle_sleep = (us > 0).then(|| Duration::from_micros(us));
+    }
+    cfg
+}
+
 /// The number in environment variable `name`, if set and a number.
 fn env_num<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok()?.trim().parse().ok()
@@ -77,6 +90,16 @@ pub fn engine_on(
     worker: Option<usize>,
     aux: Option<usize>,
 ) -> Result<TransferEngine, String> {
+    engine_with(tb, worker, aux, bench_config())
+}
+
+/// [`engine_on`] with `cfg` instead of [`bench_config`].
+fn engine_with(
+    tb: &Testbed,
+    worker: Option<usize>,
+    aux: Option<usize>,
+    cfg: EngineConfig,
+) -> Result<TransferEngine, String> {
     let p = tb.host()?;
     let mut spec = DomainGroupSpec::new(p, (0..tb.nics()).collect::<Vec<_>>());
     if let Some(cpu) = worker {
@@ -85,7 +108,7 @@ pub fn engine_on(
     let _pin = PinGuard::new(aux);
     TransferEngine::builder()
         .group(spec)
-        .config(bench_config())
+        .config(cfg)
         .build()
         .map_err(|e| e.to_string())
 }
@@ -152,7 +175,12 @@ impl EnginePair {
         place: Option<&Placement>,
     ) -> Result<Self, String> {
         let tx = engine_on(tb, place.map(|p| p.initiator), place.map(|p| p.tx_aux))?;
-        let rx = match engine_on(tb, place.map(|p| p.target), place.map(|p| p.rx_aux)) {
+        let rx = match engine_with(
+            tb,
+            place.map(|p| p.target),
+            place.map(|p| p.rx_aux),
+            receiver_config(),
+        ) {
             Ok(rx) => rx,
             Err(e) => {
                 tx.shutdown();

@@ -14,6 +14,7 @@ use crate::stats::GroupCounters;
 use crate::watcher::WatcherShared;
 use crate::MAX_NICS;
 use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -118,9 +119,9 @@ impl EngineBuilder {
                 ctrl,
                 info: OnceLock::new(),
                 send_pool: OnceLock::new(),
-                submitting: AtomicUsize::new(0),
-                closing: AtomicBool::new(false),
-                sleeping: AtomicBool::new(false),
+                submitting: CachePadded::new(AtomicUsize::new(0)),
+                closing: CachePadded::new(AtomicBool::new(false)),
+                sleeping: CachePadded::new(AtomicBool::new(false)),
                 thread: OnceLock::new(),
                 wake_fd: crate::driver::block::WakeFd::new(),
                 failed: OnceLock::new(),

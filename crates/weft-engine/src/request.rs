@@ -128,9 +128,9 @@ impl DstKeys {
 /// so a 64-peer scatter hands the worker 3.5 KiB of destinations rather
 /// than the 7 KiB it took with a fixed `MAX_NICS` rkey array per
 /// destination: those bytes cross from the submitting core to the
-/// worker's, and each one costs (see docs/benchmarks.md, "Destination
-/// records across the hand-off"). NIC 0's rkey inline keeps a one-NIC
-/// group's first WRITE from waiting on a second line from the other core.
+/// worker's, and each one costs (docs/benchmarks.md, "Engine changes
+/// measured here"). NIC 0's rkey inline keeps a one-NIC group's first
+/// WRITE from waiting on a second line from the other core.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RoutedDst {
     pub(crate) len: u64,
@@ -146,6 +146,9 @@ pub(crate) struct RoutedDst {
     /// How many rkeys it has (the descriptor's count, at most `MAX_NICS`).
     pub(crate) nics: u32,
 }
+
+// What a 64-peer scatter hands the worker depends on it (see above).
+const _: () = assert!(std::mem::size_of::<RoutedDst>() == 56);
 
 /// The destinations of a scatter or barrier, each matched to its peer
 /// group member ([`Routed::matched`]).

@@ -20,6 +20,7 @@ use crate::stats::GroupCounters;
 use crate::watcher::WatcherShared;
 use crossbeam_channel::Sender;
 use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::Thread;
@@ -42,9 +43,14 @@ pub(crate) struct GroupShared {
     pub(crate) ctrl: Sender<Control>,
     pub(crate) info: OnceLock<GroupInfo>,
     pub(crate) send_pool: OnceLock<Arc<SendPool>>,
-    pub(crate) submitting: AtomicUsize,
-    pub(crate) closing: AtomicBool,
-    pub(crate) sleeping: AtomicBool,
+    // Each flag on a cache line of its own: `submitting` is written twice
+    // per submit by submitters, `closing` read on every worker lap and
+    // `sleeping` written by the worker around each sleep and read per
+    // submit. Sharing a line, every submit cost the worker a miss on its
+    // next lap and the submitter a miss on its next submit.
+    pub(crate) submitting: CachePadded<AtomicUsize>,
+    pub(crate) closing: CachePadded<AtomicBool>,
+    pub(crate) sleeping: CachePadded<AtomicBool>,
     pub(crate) thread: OnceLock<Thread>,
     /// Written to wake the worker when it sleeps in its NICs' wait fds
     /// (`None`: no eventfd; the worker then only parks).
