@@ -188,17 +188,7 @@ fn post_one(
     let mut built = 0;
     let n = job.dsts.len();
     let mut done = 0usize;
-    let mut reap = |rd: &mut dyn Domain, done: &mut usize| -> Result<(), String> {
-        comps.clear();
-        rd.poll(comps).map_err(|e| e.to_string())?;
-        for c in comps.iter() {
-            if let Completion::Write { result, .. } = c {
-                result.as_ref().map_err(|e| e.to_string())?;
-                *done += 1;
-            }
-        }
-        Ok(())
-    };
+    let mut reap = |rd: &mut dyn Domain, done: &mut usize| reap_writes(rd, comps, done);
     let mut posted = Posted::default();
     let mut off = 0;
     while off < n {
@@ -239,4 +229,22 @@ fn post_one(
         }
     }
     Ok(posted)
+}
+
+/// Polls `rd` once, counting its WRITE completions into `done`; a failed
+/// WRITE is an error.
+pub(crate) fn reap_writes(
+    rd: &mut dyn Domain,
+    comps: &mut Vec<Completion>,
+    done: &mut usize,
+) -> Result<(), String> {
+    comps.clear();
+    rd.poll(comps).map_err(|e| e.to_string())?;
+    for c in comps.iter() {
+        if let Completion::Write { result, .. } = c {
+            result.as_ref().map_err(|e| e.to_string())?;
+            *done += 1;
+        }
+    }
+    Ok(())
 }

@@ -237,17 +237,7 @@ fn raw_scatter(
     let n = wrs.len();
     let max_batch = rd.capabilities().max_batch.max(1);
     let mut done = 0;
-    let mut reap = |rd: &mut dyn Domain, done: &mut usize| -> Result<(), String> {
-        comps.clear();
-        rd.poll(comps).map_err(|e| e.to_string())?;
-        for c in comps.iter() {
-            if let Completion::Write { result, .. } = c {
-                result.as_ref().map_err(|e| e.to_string())?;
-                *done += 1;
-            }
-        }
-        Ok(())
-    };
+    let mut reap = |rd: &mut dyn Domain, done: &mut usize| handoff::reap_writes(rd, comps, done);
     let t0 = Instant::now();
     let mut off = 0;
     while off < n {
@@ -501,59 +491,45 @@ fn run_inner(
             });
         }
         let param = format!("{n} peers");
-        rows.push(
+        // One row of this peer count: `metric` (µs) against `base`.
+        let row = |metric: &str, v: f64, base: (f64, &str)| {
             Row::new(
                 BENCH,
                 "scatter",
                 &backend,
                 1,
                 param.clone(),
-                "submit->first WR p50",
+                metric,
                 "us",
+                v,
+                Some(base),
+            )
+        };
+        rows.push(
+            row(
+                "submit->first WR p50",
                 first.p50,
-                Some((fl.p50, "queue hand-off floor")),
+                (fl.p50, "queue hand-off floor"),
             )
             .target(Target::at_most(first.p50, 0.5, "us"))
             .extra("p99_us", first.p99)
             .extra("p999_us", first.p999),
         );
-        rows.push(Row::new(
-            BENCH,
-            "scatter",
-            &backend,
-            1,
-            param.clone(),
-            "submit->first WR p50",
-            "us",
-            first.p50,
-            Some((hf.p50, HANDOFF)),
-        ));
+        rows.push(row("submit->first WR p50", first.p50, (hf.p50, HANDOFF)));
         rows.push(
-            Row::new(
-                BENCH,
-                "scatter",
-                &backend,
-                1,
-                param.clone(),
+            row(
                 "enqueued->pickup p50",
-                "us",
                 pick.p50,
-                Some((fl.p50, "queue hand-off floor")),
+                (fl.p50, "queue hand-off floor"),
             )
             .extra("p99_us", pick.p99)
             .extra("p999_us", pick.p999),
         );
         let overhead = total.p50 - rawp.p50;
-        let mut all = Row::new(
-            BENCH,
-            "scatter",
-            &backend,
-            1,
-            param,
+        let mut all = row(
             "submit->all posted p50",
-            "us",
             total.p50,
-            Some((rawp.p50, "raw backend posting")),
+            (rawp.p50, "raw backend posting"),
         )
         .extra("engine_overhead_us", overhead)
         .extra("superseded_probe_records", early_records as f64)
@@ -567,18 +543,8 @@ fn run_inner(
         }
         rows.push(all);
         rows.push(
-            Row::new(
-                BENCH,
-                "scatter",
-                &backend,
-                1,
-                format!("{n} peers"),
-                "submit->all posted p50",
-                "us",
-                total.p50,
-                Some((ha.p50, HANDOFF)),
-            )
-            .extra("engine_overhead_us", total.p50 - ha.p50),
+            row("submit->all posted p50", total.p50, (ha.p50, HANDOFF))
+                .extra("engine_overhead_us", total.p50 - ha.p50),
         );
     }
     drop(raw);
