@@ -437,6 +437,9 @@ fn run_inner(
             // raw behind a hand-off: the bench thread (submitter's CPU)
             // hands each scatter to a poster on the worker's CPU
             handoff::with_poster(rd.as_mut(), &rsrc, place.map(|p| p.initiator), |poster| {
+                // Warm-up, as weft's: the poster's start and first buffer
+                // growth are not part of the host path measured.
+                poster.scatter(handed.clone(), || pe.progress(n))?;
                 for _ in 0..per_round {
                     let r = poster.scatter(handed.clone(), || pe.progress(n))?;
                     h_first.push(r.first_wr);

@@ -190,8 +190,11 @@ impl RawPair {
     /// `split`, as [`RawPair::drive_split`]: the target on a thread of its
     /// own). At most `req_window` requests are handed over and not yet
     /// complete, and at most `wr_window` WRs outstanding, as the engine's
-    /// submitter and worker keep them. Times run from the worker's start,
-    /// which precedes the first hand-off.
+    /// submitter and worker keep them. Times run from the worker's clock
+    /// start, which the bench thread waits for before its first hand-off,
+    /// to the worker's last completion (weft's rows end when the bench
+    /// thread sees it: one cross-thread notification more, well under 0.1 %
+    /// of a run).
     #[allow(clippy::too_many_arguments)]
     pub fn drive_handoff(
         &mut self,
@@ -220,7 +223,7 @@ impl RawPair {
                 .name("raw-handoff".into())
                 .spawn_scoped(s, move || {
                     let _pin = PinGuard::new(cpu);
-                    feed.started.store(true, Ordering::Release);
+                    let _unwind = FailOnUnwind(feed);
                     let r = if split {
                         self.drive_split_fed(total, wr_window, want_imms, gen, Some(feed))
                     } else {
@@ -302,6 +305,10 @@ impl RawPair {
         feed: Option<&Feed>,
     ) -> Result<DriveTimes, String> {
         let start = Instant::now();
+        if let Some(f) = feed {
+            // The bench thread hands nothing over before this stamp.
+            f.started.store(true, Ordering::Release);
+        }
         let window = window.max(1);
         let (mut generated, mut done, mut imms) = (0u64, 0u64, 0u64);
         let mut all_done = None;
@@ -411,6 +418,18 @@ struct Feed {
     started: AtomicBool,
     /// The worker gave up (the bench thread stops handing over).
     failed: AtomicBool,
+}
+
+/// Marks its feed failed when the worker unwinds, so the bench thread
+/// stops handing over at once rather than at the stall limit.
+struct FailOnUnwind<'a>(&'a Feed);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.failed.store(true, Ordering::Release);
+        }
+    }
 }
 
 impl Feed {
