@@ -227,6 +227,27 @@ impl ProcPeer {
             .map_err(|e| self.fail(format!("kill({pid}, {sig}): {e}")))
     }
 
+    /// SIGSTOPs the child and returns once every one of its threads is
+    /// stopped: the signal is delivered asynchronously, and a thread still
+    /// running after `kill` returns could answer one more operation (a
+    /// WRITE meant to hit a stopped peer would then succeed).
+    pub fn stop(&mut self) -> Result<(), HarnessError> {
+        self.signal(libc::SIGSTOP)?;
+        let pid = self.pid;
+        let start = Instant::now();
+        loop {
+            match all_threads_stopped(pid) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(format!("reading /proc/{pid}/task: {e}"))),
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(self.fail("still running 10 s after SIGSTOP".into()));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) -> Result<(), HarnessError> {
         let status = self
@@ -238,6 +259,29 @@ impl ProcPeer {
         }
         Ok(())
     }
+}
+
+/// Whether every thread of process `pid` is in the stopped state (`T`, or
+/// `t` when traced), from `/proc/<pid>/task/<tid>/stat`. A thread that
+/// exits meanwhile is skipped.
+fn all_threads_stopped(pid: u32) -> std::io::Result<bool> {
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = entry?.path().join("stat");
+        let stat = match std::fs::read_to_string(&path) {
+            Ok(s) => s,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        // "tid (comm) S ...": the state follows the last ')' (comm may
+        // hold spaces and parentheses).
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 impl EnginePeer for ProcPeer {
@@ -447,6 +491,6 @@ impl<B: XprocBackend> EngineHarness for XprocEngines<B> {
                 "stop hook switched off (peers are killed while running)".into(),
             ));
         }
-        self.proc_peer(ix).signal(libc::SIGSTOP)
+        self.proc_peer(ix).stop()
     }
 }
