@@ -115,9 +115,15 @@ impl DstKeys {
             .get(nic)
             .copied()
             .filter(|_| nic < self.nics)
-            .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {nic}"),
-            })
+            .ok_or_else(|| no_rkey(nic))
+    }
+}
+
+/// The error of a destination without an rkey for `nic` (every kind of
+/// destination: plain, routed, or resolved from its descriptor).
+pub(crate) fn no_rkey(nic: usize) -> EngineError {
+    EngineError::InvalidArgument {
+        what: format!("destination has no rkey for NIC {nic}"),
     }
 }
 
@@ -212,9 +218,7 @@ impl Routed {
                 _ => self.rkeys.get(d.rkey_at as usize + nic - 1).copied(),
             })
             .flatten()
-            .ok_or_else(|| EngineError::InvalidArgument {
-                what: format!("destination has no rkey for NIC {nic}"),
-            })
+            .ok_or_else(|| no_rkey(nic))
     }
 }
 

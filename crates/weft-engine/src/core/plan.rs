@@ -330,8 +330,8 @@ impl WorkerCore {
                 break;
             };
             // Submit checked the source span against this registration
-            // and the destination span against the descriptor `d.keys`
-            // was made from.
+            // and the destination span against the descriptor `d` was
+            // made from.
             self.nics[nic].fresh.push_back(build_write_checked(
                 wr,
                 peer,

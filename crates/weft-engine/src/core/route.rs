@@ -5,7 +5,7 @@
 use super::nic::Op;
 use super::{transport, WorkerCore};
 use crate::error::{EngineError, TransferId};
-use crate::request::{PlainDst, Routed};
+use crate::request::{no_rkey, PlainDst, Routed};
 use crate::MAX_NICS;
 use weft_transport::{Imm, LocalMr, LocalSlice, MrDesc, PeerId, RemoteSlice, Rkey, WrId, WriteWr};
 
@@ -119,20 +119,17 @@ impl WorkerCore {
             Some(key) => self.reg.mr_entry(key)?.nics.get(nic).copied(),
             None => None,
         };
-        let no_rkey = || EngineError::InvalidArgument {
-            what: format!("destination has no rkey for NIC {nic}"),
-        };
         let (peer, rkey) = match target {
-            Target::Member(d, g, j) => {
-                let r = self.member_route(d, g, j, nic, mr)?;
-                (r.peer, r.rkey)
+            Target::Member(r, g, j) => {
+                let route = self.member_route(r, g, j, nic, mr)?;
+                (route.peer, route.rkey)
             }
             Target::Plain(d) => {
                 let rkey = d.keys.rkey(nic)?;
                 (self.plain_peer(nic, d.addrs[nic], tid)?, rkey)
             }
             Target::Desc(dst, hint) => {
-                let (addr, rkey) = dst.rkeys.get(nic).ok_or_else(no_rkey)?;
+                let (addr, rkey) = dst.rkeys.get(nic).ok_or_else(|| no_rkey(nic))?;
                 let hinted = hint
                     .and_then(|(g, j)| {
                         self.reg
