@@ -31,6 +31,27 @@ pub struct HandedDst {
     pub rkey: Rkey,
 }
 
+impl HandedDst {
+    /// The WRITE to this destination from registration `src`.
+    pub fn wr(&self, src: &LocalMr, id: WrId) -> WriteWr {
+        WriteWr {
+            wr: id,
+            peer: self.peer,
+            src: LocalSlice {
+                mr: src.key,
+                addr: src.addr + self.src_offset,
+                len: self.len,
+            },
+            dst: RemoteSlice {
+                base: self.base,
+                offset: 0,
+                rkey: self.rkey,
+            },
+            imm: None,
+        }
+    }
+}
+
 /// A scatter on its way to the poster: its destinations and when it was
 /// pushed.
 struct Job {
@@ -109,12 +130,9 @@ impl Poster<'_> {
         });
         let t0 = Instant::now();
         job.pushed = t0;
-        let mut job = Some(job);
-        while let Some(j) = job.take() {
-            if let Err(back) = sh.q.push(j) {
-                job = Some(back);
-                std::hint::spin_loop();
-            }
+        while let Err(back) = sh.q.push(job) {
+            job = back;
+            std::hint::spin_loop();
         }
         while sh.acks.load(Ordering::Acquire) == before {
             progress()?;
@@ -167,21 +185,6 @@ fn post_one(
     comps: &mut Vec<Completion>,
     next_wr: &mut u64,
 ) -> Result<Posted, String> {
-    let wr_of = |d: &HandedDst, id: u64| WriteWr {
-        wr: WrId(id),
-        peer: d.peer,
-        src: LocalSlice {
-            mr: src.key,
-            addr: src.addr + d.src_offset,
-            len: d.len,
-        },
-        dst: RemoteSlice {
-            base: d.base,
-            offset: 0,
-            rkey: d.rkey,
-        },
-        imm: None,
-    };
     // WRITE 0 is built and posted before the others are built, as the
     // engine plans and posts it.
     wrs.clear();
@@ -200,7 +203,7 @@ fn post_one(
         };
         while built < end {
             *next_wr += 1;
-            wrs.push(wr_of(&job.dsts[built], *next_wr));
+            wrs.push(job.dsts[built].wr(src, WrId(*next_wr)));
             built += 1;
         }
         let before = off;

@@ -44,8 +44,9 @@ enum RawMode {
     Same,
     /// [`RawPair::drive_split`]: the target on a thread of its own.
     Split,
-    /// [`RawPair::drive_handoff`]: each transfer handed to a worker.
-    Handoff,
+    /// [`RawPair::drive_handoff`]: each transfer handed to a worker;
+    /// with `split_target`, the target polled by a thread of its own.
+    Handoff { split_target: bool },
 }
 
 /// The sizes, counts and budgets of one run.
@@ -259,11 +260,10 @@ fn raw_single(
     window: u64,
     imm: Option<u32>,
 ) -> Result<f64, String> {
-    raw_single_as(raw, len, count, window, imm, RawMode::Same, false)
+    raw_single_as(raw, len, count, window, imm, RawMode::Same)
 }
 
-/// [`raw_single`] driven as `mode`; `split_target`: under
-/// [`RawMode::Handoff`], whether the target gets a thread of its own.
+/// [`raw_single`] driven as `mode`.
 fn raw_single_as(
     raw: &mut RawPair,
     len: u64,
@@ -271,7 +271,6 @@ fn raw_single_as(
     window: u64,
     imm: Option<u32>,
     mode: RawMode,
-    split_target: bool,
 ) -> Result<f64, String> {
     let lanes = raw.lanes();
     let mwl = raw.max_write_len();
@@ -295,7 +294,7 @@ fn raw_single_as(
     let t = match mode {
         RawMode::Same => raw.drive(total, window * per, 0, gen)?,
         RawMode::Split => raw.drive_split(total, window * per, 0, gen)?,
-        RawMode::Handoff => {
+        RawMode::Handoff { split_target } => {
             raw.drive_handoff(count, per, window, window * per, 0, split_target, gen)?
         }
     };
@@ -339,7 +338,7 @@ fn single(
             let tr = raw_single(raw, size, bw_ops, plan.window, None)?;
             r_bw.push((size * bw_ops) as f64 / tr);
             if split {
-                let ts = raw_single_as(raw, size, bw_ops, plan.window, None, RawMode::Split, true)?;
+                let ts = raw_single_as(raw, size, bw_ops, plan.window, None, RawMode::Split)?;
                 s_bw.push((size * bw_ops) as f64 / ts);
             }
             for _ in 0..lat_ops {
@@ -354,8 +353,7 @@ fn single(
                 bw_ops,
                 plan.window,
                 None,
-                RawMode::Handoff,
-                split_target,
+                RawMode::Handoff { split_target },
             )
         })?;
         h_bw.push((size * bw_ops) as f64 / th);
@@ -497,23 +495,28 @@ fn paged(
     );
     let param = format!("{n} x {}", fmt_bytes(page_len));
     let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
-    let mut ops = Row::new(
-        BENCH,
-        "paged_write",
-        &backend,
-        nics,
-        param.clone(),
-        "page rate",
-        "Mops/s",
-        em,
-        Some((rm, RAW)),
-    )
-    .extra("pages_per_batch", total_pages as f64);
+    // weft's page rate against one baseline.
+    let rate_row = |base: f64, name: &str| {
+        Row::new(
+            BENCH,
+            "paged_write",
+            &backend,
+            nics,
+            param.clone(),
+            "page rate",
+            "Mops/s",
+            em,
+            Some((base, name)),
+        )
+        .extra("pages_per_batch", total_pages as f64)
+    };
+    let mut ops = rate_row(rm, RAW);
     if *tb.kind() == BackendKind::LoopbackNull && page_len <= 4096 {
         ops = ops.target(Target::at_least(em, 10.0, "Mops/s"));
     } else {
         ops = tcp_target(tb, ops);
     }
+    let handoff = rate_row(hm, RAW_HANDOFF);
     let bw = tcp_target(
         tb,
         Row::new(
@@ -528,18 +531,6 @@ fn paged(
             Some((gb(rm), RAW)),
         ),
     );
-    let handoff = Row::new(
-        BENCH,
-        "paged_write",
-        &backend,
-        nics,
-        param,
-        "page rate",
-        "Mops/s",
-        em,
-        Some((hm, RAW_HANDOFF)),
-    )
-    .extra("pages_per_batch", total_pages as f64);
     Ok(vec![ops, handoff, bw])
 }
 

@@ -16,7 +16,7 @@ use crate::stats::{ns, percentiles, Percentiles};
 use crate::{Config, Progress};
 use std::sync::Arc;
 use std::time::Instant;
-use weft::{Access, Completion, Domain, HostBuffer, PeerId, RemoteSlice, WrId, WriteWr};
+use weft::{Access, Completion, Domain, HostBuffer, PeerId, WrId, WriteWr};
 use weft::{DoneCounter, GroupAddress, MrDesc, MrHandle, OnDone, ScatterDst, TransferEngine};
 
 const BENCH: &str = "proxy";
@@ -340,26 +340,23 @@ fn run_inner(
                 dst_offset: 0,
             })
             .collect();
-        let descs = pe.descs.clone();
+        // The destinations as the raw baselines see them: each raw scatter
+        // is built from them, as the hand-off poster builds its WRs.
+        let handed: Vec<HandedDst> = (0..n)
+            .map(|j| HandedDst {
+                peer: rpeers[j],
+                src_offset: j as u64 * SCATTER_LEN,
+                len: SCATTER_LEN,
+                base: pe.descs[j].addr,
+                rkey: pe.descs[j].rkeys[0].1,
+            })
+            .collect();
         let raw_wrs = |next_wr: &mut u64| -> Vec<WriteWr> {
-            (0..n)
-                .map(|j| {
+            handed
+                .iter()
+                .map(|d| {
                     *next_wr += 1;
-                    WriteWr {
-                        wr: WrId(*next_wr),
-                        peer: rpeers[j],
-                        src: weft::LocalSlice {
-                            mr: rsrc.key,
-                            addr: rsrc.addr + j as u64 * SCATTER_LEN,
-                            len: SCATTER_LEN,
-                        },
-                        dst: RemoteSlice {
-                            base: descs[j].addr,
-                            offset: 0,
-                            rkey: descs[j].rkeys[0].1,
-                        },
-                        imm: None,
-                    }
+                    d.wr(&rsrc, WrId(*next_wr))
                 })
                 .collect()
         };
@@ -368,15 +365,6 @@ fn run_inner(
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
         let (mut h_first, mut h_all) = (Vec::new(), Vec::new());
-        let handed: Vec<HandedDst> = (0..n)
-            .map(|j| HandedDst {
-                peer: rpeers[j],
-                src_offset: j as u64 * SCATTER_LEN,
-                len: SCATTER_LEN,
-                base: descs[j].addr,
-                rkey: descs[j].rkeys[0].1,
-            })
-            .collect();
         let wrs = raw_wrs(&mut next_wr);
         {
             let _pin = PinGuard::new(place.map(|p| p.initiator));
