@@ -495,42 +495,31 @@ fn paged(
     );
     let param = format!("{n} x {}", fmt_bytes(page_len));
     let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
-    // weft's page rate against one baseline.
-    let rate_row = |base: f64, name: &str| {
+    // One row of this case: weft's `v` in `unit` against `base`.
+    let row = |metric: &str, unit: &str, v: f64, base: (f64, &str)| {
         Row::new(
             BENCH,
             "paged_write",
             &backend,
             nics,
             param.clone(),
-            "page rate",
-            "Mops/s",
-            em,
-            Some((base, name)),
+            metric,
+            unit,
+            v,
+            Some(base),
         )
-        .extra("pages_per_batch", total_pages as f64)
     };
-    let mut ops = rate_row(rm, RAW);
+    let rate_row = |base: (f64, &str)| {
+        row("page rate", "Mops/s", em, base).extra("pages_per_batch", total_pages as f64)
+    };
+    let mut ops = rate_row((rm, RAW));
     if *tb.kind() == BackendKind::LoopbackNull && page_len <= 4096 {
         ops = ops.target(Target::at_least(em, 10.0, "Mops/s"));
     } else {
         ops = tcp_target(tb, ops);
     }
-    let handoff = rate_row(hm, RAW_HANDOFF);
-    let bw = tcp_target(
-        tb,
-        Row::new(
-            BENCH,
-            "paged_write",
-            &backend,
-            nics,
-            param.clone(),
-            "bandwidth",
-            "GB/s",
-            gb(em),
-            Some((gb(rm), RAW)),
-        ),
-    );
+    let handoff = rate_row((hm, RAW_HANDOFF));
+    let bw = tcp_target(tb, row("bandwidth", "GB/s", gb(em), (gb(rm), RAW)));
     Ok(vec![ops, handoff, bw])
 }
 
