@@ -16,7 +16,8 @@ use weft::{
 /// sets that sleep (0: never sleep, spin/yield only); `WEFT_BENCH_POLL`
 /// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park);
 /// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`;
-/// `WEFT_BENCH_MAX_INFLIGHT=N` `EngineConfig::max_inflight_per_nic`.
+/// `WEFT_BENCH_MAX_INFLIGHT=N` `EngineConfig::max_inflight_per_nic`;
+/// `WEFT_BENCH_PROGRESS_SPINS=N` `EngineConfig::progress_spins`.
 pub fn bench_config() -> EngineConfig {
     let poll = match std::env::var("WEFT_BENCH_POLL")
         .ok()
@@ -49,9 +50,12 @@ pub fn bench_config() -> EngineConfig {
     };
     let max_inflight_per_nic =
         env_num::<usize>("WEFT_BENCH_MAX_INFLIGHT").unwrap_or(defaults.max_inflight_per_nic);
+    let progress_spins =
+        env_num::<u32>("WEFT_BENCH_PROGRESS_SPINS").unwrap_or(defaults.progress_spins);
     EngineConfig {
         idle_sleep,
         poll,
+        progress_spins,
         idle_block_after,
         max_inflight_per_nic,
         ..defaults

@@ -117,6 +117,7 @@ impl EngineBuilder {
                 device: spec.device,
                 queue: ArrayQueue::new(cfg.queue_capacity.max(1)),
                 ctrl,
+                ctrl_sent: CachePadded::new(AtomicU64::new(0)),
                 info: OnceLock::new(),
                 send_pool: OnceLock::new(),
                 submitting: CachePadded::new(AtomicUsize::new(0)),

@@ -108,6 +108,13 @@ pub struct EngineConfig {
     ///
     /// [`Capabilities::software_progress`]: weft_transport::Capabilities::software_progress
     pub idle_spins: u32,
+    /// Under [`PollPolicy::Adaptive`], the empty polls a software-progress
+    /// group spins through before it starts yielding (see
+    /// [`EngineConfig::idle_spins`], which such groups skip). 0, the
+    /// default, yields after every empty poll; a worker with a core of its
+    /// own may see completions sooner with a few spins, at the cost of
+    /// holding the core from threads it shares one with.
+    pub progress_spins: u32,
     /// Idle loop iterations (after spinning) spent yielding before sleeping.
     pub idle_yields: u32,
     /// Sleep of an idle worker/watcher; `None` = never sleep (lowest latency,
@@ -155,6 +162,7 @@ impl Default for EngineConfig {
             send_slots: 64,
             send_slot_len: 16 * 1024,
             idle_spins: 64,
+            progress_spins: 0,
             idle_yields: 256,
             idle_sleep: Some(Duration::from_micros(200)),
             inflight_spin: Duration::from_millis(100),
@@ -228,6 +236,8 @@ pub type ExcessHandler = Arc<dyn Fn(Imm, u64) + Send + Sync + 'static>;
 #[derive(Clone, Copy)]
 pub(crate) struct Idle {
     pub(crate) spins: u32,
+    /// Software progress: `SpinThenPark` yields instead of spinning.
+    pub(crate) yield_in_spin: bool,
     pub(crate) yields: u32,
     pub(crate) sleep: Option<Duration>,
     pub(crate) poll: PollPolicy,
@@ -238,6 +248,7 @@ impl From<&EngineConfig> for Idle {
     fn from(c: &EngineConfig) -> Self {
         Self {
             spins: c.idle_spins,
+            yield_in_spin: false,
             yields: c.idle_yields,
             sleep: c.idle_sleep,
             poll: c.poll,
@@ -274,8 +285,7 @@ impl Idle {
             PollPolicy::SpinThenPark { spin } => {
                 let since = *st.since.get_or_insert_with(Instant::now);
                 if since.elapsed() < spin {
-                    // `spins == 0` on software-progress groups: yield.
-                    if self.spins == 0 {
+                    if self.yield_in_spin {
                         std::thread::yield_now();
                     } else {
                         std::hint::spin_loop();
@@ -307,6 +317,7 @@ mod tests {
     fn idle(poll: PollPolicy) -> Idle {
         Idle {
             spins: 2,
+            yield_in_spin: false,
             yields: 2,
             sleep: Some(Duration::from_micros(50)),
             poll,

@@ -69,6 +69,7 @@ impl WorkerCtx {
             cb_tx: self.cb_tx,
             events: Vec::new(),
             max_pending: self.cfg.max_pending_wrs.max(1),
+            ctrl_seen: 0,
             draining: None,
             finished: false,
         })
@@ -84,6 +85,8 @@ pub(crate) struct Worker {
     pub(crate) cb_tx: Sender<CbMsg>,
     pub(crate) events: Vec<Event>,
     pub(crate) max_pending: usize,
+    /// `GroupShared::ctrl_sent` when `ctrl_rx` was last drained.
+    pub(crate) ctrl_seen: u64,
     pub(crate) draining: Option<Instant>,
     pub(crate) finished: bool,
 }
@@ -100,14 +103,24 @@ impl Worker {
     /// happened.
     pub(crate) fn iterate(&mut self) -> bool {
         let mut did = false;
-        while let Ok(c) = self.ctrl_rx.try_recv() {
-            self.core.handle_control(c);
-            did = true;
+        // Every message counted in `ctrl_sent` is in the channel already;
+        // those sent since are counted (and found) on a later lap.
+        let sent = self.shared.ctrl_sent.load(Ordering::Acquire);
+        if sent != self.ctrl_seen {
+            self.ctrl_seen = sent;
+            while let Ok(c) = self.ctrl_rx.try_recv() {
+                self.core.handle_control(c);
+                did = true;
+            }
         }
         if self.draining.is_none() {
-            // (1) new requests and their first WRs
+            // (1) new requests and their first WRs. `is_empty` first: an
+            // empty `pop` costs a full fence, and most laps find nothing.
             let mut n = 0;
-            while n < BURST && self.core.pending_pieces() < self.max_pending {
+            while n < BURST
+                && self.core.pending_pieces() < self.max_pending
+                && !self.shared.queue.is_empty()
+            {
                 let Some(r) = self.shared.queue.pop() else {
                     break;
                 };
@@ -253,6 +266,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     }
     let mut idle = Idle::from(&ctx.cfg);
     let inflight_spin = ctx.cfg.inflight_spin;
+    let progress_spins = ctx.cfg.progress_spins;
     let drain = ctx.cfg.drain_timeout;
     let mut w = match ctx.open() {
         Ok(w) => {
@@ -270,8 +284,9 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     let mut seen_arms = w.imm_waits.arms.load(Ordering::SeqCst);
     let software_progress = w.core.software_progress();
     if software_progress {
-        // See `EngineConfig::idle_spins`.
-        idle.spins = 0;
+        // See `EngineConfig::idle_spins` and `progress_spins`.
+        idle.spins = progress_spins;
+        idle.yield_in_spin = true;
     }
     // Software-progress groups with wait fds sleep in them (`PollPolicy`).
     let mut blocker = if software_progress {

@@ -30,6 +30,8 @@ impl TransferEngine {
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
         g.ctrl.send(make(tx)).map_err(|_| EngineError::ShutDown)?;
+        // After the send: a worker that sees the count finds the message.
+        g.ctrl_sent.fetch_add(1, Ordering::Release);
         if let Some(m) = &self.inner.manual {
             // Run the worker's control queue inline.
             let mut st = m.lock();
