@@ -17,7 +17,8 @@ use weft::{
 /// the [`PollPolicy`] (`adaptive`, `busy`, `spin:<µs>` for spin-then-park);
 /// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`;
 /// `WEFT_BENCH_MAX_INFLIGHT=N` `EngineConfig::max_inflight_per_nic`;
-/// `WEFT_BENCH_PROGRESS_SPINS=N` `EngineConfig::progress_spins`.
+/// `WEFT_BENCH_PROGRESS_SPINS=N` `EngineConfig::progress_spins`;
+/// `WEFT_BENCH_MAX_PENDING=N` `EngineConfig::max_pending_wrs`.
 pub fn bench_config() -> EngineConfig {
     let poll = match std::env::var("WEFT_BENCH_POLL")
         .ok()
@@ -52,10 +53,13 @@ pub fn bench_config() -> EngineConfig {
         env_num::<usize>("WEFT_BENCH_MAX_INFLIGHT").unwrap_or(defaults.max_inflight_per_nic);
     let progress_spins =
         env_num::<u32>("WEFT_BENCH_PROGRESS_SPINS").unwrap_or(defaults.progress_spins);
+    let max_pending_wrs =
+        env_num::<usize>("WEFT_BENCH_MAX_PENDING").unwrap_or(defaults.max_pending_wrs);
     EngineConfig {
         idle_sleep,
         poll,
         progress_spins,
+        max_pending_wrs,
         idle_block_after,
         max_inflight_per_nic,
         ..defaults
