@@ -1,7 +1,7 @@
 //! A driver for counting the engine's instructions per operation under
 //! callgrind (deterministic: manual mode, one thread). `cgdrive single N`:
 //! N 64 B WRITEs, one at a time, each with an `OnDone` flag; `cgdrive paged
-//! N`: N paged writes of 10 000 pages of 1 KiB. The receiver is a manual
+//! N`: N paged writes of 10 000 pages of 1 KiB (`CGDRIVE_PAGES` sets the count). The receiver is a manual
 //! engine that is never driven: the null fabric completes WRs at the
 //! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
 //! threads instead. Per-op cost: run two values of N and divide the
@@ -59,8 +59,14 @@ fn main() {
         }
         "paged" => {
             let counter = Arc::new(DoneCounter::new());
+            // `CGDRIVE_PAGES` pages per submit (default 10 000).
+            let np: u32 = std::env::var("CGDRIVE_PAGES")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(10_000)
+                .clamp(1, 16_000);
             let pages = Pages {
-                indices: (0..10_000u32).map(|i| (i * 7) % 10_000).collect(),
+                indices: (0..np).map(|i| (i * 7) % np).collect(),
                 stride: 1024,
                 offset: 0,
             };

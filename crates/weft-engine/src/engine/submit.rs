@@ -257,23 +257,20 @@ impl TransferEngine {
             });
         }
         // Page offsets grow with the page index, so checking the page with
-        // the largest index of each side checks them all (one pass over
-        // the indices instead of checked arithmetic per page).
-        if let Some(i) = last_max_index(sp) {
-            let so = sp
-                .page_offset(i)
-                .ok_or_else(|| EngineError::InvalidArgument {
-                    what: format!("source page {i} offset overflows"),
-                })?;
-            h.check(format_args!("source page {i}"), so, page_len)?;
+        // the largest index of each side checks them all (one vectorised
+        // pass over the indices; its position is looked up only for an
+        // error message).
+        if let Some(m) = MaxPage::of(sp) {
+            let so = m.offset().ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("source {m} offset overflows"),
+            })?;
+            h.check(format_args!("source {m}"), so, page_len)?;
         }
-        if let Some(i) = last_max_index(dp) {
-            let d_o = dp
-                .page_offset(i)
-                .ok_or_else(|| EngineError::InvalidArgument {
-                    what: format!("destination page {i} offset overflows"),
-                })?;
-            Self::check_dst(d, format_args!("destination page {i}"), d_o, page_len)?;
+        if let Some(m) = MaxPage::of(dp) {
+            let d_o = m.offset().ok_or_else(|| EngineError::InvalidArgument {
+                what: format!("destination {m} offset overflows"),
+            })?;
+            Self::check_dst(d, format_args!("destination {m}"), d_o, page_len)?;
         }
         self.check_nic_count(h.group as usize, d)?;
         let req = self.new_req(
@@ -402,11 +399,64 @@ impl TransferEngine {
     }
 }
 
-/// Position of a largest page index of `p` (`None` when `p` is empty).
-fn last_max_index(p: &Pages) -> Option<usize> {
-    p.indices
-        .iter()
-        .enumerate()
-        .max_by_key(|(_, &idx)| idx)
-        .map(|(i, _)| i)
+/// The largest page index of a page list. Displayed as "page N", N the
+/// position of its last occurrence (found only when displayed).
+struct MaxPage<'a> {
+    pages: &'a Pages,
+    index: u32,
+}
+
+impl<'a> MaxPage<'a> {
+    /// `None` when `pages` is empty.
+    fn of(pages: &'a Pages) -> Option<Self> {
+        let index = pages.indices.iter().copied().max()?;
+        Some(Self { pages, index })
+    }
+
+    /// The page's byte offset (`None` on overflow), as [`Pages::page_offset`].
+    fn offset(&self) -> Option<u64> {
+        u64::from(self.index)
+            .checked_mul(self.pages.stride)?
+            .checked_add(self.pages.offset)
+    }
+}
+
+impl std::fmt::Display for MaxPage<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = self
+            .pages
+            .indices
+            .iter()
+            .rposition(|&x| x == self.index)
+            .unwrap_or(0);
+        write!(f, "page {i}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pages(indices: &[u32], stride: u64, offset: u64) -> Pages {
+        Pages {
+            indices: indices.to_vec(),
+            stride,
+            offset,
+        }
+    }
+
+    /// The largest index wins; its message names its last position; the
+    /// offset is `offset + index * stride`, `None` on overflow.
+    #[test]
+    fn max_page_checks_the_largest_index() {
+        assert!(MaxPage::of(&pages(&[], 8, 0)).is_none());
+        let p = pages(&[3, 9, 1, 9, 2], 4096, 64);
+        let m = MaxPage::of(&p).expect("not empty");
+        assert_eq!(m.offset(), Some(64 + 9 * 4096));
+        assert_eq!(m.to_string(), "page 3");
+        let huge = pages(&[0, u32::MAX], u64::MAX / 2, 0);
+        let m = MaxPage::of(&huge).expect("not empty");
+        assert_eq!(m.offset(), None);
+        assert_eq!(m.to_string(), "page 1");
+    }
 }
