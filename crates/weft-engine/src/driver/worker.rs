@@ -166,10 +166,13 @@ impl Worker {
     /// Whether nothing a waker announces is pending: no request, control
     /// message, shutdown or new arm since `seen_arms`. Checked after
     /// storing `sleeping`; each check pairs with its waker's `wake` after
-    /// the waker's store, so a wake-up is never lost.
+    /// the waker's store, so a wake-up is never lost. Control messages
+    /// count by `ctrl_sent`, not by the channel: one sent but not yet
+    /// counted would otherwise keep the worker awake without `iterate`
+    /// taking it (its sender kicks the worker after counting it).
     fn nothing_to_wake_for(&self, seen_arms: u64) -> bool {
         self.shared.queue.is_empty()
-            && self.ctrl_rx.is_empty()
+            && self.shared.ctrl_sent.load(Ordering::SeqCst) == self.ctrl_seen
             && !self.shared.closing.load(Ordering::SeqCst)
             && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
     }
@@ -328,8 +331,14 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
             let stamp_idle = block_after.is_some() && idle_since.is_none();
             if progressed || stamp_idle {
                 let now = Instant::now();
-                if progressed && !software_progress {
-                    // Only the hardware path's in-flight spin limit reads it.
+                if progressed {
+                    // The in-flight window (`inflight_spin`) runs from here.
+                    // Software-progress groups read it too, under
+                    // `SpinThenPark` (their `Adaptive` path never parks
+                    // with WRs in flight): stamped only for hardware groups,
+                    // a sending shm or tcp worker parked for `idle_sleep`
+                    // between the polls its own WRITEs needed
+                    // (tests/spin_then_park.rs in weft-libfabric).
                     last_progress = now;
                 }
                 progressed = false;
