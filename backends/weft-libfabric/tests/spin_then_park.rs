@@ -11,11 +11,11 @@
 //! more than `inflight_spin` of idleness, so an in-flight window measured
 //! from a stale progress stamp has already run out.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, PollPolicy, TransferEngine};
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_engine::{EngineConfig, OnDone, PollPolicy, TransferEngine};
 use weft_testkit::mem::{self, HostBufferExt};
 
 /// The sender's park when idle: a WRITE waited this long means it parked.
@@ -24,17 +24,6 @@ const IDLE_SLEEP: Duration = Duration::from_secs(5);
 const PER_WRITE: Duration = Duration::from_millis(2500);
 
 fn engine(name: &str, poll: PollPolicy) -> Option<TransferEngine> {
-    let cfg = match name {
-        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
-        other => LibfabricConfig::new(other),
-    };
-    let p = match LibfabricProvider::with_config(cfg) {
-        Ok(p) => Arc::new(p),
-        Err(e) => {
-            eprintln!("SKIP: libfabric {name} unavailable: {e}");
-            return None;
-        }
-    };
     let cfg = EngineConfig {
         poll,
         idle_sleep: Some(IDLE_SLEEP),
@@ -44,13 +33,7 @@ fn engine(name: &str, poll: PollPolicy) -> Option<TransferEngine> {
         idle_block_after: None,
         ..EngineConfig::default()
     };
-    Some(
-        TransferEngine::builder()
-            .group(DomainGroupSpec::new(p, vec![0]))
-            .config(cfg)
-            .build()
-            .expect("engine builds"),
-    )
+    common::one_nic_engine(name, cfg)
 }
 
 fn in_flight_writes_are_polled(name: &str) {

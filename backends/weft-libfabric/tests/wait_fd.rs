@@ -11,34 +11,19 @@
 //! memory (which completes nothing there), a peer's immediate before and
 //! after its round is armed, a message, and its own submits.
 
+mod common;
+
+use common::one_nic_provider as provider;
 use std::os::fd::RawFd;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft_engine::{DomainGroupSpec, EngineConfig, Imm, MrDesc, MrHandle, OnDone, TransferEngine};
-use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
+use weft_engine::{EngineConfig, Imm, MrDesc, MrHandle, OnDone, TransferEngine};
+use weft_libfabric::LibfabricDomain;
 use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{Access, Completion, Domain, RemoteSlice, WrId, WriteWr};
 
 /// Bound on every wait (it only catches hangs).
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn config(name: &str) -> LibfabricConfig {
-    match name {
-        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
-        other => LibfabricConfig::new(other),
-    }
-}
-
-fn provider(name: &str) -> Option<LibfabricProvider> {
-    match LibfabricProvider::with_config(config(name)) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            eprintln!("SKIP: libfabric {name} unavailable: {e}");
-            None
-        }
-    }
-}
 
 /// Whether `fd` becomes readable within `timeout`.
 fn readable(fd: RawFd, timeout: Duration) -> bool {
@@ -157,18 +142,11 @@ fn shm_domain_wakes_its_sleeper() {
 }
 
 fn engine(name: &str) -> Option<TransferEngine> {
-    let p = Arc::new(provider(name)?);
     let cfg = EngineConfig {
         idle_block_after: Some(Duration::ZERO),
         ..EngineConfig::default()
     };
-    Some(
-        TransferEngine::builder()
-            .group(DomainGroupSpec::new(p, vec![0]))
-            .config(cfg)
-            .build()
-            .expect("engine builds"),
-    )
+    common::one_nic_engine(name, cfg)
 }
 
 /// A single WRITE of `len` bytes from offset 0 to offset 0, waited for.

@@ -49,6 +49,35 @@ pub fn provider(name: &str) -> Option<LibfabricProvider> {
     }
 }
 
+/// A provider for `name` (`"tcp"` on `lo`, or `"shm"`) with one endpoint,
+/// or `None` (printed) when libfabric is missing.
+pub fn one_nic_provider(name: &str) -> Option<LibfabricProvider> {
+    let cfg = match name {
+        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
+        other => LibfabricConfig::new(other),
+    };
+    match LibfabricProvider::with_config(cfg) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "SKIP: libfabric {name} unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// An engine with one group on [`one_nic_provider`]`(name)`, built with
+/// `cfg`; `None` when libfabric is missing.
+pub fn one_nic_engine(name: &str, cfg: weft_engine::EngineConfig) -> Option<TransferEngine> {
+    let p = std::sync::Arc::new(one_nic_provider(name)?);
+    Some(
+        TransferEngine::builder()
+            .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+            .config(cfg)
+            .build()
+            .expect("engine builds"),
+    )
+}
+
 fn unreachable_addr_for(provider: &LibfabricProvider, name: &str) -> Result<NetAddr, HarnessError> {
     if name == "shm" {
         // A well-formed shm name whose region does not exist.
