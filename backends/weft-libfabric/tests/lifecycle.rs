@@ -11,28 +11,17 @@
 //! after every removal (tcp opens none; the shm test is the only one in
 //! this binary that makes regions, so the count is its own).
 
+mod common;
+
+use common::one_nic_provider as provider;
 use std::time::Duration;
 
-use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
+use weft_libfabric::LibfabricDomain;
 use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{Access, Completion, Domain, RemoteSlice, TransportError, WrId, WriteWr};
 
 /// Bound on every wait (it only catches hangs).
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn provider(name: &str) -> Option<LibfabricProvider> {
-    let cfg = match name {
-        "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
-        other => LibfabricConfig::new(other),
-    };
-    match LibfabricProvider::with_config(cfg) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            eprintln!("SKIP: libfabric {name} unavailable: {e}");
-            None
-        }
-    }
-}
 
 /// This process's shm regions (`/dev/shm/<pid>:...`).
 fn own_shm_regions() -> usize {
