@@ -176,8 +176,15 @@ impl Pages {
     /// Byte offset of the `i`-th listed page, or `None` if `i` is out of range
     /// or the offset overflows.
     pub fn page_offset(&self, i: usize) -> Option<u64> {
-        let idx = u64::from(*self.indices.get(i)?);
-        idx.checked_mul(self.stride)?.checked_add(self.offset)
+        self.index_offset(*self.indices.get(i)?)
+    }
+
+    /// Byte offset of page index `index` (`offset + index * stride`), or
+    /// `None` if it overflows.
+    pub fn index_offset(&self, index: u32) -> Option<u64> {
+        u64::from(index)
+            .checked_mul(self.stride)?
+            .checked_add(self.offset)
     }
 
     /// Number of listed pages.

@@ -413,11 +413,9 @@ impl<'a> MaxPage<'a> {
         Some(Self { pages, index })
     }
 
-    /// The page's byte offset (`None` on overflow), as [`Pages::page_offset`].
+    /// The page's byte offset (`None` on overflow).
     fn offset(&self) -> Option<u64> {
-        u64::from(self.index)
-            .checked_mul(self.pages.stride)?
-            .checked_add(self.pages.offset)
+        self.pages.index_offset(self.index)
     }
 }
 
