@@ -37,16 +37,7 @@ pub fn provider(name: &str) -> Option<LibfabricProvider> {
     let cfg = LibfabricConfig::new(name)
         .with_domains(vec![domain; MAX_NICS])
         .with_connect_timeout(Duration::from_secs(3));
-    match LibfabricProvider::with_config(cfg) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIP: libfabric provider {name} unavailable: {e}"
-            );
-            None
-        }
-    }
+    open_or_skip(name, cfg)
 }
 
 /// A provider for `name` (`"tcp"` on `lo`, or `"shm"`) with one endpoint,
@@ -56,10 +47,18 @@ pub fn one_nic_provider(name: &str) -> Option<LibfabricProvider> {
         "tcp" => LibfabricConfig::new("tcp").with_domains(["lo"]),
         other => LibfabricConfig::new(other),
     };
+    open_or_skip(name, cfg)
+}
+
+/// The provider `cfg` describes, or `None` with a printed SKIP line.
+fn open_or_skip(name: &str, cfg: LibfabricConfig) -> Option<LibfabricProvider> {
     match LibfabricProvider::with_config(cfg) {
         Ok(p) => Some(p),
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIP: libfabric {name} unavailable: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIP: libfabric provider {name} unavailable: {e}"
+            );
             None
         }
     }

@@ -332,13 +332,10 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
             if progressed || stamp_idle {
                 let now = Instant::now();
                 if progressed {
-                    // The in-flight window (`inflight_spin`) runs from here.
-                    // Software-progress groups read it too, under
-                    // `SpinThenPark` (their `Adaptive` path never parks
-                    // with WRs in flight): stamped only for hardware groups,
-                    // a sending shm or tcp worker parked for `idle_sleep`
-                    // between the polls its own WRITEs needed
-                    // (tests/spin_then_park.rs in weft-libfabric).
+                    // The in-flight window (`inflight_spin`) runs from here,
+                    // for every group: a software-progress group under
+                    // `SpinThenPark` parks with WRs in flight once it has
+                    // passed (tests/spin_then_park.rs in weft-libfabric).
                     last_progress = now;
                 }
                 progressed = false;
