@@ -77,6 +77,8 @@ pub struct Config {
     pub rounds: Option<usize>,
     /// Cases of `p2p` to run (default: all).
     pub p2p_cases: Option<Vec<p2p::Case>>,
+    /// Largest single-WRITE size of `p2p` (default: all sizes).
+    pub max_size: Option<u64>,
     /// Thread placement of `p2p` and `imm` rows (see [`pin`]).
     pub pin: pin::PinMode,
     /// Show progress on stderr.
@@ -100,6 +102,7 @@ impl Config {
             nics: None,
             rounds: None,
             p2p_cases: None,
+            max_size: None,
             pin: pin::PinMode::Auto,
             progress: false,
             command: String::new(),

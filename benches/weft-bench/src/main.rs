@@ -37,6 +37,10 @@ struct Cli {
     /// comma-separate
     #[arg(long, global = true, value_delimiter = ',')]
     cases: Vec<weft_bench::p2p::Case>,
+    /// Largest single-WRITE size of p2p, in bytes (default: all sizes,
+    /// 64 B … 64 MiB).
+    #[arg(long, global = true, value_name = "BYTES")]
+    max_size: Option<u64>,
     /// Interleaved rounds per case (default 5; quick 2).
     #[arg(long, global = true)]
     rounds: Option<usize>,
@@ -121,6 +125,7 @@ fn main() -> ExitCode {
     cfg.nics = (!cli.nics.is_empty()).then(|| cli.nics.clone());
     cfg.rounds = cli.rounds;
     cfg.p2p_cases = (!cli.cases.is_empty()).then(|| cli.cases.clone());
+    cfg.max_size = cli.max_size;
     if let Err(e) = weft_bench::pin::Placement::resolve(&cli.pin) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

@@ -129,7 +129,10 @@ impl P2pPlan {
 
 /// Runs `p2p` on `kind` for every NIC count of `cfg`.
 pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row> {
-    let plan = P2pPlan::for_backend(cfg.quick, kind);
+    let mut plan = P2pPlan::for_backend(cfg.quick, kind);
+    if let Some(m) = cfg.max_size {
+        plan.sizes.retain(|&s| s <= m);
+    }
     let mut rows = Vec::new();
     let backend = kind.to_string();
     for &nics in &cfg.nic_counts() {

@@ -1,7 +1,8 @@
 //! A driver for counting the engine's instructions per operation under
 //! callgrind (deterministic: manual mode, one thread). `cgdrive single N`:
 //! N 64 B WRITEs, one at a time, each with an `OnDone` flag; `cgdrive paged
-//! N`: N paged writes of 10 000 pages of 1 KiB (`CGDRIVE_PAGES` sets the count). The receiver is a manual
+//! N`: N paged writes of 10 000 pages of 1 KiB (`CGDRIVE_PAGES` sets the count;
+//! `CGDRIVE_NICS` the NICs of each engine's one group, default 1). The receiver is a manual
 //! engine that is never driven: the null fabric completes WRs at the
 //! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
 //! threads instead. Per-op cost: run two values of N and divide the
@@ -18,11 +19,11 @@ use weft_engine::{DomainGroupSpec, DoneCounter, OnDone, Pages, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
 use weft_transport::HostBuffer;
 
-fn engine(fabric: &Fabric, manual: bool) -> TransferEngine {
-    let host = fabric.add_host(1);
+fn engine(fabric: &Fabric, manual: bool, nics: usize) -> TransferEngine {
+    let host = fabric.add_host(nics);
     let b = TransferEngine::builder().group(DomainGroupSpec::new(
         Arc::new(fabric.provider(host)),
-        vec![0],
+        (0..nics).collect::<Vec<usize>>(),
     ));
     let b = if manual { b.manual() } else { b };
     b.build().expect("engine")
@@ -34,8 +35,14 @@ fn main() {
     let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let fabric = Fabric::new_realtime(FabricConfig::null());
     let manual = !what.starts_with('t');
-    let tx = engine(&fabric, manual);
-    let rx = engine(&fabric, manual);
+    // `CGDRIVE_NICS` NICs per engine, one group (default 1).
+    let nics: usize = std::env::var("CGDRIVE_NICS")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, weft_engine::MAX_NICS);
+    let tx = engine(&fabric, manual, nics);
+    let rx = engine(&fabric, manual, nics);
     // The buffers live until the end of `main`, after shutdown.
     let src = HostBuffer::new(16 << 20).expect("src buffer");
     let dst = HostBuffer::new(16 << 20).expect("dst buffer");

@@ -40,6 +40,19 @@ pub(crate) struct Submitted {
     pub(crate) stamps: crate::probe::Stamps,
 }
 
+/// A paged write's body: page `i` of `src_pages` (in registration `src`)
+/// to page `i` of `dst_pages` (in `dst`), `page_len` bytes each. Planned a
+/// window of pages at a time (`core::paged`).
+#[derive(Debug)]
+pub(crate) struct PagedBody {
+    pub(crate) page_len: u64,
+    pub(crate) imm: Option<Imm>,
+    pub(crate) src: u64,
+    pub(crate) src_pages: Pages,
+    pub(crate) dst: PlainDst,
+    pub(crate) dst_pages: Pages,
+}
+
 /// The body of one submitted request.
 #[derive(Debug)]
 pub(crate) enum Body {
@@ -51,14 +64,7 @@ pub(crate) enum Body {
         dst: PlainDst,
         dst_off: u64,
     },
-    Paged {
-        page_len: u64,
-        imm: Option<Imm>,
-        src: u64,
-        src_pages: Pages,
-        dst: PlainDst,
-        dst_pages: Pages,
-    },
+    Paged(PagedBody),
     Scatter {
         imm: Option<Imm>,
         src: u64,

@@ -27,10 +27,12 @@
 //! completion queues), `slab` (transfers in flight), `registry`
 //! (registrations, peer groups, receive pools), `lifecycle` (removed and replaced peer
 //! incarnations), `route` (per-NIC routes of
-//! a destination) and `plan` (turning a request body into WRs).
+//! a destination), `plan` (turning a request body into WRs) and `paged`
+//! (paged writes planned a window at a time).
 
 mod lifecycle;
 mod nic;
+mod paged;
 mod plan;
 mod registry;
 mod route;
@@ -48,6 +50,7 @@ use crate::MAX_NICS;
 use nic::Nic;
 use registry::Registry;
 use slab::Slab;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use weft_transport::{Access, Completion, Domain, LocalMr, MemRegion, NetAddr, TransportError};
 
@@ -127,6 +130,10 @@ pub(crate) struct WorkerCore {
     pieces: Vec<Piece>,
     comps: Vec<Completion>,
     pending_pieces: usize,
+    /// Paged writes with pages left to plan, oldest first (`paged`).
+    partial: VecDeque<paged::Partial>,
+    /// Pages of a paged write planned at a time (`paged`).
+    plan_window: usize,
     /// Per-NIC posting counters for `TransferEngine::stats`.
     counters: Arc<GroupCounters>,
     /// The epoch of the engine's incarnation table this group last synced
@@ -166,6 +173,7 @@ impl WorkerCore {
         send_slots: u32,
         send_slot_len: u64,
         max_inflight_per_nic: usize,
+        plan_window: usize,
         counters: Arc<GroupCounters>,
         #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
     ) -> Result<Self, EngineError> {
@@ -225,6 +233,8 @@ impl WorkerCore {
             pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
+            partial: VecDeque::new(),
+            plan_window: plan_window.max(1),
             counters,
             inc_epoch: 0,
             #[cfg(feature = "latency-probe")]
@@ -295,9 +305,10 @@ impl WorkerCore {
         self.nics.iter().filter(|n| n.dead.is_some()).count()
     }
 
-    /// Whether WRs are posted and not yet completed, or waiting for room.
+    /// Whether WRs are posted and not yet completed, waiting for room, or
+    /// still to be planned.
     pub(crate) fn in_flight(&self) -> bool {
-        self.pending_pieces > 0 || self.nics.iter().any(|n| n.inflight > 0)
+        self.pending_pieces > 0 || self.has_partial() || self.nics.iter().any(|n| n.inflight > 0)
     }
 
     /// Transfers taken and not yet resolved.
@@ -334,14 +345,27 @@ impl WorkerCore {
         // Planning holds one count of `remaining` and of `unposted`, so
         // pieces posted early (see the scatter plan) can neither finish the
         // transfer nor count as "all posted" before every piece is planned.
-        {
-            let t = &mut self.slab[slot as usize];
-            t.remaining += 1;
-            t.unposted += 1;
-        }
+        self.hold_plan(slot);
         if let Err(e) = self.plan(slot, wr, body) {
             self.fail_transfer(slot, e);
         }
+        self.release_plan(slot);
+        // Post the fresh WRs now; what does not fit joins the backlog.
+        self.post_fresh();
+        self.stage_fresh();
+    }
+
+    /// Holds transfer `slot` open while it is planned (see
+    /// [`WorkerCore::take_request`]).
+    fn hold_plan(&mut self, slot: u32) {
+        let t = &mut self.slab[slot as usize];
+        t.remaining += 1;
+        t.unposted += 1;
+    }
+
+    /// Drops a planning hold of transfer `slot`, and resolves the transfer
+    /// if nothing else holds it.
+    fn release_plan(&mut self, slot: u32) {
         {
             let t = &mut self.slab[slot as usize];
             t.remaining -= 1;
@@ -354,11 +378,13 @@ impl WorkerCore {
                 self.probes.push(t.probe);
             }
         }
-        // Post the fresh WRs now; what does not fit joins the backlog.
-        self.post_fresh();
-        for i in 0..self.nics.len() {
-            if !self.nics[i].fresh.is_empty() {
-                let n = &mut self.nics[i];
+        self.maybe_finish(slot);
+    }
+
+    /// Moves the WRs left in the fresh rings to the end of their backlogs.
+    fn stage_fresh(&mut self) {
+        for n in &mut self.nics {
+            if !n.fresh.is_empty() {
                 if n.backlog.is_empty() {
                     // Common case: no copy, the rings trade buffers.
                     std::mem::swap(&mut n.fresh, &mut n.backlog);
@@ -370,7 +396,6 @@ impl WorkerCore {
                 n.fresh.clear();
             }
         }
-        self.maybe_finish(slot);
     }
 
     /// Fails everything not yet handed to the backend (shutdown).
@@ -386,6 +411,7 @@ impl WorkerCore {
                 self.skip_piece(op.wr);
             }
         }
+        self.fail_partial(e);
     }
 
     /// Fails everything still in flight (shutdown after the drain timeout).

@@ -3,7 +3,7 @@
 
 use super::nic::send_op;
 use super::registry::Member;
-use super::route::{build_write, build_write_checked, Routes, Target};
+use super::route::{build_write_checked, Routes, Target};
 use super::slab::SendRes;
 use super::{transport, WorkerCore};
 use crate::error::EngineError;
@@ -12,7 +12,7 @@ use crate::request::{Body, Dsts, Routed};
 use crate::shard::{self, ScatterMode};
 use crate::MAX_NICS;
 use weft_transport::{
-    Access, Imm, Incarnation, LocalMr, MemRegion, NetAddr, Pages, RemoteSlice, WrId, WriteWr,
+    Access, Imm, Incarnation, LocalMr, MemRegion, NetAddr, RemoteSlice, WrId, WriteWr,
 };
 
 impl WorkerCore {
@@ -48,63 +48,7 @@ impl WorkerCore {
                     imm,
                 )
             }
-            Body::Paged {
-                page_len,
-                imm,
-                src,
-                src_pages,
-                dst,
-                dst_pages,
-            } => {
-                let nics = self.nics_for(Target::Plain(&dst))?;
-                let mut routes = Routes::default();
-                let target = Target::Plain(&dst);
-                let tid = self.slab[slot as usize].id;
-                // A page that fits one WR is one piece on NIC `i % nics`
-                // (what `plan_page` says): pushed without the piece list.
-                let one_piece = page_len > 0
-                    && page_len <= shard::piece_cap(self.max_write_len, self.shard.align);
-                let mut i = 0;
-                while i < src_pages.len() {
-                    if one_piece && i >= nics {
-                        // Pages 0..nics looked up every NIC's route: the
-                        // rest are pushed in one run.
-                        let next = self.push_paged_run(
-                            slot, wr, &routes, nics, i, &src_pages, &dst_pages, page_len, target,
-                            imm,
-                        )?;
-                        if next > i {
-                            i = next;
-                            continue;
-                        }
-                    }
-                    let (Some(so), Some(d_o)) =
-                        (src_pages.page_offset(i), dst_pages.page_offset(i))
-                    else {
-                        return Err(EngineError::InvalidArgument {
-                            what: format!("page {i} offset overflows"),
-                        });
-                    };
-                    if one_piece {
-                        let nic = i % nics;
-                        let route = self.route(&mut routes, tid, nic, Some(src), target)?;
-                        self.push_write(slot, wr, route, nic, so, target, d_o, page_len, imm)?;
-                        i += 1;
-                        continue;
-                    }
-                    shard::plan_page_into(
-                        &mut self.pieces,
-                        i,
-                        page_len,
-                        nics,
-                        self.max_write_len,
-                        self.shard.align,
-                    );
-                    self.push_pieces(slot, wr, &mut routes, target, src, so, d_o, imm)?;
-                    i += 1;
-                }
-                Ok(())
-            }
+            Body::Paged(p) => self.plan_paged(slot, wr, p),
             Body::Scatter {
                 imm,
                 src,
@@ -200,63 +144,6 @@ impl WorkerCore {
                 incarnation,
                 payload,
             } => self.plan_send(slot, wr, peer, incarnation, payload),
-        }
-    }
-
-    /// Pushes pages `start..` of a paged write whose pages are one piece
-    /// each (page `i` on NIC `i % nics`, what `plan_page` says) while their
-    /// NIC's route is cached in `routes`: the same WRs as `push_write`
-    /// makes, with the transfer's counts updated once per run. Returns the
-    /// first page not pushed.
-    #[allow(clippy::too_many_arguments)]
-    fn push_paged_run(
-        &mut self,
-        slot: u32,
-        wr: WrId,
-        routes: &Routes,
-        nics: usize,
-        start: usize,
-        src_pages: &Pages,
-        dst_pages: &Pages,
-        page_len: u64,
-        target: Target<'_>,
-        imm: Option<Imm>,
-    ) -> Result<usize, EngineError> {
-        let (base, region_len) = (target.base(), target.region_len());
-        let mut err = None;
-        let mut i = start;
-        let mut nic = start % nics.max(1);
-        while i < src_pages.len() {
-            let (Some(so), Some(d_o)) = (src_pages.page_offset(i), dst_pages.page_offset(i)) else {
-                err = Some(EngineError::InvalidArgument {
-                    what: format!("page {i} offset overflows"),
-                });
-                break;
-            };
-            let Some(route) = routes.cached(nic) else {
-                break;
-            };
-            let Some(mr) = route.mr else {
-                // `build_write` without a source registration on `nic`.
-                err = build_write(wr, route, nic, so, base, region_len, d_o, page_len, imm).err();
-                break;
-            };
-            // Submit checked every page of both sides (the largest page
-            // index of each).
-            self.nics[nic].fresh.push_back(build_write_checked(
-                wr, route.peer, mr, so, base, region_len, d_o, route.rkey, page_len, imm,
-            ));
-            i += 1;
-            nic += 1;
-            if nic == nics {
-                nic = 0;
-            }
-        }
-        // `push_op`'s counts, once for the run.
-        self.count_pushed(slot, i - start);
-        match err {
-            Some(e) => Err(e),
-            None => Ok(i),
         }
     }
 

@@ -53,6 +53,9 @@ impl WorkerCtx {
             self.cfg.send_slots,
             self.cfg.send_slot_len,
             self.cfg.max_inflight_per_nic,
+            // Windows of half the bound keep what waits for room under
+            // 1.5 times the bound.
+            (self.cfg.max_pending_wrs / 2).max(1),
             Arc::clone(&self.shared.counters),
             #[cfg(feature = "latency-probe")]
             self.probes,
@@ -70,6 +73,7 @@ impl WorkerCtx {
             events: Vec::new(),
             max_pending: self.cfg.max_pending_wrs.max(1),
             ctrl_seen: 0,
+            paged_first: false,
             draining: None,
             finished: false,
         })
@@ -87,6 +91,9 @@ pub(crate) struct Worker {
     pub(crate) max_pending: usize,
     /// `GroupShared::ctrl_sent` when `ctrl_rx` was last drained.
     pub(crate) ctrl_seen: u64,
+    /// Whether this lap plans the next window of a partly planned paged
+    /// write before taking new requests (alternates lap by lap).
+    pub(crate) paged_first: bool,
     pub(crate) draining: Option<Instant>,
     pub(crate) finished: bool,
 }
@@ -113,9 +120,16 @@ impl Worker {
                 did = true;
             }
         }
+        // (1) new requests and their first WRs, and the next window of a
+        // paged write planned in windows (`core::paged`): first one, then
+        // the other, lap by lap, so that neither starves the other.
+        let partial = self.core.has_partial();
+        if partial && self.paged_first {
+            did |= self.core.continue_paged(self.max_pending);
+        }
         if self.draining.is_none() {
-            // (1) new requests and their first WRs. `is_empty` first: an
-            // empty `pop` costs a full fence, and most laps find nothing.
+            // `is_empty` first: an empty `pop` costs a full fence, and most
+            // laps find nothing.
             let mut n = 0;
             while n < BURST
                 && self.core.pending_pieces() < self.max_pending
@@ -128,6 +142,12 @@ impl Worker {
                 n += 1;
             }
             did |= n > 0;
+        }
+        if partial {
+            if !self.paged_first {
+                did |= self.core.continue_paged(self.max_pending);
+            }
+            self.paged_first = !self.paged_first;
         }
         // (2) more WRs of pending requests (after dropping peers another
         // group replaced by a newer incarnation: their queued WRs must fail,

@@ -8,7 +8,7 @@ use crate::driver::GroupShared;
 use crate::error::{EngineError, TransferId};
 use crate::mem::{MrHandle, SendPayload};
 use crate::ondone::OnDone;
-use crate::request::{routed_dsts, Body, Dsts, GroupAddress, PlainDst, Submitted};
+use crate::request::{routed_dsts, Body, Dsts, GroupAddress, PagedBody, PlainDst, Submitted};
 use crate::shard::ScatterMode;
 use crate::MAX_NICS;
 use crossbeam_utils::Backoff;
@@ -275,14 +275,14 @@ impl TransferEngine {
         self.check_nic_count(h.group as usize, d)?;
         let req = self.new_req(
             on_done,
-            Body::Paged {
+            Body::Paged(PagedBody {
                 page_len,
                 imm,
                 src: h.key(),
                 src_pages: sp.clone(),
                 dst: self.plain(d)?,
                 dst_pages: dp.clone(),
-            },
+            }),
         );
         self.enqueue(gs, req)
     }

@@ -1,0 +1,227 @@
+//! Paged writes planned a window of pages at a time (`max_pending_wrs`):
+//! the bound holds with one huge write, every page lands, a small write
+//! submitted behind a huge one is not queued behind all its pages, and a
+//! write that fails or is shut down part-way through its windows resolves.
+//! Manual-mode engines over the loopback fabric in step mode (adversarial
+//! profile).
+
+mod common;
+
+use common::*;
+use parking_lot::Mutex;
+use std::sync::Arc;
+use weft_engine::{EngineConfig, EngineError, OnDone, Pages, TransferEngine};
+use weft_loopback::{Action, Fabric, FabricConfig, OpKind, Rule};
+
+const MAX_PENDING: usize = 64;
+/// The planning window the engine derives from `MAX_PENDING`.
+const WINDOW: usize = MAX_PENDING / 2;
+const PAGE: u64 = 256;
+const PAGES: u32 = 3000;
+
+fn fabric(seed: u64) -> Fabric {
+    Fabric::new(FabricConfig {
+        max_inflight: 8,
+        max_batch: 4,
+        ..FabricConfig::adversarial(seed)
+    })
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        max_pending_wrs: MAX_PENDING,
+        ..test_config()
+    }
+}
+
+/// `PAGES` pages of `PAGE` bytes, in a scrambled order with gaps.
+fn pages(seed: u64) -> Pages {
+    let mult = [7u32, 11, 13][(seed % 3) as usize];
+    Pages {
+        indices: (0..PAGES).map(|i| (i * mult) % (PAGES + 1)).collect(),
+        stride: PAGE + 32,
+        offset: 16,
+    }
+}
+
+fn buf_len() -> usize {
+    ((PAGES as u64 + 1) * (PAGE + 32) + 16) as usize
+}
+
+fn pending_wrs(e: &TransferEngine) -> usize {
+    e.stats().groups[0].pending_wrs
+}
+
+fn wrs_posted(e: &TransferEngine) -> u64 {
+    e.stats().groups[0].nics.iter().map(|n| n.wrs_posted).sum()
+}
+
+/// One paged write of 3000 pages with an immediate, 1..=3 NICs: planned WRs
+/// waiting for room never exceed the bound plus one window, and every page
+/// and immediate arrives.
+#[test]
+fn huge_paged_write_stays_within_the_bound() {
+    for seed in seeds_or([61, 62, 63]) {
+        for nics in 1..=3usize {
+            let _g = SeedGuard::new(seed, "huge_paged_write_stays_within_the_bound");
+            let fabric = fabric(seed);
+            let (a, b) = (fabric.add_host(nics), fabric.add_host(nics));
+            let ea = engine(&fabric, a, nics, config(), true);
+            let eb = engine(&fabric, b, nics, config(), true);
+            let src = Arc::new(mem::patterned(seed, buf_len()));
+            let dst = Arc::new(mem::zeroed(buf_len()));
+            let (sh, _) = ea.reg_mr(src.region()).unwrap();
+            let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+            let (sp, dp) = (pages(seed), pages(seed + 1));
+            let imm = eb.alloc_imm().unwrap();
+            let n = eb.imm_counts(0).unwrap().paged_writes(PAGE, PAGES as u64);
+            let fired: Arc<Mutex<Option<Result<(), EngineError>>>> = Arc::default();
+            let f = fired.clone();
+            eb.expect_imm_count(imm, n, move |r| *f.lock() = Some(r))
+                .unwrap();
+            let (od, flag) = OnDone::flag();
+            ea.submit_paged_writes(PAGE, Some(imm), (&sh, &sp), (&dd, &dp), od)
+                .unwrap();
+            let engines = [ea.clone(), eb.clone()];
+            let mut most = 0;
+            drive(&fabric, &engines, || {
+                most = most.max(pending_wrs(&ea));
+                flag.is_done() && fired.lock().is_some()
+            });
+            assert!(
+                most < MAX_PENDING + WINDOW,
+                "{most} planned WRs waited for room (bound {MAX_PENDING}, window {WINDOW}, {nics} NICs)"
+            );
+            assert!(
+                most > 0,
+                "the write never queued: the bound was not exercised"
+            );
+            assert_eq!(flag.result(), Some(Ok(())));
+            assert_eq!(*fired.lock(), Some(Ok(())));
+            assert_eq!(wrs_posted(&ea), PAGES as u64);
+            for i in 0..sp.indices.len() {
+                let so = sp.page_offset(i).unwrap() as usize;
+                let d_o = dp.page_offset(i).unwrap() as usize;
+                assert_eq!(
+                    dst.bytes(d_o, PAGE as usize),
+                    src.bytes(so, PAGE as usize),
+                    "page {i} not in place ({nics} NICs)"
+                );
+            }
+            assert_eq!(eb.imm_pending(imm), 0, "no excess");
+            ea.shutdown();
+            eb.shutdown();
+        }
+    }
+}
+
+/// A single WRITE submitted right after a 3000-page write completes after
+/// a window or two of its pages, not behind all of them.
+#[test]
+fn small_write_is_not_queued_behind_a_huge_paged_write() {
+    for seed in seeds_or([71, 72]) {
+        let _g = SeedGuard::new(seed, "small_write_is_not_queued_behind_a_huge_paged_write");
+        let fabric = fabric(seed);
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, config(), true);
+        let eb = engine(&fabric, b, 1, config(), true);
+        let src = mem::patterned(seed, buf_len());
+        let dst = mem::zeroed(buf_len());
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        let sp = pages(seed);
+        let (od, paged) = OnDone::flag();
+        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
+            .unwrap();
+        let (od, single) = OnDone::flag();
+        ea.submit_single_write(64, None, (&sh, 0), (&dd, 0), od)
+            .unwrap();
+        let engines = [ea.clone(), eb.clone()];
+        drive(&fabric, &engines, || single.is_done());
+        assert_eq!(single.result(), Some(Ok(())));
+        let posted = wrs_posted(&ea);
+        assert!(
+            posted < (MAX_PENDING + 2 * WINDOW) as u64 + 1,
+            "the single WRITE completed after {posted} WRs of the paged write were posted"
+        );
+        assert!(!paged.is_done(), "the paged write finished first");
+        drive(&fabric, &engines, || paged.is_done());
+        assert_eq!(paged.result(), Some(Ok(())));
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
+
+/// A paged write whose first WRITE fails stops planning its windows and
+/// resolves with the error; the next write on the group goes through.
+#[test]
+fn failed_paged_write_stops_planning() {
+    for seed in seeds_or([81, 82]) {
+        let _g = SeedGuard::new(seed, "failed_paged_write_stops_planning");
+        let fabric = fabric(seed);
+        let (a, b) = (fabric.add_host(2), fabric.add_host(2));
+        let ea = engine(&fabric, a, 2, config(), true);
+        let eb = engine(&fabric, b, 2, config(), true);
+        let src = mem::patterned(seed, buf_len());
+        let dst = mem::zeroed(buf_len());
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).first(1));
+        let sp = pages(seed);
+        let (od, paged) = OnDone::flag();
+        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
+            .unwrap();
+        let engines = [ea.clone(), eb.clone()];
+        drive(&fabric, &engines, || paged.is_done());
+        assert!(
+            matches!(paged.result(), Some(Err(EngineError::Transport { .. }))),
+            "{:?}",
+            paged.result()
+        );
+        let posted = wrs_posted(&ea);
+        assert!(
+            posted < u64::from(PAGES) / 2,
+            "{posted} WRs posted after the first failed"
+        );
+        assert_eq!(pending_wrs(&ea), 0, "pieces left queued");
+        let (od, single) = OnDone::flag();
+        ea.submit_single_write(4096, None, (&sh, 0), (&dd, 0), od)
+            .unwrap();
+        drive(&fabric, &engines, || single.is_done());
+        assert_eq!(single.result(), Some(Ok(())));
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
+
+/// Shutdown while a paged write has windows left: it fails with
+/// `ShutDown`, and shutdown returns.
+#[test]
+fn shutdown_fails_a_partly_planned_paged_write() {
+    for seed in seeds_or([91]) {
+        let _g = SeedGuard::new(seed, "shutdown_fails_a_partly_planned_paged_write");
+        let fabric = fabric(seed);
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let ea = engine(&fabric, a, 1, config(), true);
+        let eb = engine(&fabric, b, 1, config(), true);
+        let src = mem::patterned(seed, buf_len());
+        let dst = mem::zeroed(buf_len());
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        let sp = pages(seed);
+        let (od, paged) = OnDone::flag();
+        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
+            .unwrap();
+        let engines = [ea.clone(), eb.clone()];
+        // A few windows in, far from the end.
+        drive(&fabric, &engines, || wrs_posted(&ea) >= 3 * WINDOW as u64);
+        assert!(!paged.is_done());
+        ea.shutdown();
+        assert_eq!(paged.result(), Some(Err(EngineError::ShutDown)));
+        assert!(
+            wrs_posted(&ea) < u64::from(PAGES) / 2,
+            "the rest of the write was planned and posted at shutdown"
+        );
+        eb.shutdown();
+    }
+}
