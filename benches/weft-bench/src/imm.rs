@@ -5,7 +5,7 @@
 
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{wait_until, EnginePair};
-use crate::floor::HandoffFloor;
+use crate::floor::{HandoffFloor, WakeFloor};
 use crate::pin::Placement;
 use crate::raw::RawPair;
 use crate::report::Row;
@@ -112,7 +112,7 @@ pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row
     progress.step(&format!("imm {backend} early arrivals"));
     for flag in [false, true] {
         match early(cfg, &rig, &backend, flag) {
-            Ok(r) => rows.push(r.placed(&placement)),
+            Ok(rs) => rows.extend(rs.into_iter().map(|r| r.placed(&placement))),
             Err(why) => {
                 rows.push(Row::failed(BENCH, "early_arrival", &backend, 1, why).placed(&placement))
             }
@@ -226,13 +226,16 @@ fn arm_flag(ep: &EnginePair, imm: u32, count: u64) -> Result<Arc<weft::DoneFlag>
 ///
 /// Each round: `reps` early rounds on an engine pair that lives for them
 /// only, then `reps` hand-offs of the floor (its consumer on the receiver's
-/// aux CPU, where the callback thread runs; its thread lives for them only).
-fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Row, String> {
+/// aux CPU, where the callback thread runs; its thread lives for them only),
+/// and for callbacks `reps` wake-ups of a thread blocked in a channel
+/// receive on that CPU ([`WakeFloor`]): a second row, the same weft number
+/// against the design's own floor.
+fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Vec<Row>, String> {
     let n: u64 = if cfg.quick { 100 } else { 1000 };
     let reps = if cfg.quick { 10 } else { 50 };
     let pg = pages(n, n * IMM_WRITE_LEN);
     let mut expect = 0;
-    let (mut lat, mut fl) = (Vec::new(), Vec::new());
+    let (mut lat, mut fl, mut wake) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
         let ep = rig.engines()?;
         let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
@@ -276,22 +279,38 @@ fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Row, 
                 fl.push(v / 1e3);
             }
         }
+        drop(floor);
+        if !flag {
+            let w = WakeFloor::on(rig.placement().map(|p| p.rx_aux));
+            for _ in 0..reps {
+                if let Some(v) = w.once() {
+                    wake.push(v / 1e3);
+                }
+            }
+        }
     }
     let (p, f) = (percentiles(&mut lat), percentiles(&mut fl));
-    Ok(Row::new(
-        BENCH,
-        "early_arrival",
-        backend,
-        1,
-        format!(
-            "{expect} arrived before arm, {}",
-            if flag { "flag" } else { "callback" }
-        ),
-        "arm->fire p50",
-        "us",
-        p.p50,
-        Some((f.p50, "queue hand-off floor")),
-    )
-    .extra("p99_us", p.p99)
-    .extra("rounds_fired_exactly_once", p.n as f64))
+    let row = |base: f64, name: &str| {
+        Row::new(
+            BENCH,
+            "early_arrival",
+            backend,
+            1,
+            format!(
+                "{expect} arrived before arm, {}",
+                if flag { "flag" } else { "callback" }
+            ),
+            "arm->fire p50",
+            "us",
+            p.p50,
+            Some((base, name)),
+        )
+        .extra("p99_us", p.p99)
+        .extra("rounds_fired_exactly_once", p.n as f64)
+    };
+    let mut rows = vec![row(f.p50, "queue hand-off floor")];
+    if !wake.is_empty() {
+        rows.push(row(percentiles(&mut wake).p50, "thread wake-up floor"));
+    }
+    Ok(rows)
 }

@@ -79,6 +79,8 @@ pub struct Config {
     pub p2p_cases: Option<Vec<p2p::Case>>,
     /// Largest single-WRITE size of `p2p` (default: all sizes).
     pub max_size: Option<u64>,
+    /// Pages per paged submit of `p2p` (default: the plan's).
+    pub page_counts: Option<Vec<u64>>,
     /// Thread placement of `p2p` and `imm` rows (see [`pin`]).
     pub pin: pin::PinMode,
     /// Show progress on stderr.
@@ -103,6 +105,7 @@ impl Config {
             rounds: None,
             p2p_cases: None,
             max_size: None,
+            page_counts: None,
             pin: pin::PinMode::Auto,
             progress: false,
             command: String::new(),
@@ -172,7 +175,7 @@ pub fn run(cfg: &Config) -> Report {
         _ => false,
     };
     let kv = cfg.suite == Suite::Kvcache;
-    let plan = p2p::P2pPlan::new(cfg.quick);
+    let plan = p2p::P2pPlan::new(cfg.quick).narrowed(cfg);
     let per_backend = usize::from(p2p) * plan.steps() * cfg.nic_counts().len()
         + usize::from(proxy) * proxy::peer_counts(cfg.quick).len()
         + usize::from(imm) * 2

@@ -41,6 +41,10 @@ struct Cli {
     /// 64 B … 64 MiB).
     #[arg(long, global = true, value_name = "BYTES")]
     max_size: Option<u64>,
+    /// Pages per paged submit of p2p (default 100,10000). Repeat or
+    /// comma-separate.
+    #[arg(long, global = true, value_delimiter = ',')]
+    page_counts: Vec<u64>,
     /// Interleaved rounds per case (default 5; quick 2).
     #[arg(long, global = true)]
     rounds: Option<usize>,
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
     cfg.rounds = cli.rounds;
     cfg.p2p_cases = (!cli.cases.is_empty()).then(|| cli.cases.clone());
     cfg.max_size = cli.max_size;
+    cfg.page_counts = (!cli.page_counts.is_empty()).then(|| cli.page_counts.clone());
     if let Err(e) = weft_bench::pin::Placement::resolve(&cli.pin) {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

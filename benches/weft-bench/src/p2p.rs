@@ -121,6 +121,17 @@ impl P2pPlan {
         }
     }
 
+    /// This plan with `cfg`'s `--max-size` and `--page-counts` applied.
+    pub fn narrowed(mut self, cfg: &Config) -> Self {
+        if let Some(m) = cfg.max_size {
+            self.sizes.retain(|&s| s <= m);
+        }
+        if let Some(c) = &cfg.page_counts {
+            self.page_counts = c.iter().map(|&n| n.max(1)).collect();
+        }
+        self
+    }
+
     /// Progress steps of one NIC count.
     pub fn steps(&self) -> usize {
         self.sizes.len() + self.page_lens.len() * self.page_counts.len() + 1
@@ -129,10 +140,7 @@ impl P2pPlan {
 
 /// Runs `p2p` on `kind` for every NIC count of `cfg`.
 pub fn run(cfg: &Config, kind: &BackendKind, progress: &mut Progress) -> Vec<Row> {
-    let mut plan = P2pPlan::for_backend(cfg.quick, kind);
-    if let Some(m) = cfg.max_size {
-        plan.sizes.retain(|&s| s <= m);
-    }
+    let plan = P2pPlan::for_backend(cfg.quick, kind).narrowed(cfg);
     let mut rows = Vec::new();
     let backend = kind.to_string();
     for &nics in &cfg.nic_counts() {
