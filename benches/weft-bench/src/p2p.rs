@@ -25,6 +25,10 @@ const RAW_SPLIT: &str = "raw, target on own thread";
 /// bench thread to a posting worker (and the target, where it needs
 /// polling, on a thread of its own); see [`RawPair::drive_handoff`].
 const RAW_HANDOFF: &str = "raw behind a hand-off";
+/// [`RAW_HANDOFF`] with each paged submit's two page lists copied into the
+/// request on the bench thread and read and freed on the worker, as weft's
+/// submit and worker do ([`RawPair::drive_handoff`]'s `carry`).
+const RAW_HANDOFF_LISTS: &str = "raw behind a hand-off, page lists copied";
 
 /// A group of `p2p` rows (`--cases`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -306,7 +310,7 @@ fn raw_single_as(
         RawMode::Same => raw.drive(total, window * per, 0, gen)?,
         RawMode::Split => raw.drive_split(total, window * per, 0, gen)?,
         RawMode::Handoff { split_target } => {
-            raw.drive_handoff(count, per, window, window * per, 0, split_target, gen)?
+            raw.drive_handoff(count, per, window, window * per, 0, split_target, None, gen)?
         }
     };
     Ok(ns(t.all_done))
@@ -456,7 +460,8 @@ fn paged(
     } else {
         (20_000 / n).clamp(1, 4)
     };
-    let (mut e_rate, mut r_rate, mut h_rate) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut e_rate, mut r_rate, mut h_rate, mut c_rate) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // WR `i` of the raw rounds: page `i / per_page` of the batch.
     let page_wr = |r: &RawPair, i: u64| -> Result<(usize, weft::WriteWr), String> {
         let page = i / per_page;
@@ -494,15 +499,31 @@ fn paged(
                 window,
                 0,
                 split_target,
+                None,
                 page_wr,
             )
         })?;
         h_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
+        // And with the page lists carried, as weft's submit copies them.
+        let t = rig.raw_handoff(|raw| {
+            raw.drive_handoff(
+                submits,
+                n * per_page,
+                sub_window,
+                window,
+                0,
+                split_target,
+                Some((&sp.indices, &dp.indices)),
+                page_wr,
+            )
+        })?;
+        c_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
     }
-    let (em, rm, hm) = (
+    let (em, rm, hm, cm) = (
         median(&mut e_rate),
         median(&mut r_rate),
         median(&mut h_rate),
+        median(&mut c_rate),
     );
     let param = format!("{n} x {}", fmt_bytes(page_len));
     let gb = |mops: f64| mops * 1e6 * page_len as f64 / 1e9;
@@ -530,8 +551,9 @@ fn paged(
         ops = tcp_target(tb, ops);
     }
     let handoff = rate_row((hm, RAW_HANDOFF));
+    let lists = rate_row((cm, RAW_HANDOFF_LISTS));
     let bw = tcp_target(tb, row("bandwidth", "GB/s", gb(em), (gb(rm), RAW)));
-    Ok(vec![ops, handoff, bw])
+    Ok(vec![ops, handoff, lists, bw])
 }
 
 /// One imm-only WRITE, timed from its submit to the receiver's round flag

@@ -195,6 +195,14 @@ impl RawPair {
     /// to the worker's last completion (weft's rows end when the bench
     /// thread sees it: one cross-thread notification more, well under 0.1 %
     /// of a run).
+    ///
+    /// With `carry`, each request also carries copies of the two lists
+    /// (written on the bench thread, as a paged submit copies its page
+    /// lists into the request), which the worker reads through: the data
+    /// an engine's hand-off moves across cores besides the request itself.
+    /// The list buffers go back to the bench thread for reuse, so the
+    /// allocator's cross-thread costs are left out (glibc's arena lock
+    /// made a malloc here / free there pattern cost more than the copies).
     #[allow(clippy::too_many_arguments)]
     pub fn drive_handoff(
         &mut self,
@@ -204,12 +212,19 @@ impl RawPair {
         wr_window: u64,
         want_imms: u64,
         split: bool,
+        carry: Option<(&[u32], &[u32])>,
         gen: impl FnMut(&Self, u64) -> Result<(usize, WriteWr), String> + Send,
     ) -> Result<DriveTimes, String> {
         let per = per.max(1);
         let req_window = req_window.max(1);
         let feed = Feed {
             q: ArrayQueue::new(usize::try_from(req_window).unwrap_or(usize::MAX)),
+            spare: ArrayQueue::new(
+                usize::try_from(req_window)
+                    .unwrap_or(usize::MAX)
+                    .saturating_mul(2)
+                    .saturating_add(2),
+            ),
             per,
             done: AtomicU64::new(0),
             started: AtomicBool::new(false),
@@ -235,7 +250,7 @@ impl RawPair {
                     r
                 })
                 .map_err(|e| format!("spawning the raw hand-off worker: {e}"))?;
-            let fed = feed.hand_over(requests, req_window);
+            let fed = feed.hand_over(requests, req_window, carry);
             let r = worker
                 .join()
                 .unwrap_or_else(|_| Err("raw hand-off worker panicked".into()));
@@ -318,7 +333,16 @@ impl RawPair {
         let mut avail = if feed.is_some() { 0 } else { total };
         loop {
             if let Some(f) = feed {
-                while f.q.pop().is_some() {
+                while let Some((_, a, b)) = f.q.pop() {
+                    // Read what the request carried, as a planner would,
+                    // then hand the buffers back.
+                    let sum = a.iter().chain(&b).fold(0u32, |s, &x| s.wrapping_add(x));
+                    std::hint::black_box(sum);
+                    for v in [a, b] {
+                        if v.capacity() > 0 {
+                            let _ = f.spare.push(v);
+                        }
+                    }
                     avail += f.per;
                 }
             }
@@ -408,8 +432,11 @@ impl RawPair {
 /// What the bench thread and the worker of [`RawPair::drive_handoff`]
 /// share: the request queue and the completion count.
 struct Feed {
-    /// Request numbers handed over, not yet taken by the worker.
-    q: ArrayQueue<u64>,
+    /// Request numbers handed over, not yet taken by the worker, with the
+    /// lists they carry (empty: none).
+    q: ArrayQueue<(u64, Vec<u32>, Vec<u32>)>,
+    /// Carried list buffers the worker handed back, for reuse.
+    spare: ArrayQueue<Vec<u32>>,
     /// WRs per request.
     per: u64,
     /// WRITEs completed, published by the worker after each poll.
@@ -433,9 +460,23 @@ impl Drop for FailOnUnwind<'_> {
 }
 
 impl Feed {
+    /// `list` copied into a handed-back buffer (a new one at first).
+    fn copy(&self, list: &[u32]) -> Vec<u32> {
+        let mut v = self.spare.pop().unwrap_or_default();
+        v.clear();
+        v.extend_from_slice(list);
+        v
+    }
+
     /// The bench thread's side: hands over `requests` request numbers,
-    /// keeping at most `req_window` requests incomplete.
-    fn hand_over(&self, requests: u64, req_window: u64) -> Result<(), String> {
+    /// keeping at most `req_window` requests incomplete, each with fresh
+    /// copies of the `carry` lists.
+    fn hand_over(
+        &self,
+        requests: u64,
+        req_window: u64,
+        carry: Option<(&[u32], &[u32])>,
+    ) -> Result<(), String> {
         let start = Instant::now();
         let mut spins = 0u32;
         let mut wait = |what: &str| -> Result<(), String> {
@@ -462,7 +503,10 @@ impl Feed {
             {
                 wait("completions")?;
             }
-            let mut item = r;
+            let mut item = match carry {
+                Some((a, b)) => (r, self.copy(a), self.copy(b)),
+                None => (r, Vec::new(), Vec::new()),
+            };
             while let Err(back) = self.q.push(item) {
                 item = back;
                 wait("room in the queue")?;
