@@ -57,8 +57,14 @@ for be in ["loopback-null", "loopback", "libfabric:tcp", "libfabric:shm"]:
         rs = q(bench="p2p", case="paged_write", backend=be, nics=n, metric="page rate")
         r = [float(x["ratio"]) for x in rs if x["baseline_name"] == "raw backend"]
         f = [float(x["ratio"]) for x in rs if x["baseline_name"] == FLOOR]
+        c = [float(x["ratio"]) for x in rs if x["baseline_name"] == FLOOR + ", page lists copied"]
+        big = [float(x["ratio"]) for x in rs
+               if x["baseline_name"] == "raw backend" and not x["param"].startswith("100 x")]
         if r:
-            parts.append(f"{n} NICs median {st.median(r):.2f} ({rng(r)}; floor {st.median(f):.2f})")
+            parts.append(f"{n} NICs median {st.median(r):.2f} ({rng(r)}; "
+                         + (f">100-page {rng(big)}; " if big else "")
+                         + f"weft/floor {st.median(f):.2f}"
+                         + (f", weft/lists floor {st.median(c):.2f}" if c else "") + ")")
     if parts:
         print(f"paged / raw ({be}) | " + "; ".join(parts))
 for be in ["loopback-null", "loopback", "libfabric:tcp", "libfabric:shm"]:
