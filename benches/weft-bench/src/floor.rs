@@ -90,16 +90,7 @@ impl HandoffFloor {
             t = back;
             std::hint::spin_loop();
         }
-        let mut spins = 0u32;
-        while self.acks.load(Ordering::Acquire) == before {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        Some(self.last_ns.load(Ordering::Relaxed) as f64)
+        Some(wait_ack(&self.acks, before, &self.last_ns))
     }
 }
 
@@ -168,16 +159,7 @@ impl WakeFloor {
         let before = self.acks.load(Ordering::Acquire);
         std::thread::sleep(WAKE_IDLE);
         self.tx.as_ref()?.send(Instant::now()).ok()?;
-        let mut spins = 0u32;
-        while self.acks.load(Ordering::Acquire) == before {
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        Some(self.last_ns.load(Ordering::Relaxed) as f64)
+        Some(wait_ack(&self.acks, before, &self.last_ns))
     }
 }
 
@@ -189,4 +171,19 @@ impl Drop for WakeFloor {
             let _ = t.join();
         }
     }
+}
+
+/// Waits (spinning, yielding every 64 spins) until a consumer acknowledged
+/// past `before`, then returns the latency it recorded, in ns.
+fn wait_ack(acks: &AtomicU64, before: u64, last_ns: &AtomicU64) -> f64 {
+    let mut spins = 0u32;
+    while acks.load(Ordering::Acquire) == before {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    last_ns.load(Ordering::Relaxed) as f64
 }

@@ -490,34 +490,26 @@ fn paged(
         let t = rig.raw(|raw| raw.drive(total_pages * per_page, window, 0, page_wr))?;
         r_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
         // The same WRs, each submit's pages handed to a posting worker (at
-        // most `sub_window` submits incomplete, as for weft).
-        let t = rig.raw_handoff(|raw| {
-            raw.drive_handoff(
-                submits,
-                n * per_page,
-                sub_window,
-                window,
-                0,
-                split_target,
-                None,
-                page_wr,
-            )
-        })?;
-        h_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
-        // And with the page lists carried, as weft's submit copies them.
-        let t = rig.raw_handoff(|raw| {
-            raw.drive_handoff(
-                submits,
-                n * per_page,
-                sub_window,
-                window,
-                0,
-                split_target,
-                Some((&sp.indices, &dp.indices)),
-                page_wr,
-            )
-        })?;
-        c_rate.push(total_pages as f64 / ns(t.all_done) * 1e3);
+        // most `sub_window` submits incomplete, as for weft); then again
+        // with the page lists carried, as weft's submit copies them.
+        for (carry, rates) in [
+            (None, &mut h_rate),
+            (Some((&sp.indices[..], &dp.indices[..])), &mut c_rate),
+        ] {
+            let t = rig.raw_handoff(|raw| {
+                raw.drive_handoff(
+                    submits,
+                    n * per_page,
+                    sub_window,
+                    window,
+                    0,
+                    split_target,
+                    carry,
+                    page_wr,
+                )
+            })?;
+            rates.push(total_pages as f64 / ns(t.all_done) * 1e3);
+        }
     }
     let (em, rm, hm, cm) = (
         median(&mut e_rate),

@@ -93,44 +93,6 @@ fn main() {
             }
             assert_eq!(counter.failed(), 0);
         }
-        "tpaged" => {
-            // Threaded engines: paged writes of `CGDRIVE_PAGES` 1 KiB pages
-            // (default 100), 4 submits in flight, as weft-bench's paged rows.
-            let np: u32 = std::env::var("CGDRIVE_PAGES")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(100)
-                .clamp(1, 16_000);
-            let pages = Pages {
-                indices: (0..np).map(|i| (i * 7) % np).collect(),
-                stride: 1024,
-                offset: 0,
-            };
-            let counter = Arc::new(DoneCounter::new());
-            let t = std::time::Instant::now();
-            for i in 0..n {
-                while i - counter.total() >= 4 {
-                    std::hint::spin_loop();
-                }
-                tx.submit_paged_writes(
-                    1024,
-                    None,
-                    (&src_mr, &pages),
-                    (&desc, &pages),
-                    OnDone::counter(&counter),
-                )
-                .expect("submit");
-            }
-            while counter.total() < n {
-                std::hint::spin_loop();
-            }
-            let e = t.elapsed();
-            assert_eq!(counter.failed(), 0);
-            println!(
-                "tpaged: {:.2} M pages/s",
-                (n * u64::from(np)) as f64 / e.as_secs_f64() / 1e6
-            );
-        }
         "tsingle" => {
             // Threaded engines: submit one 64 B WRITE, wait on its flag.
             for _ in 0..warm {
@@ -149,7 +111,7 @@ fn main() {
             let e = t.elapsed();
             println!("tsingle: {:.0} ns/op", e.as_nanos() as f64 / n as f64);
         }
-        _ => panic!("single|paged|tsingle|tpaged"),
+        _ => panic!("single|paged|tsingle"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();

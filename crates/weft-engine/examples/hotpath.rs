@@ -8,6 +8,10 @@
 //! perf record -g target/release/examples/hotpath paged 200
 //! perf record -g target/release/examples/hotpath scatter 20000
 //! ```
+//!
+//! `paged N`: N paged writes of `HOTPATH_PAGES` 1 KiB pages (default
+//! 10 000), 4 in flight, from and to engines of `HOTPATH_NICS` NICs
+//! (default 1).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,12 +22,12 @@ use weft_engine::{
 use weft_loopback::{Fabric, FabricConfig};
 use weft_transport::{Access, HostBuffer, Incarnation, Provider};
 
-fn engine(fabric: &Fabric) -> TransferEngine {
-    let host = fabric.add_host(1);
+fn engine(fabric: &Fabric, nics: usize) -> TransferEngine {
+    let host = fabric.add_host(nics);
     TransferEngine::builder()
         .group(DomainGroupSpec::new(
             Arc::new(fabric.provider(host)),
-            vec![0],
+            (0..nics).collect::<Vec<usize>>(),
         ))
         .config(EngineConfig {
             idle_sleep: Some(Duration::from_micros(20)),
@@ -38,7 +42,15 @@ fn main() {
     let what = args.next().unwrap_or_else(|| "paged".into());
     let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(100);
     let fabric = Fabric::new_realtime(FabricConfig::null());
-    let tx = engine(&fabric);
+    let env = |name: &str, default: u32, max: u32| {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse::<u32>().ok())
+            .unwrap_or(default)
+            .clamp(1, max)
+    };
+    let nics = env("HOTPATH_NICS", 1, weft_engine::MAX_NICS as u32) as usize;
+    let tx = engine(&fabric, nics);
     // The buffers live until the end of `main`, after shutdown.
     let src = HostBuffer::new(16 << 20).expect("src buffer");
     let (src_mr, _) = tx.reg_mr(src.region()).expect("reg src");
@@ -49,11 +61,12 @@ fn main() {
     let mut domains = Vec::new();
     let ops = match what.as_str() {
         "paged" => {
-            let rx = engine(&fabric);
+            let rx = engine(&fabric, nics);
             dst_bufs.push(HostBuffer::new(16 << 20).expect("dst buffer"));
             let (_, desc) = rx.reg_mr(dst_bufs[0].region()).expect("reg dst");
+            let np = env("HOTPATH_PAGES", 10_000, 16_000);
             let pages = Pages {
-                indices: (0..10_000u32).map(|i| (i * 7) % 10_000).collect(),
+                indices: (0..np).map(|i| (i * 7) % np).collect(),
                 stride: 1024,
                 offset: 0,
             };
@@ -71,7 +84,7 @@ fn main() {
                 .expect("submit");
             }
             rxs.push(rx);
-            n * 10_000
+            n * u64::from(np)
         }
         _ => {
             let mut addrs = Vec::new();

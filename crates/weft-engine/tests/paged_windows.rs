@@ -48,6 +48,59 @@ fn buf_len() -> usize {
     ((PAGES as u64 + 1) * (PAGE + 32) + 16) as usize
 }
 
+/// A sender and a receiver engine of `nics` NICs each on a fresh fabric,
+/// with a patterned source and a zeroed destination buffer registered.
+struct Pair {
+    fabric: Fabric,
+    ea: TransferEngine,
+    eb: TransferEngine,
+    src: Arc<HostBuffer>,
+    dst: Arc<HostBuffer>,
+    sh: weft_engine::MrHandle,
+    dd: weft_engine::MrDesc,
+}
+
+impl Pair {
+    fn new(seed: u64, nics: usize) -> Self {
+        let fabric = fabric(seed);
+        let (a, b) = (fabric.add_host(nics), fabric.add_host(nics));
+        let ea = engine(&fabric, a, nics, config(), true);
+        let eb = engine(&fabric, b, nics, config(), true);
+        let src = Arc::new(mem::patterned(seed, buf_len()));
+        let dst = Arc::new(mem::zeroed(buf_len()));
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        Pair {
+            fabric,
+            ea,
+            eb,
+            src,
+            dst,
+            sh,
+            dd,
+        }
+    }
+
+    /// Drives both engines until `done()`.
+    fn drive(&self, done: impl FnMut() -> bool) {
+        drive(&self.fabric, &[self.ea.clone(), self.eb.clone()], done);
+    }
+
+    /// Submits a `PAGES`-page write of `sp` to the same pages, flagged.
+    fn paged(&self, sp: &Pages) -> Arc<weft_engine::DoneFlag> {
+        let (od, flag) = OnDone::flag();
+        self.ea
+            .submit_paged_writes(PAGE, None, (&self.sh, sp), (&self.dd, sp), od)
+            .unwrap();
+        flag
+    }
+
+    fn shutdown(&self) {
+        self.ea.shutdown();
+        self.eb.shutdown();
+    }
+}
+
 fn pending_wrs(e: &TransferEngine) -> usize {
     e.stats().groups[0].pending_wrs
 }
@@ -64,14 +117,8 @@ fn huge_paged_write_stays_within_the_bound() {
     for seed in seeds_or([61, 62, 63]) {
         for nics in 1..=3usize {
             let _g = SeedGuard::new(seed, "huge_paged_write_stays_within_the_bound");
-            let fabric = fabric(seed);
-            let (a, b) = (fabric.add_host(nics), fabric.add_host(nics));
-            let ea = engine(&fabric, a, nics, config(), true);
-            let eb = engine(&fabric, b, nics, config(), true);
-            let src = Arc::new(mem::patterned(seed, buf_len()));
-            let dst = Arc::new(mem::zeroed(buf_len()));
-            let (sh, _) = ea.reg_mr(src.region()).unwrap();
-            let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+            let p = Pair::new(seed, nics);
+            let (ea, eb) = (&p.ea, &p.eb);
             let (sp, dp) = (pages(seed), pages(seed + 1));
             let imm = eb.alloc_imm().unwrap();
             let n = eb.imm_counts(0).unwrap().paged_writes(PAGE, PAGES as u64);
@@ -80,12 +127,11 @@ fn huge_paged_write_stays_within_the_bound() {
             eb.expect_imm_count(imm, n, move |r| *f.lock() = Some(r))
                 .unwrap();
             let (od, flag) = OnDone::flag();
-            ea.submit_paged_writes(PAGE, Some(imm), (&sh, &sp), (&dd, &dp), od)
+            ea.submit_paged_writes(PAGE, Some(imm), (&p.sh, &sp), (&p.dd, &dp), od)
                 .unwrap();
-            let engines = [ea.clone(), eb.clone()];
             let mut most = 0;
-            drive(&fabric, &engines, || {
-                most = most.max(pending_wrs(&ea));
+            p.drive(|| {
+                most = most.max(pending_wrs(ea));
                 flag.is_done() && fired.lock().is_some()
             });
             assert!(
@@ -98,19 +144,18 @@ fn huge_paged_write_stays_within_the_bound() {
             );
             assert_eq!(flag.result(), Some(Ok(())));
             assert_eq!(*fired.lock(), Some(Ok(())));
-            assert_eq!(wrs_posted(&ea), PAGES as u64);
+            assert_eq!(wrs_posted(ea), PAGES as u64);
             for i in 0..sp.indices.len() {
                 let so = sp.page_offset(i).unwrap() as usize;
                 let d_o = dp.page_offset(i).unwrap() as usize;
                 assert_eq!(
-                    dst.bytes(d_o, PAGE as usize),
-                    src.bytes(so, PAGE as usize),
+                    p.dst.bytes(d_o, PAGE as usize),
+                    p.src.bytes(so, PAGE as usize),
                     "page {i} not in place ({nics} NICs)"
                 );
             }
             assert_eq!(eb.imm_pending(imm), 0, "no excess");
-            ea.shutdown();
-            eb.shutdown();
+            p.shutdown();
         }
     }
 }
@@ -121,34 +166,22 @@ fn huge_paged_write_stays_within_the_bound() {
 fn small_write_is_not_queued_behind_a_huge_paged_write() {
     for seed in seeds_or([71, 72]) {
         let _g = SeedGuard::new(seed, "small_write_is_not_queued_behind_a_huge_paged_write");
-        let fabric = fabric(seed);
-        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-        let ea = engine(&fabric, a, 1, config(), true);
-        let eb = engine(&fabric, b, 1, config(), true);
-        let src = mem::patterned(seed, buf_len());
-        let dst = mem::zeroed(buf_len());
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-        let sp = pages(seed);
-        let (od, paged) = OnDone::flag();
-        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
-            .unwrap();
+        let p = Pair::new(seed, 1);
+        let paged = p.paged(&pages(seed));
         let (od, single) = OnDone::flag();
-        ea.submit_single_write(64, None, (&sh, 0), (&dd, 0), od)
+        p.ea.submit_single_write(64, None, (&p.sh, 0), (&p.dd, 0), od)
             .unwrap();
-        let engines = [ea.clone(), eb.clone()];
-        drive(&fabric, &engines, || single.is_done());
+        p.drive(|| single.is_done());
         assert_eq!(single.result(), Some(Ok(())));
-        let posted = wrs_posted(&ea);
+        let posted = wrs_posted(&p.ea);
         assert!(
             posted < (MAX_PENDING + 2 * WINDOW) as u64 + 1,
             "the single WRITE completed after {posted} WRs of the paged write were posted"
         );
         assert!(!paged.is_done(), "the paged write finished first");
-        drive(&fabric, &engines, || paged.is_done());
+        p.drive(|| paged.is_done());
         assert_eq!(paged.result(), Some(Ok(())));
-        ea.shutdown();
-        eb.shutdown();
+        p.shutdown();
     }
 }
 
@@ -158,39 +191,28 @@ fn small_write_is_not_queued_behind_a_huge_paged_write() {
 fn failed_paged_write_stops_planning() {
     for seed in seeds_or([81, 82]) {
         let _g = SeedGuard::new(seed, "failed_paged_write_stops_planning");
-        let fabric = fabric(seed);
-        let (a, b) = (fabric.add_host(2), fabric.add_host(2));
-        let ea = engine(&fabric, a, 2, config(), true);
-        let eb = engine(&fabric, b, 2, config(), true);
-        let src = mem::patterned(seed, buf_len());
-        let dst = mem::zeroed(buf_len());
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-        fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).first(1));
-        let sp = pages(seed);
-        let (od, paged) = OnDone::flag();
-        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
-            .unwrap();
-        let engines = [ea.clone(), eb.clone()];
-        drive(&fabric, &engines, || paged.is_done());
+        let p = Pair::new(seed, 2);
+        p.fabric
+            .add_rule(Rule::new(Action::Fail).kind(OpKind::Write).first(1));
+        let paged = p.paged(&pages(seed));
+        p.drive(|| paged.is_done());
         assert!(
             matches!(paged.result(), Some(Err(EngineError::Transport { .. }))),
             "{:?}",
             paged.result()
         );
-        let posted = wrs_posted(&ea);
+        let posted = wrs_posted(&p.ea);
         assert!(
             posted < u64::from(PAGES) / 2,
             "{posted} WRs posted after the first failed"
         );
-        assert_eq!(pending_wrs(&ea), 0, "pieces left queued");
+        assert_eq!(pending_wrs(&p.ea), 0, "pieces left queued");
         let (od, single) = OnDone::flag();
-        ea.submit_single_write(4096, None, (&sh, 0), (&dd, 0), od)
+        p.ea.submit_single_write(4096, None, (&p.sh, 0), (&p.dd, 0), od)
             .unwrap();
-        drive(&fabric, &engines, || single.is_done());
+        p.drive(|| single.is_done());
         assert_eq!(single.result(), Some(Ok(())));
-        ea.shutdown();
-        eb.shutdown();
+        p.shutdown();
     }
 }
 
@@ -200,28 +222,17 @@ fn failed_paged_write_stops_planning() {
 fn shutdown_fails_a_partly_planned_paged_write() {
     for seed in seeds_or([91]) {
         let _g = SeedGuard::new(seed, "shutdown_fails_a_partly_planned_paged_write");
-        let fabric = fabric(seed);
-        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-        let ea = engine(&fabric, a, 1, config(), true);
-        let eb = engine(&fabric, b, 1, config(), true);
-        let src = mem::patterned(seed, buf_len());
-        let dst = mem::zeroed(buf_len());
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-        let sp = pages(seed);
-        let (od, paged) = OnDone::flag();
-        ea.submit_paged_writes(PAGE, None, (&sh, &sp), (&dd, &sp), od)
-            .unwrap();
-        let engines = [ea.clone(), eb.clone()];
+        let p = Pair::new(seed, 1);
+        let paged = p.paged(&pages(seed));
         // A few windows in, far from the end.
-        drive(&fabric, &engines, || wrs_posted(&ea) >= 3 * WINDOW as u64);
+        p.drive(|| wrs_posted(&p.ea) >= 3 * WINDOW as u64);
         assert!(!paged.is_done());
-        ea.shutdown();
+        p.ea.shutdown();
         assert_eq!(paged.result(), Some(Err(EngineError::ShutDown)));
         assert!(
-            wrs_posted(&ea) < u64::from(PAGES) / 2,
+            wrs_posted(&p.ea) < u64::from(PAGES) / 2,
             "the rest of the write was planned and posted at shutdown"
         );
-        eb.shutdown();
+        p.eb.shutdown();
     }
 }
