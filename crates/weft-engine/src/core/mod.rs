@@ -12,6 +12,9 @@
 //!   first WRs);
 //! * control messages ([`Control`]: registrations, peer groups, receive
 //!   pools): [`WorkerCore::handle_control`];
+//! * room under the planning bound: [`WorkerCore::continue_paged`] (the
+//!   next window of a paged write planned in windows, taking turns with
+//!   new requests);
 //! * send-queue room: [`WorkerCore::post_backlog`] (priority 2: more WRs
 //!   of pending requests as room frees);
 //! * completions: [`WorkerCore::poll`] (priority 3: the domains'
@@ -370,10 +373,12 @@ impl WorkerCore {
             let t = &mut self.slab[slot as usize];
             t.remaining -= 1;
             t.unposted -= 1;
-            // Every piece was posted during planning: the probe's "all
-            // posted" is now (`posted` saw the hold and did not record it).
+            // Every piece was posted before the last hold went: the probe's
+            // "all posted" is now (`posted` saw the hold and did not record
+            // it). A failed transfer's unposted pieces were dropped, not
+            // posted: it is not recorded, as elsewhere.
             #[cfg(feature = "latency-probe")]
-            if t.unposted == 0 && t.probe.first_wr.is_some() {
+            if t.unposted == 0 && t.probe.first_wr.is_some() && t.error.is_none() {
                 t.probe.posted(true);
                 self.probes.push(t.probe);
             }

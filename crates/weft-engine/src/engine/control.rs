@@ -119,7 +119,9 @@ impl TransferEngine {
     }
 
     /// Deregisters memory from every NIC of its group. Transfers still
-    /// using it fail with a local-access error.
+    /// using it fail with a local-access error; a paged write from it with
+    /// pages not yet planned (they are planned a window at a time) fails
+    /// with [`EngineError::StaleMr`] when its next window is planned.
     ///
     /// A handle registered by another engine is refused with
     /// [`EngineError::InvalidArgument`] (and deregisters nothing).
