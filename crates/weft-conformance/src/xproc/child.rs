@@ -51,6 +51,7 @@ pub(crate) fn codec_selftest() {
             data: vec![1, 2, 3],
         },
         Req::RemovePeer { nic: 1, peer: 3 },
+        Req::Freeze,
     ];
     for r in reqs {
         let b = postcard::to_allocvec(&r).unwrap();
@@ -139,6 +140,22 @@ pub(crate) fn serve<B: XprocBackend>(backend: &B) -> Result<(), String> {
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
             Err(e) => break Err(format!("read request: {e}")),
         };
+        if req == Req::Freeze {
+            // Every provider call of this process (commands and the
+            // background poller) holds the state lock: holding it until
+            // the parent's SIGKILL means the kill never lands inside the
+            // provider. A process killed there can leave a provider lock in
+            // shared memory held for good (libfabric shm's region lock),
+            // and the peers that write to it then spin in `fi_write`
+            // forever: a provider hazard, not what `peer_death` tests.
+            let _held = state.lock().map_err(|_| "state poisoned".to_string())?;
+            if let Err(e) = send_frame(&mut sock, &Resp::Unit(Ok(()))) {
+                break Err(format!("write response: {e}"));
+            }
+            loop {
+                std::thread::park();
+            }
+        }
         let resp = {
             let mut st = state.lock().map_err(|_| "state poisoned".to_string())?;
             handle(&mut st, req)
@@ -256,6 +273,8 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 .and_then(|d| d.remove_peer(PeerId(peer)))
                 .map_err(|e| (&e).into()),
         ),
+        // Answered by `serve` itself (it must keep the state lock).
+        Req::Freeze => Resp::Unit(Err("freeze is handled by serve".into())),
         Req::PostSend { nic, wr, peer, src } => {
             let r = (|| {
                 let used = st.outstanding.get(nic as usize).copied().unwrap_or(0);

@@ -23,17 +23,19 @@ use weft_transport::{
 type Conn = Arc<Mutex<UnixStream>>;
 
 fn call(conn: &Conn, req: &Req) -> Resp {
-    let mut s = match conn.lock() {
-        Ok(s) => s,
-        Err(_) => panic!("peer connection poisoned"),
-    };
-    if let Err(e) = send_frame(&mut *s, req) {
-        panic!("peer process gone (sending {req:?}): {e}");
-    }
-    match recv_frame(&mut *s) {
+    match try_call(conn, req) {
         Ok(r) => r,
-        Err(e) => panic!("peer process gone (awaiting reply): {e}"),
+        Err(e) => panic!("{e}"),
     }
+}
+
+/// [`call`], with a failure as an error rather than a panic.
+fn try_call(conn: &Conn, req: &Req) -> Result<Resp, String> {
+    let mut s = conn
+        .lock()
+        .map_err(|_| "peer connection poisoned".to_string())?;
+    send_frame(&mut *s, req).map_err(|e| format!("peer process gone (sending {req:?}): {e}"))?;
+    recv_frame(&mut *s).map_err(|e| format!("peer process gone (awaiting reply): {e}"))
 }
 
 /// A [`Domain`] living in a child process.
@@ -413,6 +415,13 @@ impl<B: XprocBackend> Harness for CrossProcess<B> {
     }
     fn kill_host(&mut self, host: HostId) -> Result<(), HarnessError> {
         let h = self.host(host);
+        if !h.killed {
+            // Out of the provider first (see `Req::Freeze`); a child that
+            // cannot answer is killed all the same.
+            if let Err(e) = try_call(&h.conn, &Req::Freeze) {
+                eprintln!("xproc: freezing host {host:?} before its kill failed: {e}");
+            }
+        }
         h.child
             .kill()
             .map_err(|e| HarnessError::Failed(format!("kill: {e}")))?;

@@ -436,6 +436,9 @@ pub(crate) enum Req {
         nic: u32,
         peer: u32,
     },
+    /// Stop calling into the provider for good and answer
+    /// `Unit(Ok(()))`: the child is about to be killed (see `serve`).
+    Freeze,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
