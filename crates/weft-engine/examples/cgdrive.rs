@@ -29,6 +29,16 @@ fn engine(fabric: &Fabric, manual: bool, nics: usize) -> TransferEngine {
     b.build().expect("engine")
 }
 
+/// The number in environment variable `name`, `default` when unset or not
+/// a number, clamped to `1..=max`.
+fn env_num(name: &str, default: u32, max: u32) -> u32 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+        .clamp(1, max)
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let what = args.next().unwrap_or_else(|| "single".into());
@@ -36,11 +46,7 @@ fn main() {
     let fabric = Fabric::new_realtime(FabricConfig::null());
     let manual = !what.starts_with('t');
     // `CGDRIVE_NICS` NICs per engine, one group (default 1).
-    let nics: usize = std::env::var("CGDRIVE_NICS")
-        .ok()
-        .and_then(|s| s.parse::<usize>().ok())
-        .unwrap_or(1)
-        .clamp(1, weft_engine::MAX_NICS);
+    let nics = env_num("CGDRIVE_NICS", 1, weft_engine::MAX_NICS as u32) as usize;
     let tx = engine(&fabric, manual, nics);
     let rx = engine(&fabric, manual, nics);
     // The buffers live until the end of `main`, after shutdown.
@@ -67,11 +73,7 @@ fn main() {
         "paged" => {
             let counter = Arc::new(DoneCounter::new());
             // `CGDRIVE_PAGES` pages per submit (default 10 000).
-            let np: u32 = std::env::var("CGDRIVE_PAGES")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(10_000)
-                .clamp(1, 16_000);
+            let np = env_num("CGDRIVE_PAGES", 10_000, 16_000);
             let pages = Pages {
                 indices: (0..np).map(|i| (i * 7) % np).collect(),
                 stride: 1024,

@@ -30,7 +30,7 @@ type DestroyAhFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 /// The resolved entry points.
 pub(super) struct Api {
-    pub(super) _lib: Library,
+    _lib: Library,
     pub(super) get_device_list: GetDeviceListFn,
     pub(super) free_device_list: FreeDeviceListFn,
     pub(super) get_device_name: GetDeviceNameFn,

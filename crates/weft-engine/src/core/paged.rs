@@ -112,14 +112,15 @@ impl WorkerCore {
         p: &PagedBody,
         start: usize,
     ) -> Result<usize, EngineError> {
-        let nics = self.nics_for(Target::Plain(&p.dst))?;
-        let mut routes = Routes::default();
         let target = Target::Plain(&p.dst);
+        let nics = self.nics_for(target)?;
+        let mut routes = Routes::default();
         let tid = self.slab[slot as usize].id;
+        // `plan_window` is at least 1 (`WorkerCore::new`).
         let end = p
             .src_pages
             .len()
-            .min(start.saturating_add(self.plan_window.max(1)));
+            .min(start.saturating_add(self.plan_window));
         // A page that fits one WR is one piece on NIC `i % nics` (what
         // `plan_page` says): pushed without the piece list.
         let one_piece =

@@ -55,8 +55,8 @@ impl WorkerCtx {
             self.cfg.max_inflight_per_nic,
             // Windows of half the bound keep what waits for room under
             // 1.5 times the bound where each page is one WR (a page longer
-            // than the largest WR is several).
-            (self.cfg.max_pending_wrs / 2).max(1),
+            // than the largest WR is several). `new` makes it at least 1.
+            self.cfg.max_pending_wrs / 2,
             Arc::clone(&self.shared.counters),
             #[cfg(feature = "latency-probe")]
             self.probes,
