@@ -5,7 +5,9 @@
 //! `CGDRIVE_NICS` the NICs of each engine's one group, default 1). The receiver is a manual
 //! engine that is never driven: the null fabric completes WRs at the
 //! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
-//! threads instead. Per-op cost: run two values of N and divide the
+//! threads instead. `cgdrive rawpaged N` is the baseline of `paged`: the
+//! same pages posted straight to the fabric's domains and polled, one
+//! submit's pages at a time, page `j` on NIC `j % nics` (no engine). Per-op cost: run two values of N and divide the
 //! difference, so that setup cancels:
 //!
 //! ```sh
@@ -17,7 +19,7 @@
 use std::sync::Arc;
 use weft_engine::{DomainGroupSpec, DoneCounter, OnDone, Pages, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::HostBuffer;
+use weft_transport::{Access, Completion, Domain, HostBuffer, RemoteSlice, WrId, WriteWr};
 
 fn engine(fabric: &Fabric, manual: bool, nics: usize) -> TransferEngine {
     let host = fabric.add_host(nics);
@@ -113,9 +115,88 @@ fn main() {
             let e = t.elapsed();
             println!("tsingle: {:.0} ns/op", e.as_nanos() as f64 / n as f64);
         }
-        _ => panic!("single|paged|tsingle"),
+        "rawpaged" => {
+            iters = raw_paged(&fabric, nics, n + warm, &src, &dst);
+        }
+        _ => panic!("single|paged|tsingle|rawpaged"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();
     rx.shutdown();
+}
+
+/// `submits` rounds of `CGDRIVE_PAGES` 1 KiB WRITEs on fresh hosts' NICs,
+/// posted in batches per NIC and polled until all complete; returns the
+/// number of poll rounds.
+fn raw_paged(
+    fabric: &Fabric,
+    nics: usize,
+    submits: u64,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+) -> u64 {
+    let np = u64::from(env_num("CGDRIVE_PAGES", 10_000, 16_000));
+    let (ha, hb) = (fabric.add_host(nics), fabric.add_host(nics));
+    let (pa, pb) = (fabric.provider(ha), fabric.provider(hb));
+    let mut lanes = Vec::new();
+    for nic in 0..nics {
+        let mut a = pa.open_loopback(nic).expect("open a");
+        let mut b = pb.open_loopback(nic).expect("open b");
+        let s = a.register(&src.region(), Access::LocalOnly).expect("reg a");
+        let d = b
+            .register(&dst.region(), Access::RemoteWrite)
+            .expect("reg b");
+        let peer = a.add_peer(&b.local_addr().clone()).expect("peer");
+        let batch = a.capabilities().max_batch.max(1);
+        lanes.push((a, b, s, d, peer, batch, Vec::<WriteWr>::new(), 0usize));
+    }
+    let mut comps = Vec::new();
+    let mut polls = 0u64;
+    for k in 0..submits {
+        for j in 0..np {
+            let page = (j * 7) % np;
+            let lane = &mut lanes[(j as usize) % nics];
+            lane.6.push(WriteWr {
+                wr: WrId(k * np + j),
+                peer: lane.4,
+                src: lane.2.slice(page * 1024, 1024).expect("src slice"),
+                dst: RemoteSlice {
+                    base: lane.3.addr,
+                    offset: page * 1024,
+                    rkey: lane.3.rkey,
+                },
+                imm: None,
+            });
+        }
+        let mut done = 0u64;
+        while done < np {
+            for lane in lanes.iter_mut() {
+                while lane.7 < lane.6.len() {
+                    let n = (lane.6.len() - lane.7).min(lane.5);
+                    let batch = &lane.6[lane.7..lane.7 + n];
+                    let posted = lane.0.post_writes(batch).unwrap_or_else(|e| e.posted);
+                    lane.7 += posted;
+                    if posted < n {
+                        break;
+                    }
+                }
+                if lane.7 == lane.6.len() {
+                    lane.6.clear();
+                    lane.7 = 0;
+                }
+            }
+            for lane in lanes.iter_mut() {
+                comps.clear();
+                lane.0.poll(&mut comps).expect("poll");
+                for c in &comps {
+                    if let Completion::Write { result, .. } = c {
+                        assert!(result.is_ok(), "raw WRITE failed");
+                        done += 1;
+                    }
+                }
+            }
+            polls += 1;
+        }
+    }
+    polls
 }

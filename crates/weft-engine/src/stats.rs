@@ -51,6 +51,10 @@ pub struct NicStats {
     pub wrs_posted: u64,
     /// Payload bytes of those WRs.
     pub bytes_posted: u64,
+    /// Of those WRs, the ones whose completion the worker has handled
+    /// (successful or failed), or that it failed when the NIC died:
+    /// `wrs_posted - wrs_completed` are on the NIC now.
+    pub wrs_completed: u64,
     /// Peers the NIC has resolved (added to its domain) and not removed
     /// with [`TransferEngine::remove_peer`](crate::TransferEngine::remove_peer):
     /// back to its earlier value after removing every peer added since.
@@ -77,6 +81,7 @@ impl Counter {
 #[derive(Debug, Default)]
 struct NicCounters {
     wrs: Counter,
+    completed: Counter,
     bytes: Counter,
     peers: Counter,
 }
@@ -107,6 +112,14 @@ impl GroupCounters {
         if let Some(c) = self.nics.get(nic) {
             c.wrs.add(wrs);
             c.bytes.add(bytes);
+        }
+    }
+
+    /// `wrs` WRs posted on NIC `nic` completed (or failed with it).
+    #[inline]
+    pub(crate) fn completed(&self, nic: usize, wrs: u64) {
+        if let Some(c) = self.nics.get(nic) {
+            c.completed.add(wrs);
         }
     }
 
@@ -142,6 +155,7 @@ impl GroupCounters {
                 .map(|c| NicStats {
                     wrs_posted: c.wrs.get(),
                     bytes_posted: c.bytes.get(),
+                    wrs_completed: c.completed.get(),
                     peers: c.peers.get(),
                 })
                 .collect(),
@@ -160,6 +174,8 @@ mod tests {
         c.posted(1, 1, 10);
         c.posted(0, 1, 5);
         c.posted(7, 1, 1); // no such NIC: ignored
+        c.completed(0, 2);
+        c.completed(7, 1);
         c.publish(4, 2);
         let s = c.snapshot(9);
         assert_eq!((s.queued, s.in_flight, s.pending_wrs), (9, 4, 2));
@@ -169,11 +185,13 @@ mod tests {
                 NicStats {
                     wrs_posted: 4,
                     bytes_posted: 305,
+                    wrs_completed: 2,
                     peers: 0,
                 },
                 NicStats {
                     wrs_posted: 1,
                     bytes_posted: 10,
+                    wrs_completed: 0,
                     peers: 0,
                 }
             ]

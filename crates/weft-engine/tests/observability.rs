@@ -72,6 +72,15 @@ fn stats_show_queue_depth_in_flight_and_nic_balance() {
     let mid = ea.stats();
     assert_eq!(mid.groups[0].queued, 0);
     assert_eq!(mid.groups[0].in_flight, writes as usize);
+    assert_eq!(
+        mid.groups[0]
+            .nics
+            .iter()
+            .map(|n| n.wrs_completed)
+            .sum::<u64>(),
+        0,
+        "nothing completed before a poll"
+    );
     drive(&fabric, &[ea.clone(), eb.clone()], || {
         done.total() == writes
     });
@@ -94,6 +103,10 @@ fn stats_show_queue_depth_in_flight_and_nic_balance() {
         "{nics:?}"
     );
     assert!(nics.iter().all(|n| n.bytes_posted > 0), "{nics:?}");
+    assert!(
+        nics.iter().all(|n| n.wrs_completed == n.wrs_posted),
+        "every posted WR completed: {nics:?}"
+    );
     ea.shutdown();
     eb.shutdown();
 }

@@ -269,3 +269,74 @@ fn shutdown_fails_a_partly_planned_paged_write() {
         p.eb.shutdown();
     }
 }
+
+/// The worker counts a poll's successful completions a run of one transfer
+/// at a time. Two paged writes back to back, with the 41st WRITE failing
+/// (inside the first write's runs): the first fails, the second lands whole,
+/// each resolves exactly once (also after idle laps), and every posted WR
+/// left the NICs' in-flight counts (a third write completes; the stats'
+/// `wrs_completed` equals `wrs_posted`).
+#[test]
+fn completion_runs_resolve_each_paged_write_once() {
+    for seed in seeds_or([101, 102, 103]) {
+        for nics in [1usize, 3] {
+            let _g = SeedGuard::new(seed, "completion_runs_resolve_each_paged_write_once");
+            let p = Pair::new(seed, nics);
+            p.fabric
+                .add_rule(Rule::new(Action::Pass).kind(OpKind::Write).first(40));
+            p.fabric
+                .add_rule(Rule::new(Action::Fail).kind(OpKind::Write).first(1));
+            let (sp, dp) = (pages(seed), pages(seed + 1));
+            let counter = Arc::new(weft_engine::DoneCounter::new());
+            for _ in 0..2 {
+                p.ea.submit_paged_writes(
+                    PAGE,
+                    None,
+                    (&p.sh, &sp),
+                    (&p.dd, &dp),
+                    OnDone::counter(&counter),
+                )
+                .unwrap();
+            }
+            p.drive(|| counter.total() >= 2);
+            // Idle laps: a transfer finished twice would count again.
+            for _ in 0..200 {
+                p.ea.progress();
+                p.eb.progress();
+                p.fabric.step();
+            }
+            assert_eq!(
+                (counter.ok(), counter.failed()),
+                (1, 1),
+                "{nics} NICs: {:?}",
+                counter.first_error()
+            );
+            assert!(matches!(
+                counter.first_error(),
+                Some(EngineError::Transport { .. })
+            ));
+            for i in 0..sp.indices.len() {
+                let so = sp.page_offset(i).unwrap() as usize;
+                let d_o = dp.page_offset(i).unwrap() as usize;
+                assert_eq!(
+                    p.dst.bytes(d_o, PAGE as usize),
+                    p.src.bytes(so, PAGE as usize),
+                    "page {i} of the second write not in place ({nics} NICs)"
+                );
+            }
+            let third = p.paged(&sp);
+            p.drive(|| third.is_done());
+            assert_eq!(third.result(), Some(Ok(())), "{nics} NICs");
+            let st = p.ea.stats();
+            assert!(
+                st.groups[0]
+                    .nics
+                    .iter()
+                    .all(|n| n.wrs_completed == n.wrs_posted),
+                "WRs left counted in flight ({nics} NICs): {:?}",
+                st.groups[0].nics
+            );
+            p.shutdown();
+        }
+    }
+}

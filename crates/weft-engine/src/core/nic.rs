@@ -342,8 +342,33 @@ impl WorkerCore {
             comps.clear();
             let r = self.nics[nic].domain.poll(&mut comps);
             handled += comps.len();
+            // Successful WRITE/SEND completions of one transfer that follow
+            // each other (the pages of a paged write, the pieces of a large
+            // one) are counted once per run: one slab lookup and one finish
+            // check instead of one per WR. Anything else ends the run first,
+            // so completions are still handled in the order they came.
+            let mut run: Option<(WrId, usize)> = None;
             for c in comps.drain(..) {
-                self.on_completion(nic, c);
+                match c {
+                    Completion::Write { wr, result: Ok(()) }
+                    | Completion::Send { wr, result: Ok(()) } => match &mut run {
+                        Some((id, k)) if *id == wr => *k += 1,
+                        _ => {
+                            if let Some((id, k)) = run.replace((wr, 1)) {
+                                self.completed_run(nic, id, k);
+                            }
+                        }
+                    },
+                    other => {
+                        if let Some((id, k)) = run.take() {
+                            self.completed_run(nic, id, k);
+                        }
+                        self.on_completion(nic, other);
+                    }
+                }
+            }
+            if let Some((id, k)) = run {
+                self.completed_run(nic, id, k);
             }
             self.comps = comps;
             if let Err(e) = r {
@@ -355,27 +380,41 @@ impl WorkerCore {
         handled
     }
 
+    /// `k` WRITE/SEND completions of transfer `wr` on NIC `nic` (their
+    /// errors, if any, already recorded): they leave the NIC's and the
+    /// transfer's counts, and the transfer finishes if they were its last.
+    fn completed_run(&mut self, nic: usize, wr: WrId, k: usize) {
+        let n = &mut self.nics[nic];
+        let left = n.inflight.saturating_sub(k);
+        self.counters.completed(nic, (n.inflight - left) as u64);
+        n.inflight = left;
+        let Some(slot) = self.slab.lookup(wr) else {
+            tracing::warn!(group = self.group, nic, ?wr, k, "completion for unknown WR");
+            return;
+        };
+        let t = &mut self.slab[slot as usize];
+        t.posted_on[nic] = t.posted_on[nic].saturating_sub(u32::try_from(k).unwrap_or(u32::MAX));
+        t.remaining = t.remaining.saturating_sub(k as u64);
+        self.maybe_finish(slot);
+    }
+
     // Copies a completed receive buffer out (`RecvPool::copy_out`).
     #[allow(unsafe_code)]
     pub(super) fn on_completion(&mut self, nic: usize, c: Completion) {
         match c {
             Completion::Write { wr, result } | Completion::Send { wr, result } => {
-                self.nics[nic].inflight = self.nics[nic].inflight.saturating_sub(1);
-                let Some(slot) = self.slab.lookup(wr) else {
-                    tracing::warn!(group = self.group, nic, ?wr, "completion for unknown WR");
-                    return;
-                };
-                let group = self.group;
-                let t = &mut self.slab[slot as usize];
-                t.posted_on[nic] = t.posted_on[nic].saturating_sub(1);
-                t.remaining = t.remaining.saturating_sub(1);
                 if let Err(e) = result {
-                    if t.error.is_none() {
-                        let peer = peer_of(&e);
-                        t.error = Some(transport(group, nic, t.id, peer, e));
+                    // Recorded before the count, which may finish the transfer.
+                    if let Some(slot) = self.slab.lookup(wr) {
+                        let group = self.group;
+                        let t = &mut self.slab[slot as usize];
+                        if t.error.is_none() {
+                            let peer = peer_of(&e);
+                            t.error = Some(transport(group, nic, t.id, peer, e));
+                        }
                     }
                 }
-                self.maybe_finish(slot);
+                self.completed_run(nic, wr, 1);
             }
             Completion::Recv { wr, result } => {
                 let Decoded::Recv { pool, idx } = decode(wr) else {
@@ -443,7 +482,8 @@ impl WorkerCore {
 
     pub(super) fn nic_died(&mut self, nic: usize, e: TransportError) {
         self.nics[nic].dead = Some(e.clone());
-        self.nics[nic].inflight = 0;
+        let failed = std::mem::take(&mut self.nics[nic].inflight);
+        self.counters.completed(nic, failed as u64);
         // Fail every posted piece on that NIC.
         for slot in 0..self.slab.len() {
             let t = &mut self.slab[slot];

@@ -182,17 +182,22 @@ impl WorkerCore {
     ) -> Result<usize, EngineError> {
         let (base, region_len) = (target.base(), target.region_len());
         let (page_len, imm) = (p.page_len, p.imm);
+        let (sp, dp) = (&p.src_pages, &p.dst_pages);
+        let (Some(si), Some(di)) = (sp.indices.get(start..end), dp.indices.get(start..end)) else {
+            return Err(EngineError::InvalidArgument {
+                what: format!("pages {start}..{end} of a paged write out of range"),
+            });
+        };
         let mut err = None;
         let mut i = start;
         let mut nic = start % nics.max(1);
-        while i < end {
-            let (Some(so), Some(d_o)) = (p.src_pages.page_offset(i), p.dst_pages.page_offset(i))
-            else {
-                err = Some(EngineError::InvalidArgument {
-                    what: format!("page {i} offset overflows"),
-                });
-                break;
-            };
+        for (&s, &d) in si.iter().zip(di) {
+            // Submit checked the largest page index of each side, and
+            // offsets grow with the index: none of these overflows.
+            let so = u64::from(s).wrapping_mul(sp.stride).wrapping_add(sp.offset);
+            let d_o = u64::from(d).wrapping_mul(dp.stride).wrapping_add(dp.offset);
+            debug_assert_eq!(Some(so), sp.index_offset(s));
+            debug_assert_eq!(Some(d_o), dp.index_offset(d));
             let Some(route) = routes.cached(nic) else {
                 break;
             };
