@@ -174,7 +174,11 @@ fn raw_paged(
                 while lane.7 < lane.6.len() {
                     let n = (lane.6.len() - lane.7).min(lane.5);
                     let batch = &lane.6[lane.7..lane.7 + n];
-                    let posted = lane.0.post_writes(batch).unwrap_or_else(|e| e.posted);
+                    let posted = match lane.0.post_writes(batch) {
+                        Ok(k) => k,
+                        Err(e) if e.error.is_retryable() => e.posted,
+                        Err(e) => panic!("raw post failed: {}", e.error),
+                    };
                     lane.7 += posted;
                     if posted < n {
                         break;

@@ -2,8 +2,9 @@
 //! reports, and the per-group counters the workers publish for it.
 //!
 //! Each group's counters have one writer (its worker), so they are updated
-//! with plain relaxed loads and stores, not read-modify-write atomics: no
-//! locked instruction on the posting path. Readers see a recent value.
+//! with plain loads and stores (the stores `Release`, the reads `Acquire`),
+//! not read-modify-write atomics: no locked instruction on the posting
+//! path. Readers see a recent value.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -53,7 +54,10 @@ pub struct NicStats {
     pub bytes_posted: u64,
     /// Of those WRs, the ones whose completion the worker has handled
     /// (successful or failed), or that it failed when the NIC died:
-    /// `wrs_posted - wrs_completed` are on the NIC now.
+    /// `wrs_posted - wrs_completed` are on the NIC now (a snapshot reads
+    /// this count before `wrs_posted`, so it never exceeds it). WRs still
+    /// posted when a shutdown gives up waiting for them (`drain_timeout`)
+    /// or when the worker panics are failed without being counted here.
     pub wrs_completed: u64,
     /// Peers the NIC has resolved (added to its domain) and not removed
     /// with [`TransferEngine::remove_peer`](crate::TransferEngine::remove_peer):
@@ -66,15 +70,18 @@ pub struct NicStats {
 struct Counter(AtomicU64);
 
 impl Counter {
+    /// Release: a reader that sees this value also sees every count the
+    /// worker stored before it (`wrs_completed` read before `wrs_posted`
+    /// never exceeds it). A plain store on x86.
     #[inline]
     fn add(&self, n: u64) {
         self.0.store(
             self.0.load(Ordering::Relaxed).wrapping_add(n),
-            Ordering::Relaxed,
+            Ordering::Release,
         );
     }
     fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -152,11 +159,16 @@ impl GroupCounters {
             nics: self
                 .nics
                 .iter()
-                .map(|c| NicStats {
-                    wrs_posted: c.wrs.get(),
-                    bytes_posted: c.bytes.get(),
-                    wrs_completed: c.completed.get(),
-                    peers: c.peers.get(),
+                .map(|c| {
+                    // Completed first: the worker counts a WR posted before
+                    // it counts it completed.
+                    let wrs_completed = c.completed.get();
+                    NicStats {
+                        wrs_posted: c.wrs.get(),
+                        bytes_posted: c.bytes.get(),
+                        wrs_completed,
+                        peers: c.peers.get(),
+                    }
                 })
                 .collect(),
         }

@@ -1,7 +1,9 @@
 //! Paged writes planned a window of pages at a time (`max_pending_wrs`):
 //! the bound holds with one huge write, every page lands, a small write
 //! submitted behind a huge one is not queued behind all its pages, and a
-//! write that fails or is shut down part-way through its windows resolves.
+//! write that fails or is shut down part-way through its windows resolves,
+//! and the worker's counting of completions in runs of one transfer
+//! resolves each write once, with its error when one of its WRITEs failed.
 //! Manual-mode engines over the loopback fabric in step mode (adversarial
 //! profile).
 
@@ -270,12 +272,49 @@ fn shutdown_fails_a_partly_planned_paged_write() {
     }
 }
 
+/// WRs completed on all of `e`'s NICs so far (its stats).
+fn wrs_completed(e: &TransferEngine) -> u64 {
+    e.stats().groups[0]
+        .nics
+        .iter()
+        .map(|n| n.wrs_completed)
+        .sum()
+}
+
+/// Whether every WR `e` posted has left its NICs' in-flight counts.
+fn all_completed(e: &TransferEngine) -> bool {
+    e.stats().groups[0]
+        .nics
+        .iter()
+        .all(|n| n.wrs_completed == n.wrs_posted)
+}
+
+/// Drives both engines until `done()`, moving the fabric on 50 µs between
+/// laps (instead of one event per step) so that completions pile up and one
+/// poll takes several of a transfer. Returns the most WRs one lap of the
+/// sender completed.
+fn drive_batched(p: &Pair, mut done: impl FnMut() -> bool) -> u64 {
+    let mut most = 0;
+    for _ in 0..200_000 {
+        if done() {
+            return most;
+        }
+        let before = wrs_completed(&p.ea);
+        p.ea.progress();
+        p.eb.progress();
+        most = most.max(wrs_completed(&p.ea) - before);
+        p.fabric.advance(Duration::from_micros(50));
+    }
+    panic!("not done after 200 000 laps of 50 µs");
+}
+
 /// The worker counts a poll's successful completions a run of one transfer
 /// at a time. Two paged writes back to back, with the 41st WRITE failing
-/// (inside the first write's runs): the first fails, the second lands whole,
-/// each resolves exactly once (also after idle laps), and every posted WR
-/// left the NICs' in-flight counts (a third write completes; the stats'
-/// `wrs_completed` equals `wrs_posted`).
+/// (inside the first write's runs), completions piling up between polls:
+/// the first fails, the second lands whole, each resolves exactly once
+/// (also after idle laps), and every posted WR left the NICs' in-flight
+/// counts (the stats' `wrs_completed` equals `wrs_posted`; a third write
+/// completes).
 #[test]
 fn completion_runs_resolve_each_paged_write_once() {
     for seed in seeds_or([101, 102, 103]) {
@@ -298,12 +337,16 @@ fn completion_runs_resolve_each_paged_write_once() {
                 )
                 .unwrap();
             }
-            p.drive(|| counter.total() >= 2);
+            let most = drive_batched(&p, || counter.total() >= 2);
+            assert!(
+                most >= 2,
+                "no poll took more than one completion ({nics} NICs): runs not exercised"
+            );
             // Idle laps: a transfer finished twice would count again.
             for _ in 0..200 {
                 p.ea.progress();
                 p.eb.progress();
-                p.fabric.step();
+                p.fabric.advance(Duration::from_micros(50));
             }
             assert_eq!(
                 (counter.ok(), counter.failed()),
@@ -325,17 +368,48 @@ fn completion_runs_resolve_each_paged_write_once() {
                 );
             }
             let third = p.paged(&sp);
-            p.drive(|| third.is_done());
+            drive_batched(&p, || third.is_done());
             assert_eq!(third.result(), Some(Ok(())), "{nics} NICs");
-            let st = p.ea.stats();
             assert!(
-                st.groups[0]
-                    .nics
-                    .iter()
-                    .all(|n| n.wrs_completed == n.wrs_posted),
+                all_completed(&p.ea),
                 "WRs left counted in flight ({nics} NICs): {:?}",
-                st.groups[0].nics
+                p.ea.stats().groups[0].nics
             );
+            p.shutdown();
+        }
+    }
+}
+
+/// A paged write whose last posted WRITE fails, and fails last (its
+/// packets are dropped until the retries run out, long after every other
+/// page completed), completions piling up between polls: the failure is
+/// recorded before the count that finishes the write, so it resolves with
+/// the error, not `Ok`.
+#[test]
+fn paged_write_whose_last_write_fails_resolves_with_the_error() {
+    for seed in seeds_or([111, 112, 113]) {
+        for nics in [1usize, 2] {
+            let _g = SeedGuard::new(
+                seed,
+                "paged_write_whose_last_write_fails_resolves_with_the_error",
+            );
+            let p = Pair::new(seed, nics);
+            p.fabric.add_rule(
+                Rule::new(Action::Pass)
+                    .kind(OpKind::Write)
+                    .first(u64::from(PAGES) - 1),
+            );
+            p.fabric
+                .add_rule(Rule::new(Action::DropAll).kind(OpKind::Write).first(1));
+            let paged = p.paged(&pages(seed));
+            drive_batched(&p, || paged.is_done());
+            assert!(
+                matches!(paged.result(), Some(Err(EngineError::Transport { .. }))),
+                "{nics} NICs: {:?}",
+                paged.result()
+            );
+            assert_eq!(wrs_posted(&p.ea), u64::from(PAGES), "{nics} NICs");
+            assert!(all_completed(&p.ea), "{:?}", p.ea.stats().groups[0].nics);
             p.shutdown();
         }
     }

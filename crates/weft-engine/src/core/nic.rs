@@ -393,6 +393,16 @@ impl WorkerCore {
             return;
         };
         let t = &mut self.slab[slot as usize];
+        if t.remaining < k as u64 {
+            tracing::warn!(
+                group = self.group,
+                nic,
+                ?wr,
+                k,
+                remaining = t.remaining,
+                "more completions than the transfer has WRs left"
+            );
+        }
         t.posted_on[nic] = t.posted_on[nic].saturating_sub(u32::try_from(k).unwrap_or(u32::MAX));
         t.remaining = t.remaining.saturating_sub(k as u64);
         self.maybe_finish(slot);
