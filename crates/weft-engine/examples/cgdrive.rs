@@ -7,7 +7,12 @@
 //! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
 //! threads instead. `cgdrive rawpaged N` is the baseline of `paged`: the
 //! same pages posted straight to the fabric's domains and polled, one
-//! submit's pages at a time, page `j` on NIC `j % nics` (no engine). Per-op cost: run two values of N and divide the
+//! submit's pages at a time, page `j` on NIC `j % nics` (no engine).
+//! `cgdrive scatter N`: N scatters of 1 KiB to each of `CGDRIVE_PEERS`
+//! peers (default 64; each a 1-NIC host with a raw domain, as in
+//! `weft-bench proxy`), one at a time; `cgdrive rawscatter N` posts the same
+//! WRITEs straight to a domain, in `max_batch` batches, and polls until all
+//! complete. Per-op cost: run two values of N and divide the
 //! difference, so that setup cancels:
 //!
 //! ```sh
@@ -17,9 +22,11 @@
 //! ```
 
 use std::sync::Arc;
-use weft_engine::{DomainGroupSpec, DoneCounter, OnDone, Pages, TransferEngine};
+use weft_engine::{DomainGroupSpec, DoneCounter, GroupAddress, OnDone, Pages, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
-use weft_transport::{Access, Completion, Domain, HostBuffer, RemoteSlice, WrId, WriteWr};
+use weft_transport::{
+    Access, Completion, Domain, HostBuffer, MrDesc, RemoteSlice, ScatterDst, WrId, WriteWr,
+};
 
 fn engine(fabric: &Fabric, manual: bool, nics: usize) -> TransferEngine {
     let host = fabric.add_host(nics);
@@ -118,7 +125,10 @@ fn main() {
         "rawpaged" => {
             iters = raw_paged(&fabric, nics, n + warm, &src, &dst);
         }
-        _ => panic!("single|paged|tsingle|rawpaged"),
+        "scatter" | "rawscatter" => {
+            iters = scatter(&fabric, &tx, &src, n + warm, what == "rawscatter");
+        }
+        _ => panic!("single|paged|tsingle|rawpaged|scatter|rawscatter"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();
@@ -202,5 +212,122 @@ fn raw_paged(
             polls += 1;
         }
     }
+    polls
+}
+
+/// Bytes of each scatter destination.
+const SCATTER_LEN: u64 = 1024;
+
+/// `rounds` scatters of [`SCATTER_LEN`] bytes to each of `CGDRIVE_PEERS`
+/// raw 1-NIC peer hosts: through `tx` (`raw == false`) or posted straight
+/// to a fresh domain (`raw`). Returns the number of poll rounds.
+fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, raw: bool) -> u64 {
+    let peers = env_num("CGDRIVE_PEERS", 64, 1024) as usize;
+    let mut doms = Vec::new();
+    let mut descs = Vec::new();
+    let mut addrs = Vec::new();
+    let bufs: Vec<HostBuffer> = (0..peers)
+        .map(|_| HostBuffer::new(SCATTER_LEN as usize).expect("peer buffer"))
+        .collect();
+    for b in &bufs {
+        let h = fabric.add_host(1);
+        let mut d = fabric.provider(h).open_loopback(0).expect("open peer");
+        let mr = d
+            .register(&b.region(), Access::RemoteWrite)
+            .expect("reg peer");
+        let a = d.local_addr().clone();
+        descs.push(MrDesc {
+            addr: mr.addr,
+            len: mr.len,
+            rkeys: vec![(a.clone(), mr.rkey)],
+            incarnation: Default::default(),
+        });
+        addrs.push(GroupAddress {
+            nics: vec![a],
+            incarnation: Default::default(),
+        });
+        doms.push(d);
+    }
+    let mut polls = 0u64;
+    if raw {
+        let h = fabric.add_host(1);
+        let mut d = fabric.provider(h).open_loopback(0).expect("open raw");
+        let s = d
+            .register(&src.region(), Access::LocalOnly)
+            .expect("reg raw src");
+        let ids: Vec<_> = addrs
+            .iter()
+            .map(|a| d.add_peer(&a.nics[0]).expect("raw peer"))
+            .collect();
+        let batch = d.capabilities().max_batch.max(1);
+        let mut comps = Vec::new();
+        let mut wrs = Vec::with_capacity(peers);
+        for r in 0..rounds {
+            wrs.clear();
+            for (j, (peer, desc)) in ids.iter().zip(&descs).enumerate() {
+                wrs.push(WriteWr {
+                    wr: WrId(r * peers as u64 + j as u64),
+                    peer: *peer,
+                    src: s
+                        .slice(j as u64 * SCATTER_LEN, SCATTER_LEN)
+                        .expect("src slice"),
+                    dst: RemoteSlice {
+                        base: desc.addr,
+                        offset: 0,
+                        rkey: desc.rkeys[0].1,
+                    },
+                    imm: None,
+                });
+            }
+            let (mut off, mut done) = (0usize, 0usize);
+            while done < peers {
+                while off < peers {
+                    let end = (off + batch).min(peers);
+                    let k = match d.post_writes(&wrs[off..end]) {
+                        Ok(k) => k,
+                        Err(e) if e.error.is_retryable() => e.posted,
+                        Err(e) => panic!("raw post failed: {}", e.error),
+                    };
+                    off += k;
+                    if off < end {
+                        break;
+                    }
+                }
+                comps.clear();
+                d.poll(&mut comps).expect("poll");
+                for c in &comps {
+                    if let Completion::Write { result, .. } = c {
+                        assert!(result.is_ok(), "raw WRITE failed");
+                        done += 1;
+                    }
+                }
+                polls += 1;
+            }
+        }
+    } else {
+        let (src_mr, _) = tx.reg_mr(src.region()).expect("reg scatter src");
+        let group = tx.add_peer_group(&addrs).expect("peer group");
+        let dsts: Vec<ScatterDst> = descs
+            .iter()
+            .enumerate()
+            .map(|(j, desc)| ScatterDst {
+                len: SCATTER_LEN,
+                src_offset: j as u64 * SCATTER_LEN,
+                dst: desc.clone(),
+                dst_offset: 0,
+            })
+            .collect();
+        let counter = Arc::new(DoneCounter::new());
+        for r in 0..rounds {
+            tx.submit_scatter(&group, OnDone::counter(&counter), None, &src_mr, &dsts)
+                .expect("scatter");
+            while counter.total() < r + 1 {
+                tx.progress();
+                polls += 1;
+            }
+        }
+        assert_eq!(counter.failed(), 0, "{:?}", counter.first_error());
+    }
+    drop(doms);
     polls
 }
