@@ -102,6 +102,19 @@ impl Pair {
         flag
     }
 
+    /// Every page `sp[i]` of the source is at `dp[i]` of the destination.
+    fn assert_pages_landed(&self, sp: &Pages, dp: &Pages, what: &str) {
+        for i in 0..sp.indices.len() {
+            let so = sp.page_offset(i).unwrap() as usize;
+            let d_o = dp.page_offset(i).unwrap() as usize;
+            assert_eq!(
+                self.dst.bytes(d_o, PAGE as usize),
+                self.src.bytes(so, PAGE as usize),
+                "page {i} not in place ({what})"
+            );
+        }
+    }
+
     fn shutdown(&self) {
         self.ea.shutdown();
         self.eb.shutdown();
@@ -152,15 +165,7 @@ fn huge_paged_write_stays_within_the_bound() {
             assert_eq!(flag.result(), Some(Ok(())));
             assert_eq!(*fired.lock(), Some(Ok(())));
             assert_eq!(wrs_posted(ea), PAGES as u64);
-            for i in 0..sp.indices.len() {
-                let so = sp.page_offset(i).unwrap() as usize;
-                let d_o = dp.page_offset(i).unwrap() as usize;
-                assert_eq!(
-                    p.dst.bytes(d_o, PAGE as usize),
-                    p.src.bytes(so, PAGE as usize),
-                    "page {i} not in place ({nics} NICs)"
-                );
-            }
+            p.assert_pages_landed(&sp, &dp, &format!("{nics} NICs"));
             assert_eq!(eb.imm_pending(imm), 0, "no excess");
             p.shutdown();
         }
@@ -358,15 +363,7 @@ fn completion_runs_resolve_each_paged_write_once() {
                 counter.first_error(),
                 Some(EngineError::Transport { .. })
             ));
-            for i in 0..sp.indices.len() {
-                let so = sp.page_offset(i).unwrap() as usize;
-                let d_o = dp.page_offset(i).unwrap() as usize;
-                assert_eq!(
-                    p.dst.bytes(d_o, PAGE as usize),
-                    p.src.bytes(so, PAGE as usize),
-                    "page {i} of the second write not in place ({nics} NICs)"
-                );
-            }
+            p.assert_pages_landed(&sp, &dp, &format!("the second write, {nics} NICs"));
             let third = p.paged(&sp);
             drive_batched(&p, || third.is_done());
             assert_eq!(third.result(), Some(Ok(())), "{nics} NICs");
