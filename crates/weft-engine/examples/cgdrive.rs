@@ -23,9 +23,10 @@
 
 use std::sync::Arc;
 use weft_engine::{DomainGroupSpec, DoneCounter, GroupAddress, OnDone, Pages, TransferEngine};
-use weft_loopback::{Fabric, FabricConfig};
+use weft_loopback::{Fabric, FabricConfig, LoopbackDomain};
 use weft_transport::{
-    Access, Completion, Domain, HostBuffer, MrDesc, RemoteSlice, ScatterDst, WrId, WriteWr,
+    Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, PeerId, RemoteSlice, ScatterDst, WrId,
+    WriteWr,
 };
 
 fn engine(fabric: &Fabric, manual: bool, nics: usize) -> TransferEngine {
@@ -135,6 +136,54 @@ fn main() {
     rx.shutdown();
 }
 
+/// Posts `wrs` to `d` in batches of `batch` until it takes no more (a
+/// full send queue); returns how many it took. A non-retryable error
+/// panics.
+fn post_batches(d: &mut impl Domain, wrs: &[WriteWr], batch: usize) -> usize {
+    let mut off = 0;
+    while off < wrs.len() {
+        let end = (off + batch).min(wrs.len());
+        let k = match d.post_writes(&wrs[off..end]) {
+            Ok(k) => k,
+            Err(e) if e.error.is_retryable() => e.posted,
+            Err(e) => panic!("raw post failed: {}", e.error),
+        };
+        off += k;
+        if off < end {
+            break;
+        }
+    }
+    off
+}
+
+/// Polls `d` once; returns its WRITE completions (all must be successful).
+fn reap_writes(d: &mut impl Domain, comps: &mut Vec<Completion>) -> u64 {
+    comps.clear();
+    d.poll(comps).expect("poll");
+    let mut done = 0;
+    for c in comps.iter() {
+        if let Completion::Write { result, .. } = c {
+            assert!(result.is_ok(), "raw WRITE failed");
+            done += 1;
+        }
+    }
+    done
+}
+
+/// One NIC of [`raw_paged`]: the sender's and receiver's domains, the
+/// source registration, the receiver's region, and the WRs of the current
+/// submit with how many of them are posted.
+struct Lane {
+    a: LoopbackDomain,
+    _b: LoopbackDomain,
+    src: LocalMr,
+    dst: LocalMr,
+    peer: PeerId,
+    batch: usize,
+    wrs: Vec<WriteWr>,
+    posted: usize,
+}
+
 /// `submits` rounds of `CGDRIVE_PAGES` 1 KiB WRITEs on fresh hosts' NICs,
 /// posted in batches per NIC and polled until all complete; returns the
 /// number of poll rounds.
@@ -158,7 +207,16 @@ fn raw_paged(
             .expect("reg b");
         let peer = a.add_peer(&b.local_addr().clone()).expect("peer");
         let batch = a.capabilities().max_batch.max(1);
-        lanes.push((a, b, s, d, peer, batch, Vec::<WriteWr>::new(), 0usize));
+        lanes.push(Lane {
+            a,
+            _b: b,
+            src: s,
+            dst: d,
+            peer,
+            batch,
+            wrs: Vec::new(),
+            posted: 0,
+        });
     }
     let mut comps = Vec::new();
     let mut polls = 0u64;
@@ -166,14 +224,14 @@ fn raw_paged(
         for j in 0..np {
             let page = (j * 7) % np;
             let lane = &mut lanes[(j as usize) % nics];
-            lane.6.push(WriteWr {
+            lane.wrs.push(WriteWr {
                 wr: WrId(k * np + j),
-                peer: lane.4,
-                src: lane.2.slice(page * 1024, 1024).expect("src slice"),
+                peer: lane.peer,
+                src: lane.src.slice(page * 1024, 1024).expect("src slice"),
                 dst: RemoteSlice {
-                    base: lane.3.addr,
+                    base: lane.dst.addr,
                     offset: page * 1024,
-                    rkey: lane.3.rkey,
+                    rkey: lane.dst.rkey,
                 },
                 imm: None,
             });
@@ -181,33 +239,14 @@ fn raw_paged(
         let mut done = 0u64;
         while done < np {
             for lane in lanes.iter_mut() {
-                while lane.7 < lane.6.len() {
-                    let n = (lane.6.len() - lane.7).min(lane.5);
-                    let batch = &lane.6[lane.7..lane.7 + n];
-                    let posted = match lane.0.post_writes(batch) {
-                        Ok(k) => k,
-                        Err(e) if e.error.is_retryable() => e.posted,
-                        Err(e) => panic!("raw post failed: {}", e.error),
-                    };
-                    lane.7 += posted;
-                    if posted < n {
-                        break;
-                    }
-                }
-                if lane.7 == lane.6.len() {
-                    lane.6.clear();
-                    lane.7 = 0;
+                lane.posted += post_batches(&mut lane.a, &lane.wrs[lane.posted..], lane.batch);
+                if lane.posted == lane.wrs.len() {
+                    lane.wrs.clear();
+                    lane.posted = 0;
                 }
             }
             for lane in lanes.iter_mut() {
-                comps.clear();
-                lane.0.poll(&mut comps).expect("poll");
-                for c in &comps {
-                    if let Completion::Write { result, .. } = c {
-                        assert!(result.is_ok(), "raw WRITE failed");
-                        done += 1;
-                    }
-                }
+                done += reap_writes(&mut lane.a, &mut comps);
             }
             polls += 1;
         }
@@ -279,28 +318,10 @@ fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, 
                     imm: None,
                 });
             }
-            let (mut off, mut done) = (0usize, 0usize);
-            while done < peers {
-                while off < peers {
-                    let end = (off + batch).min(peers);
-                    let k = match d.post_writes(&wrs[off..end]) {
-                        Ok(k) => k,
-                        Err(e) if e.error.is_retryable() => e.posted,
-                        Err(e) => panic!("raw post failed: {}", e.error),
-                    };
-                    off += k;
-                    if off < end {
-                        break;
-                    }
-                }
-                comps.clear();
-                d.poll(&mut comps).expect("poll");
-                for c in &comps {
-                    if let Completion::Write { result, .. } = c {
-                        assert!(result.is_ok(), "raw WRITE failed");
-                        done += 1;
-                    }
-                }
+            let (mut off, mut done) = (0usize, 0u64);
+            while done < peers as u64 {
+                off += post_batches(&mut d, &wrs[off..], batch);
+                done += reap_writes(&mut d, &mut comps);
                 polls += 1;
             }
         }

@@ -294,9 +294,19 @@ fn all_completed(e: &TransferEngine) -> bool {
         .all(|n| n.wrs_completed == n.wrs_posted)
 }
 
-/// Drives both engines until `done()`, moving the fabric on 50 µs between
-/// laps (instead of one event per step) so that completions pile up and one
-/// poll takes several of a transfer. Returns the most WRs one lap of the
+/// One lap of both engines, then the fabric moved on 50 µs (instead of
+/// one event per step) so that completions pile up and one poll takes
+/// several of a transfer. Returns the WRs the sender completed in the lap.
+fn batched_lap(p: &Pair) -> u64 {
+    let before = wrs_completed(&p.ea);
+    p.ea.progress();
+    p.eb.progress();
+    let completed = wrs_completed(&p.ea) - before;
+    p.fabric.advance(Duration::from_micros(50));
+    completed
+}
+
+/// [`batched_lap`]s until `done()`. Returns the most WRs one lap of the
 /// sender completed.
 fn drive_batched(p: &Pair, mut done: impl FnMut() -> bool) -> u64 {
     let mut most = 0;
@@ -304,11 +314,7 @@ fn drive_batched(p: &Pair, mut done: impl FnMut() -> bool) -> u64 {
         if done() {
             return most;
         }
-        let before = wrs_completed(&p.ea);
-        p.ea.progress();
-        p.eb.progress();
-        most = most.max(wrs_completed(&p.ea) - before);
-        p.fabric.advance(Duration::from_micros(50));
+        most = most.max(batched_lap(p));
     }
     panic!("not done after 200 000 laps of 50 µs");
 }
@@ -349,9 +355,7 @@ fn completion_runs_resolve_each_paged_write_once() {
             );
             // Idle laps: a transfer finished twice would count again.
             for _ in 0..200 {
-                p.ea.progress();
-                p.eb.progress();
-                p.fabric.advance(Duration::from_micros(50));
+                batched_lap(&p);
             }
             assert_eq!(
                 (counter.ok(), counter.failed()),
