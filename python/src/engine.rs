@@ -12,7 +12,9 @@ use crate::errors;
 use crate::memory::{self, PyRegistration, RegKeep};
 use crate::provider::{self, PyBackend};
 use crate::transfer::{self, BindingStats, PyTransfer};
-use crate::types::{self, PyImmCounts, PyMrDesc, PyPeerAddress, PyPeerGroup, PyScatterDst};
+use crate::types::{
+    self, PyImmCounts, PyMrDesc, PyPeerAddress, PyPeerGroup, PyScatterDst, PyScatterTargets,
+};
 use crate::watcher::{self, PyUvmWatcher};
 
 /// Live engines, shut down at interpreter exit (`atexit`, registered by
@@ -369,6 +371,58 @@ impl PyTransferEngine {
             None => self
                 .engine
                 .submit_scatter(g, on_done, imm, &src.handle, &dsts),
+        };
+        let id = r.map_err(|e| self.err(py, e))?;
+        transfer::submitted(py, Some(id.0), state, callback)
+    }
+
+    /// Checks scatter destinations once for any number of
+    /// `submit_scatter_to` calls: `dsts[j]` (an `MrDesc`) is a region of
+    /// member `j` of `group`. A MoE dispatch writes into the same receive
+    /// buffers every step; only the offsets and lengths change.
+    fn scatter_targets(
+        &self,
+        py: Python<'_>,
+        group: &Bound<'_, PyPeerGroup>,
+        dsts: Vec<PyRef<'_, PyMrDesc>>,
+    ) -> PyResult<PyScatterTargets> {
+        let descs: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
+        self.engine
+            .scatter_targets(&group.get().inner, &descs)
+            .map(|inner| PyScatterTargets { inner })
+            .map_err(|e| self.err(py, e))
+    }
+
+    /// One write per destination of `targets` from `src`: `slices[j]`, a
+    /// `(src_offset, dst_offset, nbytes)` triple (or row of an `(n, 3)`
+    /// integer numpy array), to destination `j`; `mode` as in
+    /// `submit_scatter`.
+    #[pyo3(signature = (targets, src, slices, *, imm=None, mode=None, callback=None))]
+    // One parameter per Python argument (keywords included).
+    #[allow(clippy::too_many_arguments)]
+    fn submit_scatter_to(
+        &self,
+        py: Python<'_>,
+        targets: &Bound<'_, PyScatterTargets>,
+        src: &Bound<'_, PyRegistration>,
+        slices: &Bound<'_, PyAny>,
+        imm: Option<u32>,
+        mode: Option<&str>,
+        callback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyTransfer>> {
+        let slices = types::scatter_slices(slices)?;
+        let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
+        let src = src.get();
+        let keep = src.live_keep(py)?;
+        let (state, on_done) = self.on_done(vec![keep]);
+        let t = &targets.get().inner;
+        let r = match mode {
+            Some(m) => self
+                .engine
+                .submit_scatter_to_mode(t, on_done, imm, &src.handle, &slices, m),
+            None => self
+                .engine
+                .submit_scatter_to(t, on_done, imm, &src.handle, &slices),
         };
         let id = r.map_err(|e| self.err(py, e))?;
         transfer::submitted(py, Some(id.0), state, callback)

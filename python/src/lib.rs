@@ -35,6 +35,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyPeerAddress>()?;
     m.add_class::<types::PyPeerGroup>()?;
     m.add_class::<types::PyScatterDst>()?;
+    m.add_class::<types::PyScatterTargets>()?;
     m.add_class::<watcher::PyUvmWatcher>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     let shutdown_all = wrap_pyfunction!(engine::_shutdown_all, m)?;

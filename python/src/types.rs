@@ -270,6 +270,98 @@ impl PyScatterDst {
     }
 }
 
+/// Scatter destinations checked once by `TransferEngine.scatter_targets`,
+/// for `submit_scatter_to`.
+#[pyclass(name = "ScatterTargets", module = "weft._weft", frozen)]
+pub struct PyScatterTargets {
+    pub(crate) inner: weft::ScatterTargets,
+}
+
+#[pymethods]
+impl PyScatterTargets {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether every destination matched its member (then a submit does
+    /// no per-destination look-up).
+    #[getter]
+    fn matched(&self) -> bool {
+        self.inner.matched()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ScatterTargets({} destinations, {} NICs, matched={})",
+            self.inner.len(),
+            self.inner.nics(),
+            self.inner.matched()
+        )
+    }
+}
+
+/// Scatter slices from a sequence of `(src_offset, dst_offset, nbytes)`
+/// triples or an `(n, 3)` integer numpy array.
+pub(crate) fn scatter_slices(rows: &Bound<'_, PyAny>) -> PyResult<Vec<weft::ScatterSlice>> {
+    let py = rows.py();
+    let list = if rows.hasattr("dtype")? {
+        let kind: String = rows.getattr("dtype")?.getattr("kind")?.extract()?;
+        if kind != "i" && kind != "u" {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "scatter slices must be integers, got an array of dtype kind {kind:?}"
+            )));
+        }
+        rows.call_method0("tolist")?
+    } else {
+        rows.clone()
+    };
+    const FIELDS: [&str; 3] = ["src_offset", "dst_offset", "nbytes"];
+    let mut out = Vec::new();
+    for (j, row) in list.try_iter()?.enumerate() {
+        let mut v = [0u64; 3];
+        let mut n = 0;
+        for x in row?.try_iter()? {
+            let x = x?;
+            let Some(slot) = v.get_mut(n) else {
+                n += 1;
+                break;
+            };
+            if x.is_instance_of::<pyo3::types::PyFloat>()
+                || x.is_instance_of::<pyo3::types::PyBool>()
+            {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "scatter slice {j}: {} must be an int, got {}",
+                    FIELDS[n],
+                    x.get_type().name()?
+                )));
+            }
+            let k: i128 = x.extract()?;
+            *slot = u64::try_from(k).map_err(|_| {
+                errors::invalid(
+                    py,
+                    format!(
+                        "scatter slice {j}: {} = {k} is negative or too large",
+                        FIELDS[n]
+                    ),
+                )
+            })?;
+            n += 1;
+        }
+        if n != 3 {
+            return Err(errors::invalid(
+                py,
+                format!("scatter slice {j} must be (src_offset, dst_offset, nbytes)"),
+            ));
+        }
+        out.push(weft::ScatterSlice {
+            src_offset: v[0],
+            dst_offset: v[1],
+            len: v[2],
+        });
+    }
+    Ok(out)
+}
+
 /// `Pages` from a list of ints or a 1-D integer numpy array of indices.
 pub(crate) fn pages(indices: &Bound<'_, PyAny>, stride: u64, offset: u64) -> PyResult<weft::Pages> {
     let py = indices.py();

@@ -143,6 +143,48 @@ def test_scatter_and_barrier():
                 p.shutdown()
 
 
+def test_scatter_targets():
+    """Destinations checked once, then scattered to with other slices each
+    time (tuples, then an (n, 3) numpy array); the refusals are typed."""
+    backend = weft.provider("loopback", seed=12)
+    with weft.TransferEngine(backend) as a:
+        peers = [weft.TransferEngine(backend) for _ in range(3)]
+        try:
+            src = pattern(4000, 11)
+            dsts = [np.zeros(2000, dtype=np.uint8) for _ in peers]
+            regs = [p.reg_mr(d) for p, d in zip(peers, dsts)]
+            s = a.reg_mr(src)
+            group = a.add_peer_group([p.address for p in peers])
+            targets = a.scatter_targets(group, [r.desc for r in regs])
+            assert len(targets) == 3 and targets.matched
+            want = [np.zeros(2000, dtype=np.uint8) for _ in peers]
+            first = [(100 * j, 0, 500 + j) for j in range(3)]
+            second = np.array([[3000 - 7 * j, 1000 + j, 900 - j] for j in range(3)], dtype=np.uint64)
+            for slices in (first, second):
+                a.submit_scatter_to(targets, s, slices, mode="by_bytes").wait(timeout=60)
+                for j, (so, do, n) in enumerate(np.asarray(slices).tolist()):
+                    want[j][do : do + n] = src[so : so + n]
+            for d, w in zip(dsts, want):
+                assert np.array_equal(d, w)
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter_to(targets, s, first[:2])  # one slice per destination
+            with pytest.raises(weft.OutOfBoundsError):
+                a.submit_scatter_to(targets, s, [(0, 1990, 11), (0, 0, 1), (0, 0, 1)])
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter_to(targets, s, [(0, 0), (0, 0, 1), (0, 0, 1)])
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter_to(targets, s, [(0, -1, 1), (0, 0, 1), (0, 0, 1)])
+            with pytest.raises(TypeError):
+                a.submit_scatter_to(targets, s, np.zeros((3, 3), dtype=np.float32))
+            with pytest.raises(weft.InvalidArgumentError):
+                a.scatter_targets(group, [regs[0].desc])  # one descriptor per member
+            for d, w in zip(dsts, want):
+                assert np.array_equal(d, w)  # nothing refused was written
+        finally:
+            for p in peers:
+                p.shutdown()
+
+
 def test_imm_calls(pair):
     a, _ = pair
     imm = a.alloc_imm()

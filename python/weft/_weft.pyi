@@ -84,6 +84,13 @@ class ScatterDst:
     @property
     def nbytes(self) -> int: ...
 
+class ScatterTargets:
+    """Scatter destinations checked once (``scatter_targets``), for ``submit_scatter_to``."""
+
+    def __len__(self) -> int: ...
+    @property
+    def matched(self) -> bool: ...
+
 class UvmWatcher:
     """A watched 64-bit word; ``callback(old, new)`` runs when it changes."""
 
@@ -221,6 +228,17 @@ class TransferEngine:
         group: PeerGroup,
         src: Registration,
         dsts: Sequence[ScatterDst],
+        *,
+        imm: Optional[int] = None,
+        mode: Optional[str] = None,
+        callback: Optional[Callback] = None,
+    ) -> Transfer: ...
+    def scatter_targets(self, group: PeerGroup, dsts: Sequence[MrDesc]) -> ScatterTargets: ...
+    def submit_scatter_to(
+        self,
+        targets: ScatterTargets,
+        src: Registration,
+        slices: Any,
         *,
         imm: Optional[int] = None,
         mode: Optional[str] = None,

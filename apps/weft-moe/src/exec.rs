@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::{
     DoneCounter, DoneFlag, GroupAddress, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone,
-    PeerGroupHandle, ScatterDst, ScatterMode, TransferEngine,
+    PeerGroupHandle, ScatterMode, ScatterSlice, ScatterTargets, TransferEngine,
 };
 
 /// What a rank tells its peers (exchanged out of band before `connect`;
@@ -54,9 +54,12 @@ impl RankInfo {
 
 pub(crate) struct Peers {
     pub group: PeerGroupHandle,
-    /// Per member j: route and receive descriptors.
-    pub route: Vec<MrDesc>,
+    /// Per member j: the receive descriptor (overflow writes, barriers).
     pub recv: Vec<MrDesc>,
+    /// The members' route and receive buffers as scatter targets, checked
+    /// once at `connect` (every step's scatters write into them).
+    pub route_targets: ScatterTargets,
+    pub recv_targets: ScatterTargets,
 }
 
 pub(crate) struct Bufs {
@@ -244,10 +247,21 @@ impl HostExec {
             .engine
             .add_peer_group(&addrs)
             .map_err(eng(Phase::Setup))?;
+        let route: Vec<MrDesc> = members.iter().map(|i| i.route.clone()).collect();
+        let recv: Vec<MrDesc> = members.iter().map(|i| i.recv.clone()).collect();
+        let route_targets = self
+            .engine
+            .scatter_targets(&group, &route)
+            .map_err(eng(Phase::Setup))?;
+        let recv_targets = self
+            .engine
+            .scatter_targets(&group, &recv)
+            .map_err(eng(Phase::Setup))?;
         self.peers = Some(Peers {
             group,
-            route: members.iter().map(|i| i.route.clone()).collect(),
-            recv: members.iter().map(|i| i.recv.clone()).collect(),
+            recv,
+            route_targets,
+            recv_targets,
         });
         Ok(())
     }
@@ -261,12 +275,6 @@ impl HostExec {
         self.peers.as_ref().ok_or(MoeError::NotConnected)
     }
 
-    fn dsts(&self, entries: &[Entry], route: bool) -> Result<Vec<ScatterDst>, MoeError> {
-        let p = self.peers()?;
-        let descs = if route { &p.route } else { &p.recv };
-        scatter_dsts(descs, entries)
-    }
-
     fn scatter(
         &mut self,
         phase: Phase,
@@ -275,16 +283,16 @@ impl HostExec {
         route: bool,
         mode: ScatterMode,
     ) -> Result<(), MoeError> {
-        let dsts = self.dsts(entries, route)?;
-        let group = self.peers()?.group.clone();
+        let slices = scatter_slices(entries)?;
         let od = self.on_done();
-        let src = if route {
-            &self.bufs.route_h
+        let p = self.peers.as_ref().ok_or(MoeError::NotConnected)?;
+        let (targets, src) = if route {
+            (&p.route_targets, &self.bufs.route_h)
         } else {
-            &self.bufs.send_h
+            (&p.recv_targets, &self.bufs.send_h)
         };
         self.engine
-            .submit_scatter_mode(&group, od, Some(imm), src, &dsts, mode)
+            .submit_scatter_to_mode(targets, od, Some(imm), src, &slices, mode)
             .map_err(eng(phase))?;
         Ok(())
     }
@@ -356,11 +364,10 @@ impl HostExec {
                     .map_err(eng(Phase::Dispatch))?;
             }
             Action::Barrier { phase, imm } => {
-                let p = self.peers()?;
-                let (group, descs) = (p.group.clone(), p.recv.clone());
                 let od = self.on_done();
+                let p = self.peers.as_ref().ok_or(MoeError::NotConnected)?;
                 self.engine
-                    .submit_barrier(&group, od, *imm, &descs)
+                    .submit_barrier(&p.group, od, *imm, &p.recv)
                     .map_err(eng(*phase))?;
             }
             Action::PackDispatch
@@ -537,27 +544,75 @@ impl HostExec {
     }
 }
 
-/// The engine's scatter destinations for `entries`, each member's region
-/// taken from `descs` (one per peer-group member); shared by the host
-/// executor and the GPU proxy.
-pub(crate) fn scatter_dsts(
-    descs: &[MrDesc],
-    entries: &[Entry],
-) -> Result<Vec<ScatterDst>, MoeError> {
+/// The engine's scatter slices for `entries` (slice `j` to peer-group
+/// member `j`): the core lists every member once, in member order; any
+/// other list is [`MoeError::Shape`]. Shared by the host executor and the
+/// GPU proxy.
+pub(crate) fn scatter_slices(entries: &[Entry]) -> Result<Vec<ScatterSlice>, MoeError> {
     entries
         .iter()
-        .map(|e| {
-            let dst = descs.get(e.member).ok_or(MoeError::Shape {
-                what: "scatter member",
-                got: e.member as u64,
-                want: descs.len() as u64,
-            })?;
-            Ok(ScatterDst {
-                len: e.len,
+        .enumerate()
+        .map(|(j, e)| {
+            if e.member != j {
+                return Err(MoeError::Shape {
+                    what: "scatter entry's member (entries list members in order)",
+                    got: e.member as u64,
+                    want: j as u64,
+                });
+            }
+            Ok(ScatterSlice {
                 src_offset: e.src_offset,
-                dst: dst.clone(),
                 dst_offset: e.dst_offset,
+                len: e.len,
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(member: usize, k: u64) -> Entry {
+        Entry {
+            member,
+            len: k,
+            src_offset: 10 * k,
+            dst_offset: 100 * k,
+        }
+    }
+
+    /// Slice `j` carries entry `j`'s bytes; an entry out of member order is
+    /// a shape error naming the member it found and the one it wanted.
+    #[test]
+    fn scatter_slices_follow_member_order() {
+        let ok = scatter_slices(&[entry(0, 1), entry(1, 0), entry(2, 7)]).unwrap();
+        assert_eq!(
+            ok,
+            vec![
+                ScatterSlice {
+                    src_offset: 10,
+                    dst_offset: 100,
+                    len: 1
+                },
+                ScatterSlice {
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: 0
+                },
+                ScatterSlice {
+                    src_offset: 70,
+                    dst_offset: 700,
+                    len: 7
+                },
+            ]
+        );
+        match scatter_slices(&[entry(0, 1), entry(2, 1), entry(1, 1)]) {
+            Err(MoeError::Shape {
+                got: 2, want: 1, ..
+            }) => {}
+            r => panic!("out of order: {r:?}"),
+        }
+        assert!(scatter_slices(&[]).unwrap().is_empty());
+    }
 }

@@ -4,7 +4,10 @@
 //! three baselines: the backend's own posting of the same WRs (raw), a
 //! bare cross-thread queue hand-off (the floor of submit → pickup), and the
 //! raw posting behind that hand-off (the floor of any engine with a worker
-//! thread, [`crate::handoff`]).
+//! thread, [`crate::handoff`]). The time the submit call itself takes on
+//! the calling thread is reported for both scatter APIs: `submit_scatter`
+//! (destinations checked and matched per call) and `submit_scatter_to`
+//! (destinations checked once, `scatter_targets`).
 
 use crate::backend::{BackendKind, Testbed};
 use crate::engines::{engine_on, wait_until, Shutdown, STALL};
@@ -17,11 +20,16 @@ use crate::{Config, Progress};
 use std::sync::Arc;
 use std::time::Instant;
 use weft::{Access, Completion, Domain, HostBuffer, PeerId, WrId, WriteWr};
-use weft::{DoneCounter, GroupAddress, MrDesc, MrHandle, OnDone, ScatterDst, TransferEngine};
+use weft::{
+    DoneCounter, GroupAddress, MrDesc, MrHandle, OnDone, ScatterDst, ScatterSlice, ScatterTargets,
+    TransferEngine,
+};
 
 const BENCH: &str = "proxy";
 /// The baseline of [`crate::handoff`].
 const HANDOFF: &str = "raw behind a hand-off";
+/// The baseline of the prepared scatter's submit call.
+const PER_CALL: &str = "submit_scatter (destinations checked per call)";
 
 /// Peer counts (Table 9 shape).
 pub fn peer_counts(quick: bool) -> Vec<usize> {
@@ -340,6 +348,14 @@ fn run_inner(
                 dst_offset: 0,
             })
             .collect();
+        let slices: Vec<ScatterSlice> = dsts
+            .iter()
+            .map(|d| ScatterSlice {
+                src_offset: d.src_offset,
+                dst_offset: d.dst_offset,
+                len: d.len,
+            })
+            .collect();
         // The destinations as the raw baselines see them: each raw scatter
         // is built from them, as the hand-off poster builds its WRs.
         let handed: Vec<HandedDst> = (0..n)
@@ -365,6 +381,9 @@ fn run_inner(
         let mut raw_post = Vec::new();
         let mut floor_ns = Vec::new();
         let (mut h_first, mut h_all) = (Vec::new(), Vec::new());
+        // Time in the submit call, per scatter: `submit_scatter`, and
+        // `submit_scatter_to` with the same slices.
+        let (mut call_plain, mut call_prepared) = (Vec::new(), Vec::new());
         let wrs = raw_wrs(&mut next_wr);
         {
             let _pin = PinGuard::new(place.map(|p| p.initiator));
@@ -378,12 +397,24 @@ fn run_inner(
                 let group = eng
                     .add_peer_group(&pe.addrs[..n])
                     .map_err(|e| e.to_string())?;
-                let mut scatters = |count: usize| -> Result<(), String> {
+                let targets = eng
+                    .scatter_targets(&group, &pe.descs[..n])
+                    .map_err(|e| e.to_string())?;
+                let mut scatters = |count: usize,
+                                    prepared: Option<&ScatterTargets>,
+                                    calls: &mut Vec<f64>|
+                 -> Result<(), String> {
                     let counter = Arc::new(DoneCounter::new());
                     let mut perr = None;
                     for i in 0..count as u64 {
-                        eng.submit_scatter(&group, OnDone::counter(&counter), None, &src, &dsts)
-                            .map_err(|e| e.to_string())?;
+                        let od = OnDone::counter(&counter);
+                        let t = Instant::now();
+                        match prepared {
+                            Some(tg) => eng.submit_scatter_to(tg, od, None, &src, &slices),
+                            None => eng.submit_scatter(&group, od, None, &src, &dsts),
+                        }
+                        .map_err(|e| e.to_string())?;
+                        calls.push(ns(t.elapsed()));
                         wait_until(|| {
                             if let Err(e) = pe.progress(n) {
                                 perr = Some(e);
@@ -409,10 +440,18 @@ fn run_inner(
                 // Warm-up: connections to new peers (tcp;ofi_rxm connects
                 // lazily, on the first WRITE) are not part of the host path
                 // measured.
-                scatters(1).map_err(|e| format!("warm-up scatter to {n} peers: {e}"))?;
+                let mut discard = Vec::new();
+                scatters(1, None, &mut discard)
+                    .map_err(|e| format!("warm-up scatter to {n} peers: {e}"))?;
+                scatters(1, Some(&targets), &mut discard)
+                    .map_err(|e| format!("warm-up prepared scatter to {n} peers: {e}"))?;
                 let _ = eng.take_probe_records_compat();
-                scatters(per_round)?;
+                scatters(per_round, None, &mut call_plain)?;
                 early_records += collect(&eng, &mut st);
+                // The prepared API, for its submit call only (its probe
+                // records are dropped: the stages above are `submit_scatter`'s).
+                scatters(per_round, Some(&targets), &mut call_prepared)?;
+                let _ = eng.take_probe_records_compat();
             }
             // raw posting of the same WRs, on the worker's CPU
             {
@@ -536,6 +575,12 @@ fn run_inner(
         rows.push(
             row("submit->all posted p50", total.p50, (ha.p50, HANDOFF))
                 .extra("engine_overhead_us", total.p50 - ha.p50),
+        );
+        let (cp, cq) = (p(&mut call_plain), p(&mut call_prepared));
+        rows.push(
+            row("submit call p50", cq.p50, (cp.p50, PER_CALL))
+                .extra("p99_us", cq.p99)
+                .extra("baseline_p99_us", cp.p99),
         );
     }
     drop(raw);

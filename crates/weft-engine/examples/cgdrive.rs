@@ -12,7 +12,9 @@
 //! peers (default 64; each a 1-NIC host with a raw domain, as in
 //! `weft-bench proxy`), one at a time; `cgdrive rawscatter N` posts the same
 //! WRITEs straight to a domain, in `max_batch` batches, and polls until all
-//! complete. Per-op cost: run two values of N and divide the
+//! complete; `cgdrive pscatter N` makes the same scatters through
+//! destinations checked once (`scatter_targets`, `submit_scatter_to`).
+//! Per-op cost: run two values of N and divide the
 //! difference, so that setup cancels:
 //!
 //! ```sh
@@ -22,7 +24,9 @@
 //! ```
 
 use std::sync::Arc;
-use weft_engine::{DomainGroupSpec, DoneCounter, GroupAddress, OnDone, Pages, TransferEngine};
+use weft_engine::{
+    DomainGroupSpec, DoneCounter, GroupAddress, OnDone, Pages, ScatterSlice, TransferEngine,
+};
 use weft_loopback::{Fabric, FabricConfig, LoopbackDomain};
 use weft_transport::{
     Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, PeerId, RemoteSlice, ScatterDst, WrId,
@@ -126,10 +130,10 @@ fn main() {
         "rawpaged" => {
             iters = raw_paged(&fabric, nics, n + warm, &src, &dst);
         }
-        "scatter" | "rawscatter" => {
-            iters = scatter(&fabric, &tx, &src, n + warm, what == "rawscatter");
+        "scatter" | "rawscatter" | "pscatter" => {
+            iters = scatter(&fabric, &tx, &src, n + warm, &what);
         }
-        _ => panic!("single|paged|tsingle|rawpaged|scatter|rawscatter"),
+        _ => panic!("single|paged|tsingle|rawpaged|scatter|rawscatter|pscatter"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();
@@ -258,9 +262,10 @@ fn raw_paged(
 const SCATTER_LEN: u64 = 1024;
 
 /// `rounds` scatters of [`SCATTER_LEN`] bytes to each of `CGDRIVE_PEERS`
-/// raw 1-NIC peer hosts: through `tx` (`raw == false`) or posted straight
-/// to a fresh domain (`raw`). Returns the number of poll rounds.
-fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, raw: bool) -> u64 {
+/// raw 1-NIC peer hosts: through `tx` (`how` `scatter`; `pscatter`: to
+/// destinations checked once) or posted straight to a fresh domain
+/// (`rawscatter`). Returns the number of poll rounds.
+fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, how: &str) -> u64 {
     let peers = env_num("CGDRIVE_PEERS", 64, 1024) as usize;
     let mut doms = Vec::new();
     let mut descs = Vec::new();
@@ -288,7 +293,7 @@ fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, 
         doms.push(d);
     }
     let mut polls = 0u64;
-    if raw {
+    if how == "rawscatter" {
         let h = fabric.add_host(1);
         let mut d = fabric.provider(h).open_loopback(0).expect("open raw");
         let s = d
@@ -338,10 +343,24 @@ fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, 
                 dst_offset: 0,
             })
             .collect();
+        let targets = tx.scatter_targets(&group, &descs).expect("targets");
+        let slices: Vec<ScatterSlice> = dsts
+            .iter()
+            .map(|d| ScatterSlice {
+                src_offset: d.src_offset,
+                dst_offset: d.dst_offset,
+                len: d.len,
+            })
+            .collect();
         let counter = Arc::new(DoneCounter::new());
         for r in 0..rounds {
-            tx.submit_scatter(&group, OnDone::counter(&counter), None, &src_mr, &dsts)
-                .expect("scatter");
+            let od = OnDone::counter(&counter);
+            if how == "pscatter" {
+                tx.submit_scatter_to(&targets, od, None, &src_mr, &slices)
+            } else {
+                tx.submit_scatter(&group, od, None, &src_mr, &dsts)
+            }
+            .expect("scatter");
             while counter.total() < r + 1 {
                 tx.progress();
                 polls += 1;

@@ -55,7 +55,10 @@ mod wrid;
 
 pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, PollPolicy, QueueFullPolicy};
-pub use engine::{DataPathReport, ImmCounts, NicReport, PeerGroupHandle, Reach, TransferEngine};
+pub use engine::{
+    DataPathReport, ImmCounts, NicReport, PeerGroupHandle, Reach, ScatterSlice, ScatterTargets,
+    TransferEngine,
+};
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};

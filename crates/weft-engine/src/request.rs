@@ -164,7 +164,7 @@ const _: () = assert!(std::mem::size_of::<RoutedDst>() == 56);
 
 /// The destinations of a scatter or barrier, each matched to its peer
 /// group member ([`Routed::matched`]).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Routed {
     pub(crate) dsts: Vec<RoutedDst>,
     /// Every destination's rkeys of NIC 1 and on, by NIC, one destination

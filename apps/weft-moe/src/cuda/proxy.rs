@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use weft::loopback::{Fabric, FabricConfig};
 use weft::{
     DomainGroupSpec, DoneCounter, DoneFlag, EngineConfig, Imm, MrDesc, MrHandle, OnDone,
-    PeerGroupHandle, ScatterDst, ScatterMode, TransferEngine,
+    PeerGroupHandle, ScatterMode, ScatterTargets, TransferEngine,
 };
 use weft_cuda::{Gpu, WatchWord};
 
@@ -197,14 +197,23 @@ impl EngineGroup {
             let pg = engine
                 .add_peer_group(&addrs)
                 .map_err(eng(r, Phase::Setup))?;
+            let route: Vec<MrDesc> = members.iter().map(|&m| descs[m].1.clone()).collect();
+            let recv: Vec<MrDesc> = members.iter().map(|&m| descs[m].2.clone()).collect();
+            let route_targets = engine
+                .scatter_targets(&pg, &route)
+                .map_err(eng(r, Phase::Setup))?;
+            let recv_targets = engine
+                .scatter_targets(&pg, &recv)
+                .map_err(eng(r, Phase::Setup))?;
             let net = Net {
                 engine,
                 rank: r,
                 imms,
                 handles: h,
                 group: pg,
-                route: members.iter().map(|&m| descs[m].1.clone()).collect(),
-                recv: members.iter().map(|&m| descs[m].2.clone()).collect(),
+                recv,
+                route_targets,
+                recv_targets,
                 done: Arc::new(DoneCounter::new()),
                 submitted: 0,
                 flags: Default::default(),
@@ -311,9 +320,12 @@ struct Net {
     /// route, send, recv.
     handles: [MrHandle; 3],
     group: PeerGroupHandle,
-    /// Per member: route and receive descriptors.
-    route: Vec<MrDesc>,
+    /// Per member: the receive descriptor (overflow writes, barriers).
     recv: Vec<MrDesc>,
+    /// The members' route and receive buffers as scatter targets, checked
+    /// once at set-up.
+    route_targets: ScatterTargets,
+    recv_targets: ScatterTargets,
     done: Arc<DoneCounter>,
     submitted: u64,
     flags: [Option<Arc<DoneFlag>>; 6],
@@ -328,11 +340,6 @@ impl Net {
         OnDone::counter(&self.done)
     }
 
-    fn dsts(&self, entries: &[Entry], route: bool) -> Result<Vec<ScatterDst>, GpuError> {
-        let descs = if route { &self.route } else { &self.recv };
-        Ok(crate::exec::scatter_dsts(descs, entries)?)
-    }
-
     fn scatter(
         &mut self,
         phase: Phase,
@@ -341,15 +348,15 @@ impl Net {
         route: bool,
         mode: ScatterMode,
     ) -> Result<(), GpuError> {
-        let dsts = self.dsts(entries, route)?;
+        let slices = crate::exec::scatter_slices(entries)?;
         let od = self.on_done();
-        let src = if route {
-            &self.handles[0]
+        let (targets, src) = if route {
+            (&self.route_targets, &self.handles[0])
         } else {
-            &self.handles[1]
+            (&self.recv_targets, &self.handles[1])
         };
         self.engine
-            .submit_scatter_mode(&self.group, od, Some(imm), src, &dsts, mode)
+            .submit_scatter_to_mode(targets, od, Some(imm), src, &slices, mode)
             .map_err(eng(self.rank, phase))?;
         Ok(())
     }

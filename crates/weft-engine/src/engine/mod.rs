@@ -1,15 +1,18 @@
 //! The [`TransferEngine`] handle and the state it shares with the engine's
 //! threads: group info, the UVM watcher API, manual driving and shutdown.
 //! Registrations, peer groups and receive pools are in `control`, submits
-//! in `submit`, immediates and their rounds in `rounds`.
+//! in `submit` (scatters to prepared destinations in `targets`), immediates
+//! and their rounds in `rounds`.
 
 mod control;
 mod report;
 mod rounds;
 mod submit;
+mod targets;
 
 pub(crate) use report::log_data_paths;
 pub use report::{DataPathReport, NicReport, Reach};
+pub use targets::{ScatterSlice, ScatterTargets};
 
 use crate::builder::EngineBuilder;
 use crate::config::{EngineConfig, ExcessHandler};

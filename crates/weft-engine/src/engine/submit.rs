@@ -18,7 +18,11 @@ use std::time::Instant;
 use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
 
 impl TransferEngine {
-    fn enqueue(&self, gs: &GroupShared, req: Submitted) -> Result<TransferId, EngineError> {
+    pub(super) fn enqueue(
+        &self,
+        gs: &GroupShared,
+        req: Submitted,
+    ) -> Result<TransferId, EngineError> {
         let id = req.id;
         gs.submitting.fetch_add(1, Ordering::SeqCst);
         let r = self.enqueue_inner(gs, req);
@@ -82,7 +86,7 @@ impl TransferEngine {
         }
     }
 
-    fn new_req(&self, on_done: OnDone, body: Body) -> Submitted {
+    pub(super) fn new_req(&self, on_done: OnDone, body: Body) -> Submitted {
         #[cfg(feature = "latency-probe")]
         let now = Instant::now();
         Submitted {
@@ -100,7 +104,11 @@ impl TransferEngine {
     /// The receiver's [`ImmCounts`](crate::ImmCounts) assume the sender spreads over as many
     /// NICs as the receiver has: refuse a destination with another count.
     /// The handle was made by this engine and has `n` members.
-    fn check_peer_group(&self, peers: &PeerGroupHandle, n: usize) -> Result<(), EngineError> {
+    pub(super) fn check_peer_group(
+        &self,
+        peers: &PeerGroupHandle,
+        n: usize,
+    ) -> Result<(), EngineError> {
         if peers.engine != self.inner.id {
             return Err(EngineError::InvalidArgument {
                 what: "peer group handle of another engine".into(),
@@ -136,7 +144,7 @@ impl TransferEngine {
         Ok(())
     }
 
-    fn check_dst(
+    pub(super) fn check_dst(
         dst: &MrDesc,
         what: impl std::fmt::Display,
         offset: u64,
