@@ -283,6 +283,13 @@ impl PyScatterTargets {
         self.inner.len()
     }
 
+    /// How many NICs (rkeys) every destination has: the source
+    /// registration's group needs as many.
+    #[getter]
+    fn nics(&self) -> usize {
+        self.inner.nics()
+    }
+
     /// Whether every destination matched its member (then a submit does
     /// no per-destination look-up).
     #[getter]
@@ -301,15 +308,20 @@ impl PyScatterTargets {
 }
 
 /// Scatter slices from a sequence of `(src_offset, dst_offset, nbytes)`
-/// triples or an `(n, 3)` integer numpy array.
+/// tuples or lists, or a 2-D `(n, 3)` array (numpy, or anything with
+/// `shape` and `tolist()`); every value an int in `0..2**64`.
 pub(crate) fn scatter_slices(rows: &Bound<'_, PyAny>) -> PyResult<Vec<weft::ScatterSlice>> {
+    use pyo3::exceptions::PyTypeError;
+    use pyo3::types::{PyBool, PyFloat, PyList, PyTuple};
     let py = rows.py();
-    let list = if rows.hasattr("dtype")? {
-        let kind: String = rows.getattr("dtype")?.getattr("kind")?.extract()?;
-        if kind != "i" && kind != "u" {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "scatter slices must be integers, got an array of dtype kind {kind:?}"
-            )));
+    const SHAPE: &str = "scatter slices must be (src_offset, dst_offset, nbytes) per destination";
+    let list = if rows.hasattr("shape")? && rows.hasattr("tolist")? {
+        let shape: Vec<usize> = rows.getattr("shape")?.extract()?;
+        if shape.len() != 2 || shape[1] != 3 {
+            return Err(errors::invalid(
+                py,
+                format!("{SHAPE}: an array of shape (n, 3), got shape {shape:?}"),
+            ));
         }
         rows.call_method0("tolist")?
     } else {
@@ -318,40 +330,41 @@ pub(crate) fn scatter_slices(rows: &Bound<'_, PyAny>) -> PyResult<Vec<weft::Scat
     const FIELDS: [&str; 3] = ["src_offset", "dst_offset", "nbytes"];
     let mut out = Vec::new();
     for (j, row) in list.try_iter()?.enumerate() {
+        let row = row?;
+        if !row.is_instance_of::<PyTuple>() && !row.is_instance_of::<PyList>() {
+            return Err(PyTypeError::new_err(format!(
+                "{SHAPE}: slice {j} is a {}, not a tuple or list",
+                row.get_type().name()?
+            )));
+        }
+        if row.len()? != 3 {
+            return Err(errors::invalid(
+                py,
+                format!("{SHAPE}: slice {j} has {} values", row.len()?),
+            ));
+        }
         let mut v = [0u64; 3];
-        let mut n = 0;
-        for x in row?.try_iter()? {
-            let x = x?;
-            let Some(slot) = v.get_mut(n) else {
-                n += 1;
-                break;
-            };
-            if x.is_instance_of::<pyo3::types::PyFloat>()
-                || x.is_instance_of::<pyo3::types::PyBool>()
-            {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        for (n, slot) in v.iter_mut().enumerate() {
+            let x = row.get_item(n)?;
+            if x.is_instance_of::<PyFloat>() || x.is_instance_of::<PyBool>() {
+                return Err(PyTypeError::new_err(format!(
                     "scatter slice {j}: {} must be an int, got {}",
                     FIELDS[n],
                     x.get_type().name()?
                 )));
             }
-            let k: i128 = x.extract()?;
-            *slot = u64::try_from(k).map_err(|_| {
+            // An int too large even for i128 is out of range too.
+            let k: Option<i128> = match x.extract::<i128>() {
+                Ok(k) => Some(k),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) => None,
+                Err(e) => return Err(e),
+            };
+            *slot = k.and_then(|k| u64::try_from(k).ok()).ok_or_else(|| {
                 errors::invalid(
                     py,
-                    format!(
-                        "scatter slice {j}: {} = {k} is negative or too large",
-                        FIELDS[n]
-                    ),
+                    format!("scatter slice {j}: {} = {x} is outside 0..2**64", FIELDS[n]),
                 )
             })?;
-            n += 1;
-        }
-        if n != 3 {
-            return Err(errors::invalid(
-                py,
-                format!("scatter slice {j} must be (src_offset, dst_offset, nbytes)"),
-            ));
         }
         out.push(weft::ScatterSlice {
             src_offset: v[0],

@@ -145,7 +145,8 @@ def test_scatter_and_barrier():
 
 def test_scatter_targets():
     """Destinations checked once, then scattered to with other slices each
-    time (tuples, then an (n, 3) numpy array); the refusals are typed."""
+    time (tuples, then an (n, 3) numpy array); unmatched descriptors go by
+    address; the refusals are typed and write nothing."""
     backend = weft.provider("loopback", seed=12)
     with weft.TransferEngine(backend) as a:
         peers = [weft.TransferEngine(backend) for _ in range(3)]
@@ -156,30 +157,49 @@ def test_scatter_targets():
             s = a.reg_mr(src)
             group = a.add_peer_group([p.address for p in peers])
             targets = a.scatter_targets(group, [r.desc for r in regs])
-            assert len(targets) == 3 and targets.matched
+            assert len(targets) == 3 and targets.matched and targets.nics == 1
             want = [np.zeros(2000, dtype=np.uint8) for _ in peers]
-            first = [(100 * j, 0, 500 + j) for j in range(3)]
-            second = np.array([[3000 - 7 * j, 1000 + j, 900 - j] for j in range(3)], dtype=np.uint64)
-            for slices in (first, second):
-                a.submit_scatter_to(targets, s, slices, mode="by_bytes").wait(timeout=60)
+
+            def scatter(t, slices, to=lambda j: j):
+                a.submit_scatter_to(t, s, slices, mode="by_bytes").wait(timeout=60)
                 for j, (so, do, n) in enumerate(np.asarray(slices).tolist()):
-                    want[j][do : do + n] = src[so : so + n]
-            for d, w in zip(dsts, want):
-                assert np.array_equal(d, w)
-            with pytest.raises(weft.InvalidArgumentError):
-                a.submit_scatter_to(targets, s, first[:2])  # one slice per destination
-            with pytest.raises(weft.OutOfBoundsError):
-                a.submit_scatter_to(targets, s, [(0, 1990, 11), (0, 0, 1), (0, 0, 1)])
-            with pytest.raises(weft.InvalidArgumentError):
-                a.submit_scatter_to(targets, s, [(0, 0), (0, 0, 1), (0, 0, 1)])
-            with pytest.raises(weft.InvalidArgumentError):
-                a.submit_scatter_to(targets, s, [(0, -1, 1), (0, 0, 1), (0, 0, 1)])
-            with pytest.raises(TypeError):
-                a.submit_scatter_to(targets, s, np.zeros((3, 3), dtype=np.float32))
+                    want[to(j)][do : do + n] = src[so : so + n]
+                for d, w in zip(dsts, want):
+                    assert np.array_equal(d, w)
+
+            scatter(targets, [(100 * j, 0, 500 + j) for j in range(3)])
+            scatter(targets, np.array([[3000 - 7 * j, 1000 + j, 900 - j] for j in range(3)], dtype=np.uint64))
+            # Each member handed the next member's region: resolved by address.
+            shifted = a.scatter_targets(group, [regs[(j + 1) % 3].desc for j in range(3)])
+            assert not shifted.matched
+            scatter(shifted, [[50 * j, 1500, 300] for j in range(3)], to=lambda j: (j + 1) % 3)
+
+            ok = [(0, 0, 1)] * 3
+            refused = [
+                (weft.InvalidArgumentError, ok[:2]),  # one slice per destination
+                (weft.OutOfBoundsError, [(0, 1990, 11), (0, 0, 1), (0, 0, 1)]),
+                (weft.OutOfBoundsError, [(0, 0, 1), (3999, 0, 2), (0, 0, 1)]),
+                (weft.InvalidArgumentError, [(0, 0), (0, 0, 1), (0, 0, 1)]),
+                (weft.InvalidArgumentError, [(0, -1, 1), (0, 0, 1), (0, 0, 1)]),
+                (weft.InvalidArgumentError, [(0, 2**64, 1), (0, 0, 1), (0, 0, 1)]),
+                (weft.InvalidArgumentError, [(0, 2**200, 1), (0, 0, 1), (0, 0, 1)]),
+                (weft.InvalidArgumentError, np.zeros(9, dtype=np.uint64)),  # not (n, 3)
+                (TypeError, np.zeros((3, 3), dtype=np.float32)),
+                (TypeError, [(0, True, 1), (0, 0, 1), (0, 0, 1)]),
+                (TypeError, [{0, 1, 2}, (0, 0, 1), (0, 0, 1)]),  # a set has no order
+            ]
+            for err, slices in refused:
+                with pytest.raises(err):
+                    a.submit_scatter_to(targets, s, slices)
             with pytest.raises(weft.InvalidArgumentError):
                 a.scatter_targets(group, [regs[0].desc])  # one descriptor per member
-            for d, w in zip(dsts, want):
-                assert np.array_equal(d, w)  # nothing refused was written
+            foreign = peers[0].scatter_targets(
+                peers[0].add_peer_group([p.address for p in peers]), [r.desc for r in regs]
+            )
+            with pytest.raises(weft.InvalidArgumentError):
+                a.submit_scatter_to(foreign, s, ok)  # targets of another engine
+            # Nothing refused was queued: the next scatter is the only change.
+            scatter(targets, [(7, 1900, 100)] * 3)
         finally:
             for p in peers:
                 p.shutdown()

@@ -89,6 +89,8 @@ class ScatterTargets:
 
     def __len__(self) -> int: ...
     @property
+    def nics(self) -> int: ...
+    @property
     def matched(self) -> bool: ...
 
 class UvmWatcher:
@@ -238,7 +240,7 @@ class TransferEngine:
         self,
         targets: ScatterTargets,
         src: Registration,
-        slices: Any,
+        slices: Union[Sequence[Union[Tuple[int, int, int], Sequence[int]]], Any],
         *,
         imm: Optional[int] = None,
         mode: Optional[str] = None,

@@ -84,9 +84,9 @@ pub enum MoeError {
     Shape {
         /// Which input.
         what: &'static str,
-        /// Its length.
+        /// Its length (or, for an index, the index found).
         got: u64,
-        /// The length expected.
+        /// The length expected (or the index, or the bound, expected).
         want: u64,
     },
     /// More tokens than `max_tokens`.

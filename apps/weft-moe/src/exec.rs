@@ -284,6 +284,7 @@ impl HostExec {
         mode: ScatterMode,
     ) -> Result<(), MoeError> {
         let slices = scatter_slices(entries)?;
+        self.peers()?;
         let od = self.on_done();
         let p = self.peers.as_ref().ok_or(MoeError::NotConnected)?;
         let (targets, src) = if route {
@@ -364,6 +365,7 @@ impl HostExec {
                     .map_err(eng(Phase::Dispatch))?;
             }
             Action::Barrier { phase, imm } => {
+                self.peers()?;
                 let od = self.on_done();
                 let p = self.peers.as_ref().ok_or(MoeError::NotConnected)?;
                 self.engine

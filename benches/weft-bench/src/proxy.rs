@@ -446,12 +446,16 @@ fn run_inner(
                 scatters(1, Some(&targets), &mut discard)
                     .map_err(|e| format!("warm-up prepared scatter to {n} peers: {e}"))?;
                 let _ = eng.take_probe_records_compat();
-                scatters(per_round, None, &mut call_plain)?;
-                early_records += collect(&eng, &mut st);
-                // The prepared API, for its submit call only (its probe
-                // records are dropped: the stages above are `submit_scatter`'s).
-                scatters(per_round, Some(&targets), &mut call_prepared)?;
-                let _ = eng.take_probe_records_compat();
+                // Two halves, each `submit_scatter` then the prepared API
+                // (for its submit call only: its probe records are dropped,
+                // the stages are `submit_scatter`'s), so that neither API
+                // always runs on the warmer engine.
+                for half in [per_round / 2, per_round - per_round / 2] {
+                    scatters(half, None, &mut call_plain)?;
+                    early_records += collect(&eng, &mut st);
+                    scatters(half, Some(&targets), &mut call_prepared)?;
+                    let _ = eng.take_probe_records_compat();
+                }
             }
             // raw posting of the same WRs, on the worker's CPU
             {

@@ -42,7 +42,12 @@ struct Star {
 
 impl Star {
     fn new(seed: u64, n: usize, nics: usize) -> Star {
-        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        Star::on(FabricConfig::adversarial(seed), seed, n, nics)
+    }
+
+    /// [`Star::new`] on a fabric with `cfg`.
+    fn on(cfg: FabricConfig, seed: u64, n: usize, nics: usize) -> Star {
+        let fabric = Fabric::new(cfg);
         let hs = fabric.add_host(nics);
         let sender = engine(&fabric, hs, nics, test_config(), true);
         let peers: Vec<TransferEngine> = (0..n)
@@ -194,7 +199,8 @@ fn expected(src: &HostBuffer, rounds: &[Vec<ScatterSlice>], dest_of: usize) -> V
 /// Prepared targets give what `submit_scatter` gives for the same slices:
 /// the bytes (checked against a model of every slice written), the
 /// immediates, and the bytes posted per NIC; the targets are reused for
-/// three rounds of other offsets and lengths.
+/// three rounds of other offsets and lengths; both modes, 1 and 2 NICs,
+/// slices of one WRITE and of several.
 #[test]
 fn prepared_scatters_land_what_submit_scatter_lands() {
     for seed in seeds_or([31, 32, 33, 34]) {
@@ -205,7 +211,13 @@ fn prepared_scatters_land_what_submit_scatter_lands() {
         } else {
             ScatterMode::ByBytes
         };
-        let st = Star::new(seed, 12, nics);
+        // Seeds 33 and 34: WRITEs of at most 700 bytes, so that longer
+        // slices take several pieces (the general planning path).
+        let cfg = FabricConfig {
+            max_write_len: if seed >= 33 { 700 } else { 1 << 40 },
+            ..FabricConfig::adversarial(seed)
+        };
+        let st = Star::on(cfg, seed, 12, nics);
         let targets = st.sender.scatter_targets(&st.group, &st.adesc).unwrap();
         assert!(targets.matched(), "seed {seed}");
         assert_eq!((targets.len(), targets.nics()), (12, nics));
@@ -287,29 +299,49 @@ fn unmatched_targets_resolve_by_address() {
         let mut rounds = Vec::new();
         for r in 0..2u64 {
             let sl = slices(seed, r, n);
-            let imm = 20 + r as u32;
-            st.run(imm, &sl, mode, next, |od| {
+            let imm = 20 + 2 * r as u32;
+            let prepared = st.run(imm, &sl, mode, next, |od| {
                 st.sender
                     .submit_scatter_to_mode(&targets, od, Some(imm), &st.sh, &sl, mode)
             });
+            let dsts: Vec<ScatterDst> = sl
+                .iter()
+                .enumerate()
+                .map(|(j, s)| ScatterDst {
+                    len: s.len,
+                    src_offset: s.src_offset,
+                    dst: st.bdesc[next(j)].clone(),
+                    dst_offset: s.dst_offset,
+                })
+                .collect();
+            let plain = st.run(imm + 1, &sl, mode, next, |od| {
+                st.sender
+                    .submit_scatter_mode(&st.group, od, Some(imm + 1), &st.sh, &dsts, mode)
+            });
+            assert_eq!(
+                prepared, plain,
+                "seed {seed} round {r}: bytes posted per NIC"
+            );
             rounds.push(sl);
         }
         for j in 0..n {
-            // Peer next(j) received slice j of each round.
+            // Peer next(j) received slice j of each round, both ways.
             let want = expected(&st.src, &rounds, j);
-            assert!(
-                st.a[next(j)].bytes(0, REGION) == want,
-                "seed {seed}: slice {j} at peer {}",
-                next(j)
-            );
+            for (bufs, api) in [(&st.a, "prepared"), (&st.b, "submit_scatter")] {
+                assert!(
+                    bufs[next(j)].bytes(0, REGION) == want,
+                    "seed {seed}: {api}: slice {j} at peer {}",
+                    next(j)
+                );
+            }
         }
         st.shutdown();
     }
 }
 
-/// A member removed after the targets were made fails its part of the
-/// next scatter as it fails `submit_scatter`'s: refused at submit, or
-/// resolved with `PeerRemoved` for that member.
+/// A member removed after the targets were made fails the next scatter
+/// as it fails `submit_scatter`'s: refused at submit, or resolved with
+/// `PeerRemoved` naming that member; nothing is written to either member.
 #[test]
 fn removed_member_fails_prepared_scatter_like_submit_scatter() {
     for seed in seeds_or([37, 38]) {
@@ -353,6 +385,12 @@ fn removed_member_fails_prepared_scatter_like_submit_scatter() {
         );
         assert_eq!(a, b, "seed {seed}");
         assert!(a.ends_with("true"), "seed {seed}: {a}");
+        for (j, buf) in st.a.iter().chain(&st.b).enumerate() {
+            assert!(
+                buf.bytes(0, REGION).iter().all(|&x| x == 0),
+                "seed {seed}: region {j} written"
+            );
+        }
         st.shutdown();
     }
 }
@@ -464,5 +502,92 @@ fn prepared_scatter_refusals_are_typed_and_queue_nothing() {
             "peer {j}"
         );
     }
+    st.shutdown();
+}
+
+/// Requests with several faults get the error `submit_scatter` gives them
+/// (the same checks in the same order); an empty peer group scatters
+/// (nothing) as it does there.
+#[test]
+fn prepared_scatter_errors_follow_submit_scatter_order() {
+    let seed = seeds_or([40])[0];
+    let _g = SeedGuard::new(seed, "prepared_scatter_errors_follow_submit_scatter_order");
+    let st = Star::new(seed, 3, 2);
+    let s = &st.sender;
+    // One rkey per destination where the group has two NICs.
+    let narrow: Vec<MrDesc> = st
+        .adesc
+        .iter()
+        .map(|d| {
+            let mut d = d.clone();
+            d.rkeys.truncate(1);
+            d
+        })
+        .collect();
+    let ok = slices(seed, 0, 3);
+    let bad_src = |mut v: Vec<ScatterSlice>, j: usize| {
+        v[j].src_offset = SRC as u64;
+        v
+    };
+    let bad_dst = |mut v: Vec<ScatterSlice>, j: usize| {
+        v[j].dst_offset = REGION as u64;
+        v
+    };
+    let cases: Vec<(&str, &[MrDesc], Vec<ScatterSlice>)> = vec![
+        (
+            "source 2 and destination 0",
+            &st.adesc,
+            bad_dst(bad_src(ok.clone(), 2), 0),
+        ),
+        (
+            "source 1 and destination 1",
+            &st.adesc,
+            bad_dst(bad_src(ok.clone(), 1), 1),
+        ),
+        (
+            "NIC count and destination 2",
+            &narrow,
+            bad_dst(ok.clone(), 2),
+        ),
+        ("NIC count and source 0", &narrow, bad_src(ok.clone(), 0)),
+        ("NIC count alone", &narrow, ok.clone()),
+    ];
+    for (what, descs, sl) in cases {
+        let targets = s.scatter_targets(&st.group, descs).unwrap();
+        let prepared = s
+            .submit_scatter_to(&targets, OnDone::Ignore, None, &st.sh, &sl)
+            .expect_err(what);
+        let dsts: Vec<ScatterDst> = sl
+            .iter()
+            .zip(descs)
+            .map(|(x, d)| ScatterDst {
+                len: x.len,
+                src_offset: x.src_offset,
+                dst: d.clone(),
+                dst_offset: x.dst_offset,
+            })
+            .collect();
+        let plain = s
+            .submit_scatter(&st.group, OnDone::Ignore, None, &st.sh, &dsts)
+            .expect_err(what);
+        assert_eq!(format!("{prepared:?}"), format!("{plain:?}"), "{what}");
+    }
+    // An empty group: both APIs give the same outcome.
+    let empty = s.add_peer_group(&[]).unwrap();
+    let targets = s.scatter_targets(&empty, &[]).unwrap();
+    assert!(targets.is_empty() && targets.nics() == 0);
+    let outcome =
+        |r: Result<weft_engine::TransferId, EngineError>, f: &weft_engine::DoneFlag| match r {
+            Err(e) => format!("refused: {e:?}"),
+            Ok(_) => {
+                drive(&st.fabric, &st.all(), || f.is_done());
+                format!("{:?}", f.result())
+            }
+        };
+    let (od, fa) = OnDone::flag();
+    let a = outcome(s.submit_scatter_to(&targets, od, None, &st.sh, &[]), &fa);
+    let (od, fb) = OnDone::flag();
+    let b = outcome(s.submit_scatter(&empty, od, None, &st.sh, &[]), &fb);
+    assert_eq!(a, b);
     st.shutdown();
 }

@@ -19,6 +19,7 @@ use crate::mem::MrHandle;
 use crate::ondone::OnDone;
 use crate::request::{routed_dsts, Body, Dsts, Routed};
 use crate::shard::ScatterMode;
+use crate::MAX_NICS;
 use std::sync::Arc;
 use weft_transport::{Imm, MrDesc, ScatterDst};
 
@@ -42,14 +43,16 @@ pub struct ScatterSlice {
 /// [`TransferEngine::submit_scatter_to`]. Cheap to clone (the matched
 /// destinations are shared).
 ///
-/// Targets hold the [`PeerGroupHandle`] they were made for: a member
-/// removed or restarted since is handled as by
-/// [`TransferEngine::submit_scatter`] (its WRITE fails, the others are
-/// unaffected). Descriptors whose NIC addresses are not their member's
-/// (a region registered by another engine than the member) are kept as
-/// given and resolved by address on every submit, as
-/// [`TransferEngine::submit_scatter`] does; only matched destinations
-/// save the per-submit work.
+/// Targets copy the descriptors: a destination region registered again
+/// (new rkeys) needs new targets. They hold the [`PeerGroupHandle`] they
+/// were made for: after a member is removed
+/// ([`TransferEngine::remove_peer`]) a scatter to them resolves with
+/// [`EngineError::PeerRemoved`] and writes nothing, as
+/// [`TransferEngine::submit_scatter`] to that group does. Descriptors whose
+/// NIC addresses are not their member's (a region registered by another
+/// engine than the member) are kept as given and resolved by address on
+/// every submit, as [`TransferEngine::submit_scatter`] does; only matched
+/// destinations save the per-submit work.
 #[derive(Debug, Clone)]
 pub struct ScatterTargets {
     peers: PeerGroupHandle,
@@ -83,8 +86,8 @@ impl ScatterTargets {
         &self.peers
     }
 
-    /// How many NICs (rkeys) every destination has: a source registration
-    /// must belong to a group with as many.
+    /// How many NICs (rkeys) every destination has (0 for an empty group):
+    /// a source registration must belong to a group with as many.
     pub fn nics(&self) -> usize {
         self.nics
     }
@@ -101,9 +104,12 @@ impl TransferEngine {
     /// `j` of `peers`) once, for any number of
     /// [`TransferEngine::submit_scatter_to`] calls.
     ///
-    /// Errors: `peers` from another engine or of another size than `dsts`,
-    /// a descriptor without rkeys, descriptors with different rkey counts
-    /// ([`EngineError::InvalidArgument`]).
+    /// Errors ([`EngineError::InvalidArgument`]): `peers` from another engine
+    /// or of another size than `dsts`, a descriptor without rkeys or with
+    /// more than [`MAX_NICS`](crate::MAX_NICS), descriptors with different
+    /// rkey counts. The last two could never be submitted
+    /// ([`TransferEngine::submit_scatter`] refuses them at every call, with
+    /// [`EngineError::NicCountMismatch`]); here they are refused once.
     pub fn scatter_targets(
         &self,
         peers: &PeerGroupHandle,
@@ -113,6 +119,14 @@ impl TransferEngine {
         let mut nics = None;
         for (j, d) in dsts.iter().enumerate() {
             Self::check_dst(d, format_args!("scatter destination {j}"), 0, 0)?;
+            if d.rkeys.len() > MAX_NICS {
+                return Err(EngineError::InvalidArgument {
+                    what: format!(
+                        "scatter destination {j} has {} rkeys, more than {MAX_NICS} NICs",
+                        d.rkeys.len()
+                    ),
+                });
+            }
             match nics {
                 None => nics = Some((j, d.rkeys.len())),
                 Some((i, n)) if n != d.rkeys.len() => {
@@ -145,12 +159,13 @@ impl TransferEngine {
     /// offsets and lengths, without checking and matching the descriptors
     /// again.
     ///
-    /// Errors as [`TransferEngine::submit_scatter`]: `targets` of another
-    /// engine or a slice count other than the targets',
-    /// ([`EngineError::InvalidArgument`]), a slice outside the source
-    /// registration or its destination region ([`EngineError::OutOfBounds`]),
-    /// a source group with another NIC count than the destinations'
-    /// ([`EngineError::NicCountMismatch`]), and the queue errors.
+    /// Errors as [`TransferEngine::submit_scatter`], checked in its order:
+    /// `targets` of another engine or a slice count other than the
+    /// targets' ([`EngineError::InvalidArgument`]); slice by slice, its
+    /// source range outside the source registration, then its destination
+    /// range outside its region ([`EngineError::OutOfBounds`]); a source
+    /// group with another NIC count than the destinations'
+    /// ([`EngineError::NicCountMismatch`]); then the queue errors.
     pub fn submit_scatter_to(
         &self,
         targets: &ScatterTargets,
@@ -180,23 +195,23 @@ impl TransferEngine {
         mode: ScatterMode,
     ) -> Result<TransferId, EngineError> {
         let gs = self.own_group(src)?;
-        self.check_peer_group(&targets.peers, slices.len())?;
-        let g = src.group as usize;
-        let local = self.nic_count(g)?;
-        if targets.nics != local && !targets.is_empty() {
-            return Err(EngineError::NicCountMismatch {
-                group: g,
-                local,
-                remote: targets.nics,
+        self.check_peer_group(&targets.peers, targets.len())?;
+        if slices.len() != targets.len() {
+            return Err(EngineError::InvalidArgument {
+                what: format!(
+                    "{} scatter slices for {} destinations",
+                    slices.len(),
+                    targets.len()
+                ),
             });
         }
-        for (j, s) in slices.iter().enumerate() {
-            src.check(format_args!("scatter source {j}"), s.src_offset, s.len)?;
-        }
+        // The checks of `submit_scatter_mode`, in its order: source and
+        // destination bounds slice by slice, then the NIC count.
         let dsts = match &*targets.dsts {
             Prepared::Routed(template) => {
                 let mut r = template.clone();
                 for (j, (d, s)) in r.dsts.iter_mut().zip(slices).enumerate() {
+                    src.check(format_args!("scatter source {j}"), s.src_offset, s.len)?;
                     match s.dst_offset.checked_add(s.len) {
                         Some(end) if end <= d.region_len => {}
                         _ => {
@@ -217,6 +232,7 @@ impl TransferEngine {
             Prepared::Described(descs) => {
                 let mut v = Vec::with_capacity(descs.len());
                 for (j, (d, s)) in descs.iter().zip(slices).enumerate() {
+                    src.check(format_args!("scatter source {j}"), s.src_offset, s.len)?;
                     Self::check_dst(
                         d,
                         format_args!("scatter destination {j}"),
@@ -233,6 +249,15 @@ impl TransferEngine {
                 Dsts::Described(v)
             }
         };
+        let g = src.group as usize;
+        let local = self.nic_count(g)?;
+        if targets.nics != local && !targets.is_empty() {
+            return Err(EngineError::NicCountMismatch {
+                group: g,
+                local,
+                remote: targets.nics,
+            });
+        }
         let pg = *targets.peers.ids.get(g).ok_or_else(|| no_group(g))?;
         let req = self.new_req(
             on_done,
