@@ -62,6 +62,7 @@ fn quick_all_on_loopback_null_has_every_row() {
     assert_eq!(has("proxy", "scatter", "submit->all posted p50", 1), 4);
     assert_eq!(handoff("proxy", "scatter", "submit->first WR p50", 1), 2);
     assert_eq!(handoff("proxy", "scatter", "submit->all posted p50", 1), 2);
+    assert_eq!(has("proxy", "scatter", "submit call p50", 1), 2);
     // Against the raw loop on one thread and with the target on its own.
     assert_eq!(has("imm", "counter_throughput", "imm completions", 1), 2);
     // Reported through a callback (against the hand-off floor and the
@@ -225,7 +226,16 @@ fn quick_proxy_on_libfabric_tcp() {
             .iter()
             .filter(|r| r.bench == "proxy" && r.param == peers)
             .collect();
-        assert_eq!(rows.len(), 5, "{peers}: {rows:#?}");
+        // 5 host-path rows and the submit call's own time (both APIs).
+        assert_eq!(rows.len(), 6, "{peers}: {rows:#?}");
+        assert_eq!(
+            rows.iter()
+                .filter(|r| r.metric == "submit call p50"
+                    && r.baseline_name.starts_with("submit_scatter"))
+                .count(),
+            1,
+            "{peers}: {rows:#?}"
+        );
         for r in rows {
             assert_eq!(r.backend, "libfabric:tcp");
             assert!(
