@@ -29,6 +29,7 @@
 // OS: CPU pinning (`affinity`), engine-owned registered buffers (`mem`), the
 // watched words of the UVM watcher (`watcher`); single functions elsewhere
 // carry their own narrow `allow`.
+mod addrbook;
 #[allow(unsafe_code)]
 mod affinity;
 mod builder;

@@ -1,11 +1,10 @@
 //! Submitted requests as they travel through a group's request queue: the
 //! request body and its destinations as plain values (no descriptor is
-//! cloned per submit), and the engine-wide [`AddrBook`] that interns the
-//! NIC addresses (with their incarnation) of single and paged write
-//! destinations and holds the engine's [`Incarnations`] table.
+//! cloned per submit; the NIC addresses of single and paged write
+//! destinations are interned in the engine-wide [`AddrBook`]).
 
+pub(crate) use crate::addrbook::AddrBook;
 use crate::error::{EngineError, TransferId};
-use crate::incarnation::Incarnations;
 use crate::mem::SendPayload;
 use crate::ondone::OnDone;
 use crate::shard::ScatterMode;
@@ -228,132 +227,6 @@ impl Routed {
     }
 }
 
-/// A remote NIC address and the incarnation that answers there.
-pub(crate) type Remote = (NetAddr, Incarnation);
-
-/// The NIC addresses single and paged writes target, interned engine-wide
-/// with their incarnation: a submit turns each descriptor's addresses into
-/// small ids here (one read lock and hash look-up per address), so no
-/// descriptor is cloned into the request queue; workers map ids to their
-/// peers and fetch the address itself only the first time they meet an id
-/// (that is when its incarnation is checked). Entries are never removed
-/// (one per distinct remote NIC address and incarnation ever written to).
-#[derive(Debug, Default)]
-pub(crate) struct AddrBook {
-    index: parking_lot::RwLock<AddrIndex>,
-    /// The live incarnation of each remote address and the removed ones.
-    pub(crate) incs: Incarnations,
-}
-
-#[derive(Debug, Default)]
-struct AddrIndex {
-    /// Per address, the id of each incarnation seen there (a handful:
-    /// one per restart), so a look-up allocates nothing.
-    ids: std::collections::HashMap<NetAddr, Vec<(Incarnation, u32)>, AddrHash>,
-    addrs: Vec<Remote>,
-}
-
-/// The hash of the [`AddrBook`]'s index: a word-at-a-time multiply-rotate
-/// hash (the FxHash construction) from a per-book random seed. SipHash
-/// was half the cost of interning a destination (210 of 396 instructions
-/// per single WRITE's submit, callgrind); addresses are a few words long
-/// and come from descriptors the application hands over, and the random
-/// seed keeps their bucket placement unpredictable from outside.
-#[derive(Debug, Clone, Copy)]
-struct AddrHash {
-    seed: u64,
-}
-
-impl Default for AddrHash {
-    fn default() -> Self {
-        use std::hash::BuildHasher;
-        Self {
-            seed: std::collections::hash_map::RandomState::new().hash_one(0x7765_6674_u64),
-        }
-    }
-}
-
-impl std::hash::BuildHasher for AddrHash {
-    type Hasher = AddrHasher;
-    fn build_hasher(&self) -> AddrHasher {
-        AddrHasher(self.seed)
-    }
-}
-
-/// See [`AddrHash`].
-#[derive(Debug, Clone, Copy)]
-struct AddrHasher(u64);
-
-impl AddrHasher {
-    const K: u64 = 0xf135_7aea_2e62_a9c5;
-
-    #[inline]
-    fn add(&mut self, w: u64) {
-        self.0 = (self.0 ^ w).wrapping_mul(Self::K).rotate_left(26);
-    }
-}
-
-impl std::hash::Hasher for AddrHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            self.add(u64::from_le_bytes(w));
-        }
-        let rest = chunks.remainder();
-        if !rest.is_empty() {
-            let mut w = [0u8; 8];
-            w[..rest.len()].copy_from_slice(rest);
-            // The length in the top byte: "ab" and "ab\0" differ.
-            self.add(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 56));
-        }
-    }
-
-    #[inline]
-    fn write_usize(&mut self, n: usize) {
-        self.add(n as u64);
-    }
-
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-impl AddrIndex {
-    fn get(&self, addr: &NetAddr, inc: Incarnation) -> Option<u32> {
-        self.ids
-            .get(addr)?
-            .iter()
-            .find(|(i, _)| *i == inc)
-            .map(|(_, id)| *id)
-    }
-}
-
-impl AddrBook {
-    /// The id of `addr` at incarnation `inc`, entered on first sight.
-    fn id(&self, addr: &NetAddr, inc: Incarnation) -> u32 {
-        if let Some(id) = self.index.read().get(addr, inc) {
-            return id;
-        }
-        let mut ix = self.index.write();
-        if let Some(id) = ix.get(addr, inc) {
-            return id;
-        }
-        let id = ix.addrs.len() as u32;
-        ix.addrs.push((addr.clone(), inc));
-        ix.ids.entry(addr.clone()).or_default().push((inc, id));
-        id
-    }
-
-    /// The address and incarnation of `id`.
-    pub(crate) fn addr(&self, id: u32) -> Option<Remote> {
-        self.index.read().addrs.get(id as usize).cloned()
-    }
-}
-
 /// A single or paged write's destination with its NIC addresses interned
 /// in the [`AddrBook`]: plain values only, nothing allocated per submit.
 #[derive(Debug, Clone, Copy)]
@@ -368,10 +241,7 @@ impl PlainDst {
     /// rkeys than a group can have NICs.
     pub(crate) fn new(dst: &MrDesc, book: &AddrBook) -> Option<Self> {
         let keys = DstKeys::of(dst)?;
-        let mut addrs = [0u32; MAX_NICS];
-        for (nic, (addr, _)) in dst.rkeys.iter().enumerate() {
-            addrs[nic] = book.id(addr, dst.incarnation);
-        }
+        let addrs = book.ids(dst);
         Some(Self { keys, addrs })
     }
 }
@@ -423,68 +293,6 @@ mod tests {
     }
 
     const INC: Incarnation = Incarnation(9);
-
-    /// One id per distinct address and incarnation, stable, and back to
-    /// both; a plain destination keeps every NIC's rkey and address in
-    /// order.
-    #[test]
-    fn addr_book_interns_descriptor_addresses() {
-        let book = AddrBook::default();
-        let (a, b) = (book.id(&addr(1), INC), book.id(&addr(2), INC));
-        assert_ne!(a, b);
-        assert_eq!(book.id(&addr(1), INC), a);
-        let restarted = book.id(&addr(1), Incarnation(10));
-        assert!(
-            restarted != a && restarted != b,
-            "same address, new incarnation"
-        );
-        assert_eq!(book.id(&addr(1), Incarnation(10)), restarted);
-        assert_eq!(book.addr(a), Some((addr(1), INC)));
-        assert_eq!(book.addr(b), Some((addr(2), INC)));
-        assert_eq!(book.addr(restarted), Some((addr(1), Incarnation(10))));
-        assert_eq!(book.addr(99), None);
-        let d = desc(&[2, 3, 1]);
-        let p = PlainDst::new(&d, &book).expect("3 nics fit");
-        assert_eq!(
-            (p.keys.base, p.keys.region_len, p.keys.nics),
-            (d.addr, d.len, 3)
-        );
-        for (nic, (na, rk)) in d.rkeys.iter().enumerate() {
-            assert_eq!(p.keys.rkeys[nic], *rk);
-            assert_eq!(book.addr(p.addrs[nic]), Some((na.clone(), INC)));
-        }
-        assert_eq!(p.addrs[2], a, "a known address keeps its id");
-        let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
-        assert!(PlainDst::new(&desc(&wide), &book).is_none());
-    }
-
-    /// Thousands of addresses of every length from 0 to 40 bytes, many
-    /// differing only in trailing zeros or one byte: each gets its own
-    /// id, kept on a second look-up, and maps back to itself.
-    #[test]
-    fn addr_book_keeps_addresses_apart() {
-        let book = AddrBook::default();
-        let addrs: Vec<NetAddr> = (0..41usize)
-            .flat_map(|len| {
-                (0..64u8).map(move |b| {
-                    let mut v = vec![0u8; len];
-                    if let Some(x) = v.get_mut(len / 2) {
-                        *x = b;
-                    }
-                    NetAddr(v)
-                })
-            })
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let ids: Vec<u32> = addrs.iter().map(|a| book.id(a, INC)).collect();
-        let distinct: std::collections::BTreeSet<u32> = ids.iter().copied().collect();
-        assert_eq!(distinct.len(), addrs.len());
-        for (a, id) in addrs.iter().zip(&ids) {
-            assert_eq!(book.id(a, INC), *id);
-            assert_eq!(book.addr(*id), Some((a.clone(), INC)));
-        }
-    }
 
     fn desc(addrs: &[u8]) -> MrDesc {
         MrDesc {
