@@ -17,7 +17,7 @@ pub(crate) type Remote = (NetAddr, Incarnation);
 /// itself only the first time they meet an id (that is when its
 /// incarnation is checked). Entries are never removed (one per distinct
 /// remote NIC address and incarnation ever written to, one per distinct
-/// address list).
+/// address list, which holds only its addresses' ids).
 #[derive(Debug, Default)]
 pub(crate) struct AddrBook {
     index: parking_lot::RwLock<AddrIndex>,
@@ -39,10 +39,15 @@ struct AddrIndex {
     lists: std::collections::HashMap<u64, Vec<AddrList>, PreHashed>,
 }
 
-/// One distinct address list of [`AddrIndex::lists`].
+/// One distinct address list of [`AddrIndex::lists`]: the ids of its
+/// addresses (each id names its address and incarnation in
+/// [`AddrIndex::addrs`], which is how a hit is compared).
 #[derive(Debug)]
 struct AddrList {
-    addrs: Box<[NetAddr]>,
+    /// How many of `ids` are the list's.
+    len: u8,
+    /// The descriptor's incarnation (also that of each id's address; kept
+    /// here so that an empty list too is one per incarnation).
     incarnation: Incarnation,
     ids: [u32; MAX_NICS],
 }
@@ -80,22 +85,32 @@ impl std::hash::Hasher for PassThrough {
     }
 }
 
-/// The hash of the [`AddrBook`]'s index: a word-at-a-time multiply-rotate
-/// hash (the FxHash construction) from a per-book random seed. SipHash
-/// was half the cost of interning a destination (210 of 396 instructions
-/// per single WRITE's submit, callgrind); addresses are a few words long
-/// and come from descriptors the application hands over, and the random
-/// seed keeps their bucket placement unpredictable from outside.
+/// The hash of the [`AddrBook`]'s index: word at a time, each word
+/// folded into the state by a 64×64→128-bit multiply with a per-book
+/// random key, the two halves of the product XORed (the folded multiply
+/// of foldhash and aHash's fallback), from a per-book random start.
+/// SipHash was half the cost of interning a destination (210 of 396
+/// instructions per single WRITE's submit, callgrind); addresses are a
+/// few words long. The keys come from the process's `RandomState`, so
+/// bucket placement is not known outside; the hash is not cryptographic,
+/// and colliding addresses cost time only (every hit is compared in
+/// full), never a wrong id. (The FxHash-style multiply-rotate used before
+/// had collisions that held for every seed: flipping bit 63 of one word
+/// and bit 25 of the next.)
 #[derive(Debug, Clone, Copy)]
 struct AddrHash {
-    seed: u64,
+    start: u64,
+    key: u64,
 }
 
 impl Default for AddrHash {
     fn default() -> Self {
         use std::hash::BuildHasher;
+        let r = std::collections::hash_map::RandomState::new();
         Self {
-            seed: std::collections::hash_map::RandomState::new().hash_one(0x7765_6674_u64),
+            start: r.hash_one(0x7765_6674_u64),
+            // Odd: a multiply by it loses no bit of the other factor.
+            key: r.hash_one(0x006b_6579_u64) | 1,
         }
     }
 }
@@ -103,20 +118,25 @@ impl Default for AddrHash {
 impl std::hash::BuildHasher for AddrHash {
     type Hasher = AddrHasher;
     fn build_hasher(&self) -> AddrHasher {
-        AddrHasher(self.seed)
+        AddrHasher {
+            state: self.start,
+            key: self.key,
+        }
     }
 }
 
 /// See [`AddrHash`].
 #[derive(Debug, Clone, Copy)]
-struct AddrHasher(u64);
+struct AddrHasher {
+    state: u64,
+    key: u64,
+}
 
 impl AddrHasher {
-    const K: u64 = 0xf135_7aea_2e62_a9c5;
-
     #[inline]
     fn add(&mut self, w: u64) {
-        self.0 = (self.0 ^ w).wrapping_mul(Self::K).rotate_left(26);
+        let p = u128::from(self.state ^ w) * u128::from(self.key);
+        self.state = (p as u64) ^ ((p >> 64) as u64);
     }
 }
 
@@ -144,8 +164,13 @@ impl std::hash::Hasher for AddrHasher {
     }
 
     #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    #[inline]
     fn finish(&self) -> u64 {
-        self.0
+        self.state
     }
 }
 
@@ -158,14 +183,15 @@ impl AddrIndex {
             .map(|(_, id)| *id)
     }
 
-    /// The hash of `dst`'s address list: its NIC count, each address
-    /// (length-tagged by [`AddrHasher::write`]) and its incarnation, with
-    /// the book's seed.
+    /// The hash of `dst`'s address list: its NIC count, each address with
+    /// its length first (so that no two lists of other splits of the same
+    /// bytes hash alike) and its incarnation, with the book's keys.
     fn list_hash(&self, dst: &MrDesc) -> u64 {
         use std::hash::{BuildHasher, Hasher};
         let mut h = self.ids.hasher().build_hasher();
         h.write_usize(dst.rkeys.len());
         for (addr, _) in &dst.rkeys {
+            h.write_usize(addr.0.len());
             h.write(&addr.0);
         }
         h.write_u64(dst.incarnation.0);
@@ -173,17 +199,38 @@ impl AddrIndex {
     }
 
     /// The ids of `dst`'s address list if seen before (`hash`: its
-    /// [`AddrIndex::list_hash`]).
+    /// [`AddrIndex::list_hash`]): a list of as many ids whose addresses are
+    /// `dst`'s, in order, at `dst`'s incarnation.
     fn list(&self, hash: u64, dst: &MrDesc) -> Option<[u32; MAX_NICS]> {
         self.lists
             .get(&hash)?
             .iter()
             .find(|l| {
-                l.incarnation == dst.incarnation
-                    && l.addrs.len() == dst.rkeys.len()
-                    && l.addrs.iter().zip(&dst.rkeys).all(|(a, (b, _))| a == b)
+                usize::from(l.len) == dst.rkeys.len()
+                    && l.incarnation == dst.incarnation
+                    && l.ids.iter().zip(&dst.rkeys).all(|(&id, (a, _))| {
+                        self.addrs
+                            .get(id as usize)
+                            .is_some_and(|(b, inc)| *inc == dst.incarnation && b == a)
+                    })
             })
             .map(|l| l.ids)
+    }
+
+    /// Enters `dst`'s address list (at most [`MAX_NICS`] rkeys) under
+    /// `hash`, interning its addresses; returns their ids.
+    fn insert_list(&mut self, hash: u64, dst: &MrDesc) -> [u32; MAX_NICS] {
+        let mut ids = [0u32; MAX_NICS];
+        for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
+            *slot = self.intern(addr, dst.incarnation);
+        }
+        let len = dst.rkeys.len().min(MAX_NICS) as u8;
+        self.lists.entry(hash).or_default().push(AddrList {
+            len,
+            incarnation: dst.incarnation,
+            ids,
+        });
+        ids
     }
 
     /// The id of `addr` at incarnation `inc`, entered on first sight.
@@ -209,9 +256,19 @@ impl AddrBook {
     }
 
     /// The ids of `dst`'s NIC addresses (at its incarnation), by NIC; those
-    /// past its rkey count (at most [`MAX_NICS`] are read) are 0. Entered
-    /// on first sight, address by address and as a list.
+    /// past its rkey count are 0. Entered on first sight, address by
+    /// address and as a list. Only the first [`MAX_NICS`] addresses are
+    /// read (callers refuse wider descriptors first, `DstKeys::of`); a
+    /// wider descriptor's list is not kept.
     pub(crate) fn ids(&self, dst: &MrDesc) -> [u32; MAX_NICS] {
+        if dst.rkeys.len() > MAX_NICS {
+            let mut ix = self.index.write();
+            let mut ids = [0u32; MAX_NICS];
+            for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
+                *slot = ix.intern(addr, dst.incarnation);
+            }
+            return ids;
+        }
         let hash = {
             let ix = self.index.read();
             let hash = ix.list_hash(dst);
@@ -221,20 +278,10 @@ impl AddrBook {
             hash
         };
         let mut ix = self.index.write();
-        if let Some(ids) = ix.list(hash, dst) {
-            return ids;
+        match ix.list(hash, dst) {
+            Some(ids) => ids,
+            None => ix.insert_list(hash, dst),
         }
-        let mut ids = [0u32; MAX_NICS];
-        for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
-            *slot = ix.intern(addr, dst.incarnation);
-        }
-        let list = AddrList {
-            addrs: dst.rkeys.iter().map(|(a, _)| a.clone()).collect(),
-            incarnation: dst.incarnation,
-            ids,
-        };
-        ix.lists.entry(hash).or_default().push(list);
-        ids
     }
 
     /// The address and incarnation of `id`.
@@ -367,36 +414,109 @@ mod tests {
         };
         check(&book);
         check(&book);
-        // Every list in one bucket: the contents alone tell them apart.
+        // Every list in one bucket (entered as `ids` enters a list): the
+        // contents alone tell them apart.
         let one = AddrBook::default();
         {
             let mut ix = one.index.write();
             for l in &lists {
-                let d = desc(l);
-                let mut ids = [0u32; MAX_NICS];
-                for (slot, (a, _)) in ids.iter_mut().zip(&d.rkeys) {
-                    *slot = ix.intern(a, INC);
+                for inc in [INC, Incarnation(INC.0 + 1)] {
+                    let mut d = desc(l);
+                    d.incarnation = inc;
+                    assert_eq!(ix.list(7, &d), None, "{l:?} {inc:?} before");
+                    ix.insert_list(7, &d);
                 }
-                ix.lists.entry(7).or_default().push(AddrList {
-                    addrs: d.rkeys.iter().map(|(a, _)| a.clone()).collect(),
-                    incarnation: INC,
-                    ids,
-                });
             }
+            assert_eq!(ix.lists.len(), 1);
             for l in &lists {
-                let d = desc(l);
-                let want: Vec<u32> = d
-                    .rkeys
-                    .iter()
-                    .map(|(a, _)| ix.get(a, INC).unwrap())
-                    .collect();
-                let got = ix.list(7, &d).expect("in the bucket");
-                assert_eq!(&got[..l.len()], &want[..], "{l:?}");
+                for inc in [INC, Incarnation(INC.0 + 1)] {
+                    let mut d = desc(l);
+                    d.incarnation = inc;
+                    let want: Vec<u32> = d
+                        .rkeys
+                        .iter()
+                        .map(|(a, _)| ix.get(a, inc).unwrap())
+                        .collect();
+                    let got = ix.list(7, &d).expect("in the bucket");
+                    assert_eq!(&got[..l.len()], &want[..], "{l:?} {inc:?}");
+                }
             }
             let mut other = desc(&[1, 2]);
             other.incarnation = Incarnation(INC.0 + 5);
             assert_eq!(ix.list(7, &other), None);
             assert_eq!(ix.list(7, &desc(&[3, 2])), None);
         }
+    }
+
+    /// Lists that split the same bytes into other addresses (an 8-byte
+    /// address next to an empty one, either way round) hash apart.
+    #[test]
+    fn list_hash_tells_address_boundaries_apart() {
+        let book = AddrBook::default();
+        let ix = book.index.read();
+        let list = |parts: &[&[u8]]| MrDesc {
+            addr: 0,
+            len: 0,
+            rkeys: parts
+                .iter()
+                .map(|p| (NetAddr(p.to_vec()), Rkey(1)))
+                .collect(),
+            incarnation: INC,
+        };
+        let a8: &[u8] = b"abcdefgh";
+        let splits = [
+            list(&[a8, b""]),
+            list(&[b"", a8]),
+            list(&[b"abcd", b"efgh"]),
+            list(&[b"abcdefgh\0", b""]),
+            list(&[a8, b"", b""]),
+        ];
+        let hashes: std::collections::BTreeSet<u64> =
+            splits.iter().map(|d| ix.list_hash(d)).collect();
+        assert_eq!(hashes.len(), splits.len());
+    }
+
+    /// A descriptor wider than `MAX_NICS` gets its first addresses' ids and
+    /// leaves no list behind.
+    #[test]
+    fn wide_descriptor_ids_without_a_list() {
+        let book = AddrBook::default();
+        let wide: Vec<u8> = (0..=MAX_NICS as u8).collect();
+        let d = desc(&wide);
+        let ids = book.ids(&d);
+        for (nic, (a, _)) in d.rkeys.iter().take(MAX_NICS).enumerate() {
+            assert_eq!(ids[nic], book.id(a, INC));
+        }
+        assert!(book.index.read().lists.is_empty());
+    }
+
+    /// Threads entering overlapping lists in different orders end up with
+    /// the ids the addresses have one by one, every list once.
+    #[test]
+    fn concurrent_lists_agree() {
+        let book = std::sync::Arc::new(AddrBook::default());
+        let lists: Vec<Vec<u8>> = (0..24u8).map(|i| vec![i % 7, i % 5, i]).collect();
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let (book, lists) = (book.clone(), lists.clone());
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    for k in 0..lists.len() {
+                        let l = &lists[(k * (t + 1) + t) % lists.len()];
+                        seen.push((l.clone(), book.ids(&desc(l))));
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for t in threads {
+            for (l, ids) in t.join().expect("thread") {
+                let want: Vec<u32> = l.iter().map(|&b| book.id(&addr(b), INC)).collect();
+                assert_eq!(&ids[..3], &want[..], "{l:?}");
+            }
+        }
+        let ix = book.index.read();
+        let kept: usize = ix.lists.values().map(Vec::len).sum();
+        assert_eq!(kept, lists.len(), "every list kept, once");
     }
 }
