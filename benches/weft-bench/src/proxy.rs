@@ -348,14 +348,7 @@ fn run_inner(
                 dst_offset: 0,
             })
             .collect();
-        let slices: Vec<ScatterSlice> = dsts
-            .iter()
-            .map(|d| ScatterSlice {
-                src_offset: d.src_offset,
-                dst_offset: d.dst_offset,
-                len: d.len,
-            })
-            .collect();
+        let slices: Vec<ScatterSlice> = dsts.iter().map(ScatterSlice::from).collect();
         // The destinations as the raw baselines see them: each raw scatter
         // is built from them, as the hand-off poster builds its WRs.
         let handed: Vec<HandedDst> = (0..n)

@@ -344,14 +344,7 @@ fn scatter(fabric: &Fabric, tx: &TransferEngine, src: &HostBuffer, rounds: u64, 
             })
             .collect();
         let targets = tx.scatter_targets(&group, &descs).expect("targets");
-        let slices: Vec<ScatterSlice> = dsts
-            .iter()
-            .map(|d| ScatterSlice {
-                src_offset: d.src_offset,
-                dst_offset: d.dst_offset,
-                len: d.len,
-            })
-            .collect();
+        let slices: Vec<ScatterSlice> = dsts.iter().map(ScatterSlice::from).collect();
         let counter = Arc::new(DoneCounter::new());
         for r in 0..rounds {
             let od = OnDone::counter(&counter);

@@ -291,18 +291,22 @@ impl AddrBook {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::request::PlainDst;
     use weft_transport::Rkey;
 
-    fn addr(b: u8) -> NetAddr {
+    /// A 2-byte NIC address made of `b` (shared with `request`'s tests).
+    pub(crate) fn addr(b: u8) -> NetAddr {
         NetAddr(vec![b, b])
     }
 
-    const INC: Incarnation = Incarnation(9);
+    /// The incarnation of [`desc`]'s descriptors.
+    pub(crate) const INC: Incarnation = Incarnation(9);
 
-    fn desc(addrs: &[u8]) -> MrDesc {
+    /// A descriptor with one rkey per address of `addrs` ([`addr`]), rkey
+    /// `100 + b`, at incarnation [`INC`].
+    pub(crate) fn desc(addrs: &[u8]) -> MrDesc {
         MrDesc {
             addr: 0x1000,
             len: 64,

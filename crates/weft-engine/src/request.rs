@@ -287,24 +287,7 @@ pub(crate) fn routed_dsts<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn addr(b: u8) -> NetAddr {
-        NetAddr(vec![b, b])
-    }
-
-    const INC: Incarnation = Incarnation(9);
-
-    fn desc(addrs: &[u8]) -> MrDesc {
-        MrDesc {
-            addr: 0x1000,
-            len: 64,
-            rkeys: addrs
-                .iter()
-                .map(|&b| (addr(b), Rkey(u64::from(b) + 100)))
-                .collect(),
-            incarnation: INC,
-        }
-    }
+    use crate::addrbook::tests::{addr, desc, INC};
 
     #[test]
     fn routed_dst_only_when_every_nic_matches() {

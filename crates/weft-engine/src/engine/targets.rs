@@ -37,6 +37,18 @@ pub struct ScatterSlice {
     pub len: u64,
 }
 
+impl From<&ScatterDst> for ScatterSlice {
+    /// The bytes `d` moves, without its descriptor (the descriptor goes
+    /// into [`TransferEngine::scatter_targets`] once).
+    fn from(d: &ScatterDst) -> Self {
+        ScatterSlice {
+            src_offset: d.src_offset,
+            dst_offset: d.dst_offset,
+            len: d.len,
+        }
+    }
+}
+
 /// The destinations of scatters to one peer group, one memory descriptor
 /// per member, checked and matched to the members once by
 /// [`TransferEngine::scatter_targets`]; submit with
