@@ -220,16 +220,23 @@ impl AddrIndex {
     /// Enters `dst`'s address list (at most [`MAX_NICS`] rkeys) under
     /// `hash`, interning its addresses; returns their ids.
     fn insert_list(&mut self, hash: u64, dst: &MrDesc) -> [u32; MAX_NICS] {
-        let mut ids = [0u32; MAX_NICS];
-        for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
-            *slot = self.intern(addr, dst.incarnation);
-        }
+        let ids = self.intern_all(dst);
         let len = dst.rkeys.len().min(MAX_NICS) as u8;
         self.lists.entry(hash).or_default().push(AddrList {
             len,
             incarnation: dst.incarnation,
             ids,
         });
+        ids
+    }
+
+    /// The ids of `dst`'s first [`MAX_NICS`] addresses (at its
+    /// incarnation), by NIC, each entered on first sight; the rest 0.
+    fn intern_all(&mut self, dst: &MrDesc) -> [u32; MAX_NICS] {
+        let mut ids = [0u32; MAX_NICS];
+        for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
+            *slot = self.intern(addr, dst.incarnation);
+        }
         ids
     }
 
@@ -262,12 +269,7 @@ impl AddrBook {
     /// wider descriptor's list is not kept.
     pub(crate) fn ids(&self, dst: &MrDesc) -> [u32; MAX_NICS] {
         if dst.rkeys.len() > MAX_NICS {
-            let mut ix = self.index.write();
-            let mut ids = [0u32; MAX_NICS];
-            for (slot, (addr, _)) in ids.iter_mut().zip(&dst.rkeys) {
-                *slot = ix.intern(addr, dst.incarnation);
-            }
-            return ids;
+            return self.index.write().intern_all(dst);
         }
         let hash = {
             let ix = self.index.read();

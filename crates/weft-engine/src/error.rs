@@ -201,6 +201,26 @@ pub enum EngineError {
     },
 }
 
+/// The bounds check of a span `[offset, offset + len)` in a region of
+/// `region_len` bytes: [`EngineError::OutOfBounds`] (naming the span
+/// `what`, formatted only on failure) when it overflows or does not fit.
+pub(crate) fn check_range(
+    what: impl std::fmt::Display,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<(), EngineError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(EngineError::OutOfBounds {
+            what: what.to_string(),
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}
+
 impl EngineError {
     /// The underlying transport error, if there is one.
     pub fn transport(&self) -> Option<&TransportError> {

@@ -60,15 +60,7 @@ impl MrHandle {
         offset: u64,
         len: u64,
     ) -> Result<(), EngineError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(EngineError::OutOfBounds {
-                what: what.to_string(),
-                offset,
-                len,
-                region_len: self.len,
-            }),
-        }
+        crate::error::check_range(what, offset, len, self.len)
     }
 }
 

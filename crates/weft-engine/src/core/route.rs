@@ -331,14 +331,7 @@ pub(super) fn build_write(
             region_len: route.mr.map_or(0, |mr| mr.len),
         });
     };
-    if dst_off.checked_add(len).is_none_or(|e| e > region_len) {
-        return Err(EngineError::OutOfBounds {
-            what: "destination".into(),
-            offset: dst_off,
-            len,
-            region_len,
-        });
-    }
+    crate::error::check_range("destination", dst_off, len, region_len)?;
     Ok(WriteWr {
         wr,
         peer: route.peer,

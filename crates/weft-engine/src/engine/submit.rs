@@ -155,15 +155,7 @@ impl TransferEngine {
                 what: format!("{what}: descriptor has no rkeys"),
             });
         }
-        match offset.checked_add(len) {
-            Some(end) if end <= dst.len => Ok(()),
-            _ => Err(EngineError::OutOfBounds {
-                what: what.to_string(),
-                offset,
-                len,
-                region_len: dst.len,
-            }),
-        }
+        crate::error::check_range(what, offset, len, dst.len)
     }
 
     /// SENDs a copy of `msg` from NIC 0 of group 0 to NIC 0 of `peer`.

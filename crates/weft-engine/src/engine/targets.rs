@@ -14,7 +14,7 @@
 //! [`TransferEngine::submit_scatter`] would have built.
 
 use super::{no_group, PeerGroupHandle, TransferEngine};
-use crate::error::{EngineError, TransferId};
+use crate::error::{check_range, EngineError, TransferId};
 use crate::mem::MrHandle;
 use crate::ondone::OnDone;
 use crate::request::{routed_dsts, Body, Dsts, Routed};
@@ -224,17 +224,12 @@ impl TransferEngine {
                 let mut r = template.clone();
                 for (j, (d, s)) in r.dsts.iter_mut().zip(slices).enumerate() {
                     src.check(format_args!("scatter source {j}"), s.src_offset, s.len)?;
-                    match s.dst_offset.checked_add(s.len) {
-                        Some(end) if end <= d.region_len => {}
-                        _ => {
-                            return Err(EngineError::OutOfBounds {
-                                what: format!("scatter destination {j}"),
-                                offset: s.dst_offset,
-                                len: s.len,
-                                region_len: d.region_len,
-                            })
-                        }
-                    }
+                    check_range(
+                        format_args!("scatter destination {j}"),
+                        s.dst_offset,
+                        s.len,
+                        d.region_len,
+                    )?;
                     d.len = s.len;
                     d.src_offset = s.src_offset;
                     d.dst_offset = s.dst_offset;
