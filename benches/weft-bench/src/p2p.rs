@@ -562,7 +562,7 @@ fn imm_once(
     let (od, fired) = OnDone::flag();
     if !arm_early {
         if let Some(p) = pause {
-            std::thread::sleep(p);
+            idle_then_spin(p);
         }
     }
     ep.rx
@@ -570,7 +570,7 @@ fn imm_once(
         .map_err(|e| e.to_string())?;
     if arm_early {
         if let Some(p) = pause {
-            std::thread::sleep(p);
+            idle_then_spin(p);
         }
     }
     let t0 = Instant::now();
@@ -580,6 +580,25 @@ fn imm_once(
     wait_until(|| fired.is_done())?;
     Ok(ns(t0.elapsed()) / 1e3)
 }
+
+/// The bench thread sleeps `p` (the engines sit idle meanwhile), then
+/// spins [`AWAKE`] before it goes on: what it times next starts on a
+/// running thread in both `imm_once` variants. Without the spin, the
+/// armed-before variant timed its submit straight out of the sleep and
+/// the armed-after one after its arm: +2.5 % (mean of 24 run × NIC-count
+/// cells, 1–4 NICs, null backend, H200) for arming early, also under
+/// `PollPolicy::Busy`, where both variants leave the workers in the same
+/// state (docs/benchmarks.md, "Arming early: the submitter's wake-up").
+fn idle_then_spin(p: Duration) {
+    std::thread::sleep(p);
+    let t = Instant::now();
+    while t.elapsed() < AWAKE {
+        std::hint::spin_loop();
+    }
+}
+
+/// How long [`idle_then_spin`] spins after its sleep.
+const AWAKE: Duration = Duration::from_micros(20);
 
 /// How long the receiver sits idle, with the round armed, before the
 /// `imm_only` "after idle" WRITE is submitted: longer than a worker's spin
