@@ -16,6 +16,7 @@
 //! request or a control message and, when it moved, drops its peers that
 //! are no longer live (see `core::lifecycle`).
 
+use crossbeam_utils::CachePadded;
 use parking_lot::RwLock;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -73,8 +74,12 @@ struct Table {
 pub(crate) struct Incarnations {
     table: RwLock<Table>,
     /// Bumped whenever a bound incarnation stops being live (replaced by a
-    /// newer one or removed).
-    epoch: AtomicU64,
+    /// newer one or removed). Every worker reads it on every lap, so it
+    /// sits on a cache line of its own: next to a lock that submitters
+    /// take (the `AddrBook`'s, allocated right after it), each submit cost
+    /// the worker a miss on its next lap and the submitter one on its next
+    /// submit (docs/benchmarks.md, "Submit-side cache lines").
+    epoch: CachePadded<AtomicU64>,
 }
 
 impl Incarnations {
