@@ -337,12 +337,18 @@ fn single(
     let mut h_bw = Vec::new();
     let split_target = tb.target_needs_polling();
     for _ in 0..cfg.rounds() {
-        // weft: a fresh pair, warmed up (peers connected, pools grown to
-        // the window) with small writes, then measured, then shut down.
+        // weft: a fresh pair, warmed up with as many writes as the batch
+        // (of at most 64 KiB), then measured, then shut down. The raw
+        // baselines run on long-lived domains, and their "own thread" and
+        // "hand-off" loops follow a full raw batch in the same round: a
+        // pair warmed up with only a window of writes ran its batch on
+        // memory the provider had not touched yet (libfabric shm's fresh
+        // regions: at 8 NICs 0.53-0.64 of the raw loop after 16 writes,
+        // 0.54-0.80 after 8192; docs/benchmarks.md, "shm singles at 2-8
+        // NICs").
         {
             let ep = rig.engines()?;
-            let warm = plan.window.min(bw_ops);
-            ep.single_writes(size.min(64 << 10), warm, plan.window, None)?;
+            ep.single_writes(size.min(64 << 10), bw_ops, plan.window, None)?;
             let te = ep.single_writes(size, bw_ops, plan.window, None)?;
             e_bw.push((size * bw_ops) as f64 / ns(te));
             for _ in 0..lat_ops {
@@ -583,12 +589,12 @@ fn imm_once(
 
 /// The bench thread sleeps `p` (the engines sit idle meanwhile), then
 /// spins [`AWAKE`] before it goes on: what it times next starts on a
-/// running thread in both `imm_once` variants. Without the spin, the
-/// armed-before variant timed its submit straight out of the sleep and
-/// the armed-after one after its arm: +2.5 % (mean of 24 run × NIC-count
-/// cells, 1–4 NICs, null backend, H200) for arming early, also under
-/// `PollPolicy::Busy`, where both variants leave the workers in the same
-/// state (docs/benchmarks.md, "Arming early: the submitter's wake-up").
+/// running thread in both `imm_once` variants, not straight out of a
+/// sleep (the armed-before variant used to; the armed-after one had its
+/// arm in between). On the H200 host both paused rows dropped from 11–15
+/// to 8–11 µs with it; arming early stayed ~2.5 % slower
+/// (docs/benchmarks.md, "Arming early: not the idle policy, not the
+/// submitter's wake-up").
 fn idle_then_spin(p: Duration) {
     std::thread::sleep(p);
     let t = Instant::now();

@@ -78,7 +78,7 @@ pub(crate) struct Incarnations {
     /// sits on a cache line of its own: next to a lock that submitters
     /// take (the `AddrBook`'s, allocated right after it), each submit cost
     /// the worker a miss on its next lap and the submitter one on its next
-    /// submit (docs/benchmarks.md, "Submit-side cache lines").
+    /// submit (docs/benchmarks.md, "shm singles at 2-8 NICs").
     epoch: CachePadded<AtomicU64>,
 }
 
