@@ -340,12 +340,12 @@ fn single(
         // weft: a fresh pair, warmed up with as many writes as the batch
         // (of at most 64 KiB), then measured, then shut down. The raw
         // baselines run on long-lived domains, and their "own thread" and
-        // "hand-off" loops follow a full raw batch in the same round: a
-        // pair warmed up with only a window of writes ran its batch on
-        // memory the provider had not touched yet (libfabric shm's fresh
-        // regions: at 8 NICs 0.53-0.64 of the raw loop after 16 writes,
-        // 0.54-0.80 after 8192; docs/benchmarks.md, "shm singles at 2-8
-        // NICs").
+        // "hand-off" loops follow a full raw batch in the same round. A
+        // pair warmed up with only a window of writes measured colder than
+        // those (libfabric shm at 8 NICs, H200: 0.53-0.64 of raw with the
+        // target on its own thread after 16 warm-up writes, 0.54-0.80
+        // after 8192; why, e.g. fresh shm regions, is not measured;
+        // docs/benchmarks.md, "shm singles at 2–8 NICs").
         {
             let ep = rig.engines()?;
             ep.single_writes(size.min(64 << 10), bw_ops, plan.window, None)?;
@@ -591,8 +591,9 @@ fn imm_once(
 /// spins [`AWAKE`] before it goes on: what it times next starts on a
 /// running thread in both `imm_once` variants, not straight out of a
 /// sleep (the armed-before variant used to; the armed-after one had its
-/// arm in between). On the H200 host both paused rows dropped from 11–15
-/// to 8–11 µs with it; arming early stayed ~2.5 % slower
+/// arm in between). On the H200 host the paused rows read 8–11 µs in the
+/// runs with it, 11–16 µs in earlier ones (other runs, and a build with
+/// other changes too); arming early stayed ~2.5 % slower
 /// (docs/benchmarks.md, "Arming early: not the idle policy, not the
 /// submitter's wake-up").
 fn idle_then_spin(p: Duration) {
