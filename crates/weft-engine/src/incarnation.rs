@@ -76,11 +76,11 @@ pub(crate) struct Incarnations {
     /// Bumped whenever a bound incarnation stops being live (replaced by a
     /// newer one or removed). Every worker reads it on every lap, so it
     /// sits on a cache line of its own: it was 8 bytes from the lock of
-    /// the `AddrBook` (allocated right after it), which every submit
-    /// takes, so for most allocation offsets a submit could cost the
-    /// worker a miss on its next lap and the submitter one on its next
-    /// submit (the cost is not measured separately; docs/benchmarks.md,
-    /// "shm singles at 2–8 NICs").
+    /// the `AddrBook`'s index (the field after this one in the book),
+    /// which every submit takes, so for most allocation offsets a submit
+    /// could cost the worker a miss on its next lap and the submitter one
+    /// on its next submit (the cost is not measured separately;
+    /// docs/benchmarks.md, "shm singles at 2–8 NICs").
     epoch: CachePadded<AtomicU64>,
 }
 
