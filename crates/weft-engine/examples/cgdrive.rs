@@ -4,8 +4,10 @@
 //! N`: N paged writes of 10 000 pages of 1 KiB (`CGDRIVE_PAGES` sets the count;
 //! `CGDRIVE_NICS` the NICs of each engine's one group, default 1). The receiver is a manual
 //! engine that is never driven: the null fabric completes WRs at the
-//! sender's poll. `cgdrive tsingle N` times the single WRITE with worker
-//! threads instead. `cgdrive rawpaged N` is the baseline of `paged`: the
+//! sender's poll. `cgdrive tsingle N` times the single WRITE with a worker
+//! thread on the sender instead, and `cgdrive tcount N` N of them with 16 outstanding,
+//! counted by one `DoneCounter` (as `weft-bench p2p` drives them).
+//! `cgdrive rawpaged N` is the baseline of `paged`: the
 //! same pages posted straight to the fabric's domains and polled, one
 //! submit's pages at a time, page `j` on NIC `j % nics` (no engine).
 //! `cgdrive scatter N`: N scatters of 1 KiB to each of `CGDRIVE_PEERS`
@@ -62,7 +64,9 @@ fn main() {
     // `CGDRIVE_NICS` NICs per engine, one group (default 1).
     let nics = env_num("CGDRIVE_NICS", 1, weft_engine::MAX_NICS as u32) as usize;
     let tx = engine(&fabric, manual, nics);
-    let rx = engine(&fabric, manual, nics);
+    // The receiver is never driven, in every mode: the null fabric
+    // completes WRs at the sender's poll.
+    let rx = engine(&fabric, true, nics);
     // The buffers live until the end of `main`, after shutdown.
     let src = HostBuffer::new(16 << 20).expect("src buffer");
     let dst = HostBuffer::new(16 << 20).expect("dst buffer");
@@ -127,13 +131,41 @@ fn main() {
             let e = t.elapsed();
             println!("tsingle: {:.0} ns/op", e.as_nanos() as f64 / n as f64);
         }
+        "tcount" => {
+            // Threaded engines: 64 B WRITEs, 16 outstanding, one counter.
+            let counter = Arc::new(DoneCounter::new());
+            let window = 16;
+            let t = std::time::Instant::now();
+            for i in 0..(n + warm) {
+                while i - counter.total() >= window {
+                    std::hint::spin_loop();
+                }
+                tx.submit_single_write(
+                    64,
+                    None,
+                    (&src_mr, 0),
+                    (&desc, 0),
+                    OnDone::counter(&counter),
+                )
+                .expect("submit");
+            }
+            while counter.total() < n + warm {
+                std::hint::spin_loop();
+            }
+            let e = t.elapsed();
+            assert_eq!(counter.failed(), 0);
+            println!(
+                "tcount: {:.0} ns/op",
+                e.as_nanos() as f64 / (n + warm) as f64
+            );
+        }
         "rawpaged" => {
             iters = raw_paged(&fabric, nics, n + warm, &src, &dst);
         }
         "scatter" | "rawscatter" | "pscatter" => {
             iters = scatter(&fabric, &tx, &src, n + warm, &what);
         }
-        _ => panic!("single|paged|tsingle|rawpaged|scatter|rawscatter|pscatter"),
+        _ => panic!("single|paged|tsingle|tcount|rawpaged|scatter|rawscatter|pscatter"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();

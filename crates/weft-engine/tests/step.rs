@@ -333,6 +333,75 @@ fn injected_failures_fail_exactly_their_transfer() {
     }
 }
 
+/// Counters are bumped in runs (one add per run of transfers sharing a
+/// counter in a NIC's completion batch): with two counters interleaved
+/// in runs, a flag among them and failures mid-run, each counter still
+/// counts exactly its own successes and failures.
+#[test]
+fn counters_count_interleaved_runs_exactly() {
+    use weft_engine::DoneCounter;
+    for seed in seeds_or([41, 42, 43]) {
+        let _g = SeedGuard::new(seed, "counters_count_interleaved_runs_exactly");
+        let fabric = small_writes_fabric(seed);
+        let (a, b) = (fabric.add_host(2), fabric.add_host(2));
+        let ea = engine(&fabric, a, 2, test_config(), true);
+        let eb = engine(&fabric, b, 2, test_config(), true);
+        let src = Arc::new(mem::patterned(seed, 1 << 16));
+        let dst = Arc::new(mem::zeroed(1 << 16));
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        // Every WR of transfers 3 and 11 fails.
+        fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(3));
+        fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(11));
+        let (ca, cb) = (Arc::new(DoneCounter::new()), Arc::new(DoneCounter::new()));
+        // Runs of A and B; transfer 8 reports to a flag.
+        let pattern = b"AAABABBAFAAABBBBAB";
+        let mut want = [(0u64, 0u64); 2];
+        let mut flag = None;
+        for (i, &who) in pattern.iter().enumerate() {
+            let imm = i as u32;
+            let failing = imm == 3 || imm == 11;
+            let od = match who {
+                b'F' => {
+                    let (od, f) = OnDone::flag();
+                    flag = Some(f);
+                    od
+                }
+                _ => {
+                    let k = usize::from(who == b'B');
+                    if failing {
+                        want[k].1 += 1;
+                    } else {
+                        want[k].0 += 1;
+                    }
+                    OnDone::counter(if k == 0 { &ca } else { &cb })
+                }
+            };
+            let off = (i as u64 * 3000) % ((1 << 16) - 4096);
+            ea.submit_single_write(4096, Some(imm), (&sh, off), (&dd, off), od)
+                .unwrap();
+        }
+        let flag = flag.expect("the pattern has a flag");
+        let engines = [ea.clone(), eb.clone()];
+        let all = pattern.len() as u64 - 1;
+        drive(&fabric, &engines, || {
+            ca.total() + cb.total() == all && flag.is_done()
+        });
+        assert_eq!((ca.ok(), ca.failed()), want[0], "counter A");
+        assert_eq!((cb.ok(), cb.failed()), want[1], "counter B");
+        assert_eq!(flag.result(), Some(Ok(())));
+        for c in [&ca, &cb] {
+            match c.first_error() {
+                Some(e @ EngineError::Transport { .. })
+                    if matches!(e.transport(), Some(TransportError::Failed { .. })) => {}
+                other => panic!("expected the injected failure, got {other:?}"),
+            }
+        }
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
+
 /// A peer dies in the middle of many transfers: every pending on_done
 /// resolves, work to the other peer completes, later submits to the dead
 /// peer fail, nothing hangs.

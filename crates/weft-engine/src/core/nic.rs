@@ -370,6 +370,7 @@ impl WorkerCore {
             if let Some((id, k)) = run {
                 self.completed_run(nic, id, k);
             }
+            self.flush_counts();
             self.comps = comps;
             if let Err(e) = r {
                 tracing::error!(group = self.group, nic, error = %e, "domain failed");

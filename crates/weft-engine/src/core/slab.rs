@@ -256,10 +256,15 @@ impl WorkerCore {
                 drop(buf);
             }
         }
-        if let Some(od) = on_done {
-            if let Some((cb, r)) = od.resolve_inline(result) {
-                self.events.push(Event::Done(cb, r));
+        match (on_done, result) {
+            // Counted in a batch (`flush_counts`).
+            (Some(OnDone::Counter(c)), Ok(())) => self.counts.push(c),
+            (Some(od), result) => {
+                if let Some((cb, r)) = od.resolve_inline(result) {
+                    self.events.push(Event::Done(cb, r));
+                }
             }
+            (None, _) => {}
         }
     }
 }
