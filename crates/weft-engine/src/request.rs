@@ -30,6 +30,9 @@ pub struct GroupAddress {
     pub incarnation: Incarnation,
 }
 
+/// A request as the group's queue carries it. Every byte crosses from the
+/// submitting core to the worker's (the worker's `pop` reads the whole
+/// slot), so the large paged body is boxed: 192 bytes rather than 256.
 #[derive(Debug)]
 pub(crate) struct Submitted {
     pub(crate) id: TransferId,
@@ -38,6 +41,10 @@ pub(crate) struct Submitted {
     #[cfg(feature = "latency-probe")]
     pub(crate) stamps: crate::probe::Stamps,
 }
+
+// See `Submitted` (the latency probe's stamps add to it).
+#[cfg(all(target_pointer_width = "64", not(feature = "latency-probe")))]
+const _: () = assert!(std::mem::size_of::<Submitted>() <= 192);
 
 /// A paged write's body: page `i` of `src_pages` (in registration `src`)
 /// to page `i` of `dst_pages` (in `dst`), `page_len` bytes each. Planned a
@@ -63,7 +70,10 @@ pub(crate) enum Body {
         dst: PlainDst,
         dst_off: u64,
     },
-    Paged(PagedBody),
+    /// Boxed: the largest body by far (224 bytes), it would set the size
+    /// of every request the queue carries from the submitting core to the
+    /// worker's (see [`Submitted`]).
+    Paged(Box<PagedBody>),
     Scatter {
         imm: Option<Imm>,
         src: u64,

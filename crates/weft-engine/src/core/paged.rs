@@ -26,7 +26,7 @@ use weft_transport::WrId;
 pub(super) struct Partial {
     slot: u32,
     wr: WrId,
-    body: PagedBody,
+    body: Box<PagedBody>,
     /// The first page not planned yet.
     next: usize,
 }
@@ -39,7 +39,7 @@ impl WorkerCore {
         &mut self,
         slot: u32,
         wr: WrId,
-        p: PagedBody,
+        p: Box<PagedBody>,
     ) -> Result<(), EngineError> {
         let next = self.plan_pages(slot, wr, &p, 0)?;
         if next < p.src_pages.len() {

@@ -275,14 +275,14 @@ impl TransferEngine {
         self.check_nic_count(h.group as usize, d)?;
         let req = self.new_req(
             on_done,
-            Body::Paged(PagedBody {
+            Body::Paged(Box::new(PagedBody {
                 page_len,
                 imm,
                 src: h.key(),
                 src_pages: sp.clone(),
                 dst: self.plain(d)?,
                 dst_pages: dp.clone(),
-            }),
+            })),
         );
         self.enqueue(gs, req)
     }
