@@ -58,9 +58,10 @@ fn backend(prov: &str) -> Result<weft::Backend, String> {
 
 fn engine(prov: &str) -> Arc<TransferEngine> {
     let b = backend(prov).expect("provider (the parent checked it)");
-    let cfg = EngineConfig {
-        idle_sleep: Some(Duration::from_micros(100)),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_sleep = Some(Duration::from_micros(100));
+        c
     };
     Arc::new(
         TransferEngine::builder()

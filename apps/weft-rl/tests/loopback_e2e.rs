@@ -28,9 +28,10 @@ type StepResults = (
 
 fn engine(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
     let p = Arc::new(fabric.provider(host));
-    let cfg = EngineConfig {
-        idle_sleep: Some(Duration::from_micros(200)),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_sleep = Some(Duration::from_micros(200));
+        c
     };
     Arc::new(
         TransferEngine::builder()

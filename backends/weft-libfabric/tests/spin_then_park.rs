@@ -24,14 +24,15 @@ const IDLE_SLEEP: Duration = Duration::from_secs(5);
 const PER_WRITE: Duration = Duration::from_millis(2500);
 
 fn engine(name: &str, poll: PollPolicy) -> Option<TransferEngine> {
-    let cfg = EngineConfig {
-        poll,
-        idle_sleep: Some(IDLE_SLEEP),
-        inflight_spin: Duration::from_millis(100),
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.poll = poll;
+        c.idle_sleep = Some(IDLE_SLEEP);
+        c.inflight_spin = Duration::from_millis(100);
         // Never sleep in the wait fds (tcp has them): only the park is
         // under test.
-        idle_block_after: None,
-        ..EngineConfig::default()
+        c.idle_block_after = None;
+        c
     };
     common::one_nic_engine(name, cfg)
 }

@@ -142,9 +142,10 @@ fn shm_domain_wakes_its_sleeper() {
 }
 
 fn engine(name: &str) -> Option<TransferEngine> {
-    let cfg = EngineConfig {
-        idle_block_after: Some(Duration::ZERO),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_block_after = Some(Duration::ZERO);
+        c
     };
     common::one_nic_engine(name, cfg)
 }

@@ -33,15 +33,16 @@ impl Loopback {
 
     /// A manual-mode engine over every NIC of `host`.
     fn build(&self, host: weft_loopback::HostId) -> Result<TransferEngine, HarnessError> {
-        let cfg = EngineConfig {
-            queue_capacity: 256,
-            send_slots: 16,
-            send_slot_len: 8192,
-            imm_capacity: 4096,
+        let cfg = {
+            let mut c = EngineConfig::default();
+            c.queue_capacity = 256;
+            c.send_slots = 16;
+            c.send_slot_len = 8192;
+            c.imm_capacity = 4096;
             // Step mode: nothing moves while a manual engine drains at
             // shutdown, so in-flight work fails after this.
-            drain_timeout: Duration::from_millis(20),
-            ..EngineConfig::default()
+            c.drain_timeout = Duration::from_millis(20);
+            c
         };
         TransferEngine::builder()
             .group(DomainGroupSpec::new(

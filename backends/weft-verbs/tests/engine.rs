@@ -45,10 +45,11 @@ impl VerbsSim {
             ..VerbsConfig::default()
         };
         let p = Arc::new(VerbsProvider::with_lib(lib, cfg));
-        let ecfg = EngineConfig {
+        let ecfg = {
+            let mut c = EngineConfig::default();
             // Nothing moves while a manual engine drains at shutdown.
-            drain_timeout: Duration::from_millis(20),
-            ..EngineConfig::default()
+            c.drain_timeout = Duration::from_millis(20);
+            c
         };
         TransferEngine::builder()
             .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))

@@ -55,15 +55,14 @@ pub fn bench_config() -> EngineConfig {
         env_num::<u32>("WEFT_BENCH_PROGRESS_SPINS").unwrap_or(defaults.progress_spins);
     let max_pending_wrs =
         env_num::<usize>("WEFT_BENCH_MAX_PENDING").unwrap_or(defaults.max_pending_wrs);
-    EngineConfig {
-        idle_sleep,
-        poll,
-        progress_spins,
-        max_pending_wrs,
-        idle_block_after,
-        max_inflight_per_nic,
-        ..defaults
-    }
+    let mut c = defaults;
+    c.idle_sleep = idle_sleep;
+    c.poll = poll;
+    c.progress_spins = progress_spins;
+    c.max_pending_wrs = max_pending_wrs;
+    c.idle_block_after = idle_block_after;
+    c.max_inflight_per_nic = max_inflight_per_nic;
+    c
 }
 
 /// The receiving engine's configuration: [`bench_config`], with its idle

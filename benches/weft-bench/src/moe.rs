@@ -131,9 +131,10 @@ pub fn pct(v: &mut [f64], p: f64) -> f64 {
 fn engine(fabric: &Fabric) -> Result<Arc<TransferEngine>, String> {
     let host = fabric.add_host(1);
     let p = Arc::new(fabric.provider(host));
-    let cfg = EngineConfig {
-        idle_sleep: Some(Duration::from_micros(50)),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_sleep = Some(Duration::from_micros(50));
+        c
     };
     TransferEngine::builder()
         .group(DomainGroupSpec::new(p, vec![0]))

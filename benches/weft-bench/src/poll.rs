@@ -71,10 +71,11 @@ fn engine(tb: &Testbed, set: Setting) -> Result<Shutdown, String> {
     let p = tb.host()?;
     TransferEngine::builder()
         .group(DomainGroupSpec::new(p, vec![0]))
-        .config(EngineConfig {
-            poll: set.poll,
-            idle_block_after: set.block_after,
-            ..EngineConfig::default()
+        .config({
+            let mut c = EngineConfig::default();
+            c.poll = set.poll;
+            c.idle_block_after = set.block_after;
+            c
         })
         .build()
         .map(Shutdown)

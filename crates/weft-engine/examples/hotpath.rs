@@ -29,9 +29,10 @@ fn engine(fabric: &Fabric, nics: usize) -> TransferEngine {
             Arc::new(fabric.provider(host)),
             (0..nics).collect::<Vec<usize>>(),
         ))
-        .config(EngineConfig {
-            idle_sleep: Some(Duration::from_micros(20)),
-            ..EngineConfig::default()
+        .config({
+            let mut c = EngineConfig::default();
+            c.idle_sleep = Some(Duration::from_micros(20));
+            c
         })
         .build()
         .expect("engine")

@@ -66,10 +66,21 @@ pub enum PollPolicy {
 }
 
 /// Engine-wide settings.
+///
+/// Non-exhaustive, so that a new setting is not a breaking change: start
+/// from [`EngineConfig::default`] and set the fields you need.
+///
+/// ```
+/// use std::time::Duration;
+/// let mut cfg = weft_engine::EngineConfig::default();
+/// cfg.idle_sleep = None; // workers never sleep: lowest latency, a core each
+/// cfg.drain_timeout = Duration::from_secs(1);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// Capacity of each group's lock-free request queue. Requests sit in
-    /// it by value (about 200 bytes each, allocated once with the queue),
+    /// it by value (192 bytes each, allocated once with the queue),
     /// so a submit allocates nothing for the hand-off itself.
     pub queue_capacity: usize,
     /// Behaviour on a full request queue.

@@ -10,9 +10,7 @@ use common::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
-use weft_engine::{
-    DoneResult, EngineConfig, EngineError, OnDone, Pages, QueueFullPolicy, TransferEngine,
-};
+use weft_engine::{DoneResult, EngineError, OnDone, Pages, QueueFullPolicy, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
 
 /// Two engines whose request queues hold one request (blocking policy),
@@ -28,11 +26,12 @@ fn tight_pair(seed: u64) -> (Fabric, TransferEngine, TransferEngine) {
         rnr_timeout: Duration::from_secs(3600),
         ..FabricConfig::adversarial(seed)
     });
-    let cfg = EngineConfig {
-        queue_capacity: 1,
-        queue_full: QueueFullPolicy::Block,
-        max_pending_wrs: 2,
-        ..test_config()
+    let cfg = {
+        let mut c = test_config();
+        c.queue_capacity = 1;
+        c.queue_full = QueueFullPolicy::Block;
+        c.max_pending_wrs = 2;
+        c
     };
     let a = engine(&fabric, fabric.add_host(1), 1, cfg.clone(), false);
     let b = engine(&fabric, fabric.add_host(1), 1, cfg, false);

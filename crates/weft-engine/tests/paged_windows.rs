@@ -31,10 +31,9 @@ fn fabric(seed: u64) -> Fabric {
 }
 
 fn config() -> EngineConfig {
-    EngineConfig {
-        max_pending_wrs: MAX_PENDING,
-        ..test_config()
-    }
+    let mut c = test_config();
+    c.max_pending_wrs = MAX_PENDING;
+    c
 }
 
 /// `PAGES` pages of `PAGE` bytes, in a scrambled order with gaps.
@@ -249,9 +248,10 @@ fn failed_paged_write_stops_planning() {
 fn shutdown_fails_a_partly_planned_paged_write() {
     for seed in seeds_or([91]) {
         let _g = SeedGuard::new(seed, "shutdown_fails_a_partly_planned_paged_write");
-        let cfg = EngineConfig {
-            drain_timeout: Duration::from_secs(3600),
-            ..config()
+        let cfg = {
+            let mut c = config();
+            c.drain_timeout = Duration::from_secs(3600);
+            c
         };
         let p = Pair::with(seed, 1, cfg);
         let paged = p.paged(&pages(seed));

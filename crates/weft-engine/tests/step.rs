@@ -531,9 +531,10 @@ fn api_errors_and_allocation() {
     let _g = SeedGuard::new(seed, "api_errors_and_allocation");
     let fabric = Fabric::new(FabricConfig::adversarial(seed));
     let (a, b) = (fabric.add_host(2), fabric.add_host(2));
-    let cfg = weft_engine::EngineConfig {
-        queue_capacity: 2,
-        ..test_config()
+    let cfg = {
+        let mut c = test_config();
+        c.queue_capacity = 2;
+        c
     };
     let excess: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
     let ex2 = excess.clone();

@@ -12,9 +12,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use weft_engine::{
-    DoneCounter, EngineConfig, EngineError, OnDone, Pages, QueueFullPolicy, TransferEngine,
-};
+use weft_engine::{DoneCounter, EngineError, OnDone, Pages, QueueFullPolicy, TransferEngine};
 use weft_loopback::{Fabric, FabricConfig};
 
 type Log = Arc<Mutex<Vec<String>>>;
@@ -333,10 +331,11 @@ fn resubmitting_callbacks_and_peer_death() {
     for seed in seeds_or([81]) {
         let _g = SeedGuard::new(seed, "resubmitting_callbacks_and_peer_death");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
-        let cfg = EngineConfig {
-            queue_capacity: 2,
-            queue_full: QueueFullPolicy::Block,
-            ..test_config()
+        let cfg = {
+            let mut c = test_config();
+            c.queue_capacity = 2;
+            c.queue_full = QueueFullPolicy::Block;
+            c
         };
         let (a, b, c) = (fabric.add_host(2), fabric.add_host(2), fabric.add_host(2));
         let ea = engine(&fabric, a, 2, cfg.clone(), false);

@@ -18,11 +18,12 @@ use weft_testkit::pattern::pattern_byte;
 
 pub fn engine(fabric: &Fabric, host: HostId, nics: usize) -> Arc<TransferEngine> {
     let p = Arc::new(fabric.provider(host));
-    let cfg = EngineConfig {
-        queue_capacity: 256,
-        send_slots: 16,
-        idle_sleep: Some(Duration::from_micros(300)),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.queue_capacity = 256;
+        c.send_slots = 16;
+        c.idle_sleep = Some(Duration::from_micros(300));
+        c
     };
     Arc::new(
         TransferEngine::builder()

@@ -51,9 +51,10 @@ impl Default for GpuUpdateConfig {
             inference_rank: 0,
             fabric: FabricConfig::ideal(0),
             nics: 2,
-            engine: EngineConfig {
-                idle_sleep: Some(Duration::from_micros(200)),
-                ..EngineConfig::default()
+            engine: {
+                let mut c = EngineConfig::default();
+                c.idle_sleep = Some(Duration::from_micros(200));
+                c
             },
             timeout: Duration::from_secs(30),
         }

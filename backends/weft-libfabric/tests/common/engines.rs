@@ -39,9 +39,10 @@ pub fn lf_provider(
 
 /// An engine with one group of [`NICS`] NICs of `p`.
 pub fn lf_engine(p: Arc<dyn Provider>) -> Result<TransferEngine, String> {
-    let cfg = EngineConfig {
-        idle_sleep: Some(Duration::from_micros(500)),
-        ..EngineConfig::default()
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_sleep = Some(Duration::from_micros(500));
+        c
     };
     let e = TransferEngine::builder()
         .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))

@@ -16,15 +16,14 @@ pub const HANG: Duration = Duration::from_secs(120);
 
 /// A test-friendly config: small queues to exercise backpressure.
 pub fn test_config() -> EngineConfig {
-    EngineConfig {
-        queue_capacity: 256,
-        send_slots: 16,
-        send_slot_len: 4096,
-        imm_capacity: 4096,
-        idle_sleep: Some(Duration::from_micros(500)),
-        idle_yields: 64,
-        ..EngineConfig::default()
-    }
+    let mut c = EngineConfig::default();
+    c.queue_capacity = 256;
+    c.send_slots = 16;
+    c.send_slot_len = 4096;
+    c.imm_capacity = 4096;
+    c.idle_sleep = Some(Duration::from_micros(500));
+    c.idle_yields = 64;
+    c
 }
 
 /// An engine on `host` with one group over all its `nics` NICs.
