@@ -29,10 +29,14 @@ pub enum OnDone {
     Callback(DoneCallback),
     /// Set this flag (on the worker; cheap). Wait on it or poll it.
     Flag(Arc<DoneFlag>),
-    /// Bump this counter (on the worker; cheap). Successes are counted
-    /// after each NIC's batch of completions, one add per run of
-    /// transfers with the same counter, so a bump is not ordered against
-    /// the flags and callbacks of other transfers finished in that batch.
+    /// Bump this counter (on the worker; cheap). Successes are counted in
+    /// runs: one add per run of transfers with the same counter, after each
+    /// NIC's batch of completions and at the latest at the end of the
+    /// worker's lap, before that lap's callbacks go to the callback thread.
+    /// So a success is not ordered against the flags of other transfers
+    /// finished in the same lap, nor against a failure on the same counter
+    /// (failures are counted at once: `failed()` can move before `ok()`
+    /// counts a success that finished earlier in the lap).
     Counter(Arc<DoneCounter>),
     /// Nothing to report.
     Ignore,
@@ -213,11 +217,12 @@ impl DoneFlag {
 /// waiter sees the new state, or the worker sees the waiter and takes the
 /// lock (which the waiter holds until it sleeps in the condition
 /// variable) before notifying. Model-checked with loom (`loom_model`
-/// below). Measured with the worker's batched counts
-/// (`WorkerCore::flush_counts`): 64 B WRITEs on the null backend, 16
-/// outstanding on one counter, took a median 381 ns against 575 ns with
-/// the lock on every bump (`cgdrive tcount`, 16 alternating runs on the
-/// 2-core VM; docs/benchmarks.md, "Completion counters without a lock").
+/// below). Measured together with the worker's batched counts
+/// (`WorkerCore::flush_counts`; the two were not measured apart): 64 B
+/// WRITEs on the null backend, 16 outstanding on one counter, took a
+/// median 381 ns against 575 ns before (`cgdrive tcount`, 16 alternating
+/// runs on the 2-core VM; docs/benchmarks.md, "Completion flags and
+/// counters without a lock").
 struct Waiters<'a>(&'a AtomicUsize);
 
 impl<'a> Waiters<'a> {
@@ -370,6 +375,19 @@ impl DoneCounter {
     }
 }
 
+/// The runs of consecutive entries that share one allocation, in order:
+/// each run's first entry and its length (how the worker bumps a counter
+/// once per run, `WorkerCore::flush_counts`).
+pub(crate) fn runs<T>(items: &[Arc<T>]) -> impl Iterator<Item = (&Arc<T>, usize)> {
+    let mut rest = items;
+    std::iter::from_fn(move || {
+        let first = rest.first()?;
+        let n = rest.iter().take_while(|x| Arc::ptr_eq(first, x)).count();
+        rest = &rest[n..];
+        Some((first, n))
+    })
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -385,11 +403,28 @@ mod tests {
 
     /// `add_ok(n)` counts `n` at once; a failure keeps the first error
     /// only; a waiter blocked before either is woken.
+    /// Runs are maximal stretches of the same allocation, in order; equal
+    /// values in different allocations are different runs.
+    #[test]
+    fn runs_group_consecutive_entries() {
+        let (a, b, a2) = (Arc::new(1), Arc::new(2), Arc::new(1));
+        let items = [&a, &a, &b, &a, &a2, &a2, &a2].map(Arc::clone);
+        let got: Vec<(i32, usize)> = runs(&items).map(|(x, n)| (**x, n)).collect();
+        assert_eq!(got, vec![(1, 2), (2, 1), (1, 1), (1, 3)]);
+        let firsts: Vec<bool> = runs(&items).map(|(x, _)| Arc::ptr_eq(x, &a)).collect();
+        assert_eq!(firsts, vec![true, false, true, false]);
+        assert_eq!(runs::<i32>(&[]).count(), 0);
+    }
+
     #[test]
     fn counter_counts_batches_and_first_error() {
         let c = Arc::new(DoneCounter::new());
         let c2 = Arc::clone(&c);
         let waiter = std::thread::spawn(move || c2.wait_for(7));
+        // The waiter is blocked (counted) before anything is added.
+        while c.waiters.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
         c.add_ok(5);
         c.add(Err(EngineError::QueueFull { group: 1 }));
         c.add(Err(EngineError::ShutDown));
@@ -487,6 +522,21 @@ mod loom_model {
             c.wait_for(1);
             assert_eq!((c.ok(), c.failed()), (0, 1));
             assert!(c.first_error().is_some());
+            t.join().unwrap();
+        });
+    }
+
+    /// A future polled (and re-polled on wake-ups) while the flag is set
+    /// from another thread resolves; loom reports a lost wake-up as a
+    /// deadlock of `block_on`.
+    #[test]
+    fn flag_set_races_future() {
+        ::loom::model(|| {
+            // `wait_async` takes a std `Arc`.
+            let f = std::sync::Arc::new(DoneFlag::new());
+            let f2 = f.clone();
+            let t = thread::spawn(move || f2.set(Ok(())));
+            assert_eq!(::loom::future::block_on(f.wait_async()), Ok(()));
             t.join().unwrap();
         });
     }

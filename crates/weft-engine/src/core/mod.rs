@@ -44,7 +44,7 @@ mod slab;
 use crate::error::{EngineError, TransferId};
 use crate::imm::{ImmDone, ImmTable};
 use crate::mem::{RecvPool, SendPool};
-use crate::ondone::{DoneCallback, DoneCounter, DoneResult};
+use crate::ondone::{runs, DoneCallback, DoneCounter, DoneResult};
 use crate::request::{AddrBook, Body, GroupAddress, Submitted};
 use crate::shard::{Piece, ShardConfig};
 use crate::stats::GroupCounters;
@@ -281,8 +281,9 @@ impl WorkerCore {
     /// line then crosses to this thread once per run rather than once per
     /// transfer (its submitter takes it back for every `OnDone::counter`
     /// clone and every read of the count). Called after each NIC's
-    /// completions and with every hand-over of events, so a bump waits at
-    /// most for the rest of one NIC's completion batch.
+    /// completions and with every hand-over of events (at the end of every
+    /// worker lap, before the lap's events go to the callback thread), so
+    /// a bump waits at most for the rest of that lap.
     #[inline]
     pub(crate) fn flush_counts(&mut self) {
         if !self.counts.is_empty() {
@@ -292,13 +293,15 @@ impl WorkerCore {
 
     #[inline(never)]
     fn bump_counts(&mut self) {
-        let mut rest = &self.counts[..];
-        while let Some(c) = rest.first() {
-            let run = rest.iter().take_while(|d| Arc::ptr_eq(c, d)).count();
-            c.add_ok(run as u64);
-            rest = &rest[run..];
+        // Taken out first: were an add to panic, the runs after it would be
+        // dropped uncounted, never counted twice by the failure path's
+        // flush.
+        let mut counts = std::mem::take(&mut self.counts);
+        for (c, n) in runs(&counts) {
+            c.add_ok(n as u64);
         }
-        self.counts.clear();
+        counts.clear();
+        self.counts = counts;
     }
 
     /// WRs planned but not yet handed to the backend (backpressure signal).
