@@ -27,6 +27,34 @@ fn small_writes_fabric(seed: u64) -> Fabric {
     })
 }
 
+/// Two manual engines of 2 NICs each over [`small_writes_fabric`]: a
+/// patterned source of `len` bytes registered on the first, a zeroed
+/// destination of `len` bytes on the second, and the two buffers (keep
+/// them until the engines are shut down).
+fn two_hosts(seed: u64, len: usize) -> TwoHosts {
+    let fabric = small_writes_fabric(seed);
+    let (a, b) = (fabric.add_host(2), fabric.add_host(2));
+    let ea = engine(&fabric, a, 2, test_config(), true);
+    let eb = engine(&fabric, b, 2, test_config(), true);
+    let src = Arc::new(mem::patterned(seed, len));
+    let dst = Arc::new(mem::zeroed(len));
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    (fabric, ea, eb, sh, dd, (src, dst))
+}
+
+type TwoHosts = (
+    Fabric,
+    TransferEngine,
+    TransferEngine,
+    weft_engine::MrHandle,
+    weft_transport::MrDesc,
+    (
+        Arc<weft_transport::HostBuffer>,
+        Arc<weft_transport::HostBuffer>,
+    ),
+);
+
 /// Single and paged writes with immediates over 1..=4 NICs; each
 /// expect_imm_count callback checks its bytes are in place. Arms before or
 /// after the data landed (early arrivals), chosen by the seed.
@@ -266,14 +294,7 @@ fn scatter_and_barrier_to_64_peers() {
 fn injected_failures_fail_exactly_their_transfer() {
     for seed in seeds_or([31, 32, 33]) {
         let _g = SeedGuard::new(seed, "injected_failures_fail_exactly_their_transfer");
-        let fabric = small_writes_fabric(seed);
-        let (a, b) = (fabric.add_host(2), fabric.add_host(2));
-        let ea = engine(&fabric, a, 2, test_config(), true);
-        let eb = engine(&fabric, b, 2, test_config(), true);
-        let src = Arc::new(mem::patterned(seed, 1 << 20));
-        let dst = Arc::new(mem::zeroed(1 << 20));
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        let (fabric, ea, eb, sh, dd, _bufs) = two_hosts(seed, 1 << 20);
         // Fail every WR carrying immediate 3 (all pieces of transfer 3) and
         // the first WR carrying immediate 5.
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(3));
@@ -342,14 +363,7 @@ fn counters_count_interleaved_runs_exactly() {
     use weft_engine::DoneCounter;
     for seed in seeds_or([41, 42, 43]) {
         let _g = SeedGuard::new(seed, "counters_count_interleaved_runs_exactly");
-        let fabric = small_writes_fabric(seed);
-        let (a, b) = (fabric.add_host(2), fabric.add_host(2));
-        let ea = engine(&fabric, a, 2, test_config(), true);
-        let eb = engine(&fabric, b, 2, test_config(), true);
-        let src = Arc::new(mem::patterned(seed, 1 << 16));
-        let dst = Arc::new(mem::zeroed(1 << 16));
-        let (sh, _) = ea.reg_mr(src.region()).unwrap();
-        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        let (fabric, ea, eb, sh, dd, _bufs) = two_hosts(seed, 1 << 16);
         // Every WR of transfers 3 and 11 fails.
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(3));
         fabric.add_rule(Rule::new(Action::Fail).kind(OpKind::Write).imm(11));
