@@ -1,11 +1,56 @@
 //! The heartbeat timer thread of a driver: calls `tick` every `period`
 //! until stopped (a deadline wait on a channel, not a sleep loop: stopping
-//! wakes it at once).
+//! wakes it at once); and [`drive`], which feeds a role's core from its
+//! receives and its heartbeat.
 
+use crate::wire::{decode, Msg};
 use crate::KvError;
 use crossbeam_channel::{RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use weft::{GroupAddress, TransferEngine};
+
+/// A role's shared state (decoder, prefiller) as its drivers see it.
+pub(crate) trait Role: Send + Sync + 'static {
+    /// Steps the core with a message received from `from`.
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant);
+    /// Steps the core's heartbeat.
+    fn tick(self: &Arc<Self>, now: Instant);
+}
+
+/// Posts `count` receives of `len` bytes on `engine` that feed `role`
+/// (undecodable messages and failed receives are logged as `name`'s), and
+/// starts its heartbeat thread `thread`, ticking every `period`. Both hold
+/// `role` weakly: they stop feeding it once it is dropped.
+pub(crate) fn drive<R: Role>(
+    engine: &TransferEngine,
+    role: &Arc<R>,
+    name: &'static str,
+    (len, count): (u64, u32),
+    thread: &'static str,
+    period: Duration,
+) -> Result<Ticker, KvError> {
+    let weak = Arc::downgrade(role);
+    engine
+        .submit_recvs(len, count, move |r| {
+            let Some(role) = weak.upgrade() else { return };
+            match r.map(decode) {
+                Ok(Ok((from, msg))) => role.on_msg(&from, msg, Instant::now()),
+                Ok(Err(e)) => tracing::warn!("{name}: {e}"),
+                Err(e) => tracing::warn!("{name}: receive failed: {e}"),
+            }
+        })
+        .map_err(KvError::engine("post receives"))?;
+    let weak = Arc::downgrade(role);
+    Ticker::start(thread, period, move |now| match weak.upgrade() {
+        Some(role) => {
+            role.tick(now);
+            true
+        }
+        None => false,
+    })
+}
 
 /// A running timer; dropping it stops and joins the thread.
 pub(crate) struct Ticker {

@@ -8,8 +8,8 @@ pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started
 
 use crate::completion::{Completion, CompletionFuture};
 use crate::pages::PageLease;
-use crate::timer::Ticker;
-use crate::wire::{decode, encode};
+use crate::timer::{drive, Role, Ticker};
+use crate::wire::{encode, Msg};
 use crate::{Heartbeat, KvError, KvLayout};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -166,30 +166,14 @@ impl Decoder {
             counts,
             mrs: Mutex::new(mrs),
         });
-        let weak = Arc::downgrade(&sh);
-        engine
-            .submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
-                let Some(sh) = weak.upgrade() else { return };
-                match r.map(decode) {
-                    Ok(Ok((from, msg))) => sh.step(|c| c.on_msg(&from, msg, Instant::now())),
-                    Ok(Err(e)) => tracing::warn!("decoder: {e}"),
-                    Err(e) => tracing::warn!("decoder: receive failed: {e}"),
-                }
-            })
-            .map_err(KvError::engine("post receives"))?;
-        let weak = Arc::downgrade(&sh);
-        let ticker =
-            Ticker::start(
-                "kv-decoder-hb",
-                cfg.heartbeat.interval / 2,
-                move |now| match weak.upgrade() {
-                    Some(sh) => {
-                        sh.step(|c| c.tick(now));
-                        true
-                    }
-                    None => false,
-                },
-            )?;
+        let ticker = drive(
+            &engine,
+            &sh,
+            "decoder",
+            (cfg.recv_len, cfg.recv_count),
+            "kv-decoder-hb",
+            cfg.heartbeat.interval / 2,
+        )?;
         Ok(Self {
             sh,
             ticker: Mutex::new(Some(ticker)),
@@ -345,6 +329,16 @@ fn check_region(r: &MemRegion, need: u64, what: &str) -> Result<(), KvError> {
         });
     }
     Ok(())
+}
+
+impl Role for Shared {
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant) {
+        self.step(|c| c.on_msg(from, msg, now));
+    }
+
+    fn tick(self: &Arc<Self>, now: Instant) {
+        self.step(|c| c.tick(now));
+    }
 }
 
 impl Shared {

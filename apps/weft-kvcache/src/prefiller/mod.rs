@@ -9,8 +9,8 @@ pub use self::core::{Incoming, PreAction, PrefillerCore, TaskKey, Write};
 
 use crate::completion::{Completion, CompletionFuture};
 use crate::decoder::{CacheRegions, KvConfig};
-use crate::timer::Ticker;
-use crate::wire::{decode, encode};
+use crate::timer::{drive, Role, Ticker};
+use crate::wire::{encode, Msg};
 use crate::{KvError, KvLayout};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -116,30 +116,14 @@ impl Prefiller {
             incoming: Mutex::new(Some(tx)),
             stats: PrefillStats::default(),
         });
-        let weak = Arc::downgrade(&sh);
-        engine
-            .submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
-                let Some(sh) = weak.upgrade() else { return };
-                match r.map(decode) {
-                    Ok(Ok((from, msg))) => sh.step(|c| c.on_msg(&from, msg, Instant::now())),
-                    Ok(Err(e)) => tracing::warn!("prefiller: {e}"),
-                    Err(e) => tracing::warn!("prefiller: receive failed: {e}"),
-                }
-            })
-            .map_err(KvError::engine("post receives"))?;
-        let weak = Arc::downgrade(&sh);
-        let ticker =
-            Ticker::start(
-                "kv-prefill-hb",
-                cfg.heartbeat.interval / 2,
-                move |now| match weak.upgrade() {
-                    Some(sh) => {
-                        sh.step(|c| c.tick(now));
-                        true
-                    }
-                    None => false,
-                },
-            )?;
+        let ticker = drive(
+            &engine,
+            &sh,
+            "prefiller",
+            (cfg.recv_len, cfg.recv_count),
+            "kv-prefill-hb",
+            cfg.heartbeat.interval / 2,
+        )?;
         Ok(Self {
             sh,
             incoming: rx,
@@ -362,6 +346,16 @@ impl Serve {
     /// A future of the outcome.
     pub fn future(&self) -> CompletionFuture<ServeOutcome> {
         self.done.future()
+    }
+}
+
+impl Role for Shared {
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant) {
+        self.step(|c| c.on_msg(from, msg, now));
+    }
+
+    fn tick(self: &Arc<Self>, now: Instant) {
+        self.step(|c| c.tick(now));
     }
 }
 
