@@ -1,7 +1,7 @@
 //! How a submit reports completion: a callback, a flag or a counter.
 
 use crate::error::EngineError;
-use crate::sync::{fence, AtomicU64, AtomicU8, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::sync::{fence, AtomicU64, AtomicU8, AtomicUsize, Condvar, Mutex, MutexGuard, Ordering};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -164,12 +164,10 @@ impl DoneFlag {
 
     /// Blocks until the transfer finishes.
     pub fn wait(&self) -> DoneResult {
-        let mut g = self.inner.lock();
-        let _w = Waiters::enter(&self.waiters);
-        while self.pending() {
-            g = self.cv.wait(g);
-        }
-        drop(g);
+        let g = self.inner.lock();
+        drop(Waiters::block(&self.waiters, &self.cv, g, None, || {
+            self.pending()
+        }));
         self.result().unwrap_or(Err(EngineError::ShutDown))
     }
 
@@ -177,26 +175,12 @@ impl DoneFlag {
     /// or `None` if it is still pending (the transfer goes on; wait again or
     /// drop the flag).
     pub fn wait_timeout(&self, timeout: Duration) -> Option<DoneResult> {
-        let mut g = self.inner.lock();
-        let _w = Waiters::enter(&self.waiters);
-        match Instant::now().checked_add(timeout) {
-            Some(deadline) => {
-                while self.pending() {
-                    let (g2, timed_out) = self.cv.wait_until(g, deadline);
-                    g = g2;
-                    if timed_out {
-                        break;
-                    }
-                }
-            }
-            // A timeout beyond the clock's range: no deadline.
-            None => {
-                while self.pending() {
-                    g = self.cv.wait(g);
-                }
-            }
-        }
-        drop(g);
+        let g = self.inner.lock();
+        // A timeout beyond the clock's range: no deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        drop(Waiters::block(&self.waiters, &self.cv, g, deadline, || {
+            self.pending()
+        }));
         self.result()
     }
 
@@ -232,6 +216,33 @@ impl<'a> Waiters<'a> {
         n.fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         Waiters(n)
+    }
+
+    /// Waits in `cv` (holding `g`'s lock between checks) while
+    /// `pending()` and `deadline`, if any, has not passed, counted a waiter
+    /// in `waiters` meanwhile; returns the guard. The waiting side of every
+    /// blocking wait of [`DoneFlag`] and [`DoneCounter`].
+    fn block<'g, T>(
+        waiters: &AtomicUsize,
+        cv: &Condvar,
+        mut g: MutexGuard<'g, T>,
+        deadline: Option<Instant>,
+        pending: impl Fn() -> bool,
+    ) -> MutexGuard<'g, T> {
+        let _w = Waiters::enter(waiters);
+        while pending() {
+            match deadline {
+                None => g = cv.wait(g),
+                Some(d) => {
+                    let (g2, timed_out) = cv.wait_until(g, d);
+                    g = g2;
+                    if timed_out {
+                        break;
+                    }
+                }
+            }
+        }
+        g
     }
 
     /// After publishing the state: whether anyone may be waiting for it.
@@ -347,30 +358,21 @@ impl DoneCounter {
 
     /// Blocks until at least `n` transfers finished.
     pub fn wait_for(&self, n: u64) {
-        let mut g = self.first_error.lock();
-        let _w = Waiters::enter(&self.waiters);
-        while self.total_seq() < n {
-            g = self.cv.wait(g);
-        }
+        let g = self.first_error.lock();
+        drop(Waiters::block(&self.waiters, &self.cv, g, None, || {
+            self.total_seq() < n
+        }));
     }
 
     /// Blocks until at least `n` transfers finished or `timeout` passes;
     /// whether `n` were reached.
     pub fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool {
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
-            self.wait_for(n);
-            return true;
-        };
-        let mut g = self.first_error.lock();
-        let _w = Waiters::enter(&self.waiters);
-        while self.total_seq() < n {
-            let (g2, timed_out) = self.cv.wait_until(g, deadline);
-            g = g2;
-            if timed_out {
-                break;
-            }
-        }
-        drop(g);
+        let g = self.first_error.lock();
+        // A timeout beyond the clock's range: no deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        drop(Waiters::block(&self.waiters, &self.cv, g, deadline, || {
+            self.total_seq() < n
+        }));
         self.total() >= n
     }
 }
