@@ -4,7 +4,7 @@
 //! receives and its heartbeat.
 
 use crate::wire::{decode, Msg};
-use crate::KvError;
+use crate::{KvConfig, KvError};
 use crossbeam_channel::{RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -19,21 +19,20 @@ pub(crate) trait Role: Send + Sync + 'static {
     fn tick(self: &Arc<Self>, now: Instant);
 }
 
-/// Posts `count` receives of `len` bytes on `engine` that feed `role`
-/// (undecodable messages and failed receives are logged as `name`'s), and
-/// starts its heartbeat thread `thread`, ticking every `period`. Both hold
-/// `role` weakly: they stop feeding it once it is dropped.
+/// Posts `cfg`'s receives on `engine` that feed `role` (undecodable
+/// messages and failed receives are logged as `name`'s), and starts its
+/// heartbeat thread `thread`, ticking twice per heartbeat interval. Both
+/// hold `role` weakly: they stop feeding it once it is dropped.
 pub(crate) fn drive<R: Role>(
     engine: &TransferEngine,
     role: &Arc<R>,
+    cfg: &KvConfig,
     name: &'static str,
-    (len, count): (u64, u32),
     thread: &'static str,
-    period: Duration,
 ) -> Result<Ticker, KvError> {
     let weak = Arc::downgrade(role);
     engine
-        .submit_recvs(len, count, move |r| {
+        .submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
             let Some(role) = weak.upgrade() else { return };
             match r.map(decode) {
                 Ok(Ok((from, msg))) => role.on_msg(&from, msg, Instant::now()),
@@ -43,12 +42,14 @@ pub(crate) fn drive<R: Role>(
         })
         .map_err(KvError::engine("post receives"))?;
     let weak = Arc::downgrade(role);
-    Ticker::start(thread, period, move |now| match weak.upgrade() {
-        Some(role) => {
-            role.tick(now);
-            true
+    Ticker::start(thread, cfg.heartbeat.interval / 2, move |now| {
+        match weak.upgrade() {
+            Some(role) => {
+                role.tick(now);
+                true
+            }
+            None => false,
         }
-        None => false,
     })
 }
 

@@ -166,14 +166,7 @@ impl Decoder {
             counts,
             mrs: Mutex::new(mrs),
         });
-        let ticker = drive(
-            &engine,
-            &sh,
-            "decoder",
-            (cfg.recv_len, cfg.recv_count),
-            "kv-decoder-hb",
-            cfg.heartbeat.interval / 2,
-        )?;
+        let ticker = drive(&engine, &sh, &cfg, "decoder", "kv-decoder-hb")?;
         Ok(Self {
             sh,
             ticker: Mutex::new(Some(ticker)),

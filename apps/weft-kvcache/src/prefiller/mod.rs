@@ -116,14 +116,7 @@ impl Prefiller {
             incoming: Mutex::new(Some(tx)),
             stats: PrefillStats::default(),
         });
-        let ticker = drive(
-            &engine,
-            &sh,
-            "prefiller",
-            (cfg.recv_len, cfg.recv_count),
-            "kv-prefill-hb",
-            cfg.heartbeat.interval / 2,
-        )?;
+        let ticker = drive(&engine, &sh, &cfg, "prefiller", "kv-prefill-hb")?;
         Ok(Self {
             sh,
             incoming: rx,
