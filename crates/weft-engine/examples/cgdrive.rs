@@ -9,7 +9,9 @@
 //! counted by one `DoneCounter` (as `weft-bench p2p` drives them).
 //! `cgdrive rawpaged N` is the baseline of `paged`: the
 //! same pages posted straight to the fabric's domains and polled, one
-//! submit's pages at a time, page `j` on NIC `j % nics` (no engine).
+//! submit's pages at a time, page `j` on NIC `j % nics` (no engine);
+//! `cgdrive rawsingle N` is the baseline of `single`: one 64 B WRITE posted
+//! straight to the fabric and polled until it completes, N times.
 //! `cgdrive scatter N`: N scatters of 1 KiB to each of `CGDRIVE_PEERS`
 //! peers (default 64; each a 1-NIC host with a raw domain, as in
 //! `weft-bench proxy`), one at a time; `cgdrive rawscatter N` posts the same
@@ -160,12 +162,16 @@ fn main() {
             );
         }
         "rawpaged" => {
-            iters = raw_paged(&fabric, nics, n + warm, &src, &dst);
+            let np = u64::from(env_num("CGDRIVE_PAGES", 10_000, 16_000));
+            iters = raw_paged(&fabric, nics, n + warm, (np, 1024), &src, &dst);
+        }
+        "rawsingle" => {
+            iters = raw_paged(&fabric, nics, n + warm, (1, 64), &src, &dst);
         }
         "scatter" | "rawscatter" | "pscatter" => {
             iters = scatter(&fabric, &tx, &src, n + warm, &what);
         }
-        _ => panic!("single|paged|tsingle|tcount|rawpaged|scatter|rawscatter|pscatter"),
+        _ => panic!("single|paged|tsingle|tcount|rawpaged|rawsingle|scatter|rawscatter|pscatter"),
     }
     println!("{what}: {n} ops (+{warm} warm-up), {iters} progress calls");
     tx.shutdown();
@@ -220,17 +226,17 @@ struct Lane {
     posted: usize,
 }
 
-/// `submits` rounds of `CGDRIVE_PAGES` 1 KiB WRITEs on fresh hosts' NICs,
-/// posted in batches per NIC and polled until all complete; returns the
-/// number of poll rounds.
+/// `submits` rounds of `np` WRITEs of `page_len` bytes each (`pages`) on
+/// fresh hosts' NICs, posted in batches per NIC and polled until all
+/// complete; returns the number of poll rounds.
 fn raw_paged(
     fabric: &Fabric,
     nics: usize,
     submits: u64,
+    (np, page_len): (u64, u64),
     src: &HostBuffer,
     dst: &HostBuffer,
 ) -> u64 {
-    let np = u64::from(env_num("CGDRIVE_PAGES", 10_000, 16_000));
     let (ha, hb) = (fabric.add_host(nics), fabric.add_host(nics));
     let (pa, pb) = (fabric.provider(ha), fabric.provider(hb));
     let mut lanes = Vec::new();
@@ -263,10 +269,13 @@ fn raw_paged(
             lane.wrs.push(WriteWr {
                 wr: WrId(k * np + j),
                 peer: lane.peer,
-                src: lane.src.slice(page * 1024, 1024).expect("src slice"),
+                src: lane
+                    .src
+                    .slice(page * page_len, page_len)
+                    .expect("src slice"),
                 dst: RemoteSlice {
                     base: lane.dst.addr,
-                    offset: page * 1024,
+                    offset: page * page_len,
                     rkey: lane.dst.rkey,
                 },
                 imm: None,
