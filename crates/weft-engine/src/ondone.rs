@@ -1,7 +1,7 @@
 //! How a submit reports completion: a callback, a flag or a counter.
 
 use crate::error::EngineError;
-use crate::sync::{fence, AtomicU64, AtomicU8, AtomicUsize, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{fence, AtomicU64, AtomicU8, AtomicUsize, Condvar, Mutex, Ordering};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -164,10 +164,9 @@ impl DoneFlag {
 
     /// Blocks until the transfer finishes.
     pub fn wait(&self) -> DoneResult {
-        let g = self.inner.lock();
-        drop(Waiters::block(&self.waiters, &self.cv, g, None, || {
+        Waiters::block(&self.waiters, &self.cv, &self.inner, None, || {
             self.pending()
-        }));
+        });
         self.result().unwrap_or(Err(EngineError::ShutDown))
     }
 
@@ -175,12 +174,11 @@ impl DoneFlag {
     /// or `None` if it is still pending (the transfer goes on; wait again or
     /// drop the flag).
     pub fn wait_timeout(&self, timeout: Duration) -> Option<DoneResult> {
-        let g = self.inner.lock();
         // A timeout beyond the clock's range: no deadline.
         let deadline = Instant::now().checked_add(timeout);
-        drop(Waiters::block(&self.waiters, &self.cv, g, deadline, || {
+        Waiters::block(&self.waiters, &self.cv, &self.inner, deadline, || {
             self.pending()
-        }));
+        });
         self.result()
     }
 
@@ -218,17 +216,18 @@ impl<'a> Waiters<'a> {
         Waiters(n)
     }
 
-    /// Waits in `cv` (holding `g`'s lock between checks) while
-    /// `pending()` and `deadline`, if any, has not passed, counted a waiter
-    /// in `waiters` meanwhile; returns the guard. The waiting side of every
-    /// blocking wait of [`DoneFlag`] and [`DoneCounter`].
-    fn block<'g, T>(
+    /// Locks `lock` and waits in `cv` (holding the lock between checks)
+    /// while `pending()` and `deadline`, if any, has not passed, counted a
+    /// waiter in `waiters` meanwhile. The waiting side of every blocking
+    /// wait of [`DoneFlag`] and [`DoneCounter`].
+    fn block<T>(
         waiters: &AtomicUsize,
         cv: &Condvar,
-        mut g: MutexGuard<'g, T>,
+        lock: &Mutex<T>,
         deadline: Option<Instant>,
         pending: impl Fn() -> bool,
-    ) -> MutexGuard<'g, T> {
+    ) {
+        let mut g = lock.lock();
         let _w = Waiters::enter(waiters);
         while pending() {
             match deadline {
@@ -242,7 +241,6 @@ impl<'a> Waiters<'a> {
                 }
             }
         }
-        g
     }
 
     /// After publishing the state: whether anyone may be waiting for it.
@@ -358,21 +356,19 @@ impl DoneCounter {
 
     /// Blocks until at least `n` transfers finished.
     pub fn wait_for(&self, n: u64) {
-        let g = self.first_error.lock();
-        drop(Waiters::block(&self.waiters, &self.cv, g, None, || {
+        Waiters::block(&self.waiters, &self.cv, &self.first_error, None, || {
             self.total_seq() < n
-        }));
+        });
     }
 
     /// Blocks until at least `n` transfers finished or `timeout` passes;
     /// whether `n` were reached.
     pub fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool {
-        let g = self.first_error.lock();
         // A timeout beyond the clock's range: no deadline.
         let deadline = Instant::now().checked_add(timeout);
-        drop(Waiters::block(&self.waiters, &self.cv, g, deadline, || {
+        Waiters::block(&self.waiters, &self.cv, &self.first_error, deadline, || {
             self.total_seq() < n
-        }));
+        });
         self.total() >= n
     }
 }
