@@ -1,8 +1,9 @@
 //! Regression tests for faults and refusals: a NIC that dies on post, a
 //! receive callback that panics and a backend that panics in the worker
-//! still resolve every transfer and buffer; a stale MR handle and a
-//! destination with another NIC count are refused at submit. Manual-mode
-//! (and one threaded) engines over the loopback fabric in step mode.
+//! (threaded and manual) still resolve every transfer and buffer; a stale
+//! MR handle and a destination with another NIC count are refused at
+//! submit. Manual-mode (and one threaded) engines over the loopback fabric
+//! in step mode.
 
 mod common;
 
@@ -285,6 +286,64 @@ fn worker_panic_fails_inflight_and_later_submits() {
         f.result()
     );
     let (od, _f2) = OnDone::flag();
+    let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
+    assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
+    ea.shutdown();
+    eb.shutdown();
+}
+
+/// The manual-mode twin of `worker_panic_fails_inflight_and_later_submits`:
+/// a backend panic inside `progress` does not unwind into the caller; the
+/// in-flight transfer and one queued behind it fail with `WorkerFailed`,
+/// later submits fail too, and shutdown finishes.
+#[test]
+fn manual_worker_panic_fails_inflight_and_queued() {
+    let fabric = Fabric::new(FabricConfig::adversarial(62));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let p = Arc::new(PanicProvider {
+        inner: fabric.provider(a),
+        boom: boom.clone(),
+    });
+    let ea = weft_engine::TransferEngine::builder()
+        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+        .config(test_config())
+        .manual()
+        .build()
+        .unwrap();
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let src = mem::zeroed(4096);
+    let dst = mem::zeroed(4096);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (od, f) = OnDone::flag();
+    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    ea.progress();
+    assert!(
+        !f.is_done(),
+        "the fabric is never stepped: {:?}",
+        f.result()
+    );
+    boom.store(true, Ordering::SeqCst);
+    // Queued (not yet taken) when the worker panics on this lap's poll.
+    let (od, queued) = OnDone::flag();
+    ea.submit_single_write(16, None, (&sh, 16), (&dd, 16), od)
+        .unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for _ in 0..4 {
+            ea.progress();
+        }
+    }));
+    assert!(panicked.is_ok(), "a backend panic unwound out of progress");
+    for (what, flag) in [("in flight", &f), ("queued", &queued)] {
+        assert!(
+            matches!(flag.result(), Some(Err(EngineError::WorkerFailed { .. }))),
+            "{what}: {:?}",
+            flag.result()
+        );
+    }
+    let (od, _f3) = OnDone::flag();
     let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
     assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
     ea.shutdown();

@@ -77,6 +77,7 @@ impl WorkerCtx {
             paged_first: false,
             draining: None,
             finished: false,
+            broken: false,
         })
     }
 }
@@ -97,6 +98,9 @@ pub(crate) struct Worker {
     pub(crate) paged_first: bool,
     pub(crate) draining: Option<Instant>,
     pub(crate) finished: bool,
+    /// Set once `iterate` panicked: the core may be half-updated, so the
+    /// worker never iterates again, it only refuses (`refuse_queued`).
+    broken: bool,
 }
 
 const BURST: usize = 64;
@@ -206,8 +210,23 @@ impl Worker {
     }
 
     /// The worker panicked: fail everything it holds with `WorkerFailed`,
-    /// mark the group failed, then refuse work until shutdown.
+    /// mark the group failed, then refuse work until shutdown (the worker
+    /// thread's ending; manual mode uses [`Worker::step_manual`]).
     pub(crate) fn failed(&mut self, payload: &(dyn std::any::Any + Send)) {
+        self.fail_now(payload);
+        loop {
+            self.refuse_queued();
+            if self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty() {
+                break;
+            }
+            std::thread::park_timeout(Duration::from_millis(1));
+        }
+        self.finished = true;
+    }
+
+    /// Marks the group failed with `WorkerFailed` (what the panic said) and
+    /// fails the work in flight; from here on the worker only refuses.
+    fn fail_now(&mut self, payload: &(dyn std::any::Any + Send)) {
         let g = self.shared.index;
         let what = payload
             .downcast_ref::<&str>()
@@ -223,20 +242,57 @@ impl Worker {
         if r.is_err() {
             tracing::error!(group = g, "failing in-flight work panicked too");
         }
-        loop {
-            while let Some(r) = self.shared.queue.pop() {
-                self.core.reject(r, e.clone());
-            }
-            // Control requests are dropped: their callers see a closed
-            // reply channel.
-            while self.ctrl_rx.try_recv().is_ok() {}
-            self.flush();
-            if self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty() {
-                break;
-            }
-            std::thread::park_timeout(Duration::from_millis(1));
+        self.broken = true;
+    }
+
+    /// A failed worker's lap: queued requests fail with the group's error,
+    /// control requests are dropped (their callers see a closed reply
+    /// channel), events already due go to the callback channel.
+    fn refuse_queued(&mut self) {
+        let e = self
+            .shared
+            .failed
+            .get()
+            .cloned()
+            .unwrap_or(EngineError::ShutDown);
+        while let Some(r) = self.shared.queue.pop() {
+            self.core.reject(r, e.clone());
         }
-        self.finished = true;
+        while self.ctrl_rx.try_recv().is_ok() {}
+        self.flush();
+    }
+
+    /// One lap in manual mode (`TransferEngine::progress` and its
+    /// shutdown): `iterate` with a panic caught, as the worker thread
+    /// catches it. A panic fails the group as on a worker thread; later
+    /// laps refuse what is queued, and a closing failed worker is finished.
+    pub(crate) fn step_manual(&mut self) -> bool {
+        if self.broken {
+            let any = !self.shared.queue.is_empty();
+            self.refuse_queued();
+            if self.shared.closing.load(Ordering::SeqCst) {
+                self.finished = true;
+            }
+            return any;
+        }
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.iterate())) {
+            Ok(did) => did,
+            Err(p) => {
+                self.fail_now(&*p);
+                self.refuse_queued();
+                true
+            }
+        }
+    }
+
+    /// Closes the group's domains (last step of a shutdown), with a panic
+    /// caught and logged.
+    pub(crate) fn close(self) {
+        let g = self.shared.index;
+        let Worker { core, .. } = self;
+        if std::panic::catch_unwind(AssertUnwindSafe(|| core.close())).is_err() {
+            tracing::error!(group = g, "closing the group's domains panicked");
+        }
     }
 
     /// Shutdown handling; call after `iterate` while closing.
@@ -430,10 +486,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
         }
     }
     w.flush();
-    let Worker { core, .. } = w;
-    if std::panic::catch_unwind(AssertUnwindSafe(|| core.close())).is_err() {
-        tracing::error!(group = g, "closing the group's domains panicked");
-    }
+    w.close();
 }
 
 /// When an idle `Adaptive` worker with wait fds sleeps in them (`None`:

@@ -332,6 +332,11 @@ impl TransferEngine {
     /// Manual mode only: runs one iteration of every worker, then the
     /// callbacks it produced, then one watcher scan, all on this thread.
     /// Returns whether anything happened. Do not call from a callback.
+    ///
+    /// A panic inside a worker's iteration (a backend's, say) does not
+    /// unwind out of here: as on a worker thread, the group's transfers in
+    /// flight and queued fail with [`EngineError::WorkerFailed`], later
+    /// submits to it fail with that error, and the other groups go on.
     pub fn progress(&self) -> bool {
         let Some(m) = &self.inner.manual else {
             return false;
@@ -340,7 +345,7 @@ impl TransferEngine {
         let msgs: Vec<CbMsg> = {
             let mut st = m.lock();
             for w in st.workers.iter_mut() {
-                did |= w.iterate();
+                did |= w.step_manual();
             }
             st.cb_rx.try_iter().collect()
         };
@@ -400,7 +405,7 @@ impl TransferEngine {
                 let all_done = {
                     let mut st = m.lock();
                     for w in st.workers.iter_mut() {
-                        w.iterate();
+                        w.step_manual();
                         w.drain_step(deadline);
                     }
                     st.workers.iter().all(|w| w.finished)
@@ -412,7 +417,7 @@ impl TransferEngine {
             }
             let workers = std::mem::take(&mut m.lock().workers);
             for w in workers {
-                w.core.close();
+                w.close();
             }
         } else {
             let workers = std::mem::take(&mut self.inner.threads.lock().workers);
