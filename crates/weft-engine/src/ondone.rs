@@ -96,8 +96,8 @@ const FAILED: u8 = 2;
 #[derive(Debug, Default)]
 pub struct DoneFlag {
     state: AtomicU8,
-    /// Threads blocked in `wait`/`wait_timeout`, plus one while a future's
-    /// waker is registered (see [`Waiters`]).
+    /// Threads blocked in `wait`/`wait_timeout`, plus one per future that
+    /// ever registered a waker (see [`Waiters`]).
     waiters: AtomicUsize,
     inner: Mutex<FlagInner>,
     cv: Condvar,
@@ -106,7 +106,10 @@ pub struct DoneFlag {
 #[derive(Debug, Default)]
 struct FlagInner {
     error: Option<EngineError>,
-    waker: Option<Waker>,
+    /// One waker per pending future, by the future's key: futures of one
+    /// flag polled by different tasks are all woken.
+    wakers: Vec<(u64, Waker)>,
+    next_key: u64,
 }
 
 impl DoneFlag {
@@ -132,9 +135,9 @@ impl DoneFlag {
         }
         // Taken after a waiter that saw `PENDING` went to sleep (it holds
         // the lock from its check until then).
-        let waker = self.inner.lock().waker.take();
+        let wakers = std::mem::take(&mut self.inner.lock().wakers);
         self.cv.notify_all();
-        if let Some(w) = waker {
+        for (_, w) in wakers {
             w.wake();
         }
     }
@@ -184,7 +187,10 @@ impl DoneFlag {
 
     /// A future resolving when the transfer finishes.
     pub fn wait_async(self: &Arc<Self>) -> DoneFuture {
-        DoneFuture(Arc::clone(self))
+        DoneFuture {
+            flag: Arc::clone(self),
+            key: None,
+        }
     }
 }
 
@@ -256,33 +262,66 @@ impl Drop for Waiters<'_> {
     }
 }
 
-/// Future of [`DoneFlag::wait_async`].
+/// Future of [`DoneFlag::wait_async`]. Any number of futures of one flag
+/// may wait at once, each in its own task.
 #[derive(Debug)]
-pub struct DoneFuture(Arc<DoneFlag>);
+pub struct DoneFuture {
+    flag: Arc<DoneFlag>,
+    /// This future's entry in the flag's wakers, once it registered one.
+    key: Option<u64>,
+}
 
 impl Future for DoneFuture {
     type Output = DoneResult;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DoneResult> {
-        if let Some(r) = self.0.result() {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DoneResult> {
+        if let Some(r) = self.flag.result() {
             return Poll::Ready(r);
         }
-        let mut g = self.0.inner.lock();
-        if g.waker.is_none() {
-            // Counted per registration and never uncounted: `set` takes
-            // the waker, and a future dropped unresolved only makes `set`
-            // take the lock.
-            std::mem::forget(Waiters::enter(&self.0.waiters));
+        let this = &mut *self;
+        let mut g = this.flag.inner.lock();
+        let entry = this
+            .key
+            .and_then(|k| g.wakers.iter_mut().find(|(key, _)| *key == k));
+        match entry {
+            Some((_, w)) => {
+                if !w.will_wake(cx.waker()) {
+                    *w = cx.waker().clone();
+                }
+            }
+            None => {
+                let k = *this.key.get_or_insert_with(|| {
+                    // Counted per future and never uncounted: `set` takes
+                    // the wakers, and a future dropped unresolved only
+                    // makes `set` take the lock.
+                    std::mem::forget(Waiters::enter(&this.flag.waiters));
+                    let k = g.next_key;
+                    g.next_key += 1;
+                    k
+                });
+                g.wakers.push((k, cx.waker().clone()));
+            }
         }
-        g.waker = Some(cx.waker().clone());
         // Read after counting (see `Waiters`): either this sees the state
         // or `set` takes the waker.
-        if !self.0.pending() {
-            g.waker = None;
+        if !this.flag.pending() {
+            if let Some(k) = this.key {
+                g.wakers.retain(|(key, _)| *key != k);
+            }
             drop(g);
-            return Poll::Ready(self.0.result().unwrap_or(Err(EngineError::ShutDown)));
+            return Poll::Ready(this.flag.result().unwrap_or(Err(EngineError::ShutDown)));
         }
         Poll::Pending
+    }
+}
+
+impl Drop for DoneFuture {
+    /// Removes this future's waker, if it still has one registered (once
+    /// the flag is set, `set` takes or took every waker).
+    fn drop(&mut self) {
+        if let (Some(k), false) = (self.key, self.flag.is_done()) {
+            self.flag.inner.lock().wakers.retain(|(key, _)| *key != k);
+        }
     }
 }
 
@@ -467,6 +506,37 @@ mod tests {
             Some(Err(EngineError::ShutDown))
         );
         assert_eq!(DoneFlag::new().wait_timeout(Duration::from_millis(5)), None);
+    }
+
+    /// Two futures of one flag in two tasks (two wakers) are both woken; a
+    /// future dropped unresolved leaves no waker behind, and one re-polled
+    /// by another task is woken through the newer waker only.
+    #[test]
+    fn flag_futures_of_several_tasks_are_all_woken() {
+        let f = Arc::new(DoneFlag::new());
+        let counts: Vec<_> = (0..4)
+            .map(|_| Arc::new(CountWakes(AtomicU64::new(0))))
+            .collect();
+        let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(Arc::clone(c))).collect();
+        let mut futs: Vec<_> = (0..3).map(|_| f.wait_async()).collect();
+        for (fut, w) in futs.iter_mut().zip(&wakers) {
+            let mut cx = Context::from_waker(w);
+            assert!(Pin::new(fut).poll(&mut cx).is_pending());
+        }
+        assert_eq!(f.inner.lock().wakers.len(), 3);
+        // The third future moves to a fourth task.
+        let mut cx = Context::from_waker(&wakers[3]);
+        assert!(Pin::new(&mut futs[2]).poll(&mut cx).is_pending());
+        assert_eq!(f.inner.lock().wakers.len(), 3);
+        // The second is dropped unresolved.
+        drop(futs.remove(1));
+        assert_eq!(f.inner.lock().wakers.len(), 2);
+        f.set(Ok(()));
+        let woken: Vec<u64> = counts.iter().map(|c| c.0.load(Ordering::SeqCst)).collect();
+        assert_eq!(woken, [1, 0, 0, 1]);
+        for fut in &mut futs {
+            assert_eq!(Pin::new(fut).poll(&mut cx), Poll::Ready(Ok(())));
+        }
     }
 
     /// Many finishes racing a blocked waiter: it always wakes.
