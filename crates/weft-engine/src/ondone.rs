@@ -279,6 +279,10 @@ impl Future for DoneFuture {
             return Poll::Ready(r);
         }
         let this = &mut *self;
+        // Wakers replaced or removed here are dropped after the lock is
+        // released: dropping one may run executor code that drops another
+        // future of this flag.
+        let mut old = None;
         let mut g = this.flag.inner.lock();
         let entry = this
             .key
@@ -286,7 +290,7 @@ impl Future for DoneFuture {
         match entry {
             Some((_, w)) => {
                 if !w.will_wake(cx.waker()) {
-                    *w = cx.waker().clone();
+                    old = Some(std::mem::replace(w, cx.waker().clone()));
                 }
             }
             None => {
@@ -305,22 +309,32 @@ impl Future for DoneFuture {
         // Read after counting (see `Waiters`): either this sees the state
         // or `set` takes the waker.
         if !this.flag.pending() {
-            if let Some(k) = this.key {
-                g.wakers.retain(|(key, _)| *key != k);
-            }
+            let mine = this.key.and_then(|k| take_waker(&mut g.wakers, k));
             drop(g);
+            drop((old, mine));
             return Poll::Ready(this.flag.result().unwrap_or(Err(EngineError::ShutDown)));
         }
+        drop(g);
+        drop(old);
         Poll::Pending
     }
 }
 
+/// Removes the waker of future `key` from `wakers`, for its caller to drop
+/// outside the lock.
+fn take_waker(wakers: &mut Vec<(u64, Waker)>, key: u64) -> Option<Waker> {
+    let i = wakers.iter().position(|(k, _)| *k == key)?;
+    Some(wakers.swap_remove(i).1)
+}
+
 impl Drop for DoneFuture {
     /// Removes this future's waker, if it still has one registered (once
-    /// the flag is set, `set` takes or took every waker).
+    /// the flag is set, `set` takes or took every waker), and drops it
+    /// outside the lock.
     fn drop(&mut self) {
         if let (Some(k), false) = (self.key, self.flag.is_done()) {
-            self.flag.inner.lock().wakers.retain(|(key, _)| *key != k);
+            let mine = take_waker(&mut self.flag.inner.lock().wakers, k);
+            drop(mine);
         }
     }
 }
@@ -606,6 +620,30 @@ mod loom_model {
             let t = thread::spawn(move || f2.set(Ok(())));
             assert_eq!(::loom::future::block_on(f.wait_async()), Ok(()));
             t.join().unwrap();
+        });
+    }
+
+    /// Two futures of one flag, each awaited on its own thread, and a third
+    /// future polled once and dropped unresolved, all racing `set`: both
+    /// awaited futures resolve (a lost or overwritten waker deadlocks
+    /// `block_on`), whichever way the drop and the set interleave.
+    #[test]
+    fn flag_set_races_two_futures_and_a_drop() {
+        ::loom::model(|| {
+            let f = std::sync::Arc::new(DoneFlag::new());
+            let (f2, f3) = (f.clone(), f.clone());
+            let t = thread::spawn(move || {
+                let mut dropped = f2.wait_async();
+                let mut cx = Context::from_waker(Waker::noop());
+                let _ = Pin::new(&mut dropped).poll(&mut cx);
+                drop(dropped);
+                ::loom::future::block_on(f2.wait_async())
+            });
+            let s = thread::spawn(move || f3.set(Ok(())));
+            assert_eq!(::loom::future::block_on(f.wait_async()), Ok(()));
+            assert_eq!(t.join().unwrap(), Ok(()));
+            s.join().unwrap();
+            assert!(f.inner.lock().wakers.is_empty());
         });
     }
 

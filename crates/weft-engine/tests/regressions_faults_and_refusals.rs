@@ -207,6 +207,9 @@ impl weft_transport::Domain for PanicDomain {
         region: &weft_transport::MemRegion,
         access: weft_transport::Access,
     ) -> Result<weft_transport::LocalMr, weft_transport::TransportError> {
+        if self.boom.load(Ordering::SeqCst) {
+            panic!("deliberate backend panic in register");
+        }
         self.inner.register(region, access)
     }
     fn deregister(
@@ -347,5 +350,86 @@ fn manual_worker_panic_fails_inflight_and_queued() {
     let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
     assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
     ea.shutdown();
+    eb.shutdown();
+}
+
+/// A backend panic while the worker answers a control request (here a
+/// registration) fails the request and the group with `WorkerFailed`, in
+/// both modes: in manual mode the control queue runs on the caller's
+/// thread, and the panic must not unwind into `reg_mr`.
+#[test]
+fn control_panic_fails_the_request_and_the_group() {
+    for manual in [false, true] {
+        let fabric = Fabric::new(FabricConfig::adversarial(63));
+        let a = fabric.add_host(1);
+        let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let p = Arc::new(PanicProvider {
+            inner: fabric.provider(a),
+            boom: boom.clone(),
+        });
+        let mut b = weft_engine::TransferEngine::builder()
+            .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+            .config(test_config());
+        if manual {
+            b = b.manual();
+        }
+        let ea = b.build().unwrap();
+        let early = mem::zeroed(4096);
+        let (sh, desc) = ea.reg_mr(early.region()).unwrap();
+        boom.store(true, Ordering::SeqCst);
+        let late = mem::zeroed(4096);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ea.reg_mr(late.region()).map(|_| ())
+        }));
+        let r = r.unwrap_or_else(|_| panic!("manual {manual}: the panic reached reg_mr's caller"));
+        assert!(
+            matches!(r, Err(EngineError::WorkerFailed { .. })),
+            "manual {manual}: {r:?}"
+        );
+        ea.progress();
+        let (od, _f) = OnDone::flag();
+        let r = ea.submit_single_write(16, None, (&sh, 0), (&desc, 0), od);
+        assert!(
+            matches!(r, Err(EngineError::WorkerFailed { .. })),
+            "manual {manual}: {r:?}"
+        );
+        ea.shutdown();
+    }
+}
+
+/// A backend panic on a manual engine's shutdown lap (nothing called
+/// `progress` since the submit): shutdown still finishes, without touching
+/// the failed core again, and the transfer resolves with `WorkerFailed`.
+#[test]
+fn manual_worker_panic_during_shutdown_finishes() {
+    let fabric = Fabric::new(FabricConfig::adversarial(64));
+    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let p = Arc::new(PanicProvider {
+        inner: fabric.provider(a),
+        boom: boom.clone(),
+    });
+    let ea = weft_engine::TransferEngine::builder()
+        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+        .config(test_config())
+        .manual()
+        .build()
+        .unwrap();
+    let eb = engine(&fabric, b, 1, test_config(), true);
+    let src = mem::zeroed(4096);
+    let dst = mem::zeroed(4096);
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+    let (od, f) = OnDone::flag();
+    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
+        .unwrap();
+    boom.store(true, Ordering::SeqCst);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ea.shutdown()));
+    assert!(r.is_ok(), "the backend panic unwound out of shutdown");
+    assert!(
+        matches!(f.result(), Some(Err(EngineError::WorkerFailed { .. }))),
+        "{:?}",
+        f.result()
+    );
     eb.shutdown();
 }

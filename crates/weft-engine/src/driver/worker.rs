@@ -280,8 +280,33 @@ impl Worker {
             Err(p) => {
                 self.fail_now(&*p);
                 self.refuse_queued();
+                // A shutdown lap must not go on to `drain_step` with this
+                // core.
+                if self.shared.closing.load(Ordering::SeqCst) {
+                    self.finished = true;
+                }
                 true
             }
+        }
+    }
+
+    /// Manual mode: answers the control requests waiting in the channel on
+    /// the caller's thread, with a panic caught as in `step_manual` (the
+    /// request that panicked sees its reply channel closed, hence the
+    /// group's `WorkerFailed`). A failed worker drops them unanswered.
+    pub(crate) fn control_manual(&mut self) {
+        if self.broken {
+            self.refuse_queued();
+            return;
+        }
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            while let Ok(c) = self.ctrl_rx.try_recv() {
+                self.core.handle_control(c);
+            }
+        }));
+        if let Err(p) = r {
+            self.fail_now(&*p);
+            self.refuse_queued();
         }
     }
 
@@ -297,7 +322,7 @@ impl Worker {
 
     /// Shutdown handling; call after `iterate` while closing.
     pub(crate) fn drain_step(&mut self, deadline: Instant) {
-        if self.finished || !self.shared.closing.load(Ordering::SeqCst) {
+        if self.finished || self.broken || !self.shared.closing.load(Ordering::SeqCst) {
             return;
         }
         if self.draining.is_none() {

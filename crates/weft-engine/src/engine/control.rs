@@ -36,9 +36,7 @@ impl TransferEngine {
             // Run the worker's control queue inline.
             let mut st = m.lock();
             if let Some(w) = st.workers.get_mut(g.index) {
-                while let Ok(c) = w.ctrl_rx.try_recv() {
-                    w.core.handle_control(c);
-                }
+                w.control_manual();
             }
         } else {
             g.kick();
