@@ -67,6 +67,12 @@ pub enum Refusal {
     /// The prefiller is shutting down.
     #[error("prefiller shutting down")]
     ShuttingDown,
+    /// Two head maps of the request write the same decoder head.
+    #[error("decoder head {head} is written twice")]
+    DuplicateHead {
+        /// The decoder head.
+        head: u32,
+    },
 }
 
 use serde::{Deserialize, Serialize};

@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 use weft::{GroupAddress, MrDesc};
 
 /// Version of the wire protocol this build speaks (2: addresses and
-/// descriptors carry the peer engine's incarnation).
-pub const WIRE_VERSION: u16 = 2;
+/// descriptors carry the peer engine's incarnation; 3: the
+/// `Refusal::DuplicateHead` refusal).
+pub const WIRE_VERSION: u16 = 3;
 
 /// Errors decoding a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -358,6 +358,27 @@ fn refusals_are_typed() {
             })
         )]
     ));
+    // A request naming one decoder head twice (the decoder never sends
+    // one; a foreign peer may) is refused as such, not served.
+    let mut dup_pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let st2 = dec
+        .begin(&Route::single(p, 2), &lease, 2, &counts(), b"", t0)
+        .unwrap();
+    let Msg::Request(mut req) = sends(&st2.actions)[0].1.clone() else {
+        panic!("the decoder's first send is not its request");
+    };
+    req.heads = vec![HeadMap { src: 0, dst: 1 }; 5000];
+    let id = req.id;
+    let a = dup_pre.on_msg(&addr(100), Msg::Request(req), t0);
+    let r = pre_sends(&a);
+    assert!(
+        matches!(
+            &r[..],
+            [(_, Msg::Failed { id: i, failure: weft_kvcache::wire::Failure::Refused(weft_kvcache::Refusal::DuplicateHead { head: 1 }) })] if *i == id
+        ),
+        "{r:?}"
+    );
+    assert_eq!(dup_pre.pending(), 0);
     // malformed routes are refused before anything is sent
     let bad = Route {
         sources: vec![Source {

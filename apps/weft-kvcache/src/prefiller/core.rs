@@ -194,6 +194,15 @@ impl PrefillerCore {
                 });
             }
         }
+        // Each decoder head at most once (the decoder checks its own routes
+        // the same way). Without this, a short request repeating one head
+        // map thousands of times would make the per-layer index lists
+        // (heads x pages) as long as a whole cache.
+        let mut dsts: Vec<u32> = req.heads.iter().map(|hm| hm.dst).collect();
+        dsts.sort_unstable();
+        if let Some(w) = dsts.windows(2).find(|w| w[0] == w[1]) {
+            return Some(Refusal::DuplicateHead { head: w[0] });
+        }
         if req.pages.is_empty() || req.heads.is_empty() {
             return Some(Refusal::BadPages {
                 what: "no pages or no heads".into(),
