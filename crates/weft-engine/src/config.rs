@@ -113,6 +113,16 @@ pub struct EngineConfig {
     pub shard: ShardConfig,
     /// Default spreading of `submit_scatter`.
     pub scatter_mode: ScatterMode,
+    /// Bytes of received messages per receive pool that may wait for (or
+    /// be in) their callback. The worker copies each message out of its
+    /// receive buffer and re-posts the buffer at once; once a pool's
+    /// copied-out messages reach this many bytes (at least one message),
+    /// it holds finished buffers back until callbacks return messages, so
+    /// a slow callback makes peers' SENDs wait for a buffer (receiver not
+    /// ready) instead of growing this process's memory without bound. Peers
+    /// whose SENDs wait longer than their fabric's RNR timeout see them
+    /// fail. Default 64 MiB.
+    pub recv_backlog_bytes: u64,
     /// Send slots per group (each `send_slot_len` bytes, on NIC 0).
     pub send_slots: u32,
     /// Bytes per send slot; larger messages are registered one by one.
@@ -179,6 +189,7 @@ impl Default for EngineConfig {
             imm_capacity: 1 << 16,
             shard: ShardConfig::default(),
             scatter_mode: ScatterMode::ByPeer,
+            recv_backlog_bytes: 64 << 20,
             send_slots: 64,
             send_slot_len: 16 * 1024,
             idle_spins: 64,

@@ -1,10 +1,13 @@
 //! Engine-owned registered buffers (send slots, receive pools) and memory
 //! handles.
 
+use crate::driver::GroupShared;
 use crate::error::EngineError;
 use crossbeam_queue::ArrayQueue;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use weft_transport::{Device, MemRegion};
 
 /// A local registration made through the engine: registered with every NIC
@@ -191,7 +194,9 @@ pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'stat
 /// cannot stop this engine from receiving, and so cannot stall a peer's
 /// SENDs). The owned messages are recycled through `spare`: after the
 /// callback returns, its message goes back for the next receive, so a
-/// steady stream allocates nothing.
+/// steady stream allocates nothing. Copied-out messages are bounded
+/// (`max_out`, from `EngineConfig::recv_backlog_bytes`): past the bound the
+/// worker holds finished buffers back until callbacks return messages.
 pub(crate) struct RecvPool {
     pub(crate) id: u16,
     pub(crate) buf: RawBuf,
@@ -200,11 +205,29 @@ pub(crate) struct RecvPool {
     pub(crate) cb: parking_lot::Mutex<RecvCallback>,
     /// Owned message buffers whose callbacks have returned.
     spare: ArrayQueue<Vec<u8>>,
+    /// Messages copied out whose callback has not returned yet.
+    out: AtomicU32,
+    /// `out` from which the worker holds finished buffers back.
+    max_out: u32,
+    /// The group whose worker re-posts held buffers: woken when `out`
+    /// falls below `max_out` (it may sleep with buffers held).
+    group: Option<Arc<GroupShared>>,
 }
 
 impl RecvPool {
-    /// A pool of `count` buffers of `len` bytes each, in `buf`.
-    pub(crate) fn new(id: u16, buf: RawBuf, len: u64, count: u32, cb: RecvCallback) -> Self {
+    /// A pool of `count` buffers of `len` bytes each, in `buf`, holding
+    /// buffers back once `backlog_bytes` of messages are copied out (at
+    /// least one message); `group` is woken when they may be re-posted.
+    pub(crate) fn new(
+        id: u16,
+        buf: RawBuf,
+        len: u64,
+        count: u32,
+        cb: RecvCallback,
+        backlog_bytes: u64,
+        group: Option<Arc<GroupShared>>,
+    ) -> Self {
+        let max_out = (backlog_bytes / len.max(1)).clamp(1, u64::from(u32::MAX));
         Self {
             id,
             buf,
@@ -212,7 +235,21 @@ impl RecvPool {
             count,
             cb: parking_lot::Mutex::new(cb),
             spare: ArrayQueue::new(count.max(1) as usize),
+            out: AtomicU32::new(0),
+            max_out: u32::try_from(max_out).unwrap_or(u32::MAX),
+            group,
         }
+    }
+
+    /// Counts a message just copied out; whether the pool is now at its
+    /// backlog bound (the worker then holds the buffer back).
+    pub(crate) fn took_out(&self) -> bool {
+        self.out.fetch_add(1, Ordering::SeqCst).saturating_add(1) >= self.max_out
+    }
+
+    /// Whether copied-out messages are at the backlog bound.
+    pub(crate) fn backlogged(&self) -> bool {
+        self.out.load(Ordering::SeqCst) >= self.max_out
     }
 
     /// Copies the first `n` bytes of buffer `idx` into an owned message
@@ -237,8 +274,16 @@ impl RecvPool {
         Some(msg)
     }
 
-    /// Returns a message whose callback has returned, for reuse.
+    /// Returns a message whose callback has returned, for reuse; wakes the
+    /// worker when this brings the pool below its backlog bound. (The
+    /// decrement and the worker's `sleeping` flag pair as every waker's
+    /// store and the worker's re-check do: `GroupShared::wake`.)
     pub(crate) fn recycle(&self, msg: Vec<u8>) {
         let _ = self.spare.push(msg);
+        if self.out.fetch_sub(1, Ordering::SeqCst) == self.max_out {
+            if let Some(g) = &self.group {
+                g.wake();
+            }
+        }
     }
 }

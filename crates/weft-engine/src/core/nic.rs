@@ -476,8 +476,13 @@ impl WorkerCore {
                     })
                 });
                 // The bytes are out: the buffer serves the next SEND at once,
-                // whatever the user's callback does (see `RecvPool`).
-                self.repost(pool, idx);
+                // whatever the user's callback does, unless the pool's
+                // copied-out messages are at their bound (see `RecvPool`).
+                if result.is_ok() && pool_ref.took_out() {
+                    self.hold_recv(pool, idx);
+                } else {
+                    self.repost(pool, idx);
+                }
                 self.events.push(Event::Recv {
                     pool: pool_ref,
                     result,

@@ -37,6 +37,8 @@ pub(super) struct PoolState {
     pub(super) pool: Arc<RecvPool>,
     pub(super) mr: LocalMr,
     pub(super) waiting: VecDeque<u32>,
+    /// Finished buffers held back while the pool is at its backlog bound.
+    pub(super) held: VecDeque<u32>,
 }
 
 /// The registrations, peer groups and receive pools of one group.
@@ -258,12 +260,53 @@ impl WorkerCore {
                 pool,
                 mr,
                 waiting: VecDeque::new(),
+                held: VecDeque::new(),
             },
         );
         for idx in 0..count {
             self.repost(id, idx);
         }
         Ok(())
+    }
+
+    /// Holds finished buffer `idx` of `pool` back (the pool is at its
+    /// backlog bound) until `release_held` finds the pool below it.
+    pub(super) fn hold_recv(&mut self, pool: u16, idx: u32) {
+        if let Some(ps) = self.reg.pools.get_mut(&pool) {
+            ps.held.push_back(idx);
+            self.held_recvs += 1;
+        }
+    }
+
+    /// Whether a pool holds buffers back but is below its backlog bound
+    /// (`release_held` has work).
+    pub(crate) fn held_releasable(&self) -> bool {
+        self.held_recvs > 0
+            && self
+                .reg
+                .pools
+                .values()
+                .any(|p| !p.held.is_empty() && !p.pool.backlogged())
+    }
+
+    /// Re-posts the held buffers of every pool below its backlog bound.
+    /// Returns whether it re-posted any.
+    #[inline]
+    pub(crate) fn release_held(&mut self) -> bool {
+        if self.held_recvs == 0 {
+            return false;
+        }
+        let mut ready = Vec::new();
+        for (&id, p) in &mut self.reg.pools {
+            if !p.held.is_empty() && !p.pool.backlogged() {
+                ready.extend(p.held.drain(..).map(|i| (id, i)));
+            }
+        }
+        self.held_recvs -= ready.len();
+        for &(id, i) in &ready {
+            self.repost(id, i);
+        }
+        !ready.is_empty()
     }
 
     pub(super) fn repost(&mut self, pool: u16, idx: u32) {

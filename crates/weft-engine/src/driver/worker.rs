@@ -159,6 +159,9 @@ impl Worker {
         // never be posted to whatever now answers at their address)
         self.core.sync_incarnations();
         did |= self.core.post_backlog();
+        // Receive buffers a pool held back at its backlog bound, once its
+        // callbacks returned messages.
+        did |= self.core.release_held();
         // (3) completion queues
         did |= self.core.poll() > 0;
         self.shared
@@ -200,6 +203,7 @@ impl Worker {
             && self.shared.ctrl_sent.load(Ordering::SeqCst) == self.ctrl_seen
             && !self.shared.closing.load(Ordering::SeqCst)
             && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
+            && !self.core.held_releasable()
     }
 
     pub(crate) fn flush(&mut self) {

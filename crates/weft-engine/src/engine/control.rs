@@ -183,8 +183,11 @@ impl TransferEngine {
     /// Posts a rotating pool of `count` receive buffers of `len` bytes on
     /// NIC 0 of group 0. `cb` runs on the callback thread for every
     /// received message (or receive error), on a copy of its bytes: the
-    /// worker re-posts the buffer as soon as it has copied the message out.
-    /// Buffers flushed at shutdown are not reported.
+    /// worker re-posts the buffer as soon as it has copied the message out,
+    /// while the pool's messages waiting for `cb` stay under
+    /// [`EngineConfig::recv_backlog_bytes`](crate::EngineConfig::recv_backlog_bytes)
+    /// (past it, peers' SENDs wait for `cb` to catch up). Buffers flushed at
+    /// shutdown are not reported.
     pub fn submit_recvs(
         &self,
         len: u64,
@@ -211,14 +214,16 @@ impl TransferEngine {
             .map_err(|_| EngineError::RecvPoolsExhausted {
                 limit: u32::from(u16::MAX),
             })?;
+        let gs = self.group(0)?;
         let pool = Arc::new(RecvPool::new(
             id,
             RawBuf::new(total)?,
             len,
             count,
             Box::new(cb) as RecvCallback,
+            self.inner.config.recv_backlog_bytes,
+            Some(Arc::clone(gs)),
         ));
-        let gs = self.group(0)?;
         self.control(gs, |reply| Control::RecvPool { pool, reply })
     }
 }
