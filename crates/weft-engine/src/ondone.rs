@@ -629,7 +629,13 @@ mod loom_model {
     /// `block_on`), whichever way the drop and the set interleave.
     #[test]
     fn flag_set_races_two_futures_and_a_drop() {
-        ::loom::model(|| {
+        // Three threads: unbounded, the model takes over 20 minutes on two
+        // cores; with four preemptions per execution, 5 s. A lost wake-up
+        // needs one thread preempted between its check and its sleep (the
+        // one-waker-per-flag version fails this model at a bound of 2).
+        let mut b = ::loom::model::Builder::new();
+        b.preemption_bound = Some(4);
+        b.check(|| {
             let f = std::sync::Arc::new(DoneFlag::new());
             let (f2, f3) = (f.clone(), f.clone());
             let t = thread::spawn(move || {
