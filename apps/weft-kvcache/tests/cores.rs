@@ -271,8 +271,18 @@ fn heartbeats_and_silence() {
     let t2 = s.t0 + Duration::from_millis(90);
     s.dec.on_msg(&addr(1), Msg::Heartbeat, t2);
     assert!(finishes(&s.dec.tick(s.t0 + Duration::from_millis(150))).is_empty());
-    // silence past the timeout: the request fails, typed
-    let f = finishes(&s.dec.tick(s.t0 + Duration::from_millis(191)));
+    // silence past the timeout: the request fails, typed, and the dead
+    // prefiller is removed from the engine
+    let a = s.dec.tick(s.t0 + Duration::from_millis(191));
+    let forgot: Vec<_> = a
+        .iter()
+        .filter_map(|x| match x {
+            DecAction::Forget { peer } => Some(peer.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(forgot, vec![addr(1)]);
+    let f = finishes(&a);
     match &f[..] {
         [(id, Err(KvError::PrefillerDead { peer, .. }))] => {
             assert_eq!(*id, s.id);
@@ -296,6 +306,10 @@ fn heartbeats_and_silence() {
     let p = posts(&s.pre.ready(&s.key, 1).unwrap());
     let a = s.pre.tick(s.t0 + Duration::from_millis(200));
     assert!(pre_finish(&a).is_none(), "a write is in flight");
+    assert!(
+        matches!(&a[..], [PreAction::Forget { peer }] if *peer == addr(100)),
+        "the dead decoder is removed from the engine: {a:?}"
+    );
     assert!(s.pre.ready(&s.key, 3).unwrap().is_empty(), "no new posts");
     let a = s
         .pre

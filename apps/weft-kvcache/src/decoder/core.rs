@@ -89,6 +89,13 @@ pub enum DecAction {
         /// Outcome.
         result: Result<(), KvError>,
     },
+    /// Prefiller `peer` is dead: remove it from the engine
+    /// (`TransferEngine::remove_peer`), so that its connection state is
+    /// freed and nothing reaches that incarnation any more.
+    Forget {
+        /// The dead prefiller.
+        peer: GroupAddress,
+    },
 }
 
 /// A request [`DecoderCore::begin`] started.
@@ -529,6 +536,7 @@ impl DecoderCore {
             out.extend(self.stop(id, err, now, Some(peer)));
             out.extend(self.settle(id));
         }
+        out.push(DecAction::Forget { peer: addr });
         out
     }
 

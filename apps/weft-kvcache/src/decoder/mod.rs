@@ -368,6 +368,11 @@ impl Shared {
                         done.complete(result.map(|()| Completed { id, imms }));
                     }
                 }
+                DecAction::Forget { peer } => {
+                    if let Err(e) = self.engine.remove_peer(&peer) {
+                        tracing::warn!(peer = ?peer, "decoder: removing a dead prefiller: {e}");
+                    }
+                }
             }
         }
     }

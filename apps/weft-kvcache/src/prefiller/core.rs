@@ -96,6 +96,14 @@ pub enum PreAction {
         /// Outcome.
         result: Result<(), KvError>,
     },
+    /// Decoder `peer` is dead: remove it from the engine
+    /// (`TransferEngine::remove_peer`), so that its connection state is
+    /// freed and nothing reaches that incarnation any more. Writes to it
+    /// still posted resolve as the engine's peer removal says.
+    Forget {
+        /// The dead decoder.
+        peer: GroupAddress,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -582,7 +590,9 @@ impl PrefillerCore {
 
     fn decoder_dead(&mut self, d: GroupAddress, loss: PeerLoss, now: Instant) -> Vec<PreAction> {
         tracing::warn!(decoder = ?d, "prefiller: decoder dead: {loss}");
-        self.stop_where(now, |k| k.decoder == d, || Stop::DecoderDead(loss.clone()))
+        let mut out = self.stop_where(now, |k| k.decoder == d, || Stop::DecoderDead(loss.clone()));
+        out.push(PreAction::Forget { peer: d });
+        out
     }
 
     /// Heartbeats due and silent decoders declared dead at `now`.

@@ -388,6 +388,7 @@ impl Shared {
     fn step(self: &Arc<Self>, f: impl FnOnce(&mut PrefillerCore) -> Vec<PreAction>) {
         let mut finished = Vec::new();
         let mut sends = Vec::new();
+        let mut forget = Vec::new();
         {
             let mut c = self.core.lock();
             let mut queue = std::collections::VecDeque::from(f(&mut c));
@@ -405,12 +406,20 @@ impl Shared {
                         }
                     }
                     PreAction::Finish { key, result } => finished.push((key, result)),
+                    PreAction::Forget { peer } => forget.push(peer),
                 }
             }
         }
         for (to, msg) in sends {
             if let Err(e) = self.send(&to, &msg) {
                 tracing::error!("prefiller: {e}");
+            }
+        }
+        // After the sends, outside the core lock (a control call waits for
+        // the worker).
+        for peer in forget {
+            if let Err(e) = self.engine.remove_peer(&peer) {
+                tracing::warn!(peer = ?peer, "prefiller: removing a dead decoder: {e}");
             }
         }
         for (key, result) in finished {
