@@ -330,6 +330,18 @@ impl PyTransferEngine {
         transfer::submitted(py, Some(id.0), state, callback)
     }
 
+    /// Removes `peer` (its `address`, at its incarnation) on every group,
+    /// e.g. one whose process died: its queued work fails with
+    /// `PeerRemovedError`, the backends free its connection state, and
+    /// descriptors of that incarnation are refused from now on (a restarted
+    /// peer, with a new address, is reached as usual). Removing an unknown
+    /// or already removed peer does nothing.
+    fn remove_peer(&self, py: Python<'_>, peer: PyRef<'_, PyPeerAddress>) -> PyResult<()> {
+        let addr = peer.inner.clone();
+        py.detach(|| self.engine.remove_peer(&addr))
+            .map_err(|e| self.err(py, e))
+    }
+
     /// Resolves peers (their `address`) for `submit_scatter` and
     /// `submit_barrier`: member `j` receives destination `j`.
     fn add_peer_group(

@@ -33,6 +33,7 @@ fn transport_class(e: &TransportError) -> (&'static str, &'static str) {
         TransportError::Unsupported { .. } => ("UnsupportedError", "unsupported"),
         TransportError::NicDown { .. } => ("NicDownError", "nic_down"),
         TransportError::Canceled { .. } => ("CanceledError", "canceled"),
+        TransportError::PeerRemoved { .. } => ("PeerRemovedError", "peer_removed"),
         TransportError::LibraryUnavailable { .. } => {
             ("ProviderUnavailableError", "library_unavailable")
         }
@@ -60,6 +61,7 @@ pub(crate) fn engine_err(py: Python<'_>, e: &EngineError) -> PyErr {
         EngineError::RecvPoolsExhausted { .. } => ("ExhaustedError", "recv_pools_exhausted"),
         EngineError::NicCountMismatch { .. } => ("NicCountMismatchError", "nic_count_mismatch"),
         EngineError::WorkerFailed { .. } => ("WorkerFailedError", "worker_failed"),
+        EngineError::PeerRemoved { .. } => ("PeerRemovedError", "peer_removed"),
         EngineError::ImmAlreadyArmed { .. } => ("ImmAlreadyArmedError", "imm_already_armed"),
         EngineError::ImmInUse { .. } => ("ImmInUseError", "imm_in_use"),
         EngineError::ImmCountTooLarge { .. } => ("InvalidArgumentError", "imm_count_too_large"),

@@ -232,3 +232,18 @@ def test_two_nics():
                 one.submit_single_write(16, s1, d.desc)
         finally:
             one.shutdown()
+
+
+def test_remove_peer(pair):
+    a, b = pair
+    src, dst = bytearray(b"y" * 64), bytearray(64)
+    s, d = a.reg_mr(src), b.reg_mr(dst)
+    a.submit_single_write(64, s, d.desc).wait(timeout=60)
+    a.remove_peer(b.address)
+    a.remove_peer(b.address)  # already removed: nothing happens
+    dst[:] = bytes(64)
+    with pytest.raises(weft.PeerRemovedError) as ei:
+        a.submit_single_write(64, s, d.desc).wait(timeout=60)
+    assert ei.value.kind == "peer_removed"
+    assert isinstance(ei.value, weft.TransportError)
+    assert bytes(dst) == bytes(64)

@@ -110,6 +110,11 @@ class CanceledError(TransportError):
     """The backend canceled the operation."""
 
 
+class PeerRemovedError(TransportError):
+    """The peer was removed (``TransferEngine.remove_peer``, or replaced by
+    a newer incarnation at its address): work for it fails with this."""
+
+
 class UnsupportedError(TransportError):
     """The backend does not support the operation."""
 
