@@ -256,43 +256,83 @@ impl weft_transport::Domain for PanicDomain {
     }
 }
 
+/// Engine A over a [`PanicProvider`] (threaded or manual) and a manual
+/// engine B on a step-mode fabric that is never stepped, with a source on
+/// A and a destination on B registered: writes from A never complete.
+struct PanicPair {
+    ea: weft_engine::TransferEngine,
+    eb: weft_engine::TransferEngine,
+    boom: Arc<std::sync::atomic::AtomicBool>,
+    sh: weft_engine::MrHandle,
+    dd: weft_transport::MrDesc,
+    _mem: (weft_transport::HostBuffer, weft_transport::HostBuffer),
+}
+
+impl PanicPair {
+    fn new(seed: u64, manual: bool) -> Self {
+        let fabric = Fabric::new(FabricConfig::adversarial(seed));
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let p = Arc::new(PanicProvider {
+            inner: fabric.provider(a),
+            boom: boom.clone(),
+        });
+        let mut builder = weft_engine::TransferEngine::builder()
+            .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
+            .config(test_config());
+        if manual {
+            builder = builder.manual();
+        }
+        let ea = builder.build().unwrap();
+        let eb = engine(&fabric, b, 1, test_config(), true);
+        let (src, dst) = (mem::zeroed(4096), mem::zeroed(4096));
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        Self {
+            ea,
+            eb,
+            boom,
+            sh,
+            dd,
+            _mem: (src, dst),
+        }
+    }
+
+    /// A 16-byte write from A at offset `off` of both buffers.
+    fn write(&self, off: u64) -> Result<Arc<weft_engine::DoneFlag>, EngineError> {
+        let (od, f) = OnDone::flag();
+        self.ea
+            .submit_single_write(16, None, (&self.sh, off), (&self.dd, off), od)
+            .map(|_| f)
+    }
+
+    fn shutdown(&self) {
+        self.ea.shutdown();
+        self.eb.shutdown();
+    }
+}
+
 /// A backend panic in the worker fails the in-flight transfer with
 /// `WorkerFailed` and later submits fail too (threaded engine; the fabric
 /// is in step mode and never stepped, so the transfer cannot complete).
 #[test]
 fn worker_panic_fails_inflight_and_later_submits() {
-    let fabric = Fabric::new(FabricConfig::adversarial(61));
-    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let p = Arc::new(PanicProvider {
-        inner: fabric.provider(a),
-        boom: boom.clone(),
-    });
-    let ea = weft_engine::TransferEngine::builder()
-        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
-        .config(test_config())
-        .build()
-        .unwrap();
-    let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = mem::zeroed(4096);
-    let dst = mem::zeroed(4096);
-    let (sh, _) = ea.reg_mr(src.region()).unwrap();
-    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-    let (od, f) = OnDone::flag();
-    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
-        .unwrap();
-    boom.store(true, Ordering::SeqCst);
+    let t = PanicPair::new(61, false);
+    let f = t.write(0).unwrap();
+    t.boom.store(true, Ordering::SeqCst);
     wait_until("in-flight transfer resolved", HANG, || f.is_done());
+    assert_worker_failed("in flight", &f);
+    let r = t.write(0);
+    assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
+    t.shutdown();
+}
+
+fn assert_worker_failed(what: &str, f: &weft_engine::DoneFlag) {
     assert!(
         matches!(f.result(), Some(Err(EngineError::WorkerFailed { .. }))),
-        "{:?}",
+        "{what}: {:?}",
         f.result()
     );
-    let (od, _f2) = OnDone::flag();
-    let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
-    assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
-    ea.shutdown();
-    eb.shutdown();
 }
 
 /// The manual-mode twin of `worker_panic_fails_inflight_and_later_submits`:
@@ -301,56 +341,28 @@ fn worker_panic_fails_inflight_and_later_submits() {
 /// later submits fail too, and shutdown finishes.
 #[test]
 fn manual_worker_panic_fails_inflight_and_queued() {
-    let fabric = Fabric::new(FabricConfig::adversarial(62));
-    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let p = Arc::new(PanicProvider {
-        inner: fabric.provider(a),
-        boom: boom.clone(),
-    });
-    let ea = weft_engine::TransferEngine::builder()
-        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
-        .config(test_config())
-        .manual()
-        .build()
-        .unwrap();
-    let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = mem::zeroed(4096);
-    let dst = mem::zeroed(4096);
-    let (sh, _) = ea.reg_mr(src.region()).unwrap();
-    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-    let (od, f) = OnDone::flag();
-    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
-        .unwrap();
-    ea.progress();
+    let t = PanicPair::new(62, true);
+    let f = t.write(0).unwrap();
+    t.ea.progress();
     assert!(
         !f.is_done(),
         "the fabric is never stepped: {:?}",
         f.result()
     );
-    boom.store(true, Ordering::SeqCst);
+    t.boom.store(true, Ordering::SeqCst);
     // Queued (not yet taken) when the worker panics on this lap's poll.
-    let (od, queued) = OnDone::flag();
-    ea.submit_single_write(16, None, (&sh, 16), (&dd, 16), od)
-        .unwrap();
+    let queued = t.write(16).unwrap();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         for _ in 0..4 {
-            ea.progress();
+            t.ea.progress();
         }
     }));
     assert!(panicked.is_ok(), "a backend panic unwound out of progress");
-    for (what, flag) in [("in flight", &f), ("queued", &queued)] {
-        assert!(
-            matches!(flag.result(), Some(Err(EngineError::WorkerFailed { .. }))),
-            "{what}: {:?}",
-            flag.result()
-        );
-    }
-    let (od, _f3) = OnDone::flag();
-    let r = ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od);
+    assert_worker_failed("in flight", &f);
+    assert_worker_failed("queued", &queued);
+    let r = t.write(0);
     assert!(matches!(r, Err(EngineError::WorkerFailed { .. })), "{r:?}");
-    ea.shutdown();
-    eb.shutdown();
+    t.shutdown();
 }
 
 /// A backend panic while the worker answers a control request (here a
@@ -360,40 +372,24 @@ fn manual_worker_panic_fails_inflight_and_queued() {
 #[test]
 fn control_panic_fails_the_request_and_the_group() {
     for manual in [false, true] {
-        let fabric = Fabric::new(FabricConfig::adversarial(63));
-        let a = fabric.add_host(1);
-        let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let p = Arc::new(PanicProvider {
-            inner: fabric.provider(a),
-            boom: boom.clone(),
-        });
-        let mut b = weft_engine::TransferEngine::builder()
-            .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
-            .config(test_config());
-        if manual {
-            b = b.manual();
-        }
-        let ea = b.build().unwrap();
-        let early = mem::zeroed(4096);
-        let (sh, desc) = ea.reg_mr(early.region()).unwrap();
-        boom.store(true, Ordering::SeqCst);
+        let t = PanicPair::new(63, manual);
+        t.boom.store(true, Ordering::SeqCst);
         let late = mem::zeroed(4096);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            ea.reg_mr(late.region()).map(|_| ())
+            t.ea.reg_mr(late.region()).map(|_| ())
         }));
         let r = r.unwrap_or_else(|_| panic!("manual {manual}: the panic reached reg_mr's caller"));
         assert!(
             matches!(r, Err(EngineError::WorkerFailed { .. })),
             "manual {manual}: {r:?}"
         );
-        ea.progress();
-        let (od, _f) = OnDone::flag();
-        let r = ea.submit_single_write(16, None, (&sh, 0), (&desc, 0), od);
+        t.ea.progress();
+        let r = t.write(0);
         assert!(
             matches!(r, Err(EngineError::WorkerFailed { .. })),
             "manual {manual}: {r:?}"
         );
-        ea.shutdown();
+        t.shutdown();
     }
 }
 
@@ -402,34 +398,11 @@ fn control_panic_fails_the_request_and_the_group() {
 /// the failed core again, and the transfer resolves with `WorkerFailed`.
 #[test]
 fn manual_worker_panic_during_shutdown_finishes() {
-    let fabric = Fabric::new(FabricConfig::adversarial(64));
-    let (a, b) = (fabric.add_host(1), fabric.add_host(1));
-    let boom = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let p = Arc::new(PanicProvider {
-        inner: fabric.provider(a),
-        boom: boom.clone(),
-    });
-    let ea = weft_engine::TransferEngine::builder()
-        .group(weft_engine::DomainGroupSpec::new(p, vec![0]))
-        .config(test_config())
-        .manual()
-        .build()
-        .unwrap();
-    let eb = engine(&fabric, b, 1, test_config(), true);
-    let src = mem::zeroed(4096);
-    let dst = mem::zeroed(4096);
-    let (sh, _) = ea.reg_mr(src.region()).unwrap();
-    let (_, dd) = eb.reg_mr(dst.region()).unwrap();
-    let (od, f) = OnDone::flag();
-    ea.submit_single_write(16, None, (&sh, 0), (&dd, 0), od)
-        .unwrap();
-    boom.store(true, Ordering::SeqCst);
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ea.shutdown()));
+    let t = PanicPair::new(64, true);
+    let f = t.write(0).unwrap();
+    t.boom.store(true, Ordering::SeqCst);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.ea.shutdown()));
     assert!(r.is_ok(), "the backend panic unwound out of shutdown");
-    assert!(
-        matches!(f.result(), Some(Err(EngineError::WorkerFailed { .. }))),
-        "{:?}",
-        f.result()
-    );
-    eb.shutdown();
+    assert_worker_failed("in flight", &f);
+    t.eb.shutdown();
 }
