@@ -32,6 +32,25 @@ impl From<io::Error> for HttpError {
     }
 }
 
+/// Longest status, header or chunk-size line accepted (etcd's are far
+/// shorter): a server that never ends a line cannot grow memory.
+const MAX_LINE: usize = 8 * 1024;
+/// Most header lines accepted in one response.
+const MAX_HEADER_LINES: usize = 128;
+
+/// Appends one line of at most [`MAX_LINE`] bytes to `line`; the bytes
+/// read, 0 at the end of the stream.
+fn read_line_bounded<R: BufRead>(r: &mut R, line: &mut String) -> io::Result<usize> {
+    let n = r.by_ref().take(MAX_LINE as u64).read_line(line)?;
+    if n == MAX_LINE && !line.ends_with('\n') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("an HTTP line longer than {MAX_LINE} bytes"),
+        ));
+    }
+    Ok(n)
+}
+
 /// The body of a response, read as it arrives.
 pub(crate) enum Body {
     Length(io::Take<BufReader<TcpStream>>),
@@ -64,9 +83,17 @@ impl Read for Chunked {
         if self.left == 0 {
             let mut line = String::new();
             // The CRLF that ends the previous chunk, if any, then the size.
+            let mut blank = 0;
             while line.trim().is_empty() {
+                blank += 1;
+                if blank > 2 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "blank lines instead of a chunk size",
+                    ));
+                }
                 line.clear();
-                if self.inner.read_line(&mut line)? == 0 {
+                if read_line_bounded(&mut self.inner, &mut line)? == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
             }
@@ -119,7 +146,7 @@ pub(crate) fn post(
     let handle = stream.try_clone()?;
     let mut r = BufReader::new(stream);
     let mut line = String::new();
-    r.read_line(&mut line)?;
+    read_line_bounded(&mut r, &mut line)?;
     let status: u16 = line
         .split_whitespace()
         .nth(1)
@@ -127,9 +154,16 @@ pub(crate) fn post(
         .ok_or_else(|| HttpError::Bad(format!("status line {:?}", line.trim())))?;
     let mut length = None;
     let mut chunked = false;
+    let mut headers = 0;
     loop {
         line.clear();
-        if r.read_line(&mut line)? == 0 {
+        headers += 1;
+        if headers > MAX_HEADER_LINES {
+            return Err(HttpError::Bad(format!(
+                "more than {MAX_HEADER_LINES} header lines"
+            )));
+        }
+        if read_line_bounded(&mut r, &mut line)? == 0 {
             return Err(HttpError::Bad("headers cut short".into()));
         }
         let l = line.trim();
@@ -231,5 +265,56 @@ mod tests {
         let all: Vec<u8> = (0..=255).collect();
         assert_eq!(b64_decode(&b64_encode(&all)).unwrap(), all);
         assert!(b64_decode("a*b").is_none());
+    }
+
+    /// Serves one connection: reads the request, answers `response`.
+    fn serve_once(response: Vec<u8>) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let host = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = l.accept() {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(&response);
+            }
+        });
+        host
+    }
+
+    fn ask(host: &str) -> Result<Vec<u8>, HttpError> {
+        let t = Duration::from_secs(10);
+        let (mut body, _) = post(host, "/v3/kv/range", b"{}", t, Some(t))?;
+        let mut out = Vec::new();
+        body.read_to_end(&mut out)?;
+        Ok(out)
+    }
+
+    /// A response whose lines never end, or that never ends its headers,
+    /// or whose chunked body sends blank lines for ever, is refused after
+    /// a bounded read; a well-formed one (length and chunked) is read.
+    #[test]
+    fn responses_are_read_within_bounds() {
+        let mut endless = b"HTTP/1.1 200 OK\r\nX-A: ".to_vec();
+        endless.extend(std::iter::repeat_n(b'a', 1 << 20));
+        let e = ask(&serve_once(endless)).unwrap_err();
+        assert!(e.to_string().contains("longer than"), "{e}");
+        let mut many = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..1000 {
+            many.extend(format!("X-{i}: x\r\n").bytes());
+        }
+        many.extend(b"\r\n");
+        let e = ask(&serve_once(many)).unwrap_err();
+        assert!(e.to_string().contains("header lines"), "{e}");
+        let mut blanks =
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n".to_vec();
+        blanks.extend(std::iter::repeat_n(b"\r\n".as_slice(), 1000).flatten());
+        let e = ask(&serve_once(blanks)).unwrap_err();
+        assert!(e.to_string().contains("blank lines"), "{e}");
+        let good = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+        assert_eq!(ask(&serve_once(good)).unwrap(), b"ok");
+        let chunked =
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n1\r\n!\r\n0\r\n\r\n"
+                .to_vec();
+        assert_eq!(ask(&serve_once(chunked)).unwrap(), b"ok!");
     }
 }
