@@ -631,8 +631,9 @@ mod loom_model {
     fn flag_set_races_two_futures_and_a_drop() {
         // Three threads: unbounded, the model takes over 20 minutes on two
         // cores; with four preemptions per execution, 5 s. A lost wake-up
-        // needs one thread preempted between its check and its sleep (the
-        // one-waker-per-flag version fails this model at a bound of 2).
+        // needs one thread preempted between its check and its sleep (a
+        // variant keeping one waker per flag fails this model at a bound
+        // of 2).
         let mut b = ::loom::model::Builder::new();
         b.preemption_bound = Some(4);
         b.check(|| {
