@@ -211,7 +211,7 @@ pub(crate) struct RecvPool {
     max_out: u32,
     /// The group whose worker re-posts held buffers: woken when `out`
     /// falls below `max_out` (it may sleep with buffers held).
-    group: Option<Arc<GroupShared>>,
+    group: Arc<GroupShared>,
 }
 
 impl RecvPool {
@@ -225,7 +225,7 @@ impl RecvPool {
         count: u32,
         cb: RecvCallback,
         backlog_bytes: u64,
-        group: Option<Arc<GroupShared>>,
+        group: Arc<GroupShared>,
     ) -> Self {
         let max_out = (backlog_bytes / len.max(1)).clamp(1, u64::from(u32::MAX));
         Self {
@@ -281,9 +281,7 @@ impl RecvPool {
     pub(crate) fn recycle(&self, msg: Vec<u8>) {
         let _ = self.spare.push(msg);
         if self.out.fetch_sub(1, Ordering::SeqCst) == self.max_out {
-            if let Some(g) = &self.group {
-                g.wake();
-            }
+            self.group.wake();
         }
     }
 }

@@ -218,18 +218,16 @@ impl Worker {
     /// thread's ending; manual mode uses [`Worker::step_manual`]).
     pub(crate) fn failed(&mut self, payload: &(dyn std::any::Any + Send)) {
         self.fail_now(payload);
-        loop {
-            self.refuse_queued();
-            if self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty() {
-                break;
-            }
+        while !(self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty()) {
             std::thread::park_timeout(Duration::from_millis(1));
+            self.refuse_queued();
         }
         self.finished = true;
     }
 
-    /// Marks the group failed with `WorkerFailed` (what the panic said) and
-    /// fails the work in flight; from here on the worker only refuses.
+    /// Marks the group failed with `WorkerFailed` (what the panic said),
+    /// fails the work in flight and refuses what is queued; from here on
+    /// the worker only refuses.
     fn fail_now(&mut self, payload: &(dyn std::any::Any + Send)) {
         let g = self.shared.index;
         let what = payload
@@ -247,6 +245,7 @@ impl Worker {
             tracing::error!(group = g, "failing in-flight work panicked too");
         }
         self.broken = true;
+        self.refuse_queued();
     }
 
     /// A failed worker's lap: queued requests fail with the group's error,
@@ -271,27 +270,25 @@ impl Worker {
     /// catches it. A panic fails the group as on a worker thread; later
     /// laps refuse what is queued, and a closing failed worker is finished.
     pub(crate) fn step_manual(&mut self) -> bool {
-        if self.broken {
+        let did = if self.broken {
             let any = !self.shared.queue.is_empty();
             self.refuse_queued();
-            if self.shared.closing.load(Ordering::SeqCst) {
-                self.finished = true;
-            }
-            return any;
-        }
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.iterate())) {
-            Ok(did) => did,
-            Err(p) => {
-                self.fail_now(&*p);
-                self.refuse_queued();
-                // A shutdown lap must not go on to `drain_step` with this
-                // core.
-                if self.shared.closing.load(Ordering::SeqCst) {
-                    self.finished = true;
+            any
+        } else {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| self.iterate())) {
+                Ok(did) => did,
+                Err(p) => {
+                    self.fail_now(&*p);
+                    true
                 }
-                true
             }
+        };
+        // A failed core is never touched again: its shutdown ends here,
+        // before `drain_step`.
+        if self.broken && self.shared.closing.load(Ordering::SeqCst) {
+            self.finished = true;
         }
+        did
     }
 
     /// Manual mode: answers the control requests waiting in the channel on
@@ -310,7 +307,6 @@ impl Worker {
         }));
         if let Err(p) = r {
             self.fail_now(&*p);
-            self.refuse_queued();
         }
     }
 
@@ -326,7 +322,7 @@ impl Worker {
 
     /// Shutdown handling; call after `iterate` while closing.
     pub(crate) fn drain_step(&mut self, deadline: Instant) {
-        if self.finished || self.broken || !self.shared.closing.load(Ordering::SeqCst) {
+        if self.finished || !self.shared.closing.load(Ordering::SeqCst) {
             return;
         }
         if self.draining.is_none() {

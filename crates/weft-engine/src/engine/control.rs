@@ -222,7 +222,7 @@ impl TransferEngine {
             count,
             Box::new(cb) as RecvCallback,
             self.inner.config.recv_backlog_bytes,
-            Some(Arc::clone(gs)),
+            Arc::clone(gs),
         ));
         self.control(gs, |reply| Control::RecvPool { pool, reply })
     }
