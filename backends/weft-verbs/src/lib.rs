@@ -15,6 +15,12 @@
 //!   are harmless, and after [`VerbsConfig::handshake_tries`] the peer is
 //!   declared unreachable and its queued operations fail with
 //!   `PeerUnreachable`. Operations posted meanwhile wait in per-peer queues.
+//!   A handshake from an address the domain was not asked to reach creates
+//!   a *passive* peer; at most [`VerbsConfig::max_half_open`] of them are
+//!   half-open (not connected) at once, so datagrams claiming made-up
+//!   addresses cannot exhaust QPs: at the bound the oldest one that stopped
+//!   answering is evicted, or the new handshake is refused (a real peer
+//!   retransmits).
 //! - **WR chaining**: up to [`VerbsConfig::chain_len`] (4) WRs linked per
 //!   `ibv_post_send`; a partial post (`bad_wr`) keeps the unposted WRs queued
 //!   and posts them when the send queue has room.

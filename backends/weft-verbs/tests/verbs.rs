@@ -1050,19 +1050,26 @@ fn gpu_memory_is_unsupported_on_the_sim() {
     });
 }
 
-#[test]
-fn malformed_handshake_datagrams_are_dropped() {
-    with_seed(160, |seed| {
-        let src = mem::zeroed(64);
-        let dst = mem::zeroed(64);
-        let junk = mem::zeroed(256);
-        let mut s = Sim::new(seed, 2);
-        let target = weft_verbs::wire::VerbsAddr::decode(&s.addr(1).0).unwrap();
-        // A raw UD sender on the same fabric.
-        let mut raw = s.fabric.add_device("raw").open(0).unwrap();
-        let pd = raw.alloc_pd().unwrap();
-        let cq = raw.create_cq(64).unwrap();
-        let qp = raw
+/// A raw UD sender on a simulated fabric: sends any bytes to a verbs
+/// domain's handshake QP, as anyone with the weft Q_Key could.
+struct RawUd {
+    dev: weft_verbs::sim::SimDevice,
+    qp: Qp,
+    ah: Ah,
+    lkey: u32,
+    buf: HostBuffer,
+    target: weft_verbs::wire::VerbsAddr,
+    sent: u64,
+}
+
+impl RawUd {
+    fn new(s: &Sim, to: usize) -> Self {
+        let target = weft_verbs::wire::VerbsAddr::decode(&s.addr(to).0).unwrap();
+        let buf = mem::zeroed(256);
+        let mut dev = s.fabric.add_device("raw").open(0).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(64).unwrap();
+        let qp = dev
             .create_qp(
                 pd,
                 &QpInit {
@@ -1077,7 +1084,7 @@ fn malformed_handshake_datagrams_are_dropped() {
             )
             .unwrap()
             .qp;
-        raw.modify_qp(
+        dev.modify_qp(
             qp,
             &ModifyQp::Init {
                 port: 1,
@@ -1087,8 +1094,8 @@ fn malformed_handshake_datagrams_are_dropped() {
             },
         )
         .unwrap();
-        raw.modify_qp(qp, &ModifyQp::RtrUd).unwrap();
-        raw.modify_qp(
+        dev.modify_qp(qp, &ModifyQp::RtrUd).unwrap();
+        dev.modify_qp(
             qp,
             &ModifyQp::Rts {
                 sq_psn: 0,
@@ -1100,10 +1107,10 @@ fn malformed_handshake_datagrams_are_dropped() {
             },
         )
         .unwrap();
-        let (_, lkey, _) = raw
-            .reg_mr(pd, junk.region().addr(), 256, access::LOCAL_WRITE)
+        let (_, lkey, _) = dev
+            .reg_mr(pd, buf.region().addr(), 256, access::LOCAL_WRITE)
             .unwrap();
-        let ah = raw
+        let ah = dev
             .create_ah(
                 pd,
                 &AhAttr {
@@ -1118,27 +1125,56 @@ fn malformed_handshake_datagrams_are_dropped() {
                 },
             )
             .unwrap();
+        Self {
+            dev,
+            qp,
+            ah,
+            lkey,
+            buf,
+            target,
+            sent: 0,
+        }
+    }
+
+    /// Sends `bytes` (at most 200) as one datagram; its send completion is
+    /// reaped, so any number can be sent.
+    fn send(&mut self, bytes: &[u8]) {
+        self.buf.put(0, bytes);
+        let len = bytes.len() as u32;
+        let wr = SendWr {
+            wr_id: self.sent,
+            op: SendOp::UdSend {
+                ah: self.ah,
+                remote_qpn: self.target.ud_qpn,
+                remote_qkey: weft_verbs::WEFT_QKEY,
+            },
+            sge: (len > 0).then_some(Sge {
+                addr: self.buf.region().addr(),
+                length: len,
+                lkey: self.lkey,
+            }),
+            signaled: true,
+        };
+        self.dev.post_send(self.qp, &[wr]).unwrap();
+        self.sent += 1;
+    }
+}
+
+#[test]
+fn malformed_handshake_datagrams_are_dropped() {
+    with_seed(160, |seed| {
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
+        let mut s = Sim::new(seed, 2);
+        let mut raw = RawUd::new(&s, 1);
         assert!(
             weft_verbs::wire::Handshake::decode(&[0; weft_verbs::wire::HANDSHAKE_LEN]).is_err(),
             "all-zero bytes are not a handshake"
         );
-        for (k, len) in [0u32, 1, 5, 54, 55, 56, 200].into_iter().enumerate() {
-            junk.put(0, &[k as u8 ^ 0x5a; 200]);
-            let wr = SendWr {
-                wr_id: k as u64,
-                op: SendOp::UdSend {
-                    ah,
-                    remote_qpn: target.ud_qpn,
-                    remote_qkey: weft_verbs::WEFT_QKEY,
-                },
-                sge: (len > 0).then_some(Sge {
-                    addr: junk.region().addr(),
-                    length: len,
-                    lkey,
-                }),
-                signaled: true,
-            };
-            raw.post_send(qp, &[wr]).unwrap();
+        for (k, len) in [0usize, 1, 5, 54, 55, 56, 200].into_iter().enumerate() {
+            raw.send(&[k as u8 ^ 0x5a; 200][..len]);
+            let mut out = s.outs();
+            s.round(&mut out);
         }
         let mut out = s.outs();
         for _ in 0..200 {
@@ -1150,6 +1186,110 @@ fn malformed_handshake_datagrams_are_dropped() {
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         s.connect(0, 1, &smr, &dmr);
+    });
+}
+
+/// A well-formed handshake claiming to come from a made-up address `k`.
+fn forged_handshake(k: u32) -> Vec<u8> {
+    let mut gid = [0xfe; 16];
+    gid[12..].copy_from_slice(&k.to_be_bytes());
+    weft_verbs::wire::Handshake {
+        from: weft_verbs::wire::VerbsAddr {
+            gid: Gid(gid),
+            lid: 0,
+            ud_qpn: 7000 + k,
+        },
+        qps: weft_verbs::wire::QpPair {
+            send_qpn: 9000 + 2 * k,
+            write_qpn: 9001 + 2 * k,
+            send_psn: k,
+            write_psn: k,
+        },
+        peer_send_qpn: 0,
+        peer_write_qpn: 0,
+        ready: false,
+        ack: false,
+        mtu: 3,
+    }
+    .encode()
+}
+
+#[test]
+fn forged_handshakes_hold_at_most_max_half_open_peers() {
+    with_seed(165, |seed| {
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
+        let mut cfg = sim_cfg();
+        cfg.max_half_open = 4;
+        let mut s = Sim::with(SimConfig::new(seed), cfg.clone(), 2);
+        let name = s.names[1].clone();
+        let mut raw = RawUd::new(&s, 1);
+        let mut out = s.outs();
+        // Ten addresses that will never answer: four get QPs, six are
+        // refused while those four are still retransmitting.
+        for k in 0..10 {
+            raw.send(&forged_handshake(k));
+            s.round(&mut out);
+        }
+        let st = s.hosts[1].stats();
+        assert_eq!(st.handshakes_received, 10, "seed {seed}");
+        assert_eq!(st.handshakes_refused, 6, "seed {seed}");
+        assert_eq!(
+            s.fabric.rc_qps(&name),
+            8,
+            "seed {seed}: two QPs per half-open peer"
+        );
+        // Their retransmissions run out (tries x timeout of simulated time).
+        let spent = cfg.handshake_tries as u64 * cfg.handshake_timeout_ns / 1_000 + 10;
+        for _ in 0..spent {
+            s.round(&mut out);
+        }
+        // Ten more: each of the first four evicts a spent one, the rest are
+        // refused; the QPs stay bounded.
+        for k in 10..20 {
+            raw.send(&forged_handshake(k));
+            s.round(&mut out);
+        }
+        let st = s.hosts[1].stats();
+        assert_eq!(st.half_open_evicted, 4, "seed {seed}");
+        assert_eq!(st.handshakes_refused, 12, "seed {seed}");
+        assert_eq!(s.fabric.rc_qps(&name), 8, "seed {seed}");
+        assert_eq!(st.connects, 0, "seed {seed}");
+        // A real peer still gets in: its handshakes are refused until the
+        // forged peers run out, then one of them is evicted for it.
+        let smr = s.reg(0, &src, Access::LocalOnly);
+        let dmr = s.reg(1, &dst, Access::RemoteWrite);
+        s.connect(0, 1, &smr, &dmr);
+        // Connected, it is no longer half-open: a later flood cannot evict
+        // it, and writes keep working.
+        for _ in 0..spent {
+            s.round(&mut out);
+        }
+        for k in 20..40 {
+            raw.send(&forged_handshake(k));
+            s.round(&mut out);
+        }
+        assert!(
+            s.fabric.rc_qps(&name) <= 10,
+            "seed {seed}: 4 half-open peers and the real one"
+        );
+        src.put(0, &[0xab; 8]);
+        let p = s.peer(0, 1);
+        let wr = WriteWr {
+            wr: WrId(5),
+            peer: p,
+            src: smr.slice(0, 8).unwrap(),
+            dst: remote(&dmr, 8),
+            imm: None,
+        };
+        s.hosts[0].post_write(&wr).unwrap();
+        let mut out = s.outs();
+        assert!(
+            s.run_until(10_000, &mut out, |o| writes(&o[0])
+                .contains(&(WrId(5), true))),
+            "seed {seed}: write after the flood: {out:?}"
+        );
+        assert_eq!(dst.bytes(8, 8), vec![0xab; 8]);
     });
 }
 

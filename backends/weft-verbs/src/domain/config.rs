@@ -49,6 +49,12 @@ pub struct VerbsConfig {
     pub handshake_timeout_ns: u64,
     /// Handshake transmissions before the peer is declared unreachable.
     pub handshake_tries: u32,
+    /// Most *half-open passive* peers: peers created by a handshake from
+    /// an address this domain was not asked to reach, before they connect.
+    /// Each holds two RC QPs. At the bound, a handshake from a new address
+    /// evicts the oldest one whose retransmissions have run out, or is
+    /// refused (the module docs of `weft_verbs` say more). At least 1.
+    pub max_half_open: usize,
     /// RC local ACK timeout exponent (4.096 µs × 2^timeout).
     pub timeout: u8,
     /// RC transport retries.
@@ -81,6 +87,7 @@ impl Default for VerbsConfig {
             max_wr_len: None,
             handshake_timeout_ns: 50_000_000,
             handshake_tries: 40,
+            max_half_open: 256,
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 6,

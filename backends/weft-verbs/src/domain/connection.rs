@@ -64,6 +64,10 @@ pub(super) struct Peer {
     /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
     /// with `PeerRemoved`, its address maps to a new peer if added again.
     pub(super) removed: bool,
+    /// Created by a handshake from an address this domain was not asked to
+    /// reach, not connected yet and not added by the user: may be evicted
+    /// (`passive.rs`).
+    pub(super) passive: bool,
     pub(super) send_q: VecDeque<u32>,
     pub(super) write_q: VecDeque<u32>,
 }
@@ -74,17 +78,17 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if let Some(p) = self.by_addr.get(addr) {
             return Ok(*p);
         }
+        self.new_peer(addr)
+    }
+
+    /// A new peer at `addr` (not yet in `by_addr`), in a slot freed by an
+    /// evicted passive peer if there is one.
+    fn new_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
         let va = VerbsAddr::decode(&addr.0).map_err(|why| TransportError::InvalidArgument {
             nic: self.nic.clone(),
             what: format!("address {addr}: {why}"),
         })?;
-        let pid = PeerId(u32::try_from(self.peers.len()).map_err(|_| {
-            TransportError::InvalidArgument {
-                nic: self.nic.clone(),
-                what: "too many peers".into(),
-            }
-        })?);
-        self.peers.push(Peer {
+        let peer = Peer {
             addr: addr.clone(),
             va,
             ah: None,
@@ -92,9 +96,26 @@ impl<O: VerbsOps> VerbsDomain<O> {
             draining: Vec::new(),
             unreachable: None,
             removed: false,
+            passive: false,
             send_q: VecDeque::new(),
             write_q: VecDeque::new(),
-        });
+        };
+        let pid = match self.passive.take_free() {
+            Some(pid) => {
+                self.peers[pid.0 as usize] = peer;
+                pid
+            }
+            None => {
+                let pid = PeerId(u32::try_from(self.peers.len()).map_err(|_| {
+                    TransportError::InvalidArgument {
+                        nic: self.nic.clone(),
+                        what: "too many peers".into(),
+                    }
+                })?);
+                self.peers.push(peer);
+                pid
+            }
+        };
         self.by_addr.insert(addr.clone(), pid);
         Ok(pid)
     }
@@ -265,9 +286,23 @@ impl<O: VerbsOps> VerbsDomain<O> {
         };
         self.stats.handshakes_received += 1;
         let addr = msg.from.encode();
-        let pid = match self.peer_for(&addr) {
-            Ok(p) => p,
-            Err(_) => return,
+        let pid = match self.by_addr.get(&addr) {
+            Some(p) => *p,
+            None => {
+                // A new address: a passive peer, within the half-open bound.
+                if !self.room_for_passive() {
+                    self.stats.handshakes_refused += 1;
+                    tracing::debug!(nic = %self.nic, peer = %addr_str(&addr), "handshake refused: too many half-open peers");
+                    return;
+                }
+                match self.new_peer(&addr) {
+                    Ok(p) => {
+                        self.list_passive(p);
+                        p
+                    }
+                    Err(_) => return,
+                }
+            }
         };
         if self.peers[pid.0 as usize].unreachable.is_some() {
             tracing::debug!(nic = %self.nic, peer = %addr_str(&addr), "handshake from a peer declared unreachable ignored");
@@ -286,6 +321,9 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if self.peers[pid.0 as usize].conn.is_none() {
             if let Err(e) = self.create_conn(pid) {
                 tracing::warn!(nic = %self.nic, error = %e, "cannot create QPs for incoming handshake");
+                if self.peers[pid.0 as usize].passive {
+                    self.evict_passive(pid);
+                }
                 return;
             }
         }
@@ -296,7 +334,13 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs_rts {
             if let Err(e) = self.bring_up(pid, &msg) {
                 tracing::warn!(nic = %self.nic, error = %e, "QP bring-up failed");
-                self.mark_unreachable(pid, format!("QP bring-up failed: {e}"));
+                if self.peers[pid.0 as usize].passive {
+                    // No one asked for it: forgotten, not kept unreachable
+                    // (which would refuse that address from then on).
+                    self.evict_passive(pid);
+                } else {
+                    self.mark_unreachable(pid, format!("QP bring-up failed: {e}"));
+                }
                 return;
             }
         }
@@ -322,6 +366,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
             self.send_handshake(pid);
         }
         if now_connected && !was_connected {
+            // It answered at the address it claimed: no longer half-open.
+            self.unlist_passive(pid);
             self.stats.connects += 1;
             tracing::debug!(nic = %self.nic, peer = pid.0, "connected");
             self.pump(pid);
@@ -471,6 +517,10 @@ impl<O: VerbsOps> VerbsDomain<O> {
             return;
         }
         p.removed = true;
+        self.unlist_passive(pid);
+        let Some(p) = self.peers.get_mut(pid.0 as usize) else {
+            return;
+        };
         // A peer already unreachable keeps its first reason; its queues are
         // empty and its QPs already in ERR.
         p.unreachable = None;

@@ -17,6 +17,7 @@ mod connection;
 #[allow(unsafe_code)]
 mod dma_buf;
 mod memory;
+mod passive;
 mod port;
 mod posting;
 mod recv;
@@ -83,6 +84,12 @@ pub struct DomainStats {
     pub requeued_ops: u64,
     /// Peers removed with `Domain::remove_peer`.
     pub peers_removed: u64,
+    /// Handshakes from new addresses refused because
+    /// [`VerbsConfig::max_half_open`] passive peers were half-open, none of
+    /// them spent.
+    pub handshakes_refused: u64,
+    /// Half-open passive peers evicted to make room for a new one.
+    pub half_open_evicted: u64,
 }
 
 /// One verbs NIC (port) as a weft [`Domain`].
@@ -107,6 +114,8 @@ pub struct VerbsDomain<O: VerbsOps> {
     mrs: MrTable,
     peers: Vec<Peer>,
     by_addr: BTreeMap<NetAddr, PeerId>,
+    /// Peers created by handshakes from unknown addresses (`passive`).
+    passive: passive::Passive,
     qpn_peer: BTreeMap<u32, PeerId>,
     op_table: OpTable,
     /// Generation of the last op or user receive (in their wr_ids).
@@ -254,6 +263,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
             },
             peers: Vec::new(),
             by_addr: BTreeMap::new(),
+            passive: passive::Passive::default(),
             qpn_peer: BTreeMap::new(),
             op_table: OpTable {
                 slab: Vec::new(),
@@ -419,7 +429,10 @@ impl<O: VerbsOps> Domain for VerbsDomain<O> {
     }
 
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        self.peer_for(addr)
+        let pid = self.peer_for(addr)?;
+        // The user knows this id now: a passive peer is never evicted.
+        self.unlist_passive(pid);
+        Ok(pid)
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {

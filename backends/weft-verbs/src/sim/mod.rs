@@ -248,6 +248,17 @@ impl SimFabric {
             .unwrap_or_default()
     }
 
+    /// RC QPs of device `name` that exist (created, not destroyed).
+    pub fn rc_qps(&self, name: &str) -> usize {
+        let f = self.lock();
+        Self::node_idx(&f, name).map_or(0, |i| {
+            f.qps
+                .values()
+                .filter(|q| q.node == i && q.ty == QpType::Rc)
+                .count()
+        })
+    }
+
     /// The next RC `post_send` on device `name` fails with `ENOMEM` at chain
     /// index `index` (WRs before it are posted), as a full send queue would.
     pub fn fail_next_post_send(&self, name: &str, index: usize) {

@@ -1,0 +1,126 @@
+//! Passive peers: peers created by a handshake from an address this domain
+//! was never asked to reach.
+//!
+//! Anyone who can send a UD datagram with the weft Q_Key can claim any
+//! address in a handshake, and each such handshake costs a peer entry and
+//! two RC QPs. A passive peer that has not finished its handshake is
+//! *half-open*; at most [`VerbsConfig::max_half_open`](super::VerbsConfig)
+//! of them exist. When a handshake from a new address finds them all in
+//! use, the oldest one whose retransmissions have run out (it stopped
+//! answering: `handshake_tries` sent without a reply) is evicted: its QPs
+//! are destroyed, its address forgotten and its peer slot reused. If none
+//! has run out, the new handshake is refused (counted in
+//! [`DomainStats::handshakes_refused`](super::DomainStats)); a real peer
+//! retransmits, so it gets in once the flood's half-open peers run out.
+//!
+//! A passive peer stops being passive once it connects (it answered at the
+//! address it claimed) or once this side adds it with `add_peer` (the user
+//! knows its [`PeerId`] from then on, so it is never evicted).
+
+use super::VerbsDomain;
+use crate::ops::VerbsOps;
+use std::collections::VecDeque;
+use weft_transport::PeerId;
+
+/// The half-open passive peers in creation order, and the peer slots freed
+/// by evicting one (no one outside the domain ever held their ids).
+#[derive(Default)]
+pub(super) struct Passive {
+    order: VecDeque<PeerId>,
+    free: Vec<PeerId>,
+}
+
+impl Passive {
+    /// Half-open passive peers.
+    pub(super) fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// A peer slot to reuse, if an eviction freed one.
+    pub(super) fn take_free(&mut self) -> Option<PeerId> {
+        self.free.pop()
+    }
+}
+
+impl<O: VerbsOps> VerbsDomain<O> {
+    /// Records new peer `pid` as passive.
+    pub(super) fn list_passive(&mut self, pid: PeerId) {
+        if let Some(p) = self.peers.get_mut(pid.0 as usize) {
+            p.passive = true;
+            self.passive.order.push_back(pid);
+        }
+    }
+
+    /// Peer `pid` is no longer passive (it connected, or the user added
+    /// it); nothing if it was not.
+    pub(super) fn unlist_passive(&mut self, pid: PeerId) {
+        let Some(p) = self.peers.get_mut(pid.0 as usize) else {
+            return;
+        };
+        if !p.passive {
+            return;
+        }
+        p.passive = false;
+        if let Some(i) = self.passive.order.iter().position(|q| *q == pid) {
+            self.passive.order.remove(i);
+        }
+    }
+
+    /// Whether a handshake from a new address may create a passive peer:
+    /// there is room under `max_half_open`, or the oldest half-open peer
+    /// whose retransmissions have run out was evicted to make it.
+    pub(super) fn room_for_passive(&mut self) -> bool {
+        let max = self.cfg.max_half_open.max(1);
+        if self.passive.len() < max {
+            return true;
+        }
+        let spent = self.passive.order.iter().copied().find(|pid| {
+            self.peers
+                .get(pid.0 as usize)
+                .is_some_and(|p| p.conn.as_ref().is_none_or(|c| c.next_retx == u64::MAX))
+        });
+        match spent {
+            Some(pid) => {
+                self.evict_passive(pid);
+                self.passive.len() < max
+            }
+            None => false,
+        }
+    }
+
+    /// Drops passive peer `pid`: its QPs are destroyed (nothing of ours is
+    /// in flight on them: it never connected and no one could post to it),
+    /// its address handle freed and its address forgotten, and its slot is
+    /// reused for a later peer.
+    pub(super) fn evict_passive(&mut self, pid: PeerId) {
+        self.unlist_passive(pid);
+        let Some(p) = self.peers.get_mut(pid.0 as usize) else {
+            return;
+        };
+        p.removed = true;
+        let addr = p.addr.clone();
+        let ah = p.ah.take();
+        if let Some(c) = p.conn.take() {
+            p.draining.push(c);
+        }
+        if self.by_addr.get(&addr) == Some(&pid) {
+            self.by_addr.remove(&addr);
+        }
+        self.reap_draining(pid);
+        if let Some(ah) = ah {
+            if let Err(e) = self.ops.destroy_ah(ah) {
+                tracing::warn!(nic = %self.nic, error = %e, "destroy_ah failed");
+            }
+        }
+        self.stats.half_open_evicted += 1;
+        tracing::debug!(nic = %self.nic, peer = %addr, "half-open passive peer evicted");
+        // A slot whose QPs still drain (none should) stays a tombstone.
+        if self
+            .peers
+            .get(pid.0 as usize)
+            .is_some_and(|p| p.draining.is_empty())
+        {
+            self.passive.free.push(pid);
+        }
+    }
+}
