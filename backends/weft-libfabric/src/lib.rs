@@ -133,6 +133,14 @@ pub struct LibfabricConfig {
     /// are opened without it. Hardware-progress providers (EFA, verbs) are
     /// never given one. Default `true`.
     pub wait_fd: bool,
+    /// Most *passive* peers: peers created by an incoming message from an
+    /// address this domain was not asked to reach (and not added since).
+    /// A message names its sender, so anyone who can reach the endpoint
+    /// could otherwise fill the address vector with made-up addresses. At
+    /// the bound, a message from a new address removes the oldest idle
+    /// passive peer, or is dropped unanswered when none is idle (its
+    /// sender's SEND fails after `ack_timeout`). At least 1. Default 1024.
+    pub max_passive_peers: usize,
 }
 
 impl LibfabricConfig {
@@ -154,6 +162,7 @@ impl LibfabricConfig {
             write_timeout: Duration::from_secs(30),
             max_peer_endpoints: 256,
             wait_fd: true,
+            max_passive_peers: 1024,
         }
     }
 
@@ -184,6 +193,12 @@ impl LibfabricConfig {
     /// Sets [`LibfabricConfig::max_peer_endpoints`].
     pub fn with_max_peer_endpoints(mut self, n: usize) -> Self {
         self.max_peer_endpoints = n;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::max_passive_peers`].
+    pub fn with_max_passive_peers(mut self, n: usize) -> Self {
+        self.max_passive_peers = n;
         self
     }
 
@@ -374,6 +389,7 @@ impl LibfabricProvider {
             acks: 64.min(tx),
             max_peer_endpoints: self.config.max_peer_endpoints,
             wait_fd: self.config.wait_fd,
+            max_passive_peers: self.config.max_passive_peers,
         };
         LibfabricDomain::open(self.lib, Arc::clone(info), n.name.clone(), opts)
     }

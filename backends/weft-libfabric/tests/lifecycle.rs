@@ -130,3 +130,71 @@ fn tcp_removed_peers_free_their_av_entries() {
 fn shm_removed_peers_are_forgotten() {
     restart_loop("shm");
 }
+
+/// Peers that only sent this domain a message (passive peers) are bounded
+/// by `max_passive_peers`: six senders in turn, each a new address, each
+/// one message; with room for two, the oldest idle one is removed for each
+/// new sender, every message is still delivered and answered, and the
+/// peer table and address vector stay at two.
+#[test]
+fn tcp_passive_peers_are_bounded() {
+    let cfg = weft_libfabric::LibfabricConfig::new("tcp")
+        .with_domains(["lo"])
+        .with_max_passive_peers(2);
+    let p = match weft_libfabric::LibfabricProvider::with_config(cfg) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("SKIP: libfabric provider tcp unavailable: {e}");
+            return;
+        }
+    };
+    let mut b: LibfabricDomain = p.open_domain(0).expect("open b");
+    let rbuf = mem::zeroed(6 * 64);
+    let rmr = b.register(&rbuf.region(), Access::LocalOnly).unwrap();
+    for k in 0..6u64 {
+        b.post_recv(WrId(100 + k), rmr.slice(64 * k, 64).unwrap())
+            .unwrap();
+    }
+    let mut senders = Vec::new();
+    let mut ob = Vec::new();
+    for k in 0..6u64 {
+        let src = mem::patterned(k + 1, 64);
+        let mut a: LibfabricDomain = p.open_domain(0).expect("open a");
+        let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+        let peer = a.add_peer(&b.local_addr().clone()).unwrap();
+        a.post_send(WrId(k), peer, smr.slice(0, 64).unwrap())
+            .unwrap();
+        let mut oa = Vec::new();
+        weft_testkit::wait_until(&format!("message {k}"), DEADLINE, || {
+            a.poll(&mut oa).unwrap();
+            b.poll(&mut ob).unwrap();
+            !oa.is_empty() && ob.len() > k as usize
+        });
+        assert!(
+            matches!(oa[..], [Completion::Send { result: Ok(()), .. }]),
+            "message {k}: {oa:?}"
+        );
+        assert!(
+            matches!(ob[k as usize], Completion::Recv { wr, result: Ok(64) } if wr == WrId(100 + k)),
+            "message {k}: {ob:?}"
+        );
+        assert_eq!(
+            rbuf.bytes(64 * k as usize, 64),
+            src.bytes(0, 64),
+            "message {k}"
+        );
+        // Its answer leaves before the next sender comes.
+        for _ in 0..64 {
+            b.poll(&mut ob).unwrap();
+        }
+        assert!(b.peer_count() <= 2, "message {k}: {} peers", b.peer_count());
+        senders.push((a, src));
+    }
+    assert_eq!(b.passive_evicted(), 4);
+    assert_eq!(b.passive_refused(), 0);
+    weft_testkit::wait_until("AV entries of removed passive peers", DEADLINE, || {
+        b.poll(&mut ob).unwrap();
+        b.av_entries() <= 2
+    });
+    assert_eq!(ob.len(), 6, "nothing else arrived: {ob:?}");
+}

@@ -21,6 +21,7 @@ mod errors;
 mod limbo;
 mod liveness;
 mod messages;
+mod passive;
 mod peer_eps;
 mod peers;
 mod post;
@@ -75,6 +76,9 @@ pub(crate) struct DomainOptions {
     pub(crate) max_peer_endpoints: usize,
     /// Ask for a CQ wait fd (software-progress providers only).
     pub(crate) wait_fd: bool,
+    /// Most peers created by incoming messages and not added by the user
+    /// (`passive.rs`).
+    pub(crate) max_passive_peers: usize,
 }
 
 struct MrEntry {
@@ -114,6 +118,8 @@ pub struct LibfabricDomain {
     mrs: BTreeMap<MrKey, MrEntry>,
     next_key: u64,
     peers: Peers,
+    /// Peers created by messages from unknown addresses.
+    passive: passive::Passive,
     sweeper: Sweeper,
     slots: Slots,
     cq: Completions,
@@ -242,6 +248,7 @@ impl LibfabricDomain {
             mrs: BTreeMap::new(),
             next_key: 1,
             peers: Peers::default(),
+            passive: passive::Passive::default(),
             sweeper: Sweeper::new(clock.now()),
             slots: Slots::new(opts.max_inflight, opts.bounces, opts.acks),
             msgs: Messages {
@@ -430,7 +437,10 @@ impl Domain for LibfabricDomain {
     }
 
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        self.insert_peer(addr)
+        let pid = self.insert_peer(addr)?;
+        // The user knows this id now: never removed to make room.
+        self.unlist_passive(pid);
+        Ok(pid)
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {

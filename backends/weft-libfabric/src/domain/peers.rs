@@ -18,6 +18,9 @@ pub(super) struct Peer {
     /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
     /// with `PeerRemoved` and its address maps to a new peer if added again.
     pub(super) removed: bool,
+    /// Created by a message from an address not added by the user
+    /// (`passive.rs`).
+    pub(super) passive: bool,
     /// Our operations to it not yet completed.
     pub(super) inflight: usize,
     /// Since when posts to it (with nothing in flight) keep failing with
@@ -135,6 +138,7 @@ impl LibfabricDomain {
             fi_addr,
             dead,
             removed: false,
+            passive: false,
             inflight: 0,
             eagain_since: None,
             ep: None,
@@ -162,6 +166,7 @@ impl LibfabricDomain {
     /// (`fi_av_remove`) once nothing can still use it
     /// (`retire_av_entries`).
     pub(super) fn remove(&mut self, peer: PeerId) {
+        self.unlist_passive(peer);
         let Some(p) = self.peers.table.get_mut(peer.0 as usize) else {
             return;
         };

@@ -146,13 +146,22 @@ impl LibfabricDomain {
                     return;
                 }
                 let addr = NetAddr(from);
-                let peer = match self.insert_peer(&addr) {
+                let known = self.peers.by_addr.get(&addr).copied();
+                if known.is_none() && !self.room_for_passive() {
+                    self.passive.refused += 1;
+                    tracing::debug!(nic = %self.nic.name, peer = %addr, "message from a new address dropped (not answered): every passive peer is busy");
+                    return;
+                }
+                let peer = match known.map_or_else(|| self.insert_peer(&addr), Ok) {
                     Ok(p) => p,
                     Err(e) => {
                         tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
                         return;
                     }
                 };
+                if known.is_none() {
+                    self.list_passive(peer);
+                }
                 let m = Held {
                     from: peer,
                     seq,
