@@ -73,6 +73,14 @@ pub enum Refusal {
         /// The decoder head.
         head: u32,
     },
+    /// The prefiller holds as many requests as it may
+    /// ([`KvConfig::max_pending_requests`](crate::KvConfig)); retry later or
+    /// elsewhere.
+    #[error("prefiller busy: {max} requests pending")]
+    Busy {
+        /// The prefiller's bound.
+        max: u64,
+    },
 }
 
 use serde::{Deserialize, Serialize};

@@ -8,8 +8,8 @@ use weft::{GroupAddress, MrDesc};
 
 /// Version of the wire protocol this build speaks (2: addresses and
 /// descriptors carry the peer engine's incarnation; 3: the
-/// `Refusal::DuplicateHead` refusal).
-pub const WIRE_VERSION: u16 = 3;
+/// `Refusal::DuplicateHead` refusal; 4: the `Refusal::Busy` refusal).
+pub const WIRE_VERSION: u16 = 4;
 
 /// Errors decoding a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -407,6 +407,71 @@ fn refusals_are_typed() {
     ));
 }
 
+/// A prefiller holds at most `max_pending` requests: one more is refused
+/// as `Busy` (the decoder's request fails with that refusal), and once one
+/// of those held ends, a new one is taken again.
+#[test]
+fn a_prefiller_at_its_request_bound_refuses_busy() {
+    let t0 = Instant::now();
+    let mut dec = decoder(t0);
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap().with_max_pending(2);
+    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let mut keys = Vec::new();
+    let mut leases = Vec::new();
+    for k in 0..3u32 {
+        leases.push(dec.alloc(1).unwrap());
+        let st = dec
+            .begin(
+                &Route::single(p, 2),
+                &leases[k as usize],
+                k + 1,
+                &counts(),
+                b"",
+                t0,
+            )
+            .unwrap();
+        let m = sends(&st.actions);
+        let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
+        if k < 2 {
+            match &a[..] {
+                [PreAction::Incoming(i)] => keys.push(i.key.clone()),
+                other => panic!("request {k}: {other:?}"),
+            }
+            continue;
+        }
+        let r = pre_sends(&a);
+        assert!(
+            matches!(
+                &r[..],
+                [(_, Msg::Failed { id, failure: weft_kvcache::wire::Failure::Refused(weft_kvcache::Refusal::Busy { max: 2 }) })] if *id == st.id
+            ),
+            "{r:?}"
+        );
+        assert_eq!(pre.pending(), 2);
+        // The decoder's request ends with that refusal.
+        let f = finishes(&dec.on_msg(&addr(1), r[0].1.clone(), t0));
+        assert!(
+            matches!(
+                &f[..],
+                [(id, Err(KvError::Refused { refusal: weft_kvcache::Refusal::Busy { max: 2 }, .. }))] if *id == st.id
+            ),
+            "{f:?}"
+        );
+    }
+    // One held request ends (the application rejects it): room again.
+    let a = pre.reject(&keys[0], "no room".into(), t0);
+    assert_eq!(pre_sends(&a).len(), 1);
+    assert_eq!(pre.pending(), 1);
+    let lease = dec.alloc(1).unwrap();
+    let st = dec
+        .begin(&Route::single(p, 2), &lease, 9, &counts(), b"", t0)
+        .unwrap();
+    let m = sends(&st.actions);
+    let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
+    assert!(matches!(&a[..], [PreAction::Incoming(_)]), "{a:?}");
+    assert_eq!(pre.pending(), 2);
+}
+
 #[test]
 fn a_dead_source_waits_for_the_other_sources_confirmation() {
     let t0 = Instant::now();

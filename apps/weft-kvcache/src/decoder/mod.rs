@@ -27,6 +27,12 @@ pub struct KvConfig {
     pub recv_len: u64,
     /// Receive buffers.
     pub recv_count: u32,
+    /// Prefiller: most requests held at once (waiting for the application
+    /// or being served). A request beyond it is refused with
+    /// [`Refusal::Busy`](crate::Refusal::Busy), so decoders (or anything
+    /// that can send to the prefiller) cannot grow its memory without
+    /// bound. At least 1. Default 4096.
+    pub max_pending_requests: usize,
 }
 
 impl Default for KvConfig {
@@ -35,6 +41,7 @@ impl Default for KvConfig {
             heartbeat: Heartbeat::default(),
             recv_len: 64 * 1024,
             recv_count: 128,
+            max_pending_requests: 4096,
         }
     }
 }

@@ -132,6 +132,8 @@ pub struct PrefillerCore {
     hb: Heartbeat,
     decoders: BTreeMap<GroupAddress, PeerClock>,
     tasks: BTreeMap<TaskKey, Task>,
+    /// Most requests held at once (`KvConfig::max_pending_requests`).
+    max_pending: usize,
     closing: bool,
 }
 
@@ -152,8 +154,16 @@ impl PrefillerCore {
             hb,
             decoders: BTreeMap::new(),
             tasks: BTreeMap::new(),
+            max_pending: crate::KvConfig::default().max_pending_requests,
             closing: false,
         })
+    }
+
+    /// Holds at most `max` requests at once (at least 1); more are refused
+    /// with [`Refusal::Busy`]. Default 4096.
+    pub fn with_max_pending(mut self, max: usize) -> Self {
+        self.max_pending = max.max(1);
+        self
     }
 
     /// The source cache layout.
@@ -250,6 +260,10 @@ impl PrefillerCore {
                     Some(Refusal::ShuttingDown)
                 } else if self.tasks.contains_key(&k) {
                     Some(Refusal::Duplicate)
+                } else if self.tasks.len() >= self.max_pending {
+                    Some(Refusal::Busy {
+                        max: self.max_pending as u64,
+                    })
                 } else {
                     self.refuse(&req)
                 };
