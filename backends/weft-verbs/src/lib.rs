@@ -17,10 +17,12 @@
 //!   `PeerUnreachable`. Operations posted meanwhile wait in per-peer queues.
 //!   A handshake from an address the domain was not asked to reach creates
 //!   a *passive* peer; at most [`VerbsConfig::max_half_open`] of them are
-//!   half-open (not connected) at once, so datagrams claiming made-up
-//!   addresses cannot exhaust QPs: at the bound the oldest one that stopped
-//!   answering is evicted, or the new handshake is refused (a real peer
-//!   retransmits).
+//!   half-open (not connected) at once: at the bound the oldest one whose
+//!   handshakes ran out is evicted, or the new handshake is refused (a real
+//!   peer retransmits). A connection completes only when the other side
+//!   echoes this side's random starting PSNs, which only a peer that got
+//!   its handshake knows, so datagrams claiming made-up addresses hold at
+//!   most `max_half_open` peers' QPs.
 //! - **WR chaining**: up to [`VerbsConfig::chain_len`] (4) WRs linked per
 //!   `ibv_post_send`; a partial post (`bad_wr`) keeps the unposted WRs queued
 //!   and posts them when the send queue has room.

@@ -71,6 +71,12 @@ pub struct QpPair {
 /// `ready`: the sender's QPs are in RTR/RTS, connected to the recipient's
 /// QPNs given in `peer_send_qpn`/`peer_write_qpn`. `ack`: the sender knows
 /// the recipient is ready. A message with `ack == false` asks for a reply.
+/// The sender also echoes the recipient's random starting PSNs
+/// (`peer_send_psn`/`peer_write_psn`), which only a sender that received
+/// the recipient's handshake knows: the recipient counts `ready` only with
+/// them (48 random bits), so a datagram claiming a made-up address cannot
+/// complete a connection by guessing QPNs. Version 2 (version 1 had no
+/// echo).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Handshake {
     /// The sender's encoded address.
@@ -81,6 +87,11 @@ pub struct Handshake {
     pub peer_send_qpn: u32,
     /// See `peer_send_qpn`.
     pub peer_write_qpn: u32,
+    /// The recipient's starting PSN of its SEND/RECV QP, as the sender
+    /// learned it from the recipient's handshake (0 when none).
+    pub peer_send_psn: u32,
+    /// See `peer_send_psn` (its WRITE/WRITEIMM QP).
+    pub peer_write_psn: u32,
     /// Sender is RTR/RTS toward the recipient's QPNs above.
     pub ready: bool,
     /// Sender knows the recipient is ready.
@@ -91,14 +102,17 @@ pub struct Handshake {
 
 const MAGIC: &[u8; 4] = b"WVHS";
 /// Encoded handshake length.
-pub const HANDSHAKE_LEN: usize = 4 + 1 + 1 + ADDR_LEN + 16 + 8 + 1;
+pub const HANDSHAKE_LEN: usize = 4 + 1 + 1 + ADDR_LEN + 16 + 16 + 1;
+
+/// The handshake version this build speaks.
+const VERSION: u8 = 2;
 
 impl Handshake {
     /// The wire form.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(HANDSHAKE_LEN);
         v.extend_from_slice(MAGIC);
-        v.push(1);
+        v.push(VERSION);
         v.push(u8::from(self.ready) | (u8::from(self.ack) << 1));
         v.extend_from_slice(&self.from.encode().0);
         for x in [
@@ -108,6 +122,8 @@ impl Handshake {
             self.qps.write_psn,
             self.peer_send_qpn,
             self.peer_write_qpn,
+            self.peer_send_psn,
+            self.peer_write_psn,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
         }
@@ -120,12 +136,12 @@ impl Handshake {
         if b.len() != HANDSHAKE_LEN {
             return Err("wrong handshake length");
         }
-        if &b[..4] != MAGIC || b[4] != 1 {
-            return Err("not a version-1 weft handshake");
+        if &b[..4] != MAGIC || b[4] != VERSION {
+            return Err("not a version-2 weft handshake");
         }
         let flags = b[5];
         let from = VerbsAddr::decode(&b[6..6 + ADDR_LEN])?;
-        let mut words = [0u32; 6];
+        let mut words = [0u32; 8];
         let base = 6 + ADDR_LEN;
         for (i, w) in words.iter_mut().enumerate() {
             let o = base + 4 * i;
@@ -141,9 +157,11 @@ impl Handshake {
             },
             peer_send_qpn: words[4],
             peer_write_qpn: words[5],
+            peer_send_psn: words[6] & 0xff_ffff,
+            peer_write_psn: words[7] & 0xff_ffff,
             ready: flags & 1 != 0,
             ack: flags & 2 != 0,
-            mtu: b[base + 24],
+            mtu: b[base + 32],
         })
     }
 }
@@ -184,6 +202,8 @@ mod tests {
             },
             peer_send_qpn: 20,
             peer_write_qpn: 21,
+            peer_send_psn: 0xabcdef,
+            peer_write_psn: 0x13579b,
             ready: true,
             ack: false,
             mtu: 5,

@@ -1055,21 +1055,30 @@ fn gpu_memory_is_unsupported_on_the_sim() {
 struct RawUd {
     dev: weft_verbs::sim::SimDevice,
     qp: Qp,
+    cq: Cq,
     ah: Ah,
     lkey: u32,
+    /// Send bytes at 0, a receive buffer at `RECV_OFF`.
     buf: HostBuffer,
     target: weft_verbs::wire::VerbsAddr,
+    /// This sender's own address (its GID and UD QPN).
+    own: weft_verbs::wire::VerbsAddr,
     sent: u64,
 }
+
+/// Where [`RawUd`]'s receive buffer starts in its `buf`.
+const RECV_OFF: u64 = 256;
+/// Work request id of [`RawUd`]'s receive.
+const RECV_ID: u64 = 1 << 40;
 
 impl RawUd {
     fn new(s: &Sim, to: usize) -> Self {
         let target = weft_verbs::wire::VerbsAddr::decode(&s.addr(to).0).unwrap();
-        let buf = mem::zeroed(256);
+        let buf = mem::zeroed(512);
         let mut dev = s.fabric.add_device("raw").open(0).unwrap();
         let pd = dev.alloc_pd().unwrap();
         let cq = dev.create_cq(64).unwrap();
-        let qp = dev
+        let created = dev
             .create_qp(
                 pd,
                 &QpInit {
@@ -1082,8 +1091,13 @@ impl RawUd {
                     max_sge: 1,
                 },
             )
-            .unwrap()
-            .qp;
+            .unwrap();
+        let qp = created.qp;
+        let own = weft_verbs::wire::VerbsAddr {
+            gid: dev.query_gid(1, 3).unwrap().gid,
+            lid: 0,
+            ud_qpn: created.qpn,
+        };
         dev.modify_qp(
             qp,
             &ModifyQp::Init {
@@ -1108,7 +1122,7 @@ impl RawUd {
         )
         .unwrap();
         let (_, lkey, _) = dev
-            .reg_mr(pd, buf.region().addr(), 256, access::LOCAL_WRITE)
+            .reg_mr(pd, buf.region().addr(), 512, access::LOCAL_WRITE)
             .unwrap();
         let ah = dev
             .create_ah(
@@ -1128,12 +1142,39 @@ impl RawUd {
         Self {
             dev,
             qp,
+            cq,
             ah,
             lkey,
             buf,
             target,
+            own,
             sent: 0,
         }
+    }
+
+    /// Posts the one receive buffer (a datagram plus its 40-byte GRH).
+    fn post_recv(&mut self) {
+        let wr = RecvWr {
+            wr_id: RECV_ID,
+            sge: Some(Sge {
+                addr: self.buf.region().addr() + RECV_OFF,
+                length: 256,
+                lkey: self.lkey,
+            }),
+        };
+        self.dev.post_recv(self.qp, &[wr]).unwrap();
+    }
+
+    /// The handshake received, if one arrived (its send completions are
+    /// reaped on the way).
+    fn take_handshake(&mut self) -> Option<weft_verbs::wire::Handshake> {
+        let mut wcs = Vec::new();
+        self.dev.poll_cq(self.cq, 64, &mut wcs).unwrap();
+        let wc = wcs.iter().find(|w| w.wr_id == RECV_ID)?;
+        assert_eq!(wc.status, WcStatus::Success);
+        let len = wc.byte_len as usize - 40;
+        let b = self.buf.bytes(RECV_OFF as usize + 40, len);
+        Some(weft_verbs::wire::Handshake::decode(&b).unwrap())
     }
 
     /// Sends `bytes` (at most 200) as one datagram; its send completion is
@@ -1171,7 +1212,11 @@ fn malformed_handshake_datagrams_are_dropped() {
             weft_verbs::wire::Handshake::decode(&[0; weft_verbs::wire::HANDSHAKE_LEN]).is_err(),
             "all-zero bytes are not a handshake"
         );
-        for (k, len) in [0usize, 1, 5, 54, 55, 56, 200].into_iter().enumerate() {
+        let hl = weft_verbs::wire::HANDSHAKE_LEN;
+        for (k, len) in [0usize, 1, 5, hl - 1, hl, hl + 1, 200]
+            .into_iter()
+            .enumerate()
+        {
             raw.send(&[k as u8 ^ 0x5a; 200][..len]);
             let mut out = s.outs();
             s.round(&mut out);
@@ -1207,6 +1252,8 @@ fn forged_handshake(k: u32) -> Vec<u8> {
         },
         peer_send_qpn: 0,
         peer_write_qpn: 0,
+        peer_send_psn: 0,
+        peer_write_psn: 0,
         ready: false,
         ack: false,
         mtu: 3,
@@ -1255,13 +1302,22 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
         assert_eq!(st.handshakes_refused, 12, "seed {seed}");
         assert_eq!(s.fabric.rc_qps(&name), 8, "seed {seed}");
         assert_eq!(st.connects, 0, "seed {seed}");
-        // A real peer still gets in: its handshakes are refused until the
-        // forged peers run out, then one of them is evicted for it.
+        assert_eq!(s.hosts[1].half_open_peers(), 4, "seed {seed}");
+        // A real peer gets in once a forged one is spent: one of them is
+        // evicted for it.
+        for _ in 0..spent {
+            s.round(&mut out);
+        }
         let smr = s.reg(0, &src, Access::LocalOnly);
         let dmr = s.reg(1, &dst, Access::RemoteWrite);
         s.connect(0, 1, &smr, &dmr);
-        // Connected, it is no longer half-open: a later flood cannot evict
-        // it, and writes keep working.
+        let st = s.hosts[1].stats();
+        assert_eq!((st.connects, st.half_open_evicted), (1, 5), "seed {seed}");
+        // Connected, it is no longer half-open ...
+        assert_eq!(s.hosts[1].half_open_peers(), 3, "seed {seed}");
+        assert_eq!(s.fabric.rc_qps(&name), 8, "seed {seed}");
+        // ... so a later flood cannot evict it: it takes the free place and
+        // the three spent ones, then is refused; writes keep working.
         for _ in 0..spent {
             s.round(&mut out);
         }
@@ -1269,8 +1325,16 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
             raw.send(&forged_handshake(k));
             s.round(&mut out);
         }
-        assert!(
-            s.fabric.rc_qps(&name) <= 10,
+        let st = s.hosts[1].stats();
+        assert_eq!(s.hosts[1].half_open_peers(), 4, "seed {seed}");
+        assert_eq!(
+            (st.half_open_evicted, st.handshakes_refused),
+            (8, 28),
+            "seed {seed}"
+        );
+        assert_eq!(
+            s.fabric.rc_qps(&name),
+            10,
             "seed {seed}: 4 half-open peers and the real one"
         );
         src.put(0, &[0xab; 8]);
@@ -1290,6 +1354,54 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
             "seed {seed}: write after the flood: {out:?}"
         );
         assert_eq!(dst.bytes(8, 8), vec![0xab; 8]);
+    });
+}
+
+/// Connecting takes the target's random PSNs echoed back, not only its
+/// QPNs: a datagram claiming a made-up address that guesses the QPNs the
+/// target gives it (sequential here: learnt from a first, honest exchange)
+/// and says `ready` leaves it half-open.
+#[test]
+fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
+    with_seed(168, |seed| {
+        let mut s = Sim::new(seed, 1);
+        let mut raw = RawUd::new(&s, 0);
+        let mut out = s.outs();
+        // Honest first contact from the raw sender's own address: the
+        // target answers with its QPNs and PSNs.
+        raw.post_recv();
+        let own = raw.own;
+        let hello = weft_verbs::wire::Handshake::decode(&forged_handshake(0))
+            .map(|h| weft_verbs::wire::Handshake { from: own, ..h })
+            .unwrap();
+        raw.send(&hello.encode());
+        let mut answer = None;
+        for _ in 0..50 {
+            s.round(&mut out);
+            if let Some(h) = raw.take_handshake() {
+                answer = Some(h);
+                break;
+            }
+        }
+        let a = answer.unwrap_or_else(|| panic!("seed {seed}: no answer"));
+        assert_eq!(s.hosts[0].half_open_peers(), 1, "seed {seed}");
+        // Now a made-up address, ready, naming the QPNs the target will
+        // create next, but not its PSNs.
+        let mut forged = weft_verbs::wire::Handshake::decode(&forged_handshake(1)).unwrap();
+        forged.ready = true;
+        forged.peer_send_qpn = a.qps.write_qpn + 1;
+        forged.peer_write_qpn = a.qps.write_qpn + 2;
+        raw.send(&forged.encode());
+        for _ in 0..20 {
+            s.round(&mut out);
+        }
+        let st = s.hosts[0].stats();
+        assert_eq!(st.handshakes_received, 2, "seed {seed}");
+        assert_eq!(
+            st.connects, 0,
+            "seed {seed}: a guessed connection completed"
+        );
+        assert_eq!(s.hosts[0].half_open_peers(), 2, "seed {seed}");
     });
 }
 

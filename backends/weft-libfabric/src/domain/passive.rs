@@ -12,7 +12,17 @@
 //! `Domain::remove_peer` would (its address-vector entry goes once nothing
 //! can use it; its table entry stays, as a removed peer's does). If none is
 //! idle, the message is dropped unanswered; its sender's SEND fails after
-//! its `ack_timeout`.
+//! its `ack_timeout`. Once a removed passive peer's AV entry is gone, its
+//! table slot is reused, so the table too stays within the bound plus the
+//! peers still being retired (on tcp; shm keeps the AV entries of removed
+//! peers, so there neither the AV nor the table shrinks).
+//!
+//! Not bounded this way: AV entries are retired only while no zombie slot
+//! exists in the domain (`retire_av_entries`), so a flood whose ACKs
+//! become zombies (a claimed address that swallows packets, past
+//! `write_timeout`) holds removed entries until the provider hands those
+//! slots back; and a flood that keeps every passive peer busy locks out
+//! new senders for as long as it lasts.
 //!
 //! A passive peer stops being passive once this side adds it with
 //! `add_peer`: the user knows its [`PeerId`] from then on.
@@ -23,14 +33,27 @@ use weft_transport::PeerId;
 
 use super::LibfabricDomain;
 
-/// The passive peers, oldest first.
+/// The passive peers, oldest first, and the table slots of removed ones
+/// whose AV entry is gone.
 #[derive(Default)]
 pub(super) struct Passive {
     order: VecDeque<PeerId>,
+    /// Slots of evicted passive peers whose AV entry was removed: nothing
+    /// refers to their ids any more (`retire_av_entries` waited for that).
+    pub(super) free: Vec<PeerId>,
     /// Passive peers removed to make room, for [`LibfabricDomain::passive_evicted`].
     pub(super) evicted: u64,
     /// Messages from new addresses dropped: no passive peer was idle.
     pub(super) refused: u64,
+}
+
+impl Passive {
+    /// A free table slot, unless the removal of its last peer is still to
+    /// be settled (`removing`).
+    pub(super) fn take_free(&mut self, removing: &[PeerId]) -> Option<PeerId> {
+        let i = self.free.iter().position(|p| !removing.contains(p))?;
+        Some(self.free.swap_remove(i))
+    }
 }
 
 impl LibfabricDomain {
@@ -74,6 +97,9 @@ impl LibfabricDomain {
         match idle {
             Some(pid) => {
                 self.unlist_passive(pid);
+                if let Some(p) = self.peers.table.get_mut(pid.0 as usize) {
+                    p.evicted = true;
+                }
                 self.remove(pid);
                 self.passive.evicted += 1;
                 tracing::debug!(nic = %self.nic.name, peer = pid.0, "idle passive peer removed to make room");

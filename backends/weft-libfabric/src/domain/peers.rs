@@ -21,6 +21,10 @@ pub(super) struct Peer {
     /// Created by a message from an address not added by the user
     /// (`passive.rs`).
     pub(super) passive: bool,
+    /// Removed to make room for a newer passive peer: no one outside the
+    /// domain ever held its id, so once its AV entry is gone its slot is
+    /// reused.
+    pub(super) evicted: bool,
     /// Our operations to it not yet completed.
     pub(super) inflight: usize,
     /// Since when posts to it (with nothing in flight) keep failing with
@@ -105,21 +109,25 @@ impl LibfabricDomain {
 }
 
 impl LibfabricDomain {
-    /// [`weft_transport::Domain::add_peer`]: the peer of `addr`, added on
-    /// first use.
-    pub(super) fn insert_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
-        if let Some(p) = self.peers.by_addr.get(addr) {
-            return Ok(*p);
-        }
+    /// Whether `addr` can be a new peer's address here (checked before a
+    /// passive peer is removed to make room for it).
+    pub(super) fn check_new_addr(&self, addr: &NetAddr) -> Result<(), TransportError> {
         if addr.0.is_empty() || addr.0.len() > 4096 {
             return Err(self.invalid(format!(
                 "peer address of {} bytes is not a libfabric endpoint name",
                 addr.0.len()
             )));
         }
-        let id =
-            u32::try_from(self.peers.table.len()).map_err(|_| self.invalid("too many peers"))?;
-        self.check_addr_format(addr)?;
+        self.check_addr_format(addr)
+    }
+
+    /// [`weft_transport::Domain::add_peer`]: the peer of `addr`, added on
+    /// first use.
+    pub(super) fn insert_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.peers.by_addr.get(addr) {
+            return Ok(*p);
+        }
+        self.check_new_addr(addr)?;
         let (pid, dead) = if self.is_shm {
             shm_peer(&addr.0)
         } else {
@@ -133,12 +141,13 @@ impl LibfabricDomain {
             },
             other => other,
         })?;
-        self.peers.table.push(Peer {
+        let peer = Peer {
             addr: addr.clone(),
             fi_addr,
             dead,
             removed: false,
             passive: false,
+            evicted: false,
             inflight: 0,
             eagain_since: None,
             ep: None,
@@ -149,10 +158,22 @@ impl LibfabricDomain {
             done: 0,
             done_seen: 0,
             stalled_since: None,
-        });
-        self.peers.by_addr.insert(addr.clone(), PeerId(id));
+        };
+        let id = match self.passive.take_free(&self.peers.removing) {
+            Some(id) => {
+                self.peers.table[id.0 as usize] = peer;
+                id
+            }
+            None => {
+                let id = u32::try_from(self.peers.table.len())
+                    .map_err(|_| self.invalid("too many peers"))?;
+                self.peers.table.push(peer);
+                PeerId(id)
+            }
+        };
+        self.peers.by_addr.insert(addr.clone(), id);
         self.peers.in_av += 1;
-        Ok(PeerId(id))
+        Ok(id)
     }
 }
 
@@ -223,7 +244,17 @@ impl LibfabricDomain {
                 continue;
             };
             match self.res.av_remove(fi_addr) {
-                Ok(()) => self.peers.in_av = self.peers.in_av.saturating_sub(1),
+                Ok(()) => {
+                    self.peers.in_av = self.peers.in_av.saturating_sub(1);
+                    if self
+                        .peers
+                        .table
+                        .get(peer.0 as usize)
+                        .is_some_and(|p| p.evicted)
+                    {
+                        self.passive.free.push(peer);
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(nic = %self.nic.name, error = %e, "fi_av_remove of a removed peer failed; entry kept");
                 }
@@ -235,6 +266,14 @@ impl LibfabricDomain {
     /// removed ones whose entry is still in use (see `remove`).
     pub fn av_entries(&self) -> usize {
         self.peers.in_av
+    }
+
+    /// Entries in the peer table, removed peers included: a removed peer's
+    /// entry stays (its handle keeps failing with `PeerRemoved`), except
+    /// that of a passive peer removed to make room, which is reused once
+    /// its AV entry is gone.
+    pub fn peer_slots(&self) -> usize {
+        self.peers.table.len()
     }
 
     /// Peers known to this domain and not removed (added by the user or by

@@ -124,8 +124,41 @@ impl<O: VerbsOps> VerbsDomain<O> {
     // Connections
 
     pub(super) fn create_conn(&mut self, pid: PeerId) -> Result<(), TransportError> {
-        let mut ends = Vec::with_capacity(2);
+        let mut ends: Vec<QpEnd> = Vec::with_capacity(2);
         for srq in [self.recv_srq, self.imm_srq] {
+            match self.create_end(pid, srq) {
+                Ok(end) => ends.push(end),
+                Err(e) => {
+                    // The first QP, if it was made, goes too.
+                    for end in ends {
+                        self.qpn_peer.remove(&end.qpn);
+                        let _ = self.ops.destroy_qp(end.qp);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let write = ends.pop().expect("two QPs created");
+        let send = ends.pop().expect("two QPs created");
+        let now = self.ops.now_ns();
+        if let Some(p) = self.peers.get_mut(pid.0 as usize) {
+            p.conn = Some(Conn {
+                send,
+                write,
+                remote: None,
+                remote_ready: false,
+                rts: false,
+                tries: 0,
+                next_retx: now,
+            });
+        }
+        tracing::debug!(nic = %self.nic, peer = pid.0, "connecting");
+        Ok(())
+    }
+
+    /// One RC QP of a new connection to `pid` on `srq`, in INIT.
+    fn create_end(&mut self, pid: PeerId, srq: Srq) -> Result<QpEnd, TransportError> {
+        {
             let c = self
                 .ops
                 .create_qp(
@@ -152,30 +185,14 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 return Err(self.verr(e));
             }
             self.qpn_peer.insert(c.qpn, pid);
-            ends.push(QpEnd {
+            Ok(QpEnd {
                 qp: c.qp,
                 qpn: c.qpn,
                 psn: self.rng.gen::<u32>() & 0xff_ffff,
                 room: c.max_send_wr.min(self.cfg.sq_depth),
                 outstanding: 0,
-            });
+            })
         }
-        let write = ends.pop().expect("two QPs created");
-        let send = ends.pop().expect("two QPs created");
-        let now = self.ops.now_ns();
-        if let Some(p) = self.peers.get_mut(pid.0 as usize) {
-            p.conn = Some(Conn {
-                send,
-                write,
-                remote: None,
-                remote_ready: false,
-                rts: false,
-                tries: 0,
-                next_retx: now,
-            });
-        }
-        tracing::debug!(nic = %self.nic, peer = pid.0, "connecting");
-        Ok(())
     }
 
     pub(super) fn ensure_conn(&mut self, pid: PeerId) {
@@ -186,7 +203,12 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs {
             if let Err(e) = self.create_conn(pid) {
                 tracing::warn!(nic = %self.nic, peer = pid.0, error = %e, "cannot create QPs");
-                self.mark_unreachable(pid, format!("cannot create QPs: {e}"));
+                if self.peers[pid.0 as usize].passive {
+                    // No one asked for it: forgotten, not kept unreachable.
+                    self.evict_passive(pid);
+                } else {
+                    self.mark_unreachable(pid, format!("cannot create QPs: {e}"));
+                }
                 return;
             }
             self.send_handshake(pid);
@@ -210,6 +232,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
             qps: c.pair(),
             peer_send_qpn: remote.send_qpn,
             peer_write_qpn: remote.write_qpn,
+            peer_send_psn: remote.send_psn,
+            peer_write_psn: remote.write_psn,
             ready: c.rts,
             ack: c.remote_ready,
             mtu,
@@ -349,8 +373,13 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 .conn
                 .as_ref()
                 .expect("created above");
+            // Our QPNs and our random PSNs: only a peer that got our
+            // handshake knows the PSNs.
             (
-                msg.peer_send_qpn == c.send.qpn && msg.peer_write_qpn == c.write.qpn,
+                msg.peer_send_qpn == c.send.qpn
+                    && msg.peer_write_qpn == c.write.qpn
+                    && msg.peer_send_psn == c.send.psn
+                    && msg.peer_write_psn == c.write.psn,
                 c.connected(),
             )
         };

@@ -6,12 +6,19 @@
 //! two RC QPs. A passive peer that has not finished its handshake is
 //! *half-open*; at most [`VerbsConfig::max_half_open`](super::VerbsConfig)
 //! of them exist. When a handshake from a new address finds them all in
-//! use, the oldest one whose retransmissions have run out (it stopped
-//! answering: `handshake_tries` sent without a reply) is evicted: its QPs
-//! are destroyed, its address forgotten and its peer slot reused. If none
-//! has run out, the new handshake is refused (counted in
+//! use, the oldest one to which `handshake_tries` handshakes went without
+//! the connection completing (its own retransmissions and its answers to
+//! datagrams claiming its address) is evicted: its QPs are destroyed, its
+//! address forgotten and its peer slot reused. If none is spent, the new
+//! handshake is refused (counted in
 //! [`DomainStats::handshakes_refused`](super::DomainStats)); a real peer
-//! retransmits, so it gets in once the flood's half-open peers run out.
+//! retransmits, so it gets in once a half-open peer is spent (while a
+//! flood keeps refreshing the table faster than that, it does not).
+//!
+//! A passive peer cannot connect by guessing: the handshake that completes
+//! a connection must echo this side's random starting PSNs
+//! (`wire::Handshake`), which only the address that received this side's
+//! handshake knows.
 //!
 //! A passive peer stops being passive once it connects (it answered at the
 //! address it claimed) or once this side adds it with `add_peer` (the user
@@ -43,6 +50,12 @@ impl Passive {
 }
 
 impl<O: VerbsOps> VerbsDomain<O> {
+    /// Half-open passive peers now (at most
+    /// [`VerbsConfig::max_half_open`](super::VerbsConfig)).
+    pub fn half_open_peers(&self) -> usize {
+        self.passive.len()
+    }
+
     /// Records new peer `pid` as passive.
     pub(super) fn list_passive(&mut self, pid: PeerId) {
         if let Some(p) = self.peers.get_mut(pid.0 as usize) {
@@ -74,10 +87,14 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if self.passive.len() < max {
             return true;
         }
+        // Spent: `handshake_tries` handshakes sent to it (its own
+        // retransmissions, and answers to datagrams claiming its address),
+        // none completing the connection.
+        let tries = self.cfg.handshake_tries;
         let spent = self.passive.order.iter().copied().find(|pid| {
             self.peers
                 .get(pid.0 as usize)
-                .is_some_and(|p| p.conn.as_ref().is_none_or(|c| c.next_retx == u64::MAX))
+                .is_some_and(|p| p.conn.as_ref().is_none_or(|c| c.tries >= tries))
         });
         match spent {
             Some(pid) => {

@@ -147,6 +147,13 @@ impl LibfabricDomain {
                 }
                 let addr = NetAddr(from);
                 let known = self.peers.by_addr.get(&addr).copied();
+                if known.is_none() {
+                    // An address that cannot be a peer removes no one.
+                    if let Err(e) = self.check_new_addr(&addr) {
+                        tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+                        return;
+                    }
+                }
                 if known.is_none() && !self.room_for_passive() {
                     self.passive.refused += 1;
                     tracing::debug!(nic = %self.nic.name, peer = %addr, "message from a new address dropped (not answered): every passive peer is busy");
