@@ -73,6 +73,7 @@
 mod error;
 mod host_buffer;
 mod memory;
+mod passive;
 mod path;
 mod types;
 mod wire;
@@ -80,6 +81,7 @@ mod wire;
 pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
 pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
+pub use passive::PassivePeers;
 pub use path::{DataPath, DeviceMemoryPath, DirectKind, ProgressMode};
 pub use types::{
     Capabilities, Completion, Imm, Incarnation, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages,

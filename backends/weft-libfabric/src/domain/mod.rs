@@ -439,7 +439,7 @@ impl Domain for LibfabricDomain {
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
         let pid = self.insert_peer(addr)?;
         // The user knows this id now: never removed to make room.
-        self.unlist_passive(pid);
+        self.passive.list.remove(pid);
         Ok(pid)
     }
 

@@ -27,9 +27,7 @@
 //! A passive peer stops being passive once this side adds it with
 //! `add_peer`: the user knows its [`PeerId`] from then on.
 
-use std::collections::VecDeque;
-
-use weft_transport::PeerId;
+use weft_transport::{PassivePeers, PeerId};
 
 use super::LibfabricDomain;
 
@@ -37,7 +35,7 @@ use super::LibfabricDomain;
 /// whose AV entry is gone.
 #[derive(Default)]
 pub(super) struct Passive {
-    order: VecDeque<PeerId>,
+    pub(super) list: PassivePeers,
     /// Slots of evicted passive peers whose AV entry was removed: nothing
     /// refers to their ids any more (`retire_av_entries` waited for that).
     pub(super) free: Vec<PeerId>,
@@ -57,53 +55,25 @@ impl Passive {
 }
 
 impl LibfabricDomain {
-    /// Records new peer `pid`, created by a message, as passive.
-    pub(super) fn list_passive(&mut self, pid: PeerId) {
-        if let Some(p) = self.peers.table.get_mut(pid.0 as usize) {
-            p.passive = true;
-            self.passive.order.push_back(pid);
-        }
-    }
-
-    /// The user added peer `pid`: it is no longer passive (nothing if it was
-    /// not).
-    pub(super) fn unlist_passive(&mut self, pid: PeerId) {
-        let Some(p) = self.peers.table.get_mut(pid.0 as usize) else {
-            return;
-        };
-        if !p.passive {
-            return;
-        }
-        p.passive = false;
-        if let Some(i) = self.passive.order.iter().position(|q| *q == pid) {
-            self.passive.order.remove(i);
-        }
-    }
-
     /// Whether a message from a new address may create a passive peer:
     /// there is room under `max_passive_peers`, or the oldest idle passive
     /// peer was removed to make it.
     pub(super) fn room_for_passive(&mut self) -> bool {
         let max = self.opts.max_passive_peers.max(1);
-        if self.passive.order.len() < max {
+        if self.passive.list.len() < max {
             return true;
         }
-        let idle = self
-            .passive
-            .order
-            .iter()
-            .copied()
-            .find(|pid| self.peer_idle(*pid));
+        let idle = self.passive.list.oldest_where(|pid| self.peer_idle(pid));
         match idle {
             Some(pid) => {
-                self.unlist_passive(pid);
+                self.passive.list.remove(pid);
                 if let Some(p) = self.peers.table.get_mut(pid.0 as usize) {
                     p.evicted = true;
                 }
                 self.remove(pid);
                 self.passive.evicted += 1;
                 tracing::debug!(nic = %self.nic.name, peer = pid.0, "idle passive peer removed to make room");
-                self.passive.order.len() < max
+                self.passive.list.len() < max
             }
             None => false,
         }

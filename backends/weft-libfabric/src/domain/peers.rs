@@ -18,9 +18,6 @@ pub(super) struct Peer {
     /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
     /// with `PeerRemoved` and its address maps to a new peer if added again.
     pub(super) removed: bool,
-    /// Created by a message from an address not added by the user
-    /// (`passive.rs`).
-    pub(super) passive: bool,
     /// Removed to make room for a newer passive peer: no one outside the
     /// domain ever held its id, so once its AV entry is gone its slot is
     /// reused.
@@ -146,7 +143,6 @@ impl LibfabricDomain {
             fi_addr,
             dead,
             removed: false,
-            passive: false,
             evicted: false,
             inflight: 0,
             eagain_since: None,
@@ -187,7 +183,7 @@ impl LibfabricDomain {
     /// (`fi_av_remove`) once nothing can still use it
     /// (`retire_av_entries`).
     pub(super) fn remove(&mut self, peer: PeerId) {
-        self.unlist_passive(peer);
+        self.passive.list.remove(peer);
         let Some(p) = self.peers.table.get_mut(peer.0 as usize) else {
             return;
         };

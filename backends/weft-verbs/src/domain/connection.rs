@@ -64,10 +64,6 @@ pub(super) struct Peer {
     /// Removed by [`weft_transport::Domain::remove_peer`]: its work fails
     /// with `PeerRemoved`, its address maps to a new peer if added again.
     pub(super) removed: bool,
-    /// Created by a handshake from an address this domain was not asked to
-    /// reach, not connected yet and not added by the user: may be evicted
-    /// (`passive.rs`).
-    pub(super) passive: bool,
     pub(super) send_q: VecDeque<u32>,
     pub(super) write_q: VecDeque<u32>,
 }
@@ -96,7 +92,6 @@ impl<O: VerbsOps> VerbsDomain<O> {
             draining: Vec::new(),
             unreachable: None,
             removed: false,
-            passive: false,
             send_q: VecDeque::new(),
             write_q: VecDeque::new(),
         };
@@ -203,7 +198,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs {
             if let Err(e) = self.create_conn(pid) {
                 tracing::warn!(nic = %self.nic, peer = pid.0, error = %e, "cannot create QPs");
-                if self.peers[pid.0 as usize].passive {
+                if self.is_passive(pid) {
                     // No one asked for it: forgotten, not kept unreachable.
                     self.evict_passive(pid);
                 } else {
@@ -321,7 +316,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 }
                 match self.new_peer(&addr) {
                     Ok(p) => {
-                        self.list_passive(p);
+                        self.passive.list.push(p);
                         p
                     }
                     Err(_) => return,
@@ -345,7 +340,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if self.peers[pid.0 as usize].conn.is_none() {
             if let Err(e) = self.create_conn(pid) {
                 tracing::warn!(nic = %self.nic, error = %e, "cannot create QPs for incoming handshake");
-                if self.peers[pid.0 as usize].passive {
+                if self.is_passive(pid) {
                     self.evict_passive(pid);
                 }
                 return;
@@ -358,7 +353,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs_rts {
             if let Err(e) = self.bring_up(pid, &msg) {
                 tracing::warn!(nic = %self.nic, error = %e, "QP bring-up failed");
-                if self.peers[pid.0 as usize].passive {
+                if self.is_passive(pid) {
                     // No one asked for it: forgotten, not kept unreachable
                     // (which would refuse that address from then on).
                     self.evict_passive(pid);
@@ -396,7 +391,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         }
         if now_connected && !was_connected {
             // It answered at the address it claimed: no longer half-open.
-            self.unlist_passive(pid);
+            self.passive.list.remove(pid);
             self.stats.connects += 1;
             tracing::debug!(nic = %self.nic, peer = pid.0, "connected");
             self.pump(pid);
@@ -546,7 +541,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
             return;
         }
         p.removed = true;
-        self.unlist_passive(pid);
+        self.passive.list.remove(pid);
         let Some(p) = self.peers.get_mut(pid.0 as usize) else {
             return;
         };

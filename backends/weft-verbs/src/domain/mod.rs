@@ -431,7 +431,7 @@ impl<O: VerbsOps> Domain for VerbsDomain<O> {
     fn add_peer(&mut self, addr: &NetAddr) -> Result<PeerId, TransportError> {
         let pid = self.peer_for(addr)?;
         // The user knows this id now: a passive peer is never evicted.
-        self.unlist_passive(pid);
+        self.passive.list.remove(pid);
         Ok(pid)
     }
 

@@ -26,23 +26,17 @@
 
 use super::VerbsDomain;
 use crate::ops::VerbsOps;
-use std::collections::VecDeque;
-use weft_transport::PeerId;
+use weft_transport::{PassivePeers, PeerId};
 
 /// The half-open passive peers in creation order, and the peer slots freed
 /// by evicting one (no one outside the domain ever held their ids).
 #[derive(Default)]
 pub(super) struct Passive {
-    order: VecDeque<PeerId>,
+    pub(super) list: PassivePeers,
     free: Vec<PeerId>,
 }
 
 impl Passive {
-    /// Half-open passive peers.
-    pub(super) fn len(&self) -> usize {
-        self.order.len()
-    }
-
     /// A peer slot to reuse, if an eviction freed one.
     pub(super) fn take_free(&mut self) -> Option<PeerId> {
         self.free.pop()
@@ -53,30 +47,13 @@ impl<O: VerbsOps> VerbsDomain<O> {
     /// Half-open passive peers now (at most
     /// [`VerbsConfig::max_half_open`](super::VerbsConfig)).
     pub fn half_open_peers(&self) -> usize {
-        self.passive.len()
+        self.passive.list.len()
     }
 
-    /// Records new peer `pid` as passive.
-    pub(super) fn list_passive(&mut self, pid: PeerId) {
-        if let Some(p) = self.peers.get_mut(pid.0 as usize) {
-            p.passive = true;
-            self.passive.order.push_back(pid);
-        }
-    }
-
-    /// Peer `pid` is no longer passive (it connected, or the user added
-    /// it); nothing if it was not.
-    pub(super) fn unlist_passive(&mut self, pid: PeerId) {
-        let Some(p) = self.peers.get_mut(pid.0 as usize) else {
-            return;
-        };
-        if !p.passive {
-            return;
-        }
-        p.passive = false;
-        if let Some(i) = self.passive.order.iter().position(|q| *q == pid) {
-            self.passive.order.remove(i);
-        }
+    /// Whether peer `pid` is passive (created by a handshake, not connected,
+    /// not added by the user).
+    pub(super) fn is_passive(&self, pid: PeerId) -> bool {
+        self.passive.list.contains(pid)
     }
 
     /// Whether a handshake from a new address may create a passive peer:
@@ -84,14 +61,14 @@ impl<O: VerbsOps> VerbsDomain<O> {
     /// whose retransmissions have run out was evicted to make it.
     pub(super) fn room_for_passive(&mut self) -> bool {
         let max = self.cfg.max_half_open.max(1);
-        if self.passive.len() < max {
+        if self.passive.list.len() < max {
             return true;
         }
         // Spent: `handshake_tries` handshakes sent to it (its own
         // retransmissions, and answers to datagrams claiming its address),
         // none completing the connection.
         let tries = self.cfg.handshake_tries;
-        let spent = self.passive.order.iter().copied().find(|pid| {
+        let spent = self.passive.list.oldest_where(|pid| {
             self.peers
                 .get(pid.0 as usize)
                 .is_some_and(|p| p.conn.as_ref().is_none_or(|c| c.tries >= tries))
@@ -99,7 +76,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         match spent {
             Some(pid) => {
                 self.evict_passive(pid);
-                self.passive.len() < max
+                self.passive.list.len() < max
             }
             None => false,
         }
@@ -110,7 +87,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
     /// its address handle freed and its address forgotten, and its slot is
     /// reused for a later peer.
     pub(super) fn evict_passive(&mut self, pid: PeerId) {
-        self.unlist_passive(pid);
+        self.passive.list.remove(pid);
         let Some(p) = self.peers.get_mut(pid.0 as usize) else {
             return;
         };

@@ -167,7 +167,7 @@ impl LibfabricDomain {
                     }
                 };
                 if known.is_none() {
-                    self.list_passive(peer);
+                    self.passive.list.push(peer);
                 }
                 let m = Held {
                     from: peer,
