@@ -39,6 +39,8 @@ pub(crate) struct PeerClock {
     last_heard: Instant,
     last_sent: Instant,
     dead: Option<PeerLoss>,
+    /// When it was found dead (`kill`'s `now`, or the tick that found it).
+    died: Option<Instant>,
 }
 
 impl PeerClock {
@@ -47,6 +49,7 @@ impl PeerClock {
             last_heard: now,
             last_sent: now,
             dead: None,
+            died: None,
         }
     }
 
@@ -62,12 +65,18 @@ impl PeerClock {
         self.dead.as_ref()
     }
 
-    /// Marks the peer dead; `false` if it already was.
-    pub(crate) fn kill(&mut self, loss: PeerLoss) -> bool {
+    /// When it was found dead, if it was.
+    pub(crate) fn died(&self) -> Option<Instant> {
+        self.died
+    }
+
+    /// Marks the peer dead at `now`; `false` if it already was.
+    pub(crate) fn kill(&mut self, loss: PeerLoss, now: Instant) -> bool {
         if self.dead.is_some() {
             return false;
         }
         self.dead = Some(loss);
+        self.died = Some(now);
         true
     }
 
@@ -79,6 +88,7 @@ impl PeerClock {
         if silent > hb.timeout {
             let loss = PeerLoss::HeartbeatTimeout { silent };
             self.dead = Some(loss.clone());
+            self.died = Some(now);
             return Beat::Dead(loss);
         }
         if now.saturating_duration_since(self.last_sent) >= hb.interval {

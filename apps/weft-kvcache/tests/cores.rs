@@ -472,6 +472,66 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
     assert_eq!(pre.pending(), 2);
 }
 
+/// A prefiller knows a bounded number of decoders: a message from one more
+/// is dropped unless a dead one with nothing left can be forgotten for it;
+/// and a dead decoder's entry (which makes its late messages ignored) goes
+/// ten heartbeat timeouts after its death.
+#[test]
+fn a_prefiller_knows_a_bounded_number_of_decoders() {
+    let t0 = Instant::now();
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap().with_max_decoders(2);
+    assert!(pre.on_msg(&addr(1), Msg::Hello, t0).is_empty());
+    assert!(pre.on_msg(&addr(2), Msg::Hello, t0).is_empty());
+    assert_eq!(pre.decoders(), 2);
+    // A third, while both are alive: dropped, and nothing is sent to it.
+    let t1 = t0 + Duration::from_millis(1);
+    assert!(pre.on_msg(&addr(3), Msg::Hello, t1).is_empty());
+    assert_eq!(pre.decoders(), 2);
+    let beats = pre.tick(t1 + HB.interval);
+    assert!(
+        pre_sends(&beats).iter().all(|(to, _)| *to != addr(3)),
+        "{beats:?}"
+    );
+    // Decoder 1 is gone: kept, its messages ignored ...
+    let a = pre.decoder_gone(
+        &addr(1),
+        weft_kvcache::PeerLoss::Left {
+            store: "test".into(),
+        },
+        t1,
+    );
+    assert!(
+        a.iter()
+            .any(|x| matches!(x, PreAction::Forget { peer } if *peer == addr(1))),
+        "{a:?}"
+    );
+    assert!(pre.on_msg(&addr(1), Msg::Hello, t1).is_empty());
+    assert_eq!(pre.decoders(), 2);
+    // ... until a new decoder needs its place.
+    assert!(pre.on_msg(&addr(3), Msg::Hello, t1).is_empty());
+    assert_eq!(pre.decoders(), 2);
+    // Decoder 2 goes silent and is found dead; its entry stays for ten
+    // heartbeat timeouts, then goes (decoder 3 keeps talking).
+    let mut t = t1;
+    let mut found_dead = None;
+    while t < t1 + HB.timeout * 12 {
+        t += HB.interval;
+        assert!(pre.on_msg(&addr(3), Msg::Heartbeat, t).is_empty());
+        let a = pre.tick(t);
+        if a.iter()
+            .any(|x| matches!(x, PreAction::Forget { peer } if *peer == addr(2)))
+        {
+            found_dead = Some(t);
+        }
+        match found_dead {
+            Some(d) if t >= d + HB.timeout * 10 => break,
+            _ => assert_eq!(pre.decoders(), 2, "at {:?}", t - t1),
+        }
+    }
+    assert!(found_dead.is_some(), "decoder 2 never found dead");
+    assert_eq!(pre.decoders(), 1);
+}
+
 #[test]
 fn a_dead_source_waits_for_the_other_sources_confirmation() {
     let t0 = Instant::now();

@@ -510,7 +510,7 @@ impl DecoderCore {
     }
 
     fn peer_dead(&mut self, peer: usize, loss: PeerLoss, now: Instant) -> Vec<DecAction> {
-        self.peers[peer].clock.kill(loss.clone());
+        self.peers[peer].clock.kill(loss.clone(), now);
         self.fail_peer(peer, loss, now)
     }
 

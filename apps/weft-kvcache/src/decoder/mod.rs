@@ -33,6 +33,14 @@ pub struct KvConfig {
     /// that can send to the prefiller) cannot grow its memory without
     /// bound. At least 1. Default 4096.
     pub max_pending_requests: usize,
+    /// Prefiller: most decoders known at once, counting dead ones still
+    /// kept (a dead decoder is kept, its late messages ignored, while it
+    /// has requests left and for ten heartbeat timeouts after its death;
+    /// its later messages reach a new entry, whose requests fail: the
+    /// engine never writes to a removed incarnation again). A message from a
+    /// new decoder beyond it is dropped unless a dead one can be forgotten
+    /// to make room. At least 1. Default 4096.
+    pub max_decoders: usize,
 }
 
 impl Default for KvConfig {
@@ -42,6 +50,7 @@ impl Default for KvConfig {
             recv_len: 64 * 1024,
             recv_count: 128,
             max_pending_requests: 4096,
+            max_decoders: 4096,
         }
     }
 }

@@ -134,8 +134,18 @@ pub struct PrefillerCore {
     tasks: BTreeMap<TaskKey, Task>,
     /// Most requests held at once (`KvConfig::max_pending_requests`).
     max_pending: usize,
+    /// Most decoders known at once, dead ones kept included
+    /// (`KvConfig::max_decoders`).
+    max_decoders: usize,
     closing: bool,
 }
+
+/// Heartbeat timeouts a dead decoder is kept for after its death (and while
+/// it has requests left), so that its late messages are ignored; after
+/// that they reach a new entry,
+/// and the engine, which never writes to a removed incarnation again,
+/// fails whatever they ask.
+const DEAD_KEPT: u32 = 10;
 
 fn step_name(layers: u32, step: u32) -> String {
     if step < layers {
@@ -155,6 +165,7 @@ impl PrefillerCore {
             decoders: BTreeMap::new(),
             tasks: BTreeMap::new(),
             max_pending: crate::KvConfig::default().max_pending_requests,
+            max_decoders: crate::KvConfig::default().max_decoders,
             closing: false,
         })
     }
@@ -164,6 +175,52 @@ impl PrefillerCore {
     pub fn with_max_pending(mut self, max: usize) -> Self {
         self.max_pending = max.max(1);
         self
+    }
+
+    /// Knows at most `max` decoders at once (at least 1), dead ones still
+    /// kept included; a message from one more is dropped. Default 4096.
+    pub fn with_max_decoders(mut self, max: usize) -> Self {
+        self.max_decoders = max.max(1);
+        self
+    }
+
+    /// Decoders known now (live, and dead ones still kept).
+    pub fn decoders(&self) -> usize {
+        self.decoders.len()
+    }
+
+    /// Whether decoder `d` has requests held.
+    fn has_tasks(&self, d: &GroupAddress) -> bool {
+        self.tasks
+            .range(
+                TaskKey {
+                    decoder: d.clone(),
+                    id: 0,
+                }..,
+            )
+            .next()
+            .is_some_and(|(k, _)| &k.decoder == d)
+    }
+
+    /// Forgets dead decoders with no request left that died at least
+    /// `keep` before `now` (all such, with `keep` zero), oldest death first,
+    /// at most `limit` of them. Returns how many.
+    fn prune_dead(&mut self, now: Instant, keep: std::time::Duration, limit: usize) -> usize {
+        let mut gone: Vec<(Instant, GroupAddress)> = self
+            .decoders
+            .iter()
+            .filter_map(|(a, c)| {
+                let died = c.died()?;
+                (now.saturating_duration_since(died) >= keep).then(|| (died, a.clone()))
+            })
+            .filter(|(_, a)| !self.has_tasks(a))
+            .collect();
+        gone.sort();
+        gone.truncate(limit);
+        for (_, a) in &gone {
+            self.decoders.remove(a);
+        }
+        gone.len()
     }
 
     /// The source cache layout.
@@ -245,6 +302,15 @@ impl PrefillerCore {
             Some(c) if c.dead().is_some() => return Vec::new(),
             Some(c) => c.heard(now),
             None => {
+                // Anyone who can send to this engine can name any address:
+                // a bounded number of decoders, dead ones with nothing left
+                // making room first.
+                if self.decoders.len() >= self.max_decoders
+                    && self.prune_dead(now, std::time::Duration::ZERO, 1) == 0
+                {
+                    tracing::warn!(decoder = ?from, max = self.max_decoders, "prefiller: message from a new decoder dropped: too many decoders");
+                    return Vec::new();
+                }
                 self.decoders.insert(from.clone(), PeerClock::new(now));
             }
         }
@@ -574,7 +640,7 @@ impl PrefillerCore {
         let killed = self
             .decoders
             .get_mut(to)
-            .is_some_and(|c| c.kill(loss.clone()));
+            .is_some_and(|c| c.kill(loss.clone(), now));
         if killed {
             self.decoder_dead(to.clone(), loss, now)
         } else {
@@ -584,7 +650,9 @@ impl PrefillerCore {
 
     /// Decoder `addr` is gone (`loss` says how, e.g. its rendezvous record
     /// left): its requests stop ([`KvError::DecoderDead`]), nothing more is
-    /// written to it and its later messages are ignored.
+    /// written to it and its later messages are ignored (for ten heartbeat
+    /// timeouts, and while it has requests left; see
+    /// [`KvConfig::max_decoders`](crate::KvConfig)).
     pub fn decoder_gone(
         &mut self,
         addr: &GroupAddress,
@@ -595,7 +663,7 @@ impl PrefillerCore {
             .decoders
             .entry(addr.clone())
             .or_insert_with(|| PeerClock::new(now));
-        if clock.kill(loss.clone()) {
+        if clock.kill(loss.clone(), now) {
             self.decoder_dead(addr.clone(), loss, now)
         } else {
             Vec::new()
@@ -626,6 +694,10 @@ impl PrefillerCore {
         for (addr, loss) in dead {
             out.extend(self.decoder_dead(addr, loss, now));
         }
+        // A dead decoder is kept (its late messages ignored) while it has
+        // requests left and for `DEAD_KEPT` heartbeat timeouts after its
+        // death.
+        self.prune_dead(now, self.hb.timeout * DEAD_KEPT, usize::MAX);
         out
     }
 

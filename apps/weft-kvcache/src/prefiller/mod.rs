@@ -87,8 +87,9 @@ impl Prefiller {
         regions: CacheRegions,
         cfg: KvConfig,
     ) -> Result<Self, KvError> {
-        let core =
-            PrefillerCore::new(layout, cfg.heartbeat)?.with_max_pending(cfg.max_pending_requests);
+        let core = PrefillerCore::new(layout, cfg.heartbeat)?
+            .with_max_pending(cfg.max_pending_requests)
+            .with_max_decoders(cfg.max_decoders);
         if (regions.kv.len() as u64) < layout.kv_bytes()?
             || (layout.tail_len > 0 && (regions.tail.len() as u64) < layout.tail_bytes()?)
         {
