@@ -50,7 +50,8 @@ impl FromStr for PinMode {
             "auto" => Ok(PinMode::Auto),
             "off" | "none" => Ok(PinMode::Off),
             list => {
-                let cpus = parse_cpu_list(list)?;
+                let cpus = weft::parse_cpulist(list)
+                    .map_err(|e| format!("--pin: {e} (auto, off, or CPUs such as 2,3,5-7)"))?;
                 if cpus.len() < ROLES.len() {
                     return Err(format!(
                         "--pin needs {} CPUs ({}), got {}",
@@ -76,29 +77,6 @@ impl fmt::Display for PinMode {
             }
         }
     }
-}
-
-/// Parses `2,3,5-7` in order (ranges ascending), keeping repeats.
-fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
-    let mut out = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad =
-            || format!("--pin: `{part}` is not a CPU number or range (auto, off, or e.g. 2,3,5-7)");
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (
-                    a.trim().parse().map_err(|_| bad())?,
-                    b.trim().parse().map_err(|_| bad())?,
-                );
-                if a > b || b - a > 4096 {
-                    return Err(bad());
-                }
-                out.extend(a..=b);
-            }
-            None => out.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    Ok(out)
 }
 
 /// One CPU per role.
@@ -199,7 +177,7 @@ impl Topology {
         let base = format!("/sys/devices/system/cpu/cpu{cpu}");
         let sib = std::fs::read_to_string(format!("{base}/topology/thread_siblings_list"))
             .ok()
-            .and_then(|s| parse_cpu_list(s.trim()).ok())
+            .and_then(|s| weft::parse_cpulist(&s).ok())
             .filter(|v| v.contains(&cpu))
             .unwrap_or_else(|| vec![cpu]);
         let node = std::fs::read_dir(&base)

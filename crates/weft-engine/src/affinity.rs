@@ -2,32 +2,42 @@
 //! (`/sys/devices/system/node/node<N>/cpulist`); when it is unknown the
 //! worker is simply not pinned.
 
-/// Parses a Linux cpulist such as `0-3,8,10-11`.
-pub(crate) fn parse_cpulist(s: &str) -> Vec<usize> {
+/// A cpulist that does not parse ([`parse_cpulist`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{part}` is not a CPU number or an ascending range of at most 65536 CPUs")]
+#[non_exhaustive]
+pub struct CpuListError {
+    /// The comma-separated part that is wrong.
+    pub part: String,
+}
+
+/// Parses a Linux cpulist such as `0-3,8,10-11` (what sysfs and
+/// `taskset -c` use): CPUs in the order written, ranges ascending, repeats
+/// kept. Blank parts are skipped; surrounding whitespace (a trailing
+/// newline) is ignored.
+pub fn parse_cpulist(s: &str) -> Result<Vec<usize>, CpuListError> {
     let mut out = Vec::new();
-    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || CpuListError { part: part.into() };
         match part.split_once('-') {
             Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    if a <= b && b - a < 65536 {
-                        out.extend(a..=b);
-                    }
+                let a: usize = a.trim().parse().map_err(|_| bad())?;
+                let b: usize = b.trim().parse().map_err(|_| bad())?;
+                if a > b || b - a >= 1 << 16 {
+                    return Err(bad());
                 }
+                out.extend(a..=b);
             }
-            None => {
-                if let Ok(a) = part.trim().parse() {
-                    out.push(a);
-                }
-            }
+            None => out.push(part.parse().map_err(|_| bad())?),
         }
     }
-    out
+    Ok(out)
 }
 
 /// The CPUs of NUMA node `node`, if the topology is known.
 pub(crate) fn numa_cpus(node: u32) -> Option<Vec<usize>> {
     let s = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
-    let v = parse_cpulist(&s);
+    let v = parse_cpulist(&s).ok()?;
     (!v.is_empty()).then_some(v)
 }
 
@@ -68,8 +78,15 @@ mod tests {
 
     #[test]
     fn cpulist() {
-        assert_eq!(parse_cpulist("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(parse_cpulist(""), Vec::<usize>::new());
-        assert_eq!(parse_cpulist("x,3-1,5"), vec![5]);
+        assert_eq!(
+            parse_cpulist("0-3,8,10-11\n"),
+            Ok(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpulist(" 5, 2 ,5,,"), Ok(vec![5, 2, 5]));
+        assert_eq!(parse_cpulist(""), Ok(Vec::new()));
+        for bad in ["x,5", "3-1", "1-", "-1", "0-70000", "1.5"] {
+            let e = parse_cpulist(bad).unwrap_err();
+            assert!(bad.contains(&e.part), "{bad}: {e}");
+        }
     }
 }

@@ -54,6 +54,7 @@ mod sync;
 mod watcher;
 mod wrid;
 
+pub use affinity::{parse_cpulist, CpuListError};
 pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, PollPolicy, QueueFullPolicy};
 pub use engine::{

@@ -295,15 +295,3 @@ impl Topology {
             .collect())
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::sysfs::parse_cpulist;
-
-    #[test]
-    fn cpulists() {
-        assert_eq!(parse_cpulist("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(parse_cpulist(""), Vec::<usize>::new());
-        assert_eq!(parse_cpulist("5-2,x,7"), vec![7]);
-    }
-}

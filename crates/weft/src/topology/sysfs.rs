@@ -46,24 +46,6 @@ fn sorted_entries(dir: &Path) -> Vec<(String, PathBuf)> {
     out
 }
 
-/// Parses a cpulist (`0-3,8,10-11`).
-pub(super) fn parse_cpulist(s: &str) -> Vec<usize> {
-    let mut out = Vec::new();
-    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    if b >= a && b - a < 1 << 16 {
-                        out.extend(a..=b);
-                    }
-                }
-            }
-            None => out.extend(part.trim().parse::<usize>().ok()),
-        }
-    }
-    out
-}
-
 pub(super) fn gpus(root: &Path) -> Vec<Gpu> {
     let mut out = Vec::new();
     for (bdf, path) in sorted_entries(&root.join("sys/bus/pci/devices")) {
@@ -131,7 +113,8 @@ pub(super) fn numa_nodes(root: &Path) -> Vec<NumaNode> {
             let id = name.strip_prefix("node")?.parse().ok()?;
             Some(NumaNode {
                 id,
-                cpus: parse_cpulist(&read_trim(&path.join("cpulist"))?),
+                cpus: weft_engine::parse_cpulist(&read_trim(&path.join("cpulist"))?)
+                    .unwrap_or_default(),
             })
         })
         .collect();
