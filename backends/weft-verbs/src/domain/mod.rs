@@ -88,7 +88,8 @@ pub struct DomainStats {
     /// [`VerbsConfig::max_half_open`] passive peers were half-open, none of
     /// them spent.
     pub handshakes_refused: u64,
-    /// Half-open passive peers evicted to make room for a new one.
+    /// Half-open passive peers evicted: to make room for a new one, or
+    /// because their QPs could not be made or brought up.
     pub half_open_evicted: u64,
 }
 
