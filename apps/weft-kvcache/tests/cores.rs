@@ -492,6 +492,13 @@ fn a_prefiller_knows_a_bounded_number_of_decoders() {
         pre_sends(&beats).iter().all(|(to, _)| *to != addr(3)),
         "{beats:?}"
     );
+    // A decoder never heard from leaves the rendezvous store: with no room
+    // and no dead one to forget, nothing is kept of it.
+    let left = weft_kvcache::PeerLoss::Left {
+        store: "test".into(),
+    };
+    assert!(pre.decoder_gone(&addr(4), left, t1).is_empty());
+    assert_eq!(pre.decoders(), 2);
     // Decoder 1 is gone: kept, its messages ignored ...
     let a = pre.decoder_gone(
         &addr(1),

@@ -203,24 +203,40 @@ impl PrefillerCore {
     }
 
     /// Forgets dead decoders with no request left that died at least
-    /// `keep` before `now` (all such, with `keep` zero), oldest death first,
-    /// at most `limit` of them. Returns how many.
-    fn prune_dead(&mut self, now: Instant, keep: std::time::Duration, limit: usize) -> usize {
-        let mut gone: Vec<(Instant, GroupAddress)> = self
+    /// `keep` before `now`.
+    fn prune_dead(&mut self, now: Instant, keep: std::time::Duration) {
+        let gone: Vec<GroupAddress> = self
             .decoders
             .iter()
-            .filter_map(|(a, c)| {
-                let died = c.died()?;
-                (now.saturating_duration_since(died) >= keep).then(|| (died, a.clone()))
+            .filter(|(a, c)| {
+                c.died()
+                    .is_some_and(|d| now.saturating_duration_since(d) >= keep)
+                    && !self.has_tasks(a)
             })
-            .filter(|(_, a)| !self.has_tasks(a))
+            .map(|(a, _)| a.clone())
             .collect();
-        gone.sort();
-        gone.truncate(limit);
-        for (_, a) in &gone {
+        for a in &gone {
             self.decoders.remove(a);
         }
-        gone.len()
+    }
+
+    /// Forgets the dead decoder with no request left that died first, to
+    /// make room for a new one; whether there was one.
+    fn forget_one_dead(&mut self) -> bool {
+        let oldest = self
+            .decoders
+            .iter()
+            .filter_map(|(a, c)| Some((c.died()?, a)))
+            .filter(|(_, a)| !self.has_tasks(a))
+            .min_by_key(|(d, _)| *d)
+            .map(|(_, a)| a.clone());
+        match oldest {
+            Some(a) => {
+                self.decoders.remove(&a);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The source cache layout.
@@ -305,9 +321,7 @@ impl PrefillerCore {
                 // Anyone who can send to this engine can name any address:
                 // a bounded number of decoders, dead ones with nothing left
                 // making room first.
-                if self.decoders.len() >= self.max_decoders
-                    && self.prune_dead(now, std::time::Duration::ZERO, 1) == 0
-                {
+                if self.decoders.len() >= self.max_decoders && !self.forget_one_dead() {
                     tracing::warn!(decoder = ?from, max = self.max_decoders, "prefiller: message from a new decoder dropped: too many decoders");
                     return Vec::new();
                 }
@@ -659,6 +673,14 @@ impl PrefillerCore {
         loss: PeerLoss,
         now: Instant,
     ) -> Vec<PreAction> {
+        if !self.decoders.contains_key(addr)
+            && self.decoders.len() >= self.max_decoders
+            && !self.forget_one_dead()
+        {
+            // Never heard from, and no room to remember it: nothing of it
+            // to stop, and its messages, if any come, meet the bound.
+            return Vec::new();
+        }
         let clock = self
             .decoders
             .entry(addr.clone())
@@ -697,7 +719,7 @@ impl PrefillerCore {
         // A dead decoder is kept (its late messages ignored) while it has
         // requests left and for `DEAD_KEPT` heartbeat timeouts after its
         // death.
-        self.prune_dead(now, self.hb.timeout * DEAD_KEPT, usize::MAX);
+        self.prune_dead(now, self.hb.timeout.saturating_mul(DEAD_KEPT));
         out
     }
 

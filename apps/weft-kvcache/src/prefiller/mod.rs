@@ -184,7 +184,10 @@ impl Prefiller {
     /// application knows it died): its requests end with
     /// [`KvError::DecoderDead`] carrying `loss` once their posted writes
     /// completed, nothing more is written to it and its later requests are
-    /// ignored.
+    /// ignored (for ten heartbeat timeouts and while it has requests left;
+    /// after that they are taken as a new decoder's, and their writes fail:
+    /// the engine never writes to a removed incarnation again, see
+    /// [`KvConfig::max_decoders`](crate::KvConfig)).
     pub fn remove_decoder(&self, addr: &GroupAddress, loss: crate::PeerLoss) {
         self.sh.step(|c| c.decoder_gone(addr, loss, Instant::now()));
     }
