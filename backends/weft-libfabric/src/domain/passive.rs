@@ -27,7 +27,7 @@
 //! A passive peer stops being passive once this side adds it with
 //! `add_peer`: the user knows its [`PeerId`] from then on.
 
-use weft_transport::{PassivePeers, PeerId};
+use weft_transport::{NetAddr, PassivePeers, PeerId};
 
 use super::LibfabricDomain;
 
@@ -55,10 +55,36 @@ impl Passive {
 }
 
 impl LibfabricDomain {
+    /// The passive peer for a message from `addr`, which maps to no peer
+    /// yet; `None` (logged, the message to be dropped unanswered) when the
+    /// address cannot be a peer's (checked first: it removes no one) or
+    /// no passive peer can make room.
+    pub(super) fn new_passive_peer(&mut self, addr: &NetAddr) -> Option<PeerId> {
+        if let Err(e) = self.check_new_addr(addr) {
+            tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+            return None;
+        }
+        if !self.room_for_passive() {
+            self.passive.refused += 1;
+            tracing::debug!(nic = %self.nic.name, peer = %addr, "message from a new address dropped (not answered): every passive peer is busy");
+            return None;
+        }
+        match self.insert_peer(addr) {
+            Ok(p) => {
+                self.passive.list.push(p);
+                Some(p)
+            }
+            Err(e) => {
+                tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+                None
+            }
+        }
+    }
+
     /// Whether a message from a new address may create a passive peer:
     /// there is room under `max_passive_peers`, or the oldest idle passive
     /// peer was removed to make it.
-    pub(super) fn room_for_passive(&mut self) -> bool {
+    fn room_for_passive(&mut self) -> bool {
         let max = self.opts.max_passive_peers.max(1);
         if self.passive.list.len() < max {
             return true;

@@ -153,41 +153,39 @@ impl<O: VerbsOps> VerbsDomain<O> {
 
     /// One RC QP of a new connection to `pid` on `srq`, in INIT.
     fn create_end(&mut self, pid: PeerId, srq: Srq) -> Result<QpEnd, TransportError> {
-        {
-            let c = self
-                .ops
-                .create_qp(
-                    self.pd,
-                    &QpInit {
-                        qp_type: QpType::Rc,
-                        send_cq: self.send_cq,
-                        recv_cq: self.recv_cq,
-                        srq: Some(srq),
-                        max_send_wr: self.cfg.sq_depth,
-                        max_recv_wr: 0,
-                        max_sge: 1,
-                    },
-                )
-                .map_err(|e| self.verr(e))?;
-            let init = ModifyQp::Init {
-                port: self.cfg.port,
-                pkey_index: 0,
-                access: access::LOCAL_WRITE | access::REMOTE_WRITE,
-                qkey: None,
-            };
-            if let Err(e) = self.ops.modify_qp(c.qp, &init) {
-                let _ = self.ops.destroy_qp(c.qp);
-                return Err(self.verr(e));
-            }
-            self.qpn_peer.insert(c.qpn, pid);
-            Ok(QpEnd {
-                qp: c.qp,
-                qpn: c.qpn,
-                psn: self.rng.gen::<u32>() & 0xff_ffff,
-                room: c.max_send_wr.min(self.cfg.sq_depth),
-                outstanding: 0,
-            })
+        let c = self
+            .ops
+            .create_qp(
+                self.pd,
+                &QpInit {
+                    qp_type: QpType::Rc,
+                    send_cq: self.send_cq,
+                    recv_cq: self.recv_cq,
+                    srq: Some(srq),
+                    max_send_wr: self.cfg.sq_depth,
+                    max_recv_wr: 0,
+                    max_sge: 1,
+                },
+            )
+            .map_err(|e| self.verr(e))?;
+        let init = ModifyQp::Init {
+            port: self.cfg.port,
+            pkey_index: 0,
+            access: access::LOCAL_WRITE | access::REMOTE_WRITE,
+            qkey: None,
+        };
+        if let Err(e) = self.ops.modify_qp(c.qp, &init) {
+            let _ = self.ops.destroy_qp(c.qp);
+            return Err(self.verr(e));
         }
+        self.qpn_peer.insert(c.qpn, pid);
+        Ok(QpEnd {
+            qp: c.qp,
+            qpn: c.qpn,
+            psn: self.rng.gen::<u32>() & 0xff_ffff,
+            room: c.max_send_wr.min(self.cfg.sq_depth),
+            outstanding: 0,
+        })
     }
 
     pub(super) fn ensure_conn(&mut self, pid: PeerId) {
@@ -198,12 +196,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs {
             if let Err(e) = self.create_conn(pid) {
                 tracing::warn!(nic = %self.nic, peer = pid.0, error = %e, "cannot create QPs");
-                if self.is_passive(pid) {
-                    // No one asked for it: forgotten, not kept unreachable.
-                    self.evict_passive(pid);
-                } else {
-                    self.mark_unreachable(pid, format!("cannot create QPs: {e}"));
-                }
+                self.setup_failed(pid, format!("cannot create QPs: {e}"));
                 return;
             }
             self.send_handshake(pid);
@@ -353,13 +346,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
         if needs_rts {
             if let Err(e) = self.bring_up(pid, &msg) {
                 tracing::warn!(nic = %self.nic, error = %e, "QP bring-up failed");
-                if self.is_passive(pid) {
-                    // No one asked for it: forgotten, not kept unreachable
-                    // (which would refuse that address from then on).
-                    self.evict_passive(pid);
-                } else {
-                    self.mark_unreachable(pid, format!("QP bring-up failed: {e}"));
-                }
+                self.setup_failed(pid, format!("QP bring-up failed: {e}"));
                 return;
             }
         }
@@ -495,6 +482,17 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     tracing::warn!(nic = %self.nic, error = %e, "destroy_qp failed");
                 }
             }
+        }
+    }
+
+    /// Connection set-up for `pid` failed (`reason`): a passive peer is
+    /// forgotten (no one asked for it; kept unreachable, it would refuse
+    /// that address from then on), any other is marked unreachable.
+    fn setup_failed(&mut self, pid: PeerId, reason: String) {
+        if self.is_passive(pid) {
+            self.evict_passive(pid);
+        } else {
+            self.mark_unreachable(pid, reason);
         }
     }
 

@@ -146,29 +146,13 @@ impl LibfabricDomain {
                     return;
                 }
                 let addr = NetAddr(from);
-                let known = self.peers.by_addr.get(&addr).copied();
-                if known.is_none() {
-                    // An address that cannot be a peer removes no one.
-                    if let Err(e) = self.check_new_addr(&addr) {
-                        tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
-                        return;
-                    }
-                }
-                if known.is_none() && !self.room_for_passive() {
-                    self.passive.refused += 1;
-                    tracing::debug!(nic = %self.nic.name, peer = %addr, "message from a new address dropped (not answered): every passive peer is busy");
-                    return;
-                }
-                let peer = match known.map_or_else(|| self.insert_peer(&addr), Ok) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
-                        return;
-                    }
+                let peer = match self.peers.by_addr.get(&addr) {
+                    Some(p) => *p,
+                    None => match self.new_passive_peer(&addr) {
+                        Some(p) => p,
+                        None => return,
+                    },
                 };
-                if known.is_none() {
-                    self.passive.list.push(peer);
-                }
                 let m = Held {
                     from: peer,
                     seq,
