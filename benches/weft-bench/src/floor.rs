@@ -106,7 +106,9 @@ impl Drop for HandoffFloor {
 /// A consumer thread blocked in `recv` on a crossbeam channel, as the
 /// engine's callback thread is under `PollPolicy::Adaptive`; each
 /// [`WakeFloor::once`] lets it fall asleep, sends a time stamp and waits
-/// for the consumer to record `now - stamp`: one thread wake-up.
+/// for the consumer to record `now - stamp`: one thread wake-up. How long
+/// the consumer was idle before it matters (a CPU idle longer sleeps
+/// deeper): [`WakeFloor::once_after`] sets it.
 pub struct WakeFloor {
     tx: Option<crossbeam_channel::Sender<Instant>>,
     last_ns: Arc<AtomicU64>,
@@ -155,9 +157,15 @@ impl WakeFloor {
     /// ns (send → the woken consumer's clock read), or `None` if the
     /// consumer thread could not be started or is gone.
     pub fn once(&self) -> Option<f64> {
+        self.once_after(WAKE_IDLE)
+    }
+
+    /// [`once`](Self::once) after `idle` of idleness (at least
+    /// [`WAKE_IDLE`], so the consumer is blocked).
+    pub fn once_after(&self, idle: Duration) -> Option<f64> {
         self.thread.as_ref()?;
         let before = self.acks.load(Ordering::Acquire);
-        std::thread::sleep(WAKE_IDLE);
+        std::thread::sleep(idle.max(WAKE_IDLE));
         self.tx.as_ref()?.send(Instant::now()).ok()?;
         Some(wait_ack(&self.acks, before, &self.last_ns))
     }

@@ -229,14 +229,22 @@ fn arm_flag(ep: &EnginePair, imm: u32, count: u64) -> Result<Arc<weft::DoneFlag>
 /// aux CPU, where the callback thread runs; its thread lives for them only),
 /// and for callbacks `reps` wake-ups of a thread blocked in a channel
 /// receive on that CPU ([`WakeFloor`]): a second row, the same weft number
-/// against the design's own floor.
+/// against the design's own floor, after the floor's short idle (200 µs);
+/// and a third, wake-ups after as long an idle as the callback thread had
+/// before each of this round's callbacks (the median since the previous
+/// callback fired), since a CPU left idle longer sleeps deeper.
 fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Vec<Row>, String> {
     let n: u64 = if cfg.quick { 100 } else { 1000 };
     let reps = if cfg.quick { 10 } else { 50 };
     let pg = pages(n, n * IMM_WRITE_LEN);
     let mut expect = 0;
     let (mut lat, mut fl, mut wake) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut wake_same, mut idles) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds() {
+        // When the previous callback of this round ran: the callback
+        // thread has been idle since.
+        let mut last_fire: Option<Instant> = None;
+        let mut round_idles = Vec::new();
         let ep = rig.engines()?;
         let imm = ep.rx.alloc_imm().map_err(|e| e.to_string())?;
         let counts = ep.tx.imm_counts(0).map_err(|e| e.to_string())?;
@@ -260,6 +268,10 @@ fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Vec<R
                 if !ok {
                     return Err("early-arrival round failed or fired twice".into());
                 }
+                if let Some(prev) = last_fire {
+                    round_idles.push(ns(t0.saturating_duration_since(prev)));
+                }
+                last_fire = Some(t);
                 t
             };
             if ep.rx.imm_pending(imm) != 0 || ep.rx.imm_armed(imm) {
@@ -287,6 +299,16 @@ fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Vec<R
                     wake.push(v / 1e3);
                 }
             }
+            if !round_idles.is_empty() {
+                let idle = median(&mut round_idles);
+                idles.push(idle / 1e3);
+                let idle = Duration::from_nanos(idle as u64);
+                for _ in 0..reps {
+                    if let Some(v) = w.once_after(idle) {
+                        wake_same.push(v / 1e3);
+                    }
+                }
+            }
         }
     }
     let (p, f) = (percentiles(&mut lat), percentiles(&mut fl));
@@ -311,6 +333,15 @@ fn early(cfg: &Config, rig: &Rig<'_>, backend: &str, flag: bool) -> Result<Vec<R
     let mut rows = vec![row(f.p50, "queue hand-off floor")];
     if !wake.is_empty() {
         rows.push(row(percentiles(&mut wake).p50, "thread wake-up floor"));
+    }
+    if !wake_same.is_empty() {
+        rows.push(
+            row(
+                percentiles(&mut wake_same).p50,
+                "thread wake-up floor, same idle",
+            )
+            .extra("callback_idle_us", median(&mut idles)),
+        );
     }
     Ok(rows)
 }
