@@ -5,7 +5,7 @@
 //!
 //! - [`meta`]: what trainers hold and inference ranks want (shapes, FSDP /
 //!   TP / EP placement, fused targets, fp8 targets).
-//! - [`plan`]: the pure, deterministic planner ([`plan::plan`]): every
+//! - [`plan`](mod@plan): the pure, deterministic planner ([`plan::plan`]): every
 //!   inference byte written by exactly one trainer, load balanced, cut into
 //!   watermark-bounded waves per mesh group.
 //! - [`fp8`]: bf16 → e4m3 with per-128×128-tile f32 scales.

@@ -153,15 +153,15 @@ impl WakeFloor {
         }
     }
 
-    /// One wake-up after [`WAKE_IDLE`] of idleness; returns its latency in
+    /// One wake-up after 200 µs of idleness; returns its latency in
     /// ns (send → the woken consumer's clock read), or `None` if the
     /// consumer thread could not be started or is gone.
     pub fn once(&self) -> Option<f64> {
         self.once_after(WAKE_IDLE)
     }
 
-    /// [`once`](Self::once) after `idle` of idleness (at least
-    /// [`WAKE_IDLE`], so the consumer is blocked).
+    /// [`once`](Self::once) after `idle` of idleness (at least 200 µs, so
+    /// the consumer is blocked).
     pub fn once_after(&self, idle: Duration) -> Option<f64> {
         self.thread.as_ref()?;
         let before = self.acks.load(Ordering::Acquire);

@@ -27,7 +27,7 @@
 //! `weft-bench pingpong-peer`); loopback backends, whose hosts live in one
 //! process, and library callers without a peer binary run it on a thread.
 //!
-//! The same two-process setup measures CPU cost ([`stream`]): process and
+//! The same two-process setup measures CPU cost (module `stream`): process and
 //! engine-thread CPU per GB moved (1 MiB WRITEs) and per million WRs (64 B
 //! WRITEs), on the initiator and on the target.
 

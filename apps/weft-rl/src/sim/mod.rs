@@ -3,7 +3,7 @@
 //!
 //! [`simulate`] runs two predictions side by side:
 //!
-//! - **Over the loopback fabric** ([`fabric`]): every trainer and inference
+//! - **Over the loopback fabric** (module `fabric`): every trainer and inference
 //!   rank is a simulated host of one step-mode loopback
 //!   [`weft::loopback::Fabric`] with `nics` NICs of `nic_gbps` (its
 //!   [`weft::loopback::NicModel`] charges each WRITE its serialisation on

@@ -9,8 +9,8 @@
 //! used (sizes checked by tests against the values the C compiler gives).
 //! `ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv` and `ibv_poll_cq`
 //! are `static inline` in verbs.h and dispatch through `context->ops`; this
-//! module does the same through [`IbvContext::ops`]. Every call's return
-//! value goes through [`check`] / [`check_ptr`].
+//! module does the same through `IbvContext::ops`. Every call's return
+//! value goes through `check` / `check_ptr`.
 
 #![allow(unsafe_code)]
 
