@@ -198,3 +198,128 @@ fn tcp_passive_peers_are_bounded() {
     assert_eq!(b.passive_refused(), 0);
     assert_eq!(ob.len(), 6, "nothing else arrived: {ob:?}");
 }
+
+/// The other side of the bound: while every passive peer is busy (here, a
+/// message of each waits for a receive buffer), a message from a new
+/// address is dropped unanswered and counted, its sender's SEND fails after
+/// its `ack_timeout`, and nobody is evicted; once the held messages are
+/// placed, the next new sender gets a peer by evicting an idle one.
+#[test]
+fn tcp_busy_passive_peers_refuse_new_senders() {
+    // Held messages wait for buffers (and their senders for an answer)
+    // for as long as the test needs; the refused sender, on a provider of
+    // its own, gives up after 300 ms.
+    let cfg = weft_libfabric::LibfabricConfig::new("tcp")
+        .with_domains(["lo"])
+        .with_max_passive_peers(2)
+        .with_rnr_timeout(DEADLINE * 2)
+        .with_ack_timeout(DEADLINE * 2);
+    let quick = cfg.clone().with_ack_timeout(Duration::from_millis(300));
+    let (p, q) = match (
+        weft_libfabric::LibfabricProvider::with_config(cfg),
+        weft_libfabric::LibfabricProvider::with_config(quick),
+    ) {
+        (Ok(p), Ok(q)) => (p, q),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("SKIP: libfabric provider tcp unavailable: {e}");
+            return;
+        }
+    };
+    let mut b: LibfabricDomain = p.open_domain(0).expect("open b");
+    let rbuf = mem::zeroed(4 * 64);
+    let rmr = b.register(&rbuf.region(), Access::LocalOnly).unwrap();
+    let mut ob = Vec::new();
+    let b_addr = b.local_addr().clone();
+    // Sends one 64 B message from a new domain; returns the domain, its
+    // buffer and registration.
+    let send = |p: &weft_libfabric::LibfabricProvider, k: u64| {
+        let src = mem::patterned(k + 1, 64);
+        let mut a: LibfabricDomain = p.open_domain(0).expect("open a");
+        let smr = a.register(&src.region(), Access::LocalOnly).unwrap();
+        let peer = a.add_peer(&b_addr).unwrap();
+        a.post_send(WrId(k), peer, smr.slice(0, 64).unwrap())
+            .unwrap();
+        (a, src, smr)
+    };
+    // Two senders fill the bound; their messages are held (no buffer).
+    let mut busy = Vec::new();
+    let mut done = [Vec::new(), Vec::new()];
+    for k in 0..2u64 {
+        busy.push(send(&p, k));
+        weft_testkit::wait_until(&format!("passive peer {k}"), DEADLINE, || {
+            for (i, (a, _, _)) in busy.iter_mut().enumerate() {
+                a.poll(&mut done[i]).unwrap();
+            }
+            b.poll(&mut ob).unwrap();
+            b.peer_count() == k as usize + 1
+        });
+    }
+    assert!(ob.is_empty(), "nothing placed yet: {ob:?}");
+    // A third is refused: its SEND fails, no one is evicted.
+    let (mut c, _csrc, _cmr) = send(&q, 2);
+    let mut oc = Vec::new();
+    weft_testkit::wait_until("refused sender's SEND fails", DEADLINE, || {
+        c.poll(&mut oc).unwrap();
+        for (i, (a, _, _)) in busy.iter_mut().enumerate() {
+            a.poll(&mut done[i]).unwrap();
+        }
+        b.poll(&mut ob).unwrap();
+        !oc.is_empty()
+    });
+    assert!(
+        matches!(
+            oc[..],
+            [Completion::Send {
+                wr: WrId(2),
+                result: Err(_)
+            }]
+        ),
+        "refused sender: {oc:?}"
+    );
+    assert_eq!(b.passive_refused(), 1);
+    assert_eq!(b.passive_evicted(), 0);
+    assert_eq!(b.peer_count(), 2);
+    assert!(ob.is_empty(), "nothing placed: {ob:?}");
+    assert!(
+        done.iter().all(|d| d.is_empty()),
+        "held senders answered early: {done:?}"
+    );
+    // Buffers come: the held messages are placed and answered.
+    for k in 0..4u64 {
+        b.post_recv(WrId(100 + k), rmr.slice(64 * k, 64).unwrap())
+            .unwrap();
+    }
+    weft_testkit::wait_until("held messages placed and answered", DEADLINE, || {
+        b.poll(&mut ob).unwrap();
+        for (i, (a, _, _)) in busy.iter_mut().enumerate() {
+            a.poll(&mut done[i]).unwrap();
+        }
+        ob.len() == 2 && done.iter().all(|d| !d.is_empty())
+    });
+    for (i, d) in done.iter().enumerate() {
+        assert!(
+            matches!(d[..], [Completion::Send { result: Ok(()), .. }]),
+            "held sender {i}: {d:?}"
+        );
+    }
+    let mut placed: Vec<_> = (0..2).map(|k| rbuf.bytes(64 * k, 64)).collect();
+    placed.sort();
+    let mut sent: Vec<_> = busy.iter().map(|(_, s, _)| s.bytes(0, 64)).collect();
+    sent.sort();
+    assert_eq!(placed, sent, "the two held messages, each once");
+    // Now both passive peers are idle: a new sender evicts the oldest.
+    let (mut e, esrc, _emr) = send(&p, 3);
+    let mut oe = Vec::new();
+    weft_testkit::wait_until("sender after the flood", DEADLINE, || {
+        e.poll(&mut oe).unwrap();
+        b.poll(&mut ob).unwrap();
+        !oe.is_empty() && ob.len() == 3
+    });
+    assert!(
+        matches!(oe[..], [Completion::Send { result: Ok(()), .. }]),
+        "sender after the flood: {oe:?}"
+    );
+    assert_eq!(rbuf.bytes(128, 64), esrc.bytes(0, 64));
+    assert_eq!(b.passive_evicted(), 1);
+    assert_eq!(b.passive_refused(), 1);
+}
