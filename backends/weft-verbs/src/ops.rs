@@ -510,6 +510,11 @@ pub struct Wc {
     pub qp_num: u32,
     /// Source QPN (UD receives).
     pub src_qp: u32,
+    /// Source LID (UD receives on InfiniBand).
+    pub slid: u16,
+    /// A 40-byte GRH area precedes a UD receive's payload and holds its
+    /// source (`IBV_WC_GRH`).
+    pub grh: bool,
 }
 
 /// Device discovery and opening (`ibv_get_device_list`, `ibv_open_device`).

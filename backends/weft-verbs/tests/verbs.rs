@@ -1177,6 +1177,13 @@ impl RawUd {
         Some(weft_verbs::wire::Handshake::decode(&b).unwrap())
     }
 
+    /// Sends [`hello`] from this sender's own address, with made-up QPs
+    /// `k`.
+    fn send_hello(&mut self, k: u32) {
+        let h = hello(self.own, k).encode();
+        self.send(&h);
+    }
+
     /// Sends `bytes` (at most 200) as one datagram; its send completion is
     /// reaped, so any number can be sent.
     fn send(&mut self, bytes: &[u8]) {
@@ -1234,16 +1241,22 @@ fn malformed_handshake_datagrams_are_dropped() {
     });
 }
 
-/// A well-formed handshake claiming to come from a made-up address `k`.
-fn forged_handshake(k: u32) -> Vec<u8> {
+/// A made-up address `k`, nobody's.
+fn made_up(k: u32) -> weft_verbs::wire::VerbsAddr {
     let mut gid = [0xfe; 16];
     gid[12..].copy_from_slice(&k.to_be_bytes());
+    weft_verbs::wire::VerbsAddr {
+        gid: Gid(gid),
+        lid: 0,
+        ud_qpn: 7000 + k,
+    }
+}
+
+/// A well-formed first handshake claiming to come from `from`, with
+/// made-up QPs `k`.
+fn hello(from: weft_verbs::wire::VerbsAddr, k: u32) -> weft_verbs::wire::Handshake {
     weft_verbs::wire::Handshake {
-        from: weft_verbs::wire::VerbsAddr {
-            gid: Gid(gid),
-            lid: 0,
-            ud_qpn: 7000 + k,
-        },
+        from,
         qps: weft_verbs::wire::QpPair {
             send_qpn: 9000 + 2 * k,
             write_qpn: 9001 + 2 * k,
@@ -1258,7 +1271,6 @@ fn forged_handshake(k: u32) -> Vec<u8> {
         ack: false,
         mtu: 3,
     }
-    .encode()
 }
 
 #[test]
@@ -1270,12 +1282,14 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
         cfg.max_half_open = 4;
         let mut s = Sim::with(SimConfig::new(seed), cfg.clone(), 2);
         let name = s.names[1].clone();
-        let mut raw = RawUd::new(&s, 1);
+        // Forty senders, each with an address of its own (a handshake must
+        // come from the address it claims), none of which will answer.
+        let mut raws: Vec<RawUd> = (0..40).map(|_| RawUd::new(&s, 1)).collect();
         let mut out = s.outs();
-        // Ten addresses that will never answer: four get QPs, six are
-        // refused while those four are still retransmitting.
-        for k in 0..10 {
-            raw.send(&forged_handshake(k));
+        // Ten of them: four get QPs, six are refused while those four are
+        // still retransmitting.
+        for (k, raw) in raws.iter_mut().enumerate().take(10) {
+            raw.send_hello(k as u32);
             s.round(&mut out);
         }
         let st = s.hosts[1].stats();
@@ -1293,8 +1307,8 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
         }
         // Ten more: each of the first four evicts a spent one, the rest are
         // refused; the QPs stay bounded.
-        for k in 10..20 {
-            raw.send(&forged_handshake(k));
+        for (k, raw) in raws.iter_mut().enumerate().take(20).skip(10) {
+            raw.send_hello(k as u32);
             s.round(&mut out);
         }
         let st = s.hosts[1].stats();
@@ -1321,8 +1335,8 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
         for _ in 0..spent {
             s.round(&mut out);
         }
-        for k in 20..40 {
-            raw.send(&forged_handshake(k));
+        for (k, raw) in raws.iter_mut().enumerate().take(40).skip(20) {
+            raw.send_hello(k as u32);
             s.round(&mut out);
         }
         let st = s.hosts[1].stats();
@@ -1357,10 +1371,94 @@ fn forged_handshakes_hold_at_most_max_half_open_peers() {
     });
 }
 
+/// A handshake is taken only from the address it claims (the device
+/// reports the sending QPN and, in the GRH, the sending GID): one claiming
+/// a made-up address makes no peer and no QPs, and one claiming a
+/// connected peer's address with other QPs does not retire that peer's
+/// connection; writes keep flowing.
+#[test]
+fn handshakes_claiming_another_address_are_dropped() {
+    with_seed(167, |seed| {
+        let src = mem::zeroed(64);
+        let dst = mem::zeroed(64);
+        let mut s = Sim::new(seed, 2);
+        let name = s.names[1].clone();
+        let smr = s.reg(0, &src, Access::LocalOnly);
+        let dmr = s.reg(1, &dst, Access::RemoteWrite);
+        s.connect(0, 1, &smr, &dmr);
+        let before = s.hosts[1].stats().clone();
+        let qps = s.fabric.rc_qps(&name);
+        let mut raw = RawUd::new(&s, 1);
+        let mut out = s.outs();
+        // Made-up addresses, and host 0's address (its real GID and UD
+        // QPN) with other QPs, ready, as a restarted host 0 would say.
+        let host0 = weft_verbs::wire::VerbsAddr::decode(&s.addr(0).0).unwrap();
+        for k in 0..5 {
+            raw.send(&hello(made_up(k), k).encode());
+            s.round(&mut out);
+        }
+        let mut claim = hello(host0, 9);
+        claim.ready = true;
+        raw.send(&claim.encode());
+        // The sender's own QPN with host 0's GID is not host 0 either.
+        raw.send(
+            &hello(
+                weft_verbs::wire::VerbsAddr {
+                    ud_qpn: raw.own.ud_qpn,
+                    ..host0
+                },
+                10,
+            )
+            .encode(),
+        );
+        for _ in 0..50 {
+            s.round(&mut out);
+        }
+        let st = s.hosts[1].stats();
+        assert_eq!(st.handshakes_spoofed, 7, "seed {seed}");
+        assert_eq!(
+            st.handshakes_received, before.handshakes_received,
+            "seed {seed}"
+        );
+        assert_eq!(
+            st.resets, before.resets,
+            "seed {seed}: the real connection was retired"
+        );
+        assert_eq!(s.hosts[1].half_open_peers(), 0, "seed {seed}");
+        assert_eq!(s.fabric.rc_qps(&name), qps, "seed {seed}: QPs for a claim");
+        // The real connection still carries writes.
+        src.put(0, &[0x5c; 8]);
+        let p = s.peer(0, 1);
+        s.hosts[0]
+            .post_write(&WriteWr {
+                wr: WrId(9),
+                peer: p,
+                src: smr.slice(0, 8).unwrap(),
+                dst: remote(&dmr, 0),
+                imm: None,
+            })
+            .unwrap();
+        let mut out = s.outs();
+        assert!(
+            s.run_until(10_000, &mut out, |o| writes(&o[0])
+                .contains(&(WrId(9), true))),
+            "seed {seed}: write after the claims: {out:?}"
+        );
+        assert_eq!(dst.bytes(0, 8), vec![0x5c; 8]);
+        // The same sender, claiming its own address, is heard.
+        raw.send_hello(11);
+        for _ in 0..5 {
+            s.round(&mut out);
+        }
+        assert_eq!(s.hosts[1].half_open_peers(), 1, "seed {seed}");
+        assert_eq!(s.hosts[1].stats().handshakes_spoofed, 7, "seed {seed}");
+    });
+}
+
 /// Connecting takes the target's random PSNs echoed back, not only its
-/// QPNs: a datagram claiming a made-up address that guesses the QPNs the
-/// target gives it (sequential here: learnt from a first, honest exchange)
-/// and says `ready` leaves it half-open.
+/// QPNs: a sender that does not read the answers sent to its address and
+/// guesses the QPNs the target gives it (sequential here: learnt from a
+/// first, honest exchange) and says `ready` stays half-open.
 #[test]
 fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
     with_seed(168, |seed| {
@@ -1370,11 +1468,7 @@ fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
         // Honest first contact from the raw sender's own address: the
         // target answers with its QPNs and PSNs.
         raw.post_recv();
-        let own = raw.own;
-        let hello = weft_verbs::wire::Handshake::decode(&forged_handshake(0))
-            .map(|h| weft_verbs::wire::Handshake { from: own, ..h })
-            .unwrap();
-        raw.send(&hello.encode());
+        raw.send_hello(0);
         let mut answer = None;
         for _ in 0..50 {
             s.round(&mut out);
@@ -1385,13 +1479,15 @@ fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
         }
         let a = answer.unwrap_or_else(|| panic!("seed {seed}: no answer"));
         assert_eq!(s.hosts[0].half_open_peers(), 1, "seed {seed}");
-        // Now a made-up address, ready, naming the QPNs the target will
-        // create next, but not its PSNs.
-        let mut forged = weft_verbs::wire::Handshake::decode(&forged_handshake(1)).unwrap();
+        // Now a second sender, which never reads the answers to its
+        // address, ready, naming the QPNs the target will create next, but
+        // not its PSNs.
+        let mut blind = RawUd::new(&s, 0);
+        let mut forged = hello(blind.own, 1);
         forged.ready = true;
         forged.peer_send_qpn = a.qps.write_qpn + 1;
         forged.peer_write_qpn = a.qps.write_qpn + 2;
-        raw.send(&forged.encode());
+        blind.send(&forged.encode());
         for _ in 0..20 {
             s.round(&mut out);
         }

@@ -3,6 +3,7 @@
 //! or an error (requeue on a new connection, or fail the peer's work).
 
 use super::posting::{Lane, Op};
+use super::ud_source::UdSource;
 use super::{
     wr_gen, wr_kind, wr_slot, DefaultAddr, VerbsDomain, GRH, KIND_IMM, KIND_RECV, KIND_UD, UD_SLOT,
 };
@@ -219,12 +220,16 @@ impl<O: VerbsOps> VerbsDomain<O> {
             KIND_UD => {
                 let slot = wr_slot(id);
                 if wc.status == WcStatus::Success {
+                    let at = slot as usize * UD_SLOT;
                     let len = (wc.byte_len as usize).saturating_sub(GRH);
-                    let bytes = self
-                        .ud
-                        .buf
-                        .read(slot as usize * UD_SLOT + GRH, len.min(UD_SLOT - GRH));
-                    self.on_handshake(&bytes);
+                    let bytes = self.ud.buf.read(at + GRH, len.min(UD_SLOT - GRH));
+                    let grh = if wc.grh {
+                        self.ud.buf.read(at, GRH)
+                    } else {
+                        Vec::new()
+                    };
+                    let src = UdSource::new(wc.src_qp, wc.slid, wc.grh.then_some(&grh[..]));
+                    self.on_handshake(&bytes, src);
                 }
                 if let Err(e) = self.post_ud_recv(slot) {
                     tracing::warn!(nic = %self.nic, error = %e, "cannot repost UD receive");

@@ -4,6 +4,7 @@
 //! their WRs have completed; declaring a peer unreachable.
 
 use super::dma_buf::DmaBuf;
+use super::ud_source::UdSource;
 use super::{addr_str, wr_id, VerbsDomain, KIND_UD, UD_SEND_BIT, UD_SLOT, WEFT_QKEY};
 use crate::ops::*;
 use crate::wire::{Handshake, QpPair, VerbsAddr, HANDSHAKE_LEN};
@@ -287,7 +288,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
         }
     }
 
-    pub(super) fn on_handshake(&mut self, bytes: &[u8]) {
+    /// A handshake datagram `bytes`, received from `src`.
+    pub(super) fn on_handshake(&mut self, bytes: &[u8], src: UdSource) {
         let msg = match Handshake::decode(bytes) {
             Ok(m) => m,
             Err(why) => {
@@ -296,6 +298,11 @@ impl<O: VerbsOps> VerbsDomain<O> {
                 return;
             }
         };
+        if !src.is(&msg.from) {
+            self.stats.handshakes_spoofed += 1;
+            tracing::debug!(nic = %self.nic, claimed = %addr_str(&msg.from.encode()), source_qpn = src.qpn, "handshake claiming another address than its source dropped");
+            return;
+        }
         self.stats.handshakes_received += 1;
         let addr = msg.from.encode();
         let pid = match self.by_addr.get(&addr) {

@@ -21,6 +21,7 @@ mod passive;
 mod port;
 mod posting;
 mod recv;
+mod ud_source;
 
 pub use config::{DmaBufExporter, VerbsConfig, MAX_VERBS_WR_LEN, WEFT_QKEY};
 
@@ -74,6 +75,9 @@ pub struct DomainStats {
     pub handshakes_received: u64,
     /// Datagrams that did not parse.
     pub handshakes_malformed: u64,
+    /// Handshakes dropped because the address they claim is not the one
+    /// the device reports they came from (see `ud_source`).
+    pub handshakes_spoofed: u64,
     /// Connections established.
     pub connects: u64,
     /// Connections torn down after an error or a peer reconnect.

@@ -1,9 +1,11 @@
 //! Passive peers: peers created by a handshake from an address this domain
 //! was never asked to reach.
 //!
-//! Anyone who can send a UD datagram with the weft Q_Key can claim any
-//! address in a handshake, and each such handshake costs a peer entry and
-//! two RC QPs. A passive peer that has not finished its handshake is
+//! Anyone who can send a UD datagram with the weft Q_Key can send a
+//! handshake, and each one from a new address costs a peer entry and two RC
+//! QPs. A handshake must come from the address it claims (`ud_source`: the
+//! device reports the sending QPN and GID or LID), but a sender can make as
+//! many UD QPs, so as many addresses, as it likes. A passive peer that has not finished its handshake is
 //! *half-open*; at most [`VerbsConfig::max_half_open`](super::VerbsConfig)
 //! of them exist. When a handshake from a new address finds them all in
 //! use, the oldest one to which `handshake_tries` handshakes went without
@@ -15,10 +17,11 @@
 //! retransmits, so it gets in once a half-open peer is spent (while a
 //! flood keeps refreshing the table faster than that, it does not).
 //!
-//! A passive peer cannot connect by guessing: the handshake that completes
-//! a connection must echo this side's random starting PSNs
+//! A passive peer cannot connect by guessing either: the handshake that
+//! completes a connection must echo this side's random starting PSNs
 //! (`wire::Handshake`), which only the address that received this side's
-//! handshake knows.
+//! handshake knows (a second line of defence, for a source check a device
+//! could get wrong).
 //!
 //! A passive peer stops being passive once it connects (it answered at the
 //! address it claimed) or once this side adds it with `add_peer` (the user

@@ -612,6 +612,8 @@ impl VerbsOps for IbvDevice {
                     .then(|| u32::from_be(w.imm_data)),
                 qp_num: w.qp_num,
                 src_qp: w.src_qp,
+                slid: w.slid,
+                grh: w.wc_flags & WC_GRH != 0,
             });
         }
         Ok(got)

@@ -287,6 +287,7 @@ const WR_RDMA_WRITE: u32 = 0;
 const WR_RDMA_WRITE_WITH_IMM: u32 = 1;
 const WR_SEND: u32 = 2;
 const SEND_SIGNALED: u32 = 1 << 1;
+const WC_GRH: u32 = 1 << 0;
 const WC_WITH_IMM: u32 = 1 << 1;
 const ACCESS_OPTIONAL_RANGE: u32 = 0x3ff0_0000;
 

@@ -57,7 +57,10 @@ impl Fabric {
                         let cap = rwr.sge.map_or(0, |s| s.length as usize);
                         if cap >= GRH_LEN + len as usize && self.local_sge_ok(d, &rwr.sge, true) {
                             if let (Some(dst), Some(src)) = (rwr.sge, wr.sge) {
+                                // An IPv6-format GRH (version 6), as
+                                // InfiniBand and RoCE over IPv6 write it.
                                 let mut grh = [0u8; GRH_LEN];
+                                grh[0] = 0x60;
                                 grh[8..24].copy_from_slice(&self.nodes[node].gid.0);
                                 grh[24..40].copy_from_slice(&self.nodes[d].gid.0);
                                 // SAFETY: both SGEs were checked against live
@@ -81,6 +84,7 @@ impl Fabric {
                                 wc(rwr.wr_id, WcStatus::Success, WcOpcode::Recv, remote_qpn);
                             w.byte_len = GRH_LEN as u32 + len;
                             w.src_qp = qpn;
+                            w.grh = true;
                             self.push_cqe(rcq, w);
                             delivered = true;
                         } else {

@@ -238,5 +238,7 @@ pub(super) fn wc(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32) -> Wc
         imm: None,
         qp_num: qpn,
         src_qp: 0,
+        slid: 0,
+        grh: false,
     }
 }
