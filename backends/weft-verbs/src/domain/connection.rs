@@ -533,6 +533,16 @@ impl<O: VerbsOps> VerbsDomain<O> {
         self.reap_draining(pid);
     }
 
+    /// Destroys a forgotten peer's address handle, if it had one; a failure
+    /// is only logged (the handle is unreachable from then on either way).
+    pub(super) fn drop_ah(&mut self, ah: Option<Ah>) {
+        if let Some(ah) = ah {
+            if let Err(e) = self.ops.destroy_ah(ah) {
+                tracing::warn!(nic = %self.nic, error = %e, "destroy_ah failed");
+            }
+        }
+    }
+
     /// [`weft_transport::Domain::remove_peer`]: fails its queued work at
     /// once and moves its QPs to ERR (in-flight WRs fail with
     /// `PeerRemoved` as their flushes arrive; the QPs are destroyed once
@@ -559,11 +569,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
             self.by_addr.remove(&addr);
         }
         self.mark_unreachable(pid, "removed".into());
-        if let Some(ah) = ah {
-            if let Err(e) = self.ops.destroy_ah(ah) {
-                tracing::warn!(nic = %self.nic, error = %e, "destroy_ah failed");
-            }
-        }
+        self.drop_ah(ah);
         self.stats.peers_removed += 1;
         tracing::debug!(nic = %self.nic, peer = %addr_str(&addr), "peer removed");
     }

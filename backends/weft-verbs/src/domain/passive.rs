@@ -104,11 +104,7 @@ impl<O: VerbsOps> VerbsDomain<O> {
             self.by_addr.remove(&addr);
         }
         self.reap_draining(pid);
-        if let Some(ah) = ah {
-            if let Err(e) = self.ops.destroy_ah(ah) {
-                tracing::warn!(nic = %self.nic, error = %e, "destroy_ah failed");
-            }
-        }
+        self.drop_ah(ah);
         self.stats.half_open_evicted += 1;
         tracing::debug!(nic = %self.nic, peer = %addr, "half-open passive peer evicted");
         // A slot whose QPs still drain (none should) stays a tombstone.
