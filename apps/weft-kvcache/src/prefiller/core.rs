@@ -321,7 +321,7 @@ impl PrefillerCore {
                 // Anyone who can send to this engine can name any address:
                 // a bounded number of decoders, dead ones with nothing left
                 // making room first.
-                if self.decoders.len() >= self.max_decoders && !self.forget_one_dead() {
+                if !self.room_for_decoder() {
                     tracing::warn!(decoder = ?from, max = self.max_decoders, "prefiller: message from a new decoder dropped: too many decoders");
                     return Vec::new();
                 }
@@ -673,10 +673,7 @@ impl PrefillerCore {
         loss: PeerLoss,
         now: Instant,
     ) -> Vec<PreAction> {
-        if !self.decoders.contains_key(addr)
-            && self.decoders.len() >= self.max_decoders
-            && !self.forget_one_dead()
-        {
+        if !self.decoders.contains_key(addr) && !self.room_for_decoder() {
             // Never heard from, and no room to remember it: nothing of it
             // to stop, and its messages, if any come, meet the bound.
             return Vec::new();
@@ -690,6 +687,13 @@ impl PrefillerCore {
         } else {
             Vec::new()
         }
+    }
+
+    /// Whether one more decoder may be remembered: under
+    /// `max_decoders`, or a dead one with nothing left was forgotten to
+    /// make room.
+    fn room_for_decoder(&mut self) -> bool {
+        self.decoders.len() < self.max_decoders || self.forget_one_dead()
     }
 
     fn decoder_dead(&mut self, d: GroupAddress, loss: PeerLoss, now: Instant) -> Vec<PreAction> {
