@@ -38,9 +38,9 @@ pub(crate) enum Beat {
 pub(crate) struct PeerClock {
     last_heard: Instant,
     last_sent: Instant,
-    dead: Option<PeerLoss>,
-    /// When it was found dead (`kill`'s `now`, or the tick that found it).
-    died: Option<Instant>,
+    /// How it was lost and when it was found dead (`kill`'s `now`, or the
+    /// tick that found it).
+    dead: Option<(PeerLoss, Instant)>,
 }
 
 impl PeerClock {
@@ -49,7 +49,6 @@ impl PeerClock {
             last_heard: now,
             last_sent: now,
             dead: None,
-            died: None,
         }
     }
 
@@ -62,12 +61,12 @@ impl PeerClock {
     }
 
     pub(crate) fn dead(&self) -> Option<&PeerLoss> {
-        self.dead.as_ref()
+        self.dead.as_ref().map(|(loss, _)| loss)
     }
 
     /// When it was found dead, if it was.
     pub(crate) fn died(&self) -> Option<Instant> {
-        self.died
+        self.dead.as_ref().map(|(_, at)| *at)
     }
 
     /// Marks the peer dead at `now`; `false` if it already was.
@@ -75,8 +74,7 @@ impl PeerClock {
         if self.dead.is_some() {
             return false;
         }
-        self.dead = Some(loss);
-        self.died = Some(now);
+        self.dead = Some((loss, now));
         true
     }
 
@@ -87,8 +85,7 @@ impl PeerClock {
         let silent = now.saturating_duration_since(self.last_heard);
         if silent > hb.timeout {
             let loss = PeerLoss::HeartbeatTimeout { silent };
-            self.dead = Some(loss.clone());
-            self.died = Some(now);
+            self.dead = Some((loss.clone(), now));
             return Beat::Dead(loss);
         }
         if now.saturating_duration_since(self.last_sent) >= hb.interval {
