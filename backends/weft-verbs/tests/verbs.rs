@@ -1400,7 +1400,18 @@ fn handshakes_claiming_another_address_are_dropped() {
         let mut claim = hello(host0, 9);
         claim.ready = true;
         raw.send(&claim.encode());
-        // The sender's own QPN with host 0's GID is not host 0 either.
+        // Its own GID with another QPN (host 0's) is not its address ...
+        raw.send(
+            &hello(
+                weft_verbs::wire::VerbsAddr {
+                    ud_qpn: host0.ud_qpn,
+                    ..raw.own
+                },
+                11,
+            )
+            .encode(),
+        );
+        // ... nor is its own QPN with host 0's GID.
         raw.send(
             &hello(
                 weft_verbs::wire::VerbsAddr {
@@ -1415,7 +1426,7 @@ fn handshakes_claiming_another_address_are_dropped() {
             s.round(&mut out);
         }
         let st = s.hosts[1].stats();
-        assert_eq!(st.handshakes_spoofed, 7, "seed {seed}");
+        assert_eq!(st.handshakes_spoofed, 8, "seed {seed}");
         assert_eq!(
             st.handshakes_received, before.handshakes_received,
             "seed {seed}"
@@ -1451,7 +1462,7 @@ fn handshakes_claiming_another_address_are_dropped() {
             s.round(&mut out);
         }
         assert_eq!(s.hosts[1].half_open_peers(), 1, "seed {seed}");
-        assert_eq!(s.hosts[1].stats().handshakes_spoofed, 7, "seed {seed}");
+        assert_eq!(s.hosts[1].stats().handshakes_spoofed, 8, "seed {seed}");
     });
 }
 
@@ -1464,6 +1475,9 @@ fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
     with_seed(168, |seed| {
         let mut s = Sim::new(seed, 1);
         let mut raw = RawUd::new(&s, 0);
+        // The second sender's UD QP is made now: QPNs come from one
+        // counter, so the target's next QPNs follow its first ones.
+        let mut blind = RawUd::new(&s, 0);
         let mut out = s.outs();
         // Honest first contact from the raw sender's own address: the
         // target answers with its QPNs and PSNs.
@@ -1482,7 +1496,8 @@ fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
         // Now a second sender, which never reads the answers to its
         // address, ready, naming the QPNs the target will create next, but
         // not its PSNs.
-        let mut blind = RawUd::new(&s, 0);
+        let name = s.names[0].clone();
+        let qps = s.fabric.rc_qps(&name);
         let mut forged = hello(blind.own, 1);
         forged.ready = true;
         forged.peer_send_qpn = a.qps.write_qpn + 1;
@@ -1491,6 +1506,23 @@ fn a_forged_handshake_that_guesses_qpns_cannot_connect() {
         for _ in 0..20 {
             s.round(&mut out);
         }
+        assert_eq!(s.fabric.rc_qps(&name), qps + 2, "seed {seed}");
+        // The guess was right: the target answered with those QPNs.
+        blind.post_recv();
+        let mut answer = None;
+        for _ in 0..200 {
+            s.round(&mut out);
+            if let Some(h) = blind.take_handshake() {
+                answer = Some(h);
+                break;
+            }
+        }
+        let b = answer.unwrap_or_else(|| panic!("seed {seed}: no retransmitted answer"));
+        assert_eq!(
+            (b.qps.send_qpn, b.qps.write_qpn),
+            (forged.peer_send_qpn, forged.peer_write_qpn),
+            "seed {seed}: the QPNs were not guessed right, so this test would not test the PSNs"
+        );
         let st = s.hosts[0].stats();
         assert_eq!(st.handshakes_received, 2, "seed {seed}");
         assert_eq!(

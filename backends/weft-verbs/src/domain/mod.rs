@@ -21,7 +21,7 @@ mod passive;
 mod port;
 mod posting;
 mod recv;
-mod ud_source;
+pub(crate) mod ud_source;
 
 pub use config::{DmaBufExporter, VerbsConfig, MAX_VERBS_WR_LEN, WEFT_QKEY};
 

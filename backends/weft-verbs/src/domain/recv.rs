@@ -2,7 +2,7 @@
 //! WRITE_WITH_IMM SRQ (replenished on every poll) and the UD handshake
 //! receives.
 
-use super::{wr_id, VerbsDomain, KIND_IMM, KIND_RECV, KIND_UD, MAX_VERBS_WR_LEN, UD_SLOT};
+use super::{wr_id, VerbsDomain, GRH, KIND_IMM, KIND_RECV, KIND_UD, MAX_VERBS_WR_LEN, UD_SLOT};
 use crate::ops::*;
 use weft_transport::{LocalSlice, TransportError, WrId};
 
@@ -70,6 +70,10 @@ impl<O: VerbsOps> VerbsDomain<O> {
 
     pub(super) fn post_ud_recv(&mut self, slot: u32) -> Result<(), TransportError> {
         let off = slot as usize * UD_SLOT;
+        // A RoCE v2 IPv4 datagram writes only the GRH area's last 20 bytes:
+        // no earlier datagram's header may linger in the first 20
+        // (`ud_source`).
+        self.ud.buf.write(off, &[0u8; GRH]);
         let wr = RecvWr {
             wr_id: wr_id(KIND_UD, 0, slot),
             sge: Some(Sge {

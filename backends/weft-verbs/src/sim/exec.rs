@@ -4,6 +4,7 @@
 
 use super::fabric::{span, wc, Fabric};
 use super::GRH_LEN;
+use crate::domain::ud_source::ipv4_header;
 use crate::ops::*;
 use rand::Rng;
 
@@ -56,22 +57,42 @@ impl Fabric {
                     if let Some((rwr, rcq)) = self.take_recv(remote_qpn) {
                         let cap = rwr.sge.map_or(0, |s| s.length as usize);
                         if cap >= GRH_LEN + len as usize && self.local_sge_ok(d, &rwr.sge, true) {
+                            let global = dest.is_some_and(|a| a.is_global);
                             if let (Some(dst), Some(src)) = (rwr.sge, wr.sge) {
-                                // An IPv6-format GRH (version 6), as
-                                // InfiniBand and RoCE over IPv6 write it.
+                                // What a device writes into the GRH area:
+                                // nothing without a GRH; for an
+                                // IPv4-mapped source GID (RoCE v2 over
+                                // IPv4) an IPv4 header in the last 20
+                                // bytes only; else an IPv6-format GRH.
+                                let (sgid, dgid) = (self.nodes[node].gid.0, self.nodes[d].gid.0);
                                 let mut grh = [0u8; GRH_LEN];
-                                grh[0] = 0x60;
-                                grh[8..24].copy_from_slice(&self.nodes[node].gid.0);
-                                grh[24..40].copy_from_slice(&self.nodes[d].gid.0);
+                                let at = if !global {
+                                    GRH_LEN
+                                } else if sgid[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
+                                    let ip = |g: [u8; 16]| [g[12], g[13], g[14], g[15]];
+                                    let udp = u16::try_from(len).unwrap_or(u16::MAX);
+                                    grh[20..].copy_from_slice(&ipv4_header(
+                                        ip(sgid),
+                                        ip(dgid),
+                                        udp,
+                                    ));
+                                    20
+                                } else {
+                                    grh[0] = 0x60;
+                                    grh[8..24].copy_from_slice(&sgid);
+                                    grh[24..40].copy_from_slice(&dgid);
+                                    0
+                                };
                                 // SAFETY: both SGEs were checked against live
                                 // registrations of their nodes, whose owners
                                 // promised (MemRegion::new / internal buffers)
-                                // the memory stays valid while registered.
+                                // the memory stays valid while registered;
+                                // `at <= GRH_LEN <= cap`.
                                 unsafe {
                                     std::ptr::copy_nonoverlapping(
-                                        grh.as_ptr(),
-                                        dst.addr as usize as *mut u8,
-                                        GRH_LEN,
+                                        grh[at..].as_ptr(),
+                                        (dst.addr as usize as *mut u8).add(at),
+                                        GRH_LEN - at,
                                     );
                                     std::ptr::copy(
                                         src.addr as usize as *const u8,
@@ -84,7 +105,10 @@ impl Fabric {
                                 wc(rwr.wr_id, WcStatus::Success, WcOpcode::Recv, remote_qpn);
                             w.byte_len = GRH_LEN as u32 + len;
                             w.src_qp = qpn;
-                            w.grh = true;
+                            w.grh = global;
+                            if self.cfg.link_layer != LinkLayer::Ethernet {
+                                w.slid = self.nodes[node].lid;
+                            }
                             self.push_cqe(rcq, w);
                             delivered = true;
                         } else {
