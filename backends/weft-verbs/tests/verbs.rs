@@ -1185,7 +1185,9 @@ impl RawUd {
     }
 
     /// Sends `bytes` (at most 200) as one datagram; its send completion is
-    /// reaped, so any number can be sent.
+    /// reaped, so any number can be sent. The bytes are staged in one
+    /// buffer: run the fabric before the next send, or both carry its
+    /// bytes.
     fn send(&mut self, bytes: &[u8]) {
         self.buf.put(0, bytes);
         let len = bytes.len() as u32;
@@ -1400,6 +1402,7 @@ fn handshakes_claiming_another_address_are_dropped() {
         let mut claim = hello(host0, 9);
         claim.ready = true;
         raw.send(&claim.encode());
+        s.round(&mut out);
         // Its own GID with another QPN (host 0's) is not its address ...
         raw.send(
             &hello(
@@ -1411,6 +1414,7 @@ fn handshakes_claiming_another_address_are_dropped() {
             )
             .encode(),
         );
+        s.round(&mut out);
         // ... nor is its own QPN with host 0's GID.
         raw.send(
             &hello(
