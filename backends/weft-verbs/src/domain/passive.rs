@@ -5,8 +5,8 @@
 //! handshake, and each one from a new address costs a peer entry and two RC
 //! QPs. A handshake must come from the address it claims (`ud_source`: the
 //! device reports the sending QPN and GID or LID), but a sender can make as
-//! many UD QPs, so as many addresses, as it likes. A passive peer that has not finished its handshake is
-//! *half-open*; at most [`VerbsConfig::max_half_open`](super::VerbsConfig)
+//! many UD QPs, so as many addresses, as it likes. A passive peer that has
+//! not finished its handshake is *half-open*; at most [`VerbsConfig::max_half_open`](super::VerbsConfig)
 //! of them exist. When a handshake from a new address finds them all in
 //! use, the oldest one to which `handshake_tries` handshakes went without
 //! the connection completing (its own retransmissions and its answers to
