@@ -47,6 +47,7 @@ mod ffi;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use domain::messages::DroppedMessages;
 use domain::DomainOptions;
 pub use domain::LibfabricDomain;
 use weft_transport::{Domain, NetAddr, NicInfo, Provider, TransportError};

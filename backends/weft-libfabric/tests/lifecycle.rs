@@ -322,4 +322,9 @@ fn tcp_busy_passive_peers_refuse_new_senders() {
     assert_eq!(rbuf.bytes(128, 64), esrc.bytes(0, 64));
     assert_eq!(b.passive_evicted(), 1);
     assert_eq!(b.passive_refused(), 1);
+    // A refusal is not a drop of a bad message.
+    assert_eq!(
+        b.dropped_messages(),
+        weft_libfabric::DroppedMessages::default()
+    );
 }

@@ -20,7 +20,7 @@ mod cq;
 mod errors;
 mod limbo;
 mod liveness;
-mod messages;
+pub(crate) mod messages;
 mod passive;
 mod peer_eps;
 mod peers;
@@ -260,6 +260,7 @@ impl LibfabricDomain {
                 user_recvs: VecDeque::new(),
                 held: VecDeque::new(),
                 send_gen: 0,
+                dropped: Default::default(),
             },
             limbo: Limbo::new(opts.max_inflight),
             peer_eps: PeerEps::new(

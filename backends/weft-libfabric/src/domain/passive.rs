@@ -29,6 +29,7 @@
 
 use weft_transport::{NetAddr, PassivePeers, PeerId};
 
+use super::messages::dropped;
 use super::LibfabricDomain;
 
 /// The passive peers, oldest first, and the table slots of removed ones
@@ -61,7 +62,7 @@ impl LibfabricDomain {
     /// no passive peer can make room.
     pub(super) fn new_passive_peer(&mut self, addr: &NetAddr) -> Option<PeerId> {
         if let Err(e) = self.check_new_addr(addr) {
-            tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+            dropped!(&mut self.msgs.dropped.unusable_sender, nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
             return None;
         }
         if !self.room_for_passive() {
@@ -75,7 +76,7 @@ impl LibfabricDomain {
                 Some(p)
             }
             Err(e) => {
-                tracing::warn!(nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
+                dropped!(&mut self.msgs.dropped.unusable_sender, nic = %self.nic.name, peer = %addr, error = %e, "message from an unusable address dropped (not answered)");
                 None
             }
         }

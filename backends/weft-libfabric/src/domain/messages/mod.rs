@@ -36,6 +36,44 @@ pub(super) struct Held {
     pub(super) since: Instant,
 }
 
+/// Received messages dropped unanswered, by reason
+/// ([`LibfabricDomain::dropped_messages`]). A remote that sends garbage or
+/// names addresses that cannot be peers' raises these; the first, second,
+/// fourth, eighth… of each kind is logged at `warn`, the others at `debug`,
+/// so a flood of them cannot flood the log.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DroppedMessages {
+    /// Did not parse as a weft message header.
+    pub malformed: u64,
+    /// Carried another payload length than its header says.
+    pub wrong_length: u64,
+    /// Came from an address that cannot be a peer's here (wrong length or
+    /// address family, or refused by the address vector).
+    pub unusable_sender: u64,
+}
+
+/// Counts one more dropped message in `n`; whether this one is logged at
+/// `warn` (a power of two), not `debug`.
+pub(super) fn count_dropped(n: &mut u64) -> bool {
+    *n = n.saturating_add(1);
+    n.is_power_of_two()
+}
+
+/// Counts a dropped message (`$n`: its [`DroppedMessages`] counter) and
+/// logs it (the rest: `tracing` fields and message) at the level
+/// [`count_dropped`] says.
+macro_rules! dropped {
+    ($n:expr, $($arg:tt)+) => {
+        if $crate::domain::messages::count_dropped($n) {
+            tracing::warn!($($arg)+)
+        } else {
+            tracing::debug!($($arg)+)
+        }
+    };
+}
+pub(super) use dropped;
+
 /// The message layer's buffers and queues.
 pub(super) struct Messages {
     /// SEND headers (one `HDR_MAX` area per TX and ACK slot), then the
@@ -54,9 +92,16 @@ pub(super) struct Messages {
     pub(super) held: VecDeque<Held>,
     /// Generation of SEND sequence numbers (stale ACKs never match).
     pub(super) send_gen: u32,
+    /// Messages dropped unanswered, by reason.
+    pub(super) dropped: DroppedMessages,
 }
 
 impl LibfabricDomain {
+    /// Received messages dropped unanswered so far, by reason.
+    pub fn dropped_messages(&self) -> DroppedMessages {
+        self.msgs.dropped
+    }
+
     /// Posts bounce buffer `j` (slot `max_inflight + j`) as a receive.
     pub(super) fn post_bounce(
         &mut self,
@@ -127,7 +172,7 @@ impl LibfabricDomain {
         let (h, hlen) = match msg::decode(&bytes) {
             Ok(x) => x,
             Err(why) => {
-                tracing::warn!(nic = %self.nic.name, len, %why, "malformed message dropped");
+                dropped!(&mut self.msgs.dropped.malformed, nic = %self.nic.name, len, %why, "malformed message dropped (not answered)");
                 return;
             }
         };
@@ -142,7 +187,7 @@ impl LibfabricDomain {
                 bytes.drain(..hlen);
                 let payload = bytes;
                 if payload.len() as u64 != plen {
-                    tracing::warn!(nic = %self.nic.name, header = plen, got = payload.len(), "message with a wrong length dropped");
+                    dropped!(&mut self.msgs.dropped.wrong_length, nic = %self.nic.name, header = plen, got = payload.len(), "message with a wrong length dropped (not answered)");
                     return;
                 }
                 let addr = NetAddr(from);
@@ -343,5 +388,21 @@ impl LibfabricDomain {
             self.cq.stash = stash;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_dropped;
+
+    #[test]
+    fn dropped_messages_are_loud_at_powers_of_two_only() {
+        let mut n = 0;
+        let loud: Vec<u64> = (1..=1000u64).filter(|_| count_dropped(&mut n)).collect();
+        assert_eq!(n, 1000);
+        assert_eq!(loud, vec![1, 2, 4, 8, 16, 32, 64, 128, 256, 512]);
+        let mut n = u64::MAX;
+        assert!(!count_dropped(&mut n), "saturates, no overflow");
+        assert_eq!(n, u64::MAX);
     }
 }
