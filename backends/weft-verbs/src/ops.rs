@@ -116,6 +116,15 @@ impl Gid {
     pub fn is_ipv4_mapped(&self) -> bool {
         self.0[..10].iter().all(|b| *b == 0) && self.0[10] == 0xff && self.0[11] == 0xff
     }
+
+    /// The IPv4-mapped GID `::ffff:a.b.c.d` of IPv4 address `ip`.
+    pub fn ipv4_mapped(ip: [u8; 4]) -> Self {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&ip);
+        Gid(g)
+    }
 }
 
 impl fmt::Display for Gid {

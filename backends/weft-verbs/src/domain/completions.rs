@@ -223,12 +223,8 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     let at = slot as usize * UD_SLOT;
                     let len = (wc.byte_len as usize).saturating_sub(GRH);
                     let bytes = self.ud.buf.read(at + GRH, len.min(UD_SLOT - GRH));
-                    let grh = if wc.grh {
-                        self.ud.buf.read(at, GRH)
-                    } else {
-                        Vec::new()
-                    };
-                    let src = UdSource::new(wc.src_qp, wc.slid, wc.grh.then_some(&grh[..]));
+                    let grh = wc.grh.then(|| self.ud.buf.read(at, GRH));
+                    let src = UdSource::new(wc.src_qp, wc.slid, grh.as_deref());
                     self.on_handshake(&bytes, src);
                 }
                 if let Err(e) = self.post_ud_recv(slot) {

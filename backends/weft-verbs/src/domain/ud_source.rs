@@ -80,11 +80,7 @@ impl UdSource {
 fn grh_source_gid(grh: &[u8]) -> Option<Gid> {
     let grh: &[u8; 40] = grh.get(..40)?.try_into().ok()?;
     if is_ipv4_header(&grh[20..]) {
-        let mut g = [0u8; 16];
-        g[10] = 0xff;
-        g[11] = 0xff;
-        g[12..].copy_from_slice(&grh[32..36]);
-        return Some(Gid(g));
+        return Some(Gid::ipv4_mapped([grh[32], grh[33], grh[34], grh[35]]));
     }
     if grh[0] >> 4 == 6 {
         let mut g = [0u8; 16];
@@ -145,11 +141,7 @@ mod tests {
     }
 
     fn mapped(ip: [u8; 4]) -> [u8; 16] {
-        let mut g = [0u8; 16];
-        g[10] = 0xff;
-        g[11] = 0xff;
-        g[12..].copy_from_slice(&ip);
-        g
+        Gid::ipv4_mapped(ip).0
     }
 
     #[test]

@@ -68,7 +68,7 @@ impl Fabric {
                                 let mut grh = [0u8; GRH_LEN];
                                 let at = if !global {
                                     GRH_LEN
-                                } else if sgid[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
+                                } else if self.nodes[node].gid.is_ipv4_mapped() {
                                     let ip = |g: [u8; 16]| [g[12], g[13], g[14], g[15]];
                                     let udp = u16::try_from(len).unwrap_or(u16::MAX);
                                     grh[20..].copy_from_slice(&ipv4_header(

@@ -152,17 +152,12 @@ impl SimFabric {
     pub fn add_device(&self, name: &str) -> SimLib {
         let mut f = self.lock();
         let node = f.nodes.len();
-        let mut gid = [0u8; 16];
-        gid[10] = 0xff;
-        gid[11] = 0xff;
-        gid[12] = 10;
-        gid[14] = ((node >> 8) & 0xff) as u8;
-        gid[15] = (node & 0xff) as u8;
+        let gid = Gid::ipv4_mapped([10, 0, ((node >> 8) & 0xff) as u8, (node & 0xff) as u8]);
         f.nodes.push(Node {
             name: name.to_string(),
             alive: true,
             lid: u16::try_from(node + 1).unwrap_or(u16::MAX),
-            gid: Gid(gid),
+            gid,
             stats: SimStats::default(),
             fail_post_at: None,
             drop_ud_to: 0,
