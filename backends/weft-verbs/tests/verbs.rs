@@ -1058,7 +1058,8 @@ struct RawUd {
     cq: Cq,
     ah: Ah,
     lkey: u32,
-    /// Send bytes at 0, a receive buffer at `RECV_OFF`.
+    /// `SEND_SLOTS` send slots of `SEND_SLOT` bytes, then a receive buffer
+    /// at `RECV_OFF`.
     buf: HostBuffer,
     target: weft_verbs::wire::VerbsAddr,
     /// This sender's own address (its GID and UD QPN).
@@ -1067,14 +1068,21 @@ struct RawUd {
 }
 
 /// Where [`RawUd`]'s receive buffer starts in its `buf`.
-const RECV_OFF: u64 = 256;
+const RECV_OFF: u64 = SEND_SLOT * SEND_SLOTS;
+/// Bytes of one of [`RawUd`]'s send slots (a datagram of at most 200).
+const SEND_SLOT: u64 = 256;
+/// [`RawUd`]'s send slots: as many as its send queue holds, so every send
+/// in flight has bytes of its own.
+const SEND_SLOTS: u64 = 16;
+/// Size of [`RawUd`]'s buffer.
+const RAW_BUF: u64 = RECV_OFF + 256;
 /// Work request id of [`RawUd`]'s receive.
 const RECV_ID: u64 = 1 << 40;
 
 impl RawUd {
     fn new(s: &Sim, to: usize) -> Self {
         let target = weft_verbs::wire::VerbsAddr::decode(&s.addr(to).0).unwrap();
-        let buf = mem::zeroed(512);
+        let buf = mem::zeroed(RAW_BUF as usize);
         let mut dev = s.fabric.add_device("raw").open(0).unwrap();
         let pd = dev.alloc_pd().unwrap();
         let cq = dev.create_cq(64).unwrap();
@@ -1086,7 +1094,7 @@ impl RawUd {
                     send_cq: cq,
                     recv_cq: cq,
                     srq: None,
-                    max_send_wr: 16,
+                    max_send_wr: SEND_SLOTS as u32,
                     max_recv_wr: 1,
                     max_sge: 1,
                 },
@@ -1122,7 +1130,7 @@ impl RawUd {
         )
         .unwrap();
         let (_, lkey, _) = dev
-            .reg_mr(pd, buf.region().addr(), 512, access::LOCAL_WRITE)
+            .reg_mr(pd, buf.region().addr(), RAW_BUF, access::LOCAL_WRITE)
             .unwrap();
         let ah = dev
             .create_ah(
@@ -1184,12 +1192,12 @@ impl RawUd {
         self.send(&h);
     }
 
-    /// Sends `bytes` (at most 200) as one datagram; its send completion is
-    /// reaped, so any number can be sent. The bytes are staged in one
-    /// buffer: run the fabric before the next send, or both carry its
-    /// bytes.
+    /// Sends `bytes` (at most 200) as one datagram, staged in a send slot
+    /// of its own (up to `SEND_SLOTS` sends between fabric rounds); its
+    /// send completion is reaped, so any number can be sent.
     fn send(&mut self, bytes: &[u8]) {
-        self.buf.put(0, bytes);
+        let at = (self.sent % SEND_SLOTS) * SEND_SLOT;
+        self.buf.put(at as usize, bytes);
         let len = bytes.len() as u32;
         let wr = SendWr {
             wr_id: self.sent,
@@ -1199,7 +1207,7 @@ impl RawUd {
                 remote_qkey: weft_verbs::WEFT_QKEY,
             },
             sge: (len > 0).then_some(Sge {
-                addr: self.buf.region().addr(),
+                addr: self.buf.region().addr() + at,
                 length: len,
                 lkey: self.lkey,
             }),
@@ -1402,7 +1410,6 @@ fn handshakes_claiming_another_address_are_dropped() {
         let mut claim = hello(host0, 9);
         claim.ready = true;
         raw.send(&claim.encode());
-        s.round(&mut out);
         // Its own GID with another QPN (host 0's) is not its address ...
         raw.send(
             &hello(
@@ -1414,7 +1421,6 @@ fn handshakes_claiming_another_address_are_dropped() {
             )
             .encode(),
         );
-        s.round(&mut out);
         // ... nor is its own QPN with host 0's GID.
         raw.send(
             &hello(
