@@ -199,6 +199,13 @@ fn tcp_passive_peers_are_bounded() {
     assert_eq!(ob.len(), 6, "nothing else arrived: {ob:?}");
 }
 
+/// Polls the domain of each `senders` entry into the matching `out`.
+fn poll_each<B, M>(senders: &mut [(LibfabricDomain, B, M)], out: &mut [Vec<Completion>]) {
+    for ((a, _, _), o) in senders.iter_mut().zip(out) {
+        a.poll(o).unwrap();
+    }
+}
+
 /// The other side of the bound: while every passive peer is busy (here, a
 /// message of each waits for a receive buffer), a message from a new
 /// address is dropped unanswered and counted, its sender's SEND fails after
@@ -247,9 +254,7 @@ fn tcp_busy_passive_peers_refuse_new_senders() {
     for k in 0..2u64 {
         busy.push(send(&p, k));
         weft_testkit::wait_until(&format!("passive peer {k}"), DEADLINE, || {
-            for (i, (a, _, _)) in busy.iter_mut().enumerate() {
-                a.poll(&mut done[i]).unwrap();
-            }
+            poll_each(&mut busy, &mut done);
             b.poll(&mut ob).unwrap();
             b.peer_count() == k as usize + 1
         });
@@ -260,9 +265,7 @@ fn tcp_busy_passive_peers_refuse_new_senders() {
     let mut oc = Vec::new();
     weft_testkit::wait_until("refused sender's SEND fails", DEADLINE, || {
         c.poll(&mut oc).unwrap();
-        for (i, (a, _, _)) in busy.iter_mut().enumerate() {
-            a.poll(&mut done[i]).unwrap();
-        }
+        poll_each(&mut busy, &mut done);
         b.poll(&mut ob).unwrap();
         !oc.is_empty() && b.passive_refused() == 1
     });
@@ -291,9 +294,7 @@ fn tcp_busy_passive_peers_refuse_new_senders() {
     }
     weft_testkit::wait_until("held messages placed and answered", DEADLINE, || {
         b.poll(&mut ob).unwrap();
-        for (i, (a, _, _)) in busy.iter_mut().enumerate() {
-            a.poll(&mut done[i]).unwrap();
-        }
+        poll_each(&mut busy, &mut done);
         ob.len() == 2 && done.iter().all(|d| !d.is_empty())
     });
     for (i, d) in done.iter().enumerate() {
