@@ -58,8 +58,8 @@ pub use affinity::{parse_cpulist, CpuListError};
 pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, PollPolicy, QueueFullPolicy};
 pub use engine::{
-    DataPathReport, ImmCounts, NicReport, PeerGroupHandle, Reach, ScatterSlice, ScatterTargets,
-    TransferEngine,
+    DataPathReport, ImmCounts, ImmLease, NicReport, PeerGroupHandle, Reach, Registration,
+    ScatterSlice, ScatterTargets, TransferEngine,
 };
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};

@@ -5,11 +5,13 @@
 //! and their rounds in `rounds`.
 
 mod control;
+mod owned;
 mod report;
 mod rounds;
 mod submit;
 mod targets;
 
+pub use owned::{ImmLease, Registration};
 pub(crate) use report::log_data_paths;
 pub use report::{DataPathReport, NicReport, Reach};
 pub use targets::{ScatterSlice, ScatterTargets};

@@ -81,7 +81,14 @@ impl TransferEngine {
     /// [`EngineStats::imm_excess`](crate::EngineStats::imm_excess)); an armed,
     /// unfired round fails with [`EngineError::InvalidArgument`].
     pub fn free_imm(&self, imm: Imm) {
+        self.free_imm_counted(imm);
+    }
+
+    /// [`free_imm`](Self::free_imm), returning how many armed rounds it
+    /// failed.
+    pub(super) fn free_imm_counted(&self, imm: Imm) -> usize {
         let (n, unfired) = self.inner.imms.reset(imm);
+        let failed = unfired.len();
         self.report_excess(imm, n);
         for d in unfired {
             self.finish_imm(
@@ -98,6 +105,7 @@ impl TransferEngine {
             a.unmark(imm);
             a.free.push(imm);
         }
+        failed
     }
 
     pub(super) fn report_excess(&self, imm: Imm, n: u64) {

@@ -1,0 +1,185 @@
+//! Owned engine resources: a [`Registration`] deregisters its memory and an
+//! [`ImmLease`] returns its immediate value when dropped, so no early return
+//! or panic in an application leaks NIC-registered memory or an immediate.
+//!
+//! Both hold the engine weakly: a guard never keeps an engine alive, and a
+//! guard dropped after its engine shut down (or was dropped) has nothing left
+//! to release. Drop cannot report errors, so each guard also has an explicit
+//! `release` that does.
+
+use super::{Inner, TransferEngine};
+use crate::error::EngineError;
+use crate::mem::MrHandle;
+use std::sync::{Arc, Weak};
+use weft_transport::{Imm, MemRegion, MrDesc};
+
+/// Memory registered with a [`TransferEngine`]: the local handle submits take
+/// as their source, and the descriptor peers need to write into it.
+/// Deregistered when dropped (or by [`Registration::release`], which reports
+/// errors).
+///
+/// Made by [`TransferEngine::register`] and [`TransferEngine::register_on`].
+#[derive(Debug)]
+#[must_use = "dropping a Registration deregisters its memory at once"]
+pub struct Registration {
+    engine: Weak<Inner>,
+    handle: MrHandle,
+    desc: MrDesc,
+    live: bool,
+}
+
+impl Registration {
+    /// The local handle: pass it to submits as the source (or local target).
+    pub fn handle(&self) -> MrHandle {
+        self.handle
+    }
+
+    /// The descriptor peers need to write into this memory (serializable).
+    pub fn desc(&self) -> &MrDesc {
+        &self.desc
+    }
+
+    /// Deregisters the memory now, reporting what went wrong. An engine
+    /// that has shut down (or no longer exists) has released every
+    /// registration already: that is `Ok`.
+    pub fn release(mut self) -> Result<(), EngineError> {
+        self.live = false;
+        match self.engine.upgrade() {
+            Some(inner) => match (TransferEngine { inner }).unreg_mr(self.handle) {
+                Err(EngineError::ShutDown) => Ok(()),
+                r => r,
+            },
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if !self.live {
+            return;
+        }
+        if let Some(inner) = self.engine.upgrade() {
+            match (TransferEngine { inner }).unreg_mr(self.handle) {
+                Ok(()) | Err(EngineError::ShutDown) => {}
+                Err(e) => tracing::warn!(
+                    addr = self.handle.addr(),
+                    len = self.handle.len(),
+                    group = self.handle.group(),
+                    error = %e,
+                    "dropped registration failed to deregister"
+                ),
+            }
+        }
+    }
+}
+
+/// An immediate value taken from a [`TransferEngine`]'s allocator (by
+/// [`TransferEngine::lease_imm`] or [`TransferEngine::lease_imm_value`]),
+/// returned to it when dropped or by [`ImmLease::release`].
+///
+/// Returning a value reports its unconsumed arrivals as excess and fails a
+/// round still armed on it, exactly like [`TransferEngine::free_imm`]: keep
+/// the lease for as long as rounds on the value are armed.
+#[derive(Debug)]
+#[must_use = "dropping an ImmLease returns its value at once"]
+pub struct ImmLease {
+    engine: Weak<Inner>,
+    imm: Imm,
+    live: bool,
+}
+
+impl ImmLease {
+    /// The immediate value.
+    pub fn value(&self) -> Imm {
+        self.imm
+    }
+
+    /// Returns the value now. Fails with [`EngineError::InvalidArgument`]
+    /// when rounds were still armed on it (they fail, as with
+    /// [`TransferEngine::free_imm`]); the value is returned either way. An
+    /// engine that no longer exists has nothing to return: `Ok`.
+    pub fn release(mut self) -> Result<(), EngineError> {
+        self.live = false;
+        let Some(inner) = self.engine.upgrade() else {
+            return Ok(());
+        };
+        match (TransferEngine { inner }).free_imm_counted(self.imm) {
+            0 => Ok(()),
+            n => Err(EngineError::InvalidArgument {
+                what: format!(
+                    "immediate {} released while {n} round(s) were armed on it",
+                    self.imm
+                ),
+            }),
+        }
+    }
+}
+
+impl Drop for ImmLease {
+    fn drop(&mut self) {
+        if !self.live {
+            return;
+        }
+        if let Some(inner) = self.engine.upgrade() {
+            (TransferEngine { inner }).free_imm(self.imm);
+        }
+    }
+}
+
+impl TransferEngine {
+    fn weak(&self) -> Weak<Inner> {
+        Arc::downgrade(&self.inner)
+    }
+
+    /// [`TransferEngine::reg_mr`] as an owned [`Registration`]: the memory
+    /// is deregistered when the registration is dropped.
+    pub fn register(&self, region: MemRegion) -> Result<Registration, EngineError> {
+        let g = self.group_for(region.device())?;
+        self.register_on(g, region)
+    }
+
+    /// [`TransferEngine::reg_mr_on`] as an owned [`Registration`].
+    pub fn register_on(&self, g: usize, region: MemRegion) -> Result<Registration, EngineError> {
+        let (handle, desc) = self.reg_mr_on(g, region)?;
+        Ok(self.own_registration(handle, desc))
+    }
+
+    /// [`TransferEngine::reg_mr_direct`] as an owned [`Registration`]: fails
+    /// instead of registering memory that would be staged.
+    pub fn register_direct(&self, region: MemRegion) -> Result<Registration, EngineError> {
+        let (handle, desc) = self.reg_mr_direct(region)?;
+        Ok(self.own_registration(handle, desc))
+    }
+
+    fn own_registration(&self, handle: MrHandle, desc: MrDesc) -> Registration {
+        Registration {
+            engine: self.weak(),
+            handle,
+            desc,
+            live: true,
+        }
+    }
+
+    /// [`TransferEngine::alloc_imm`] as an owned [`ImmLease`]: the value
+    /// returns to the allocator when the lease is dropped.
+    pub fn lease_imm(&self) -> Result<ImmLease, EngineError> {
+        let imm = self.alloc_imm()?;
+        Ok(self.own_imm(imm))
+    }
+
+    /// [`TransferEngine::reserve_imm`] as an owned [`ImmLease`]: takes the
+    /// specific value `imm` (a group-wide value, see `reserve_imm`).
+    pub fn lease_imm_value(&self, imm: Imm) -> Result<ImmLease, EngineError> {
+        self.reserve_imm(imm)?;
+        Ok(self.own_imm(imm))
+    }
+
+    fn own_imm(&self, imm: Imm) -> ImmLease {
+        ImmLease {
+            engine: self.weak(),
+            imm,
+            live: true,
+        }
+    }
+}
