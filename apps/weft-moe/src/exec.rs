@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::{
     DoneCounter, DoneFlag, GroupAddress, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone,
-    PeerGroupHandle, ScatterMode, ScatterSlice, ScatterTargets, TransferEngine,
+    PeerGroupHandle, Resources, ScatterMode, ScatterSlice, ScatterTargets, TransferEngine,
 };
 
 /// What a rank tells its peers (exchanged out of band before `connect`;
@@ -68,7 +68,6 @@ pub(crate) struct Bufs {
     pub recv: HostBuffer,
     pub route_h: MrHandle,
     pub send_h: MrHandle,
-    pub recv_h: MrHandle,
 }
 
 pub(crate) fn eng(phase: Phase) -> impl Fn(weft::EngineError) -> MoeError {
@@ -108,6 +107,9 @@ pub(crate) struct HostExec {
     pub dims: Dims,
     pub rank: u32,
     pub imms: ImmValues,
+    /// The buffers' registrations and the reserved immediates; declared
+    /// before `bufs`, so it is released before the memory goes.
+    held: Resources,
     pub bufs: Bufs,
     pub peers: Option<Peers>,
     done: Arc<DoneCounter>,
@@ -152,22 +154,18 @@ impl HostExec {
             alloc(dims.send_buf_len)?,
             alloc(dims.recv_buf_len)?,
         );
-        let reg = |b: &HostBuffer| engine.reg_mr(b.region()).map_err(eng(Phase::Setup));
+        // Dropped on any early return: what was taken is released.
+        let mut held = Resources::new();
+        let mut reg = |b: &HostBuffer| {
+            held.register(&engine, b.region())
+                .map_err(eng(Phase::Setup))
+        };
         let (route_h, route_d) = reg(&route)?;
         let (send_h, _) = reg(&send)?;
-        let (recv_h, recv_d) = reg(&recv)?;
-        let mut reserved = Vec::new();
+        let (_, recv_d) = reg(&recv)?;
         for v in imms.all() {
-            if let Err(e) = engine.reserve_imm(v) {
-                for r in reserved {
-                    engine.free_imm(r);
-                }
-                return Err(MoeError::Engine {
-                    phase: Phase::Setup,
-                    source: e,
-                });
-            }
-            reserved.push(v);
+            held.lease_imm_value(&engine, v)
+                .map_err(eng(Phase::Setup))?;
         }
         let mut h = 0xcbf2_9ce4_8422_2325u64;
         for v in [
@@ -195,13 +193,13 @@ impl HostExec {
             dims,
             rank,
             imms,
+            held,
             bufs: Bufs {
                 route,
                 send,
                 recv,
                 route_h,
                 send_h,
-                recv_h,
             },
             peers: None,
             done: Arc::new(DoneCounter::new()),
@@ -527,22 +525,7 @@ impl HostExec {
 
     /// Frees the immediates and unregisters the buffers.
     pub fn release(&mut self) -> Result<(), MoeError> {
-        for v in self.imms.all() {
-            self.engine.free_imm(v);
-        }
-        let b = &self.bufs;
-        let mut res = Ok(());
-        for h in [b.route_h, b.send_h, b.recv_h] {
-            if let Err(source) = self.engine.unreg_mr(h) {
-                if res.is_ok() {
-                    res = Err(MoeError::Engine {
-                        phase: Phase::Setup,
-                        source,
-                    });
-                }
-            }
-        }
-        res
+        self.held.release().map_err(eng(Phase::Setup))
     }
 }
 

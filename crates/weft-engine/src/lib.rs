@@ -59,7 +59,7 @@ pub use builder::EngineBuilder;
 pub use config::{DomainGroupSpec, EngineConfig, ExcessHandler, PollPolicy, QueueFullPolicy};
 pub use engine::{
     DataPathReport, ImmCounts, ImmLease, NicReport, PeerGroupHandle, Reach, Registration,
-    ScatterSlice, ScatterTargets, TransferEngine,
+    Resources, ScatterSlice, ScatterTargets, TransferEngine,
 };
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-use weft::{GroupAddress, ImmCounts, MemRegion, MrHandle, TransferEngine};
+use weft::{GroupAddress, ImmCounts, ImmLease, MemRegion, Registration, TransferEngine};
 
 /// Settings of a decoder or prefiller driver.
 #[derive(Debug, Clone, Copy)]
@@ -127,9 +127,11 @@ impl RequestHandle {
 struct Shared {
     engine: Arc<TransferEngine>,
     core: Mutex<DecoderCore>,
-    handles: Mutex<BTreeMap<u64, (Completion<Outcome>, u64)>>,
+    /// Per request: its completion, its immediate count and the lease of
+    /// its immediate value (returned when the request ends).
+    handles: Mutex<BTreeMap<u64, (Completion<Outcome>, u64, ImmLease)>>,
     counts: ImmCounts,
-    mrs: Mutex<Vec<MrHandle>>,
+    mrs: Mutex<Vec<Registration>>,
 }
 
 /// The decode side: the application's paged KV cache, registered with the
@@ -151,17 +153,14 @@ impl Decoder {
     ) -> Result<Self, KvError> {
         layout.validate()?;
         check_region(&regions.kv, layout.kv_bytes()?, "kv")?;
-        let (kh, kv_desc) = engine
-            .reg_mr(regions.kv)
+        let kv = engine
+            .register(regions.kv)
             .map_err(KvError::engine("register kv"))?;
-        let (th, tail_desc) = match engine.reg_mr(regions.tail) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = engine.unreg_mr(kh);
-                return Err(KvError::engine("register tail")(e));
-            }
-        };
-        let mrs = vec![kh, th];
+        let tail = engine
+            .register(regions.tail)
+            .map_err(KvError::engine("register tail"))?;
+        let (kv_desc, tail_desc) = (kv.desc().clone(), tail.desc().clone());
+        let mrs = vec![kv, tail];
         if layout.tail_len > 0 {
             check_region(&regions.tail, layout.tail_bytes()?, "tail")?;
         }
@@ -265,23 +264,23 @@ impl Decoder {
         meta: &[u8],
     ) -> Result<RequestHandle, KvError> {
         let sh = &self.sh;
-        let imm = sh
+        let imm_lease = sh
             .engine
-            .alloc_imm()
+            .lease_imm()
             .map_err(KvError::engine("alloc imm"))?;
+        let imm = imm_lease.value();
         let done = Completion::new();
         let started = {
             let mut c = sh.core.lock();
             match c.begin(route, lease, imm, &sh.counts, meta, Instant::now()) {
                 Ok(s) => {
-                    sh.handles.lock().insert(s.id, (done.clone(), s.imm_count));
+                    sh.handles
+                        .lock()
+                        .insert(s.id, (done.clone(), s.imm_count, imm_lease));
                     s
                 }
-                Err(e) => {
-                    drop(c);
-                    sh.engine.free_imm(imm);
-                    return Err(e);
-                }
+                // The lease is dropped: the value returns.
+                Err(e) => return Err(e),
             }
         };
         let id = started.id;
@@ -316,8 +315,10 @@ impl Decoder {
             t.stop();
         }
         self.sh.step(|c| c.shutdown());
-        for h in self.sh.mrs.lock().drain(..) {
-            let _ = self.sh.engine.unreg_mr(h);
+        for r in self.sh.mrs.lock().drain(..) {
+            if let Err(e) = r.release() {
+                tracing::warn!("decoder: deregistering the cache: {e}");
+            }
         }
     }
 }
@@ -377,10 +378,11 @@ impl Shared {
                         }
                     });
                 }
-                DecAction::Finish { id, imm, result } => {
-                    self.engine.free_imm(imm);
+                DecAction::Finish { id, imm: _, result } => {
                     let h = self.handles.lock().remove(&id);
-                    if let Some((done, imms)) = h {
+                    if let Some((done, imms, imm_lease)) = h {
+                        // The value returns before the caller hears.
+                        drop(imm_lease);
                         done.complete(result.map(|()| Completed { id, imms }));
                     }
                 }

@@ -19,7 +19,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft::{GroupAddress, MrHandle, OnDone, TransferEngine, UvmWatcher};
+use weft::{GroupAddress, MrHandle, OnDone, Registration, TransferEngine, UvmWatcher};
 
 /// Host-side cost of reporting layers: from a layer report (a watcher
 /// change or a call) until all its writes were handed to the engine.
@@ -44,6 +44,8 @@ struct Shared {
     core: Mutex<PrefillerCore>,
     kv: MrHandle,
     tail: MrHandle,
+    /// The registrations of `kv` and `tail`, released at shutdown.
+    mrs: Mutex<Vec<Registration>>,
     serving: Mutex<BTreeMap<TaskKey, Completion<ServeOutcome>>>,
     incoming: Mutex<Option<Sender<Incoming>>>,
     stats: PrefillStats,
@@ -97,16 +99,13 @@ impl Prefiller {
                 what: "a cache region is smaller than the layout".into(),
             });
         }
-        let (kv, _) = engine
-            .reg_mr(regions.kv)
+        let kv_reg = engine
+            .register(regions.kv)
             .map_err(KvError::engine("register kv"))?;
-        let tail = match engine.reg_mr(regions.tail) {
-            Ok((h, _)) => h,
-            Err(e) => {
-                let _ = engine.unreg_mr(kv);
-                return Err(KvError::engine("register tail")(e));
-            }
-        };
+        let tail_reg = engine
+            .register(regions.tail)
+            .map_err(KvError::engine("register tail"))?;
+        let (kv, tail) = (kv_reg.handle(), tail_reg.handle());
         let (tx, rx) = crossbeam_channel::unbounded();
         let sh = Arc::new(Shared {
             me: engine.main_address(),
@@ -114,6 +113,7 @@ impl Prefiller {
             core: Mutex::new(core),
             kv,
             tail,
+            mrs: Mutex::new(vec![kv_reg, tail_reg]),
             serving: Mutex::new(BTreeMap::new()),
             incoming: Mutex::new(Some(tx)),
             stats: PrefillStats::default(),
@@ -214,8 +214,11 @@ impl Prefiller {
         for p in pending {
             let _ = p.wait_timeout(deadline.saturating_duration_since(Instant::now()));
         }
-        let _ = self.sh.engine.unreg_mr(self.sh.kv);
-        let _ = self.sh.engine.unreg_mr(self.sh.tail);
+        for r in self.sh.mrs.lock().drain(..) {
+            if let Err(e) = r.release() {
+                tracing::warn!("prefiller: deregistering the cache: {e}");
+            }
+        }
     }
 }
 

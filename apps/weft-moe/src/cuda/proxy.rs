@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use weft::loopback::{Fabric, FabricConfig};
 use weft::{
     DomainGroupSpec, DoneCounter, DoneFlag, EngineConfig, Imm, MrDesc, MrHandle, OnDone,
-    PeerGroupHandle, ScatterMode, ScatterTargets, TransferEngine,
+    PeerGroupHandle, Resources, ScatterMode, ScatterTargets, TransferEngine,
 };
 use weft_cuda::{Gpu, WatchWord};
 
@@ -112,13 +112,14 @@ fn eng(rank: u32, phase: Phase) -> impl Fn(weft::EngineError) -> GpuError {
     }
 }
 
-/// Registers rank `r`'s route (host-mapped), send and receive buffers.
-/// Returns the handles (route, send, recv) and the descriptors of route and
-/// recv.
+/// Registers rank `r`'s route (host-mapped), send and receive buffers into
+/// `held`. Returns the handles (route, send, recv) and the descriptors of
+/// route and recv.
 #[allow(unsafe_code)]
 fn register(
     engine: &TransferEngine,
     r: &GpuRank,
+    held: &mut Resources,
 ) -> Result<([MrHandle; 3], MrDesc, MrDesc), GpuError> {
     let e = eng(r.rank, Phase::Setup);
     // SAFETY: the buffers live in the group's `Shared`, which outlives every
@@ -126,9 +127,9 @@ fn register(
     // `EngineGroup::stop_all` shuts the engines down (dropping any
     // registration left) before `Shared` can be dropped.
     let (route, send, recv) = unsafe { (r.route.region(), r.send.region(), r.recv.region()) };
-    let (route_h, route_d) = engine.reg_mr(route).map_err(&e)?;
-    let (send_h, _) = engine.reg_mr(send).map_err(&e)?;
-    let (recv_h, recv_d) = engine.reg_mr(recv).map_err(&e)?;
+    let (route_h, route_d) = held.register(engine, route).map_err(&e)?;
+    let (send_h, _) = held.register(engine, send).map_err(&e)?;
+    let (recv_h, recv_d) = held.register(engine, recv).map_err(&e)?;
     Ok(([route_h, send_h, recv_h], route_d, recv_d))
 }
 
@@ -178,17 +179,19 @@ impl EngineGroup {
                 .map_err(eng(r, Phase::Setup))?;
             let engine = Arc::new(engine);
             group.engines.push(engine.clone());
-            let (h, route_d, recv_d) = register(&engine, &shared.ranks[r as usize])?;
+            let mut held = Resources::new();
+            let (h, route_d, recv_d) = register(&engine, &shared.ranks[r as usize], &mut held)?;
             let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())
                 .map_err(|e| GpuError::Moe(MoeError::from(e)))?;
             for v in imms.all() {
-                engine.reserve_imm(v).map_err(eng(r, Phase::Setup))?;
+                held.lease_imm_value(&engine, v)
+                    .map_err(eng(r, Phase::Setup))?;
             }
             let ic = engine.imm_counts(0).map_err(eng(r, Phase::Setup))?;
             descs.push((engine.main_address(), route_d, recv_d));
-            nets.push((engine, h, imms, ic));
+            nets.push((engine, h, held, imms, ic));
         }
-        for (r, (engine, h, imms, ic)) in nets.into_iter().enumerate() {
+        for (r, (engine, h, held, imms, ic)) in nets.into_iter().enumerate() {
             let r = r as u32;
             let members: Vec<usize> = (0..n.saturating_sub(1) as usize)
                 .map(|j| member_rank(n, r, j) as usize)
@@ -208,8 +211,8 @@ impl EngineGroup {
             let net = Net {
                 engine,
                 rank: r,
-                imms,
                 handles: h,
+                held,
                 group: pg,
                 recv,
                 route_targets,
@@ -316,9 +319,10 @@ fn phase_index(p: Phase) -> usize {
 struct Net {
     engine: Arc<TransferEngine>,
     rank: u32,
-    imms: ImmValues,
     /// route, send, recv.
     handles: [MrHandle; 3],
+    /// The registrations behind `handles` and the reserved immediates.
+    held: Resources,
     group: PeerGroupHandle,
     /// Per member: the receive descriptor (overflow writes, barriers).
     recv: Vec<MrDesc>,
@@ -455,19 +459,8 @@ impl Net {
     }
 
     /// Frees the immediates and deregisters the buffers.
-    fn release(&self) -> Result<(), GpuError> {
-        for v in self.imms.all() {
-            self.engine.free_imm(v);
-        }
-        let mut res = Ok(());
-        for h in self.handles {
-            if let Err(e) = self.engine.unreg_mr(h) {
-                if res.is_ok() {
-                    res = Err(eng(self.rank, Phase::Setup)(e));
-                }
-            }
-        }
-        res
+    fn release(&mut self) -> Result<(), GpuError> {
+        self.held.release().map_err(eng(self.rank, Phase::Setup))
     }
 }
 

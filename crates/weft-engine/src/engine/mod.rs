@@ -11,7 +11,7 @@ mod rounds;
 mod submit;
 mod targets;
 
-pub use owned::{ImmLease, Registration};
+pub use owned::{ImmLease, Registration, Resources};
 pub(crate) use report::log_data_paths;
 pub use report::{DataPathReport, NicReport, Reach};
 pub use targets::{ScatterSlice, ScatterTargets};

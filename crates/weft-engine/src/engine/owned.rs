@@ -183,3 +183,93 @@ impl TransferEngine {
         }
     }
 }
+
+/// Registrations and immediate leases owned together and released
+/// together: what a component sets up on an engine (its buffers'
+/// registrations, its reserved immediates), so that one early return in
+/// its set-up, or dropping it, releases all of it.
+///
+/// Dropping it returns the immediates, then deregisters the memory (in
+/// the order they were taken); [`Resources::release`] does the same and
+/// reports the first error. Keep the memory itself alive for at least as
+/// long as this set: declare it after the `Resources` in a struct (fields
+/// drop in declaration order).
+#[derive(Debug, Default)]
+pub struct Resources {
+    // Dropped first: rounds on these values fail before their targets go.
+    imms: Vec<ImmLease>,
+    regs: Vec<Registration>,
+}
+
+impl Resources {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `region` with `engine` ([`TransferEngine::register`]) and
+    /// keeps the registration; returns its handle and descriptor.
+    pub fn register(
+        &mut self,
+        engine: &TransferEngine,
+        region: MemRegion,
+    ) -> Result<(MrHandle, MrDesc), EngineError> {
+        let r = engine.register(region)?;
+        let out = (r.handle(), r.desc().clone());
+        self.regs.push(r);
+        Ok(out)
+    }
+
+    /// Keeps a registration made elsewhere.
+    pub fn keep_registration(&mut self, r: Registration) {
+        self.regs.push(r);
+    }
+
+    /// Allocates an immediate value ([`TransferEngine::lease_imm`]) and
+    /// keeps its lease.
+    pub fn lease_imm(&mut self, engine: &TransferEngine) -> Result<Imm, EngineError> {
+        let l = engine.lease_imm()?;
+        let v = l.value();
+        self.imms.push(l);
+        Ok(v)
+    }
+
+    /// Reserves the value `imm` ([`TransferEngine::lease_imm_value`]) and
+    /// keeps its lease.
+    pub fn lease_imm_value(
+        &mut self,
+        engine: &TransferEngine,
+        imm: Imm,
+    ) -> Result<(), EngineError> {
+        self.imms.push(engine.lease_imm_value(imm)?);
+        Ok(())
+    }
+
+    /// Keeps an immediate lease taken elsewhere.
+    pub fn keep_imm(&mut self, l: ImmLease) {
+        self.imms.push(l);
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.imms.is_empty() && self.regs.is_empty()
+    }
+
+    /// Returns every immediate, then deregisters every region; every
+    /// release is attempted and the first error is returned. The set is
+    /// empty afterwards.
+    pub fn release(&mut self) -> Result<(), EngineError> {
+        let mut first = Ok(());
+        for l in self.imms.drain(..) {
+            if let (Err(e), true) = (l.release(), first.is_ok()) {
+                first = Err(e);
+            }
+        }
+        for r in self.regs.drain(..) {
+            if let (Err(e), true) = (r.release(), first.is_ok()) {
+                first = Err(e);
+            }
+        }
+        first
+    }
+}
