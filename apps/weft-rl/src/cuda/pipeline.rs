@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weft::loopback::{Fabric, FabricConfig};
-use weft::{DomainGroupSpec, DoneCounter, EngineConfig, MrDesc, MrHandle, OnDone, TransferEngine};
+use weft::{
+    DomainGroupSpec, DoneCounter, EngineConfig, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
+};
 use weft_cuda::{DeviceBuffer, Gpu, Stream};
 
 use super::kernels::{DevMat, RlKernels};
@@ -94,8 +96,10 @@ pub struct GpuUpdate {
     trainer: Arc<TransferEngine>,
     inference: Arc<TransferEngine>,
     _fabric: Fabric,
+    /// The registrations of `image` (trainer) and `target` (inference),
+    /// and the inference side's immediate.
+    held: Resources,
     image_mr: MrHandle,
-    target_mr: MrHandle,
     target_desc: MrDesc,
     imm: u32,
     cfg: GpuUpdateConfig,
@@ -222,25 +226,25 @@ impl GpuUpdate {
             inference.shutdown();
             e
         };
-        let (image_mr, _) = trainer
-            .reg_mr(image_region)
+        let mut held = Resources::new();
+        let (image_mr, _) = held
+            .register(&trainer, image_region)
             .map_err(GpuError::engine(TRAINER, "registering the image"))
             .map_err(fail)?;
-        let (target_mr, target_desc) = inference
-            .reg_mr(target_region)
+        let (_, target_desc) = held
+            .register(&inference, target_region)
             .map_err(GpuError::engine(INFERENCE, "registering the weights"))
             .map_err(fail)?;
         let imm = inference.imm_capacity().saturating_sub(1);
-        inference
-            .reserve_imm(imm)
+        held.lease_imm_value(&inference, imm)
             .map_err(GpuError::engine(INFERENCE, "reserving the immediate"))
             .map_err(fail)?;
         Ok(GpuUpdate {
             trainer,
             inference,
             _fabric: fabric,
+            held,
             image_mr,
-            target_mr,
             target_desc,
             imm,
             cfg,
@@ -456,9 +460,9 @@ impl GpuUpdate {
 
 impl Drop for GpuUpdate {
     fn drop(&mut self) {
-        let _ = self.trainer.unreg_mr(self.image_mr);
-        let _ = self.inference.unreg_mr(self.target_mr);
-        self.inference.free_imm(self.imm);
+        if let Err(e) = self.held.release() {
+            tracing::debug!("GPU update: releasing: {e}");
+        }
         self.trainer.shutdown();
         self.inference.shutdown();
     }

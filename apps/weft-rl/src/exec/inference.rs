@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use weft::{DoneCounter, DoneFlag, HostBuffer, MrHandle, OnDone, TransferEngine};
+use weft::{DoneCounter, DoneFlag, HostBuffer, MrHandle, OnDone, Resources, TransferEngine};
 
 use super::{eng, imm_count, Directory, ImmPlan, InferEndpoint, StepConfig};
 use crate::plan::{Plan, TensorSlot};
@@ -19,6 +19,8 @@ pub struct Inference {
     plan: Arc<Plan>,
     cfg: StepConfig,
     imms: ImmPlan,
+    /// The registrations of `bufs` and the reserved immediates.
+    held: Resources,
     bufs: [HostBuffer; 2],
     mrs: [MrHandle; 2],
     endpoint: InferEndpoint,
@@ -44,16 +46,19 @@ impl Inference {
                 .map_err(|e| RlError::Buffer(format!("inference {rank} weights: {e}")))
         };
         let bufs = [buf()?, buf()?];
-        let (m0, d0) =
-            engine
-                .reg_mr(bufs[0].region())
-                .map_err(eng(ROLE, rank, "registering buffer 0"))?;
-        let (m1, d1) =
-            engine
-                .reg_mr(bufs[1].region())
-                .map_err(eng(ROLE, rank, "registering buffer 1"))?;
+        let mut held = Resources::new();
+        let (m0, d0) = held.register(&engine, bufs[0].region()).map_err(eng(
+            ROLE,
+            rank,
+            "registering buffer 0",
+        ))?;
+        let (m1, d1) = held.register(&engine, bufs[1].region()).map_err(eng(
+            ROLE,
+            rank,
+            "registering buffer 1",
+        ))?;
         let imms = ImmPlan::new(&plan, engine.imm_capacity())?;
-        imms.reserve(&engine, ROLE, rank)?;
+        imms.reserve(&engine, &mut held, ROLE, rank)?;
         let counts = engine
             .imm_counts(0)
             .map_err(eng(ROLE, rank, "imm counts"))?;
@@ -67,6 +72,7 @@ impl Inference {
             plan,
             cfg,
             imms,
+            held,
             bufs,
             mrs: [m0, m1],
             endpoint: InferEndpoint { weights: [d0, d1] },
@@ -155,18 +161,16 @@ impl Inference {
 
     /// Clears partial counts after a failed step.
     pub fn recover(&self) -> Result<(), RlError> {
-        self.imms.reset(&self.engine, ROLE, self.rank)
+        self.held.reset_imms();
+        Ok(())
     }
 }
 
 impl Drop for Inference {
     /// Deregisters the buffers before they are freed; frees the immediates.
     fn drop(&mut self) {
-        for m in self.mrs {
-            let _ = self.engine.unreg_mr(m);
-        }
-        for imm in self.imms.all() {
-            self.engine.free_imm(imm);
+        if let Err(e) = self.held.release() {
+            tracing::debug!(rank = self.rank, "inference: releasing: {e}");
         }
     }
 }

@@ -37,7 +37,7 @@ mod trainer;
 
 use std::time::Duration;
 
-use weft::{Imm, ImmCounts, MrDesc, Pages, TransferEngine};
+use weft::{Imm, ImmCounts, MrDesc, Pages, Resources, TransferEngine};
 
 use crate::plan::{Plan, Run, Xfer};
 use crate::RlError;
@@ -140,36 +140,24 @@ impl ImmPlan {
         v
     }
 
-    /// Reserves every value on `engine`.
+    /// Reserves every value on `engine`, keeping the leases in `held`.
     pub(crate) fn reserve(
         &self,
         engine: &TransferEngine,
+        held: &mut Resources,
         role: &'static str,
         rank: u32,
     ) -> Result<(), RlError> {
         for imm in self.all() {
-            engine.reserve_imm(imm).map_err(|source| RlError::Engine {
-                role,
-                rank,
-                phase: format!("reserving immediate {imm}"),
-                source,
-            })?;
+            held.lease_imm_value(engine, imm)
+                .map_err(|source| RlError::Engine {
+                    role,
+                    rank,
+                    phase: format!("reserving immediate {imm}"),
+                    source,
+                })?;
         }
         Ok(())
-    }
-
-    /// Frees and re-reserves every value (drops partial counts of a failed
-    /// step).
-    pub(crate) fn reset(
-        &self,
-        engine: &TransferEngine,
-        role: &'static str,
-        rank: u32,
-    ) -> Result<(), RlError> {
-        for imm in self.all() {
-            engine.free_imm(imm);
-        }
-        self.reserve(engine, role, rank)
     }
 }
 

@@ -12,7 +12,9 @@
 
 use std::sync::Arc;
 
-use weft::{DoneCounter, DoneFlag, HostBuffer, Imm, MrDesc, MrHandle, OnDone, TransferEngine};
+use weft::{
+    DoneCounter, DoneFlag, HostBuffer, Imm, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
+};
 
 use super::{eng, imm_count, pages, ImmPlan, StepConfig};
 use crate::fp8::quantize_block;
@@ -182,6 +184,8 @@ pub struct Rank0Trainer {
     plan: Arc<Plan>,
     cfg: StepConfig,
     imms: ImmPlan,
+    /// Every registration below and the reserved immediates.
+    held: Resources,
     shards: HostBuffer,
     shards_mr: MrHandle,
     /// Rank 0: the full model and the images.
@@ -209,33 +213,41 @@ impl Rank0Trainer {
             HostBuffer::new(n.max(1) as usize)
                 .map_err(|e| RlError::Buffer(format!("rank0 trainer {rank}: {e}")))
         };
-        let shards = buf(region.len)?;
-        let (shards_mr, _) =
-            engine
-                .reg_mr(shards.region())
-                .map_err(eng(T, rank, "registering shards"))?;
         let (full_offs, full_len) = full_layout(&model);
-        let full = if rank == 0 {
-            let f = buf(full_len)?;
-            let (fm, fd) =
-                engine
-                    .reg_mr(f.region())
-                    .map_err(eng(T, rank, "registering full model"))?;
-            let img = buf(image_layout(&plan).1)?;
-            let (im, _) =
-                engine
-                    .reg_mr(img.region())
-                    .map_err(eng(T, rank, "registering images"))?;
-            Some((f, fm, fd, img, im))
+        // Every buffer first, then `held`: on an early return the
+        // registrations go before the memory.
+        let shards = buf(region.len)?;
+        let full_bufs = if rank == 0 {
+            Some((buf(full_len)?, buf(image_layout(&plan).1)?))
         } else {
             None
         };
         let a = buf(1)?;
-        let (am, ad) = engine
-            .reg_mr(a.region())
-            .map_err(eng(T, rank, "registering ack word"))?;
+        let mut held = Resources::new();
+        let (shards_mr, _) =
+            held.register(&engine, shards.region())
+                .map_err(eng(T, rank, "registering shards"))?;
+        let full = match full_bufs {
+            Some((f, img)) => {
+                let (fm, fd) = held.register(&engine, f.region()).map_err(eng(
+                    T,
+                    rank,
+                    "registering full model",
+                ))?;
+                let (im, _) = held.register(&engine, img.region()).map_err(eng(
+                    T,
+                    rank,
+                    "registering images",
+                ))?;
+                Some((f, fm, fd, img, im))
+            }
+            None => None,
+        };
+        let (am, ad) =
+            held.register(&engine, a.region())
+                .map_err(eng(T, rank, "registering ack word"))?;
         let imms = rank0_imms(&plan, &engine)?;
-        imms.reserve(&engine, T, rank)?;
+        imms.reserve(&engine, &mut held, T, rank)?;
         let gathers = gathers_of(&model, &plan, &full_offs, rank);
         Ok(Rank0Trainer {
             engine,
@@ -244,6 +256,7 @@ impl Rank0Trainer {
             plan,
             cfg,
             imms,
+            held,
             shards,
             shards_mr,
             full,
@@ -354,7 +367,8 @@ impl Rank0Trainer {
 
     /// Clears partial counts after a failed step.
     pub fn recover(&self) -> Result<(), RlError> {
-        self.imms.reset(&self.engine, T, self.rank)
+        self.held.reset_imms();
+        Ok(())
     }
 
     /// Fusion + quantisation of every unit from the full model into the
@@ -435,6 +449,8 @@ pub struct Rank0Inference {
     plan: Arc<Plan>,
     cfg: StepConfig,
     imms: ImmPlan,
+    /// Every registration below and the reserved immediates.
+    held: Resources,
     bufs: [HostBuffer; 2],
     mrs: [MrHandle; 2],
     descs: [MrDesc; 2],
@@ -459,32 +475,42 @@ impl Rank0Inference {
                 .map_err(|e| RlError::Buffer(format!("rank0 inference {rank}: {e}")))
         };
         let bufs = [buf(len)?, buf(len)?];
-        let (m0, d0) =
-            engine
-                .reg_mr(bufs[0].region())
-                .map_err(eng(I, rank, "registering buffer 0"))?;
-        let (m1, d1) =
-            engine
-                .reg_mr(bufs[1].region())
-                .map_err(eng(I, rank, "registering buffer 1"))?;
-        let staging = if rank == 0 {
-            let s = buf(image_layout(&plan).1)?;
-            let (sm, sd) =
-                engine
-                    .reg_mr(s.region())
-                    .map_err(eng(I, rank, "registering staging"))?;
-            Some((s, sm, sd))
+        let staging_buf = if rank == 0 {
+            Some(buf(image_layout(&plan).1)?)
         } else {
             None
         };
+        let mut held = Resources::new();
+        let (m0, d0) = held.register(&engine, bufs[0].region()).map_err(eng(
+            I,
+            rank,
+            "registering buffer 0",
+        ))?;
+        let (m1, d1) = held.register(&engine, bufs[1].region()).map_err(eng(
+            I,
+            rank,
+            "registering buffer 1",
+        ))?;
+        let staging = match staging_buf {
+            Some(s) => {
+                let (sm, sd) = held.register(&engine, s.region()).map_err(eng(
+                    I,
+                    rank,
+                    "registering staging",
+                ))?;
+                Some((s, sm, sd))
+            }
+            None => None,
+        };
         let imms = rank0_imms(&plan, &engine)?;
-        imms.reserve(&engine, I, rank)?;
+        imms.reserve(&engine, &mut held, I, rank)?;
         Ok(Rank0Inference {
             engine,
             rank,
             plan,
             cfg,
             imms,
+            held,
             bufs,
             mrs: [m0, m1],
             descs: [d0, d1],
@@ -586,21 +612,16 @@ impl Rank0Inference {
 
     /// Clears partial counts after a failed step.
     pub fn recover(&self) -> Result<(), RlError> {
-        self.imms.reset(&self.engine, I, self.rank)
+        self.held.reset_imms();
+        Ok(())
     }
 }
 
 impl Drop for Rank0Trainer {
     /// Deregisters before the buffers are freed.
     fn drop(&mut self) {
-        let _ = self.engine.unreg_mr(self.shards_mr);
-        let _ = self.engine.unreg_mr(self.ack.1);
-        if let Some((_, fm, _, _, im)) = &self.full {
-            let _ = self.engine.unreg_mr(*fm);
-            let _ = self.engine.unreg_mr(*im);
-        }
-        for imm in self.imms.all() {
-            self.engine.free_imm(imm);
+        if let Err(e) = self.held.release() {
+            tracing::debug!(rank = self.rank, "rank0 trainer: releasing: {e}");
         }
     }
 }
@@ -608,14 +629,8 @@ impl Drop for Rank0Trainer {
 impl Drop for Rank0Inference {
     /// Deregisters before the buffers are freed.
     fn drop(&mut self) {
-        for m in self.mrs {
-            let _ = self.engine.unreg_mr(m);
-        }
-        if let Some((_, sm, _)) = &self.staging {
-            let _ = self.engine.unreg_mr(*sm);
-        }
-        for imm in self.imms.all() {
-            self.engine.free_imm(imm);
+        if let Err(e) = self.held.release() {
+            tracing::debug!(rank = self.rank, "rank0 inference: releasing: {e}");
         }
     }
 }

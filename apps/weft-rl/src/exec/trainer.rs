@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use weft::{DoneCounter, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone, TransferEngine};
+use weft::{
+    DoneCounter, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
+};
 
 use super::{eng, imm_count, pages, Directory, ImmPlan, StepConfig, TrainerEndpoint};
 use crate::fp8::quantize_block;
@@ -36,6 +38,9 @@ pub struct Trainer {
     plan: Arc<Plan>,
     cfg: StepConfig,
     imms: ImmPlan,
+    /// The registrations of `shards` and `arena` and the reserved
+    /// immediates.
+    held: Resources,
     shards: HostBuffer,
     arena: HostBuffer,
     shards_mr: MrHandle,
@@ -64,16 +69,17 @@ impl Trainer {
         };
         let shards = buf(region.len, "shards")?;
         let arena = buf(plan.arena_len, "arena")?;
-        let (shards_mr, shards_desc) =
-            engine
-                .reg_mr(shards.region())
-                .map_err(eng(ROLE, rank, "registering shards"))?;
+        let mut held = Resources::new();
+        let (shards_mr, shards_desc) = held.register(&engine, shards.region()).map_err(eng(
+            ROLE,
+            rank,
+            "registering shards",
+        ))?;
         let (arena_mr, arena_desc) =
-            engine
-                .reg_mr(arena.region())
+            held.register(&engine, arena.region())
                 .map_err(eng(ROLE, rank, "registering arena"))?;
         let imms = ImmPlan::new(&plan, engine.imm_capacity())?;
-        imms.reserve(&engine, ROLE, rank)?;
+        imms.reserve(&engine, &mut held, ROLE, rank)?;
         let counts = engine
             .imm_counts(0)
             .map_err(eng(ROLE, rank, "imm counts"))?;
@@ -84,6 +90,7 @@ impl Trainer {
             plan,
             cfg,
             imms,
+            held,
             shards,
             arena,
             shards_mr,
@@ -273,7 +280,8 @@ impl Trainer {
     /// Clears partial immediate counts after a failed step (call on every
     /// rank once all returned from the step).
     pub fn recover(&self) -> Result<(), RlError> {
-        self.imms.reset(&self.engine, ROLE, self.rank)
+        self.held.reset_imms();
+        Ok(())
     }
 
     fn trainer<'a>(&self, dir: &'a Directory, r: Rank) -> Result<&'a TrainerEndpoint, RlError> {
@@ -426,10 +434,8 @@ impl Drop for Trainer {
     /// Deregisters the memory before it is freed (a no-op error after the
     /// engine shut down) and frees the reserved immediates.
     fn drop(&mut self) {
-        let _ = self.engine.unreg_mr(self.shards_mr);
-        let _ = self.engine.unreg_mr(self.arena_mr);
-        for imm in self.imms.all() {
-            self.engine.free_imm(imm);
+        if let Err(e) = self.held.release() {
+            tracing::debug!(rank = self.rank, "trainer: releasing: {e}");
         }
     }
 }

@@ -116,6 +116,19 @@ impl ImmLease {
     }
 }
 
+impl ImmLease {
+    /// Starts the value afresh, keeping it: arrivals no round consumed are
+    /// dropped (reported as excess) and rounds armed on it fail. For
+    /// clearing partial counts after a failed step. Returns how many armed
+    /// rounds it failed.
+    pub fn reset(&self) -> usize {
+        match self.engine.upgrade() {
+            Some(inner) => (TransferEngine { inner }).reset_imm(self.imm, "reset"),
+            None => 0,
+        }
+    }
+}
+
 impl Drop for ImmLease {
     fn drop(&mut self) {
         if !self.live {
@@ -248,6 +261,14 @@ impl Resources {
     /// Keeps an immediate lease taken elsewhere.
     pub fn keep_imm(&mut self, l: ImmLease) {
         self.imms.push(l);
+    }
+
+    /// [`ImmLease::reset`] of every immediate held: partial counts of a
+    /// failed step are dropped, the values kept.
+    pub fn reset_imms(&self) {
+        for l in &self.imms {
+            l.reset();
+        }
     }
 
     /// Whether nothing is held.

@@ -87,6 +87,21 @@ impl TransferEngine {
     /// [`free_imm`](Self::free_imm), returning how many armed rounds it
     /// failed.
     pub(super) fn free_imm_counted(&self, imm: Imm) -> usize {
+        let failed = self.reset_imm(imm, "freed");
+        let mut a = self.inner.imm_free.lock();
+        // Only values handed out and not yet freed return to the pool, so a
+        // double free cannot make `alloc_imm` hand a value out twice.
+        if a.is_used(imm) {
+            a.unmark(imm);
+            a.free.push(imm);
+        }
+        failed
+    }
+
+    /// Drops the unconsumed arrivals of `imm` (reported as excess) and
+    /// fails the rounds armed on it (`what`: why, for the error); returns
+    /// how many rounds it failed.
+    pub(super) fn reset_imm(&self, imm: Imm, what: &str) -> usize {
         let (n, unfired) = self.inner.imms.reset(imm);
         let failed = unfired.len();
         self.report_excess(imm, n);
@@ -94,16 +109,9 @@ impl TransferEngine {
             self.finish_imm(
                 d,
                 Err(EngineError::InvalidArgument {
-                    what: format!("immediate {imm} freed while armed"),
+                    what: format!("immediate {imm} {what} while armed"),
                 }),
             );
-        }
-        let mut a = self.inner.imm_free.lock();
-        // Only values handed out and not yet freed return to the pool, so a
-        // double free cannot make `alloc_imm` hand a value out twice.
-        if a.is_used(imm) {
-            a.unmark(imm);
-            a.free.push(imm);
         }
         failed
     }
