@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use crate::buffer_ffi::BufferGuard;
 use crate::errors;
+use crate::imm::PyImm;
 use crate::memory::{self, PyRegistration, RegKeep};
 use crate::provider::{self, PyBackend};
 use crate::transfer::{self, BindingStats, PyTransfer};
@@ -41,18 +42,22 @@ pub fn _shutdown_all(py: Python<'_>) {
 pub struct PyTransferEngine {
     pub(crate) engine: weft::TransferEngine,
     backend: Arc<weft::Backend>,
-    /// The keep-alives of live registrations: memory stays valid until
-    /// `unreg` or shutdown even if the `Registration` handle is dropped.
-    regs: Mutex<HashMap<weft::MrHandle, Arc<RegKeep>>>,
+    /// Live registrations and their keep-alives: memory stays registered
+    /// and valid until `unreg` or shutdown even if the `Registration`
+    /// handle is dropped. The guard is first in the pair, so it
+    /// deregisters before the memory's keep-alive goes.
+    regs: Mutex<HashMap<weft::MrHandle, (weft::Registration, Arc<RegKeep>)>>,
     pub(crate) stats: Arc<BindingStats>,
     serial: u64,
 }
 
 impl PyTransferEngine {
-    /// Drops a registration's keep-alive from the table.
-    pub(crate) fn forget(&self, h: &weft::MrHandle) {
-        let keep = self.regs.lock().remove(h);
-        drop(keep);
+    /// Takes a registration (and its keep-alive) out of the table.
+    pub(crate) fn take_registration(
+        &self,
+        h: &weft::MrHandle,
+    ) -> Option<(weft::Registration, Arc<RegKeep>)> {
+        self.regs.lock().remove(h)
     }
 
     fn shutdown_inner(&self, py: Python<'_>) -> PyResult<()> {
@@ -200,10 +205,11 @@ impl PyTransferEngine {
         let this = slf.get();
         let r = memory::resolve(obj, device, writable, keepalive)?;
         let region = r.region;
-        let (h, desc) = py
-            .detach(|| this.engine.reg_mr(region))
+        let reg = py
+            .detach(|| this.engine.register(region))
             .map_err(|e| errors::engine_err(py, &e))?;
-        this.regs.lock().insert(h, Arc::clone(&r.keep));
+        let (h, desc) = (reg.handle(), reg.desc().clone());
+        this.regs.lock().insert(h, (reg, Arc::clone(&r.keep)));
         Ok(PyRegistration::new(
             slf.clone().unbind(),
             h,
@@ -229,9 +235,10 @@ impl PyTransferEngine {
         dst: &Bound<'_, PyMrDesc>,
         src_offset: u64,
         dst_offset: u64,
-        imm: Option<u32>,
+        imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        let imm = imm.map(PyImm::value_of).transpose()?;
         let src = src.get();
         let keep = src.live_keep(py)?;
         let (state, on_done) = self.on_done(vec![keep]);
@@ -309,9 +316,10 @@ impl PyTransferEngine {
         dst_stride: Option<u64>,
         src_offset: u64,
         dst_offset: u64,
-        imm: Option<u32>,
+        imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        let imm = imm.map(PyImm::value_of).transpose()?;
         let sp = types::pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
         let dp = types::pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
         let src = src.get();
@@ -366,10 +374,11 @@ impl PyTransferEngine {
         group: &Bound<'_, PyPeerGroup>,
         src: &Bound<'_, PyRegistration>,
         dsts: Vec<PyRef<'_, PyScatterDst>>,
-        imm: Option<u32>,
+        imm: Option<&Bound<'_, PyAny>>,
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        let imm = imm.map(PyImm::value_of).transpose()?;
         let dsts: Vec<weft::ScatterDst> = dsts.iter().map(|d| d.inner.clone()).collect();
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
         let src = src.get();
@@ -418,10 +427,11 @@ impl PyTransferEngine {
         targets: &Bound<'_, PyScatterTargets>,
         src: &Bound<'_, PyRegistration>,
         slices: &Bound<'_, PyAny>,
-        imm: Option<u32>,
+        imm: Option<&Bound<'_, PyAny>>,
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        let imm = imm.map(PyImm::value_of).transpose()?;
         let slices = types::scatter_slices(slices)?;
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
         let src = src.get();
@@ -447,10 +457,11 @@ impl PyTransferEngine {
         &self,
         py: Python<'_>,
         group: &Bound<'_, PyPeerGroup>,
-        imm: u32,
+        imm: &Bound<'_, PyAny>,
         dsts: Vec<PyRef<'_, PyMrDesc>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        let imm = PyImm::value_of(imm)?;
         let dsts: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
         let (state, on_done) = self.on_done(Vec::new());
         let id = self
@@ -525,42 +536,50 @@ impl PyTransferEngine {
         self.engine.imm_capacity()
     }
 
-    /// Reserves a specific immediate value (free it with `free_imm`).
-    fn reserve_imm(&self, py: Python<'_>, imm: u32) -> PyResult<()> {
-        self.engine.reserve_imm(imm).map_err(|e| self.err(py, e))
+    /// Takes the specific immediate value `imm` (a value every member of a
+    /// peer group reserves); returns it as an `Imm`, returned to the
+    /// allocator when released or garbage-collected.
+    fn reserve_imm(&self, py: Python<'_>, imm: u32) -> PyResult<PyImm> {
+        self.engine
+            .lease_imm_value(imm)
+            .map(PyImm::new)
+            .map_err(|e| self.err(py, e))
     }
 
     /// Immediates `imm` received and not yet consumed by a round.
-    fn imm_pending(&self, imm: u32) -> u64 {
-        self.engine.imm_pending(imm)
+    fn imm_pending(&self, imm: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.engine.imm_pending(PyImm::value_of(imm)?))
     }
 
-    /// Allocates an immediate value (free it with `free_imm`).
-    fn alloc_imm(&self, py: Python<'_>) -> PyResult<u32> {
+    /// Allocates an immediate value, as an `Imm` returned to the allocator
+    /// when released or garbage-collected.
+    fn alloc_imm(&self, py: Python<'_>) -> PyResult<PyImm> {
         self.engine
-            .alloc_imm()
+            .lease_imm()
+            .map(PyImm::new)
             .map_err(|e| errors::engine_err(py, &e))
-    }
-
-    /// Returns an immediate value to the allocator; an armed, unfired round
-    /// on it fails.
-    fn free_imm(&self, imm: u32) {
-        self.engine.free_imm(imm);
     }
 
     /// Arms a round: the returned `Transfer` finishes once `count`
     /// immediates `imm` have arrived (counting earlier arrivals). Re-arm
-    /// after it finished for the next round.
+    /// after it finished for the next round. An `Imm` passed here is kept
+    /// alive until the round ends.
     #[pyo3(signature = (imm, count, *, callback=None))]
     fn expect_imm_count(
         &self,
         py: Python<'_>,
-        imm: u32,
+        imm: &Bound<'_, PyAny>,
         count: u64,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
-        let (state, on_done) = self.on_done(Vec::new());
-        py.detach(|| self.engine.expect_imm_count_with(imm, count, on_done))
+        let value = PyImm::value_of(imm)?;
+        let keep = if imm.is_instance_of::<PyImm>() {
+            vec![RegKeep::object(imm.clone().unbind())]
+        } else {
+            Vec::new()
+        };
+        let (state, on_done) = self.on_done(keep);
+        py.detach(|| self.engine.expect_imm_count_with(value, count, on_done))
             .map_err(|e| errors::engine_err(py, &e))?;
         transfer::submitted(py, None, state, callback)
     }

@@ -12,6 +12,7 @@ mod cuda;
 mod dlpack;
 mod engine;
 mod errors;
+mod imm;
 mod memory;
 mod provider;
 mod transfer;
@@ -29,6 +30,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<provider::PyBackend>()?;
     m.add_class::<engine::PyTransferEngine>()?;
     m.add_class::<memory::PyRegistration>()?;
+    m.add_class::<imm::PyImm>()?;
     m.add_class::<types::PyMrDesc>()?;
     m.add_class::<types::PyImmCounts>()?;
     m.add_class::<transfer::PyTransfer>()?;

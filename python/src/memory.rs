@@ -24,6 +24,17 @@ pub(crate) struct RegKeep {
     dl: Option<DlOwned>,
 }
 
+impl RegKeep {
+    /// Keeps a Python object alive (no memory export).
+    pub(crate) fn object(obj: Py<PyAny>) -> Arc<RegKeep> {
+        Arc::new(RegKeep {
+            obj: Some(obj),
+            buf: None,
+            dl: None,
+        })
+    }
+}
+
 impl Drop for RegKeep {
     fn drop(&mut self) {
         // The last holder may be a transfer completing on an engine thread:
@@ -415,14 +426,13 @@ impl PyRegistration {
             return Ok(());
         };
         let engine = self.engine.get();
-        engine.forget(&self.handle);
-        let h = self.handle;
-        let r = py.detach(|| engine.engine.unreg_mr(h));
-        drop(keep);
-        match r {
-            Ok(()) | Err(weft::EngineError::ShutDown) => Ok(()),
-            Err(e) => Err(errors::engine_err(py, &e)),
-        }
+        // Absent after shutdown, which released every registration.
+        let Some((reg, table_keep)) = engine.take_registration(&self.handle) else {
+            return Ok(());
+        };
+        let r = py.detach(|| reg.release());
+        drop((table_keep, keep));
+        r.map_err(|e| errors::engine_err(py, &e))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -119,8 +119,8 @@ def test_scatter_and_barrier():
             group = a.add_peer_group([p.address for p in peers])
             assert len(group) == 3
             imm = 77
-            for p in peers:
-                p.reserve_imm(imm)
+            held = [p.reserve_imm(imm) for p in peers]  # kept for the rounds
+            assert all(h == imm for h in held)
             counts = [p.imm_counts() for p in peers]
             rounds = [
                 p.expect_imm_count(imm, c.scatter_dst(1000) + c.barrier())
@@ -211,9 +211,28 @@ def test_imm_calls(pair):
     assert 0 <= imm < a.imm_capacity
     assert a.imm_pending(imm) == 0
     with pytest.raises(weft.ImmError):
-        a.reserve_imm(imm)  # already taken
-    a.free_imm(imm)
-    a.reserve_imm(imm)
+        a.reserve_imm(int(imm))  # already taken
+    imm.release()
+    assert not imm.held
+    imm.release()  # idempotent
+    again = a.reserve_imm(int(imm))
+    assert again == imm and again.held and hash(again) == hash(int(imm))
+    with again:
+        pass
+    assert not again.held
+
+
+def test_imm_returns_when_dropped(pair):
+    a, _ = pair
+    imm = a.alloc_imm()
+    v = int(imm)
+    del imm  # garbage: the value returns to the allocator
+    assert int(a.alloc_imm()) == v
+    # A round keeps its Imm alive until it ends.
+    r = a.expect_imm_count(a.alloc_imm(), 1)
+    with pytest.raises(weft.ImmError):
+        a.reserve_imm(v)
+    assert not r.done()
 
 
 def test_uvm_watcher_host_word(pair):

@@ -197,7 +197,9 @@ def test_imm_double_arm_and_free(pair):
     r = b.expect_imm_count(imm, 5)
     with pytest.raises(weft.ImmAlreadyArmedError):
         b.expect_imm_count(imm, 5)
-    b.free_imm(imm)  # fails the armed round
+    with pytest.raises(weft.InvalidArgumentError):
+        imm.release()  # fails the armed round, and says so
+    assert not imm.held
     with pytest.raises(weft.InvalidArgumentError):
         r.wait(timeout=60)
     assert isinstance(r.exception(), weft.InvalidArgumentError)
