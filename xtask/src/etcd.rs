@@ -23,9 +23,9 @@ pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
                 "-p",
                 "weft-rendezvous",
                 "--test",
+                "rendezvous",
+                // The `etcd` and `etcd_restart` modules of the one binary.
                 "etcd",
-                "--test",
-                "etcd_restart",
             ])
             .current_dir(root)
             .envs(env.iter().copied())

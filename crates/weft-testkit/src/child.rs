@@ -86,17 +86,61 @@ pub fn recv_line() -> io::Result<Option<String>> {
     Ok(Some(line.trim_end_matches(['\r', '\n']).to_string()))
 }
 
-/// Re-executes the current test binary to run only `entry_test` (its full
-/// path in the binary, e.g. `peer_entry` or `module::peer_entry`), with
-/// [`ROLE_ENV`] set to `role` and the extra `envs`.
+/// The full path in this test binary of the test `entry_test` names: the
+/// name itself when a test has exactly that path, else the one test whose
+/// path ends in `::entry_test` (a crate's integration tests are modules of
+/// one binary, so `peer_entry` is `xproc::peer_entry` there). The binary's
+/// test list is read once (`--list`).
+fn resolve_entry(exe: &std::path::Path, entry_test: &str) -> io::Result<String> {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let list = match LIST.get() {
+        Some(l) => l,
+        None => {
+            let out = Command::new(exe)
+                .args(["--list", "--format", "terse"])
+                .env_remove(ROLE_ENV)
+                .stdin(Stdio::null())
+                .stderr(Stdio::inherit())
+                .output()?;
+            let names = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter_map(|l| l.strip_suffix(": test"))
+                .map(str::to_string)
+                .collect();
+            LIST.get_or_init(|| names)
+        }
+    };
+    if list.iter().any(|n| n == entry_test) {
+        return Ok(entry_test.to_string());
+    }
+    let suffix = format!("::{entry_test}");
+    let found: Vec<&String> = list.iter().filter(|n| n.ends_with(&suffix)).collect();
+    match found.as_slice() {
+        [one] => Ok((*one).clone()),
+        [] => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no test named {entry_test} in this binary"),
+        )),
+        many => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{entry_test} names several tests: {many:?}; give its module path"),
+        )),
+    }
+}
+
+/// Re-executes the current test binary to run only `entry_test` (a test's
+/// full path in the binary, e.g. `xproc::peer_entry`, or just its name when
+/// that is unique, e.g. `peer_entry`), with [`ROLE_ENV`] set to `role` and
+/// the extra `envs`.
 pub fn spawn_role(
     entry_test: &str,
     role: &str,
     envs: &[(&str, &OsStr)],
 ) -> io::Result<ChildProcess> {
     let exe = std::env::current_exe()?;
+    let entry = resolve_entry(&exe, entry_test)?;
     let mut cmd = Command::new(exe);
-    cmd.args([entry_test, "--exact", "--nocapture", "--test-threads=1"])
+    cmd.args([entry.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE_ENV, role)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

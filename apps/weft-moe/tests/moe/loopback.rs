@@ -1,0 +1,266 @@
+//! The CPU driver ([`MoeRank`]) over the engine on the adversarial loopback
+//! fabric (realtime: real worker threads, chunks reordered within and across
+//! writes, drops and retransmits), one engine and one thread per rank, in
+//! one process; several consecutive steps (buffer reuse and barriers),
+//! checked byte for byte against the naive reference.
+
+use crate::common::{expert_outputs, inputs, Routing};
+use std::sync::Arc;
+use std::time::Duration;
+use weft::loopback::{Fabric, FabricConfig, HostId};
+use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft_moe::{reference, MoeConfig, MoeError, MoeRank};
+use weft_testkit::seeds_or;
+
+const NICS: usize = 2;
+
+fn engine(fabric: &Fabric) -> Arc<TransferEngine> {
+    engine_on(fabric, fabric.add_host(NICS))
+}
+
+fn engine_on(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
+    let p = Arc::new(fabric.provider(host));
+    let cfg = {
+        let mut c = EngineConfig::default();
+        c.idle_sleep = Some(Duration::from_micros(200));
+        c
+    };
+    Arc::new(
+        TransferEngine::builder()
+            .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))
+            .config(cfg)
+            .build()
+            .expect("engine builds"),
+    )
+}
+
+fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u64) {
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig {
+        max_write_len,
+        ..FabricConfig::adversarial(seed)
+    });
+    let engines: Vec<_> = (0..d.ranks).map(|_| engine(&fabric)).collect();
+    let mut ranks = Vec::new();
+    let mut infos = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let (rank, info) = MoeRank::prepare(e.clone(), c, r as u32).expect("prepare");
+        ranks.push(rank);
+        infos.push(info);
+    }
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect");
+    }
+    let ranks: Vec<MoeRank> = std::thread::scope(|sc| {
+        let hs: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut rank)| {
+                let d = d.clone();
+                sc.spawn(move || {
+                    for k in 0..steps {
+                        let ins = inputs(&d, routing, seed * 1000 + k, k % 2 == 1);
+                        let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
+                        let want = reference::dispatch(&d, &views).unwrap();
+                        let (got, layout) = rank.dispatch(&views[r]).expect("dispatch");
+                        assert_eq!(got, want[r], "seed {seed} step {k} rank {r}: dispatch");
+                        let outs: Vec<Vec<u8>> = want
+                            .iter()
+                            .enumerate()
+                            .map(|(x, w)| expert_outputs(&d, x as u32, w))
+                            .collect();
+                        let y = rank.combine(&outs[r], &layout).expect("combine");
+                        let want = reference::combine(&d, &views, &outs).unwrap();
+                        assert_eq!(y, want[r], "seed {seed} step {k} rank {r}: combine");
+                    }
+                    rank
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let imms = ranks[0].imms();
+    for rank in ranks {
+        rank.shutdown().expect("shutdown");
+    }
+    for e in &engines {
+        for v in imms.all() {
+            assert_eq!(e.imm_pending(v), 0);
+        }
+        assert_eq!(e.stats().imm_excess, 0, "seed {seed}: excess immediates");
+        e.shutdown();
+    }
+}
+
+fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
+    let mut c = MoeConfig::new(n, n * l, r, t, 40, 12);
+    c.private_tokens = p.min(t * r);
+    c.step_timeout = Duration::from_secs(30);
+    c
+}
+
+#[test]
+fn ep2_to_8_random() {
+    for seed in seeds_or(0..12) {
+        for n in [2, 3, 4, 8] {
+            run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 3, 1 << 40);
+        }
+    }
+}
+
+#[test]
+fn edge_cases_ep4() {
+    for seed in seeds_or(0..2) {
+        for p in [0, 1, 6, 18] {
+            let c = cfg(4, 2, 3, 6, p);
+            let d = c.validate().unwrap();
+            for routing in crate::common::routings(&d) {
+                run(&c, routing, seed, 3, 1 << 40);
+            }
+        }
+    }
+}
+
+#[test]
+fn small_max_write_len_and_single_rank() {
+    run(&cfg(4, 1, 2, 8, 3), Routing::Skewed, 5, 3, 64);
+    run(&cfg(1, 4, 2, 4, 2), Routing::Random, 6, 2, 1 << 40);
+}
+
+/// A rank whose host dies before the step: the others get a typed error
+/// (after `step_timeout` at the latest), never a hang, and are poisoned.
+#[test]
+fn dead_peer_gives_typed_error_and_poisons() {
+    let mut c = cfg(4, 2, 3, 6, 2);
+    c.step_timeout = Duration::from_secs(2);
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(11));
+    let hosts: Vec<HostId> = (0..d.ranks).map(|_| fabric.add_host(NICS)).collect();
+    let engines: Vec<_> = hosts.iter().map(|&h| engine_on(&fabric, h)).collect();
+    let mut ranks = Vec::new();
+    let mut infos = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let (rank, info) = MoeRank::prepare(e.clone(), &c, r as u32).expect("prepare");
+        ranks.push(rank);
+        infos.push(info);
+    }
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect");
+    }
+    let dead = ranks.pop().expect("four ranks");
+    fabric.kill_host(hosts[3]);
+    let ins = inputs(&d, Routing::Random, 11, false);
+    std::thread::scope(|sc| {
+        for (r, rank) in ranks.iter_mut().enumerate() {
+            let ins = &ins;
+            sc.spawn(move || {
+                let err = rank.dispatch(&ins[r].input()).expect_err("a peer is dead");
+                assert!(
+                    matches!(err, MoeError::Engine { .. } | MoeError::Timeout { .. }),
+                    "rank {r}: {err}"
+                );
+                let again = rank.dispatch(&ins[r].input()).expect_err("poisoned");
+                assert!(matches!(again, MoeError::Poisoned), "rank {r}: {again}");
+            });
+        }
+    });
+    drop(dead);
+    for rank in ranks {
+        let _ = rank.shutdown();
+    }
+    for e in &engines {
+        e.shutdown();
+    }
+}
+
+/// Misuse is a typed error that does not poison the rank: bad inputs,
+/// calls out of order, a layout of an earlier step, peer infos that do not
+/// match.
+#[test]
+fn misuse_is_typed_and_harmless() {
+    let c = cfg(2, 2, 2, 4, 2);
+    let d = c.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(3));
+    let engines: Vec<_> = (0..2).map(|_| engine(&fabric)).collect();
+    let (mut a, ia) = MoeRank::prepare(engines[0].clone(), &c, 0).unwrap();
+    let (mut b, ib) = MoeRank::prepare(engines[1].clone(), &c, 1).unwrap();
+    assert!(matches!(
+        MoeRank::prepare(engines[0].clone(), &c, 2),
+        Err(MoeError::NoSuchRank { .. })
+    ));
+    let ins = inputs(&d, Routing::Random, 3, false);
+    assert!(matches!(
+        a.dispatch(&ins[0].input()),
+        Err(MoeError::NotConnected)
+    ));
+    let mut other = ib.clone();
+    other.config_hash ^= 1;
+    assert!(matches!(
+        a.connect(&[ia.clone(), other]),
+        Err(MoeError::PeerInfo { rank: 1, .. })
+    ));
+    assert!(matches!(
+        a.connect(&[ib.clone(), ia.clone()]),
+        Err(MoeError::PeerInfo { .. })
+    ));
+    a.connect(&[ia.clone(), ib.clone()]).unwrap();
+    b.connect(&[ia, ib]).unwrap();
+    let mut bad = ins[0].clone();
+    bad.ids[0] = d.experts;
+    assert!(matches!(
+        a.dispatch(&bad.input()),
+        Err(MoeError::ExpertOutOfRange { t: 0, k: 0, .. })
+    ));
+    bad.weights.pop();
+    assert!(matches!(
+        a.dispatch(&bad.input()),
+        Err(MoeError::Shape { .. })
+    ));
+    std::thread::scope(|sc| {
+        let ins = &ins;
+        let d = &d;
+        for (r, rank) in [&mut a, &mut b].into_iter().enumerate() {
+            sc.spawn(move || {
+                let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
+                let want = reference::dispatch(d, &views).unwrap();
+                let outs: Vec<Vec<u8>> = want
+                    .iter()
+                    .enumerate()
+                    .map(|(x, w)| expert_outputs(d, x as u32, w))
+                    .collect();
+                let (_, l0) = rank.dispatch(&views[r]).unwrap();
+                assert!(matches!(
+                    rank.dispatch(&views[r]),
+                    Err(MoeError::OutOfOrder { .. })
+                ));
+                rank.combine(&outs[r], &l0).unwrap();
+                assert!(matches!(
+                    rank.combine(&outs[r], &l0),
+                    Err(MoeError::OutOfOrder { .. })
+                ));
+                let (_, l1) = rank.dispatch(&views[r]).unwrap();
+                assert!(matches!(
+                    rank.combine(&outs[r], &l0),
+                    Err(MoeError::StaleLayout {
+                        layout_step: 0,
+                        step: 1
+                    })
+                ));
+                assert!(matches!(
+                    rank.combine(&outs[r][1..], &l1),
+                    Err(MoeError::Shape { .. })
+                ));
+                let y = rank.combine(&outs[r], &l1).unwrap();
+                assert_eq!(y, reference::combine(d, &views, &outs).unwrap()[r]);
+            });
+        }
+    });
+    a.shutdown().unwrap();
+    b.shutdown().unwrap();
+    for e in &engines {
+        assert_eq!(e.stats().imm_excess, 0);
+        e.shutdown();
+    }
+}

@@ -1,0 +1,108 @@
+//! Shared test helpers: random layouts, deterministic weights, and an
+//! independent reference of what every inference tensor must hold.
+#![allow(dead_code)]
+
+use weft_rl::meta::{Box2, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
+use weft_rl::DType;
+
+/// A random layout with `block`-aligned fp8 segments.
+pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
+    let mut g = Rng(seed);
+    let trainers = g.range(1, 6) as u32;
+    let nparams = g.range(1, 5) as usize;
+    let mut params = Vec::new();
+    for i in 0..nparams {
+        let rows = g.range(1, 40);
+        let cols = g.range(1, 24);
+        let mut ranks: Vec<u32> = (0..trainers).collect();
+        // random subset, random order
+        for k in (1..ranks.len()).rev() {
+            let j = g.below(k as u64 + 1) as usize;
+            ranks.swap(k, j);
+        }
+        ranks.truncate(g.range(1, trainers as u64) as usize);
+        let layout = match g.below(4) {
+            0 => Layout::Replicate { ranks },
+            1 => Layout::fsdp(0, ranks, rows),
+            _ => {
+                let dim = g.below(2) as u8;
+                let ext = if dim == 0 { rows } else { cols };
+                let mut sizes = vec![0u64; ranks.len()];
+                for _ in 0..ext {
+                    let k = g.below(ranks.len() as u64) as usize;
+                    sizes[k] += 1;
+                }
+                Layout::Shard { dim, ranks, sizes }
+            }
+        };
+        params.push(TrainParam {
+            name: format!("p{i}"),
+            rows,
+            cols,
+            dtype: DType::Bf16,
+            mesh_group: g.below(3) as u32,
+            layout,
+        });
+    }
+    let ninf = g.range(1, 3);
+    let mut inference = Vec::new();
+    for i in 0..ninf {
+        let mut ts = Vec::new();
+        for k in 0..g.range(1, 3) {
+            let fp8 = g.below(2) == 0;
+            let first = g.below(nparams as u64) as usize;
+            let width = g.range(1, params[first].cols);
+            let mut segs = Vec::new();
+            let nseg = g.range(1, 3);
+            for s in 0..nseg {
+                let cands: Vec<usize> = (0..nparams).filter(|&p| params[p].cols >= width).collect();
+                let p = if s == 0 {
+                    first
+                } else {
+                    cands[g.below(cands.len() as u64) as usize]
+                };
+                let rows = params[p].rows;
+                // fp8: every segment but the last is whole tiles
+                let last = s + 1 == nseg || (fp8 && rows < block);
+                let c0 = g.range(0, params[p].cols - width);
+                let h = if fp8 && !last {
+                    g.range(1, rows / block) * block
+                } else {
+                    g.range(1, rows)
+                };
+                let r0 = g.range(0, rows - h);
+                segs.push(Segment {
+                    param: p,
+                    src: Box2 {
+                        rows: r0..r0 + h,
+                        cols: c0..c0 + width,
+                    },
+                });
+                if last {
+                    break;
+                }
+            }
+            ts.push(InferTensor {
+                name: format!("i{i}.t{k}"),
+                segments: segs,
+                quant: if fp8 { Quant::Fp8Block } else { Quant::None },
+            });
+        }
+        // replicas: the same tensor on several ranks (TP groups, instances)
+        if let Some(prev) = inference.first().cloned() {
+            if g.below(2) == 0 {
+                let prev: Vec<InferTensor> = prev;
+                let k = g.below(prev.len() as u64) as usize;
+                ts.push(prev[k].clone());
+            }
+        }
+        inference.push(ts);
+    }
+    ModelLayout {
+        trainers,
+        params,
+        inference,
+    }
+}
+
+pub use crate::demo::*;

@@ -1,0 +1,314 @@
+//! Property tests of the routing planner: exact coverage, bounds, balance,
+//! determinism, and the bytes that land (an in-memory execution of the plan
+//! compared against an independent reference, fp8 included).
+
+use crate::common::{random_layout, reference_region, trainer_image};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use weft_rl::{plan, Plan, PlanConfig, Quant, Run, Xfer};
+
+fn pages(r: &Run) -> impl Iterator<Item = std::ops::Range<u64>> + '_ {
+    (0..r.count).map(move |k| r.offset + k * r.stride..r.offset + k * r.stride + r.page_len)
+}
+
+fn apply(x: &Xfer, src: &[u8], dst: &mut [u8]) {
+    assert_eq!(
+        x.src.page_len, x.dst.page_len,
+        "xfer sides differ in page length: {x:?}"
+    );
+    assert_eq!(
+        x.src.count, x.dst.count,
+        "xfer sides differ in page count: {x:?}"
+    );
+    for (s, d) in pages(&x.src).zip(pages(&x.dst)) {
+        dst[d.start as usize..d.end as usize]
+            .copy_from_slice(&src[s.start as usize..s.end as usize]);
+    }
+}
+
+/// Executes the plan in memory: what the inference regions hold afterwards.
+fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
+    let imgs: Vec<Vec<u8>> = (0..p.trainers.len())
+        .map(|t| trainer_image(p, t, step))
+        .collect();
+    let mut inf: Vec<Vec<u8>> = p
+        .inference
+        .iter()
+        .map(|r| vec![0u8; r.len as usize])
+        .collect();
+    for u in &p.units {
+        let w = u.writer as usize;
+        match u.arena {
+            None => {
+                for d in &u.dests {
+                    apply(&d.data, &imgs[w], &mut inf[d.inf as usize]);
+                }
+            }
+            Some((off, len)) => {
+                let mut arena = vec![0u8; p.arena_len as usize];
+                assert!(off + len <= p.arena_len);
+                for x in &u.local {
+                    apply(x, &imgs[w], &mut arena);
+                }
+                for g in &u.gathers {
+                    assert_ne!(g.from, u.writer);
+                    apply(&g.xfer, &imgs[g.from as usize], &mut arena);
+                }
+                let (h, wd) = (u.src.height() as usize, u.src.width() as usize);
+                let box_bytes = h * wd * 2;
+                let d0 = &u.dests[0];
+                let qo = d0.data.src.offset as usize;
+                let so = d0
+                    .scales
+                    .as_ref()
+                    .map(|s| s.src.offset as usize)
+                    .unwrap_or(0);
+                let sl = d0
+                    .scales
+                    .as_ref()
+                    .map(|s| s.src.bytes() as usize)
+                    .unwrap_or(0);
+                let src = arena[off as usize..off as usize + box_bytes].to_vec();
+                let mut q = vec![0u8; h * wd];
+                let mut sc = vec![0u8; sl];
+                let fp8 = u.quant == Quant::Fp8Block;
+                assert!(
+                    !fp8 || weft_rl::fp8::quantize_block(
+                        &src,
+                        h,
+                        wd,
+                        p.config.block as usize,
+                        &mut q,
+                        &mut sc
+                    )
+                );
+                if fp8 {
+                    arena[qo..qo + h * wd].copy_from_slice(&q);
+                    arena[so..so + sl].copy_from_slice(&sc);
+                }
+                for d in &u.dests {
+                    for x in d.xfers() {
+                        apply(x, &arena, &mut inf[d.inf as usize]);
+                    }
+                }
+            }
+        }
+    }
+    inf
+}
+
+fn check(
+    seed: u64,
+    unit_bytes: u64,
+    watermark: u64,
+    min_direct_bytes: u64,
+) -> Result<(), TestCaseError> {
+    let block = 4;
+    let m = random_layout(seed, block);
+    let cfg = PlanConfig {
+        block,
+        unit_bytes,
+        align: 8,
+        watermark,
+        min_direct_bytes,
+    };
+    let p = match plan(&m, &cfg) {
+        Ok(p) => p,
+        Err(weft_rl::RlError::Plan(msg)) if msg.contains("watermark") => return Ok(()),
+        Err(e) => return Err(TestCaseError::fail(format!("plan failed: {e}"))),
+    };
+    // Deterministic.
+    prop_assert_eq!(&p, &plan(&m, &cfg).unwrap());
+
+    // Every byte of every inference tensor (and scales) written exactly
+    // once; nothing outside the tensors or the region.
+    for (i, reg) in p.inference.iter().enumerate() {
+        let mut cover = vec![0u32; reg.len as usize];
+        for (_, x) in p.writes_to(i as u32) {
+            prop_assert!(x.dst.end() <= reg.len, "write past region {i}: {:?}", x);
+            for r in pages(&x.dst) {
+                for b in r {
+                    cover[b as usize] += 1;
+                }
+            }
+        }
+        let mut inside = vec![false; reg.len as usize];
+        for t in &reg.tensors {
+            for (o, l) in std::iter::once(t.data).chain(t.scales) {
+                for b in o..o + l {
+                    inside[b as usize] = true;
+                }
+            }
+        }
+        for b in 0..reg.len as usize {
+            prop_assert_eq!(cover[b], u32::from(inside[b]), "inference {} byte {}", i, b);
+        }
+    }
+
+    // Sources inside their regions; arenas exactly assembled; waves within
+    // the watermark and disjoint per writer.
+    let mut wave_use: BTreeMap<(u32, u32, u32), Vec<(u64, u64)>> = BTreeMap::new();
+    for u in &p.units {
+        prop_assert!(u.eligible.contains(&u.writer));
+        match u.arena {
+            None => {
+                for d in &u.dests {
+                    prop_assert!(d.data.src.end() <= p.trainers[u.writer as usize].len);
+                }
+                prop_assert!(u.gathers.is_empty() && u.local.is_empty());
+            }
+            Some((off, len)) => {
+                prop_assert!(off + len <= cfg.watermark);
+                let bb = u.src.elems() * 2;
+                let mut cover = vec![0u32; bb as usize];
+                for x in u.local.iter().chain(u.gathers.iter().map(|g| &g.xfer)) {
+                    for r in pages(&x.dst) {
+                        prop_assert!(r.start >= off && r.end <= off + bb);
+                        for b in r {
+                            cover[(b - off) as usize] += 1;
+                        }
+                    }
+                }
+                for g in &u.gathers {
+                    prop_assert!(g.xfer.src.end() <= p.trainers[g.from as usize].len);
+                }
+                prop_assert!(cover.iter().all(|&c| c == 1), "arena box not covered once");
+                for d in &u.dests {
+                    for x in d.xfers() {
+                        if u.quant == Quant::Fp8Block {
+                            prop_assert!(x.src.offset >= off + bb && x.src.end() <= off + len);
+                        } else {
+                            prop_assert!(x.src.offset >= off && x.src.end() <= off + bb);
+                        }
+                    }
+                }
+                wave_use
+                    .entry((u.mesh_group, u.wave, u.writer))
+                    .or_default()
+                    .push((off, off + len));
+            }
+        }
+    }
+    for v in wave_use.values_mut() {
+        v.sort_unstable();
+        for w in v.windows(2) {
+            prop_assert!(w[0].1 <= w[1].0, "arena slots overlap in a wave");
+        }
+    }
+
+    // Balance certificate (per mesh group): a rank's load minus its last
+    // flexible unit is at most the load of every rank that could take it.
+    let mut load: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    for u in &p.units {
+        *load.entry((u.mesh_group, u.writer)).or_default() += u.dest_bytes();
+    }
+    let mut last: BTreeMap<(u32, u32), &weft_rl::Unit> = BTreeMap::new();
+    for u in p.units.iter().filter(|u| u.eligible.len() > 1) {
+        let e = last.entry((u.mesh_group, u.writer)).or_insert(u);
+        if u.assign_seq > e.assign_seq {
+            *e = u;
+        }
+    }
+    for ((g, r), u) in &last {
+        let mine = load[&(*g, *r)] - u.dest_bytes();
+        for s in &u.eligible {
+            let theirs = load.get(&(*g, *s)).copied().unwrap_or(0);
+            prop_assert!(
+                mine <= theirs,
+                "group {} rank {} load {} - {} > rank {} load {}",
+                g,
+                r,
+                load[&(*g, *r)],
+                u.dest_bytes(),
+                s,
+                theirs
+            );
+        }
+    }
+
+    // The bytes: the plan, executed in memory, gives the reference.
+    let got = execute(&p, 7);
+    for (i, g) in got.iter().enumerate() {
+        let want = reference_region(&m, &p, i, 7);
+        for (b, w) in want.iter().enumerate() {
+            if let Some(w) = w {
+                prop_assert_eq!(g[b], *w, "inference {} byte {} (seed {})", i, b, seed);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    #[test]
+    fn plan_covers_every_byte_once(seed in any::<u64>(), unit in 2u64..400, wm in 64u64..8192, direct in 0u64..64) {
+        check(seed, unit, wm, direct)?;
+    }
+}
+
+/// The balance bound's corollary: one holder set, `max - min ≤` largest unit.
+#[test]
+fn replicated_params_spread_evenly() {
+    use weft_rl::meta::*;
+    let params = (0..7)
+        .map(|i| TrainParam {
+            name: format!("w{i}"),
+            rows: 100 + 37 * i,
+            cols: 64,
+            dtype: DType::Bf16,
+            mesh_group: 0,
+            layout: Layout::Replicate {
+                ranks: vec![0, 1, 2, 3, 4],
+            },
+        })
+        .collect::<Vec<_>>();
+    let inference = vec![(0..7)
+        .map(|i| InferTensor {
+            name: format!("w{i}"),
+            segments: vec![Segment {
+                param: i,
+                src: Box2 {
+                    rows: 0..100 + 37 * i as u64,
+                    cols: 0..64,
+                },
+            }],
+            quant: Quant::None,
+        })
+        .collect()];
+    let m = ModelLayout {
+        trainers: 5,
+        params,
+        inference,
+    };
+    let cfg = PlanConfig {
+        unit_bytes: 4096,
+        ..PlanConfig::default()
+    };
+    let p = plan(&m, &cfg).unwrap();
+    let l = p.trainer_load();
+    let max_unit = p.units.iter().map(|u| u.dest_bytes()).max().unwrap();
+    let (mx, mn) = (*l.iter().max().unwrap(), *l.iter().min().unwrap());
+    assert!(mx - mn <= max_unit, "loads {l:?}, largest unit {max_unit}");
+}
+
+/// The fp8 conversion matches the exhaustive-search reference on every
+/// bf16 value in range.
+#[test]
+fn e4m3_conversion_matches_reference() {
+    for b in 0u16..=0xFFFF {
+        let x = weft_rl::fp8::bf16_to_f32(b);
+        if !x.is_finite() {
+            continue;
+        }
+        let got = weft_rl::fp8::f32_to_e4m3(x);
+        let want = crate::common::ref_e4m3(x);
+        assert_eq!(got, want, "bf16 {b:#06x} = {x}");
+        if got & 0x7F != 0x7F {
+            let back = weft_rl::fp8::e4m3_to_f32(got);
+            assert!(
+                (back - x.clamp(-448.0, 448.0)).abs() <= x.abs().max(1e-3) * 0.07 + 2f32.powi(-10)
+            );
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! The integration tests of `weft-libfabric`: one test binary, one module per area.
+
+#[macro_use]
+mod common;
+mod conformance_shm;
+mod conformance_shm_xproc;
+mod conformance_tcp;
+mod conformance_tcp_xproc;
+mod data_path;
+mod engine_shm;
+mod engine_tcp;
+mod engine_xproc;
+mod lifecycle;
+mod missing_library;
+mod shm_restart_xproc;
+mod smoke;
+mod spin_then_park;
+mod stale_shm;
+mod wait_fd;

@@ -1,0 +1,9 @@
+//! The integration tests of `weft-verbs`: one test binary, one module per area.
+
+#[macro_use]
+mod common;
+mod conformance;
+mod data_path;
+mod engine;
+mod lifecycle;
+mod verbs;
