@@ -206,6 +206,13 @@ pub struct PortAttr {
 /// `IBV_PORT_ACTIVE`.
 pub const PORT_ACTIVE: u32 = 4;
 
+/// Bytes of the GRH area in front of every UD receive's payload
+/// (`sizeof(struct ibv_grh)`).
+pub const GRH_LEN: usize = 40;
+
+/// Where an IPv6-format GRH holds the source GID (`struct ibv_grh.sgid`).
+pub const GRH_SGID: std::ops::Range<usize> = 8..24;
+
 /// `IBV_ACCESS_*` flags.
 pub mod access {
     /// `IBV_ACCESS_LOCAL_WRITE`.

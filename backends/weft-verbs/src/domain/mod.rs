@@ -42,7 +42,7 @@ use weft_transport::{
 };
 
 /// Bytes of GRH in front of every UD receive.
-const GRH: usize = 40;
+const GRH: usize = GRH_LEN;
 /// Size of one UD buffer slot (GRH + handshake, rounded up).
 const UD_SLOT: usize = 256;
 

@@ -20,7 +20,7 @@
 //! (`wire::Handshake`) still keeps a sender that does not receive the
 //! answers from completing a connection.
 
-use crate::ops::Gid;
+use crate::ops::{Gid, GRH_LEN, GRH_SGID};
 use crate::wire::VerbsAddr;
 
 /// The source of one UD receive, from its completion and GRH.
@@ -78,13 +78,13 @@ impl UdSource {
 /// neither is there. (The domain also zeroes the area before each post,
 /// so a version-6 header of an earlier datagram cannot linger.)
 fn grh_source_gid(grh: &[u8]) -> Option<Gid> {
-    let grh: &[u8; 40] = grh.get(..40)?.try_into().ok()?;
+    let grh: &[u8; GRH_LEN] = grh.get(..GRH_LEN)?.try_into().ok()?;
     if is_ipv4_header(&grh[20..]) {
         return Some(Gid::ipv4_mapped([grh[32], grh[33], grh[34], grh[35]]));
     }
     if grh[0] >> 4 == 6 {
         let mut g = [0u8; 16];
-        g.copy_from_slice(&grh[8..24]);
+        g.copy_from_slice(&grh[GRH_SGID]);
         return Some(Gid(g));
     }
     None

@@ -80,8 +80,8 @@ impl VerbsOps for IbvDevice {
             max_msg_sz: a.max_msg_sz,
             lid: a.lid,
             link_layer: match a.link_layer {
-                1 => LinkLayer::InfiniBand,
-                2 => LinkLayer::Ethernet,
+                LINK_LAYER_INFINIBAND => LinkLayer::InfiniBand,
+                LINK_LAYER_ETHERNET => LinkLayer::Ethernet,
                 _ => LinkLayer::Unspecified,
             },
             active_width: a.active_width,
@@ -107,9 +107,9 @@ impl VerbsOps for IbvDevice {
                 return Ok(GidEntry {
                     gid: Gid(e.gid),
                     gid_type: match e.gid_type {
-                        0 => Some(GidType::Ib),
-                        1 => Some(GidType::RoceV1),
-                        2 => Some(GidType::RoceV2),
+                        GID_TYPE_IB => Some(GidType::Ib),
+                        GID_TYPE_ROCE_V1 => Some(GidType::RoceV1),
+                        GID_TYPE_ROCE_V2 => Some(GidType::RoceV2),
                         _ => None,
                     },
                 });
@@ -455,14 +455,14 @@ impl VerbsOps for IbvDevice {
                 wr: [0; 32],
                 qp_type: 0,
                 _pad: 0,
-                tail: [0; 6],
+                _tail: [0; 6],
             };
             match w.op {
                 SendOp::Send => {}
                 SendOp::Write { remote_addr, rkey } => {
                     raw.opcode = WR_RDMA_WRITE;
-                    raw.wr[..8].copy_from_slice(&remote_addr.to_ne_bytes());
-                    raw.wr[8..12].copy_from_slice(&rkey.to_ne_bytes());
+                    raw.wr[WR_RDMA_REMOTE_ADDR].copy_from_slice(&remote_addr.to_ne_bytes());
+                    raw.wr[WR_RDMA_RKEY].copy_from_slice(&rkey.to_ne_bytes());
                 }
                 SendOp::WriteImm {
                     remote_addr,
@@ -471,8 +471,8 @@ impl VerbsOps for IbvDevice {
                 } => {
                     raw.opcode = WR_RDMA_WRITE_WITH_IMM;
                     raw.imm_data = imm.to_be();
-                    raw.wr[..8].copy_from_slice(&remote_addr.to_ne_bytes());
-                    raw.wr[8..12].copy_from_slice(&rkey.to_ne_bytes());
+                    raw.wr[WR_RDMA_REMOTE_ADDR].copy_from_slice(&remote_addr.to_ne_bytes());
+                    raw.wr[WR_RDMA_RKEY].copy_from_slice(&rkey.to_ne_bytes());
                 }
                 SendOp::UdSend {
                     ah,
@@ -483,9 +483,9 @@ impl VerbsOps for IbvDevice {
                         .ahs
                         .get(&ah.0)
                         .ok_or_else(|| fail(i, bad_handle("ibv_post_send")))?;
-                    raw.wr[..8].copy_from_slice(&(ahp as usize as u64).to_ne_bytes());
-                    raw.wr[8..12].copy_from_slice(&remote_qpn.to_ne_bytes());
-                    raw.wr[12..16].copy_from_slice(&remote_qkey.to_ne_bytes());
+                    raw.wr[WR_UD_AH].copy_from_slice(&(ahp as usize).to_ne_bytes());
+                    raw.wr[WR_UD_REMOTE_QPN].copy_from_slice(&remote_qpn.to_ne_bytes());
+                    raw.wr[WR_UD_REMOTE_QKEY].copy_from_slice(&remote_qkey.to_ne_bytes());
                 }
             }
             chain.push(raw);
@@ -600,10 +600,10 @@ impl VerbsOps for IbvDevice {
                 wr_id: w.wr_id,
                 status,
                 opcode: match w.opcode {
-                    0 => WcOpcode::Send,
-                    1 => WcOpcode::RdmaWrite,
-                    128 => WcOpcode::Recv,
-                    129 => WcOpcode::RecvRdmaWithImm,
+                    WC_SEND => WcOpcode::Send,
+                    WC_RDMA_WRITE => WcOpcode::RdmaWrite,
+                    WC_RECV => WcOpcode::Recv,
+                    WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
                     o => WcOpcode::Other(o),
                 },
                 vendor_err: w.vendor_err,

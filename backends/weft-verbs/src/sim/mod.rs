@@ -43,7 +43,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use weft_transport::TransportError;
 
 /// Size of the GRH in front of every UD receive.
-pub const GRH_LEN: usize = 40;
+pub use crate::ops::GRH_LEN;
 
 /// Knobs of the simulated fabric.
 #[derive(Debug, Clone)]
