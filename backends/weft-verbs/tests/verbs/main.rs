@@ -7,3 +7,4 @@ mod data_path;
 mod engine;
 mod lifecycle;
 mod verbs;
+mod layout;

@@ -535,7 +535,7 @@ fn table_covers_every_abi_item() {
     };
     let mut missing = Vec::new();
     let mut current: Option<&str> = None;
-    for line in include_str!("../src/ffi/abi.rs").lines() {
+    for line in include_str!("../../src/ffi/abi.rs").lines() {
         let word = |prefix: &str| {
             line.strip_prefix(prefix)
                 .map(|r| r.split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_')))
