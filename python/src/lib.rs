@@ -1,4 +1,4 @@
-//! `weft._weft`: the Python extension module of weft (issue 21).
+//! `weft._weft`: the Python extension module of weft.
 //!
 //! The public API is re-exported by the pure-Python package `weft`
 //! (`python/weft/__init__.py`); see `python/weft/_weft.pyi` for the typed

@@ -1,7 +1,7 @@
 //! # weft-moe: MoE dispatch/combine over the weft TransferEngine
 //!
-//! Decode-optimised expert-parallel dispatch and combine (issue 20, design
-//! in the project notes). N ranks, E experts (E/N per rank), each rank
+//! Decode-optimised expert-parallel dispatch and combine (user guide:
+//! `docs/apps.md`). N ranks, E experts (E/N per rank), each rank
 //! dispatches up to T tokens to its top-R experts:
 //!
 //! 1. every rank counts its (token, k) pairs per expert ([`count_pairs`]),

@@ -20,8 +20,7 @@
 //! - [`models`]: parameter tables of Qwen3-235B-A22B, DeepSeek-V3 and
 //!   Kimi-K2 from their published configs, and the paper's layouts.
 //!
-//! See the crate README section and `docs/benchmarks.md` ("RL weight
-//! transfer").
+//! See `docs/apps.md` and `docs/benchmarks.md` ("RL weight transfer").
 
 #![deny(unsafe_code)]
 
