@@ -18,19 +18,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         TransferEngine::builder().group(group).build()
     };
     let (writer, reader) = (engine(backend.host()?)?, engine(backend.host()?)?);
-    let (src_mr, _) = writer.reg_mr(src.region())?;
-    let (_, dst_desc) = reader.reg_mr(dst.region())?; // what a peer needs (serializable)
+    // Registrations deregister when dropped (here: before the buffers go).
+    let src_mr = writer.register(src.region())?;
+    let dst_mr = reader.register(dst.region())?; // its desc() is what a peer needs
 
     // The reader arms a round: it fires once every WRITE carrying `imm` has landed.
-    let imm = reader.alloc_imm()?;
+    let imm = reader.lease_imm()?; // returned to the allocator when dropped
     let count = reader.imm_counts(0)?.single_write(LEN as u64);
     let (tx, rx) = mpsc::channel();
-    reader.expect_imm_count(imm, count, move |r| {
+    reader.expect_imm_count(imm.value(), count, move |r| {
         let _ = tx.send(r);
     })?;
 
     let (on_done, sent) = OnDone::flag();
-    writer.submit_single_write(LEN as u64, Some(imm), (&src_mr, 0), (&dst_desc, 0), on_done)?;
+    let (src_h, dst_desc) = (src_mr.handle(), dst_mr.desc());
+    writer.submit_single_write(
+        LEN as u64,
+        Some(imm.value()),
+        (&src_h, 0),
+        (dst_desc, 0),
+        on_done,
+    )?;
     sent.wait()?; // delivered, as seen by the writer
     rx.recv()??; // the reader's round fired: every byte is in `dst`
     assert_eq!(dst.read(0, LEN), Some(data));

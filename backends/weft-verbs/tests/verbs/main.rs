@@ -5,6 +5,6 @@ mod common;
 mod conformance;
 mod data_path;
 mod engine;
+mod layout;
 mod lifecycle;
 mod verbs;
-mod layout;
