@@ -99,8 +99,7 @@ impl EngineBuilder {
         let imms: Arc<ImmTable<ImmDone>> = Arc::new(ImmTable::new(cfg.imm_capacity));
         let (cb_tx, cb_rx) = crossbeam_channel::unbounded::<CbMsg>();
         let watcher = WatcherShared::new();
-        #[cfg(feature = "latency-probe")]
-        let probes = Arc::new(crate::probe::ProbeSink::new(1 << 20));
+        let probes = crate::probe::Probes::default();
         let mut groups = Vec::new();
         let mut ctrl_rxs = Vec::new();
         for (i, spec) in self.groups.iter().enumerate() {
@@ -163,8 +162,7 @@ impl EngineBuilder {
                 Arc::new(|imm, n| tracing::warn!(imm, count = n, "immediates never consumed"))
             }),
             excess_total: AtomicU64::new(0),
-            #[cfg(feature = "latency-probe")]
-            probes: Arc::clone(&probes),
+            probes: probes.clone(),
         });
         let engine = TransferEngine {
             inner: Arc::clone(&inner),
@@ -183,8 +181,7 @@ impl EngineBuilder {
                 addrs: Arc::clone(&addrs),
                 cfg: cfg.clone(),
                 cb_tx: cb_tx.clone(),
-                #[cfg(feature = "latency-probe")]
-                probes: Arc::clone(&probes),
+                probes: probes.clone(),
             };
             if self.manual {
                 match ctx.open() {

@@ -44,7 +44,6 @@ mod incarnation;
 #[allow(unsafe_code)]
 mod mem;
 mod ondone;
-#[cfg(feature = "latency-probe")]
 pub mod probe;
 mod request;
 pub mod shard;

@@ -38,7 +38,6 @@ pub(crate) struct Submitted {
     pub(crate) id: TransferId,
     pub(crate) on_done: OnDone,
     pub(crate) body: Body,
-    #[cfg(feature = "latency-probe")]
     pub(crate) stamps: crate::probe::Stamps,
 }
 

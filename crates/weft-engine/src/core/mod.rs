@@ -148,8 +148,7 @@ pub(crate) struct WorkerCore {
     /// The epoch of the engine's incarnation table this group last synced
     /// its peers with (see `lifecycle`).
     inc_epoch: u64,
-    #[cfg(feature = "latency-probe")]
-    probes: Arc<crate::probe::ProbeSink>,
+    probes: crate::probe::Probes,
 }
 
 /// A backend error on NIC `nic` of `group` while moving `transfer`.
@@ -184,7 +183,7 @@ impl WorkerCore {
         max_inflight_per_nic: usize,
         plan_window: usize,
         counters: Arc<GroupCounters>,
-        #[cfg(feature = "latency-probe")] probes: Arc<crate::probe::ProbeSink>,
+        probes: crate::probe::Probes,
     ) -> Result<Self, EngineError> {
         if domains.is_empty() || domains.len() > MAX_NICS {
             return Err(EngineError::Setup {
@@ -248,7 +247,6 @@ impl WorkerCore {
             plan_window: plan_window.max(1),
             counters,
             inc_epoch: 0,
-            #[cfg(feature = "latency-probe")]
             probes,
         })
     }
@@ -370,14 +368,10 @@ impl WorkerCore {
             id,
             on_done,
             body,
-            #[cfg(feature = "latency-probe")]
             stamps,
         } = req;
         let (slot, gen) = self.slab.alloc(id, on_done);
-        #[cfg(feature = "latency-probe")]
-        {
-            self.slab[slot as usize].probe = crate::probe::Record::start(id, stamps);
-        }
+        self.slab[slot as usize].probe = crate::probe::TransferProbe::start(id, stamps);
         let kind = if matches!(body, Body::Send { .. }) {
             KIND_SEND
         } else {
@@ -416,10 +410,8 @@ impl WorkerCore {
             // "all posted" is now (`posted` saw the hold and did not record
             // it). A failed transfer's unposted pieces were dropped, not
             // posted: it is not recorded, as elsewhere.
-            #[cfg(feature = "latency-probe")]
-            if t.unposted == 0 && t.probe.first_wr.is_some() && t.error.is_none() {
-                t.probe.posted(true);
-                self.probes.push(t.probe);
+            if t.unposted == 0 && t.error.is_none() {
+                t.probe.all_posted_at_release(&self.probes);
             }
         }
         self.maybe_finish(slot);

@@ -273,25 +273,13 @@ impl WorkerCore {
                     Some((id, c)) if *id == w.wr => *c += 1,
                     _ => {
                         if let Some((id, c)) = run.replace((w.wr, 1)) {
-                            self.slab.posted_run(
-                                nic,
-                                id,
-                                c,
-                                #[cfg(feature = "latency-probe")]
-                                &self.probes,
-                            );
+                            self.slab.posted_run(nic, id, c, &self.probes);
                         }
                     }
                 }
             }
             if let Some((id, c)) = run {
-                self.slab.posted_run(
-                    nic,
-                    id,
-                    c,
-                    #[cfg(feature = "latency-probe")]
-                    &self.probes,
-                );
+                self.slab.posted_run(nic, id, c, &self.probes);
             }
             let rejected = match &err {
                 Some(e) if !e.is_retryable() => batch.get(accepted).copied(),

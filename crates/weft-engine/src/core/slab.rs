@@ -28,8 +28,7 @@ pub(super) struct Transfer {
     pub(super) posted_on: [u32; MAX_NICS],
     pub(super) error: Option<EngineError>,
     pub(super) send: Option<SendRes>,
-    #[cfg(feature = "latency-probe")]
-    pub(super) probe: crate::probe::Record,
+    pub(super) probe: crate::probe::TransferProbe,
 }
 
 /// Every transfer slot of a group, live or free.
@@ -106,8 +105,7 @@ impl Slab {
             posted_on: [0; MAX_NICS],
             error: None,
             send: None,
-            #[cfg(feature = "latency-probe")]
-            probe: crate::probe::Record::default(),
+            probe: crate::probe::TransferProbe::default(),
         });
         (slot, 0)
     }
@@ -120,7 +118,7 @@ impl Slab {
         nic: usize,
         wr: WrId,
         k: usize,
-        #[cfg(feature = "latency-probe")] probes: &crate::probe::ProbeSink,
+        probes: &crate::probe::Probes,
     ) {
         if let Some(slot) = self.lookup(wr) {
             let t = &mut self.transfers[slot as usize];
@@ -129,16 +127,7 @@ impl Slab {
                 *p = p.saturating_add(k32);
             }
             t.unposted = t.unposted.saturating_sub(k as u64);
-            #[cfg(feature = "latency-probe")]
-            {
-                if let Some(n) = t.probe.wrs_per_nic.get_mut(nic) {
-                    *n = n.saturating_add(k32);
-                }
-                t.probe.posted(t.unposted == 0);
-                if t.unposted == 0 {
-                    probes.push(t.probe);
-                }
-            }
+            t.probe.posted(nic, k32, t.unposted == 0, probes);
         }
     }
 
@@ -174,13 +163,7 @@ impl WorkerCore {
     pub(super) fn posted(&mut self, nic: usize, wr: WrId) {
         self.nics[nic].inflight += 1;
         self.pending_pieces = self.pending_pieces.saturating_sub(1);
-        self.slab.posted_run(
-            nic,
-            wr,
-            1,
-            #[cfg(feature = "latency-probe")]
-            &self.probes,
-        );
+        self.slab.posted_run(nic, wr, 1, &self.probes);
     }
 
     /// A piece never reached the backend (failed transfer): resolve it.

@@ -27,8 +27,7 @@ pub(crate) struct WorkerCtx {
     pub(crate) addrs: Arc<AddrBook>,
     pub(crate) cfg: EngineConfig,
     pub(crate) cb_tx: Sender<CbMsg>,
-    #[cfg(feature = "latency-probe")]
-    pub(crate) probes: Arc<crate::probe::ProbeSink>,
+    pub(crate) probes: crate::probe::Probes,
 }
 
 impl WorkerCtx {
@@ -58,7 +57,6 @@ impl WorkerCtx {
             // than the largest WR is several). `new` makes it at least 1.
             self.cfg.max_pending_wrs / 2,
             Arc::clone(&self.shared.counters),
-            #[cfg(feature = "latency-probe")]
             self.probes,
         )?;
         let info = core.info();

@@ -114,8 +114,10 @@ pub(crate) struct Inner {
     pub(crate) next_pool: AtomicU16,
     pub(crate) excess: ExcessHandler,
     pub(crate) excess_total: AtomicU64,
-    #[cfg(feature = "latency-probe")]
-    pub(crate) probes: Arc<crate::probe::ProbeSink>,
+    /// Read by `take_probe_records` only (feature `latency-probe`);
+    /// zero-sized without it.
+    #[allow(dead_code)]
+    pub(crate) probes: crate::probe::Probes,
 }
 
 impl Drop for Inner {

@@ -13,8 +13,6 @@ use crate::shard::ScatterMode;
 use crate::MAX_NICS;
 use crossbeam_utils::Backoff;
 use std::sync::atomic::Ordering;
-#[cfg(feature = "latency-probe")]
-use std::time::Instant;
 use weft_transport::{Imm, MrDesc, Pages, ScatterDst};
 
 impl TransferEngine {
@@ -59,10 +57,7 @@ impl TransferEngine {
             if let Some(e) = gs.failed.get() {
                 return Err((e.clone(), req));
             }
-            #[cfg(feature = "latency-probe")]
-            {
-                req.stamps.enqueued = Instant::now();
-            }
+            req.stamps.enqueued();
             match gs.queue.push(req) {
                 Ok(()) => {
                     gs.wake();
@@ -87,17 +82,11 @@ impl TransferEngine {
     }
 
     pub(super) fn new_req(&self, on_done: OnDone, body: Body) -> Submitted {
-        #[cfg(feature = "latency-probe")]
-        let now = Instant::now();
         Submitted {
             id: TransferId(self.inner.next_id.fetch_add(1, Ordering::Relaxed)),
             on_done,
             body,
-            #[cfg(feature = "latency-probe")]
-            stamps: crate::probe::Stamps {
-                submit: now,
-                enqueued: now,
-            },
+            stamps: crate::probe::Stamps::now(),
         }
     }
 
