@@ -33,6 +33,7 @@ pub mod report;
 pub mod rig;
 pub mod rl;
 pub mod stats;
+pub mod table;
 
 pub use backend::{BackendKind, Testbed};
 pub use progress::Progress;

@@ -143,12 +143,33 @@ fn main() -> ExitCode {
     }
     cfg.peer_exe = std::env::current_exe().ok();
     let report = weft_bench::run(&cfg);
-    println!(
-        "weft-bench on {} ({}; {:.1} s)\n",
-        report.machine,
-        if report.quick { "quick" } else { "full" },
-        report.elapsed_s
+    let width = weft_bench::report::TERMINAL_WIDTH;
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    print!(
+        "{}",
+        weft_bench::table::wrap(
+            &format!(
+                "weft-bench on {} ({}; {:.1} s).",
+                report.machine,
+                if report.quick { "quick" } else { "full" },
+                report.elapsed_s
+            ),
+            width
+        )
     );
+    if cpus <= 4 {
+        print!(
+            "{}",
+            weft_bench::table::wrap(
+                &format!(
+                    "{cpus} CPUs: the numbers are indicative; compare ratios, which are \
+                     measured against baselines of the same run."
+                ),
+                width
+            )
+        );
+    }
+    println!();
     print!("{}", report.table());
     let mut ok = true;
     let mut write = |path: &Option<PathBuf>, body: String, what: &str| {
@@ -163,9 +184,25 @@ fn main() -> ExitCode {
     write(&cli.csv, report.csv(), "CSV");
     write(&cli.plot, report.svg(), "plot");
     if let Some(p) = &cli.plot {
-        if let Err(e) = report.png(&p.with_extension("png")) {
-            eprintln!("error: {e}");
-            ok = false;
+        let png = p.with_extension("png");
+        match report.png(&png) {
+            Ok(()) => println!(
+                "\nplot: {} (bandwidth vs size; {} is the same without text)",
+                p.display(),
+                png.display()
+            ),
+            Err(e) => {
+                eprintln!("error: {e}");
+                ok = false;
+            }
+        }
+    }
+    for (path, what) in [(&cli.csv, "CSV"), (&cli.json, "JSON")] {
+        if let Some(p) = path {
+            println!(
+                "{what}: {} (every column, baseline names, targets)",
+                p.display()
+            );
         }
     }
     let failed = report

@@ -6,12 +6,16 @@
 //! trimmed) is what docs/benchmarks.md pastes, and table crates draw their
 //! header rule across the padding between columns.
 
+use crate::table::{wrap, Table};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
+
+/// The widest line the stdout table prints.
+pub const TERMINAL_WIDTH: usize = 100;
 
 /// Title and axis labels of the bandwidth plot.
 const PLOT_LABELS: (&str, &str, &str) = (
@@ -261,13 +265,19 @@ fn opt(v: Option<f64>) -> String {
 }
 
 impl Report {
-    /// The human-readable table (what stdout shows).
+    /// The human-readable table (what stdout shows), at most
+    /// [`TERMINAL_WIDTH`] columns wide: long names are cut with `…`; the
+    /// baselines' names and the targets' wording are in the CSV and JSON.
     pub fn table(&self) -> String {
-        let headers = [
-            "bench", "case", "backend", "nics", "param", "metric", "unit", "weft", "baseline",
-            "ratio", "target", "met",
-        ];
-        let mut cells: Vec<Vec<String>> = Vec::new();
+        let mut t = Table::new(
+            &[
+                "bench", "case", "backend", "nics", "param", "metric", "weft", "base", "ratio",
+                "met",
+            ],
+            &[
+                false, false, false, true, false, false, true, true, true, false,
+            ],
+        );
         let mut notes = Vec::new();
         for r in &self.rows {
             let (met, weft) = match &r.status {
@@ -283,7 +293,7 @@ impl Report {
                         "{} {} on {}: unavailable: {why}",
                         r.bench, r.case, r.backend
                     ));
-                    (String::new(), "unavailable".into())
+                    (String::new(), "n/a".into())
                 }
                 Status::Failed(why) => {
                     notes.push(format!(
@@ -293,62 +303,27 @@ impl Report {
                     (String::new(), "FAILED".into())
                 }
             };
-            let baseline = match (r.baseline, r.baseline_name.is_empty()) {
-                (Some(b), false) => format!("{} ({})", fmt_num(b), r.baseline_name),
-                (Some(b), true) => fmt_num(b),
-                (None, _) => "-".into(),
+            let metric = if r.unit.is_empty() {
+                r.metric.clone()
+            } else {
+                format!("{} ({})", r.metric, r.unit)
             };
-            cells.push(vec![
+            t.push(vec![
                 r.bench.clone(),
                 r.case.clone(),
                 r.backend.clone(),
                 r.nics.to_string(),
                 r.param.clone(),
-                r.metric.clone(),
-                r.unit.clone(),
+                metric,
                 weft,
-                baseline,
+                opt(r.baseline),
                 r.ratio
                     .map(|x| format!("{x:.2}"))
                     .unwrap_or_else(|| "-".into()),
-                r.target
-                    .as_ref()
-                    .map(|t| t.text.clone())
-                    .unwrap_or_default(),
                 met,
             ]);
         }
-        let mut w: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-        for row in &cells {
-            for (i, c) in row.iter().enumerate() {
-                w[i] = w[i].max(c.chars().count());
-            }
-        }
-        let mut out = String::new();
-        let line = |out: &mut String, row: &[String]| {
-            let mut s = String::new();
-            for (i, c) in row.iter().enumerate() {
-                let pad = w[i].saturating_sub(c.chars().count());
-                // Numbers right-aligned, text left-aligned.
-                if (7..=9).contains(&i) {
-                    s.push_str(&" ".repeat(pad));
-                    s.push_str(c);
-                } else {
-                    s.push_str(c);
-                    s.push_str(&" ".repeat(pad));
-                }
-                s.push_str("  ");
-            }
-            out.push_str(s.trim_end());
-            out.push('\n');
-        };
-        let hs: Vec<String> = headers.iter().map(|s| s.to_string()).collect();
-        line(&mut out, &hs);
-        let sep: Vec<String> = w.iter().map(|n| "-".repeat(*n)).collect();
-        line(&mut out, &sep);
-        for row in &cells {
-            line(&mut out, row);
-        }
+        let mut out = t.render(TERMINAL_WIDTH);
         // Where the threads ran, once per row group.
         let mut placed: Vec<String> = Vec::new();
         for r in self.rows.iter().filter(|r| !r.placement.is_empty()) {
@@ -361,8 +336,7 @@ impl Report {
             }
         }
         for n in notes.into_iter().chain(placed) {
-            out.push_str(&n);
-            out.push('\n');
+            out.push_str(&wrap(&n, TERMINAL_WIDTH));
         }
         if !self.proxy_breakdown.is_empty() {
             out.push('\n');
@@ -371,28 +345,25 @@ impl Report {
         out
     }
 
-    /// The proxy host-path breakdown as a table (µs).
+    /// The proxy host-path breakdown as a table (µs), at most
+    /// [`TERMINAL_WIDTH`] columns wide.
     pub fn breakdown_table(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "{:<14} {:>5}  {:<24} {:>7} {:>9} {:>9} {:>9}",
-            "backend", "peers", "stage (us)", "n", "p50", "p99", "p99.9"
+        let mut t = Table::new(
+            &["backend", "peers", "stage (us)", "n", "p50", "p99", "p99.9"],
+            &[false, true, false, true, true, true, true],
         );
         for b in &self.proxy_breakdown {
-            let _ = writeln!(
-                out,
-                "{:<14} {:>5}  {:<24} {:>7} {:>9} {:>9} {:>9}",
-                b.backend,
-                b.peers,
-                b.stage,
-                b.n,
+            t.push(vec![
+                b.backend.clone(),
+                b.peers.to_string(),
+                b.stage.clone(),
+                b.n.to_string(),
                 fmt_num(b.p50_us),
                 fmt_num(b.p99_us),
-                fmt_num(b.p999_us)
-            );
+                fmt_num(b.p999_us),
+            ]);
         }
-        out
+        t.render(TERMINAL_WIDTH)
     }
 
     /// JSON (pretty).

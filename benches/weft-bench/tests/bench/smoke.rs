@@ -23,6 +23,10 @@ fn quick_all_on_loopback_null_has_every_row() {
         .map(|r| format!("{} {} {:?}", r.bench, r.case, r.status))
         .collect();
     assert!(failed.is_empty(), "rows not measured: {failed:#?}");
+    // The terminal table fits 100 columns.
+    let table = rep.table();
+    let wide: Vec<&str> = table.lines().filter(|l| l.chars().count() > 100).collect();
+    assert!(wide.is_empty(), "table lines over 100 columns: {wide:#?}");
     let has = |bench: &str, case: &str, metric: &str, nics: usize| {
         rep.rows
             .iter()
@@ -127,7 +131,18 @@ fn quick_all_on_loopback_null_has_every_row() {
     // Table: header + separator + rows (+ breakdown).
     let t = rep.table();
     assert!(t.lines().count() >= rep.rows.len() + 2);
-    assert!(t.contains("target"));
+    // Whether each target was met is in the table; its wording in the CSV.
+    assert!(
+        t.lines()
+            .next()
+            .is_some_and(|h| h.trim_end().ends_with("met")),
+        "{t}"
+    );
+    assert!(rep
+        .csv()
+        .lines()
+        .next()
+        .is_some_and(|h| h.contains(",target,target_met,")));
 }
 
 /// `--pin` with an explicit list, at 8 NICs: every row measured and
@@ -180,6 +195,9 @@ fn missing_backends_are_reported_not_failed() {
             "{r:?}"
         );
     }
+    // The reasons are wrapped to the table's width.
+    let table = rep.table();
+    assert!(table.lines().all(|l| l.chars().count() <= 100), "{table}");
 }
 
 #[test]
