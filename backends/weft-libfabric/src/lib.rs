@@ -50,6 +50,7 @@ use std::time::Duration;
 pub use domain::messages::DroppedMessages;
 use domain::DomainOptions;
 pub use domain::LibfabricDomain;
+pub use ffi::{restored_dispositions, KEPT_SIGNALS, SA_RESTORER};
 use weft_transport::{Domain, NetAddr, NicInfo, Provider, TransportError};
 
 /// How to pick and open NICs.

@@ -38,7 +38,9 @@ static LIB: OnceLock<Result<Lib, TransportError>> = OnceLock::new();
 
 /// Loads libfabric once per process.
 pub(crate) fn lib() -> Result<&'static Lib, TransportError> {
-    LIB.get_or_init(load).as_ref().map_err(Clone::clone)
+    LIB.get_or_init(|| super::keep_signals(load))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 fn load() -> Result<Lib, TransportError> {
@@ -197,6 +199,10 @@ fn strdup(s: &str) -> Result<*mut c_char, TransportError> {
 
 /// Runs fi_getinfo and returns one entry per result, in provider order.
 pub(crate) fn getinfo(lib: &Lib, h: &Hints<'_>) -> Result<Vec<Info>, TransportError> {
+    super::keep_signals(|| getinfo_inner(lib, h))
+}
+
+fn getinfo_inner(lib: &Lib, h: &Hints<'_>) -> Result<Vec<Info>, TransportError> {
     // SAFETY: fi_dupinfo(NULL) is fi_allocinfo(): a zeroed fi_info with all
     // attribute structs allocated by the library (so their size matches the
     // library's ABI).

@@ -147,6 +147,16 @@ impl Resources {
         slots: usize,
         wait_fd: bool,
     ) -> Result<Resources, TransportError> {
+        super::keep_signals(|| Self::open_inner(lib, nic, info, slots, wait_fd))
+    }
+
+    fn open_inner(
+        lib: &'static Lib,
+        nic: &str,
+        info: &Info,
+        slots: usize,
+        wait_fd: bool,
+    ) -> Result<Resources, TransportError> {
         let mut r = Resources {
             lib,
             nic: nic.to_string(),

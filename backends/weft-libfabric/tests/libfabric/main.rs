@@ -13,6 +13,7 @@ mod engine_xproc;
 mod lifecycle;
 mod missing_library;
 mod shm_restart_xproc;
+mod signals;
 mod smoke;
 mod spin_then_park;
 mod stale_shm;

@@ -109,6 +109,14 @@ impl Resources {
         info: &Info,
         peer: &[u8],
     ) -> Result<(usize, u64), TransportError> {
+        super::super::keep_signals(|| self.open_tx_ep_inner(info, peer))
+    }
+
+    fn open_tx_ep_inner(
+        &mut self,
+        info: &Info,
+        peer: &[u8],
+    ) -> Result<(usize, u64), TransportError> {
         if self.mr_endpoint {
             // Registrations would have to be bound to each endpoint.
             return Err(TransportError::Unsupported {
