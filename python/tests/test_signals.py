@@ -1,4 +1,7 @@
-"""Ctrl-C during a blocking wait raises KeyboardInterrupt promptly."""
+"""Signals stay the application's: Ctrl-C during a blocking wait raises
+KeyboardInterrupt, and an application's SIGTERM handler installed before the
+engine runs, on every provider (libfabric's libraries install handlers of
+their own when they load; weft puts the application's back)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent(
     """
     import sys, threading, time, weft
-    eng = weft.TransferEngine("loopback")
+    spec = sys.argv[1]
+    kw = {} if spec == "loopback" else {"domain": "same-machine"}
+    eng = weft.TransferEngine(spec, **kw)
     t = eng.expect_imm_count(eng.alloc_imm(), 1)  # never fires
     main = threading.main_thread().ident
 
@@ -36,9 +43,26 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_sigint_interrupts_wait():
+SPECS = ["loopback", "libfabric:tcp", "libfabric:shm"]
+
+
+def available(spec: str) -> bool:
+    import weft
+
+    if spec == "loopback":
+        return True
+    return any(p.spec == spec and p.available for p in weft.providers())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_sigint_interrupts_wait(spec):
+    if not available(spec):
+        pytest.skip(f"{spec} unavailable here")
     p = subprocess.Popen(
-        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, spec],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert p.stdout is not None
@@ -50,3 +74,29 @@ def test_sigint_interrupts_wait():
         p.kill()
     assert p.returncode == 0, err
     assert out.split() == ["interrupted", "shut", "down"]
+
+
+TERM_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, weft
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append("term"))
+    spec = sys.argv[1]
+    kw = {} if spec == "loopback" else {"domain": "same-machine"}
+    with weft.TransferEngine(spec, **kw) as eng:
+        eng.alloc_imm()
+        os.kill(os.getpid(), signal.SIGTERM)
+    print(" ".join(got) or "none", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_application_sigterm_handler_runs(spec):
+    if not available(spec):
+        pytest.skip(f"{spec} unavailable here")
+    p = subprocess.run(
+        [sys.executable, "-c", TERM_CHILD, spec], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["term"], p.stderr
