@@ -563,14 +563,17 @@ impl PyTransferEngine {
     /// Arms a round: the returned `Transfer` finishes once `count`
     /// immediates `imm` have arrived (counting earlier arrivals). Re-arm
     /// after it finished for the next round. An `Imm` passed here is kept
-    /// alive until the round ends.
-    #[pyo3(signature = (imm, count, *, callback=None))]
+    /// alive until the round ends. With `peers` (the writers' addresses),
+    /// removing one of them (`remove_peer`) before the round fires fails it
+    /// with `PeerGoneError`.
+    #[pyo3(signature = (imm, count, *, callback=None, peers=None))]
     fn expect_imm_count(
         &self,
         py: Python<'_>,
         imm: &Bound<'_, PyAny>,
         count: u64,
         callback: Option<&Bound<'_, PyAny>>,
+        peers: Option<Vec<PyRef<'_, PyPeerAddress>>>,
     ) -> PyResult<Py<PyTransfer>> {
         let value = PyImm::value_of(imm)?;
         let keep = if imm.is_instance_of::<PyImm>() {
@@ -579,8 +582,15 @@ impl PyTransferEngine {
             Vec::new()
         };
         let (state, on_done) = self.on_done(keep);
-        py.detach(|| self.engine.expect_imm_count_with(value, count, on_done))
-            .map_err(|e| errors::engine_err(py, &e))?;
+        let from: Option<Vec<weft::GroupAddress>> =
+            peers.map(|p| p.iter().map(|a| a.inner.clone()).collect());
+        py.detach(|| match &from {
+            Some(from) => self
+                .engine
+                .expect_imm_count_from(value, count, from, on_done),
+            None => self.engine.expect_imm_count_with(value, count, on_done),
+        })
+        .map_err(|e| errors::engine_err(py, &e))?;
         transfer::submitted(py, None, state, callback)
     }
 

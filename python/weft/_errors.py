@@ -115,6 +115,11 @@ class PeerRemovedError(TransportError):
     a newer incarnation at its address): work for it fails with this."""
 
 
+class PeerGoneError(WeftError):
+    """A round armed with ``peers=`` waited on a peer that was removed
+    (``TransferEngine.remove_peer``): its immediates will not come."""
+
+
 class UnsupportedError(TransportError):
     """The backend does not support the operation."""
 

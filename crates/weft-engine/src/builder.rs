@@ -162,6 +162,7 @@ impl EngineBuilder {
                 Arc::new(|imm, n| tracing::warn!(imm, count = n, "immediates never consumed"))
             }),
             excess_total: AtomicU64::new(0),
+            watches: Default::default(),
             probes: probes.clone(),
         });
         let engine = TransferEngine {

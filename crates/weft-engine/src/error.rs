@@ -121,6 +121,18 @@ pub enum EngineError {
         /// The removed address.
         peer: NetAddr,
     },
+    /// A round armed with
+    /// [`expect_imm_count_from`](crate::TransferEngine::expect_imm_count_from)
+    /// waited on a peer that was removed: its immediates will not come.
+    #[error("immediate {imm}: the round waited on peer {peer} (incarnation {incarnation}), which was removed")]
+    PeerGone {
+        /// The round's immediate value.
+        imm: u32,
+        /// The removed peer's first NIC address.
+        peer: NetAddr,
+        /// The removed peer's incarnation.
+        incarnation: weft_transport::Incarnation,
+    },
     /// The group's worker panicked; its in-flight work failed with this and
     /// later submits to the group fail with it too.
     #[error("group {group}: worker failed: {what}")]

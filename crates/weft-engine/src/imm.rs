@@ -164,6 +164,30 @@ impl<C> ImmSlot<C> {
         self.state.load(Ordering::Acquire) >> 32 != 0
     }
 
+    /// Takes back the armed, unfired round if `mine` says its callback is
+    /// the caller's, keeping the arrivals counted so far. `None` when no
+    /// round is armed (it fired) or the armed one is another's.
+    pub(crate) fn disarm_if(&self, mine: impl Fn(&C) -> bool) -> Option<C> {
+        // Arms and the firing arrival's `take_cb` take this lock: while it
+        // is held, an armed round's callback is the last queued.
+        let mut cbs = self.cbs.lock();
+        let mut cur = self.state.load(Ordering::Acquire);
+        loop {
+            if cur >> 32 == 0 || !cbs.back().is_some_and(&mine) {
+                return None;
+            }
+            match self.state.compare_exchange_weak(
+                cur,
+                cur & LOW,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return cbs.pop_back(),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
     /// Resets the value: returns the unconsumed arrivals and the callbacks of
     /// rounds that were armed but never fired (oldest first).
     pub(crate) fn reset(&self) -> (u64, Vec<C>) {
@@ -281,6 +305,15 @@ impl<C> ImmTable<C> {
         self.sparse.lock().get(&imm).is_some_and(|s| s.is_armed())
     }
 
+    /// [`ImmSlot::disarm_if`] of `imm`.
+    pub(crate) fn disarm_if(&self, imm: u32, mine: impl Fn(&C) -> bool) -> Option<C> {
+        if let Some(slot) = usize::try_from(imm).ok().and_then(|i| self.dense.get(i)) {
+            return slot.disarm_if(mine);
+        }
+        let slot = self.sparse.lock().get(&imm).cloned();
+        slot.and_then(|s| s.disarm_if(mine))
+    }
+
     /// Resets `imm` (see [`ImmSlot::reset`]).
     pub(crate) fn reset(&self, imm: u32) -> (u64, Vec<C>) {
         if let Some(slot) = usize::try_from(imm).ok().and_then(|i| self.dense.get(i)) {
@@ -350,21 +383,42 @@ impl Drop for ArmedRound {
 pub(crate) struct ImmDone {
     on_done: OnDone,
     round: ArmedRound,
+    /// Set for a round that waits on named peers: the engine's watch list
+    /// holds it weakly, so the watch ends when the round does.
+    watch: Option<Arc<RoundWatch>>,
 }
+
+/// The identity of a round armed with the peers it waits on.
+#[derive(Debug, Default)]
+pub(crate) struct RoundWatch;
 
 impl ImmDone {
     pub(crate) fn new(on_done: OnDone, waits: &Arc<ImmWaits>) -> Self {
         Self {
             on_done,
             round: ArmedRound::new(waits),
+            watch: None,
         }
+    }
+
+    /// The same, for a round watched by `watch`.
+    pub(crate) fn watched(on_done: OnDone, waits: &Arc<ImmWaits>, watch: Arc<RoundWatch>) -> Self {
+        Self {
+            watch: Some(watch),
+            ..Self::new(on_done, waits)
+        }
+    }
+
+    /// Whether this is the round `watch` identifies.
+    pub(crate) fn is(&self, watch: &Arc<RoundWatch>) -> bool {
+        self.watch.as_ref().is_some_and(|w| Arc::ptr_eq(w, watch))
     }
 
     /// Resolves a flag or counter at once; a callback comes back as the
     /// event that runs it on the callback thread, with the round's count
     /// (dropped once the callback returned; no second box around it).
     pub(crate) fn resolve(self, r: DoneResult) -> Option<Event> {
-        let ImmDone { on_done, round } = self;
+        let ImmDone { on_done, round, .. } = self;
         let (cb, r) = on_done.resolve_inline(r)?;
         Some(Event::RoundDone(cb, r, round))
     }
@@ -373,6 +427,27 @@ impl ImmDone {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn disarm_if_takes_only_the_named_armed_round() {
+        let t: ImmTable<u32> = ImmTable::new(4);
+        assert_eq!(t.arrive(2), None);
+        assert_eq!(t.arm(2, 3, 9), Ok(None));
+        // Not ours: nothing happens.
+        assert_eq!(t.disarm_if(2, |&c| c == 8), None);
+        assert!(t.is_armed(2));
+        // Ours: taken, the arrival stays counted.
+        assert_eq!(t.disarm_if(2, |&c| c == 9), Some(9));
+        assert!(!t.is_armed(2));
+        assert_eq!(t.pending(2), 1);
+        // A fired round cannot be disarmed.
+        assert_eq!(t.arm(2, 1, 10), Ok(Some(10)));
+        assert_eq!(t.disarm_if(2, |_| true), None);
+        // Values outside the dense range too.
+        assert_eq!(t.arm(1000, 1, 11), Ok(None));
+        assert_eq!(t.disarm_if(1000, |&c| c == 11), Some(11));
+        assert_eq!(t.disarm_if(1001, |_| true), None);
+    }
 
     #[test]
     fn early_arrivals_count() {
@@ -527,6 +602,27 @@ mod loom_model {
             got.sort_unstable();
             assert_eq!(got, vec![1, 2]);
             assert_eq!(slot.pending(), 0);
+        });
+    }
+
+    /// A peer's removal disarms a round while its last arrival fires it:
+    /// the callback is taken exactly once, by one of them, and the
+    /// arrival is counted either way (consumed by the fire, or pending).
+    #[test]
+    fn disarm_races_fire() {
+        ::loom::model(|| {
+            let slot = Arc::new(ImmSlot::<u32>::new());
+            assert_eq!(slot.arm(1, 5), Ok(None));
+            let s = slot.clone();
+            let t = thread::spawn(move || s.arrive());
+            let disarmed = slot.disarm_if(|&c| c == 5);
+            let fired = t.join().unwrap();
+            match (disarmed, fired) {
+                (Some(5), None) => assert_eq!(slot.pending(), 1),
+                (None, Some(5)) => assert_eq!(slot.pending(), 0),
+                other => panic!("callback taken {other:?}"),
+            }
+            assert!(!slot.is_armed());
         });
     }
 }

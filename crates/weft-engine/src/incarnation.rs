@@ -144,6 +144,11 @@ impl Incarnations {
         t.bound.get(addr) == Some(&inc) && !t.removed.contains(&(addr.clone(), inc))
     }
 
+    /// Whether `inc` at `addr` was removed.
+    pub(crate) fn is_removed(&self, addr: &NetAddr, inc: Incarnation) -> bool {
+        self.table.read().removed.contains(&(addr.clone(), inc))
+    }
+
     /// Changes whenever a bound incarnation stops being live.
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)

@@ -177,6 +177,8 @@ impl TransferEngine {
                 first = r;
             }
         }
+        // Rounds waiting on it will not see its immediates.
+        self.fail_rounds_from(peer);
         first
     }
 

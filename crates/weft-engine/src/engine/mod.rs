@@ -10,6 +10,7 @@ mod report;
 mod rounds;
 mod submit;
 mod targets;
+mod watches;
 
 pub use owned::{ImmLease, Registration, Resources};
 pub(crate) use report::log_data_paths;
@@ -114,6 +115,8 @@ pub(crate) struct Inner {
     pub(crate) next_pool: AtomicU16,
     pub(crate) excess: ExcessHandler,
     pub(crate) excess_total: AtomicU64,
+    /// Rounds armed with the peers they wait on.
+    pub(crate) watches: watches::Watches,
     /// Read by `take_probe_records` only (feature `latency-probe`);
     /// zero-sized without it.
     #[allow(dead_code)]

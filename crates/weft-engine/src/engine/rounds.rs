@@ -165,7 +165,13 @@ impl TransferEngine {
         on_done: OnDone,
     ) -> Result<(), EngineError> {
         // Counts are `u64` like the `ImmCounts` that compute them; a round
-        // holds at most `u32::MAX` arrivals.
+        // holds at most `u32::MAX` arrivals (checked in `arm_round`).
+        self.arm_round(imm, count, ImmDone::new(on_done, &self.inner.imm_waits))
+    }
+
+    /// Arms the round `d` (a `u64` count checked here); shared by the
+    /// `expect_imm_count` calls.
+    pub(super) fn arm_round(&self, imm: Imm, count: u64, d: ImmDone) -> Result<(), EngineError> {
         let count = u32::try_from(count).map_err(|_| EngineError::ImmCountTooLarge {
             imm,
             count,
@@ -177,12 +183,11 @@ impl TransferEngine {
             return Err(EngineError::ShutDown);
         };
         if count == 0 {
-            if let Some((cb, r)) = on_done.resolve_inline(Ok(())) {
-                self.dispatch(Event::Done(cb, r));
+            if let Some(e) = d.resolve(Ok(())) {
+                self.dispatch(e);
             }
             return Ok(());
         }
-        let d = ImmDone::new(on_done, &self.inner.imm_waits);
         match self.inner.imms.arm(imm, count, d) {
             Ok(Some(d)) => {
                 self.finish_imm(d, Ok(()));

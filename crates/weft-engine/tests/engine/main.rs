@@ -12,3 +12,4 @@ mod regressions_faults_and_refusals;
 mod scatter_targets;
 mod step;
 mod threaded;
+mod watched_rounds;
