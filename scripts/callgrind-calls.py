@@ -6,7 +6,7 @@ called, its inclusive cost per call (every event the file recorded: Ir, and
 the cache events with --cache-sim=yes), split by caller, and its callees'
 costs per call. The numbers come from the call edges (`calls=` lines), so a
 function's cost is counted per call even where callgrind_annotate only shows
-totals. Used for the instruction counts in docs/benchmarks.md.
+totals. Used for the instruction counts in docs/benchmarks.md ("Targets").
 
 usage: scripts/callgrind-calls.py CALLGRIND_OUT PATTERN [PATTERN...]
 """

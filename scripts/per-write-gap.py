@@ -1,21 +1,20 @@
 #!/usr/bin/env python3
 """Per-write time of weft's single WRITEs against the design floor and the
-issue's baseline, from `weft-bench p2p` / `all` CSVs.
+target's baseline, from `weft-bench p2p` / `all` CSVs.
 
 For each backend, NIC count and size (up to 4 KiB): the time one write
 takes (size / bandwidth) for weft, for the design floor ("raw behind a
 hand-off": the raw loop behind the engine's queue hand-off) and, where the
-CSV has it, for "raw, target on own thread" (the baseline of #23's 0.9×
-target on libfabric). Printed: medians over the pooled rows, the gap weft −
-floor (median and range over rows), floor / weft, and the budget: how much
-weft may take over the floor and still be 0.9× the own-thread raw loop
-(raw / 0.9 − floor, median; negative: not even the floor meets 0.9×).
+CSV has it, for "raw, target on own thread" (the baseline of the 0.9×
+single-WRITE targets on libfabric, docs/benchmarks.md, "Targets").
+Printed: medians over the pooled rows, the gap weft − floor (median and
+range over rows), floor / weft, and the budget: how much weft may take over
+the floor and still be 0.9× the own-thread raw loop (raw / 0.9 − floor,
+median; negative: not even the floor meets 0.9×).
 
-Rows of several runs (a `run` and `variant` column, as in
-docs/data/h200-i24-*.csv) or of several rounds are pooled; pick variants
-with --variant (substring; repeat for any of several) and drop some with
---exclude. docs/benchmarks.md ("What the shm singles' gap is made of")
-uses it.
+Rows of several runs (`run` and `variant` columns) or of several rounds are
+pooled; pick variants with --variant (substring; repeat for any of several)
+and drop some with --exclude.
 
 usage: scripts/per-write-gap.py RUN.csv [RUN.csv ...] [--variant S]... [--exclude S]...
 """

@@ -2,8 +2,8 @@
 # Copies this machine's `perf` with every library it links and the dynamic
 # loader into DIR, so it runs on a host without perf (the H200 machine):
 #   DIR/lib/ld-linux-x86-64.so.2 --library-path DIR/lib DIR/perf record ...
-# Pair it with scripts/perf-roles.py (docs/benchmarks.md, "Where the time
-# goes on the host"). Usage: scripts/perf-bundle.sh DIR
+# Pair it with scripts/perf-roles.py (which aggregates its samples by thread
+# role). Usage: scripts/perf-bundle.sh DIR
 set -euo pipefail
 dir=${1:?usage: $0 DIR}
 perf=$(command -v perf) || { echo "perf is not installed here" >&2; exit 1; }

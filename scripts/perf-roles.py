@@ -4,7 +4,7 @@ thread role, then by leaf symbol. A spawned thread's role is its entry
 function (the frame under __rust_begin_short_backtrace); the main thread's
 is the first known bench function on its stack.
 
-Record and convert (docs/benchmarks.md, "Where the time goes on the host"):
+Record and convert:
   perf record -e cpu-clock -F 2000 --call-graph dwarf,8192 -o p.data -- weft-bench ...
   perf script -i p.data --no-inline -F tid,ip,sym > p.txt
 Usage: perf-roles.py p.txt [TOP]"""

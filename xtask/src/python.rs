@@ -1,7 +1,7 @@
 //! The Python package (`python/`, distribution `weft-rdma`, import name
-//! `weft`; issue 21): build its wheel, install it into the environment of
-//! the interpreter the user runs, and run its pytest suite; lint its own
-//! cargo workspace.
+//! `weft`): build its wheel, install it into the environment of the
+//! interpreter the user runs, and run its pytest suite; lint its own cargo
+//! workspace.
 //!
 //! The interpreter is `$WEFT_PYTHON`, else the active virtualenv's
 //! (`$VIRTUAL_ENV`), else `python3` on `PATH` — unless that one is

@@ -211,7 +211,8 @@ pub fn run_model(a: &ModelArgs, quick: bool) -> ExitCode {
     );
     println!(
         "# paper columns: weft on CX7 and DeepEP from the paper (its EP8 runs over NVLink inside one node; \
-         here every EP size goes over the NIC model). Known model gaps: see docs/benchmarks.md (MoE)"
+         here every EP size goes over the NIC model). Known model gaps: see docs/benchmarks.md, \
+         \"MoE dispatch and combine\""
     );
     ExitCode::SUCCESS
 }

@@ -344,8 +344,7 @@ fn single(
         // pair warmed up with only a window of writes measured colder than
         // those (libfabric shm at 8 NICs, H200: 0.53-0.64 of raw with the
         // target on its own thread after 16 warm-up writes, 0.54-0.80
-        // after 8192; why, e.g. fresh shm regions, is not measured;
-        // docs/benchmarks.md, "shm singles at 2–8 NICs").
+        // after 8192; why, e.g. fresh shm regions, is not measured).
         {
             let ep = rig.engines()?;
             ep.single_writes(size.min(64 << 10), bw_ops, plan.window, None)?;
@@ -590,12 +589,11 @@ fn imm_once(
 /// The bench thread sleeps `p` (the engines sit idle meanwhile), then
 /// spins [`AWAKE`] before it goes on: what it times next starts on a
 /// running thread in both `imm_once` variants, not straight out of a
-/// sleep (the armed-before variant used to; the armed-after one had its
-/// arm in between). On the H200 host the paused rows read 8–11 µs in the
-/// runs with it, 11–16 µs in earlier ones (other runs, and a build with
-/// other changes too); arming early stayed ~2.5 % slower
-/// (docs/benchmarks.md, "Arming early: not the idle policy, not the
-/// submitter's wake-up").
+/// sleep (without the spin the armed-before variant would submit straight
+/// out of it, while the armed-after one has its arm in between). On the
+/// H200 host the paused rows read 8–11 µs with it, and arming early is
+/// ~2.5 % slower (docs/benchmarks.md, "Targets": the age of the arm
+/// decides).
 fn idle_then_spin(p: Duration) {
     std::thread::sleep(p);
     let t = Instant::now();

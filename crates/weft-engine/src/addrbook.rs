@@ -34,8 +34,7 @@ struct AddrIndex {
     /// Per hash of a descriptor's address list (every NIC's address in
     /// order, and the incarnation: [`AddrIndex::list_hash`]), the lists
     /// seen with that hash and their addresses' ids. A submit to an 8-NIC
-    /// descriptor makes one look-up here instead of eight in `ids`
-    /// (docs/benchmarks.md, "Interning a descriptor's addresses at once").
+    /// descriptor makes one look-up here instead of eight in `ids`.
     lists: std::collections::HashMap<u64, Vec<AddrList>, PreHashed>,
 }
 

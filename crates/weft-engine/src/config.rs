@@ -27,7 +27,8 @@ pub enum QueueFullPolicy {
 /// costs (CPU) against how fast it notices what nobody wakes it for
 /// (received messages, immediates of no armed round) and how long a wake
 /// takes. `weft-bench poll` measures each (submit → completion p50/p99
-/// after an idle gap, and idle CPU per group): see docs/benchmarks.md.
+/// after an idle gap, and idle CPU per group): see docs/benchmarks.md,
+/// "Polling policy and idle CPU".
 ///
 /// Groups whose NICs need software progress (libfabric tcp, shm) and
 /// offer a wait fd ([`weft_transport::Domain::wait_fd`]) sleep in those
@@ -95,8 +96,8 @@ pub struct EngineConfig {
     /// posted, so planning far ahead of the NICs only moves them out of the
     /// core's caches in between (10 000-page paged writes on one NIC ran at
     /// ~0.8 of the raw loop with 65 536, ~0.95 with 2048, on the 16-core
-    /// H200 host; at 8 NICs, planning them in windows moved them from 0.89
-    /// to 0.99 of it; docs/benchmarks.md).
+    /// H200 host; at 8 NICs, 0.99 of it planned in windows against 0.89
+    /// planned all at once).
     pub max_pending_wrs: usize,
     /// Most WRs a worker keeps posted and not yet completed per NIC (the
     /// lower of this and the NIC's own `Capabilities::max_inflight`),
@@ -104,8 +105,7 @@ pub struct EngineConfig {
     /// far more (the null fabric allows 65,536). 4096 WRITEs of 64 B keep
     /// a 400 Gbit/s NIC busy across a 5 µs round trip. On the 16-core H200
     /// host the ImmCounter row did not move between 1,024, 4,096 and
-    /// 65,536 (0.65–0.71 of the raw loop; docs/benchmarks.md, "Unmet #23
-    /// targets"). Default 4096.
+    /// 65,536 (0.65–0.71 of the raw loop). Default 4096.
     pub max_inflight_per_nic: usize,
     /// Immediate values handed out by `alloc_imm` (`0..imm_capacity`).
     pub imm_capacity: u32,
@@ -174,8 +174,8 @@ pub struct EngineConfig {
     /// (the group polls, one core, while idle). Also off when `idle_sleep`
     /// is `None`. Default 10 ms: the wake-up then costs under 1 % of the
     /// idle time before it, and an idle group burns at most 10 ms of CPU
-    /// per idle period (docs/benchmarks.md, "Idle CPU: sleeping in wait
-    /// fds").
+    /// per idle period (docs/benchmarks.md, "Polling policy and idle
+    /// CPU").
     pub idle_block_after: Option<Duration>,
 }
 

@@ -79,8 +79,7 @@ pub(crate) struct Incarnations {
     /// the `AddrBook`'s index (the field after this one in the book),
     /// which every submit takes, so for most allocation offsets a submit
     /// could cost the worker a miss on its next lap and the submitter one
-    /// on its next submit (the cost is not measured separately;
-    /// docs/benchmarks.md, "shm singles at 2–8 NICs").
+    /// on its next submit (the cost is not measured separately).
     epoch: CachePadded<AtomicU64>,
 }
 

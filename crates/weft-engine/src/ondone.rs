@@ -208,9 +208,8 @@ impl DoneFlag {
 /// below). Measured together with the worker's batched counts
 /// (`WorkerCore::flush_counts`; the two were not measured apart): 64 B
 /// WRITEs on the null backend, 16 outstanding on one counter, took a
-/// median 381 ns against 575 ns before (`cgdrive tcount`, 16 alternating
-/// runs on the 2-core VM; docs/benchmarks.md, "Completion flags and
-/// counters without a lock").
+/// median 381 ns against 575 ns without either (`cgdrive tcount`, 16
+/// alternating runs on the 2-core development machine).
 struct Waiters<'a>(&'a AtomicUsize);
 
 impl<'a> Waiters<'a> {

@@ -147,9 +147,8 @@ pub(crate) fn no_rkey(nic: usize) -> EngineError {
 /// inline and the others in the [`Routed::rkeys`] of its request. 56 bytes,
 /// so a 64-peer scatter hands the worker 3.5 KiB of destinations rather
 /// than the 7 KiB it took with a fixed `MAX_NICS` rkey array per
-/// destination: those bytes cross from the submitting core to the
-/// worker's, and each one costs (docs/benchmarks.md, "Engine changes
-/// measured here"). NIC 0's rkey inline keeps a one-NIC group's first
+/// destination: those bytes cross from the submitting core to the worker's,
+/// and each one costs. NIC 0's rkey inline keeps a one-NIC group's first
 /// WRITE from waiting on a second line from the other core.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RoutedDst {

@@ -25,9 +25,9 @@
 //! - **The event-level cost model** ([`cost_model`]) as a cross-check: the
 //!   same plan costed wave by wave from byte counts (see its docs).
 //!
-//! **Why this shape** (the options weighed for issue 19): the plan moves
-//! ~1.4 TB (Kimi-K2) from 256 trainers into 128 inference ranks, so real
-//! memory behind the registrations is out of the question, and 384 full
+//! **Why this shape** (the options weighed): the plan moves ~1.4 TB
+//! (Kimi-K2) from 256 trainers into 128 inference ranks, so real memory
+//! behind the registrations is out of the question, and 384 full
 //! `TransferEngine`s (each with its threads) on 2 cores would be slow and
 //! not deterministic. The fabric therefore runs in its **timing-only**
 //! profile ([`weft::loopback::FabricConfig::timing`]: the NIC model and

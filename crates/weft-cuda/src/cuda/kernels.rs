@@ -314,12 +314,13 @@ impl Kernels {
 
     /// Like [`Kernels::scalar_inc`] but with a relaxed store (no
     /// `fence.sys` before it): about 0.5 µs less latency on an H200 (see
-    /// docs/benchmarks.md). Enough when the data the bump announces was
-    /// written by *earlier kernels* on the same stream (or graph edge): a
-    /// kernel starts only after its predecessor completed, and a completed
-    /// kernel's writes are in device memory, where the NIC and the copy
-    /// engine read them. Use `scalar_inc` (or `weft_st_release_sys` in your
-    /// own kernel) when the same kernel both writes the data and bumps.
+    /// docs/benchmarks.md, "GPU: the UVM watcher"). Enough when the data the
+    /// bump announces was written by *earlier kernels* on the same stream (or
+    /// graph edge): a kernel starts only after its predecessor completed, and
+    /// a completed kernel's writes are in device memory, where the NIC and
+    /// the copy engine read them. Use `scalar_inc` (or `weft_st_release_sys`
+    /// in your own kernel) when the same kernel both writes the data and
+    /// bumps.
     pub fn scalar_inc_relaxed(
         &self,
         stream: &Stream,

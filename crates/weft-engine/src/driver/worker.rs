@@ -399,10 +399,9 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     };
     let block_after = block_after_of(&idle, blocker.is_some());
     let mut idle_since: Option<Instant> = None;
-    // Progress is stamped lazily, by the first idle lap that may park,
-    // rather than with a clock read on every productive lap (no measurable
-    // change on the H200 host: docs/benchmarks.md, "Where the time goes on
-    // the host"; it is one clock read less per lap). Both windows it feeds
+    // Progress is stamped lazily, by the first idle lap that may park, rather
+    // than with a clock read on every productive lap (no measurable change on
+    // the H200 host; it is one clock read less per lap). Both windows it feeds
     // (`inflight_spin`, `idle_block_after`) then start up to one
     // spin-and-yield phase late.
     let mut progressed = false;

@@ -4,13 +4,12 @@
 //!
 //! [`TransferEngine::submit_scatter`] checks every destination descriptor
 //! and matches its NIC addresses to its member's on every call: ~217
-//! instructions per destination on the calling thread (docs/benchmarks.md,
-//! "The 64-peer scatter in instructions"), plus the descriptor clones an
-//! application makes to build its [`ScatterDst`]s. A MoE dispatch or
-//! combine writes into the same receive buffers every step, only the
-//! offsets and lengths change: [`TransferEngine::scatter_targets`] does
-//! the descriptor work once, and [`TransferEngine::submit_scatter_to`]
-//! checks the bounds of each slice and hands the worker the request
+//! instructions per destination on the calling thread, plus the descriptor
+//! clones an application makes to build its [`ScatterDst`]s. A MoE dispatch
+//! or combine writes into the same receive buffers every step, only the
+//! offsets and lengths change: [`TransferEngine::scatter_targets`] does the
+//! descriptor work once, and [`TransferEngine::submit_scatter_to`] checks
+//! the bounds of each slice and hands the worker the request
 //! [`TransferEngine::submit_scatter`] would have built.
 
 use super::{no_group, PeerGroupHandle, TransferEngine};

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Issue 23's targets from `weft-bench all` CSVs: one line per target with
-the numbers it is judged by (weft, the issue's baseline and the design floor
-"raw behind a hand-off", all from the same run). Used for the tables in
-docs/benchmarks.md.
+"""The benchmark targets from `weft-bench all` CSVs: one line per target
+with the numbers it is judged by (weft, the target's baseline and the design
+floor "raw behind a hand-off", all from the same run). Used for the "Targets"
+table of docs/benchmarks.md.
 
-usage: scripts/i23-targets.py RUN.csv [RUN.csv ...]
+usage: scripts/bench-targets.py RUN.csv [RUN.csv ...]
   (e.g. the loopback-null,loopback half and the libfabric:tcp,libfabric:shm
   half of one full run)"""
 import csv
