@@ -109,16 +109,21 @@ fn lint(root: &Path) -> Result {
 fn test(root: &Path) -> Result {
     // Every step runs with backtraces on.
     let env = [("RUST_BACKTRACE", "1")];
+    // The etcd-backed tests run in the workspace run below and must not
+    // skip.
+    etcd::check()?;
     // Unit, integration, property and conformance tests of every crate
-    // (loopback conformance runs 50+ seeds; libfabric runs over tcp and shm).
+    // (loopback conformance runs 50+ seeds; libfabric runs over tcp and
+    // shm; rendezvous on a real etcd). One invocation for the whole
+    // workspace: every later step reuses what it built (`-p` would unify
+    // features differently and rebuild).
     proc::run(
         proc::cargo()
             .args(["test", "--workspace"])
             .current_dir(root)
-            .envs(env),
+            .envs(env)
+            .env(etcd::REQUIRE.0, etcd::REQUIRE.1),
     )?;
-    // The rendezvous store on a real etcd (each test starts its own).
-    etcd::run(root, &env)?;
     // The in-process libfabric tests again, against libfabric 2.x (Debian
     // 13's package, unpacked under target/; skipped when it cannot be
     // fetched).

@@ -14,9 +14,19 @@ use crate::proc::{self, fail, io, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The cargo target dir of the Python workspace (apart from the main
-/// build, so neither invalidates the other).
-const TARGET: &str = "target/python";
+/// The cargo target dir of the Python workspace: the root workspace's, so
+/// the dependencies both compile alike (same versions, features and
+/// profile) are compiled once. Artifacts differing in features coexist
+/// there; neither build invalidates the other.
+const TARGET: &str = "target";
+
+/// Where the built wheel is put (the tests list its files).
+const WHEELS: &str = "target/python-wheels";
+
+/// The wheel is built with the workspace's `test` profile into the
+/// workspace's target dir: the crates the workspace's test run compiled
+/// (same versions and features) are reused, not compiled again in release.
+const WHEEL_PROFILE: &str = "--profile test";
 
 /// pytest's exit status when it collected no tests.
 const NO_TESTS: i32 = 5;
@@ -78,7 +88,8 @@ fn interpreter(root: &Path) -> Result<PathBuf> {
     Ok(venv.join("bin/python"))
 }
 
-/// Builds the wheel from `python/` (release), installs it, runs pytest
+/// Builds the wheel from `python/` (the `test` profile, see
+/// [`WHEEL_PROFILE`]), installs it, runs pytest
 /// (GPU tests deselected; `no tests collected` is a failure).
 pub fn test(root: &Path) -> Result {
     let py = interpreter(root)?;
@@ -103,7 +114,7 @@ pub fn test(root: &Path) -> Result {
         std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
     ))
     .map_err(|e| proc::Error(format!("PATH: {e}")))?;
-    let wheels = root.join(TARGET).join("ci-wheels");
+    let wheels = root.join(WHEELS);
     if wheels.exists() {
         std::fs::remove_dir_all(&wheels).map_err(io("emptying", &wheels))?;
     }
@@ -112,6 +123,7 @@ pub fn test(root: &Path) -> Result {
     proc::run(
         python_cmd(&py, root)
             .env("PATH", &path)
+            .env("MATURIN_PEP517_ARGS", WHEEL_PROFILE)
             .args([
                 "-m",
                 "pip",

@@ -1,35 +1,33 @@
 //! CI step of `apps/weft-rl` (its tests already run in `cargo test
 //! --workspace`): the CLI end to end — the scale table at the paper's
 //! scale, and a real multi-process update over libfabric tcp with a killed
-//! trainer (P2P and Rank0 checked bit-exact).
+//! trainer (P2P and Rank0 checked bit-exact). It runs the `weft-rl` binary
+//! the workspace's test run built (`target/debug`, the test profile), so
+//! nothing is compiled again.
 
 use std::path::Path;
+use std::process::Command;
 
-use crate::proc::{self, Result};
+use crate::proc::{self, fail, Result};
 
 /// Runs `weft-rl simulate` and `weft-rl run --provider libfabric:tcp --kill`.
 pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
+    let bin = root.join("target/debug/weft-rl");
+    if !bin.is_file() {
+        return fail(format!(
+            "{} is missing: it is built by `cargo test --workspace`",
+            bin.display()
+        ));
+    }
     proc::run(
-        proc::cargo()
-            .args(["run", "--release", "-p", "weft-rl", "--", "simulate"])
+        Command::new(&bin)
+            .arg("simulate")
             .current_dir(root)
             .envs(env.iter().copied()),
     )?;
     proc::run(
-        proc::cargo()
-            .args([
-                "run",
-                "--release",
-                "-p",
-                "weft-rl",
-                "--",
-                "run",
-                "--provider",
-                "libfabric:tcp",
-                "--steps",
-                "2",
-                "--kill",
-            ])
+        Command::new(&bin)
+            .args(["run", "--provider", "libfabric:tcp", "--steps", "2", "--kill"])
             .current_dir(root)
             .envs(env.iter().copied()),
     )
