@@ -1,13 +1,6 @@
 //! The conformance suite, unchanged, over libfabric `tcp` with every host in its own child process (this binary re-executed; domains are proxies).
 //! Cases the provider cannot satisfy are ignored with the reason.
 
-/// Entry point of the peer processes spawned by `crate::common::CrossProcess`
-/// (run directly, it checks the proxy codec).
-#[test]
-fn peer_process_entry() {
-    crate::common::child_entry();
-}
-
 lf_conformance!(|seed| crate::common::CrossProcess::new("tcp", seed);
     pass: capabilities_sane, send_recv_sizes, recv_buffer_pool, write_sizes, write_large, imm_only_writes,
     batch_writes_queue_full, imm_exactly_once, payload_visible_at_imm, concurrent_writes, multi_nic,

@@ -33,13 +33,6 @@ use weft_engine::{EngineError, OnDone};
 use weft_testkit::mem;
 use weft_transport::HostBuffer;
 
-/// Entry point of the peer processes (run directly, it checks the proxy
-/// codec).
-#[test]
-fn peer_process_entry() {
-    crate::common::child_entry();
-}
-
 mod tcp {
     weft_conformance::engine_scenarios!(
         |seed| crate::common::XprocEngines::new("tcp", seed),

@@ -10,6 +10,7 @@ mod data_path;
 mod engine_shm;
 mod engine_tcp;
 mod engine_xproc;
+mod kill_loop;
 mod lifecycle;
 mod missing_library;
 mod shm_restart_xproc;
@@ -18,3 +19,11 @@ mod smoke;
 mod spin_then_park;
 mod stale_shm;
 mod wait_fd;
+
+/// Entry point of the peer processes every cross-process test here spawns
+/// (`weft_conformance::xproc`: this binary re-executed to run only this
+/// test); run directly, it checks the proxy codec.
+#[test]
+fn peer_process_entry() {
+    common::child_entry();
+}

@@ -14,13 +14,6 @@ use weft_engine::{OnDone, TransferEngine};
 use weft_testkit::mem;
 use weft_transport::HostBuffer;
 
-/// Entry point of the peer processes (run directly, it checks the proxy
-/// codec).
-#[test]
-fn peer_process_entry() {
-    crate::common::child_entry();
-}
-
 /// This process's shm regions (`/dev/shm/<pid>:...`): the initiator's
 /// endpoints, main and per-peer.
 fn own_shm_regions() -> usize {
