@@ -27,7 +27,14 @@ pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
     )?;
     proc::run(
         Command::new(&bin)
-            .args(["run", "--provider", "libfabric:tcp", "--steps", "2", "--kill"])
+            .args([
+                "run",
+                "--provider",
+                "libfabric:tcp",
+                "--steps",
+                "2",
+                "--kill",
+            ])
             .current_dir(root)
             .envs(env.iter().copied()),
     )
