@@ -119,7 +119,7 @@ pub use decoder::{
 pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
-pub use pages::{PageLease, PagePool};
+pub use pages::{ForeignLease, PageLease, PagePool};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
     TaskKey, Write,

@@ -6,7 +6,7 @@
 
 use crate::layout::source_imm_count;
 use crate::liveness::{Beat, PeerClock};
-use crate::pages::{PageLease, PagePool};
+use crate::pages::{ForeignLease, PageLease, PagePool};
 use crate::wire::{Failure, KvRequest, Msg};
 use crate::{HeadMap, Heartbeat, KvError, KvLayout, PeerLoss, RankSource};
 use std::collections::BTreeMap;
@@ -229,12 +229,26 @@ impl DecoderCore {
 
     /// Frees a lease: its pages return at once, or — if a request on it is
     /// in flight — that request is cancelled and they return once every
-    /// prefiller confirmed.
+    /// prefiller confirmed. A lease of another decoder is dropped with a
+    /// warning, this decoder's leases untouched ([`Self::try_free`] gives
+    /// it back).
     pub fn free(&mut self, lease: PageLease, now: Instant) -> Vec<DecAction> {
-        match self.pool.free(lease) {
+        self.try_free(lease, now).unwrap_or_else(|e| {
+            tracing::warn!("decoder: {e}: not freed here");
+            Vec::new()
+        })
+    }
+
+    /// [`Self::free`], giving a lease of another decoder back.
+    pub fn try_free(
+        &mut self,
+        lease: PageLease,
+        now: Instant,
+    ) -> Result<Vec<DecAction>, ForeignLease> {
+        Ok(match self.pool.free(lease)? {
             Some(id) => self.cancel(id, now),
             None => Vec::new(),
-        }
+        })
     }
 
     fn check_route(&self, route: &Route) -> Result<(), KvError> {
@@ -289,20 +303,21 @@ impl DecoderCore {
         now: Instant,
     ) -> Result<Started, KvError> {
         self.check_route(route)?;
-        let n = u32::try_from(lease.pages().len()).map_err(|_| KvError::Layout {
-            what: "too many pages".into(),
-        })?;
-        let mut imm_count = 0u64;
-        for s in &route.sources {
-            let heads = u32::try_from(s.heads.len()).unwrap_or(u32::MAX);
-            let c = source_imm_count(counts, &self.layout, heads, n, s.tail)?;
-            imm_count = imm_count.checked_add(c).ok_or_else(|| KvError::Layout {
-                what: "immediate count overflows".into(),
-            })?;
-        }
         let id = self.next_id;
-        self.pool.start(lease.id(), id)?;
+        // The pages are the pool's record of the lease, never the caller's.
+        let (pages, tail_slot) = {
+            let (p, t) = self.pool.start(lease, id)?;
+            (p.to_vec(), t)
+        };
+        let imm_count = match self.imm_count(route, &pages, counts) {
+            Ok(c) => c,
+            Err(e) => {
+                self.pool.end(lease.id());
+                return Err(e);
+            }
+        };
         self.next_id += 1;
+        let n = pages.len();
         let mut actions = Vec::with_capacity(route.sources.len());
         let mut sources = Vec::with_capacity(route.sources.len());
         for s in &route.sources {
@@ -314,8 +329,8 @@ impl DecoderCore {
                 kv: self.kv.clone(),
                 tail: self.tail.clone(),
                 heads: s.heads.clone(),
-                pages: lease.pages().to_vec(),
-                tail_slot: (s.tail && self.layout.tail_len > 0).then_some(lease.tail_slot()),
+                pages: pages.clone(),
+                tail_slot: (s.tail && self.layout.tail_len > 0).then_some(tail_slot),
                 imm,
                 meta: meta.to_vec(),
             };
@@ -337,6 +352,22 @@ impl DecoderCore {
             imm_count,
             actions,
         })
+    }
+
+    /// Immediates a request of `pages` along `route` produces.
+    fn imm_count(&self, route: &Route, pages: &[u32], counts: &ImmCounts) -> Result<u64, KvError> {
+        let n = u32::try_from(pages.len()).map_err(|_| KvError::Layout {
+            what: "too many pages".into(),
+        })?;
+        let mut imm_count = 0u64;
+        for s in &route.sources {
+            let heads = u32::try_from(s.heads.len()).unwrap_or(u32::MAX);
+            let c = source_imm_count(counts, &self.layout, heads, n, s.tail)?;
+            imm_count = imm_count.checked_add(c).ok_or_else(|| KvError::Layout {
+                what: "immediate count overflows".into(),
+            })?;
+        }
+        Ok(imm_count)
     }
 
     fn send(&mut self, peer: usize, msg: Msg, now: Instant) -> DecAction {

@@ -7,7 +7,7 @@ mod core;
 pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started};
 
 use crate::completion::{Completion, CompletionFuture};
-use crate::pages::PageLease;
+use crate::pages::{ForeignLease, PageLease};
 use crate::timer::{drive, Role, Ticker};
 use crate::wire::{encode, Msg};
 use crate::{Heartbeat, KvError, KvLayout};
@@ -252,8 +252,23 @@ impl Decoder {
     /// Returns a lease's pages to the pool: at once, or — while a request
     /// on them is in flight — after cancelling it, once every prefiller
     /// confirmed no write can land.
+    /// A lease of another decoder is dropped with a warning
+    /// ([`Self::try_free`] gives it back).
     pub fn free(&self, lease: PageLease) {
         self.sh.step(|c| c.free(lease, Instant::now()));
+    }
+
+    /// [`Self::free`], giving a lease of another decoder back untouched.
+    pub fn try_free(&self, lease: PageLease) -> Result<(), ForeignLease> {
+        let mut res = Ok(());
+        self.sh.step(|c| match c.try_free(lease, Instant::now()) {
+            Ok(a) => a,
+            Err(e) => {
+                res = Err(e);
+                Vec::new()
+            }
+        });
+        res
     }
 
     /// Starts filling `lease` along `route`; `meta` travels to the
