@@ -98,6 +98,7 @@
 
 #![deny(unsafe_code)]
 
+mod auth;
 mod completion;
 mod decoder;
 mod error;
@@ -122,8 +123,8 @@ pub use liveness::Heartbeat;
 pub use pages::{ForeignLease, PageLease, PagePool};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
-    TaskKey, Write,
+    TaskKey, Write, ID_WINDOW,
 };
 pub use rendezvous::{Follower, KvPeer, KvRendezvous, Member};
 pub use tp::{RankSource, TpShape};
-pub use wire::{KvRequest, Msg};
+pub use wire::{Auth, KvRequest, Msg};

@@ -9,7 +9,7 @@ pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started
 use crate::completion::{Completion, CompletionFuture};
 use crate::pages::{ForeignLease, PageLease};
 use crate::timer::{drive, Role, Ticker};
-use crate::wire::{encode, Msg};
+use crate::wire::{encode, Auth, Msg};
 use crate::{Heartbeat, KvError, KvLayout};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -356,8 +356,8 @@ fn check_region(r: &MemRegion, need: u64, what: &str) -> Result<(), KvError> {
 }
 
 impl Role for Shared {
-    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant) {
-        self.step(|c| c.on_msg(from, msg, now));
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, auth: Auth, msg: Msg, now: Instant) {
+        self.step(|c| c.on_msg(from, auth, msg, now));
     }
 
     fn tick(self: &Arc<Self>, now: Instant) {
@@ -376,8 +376,8 @@ impl Shared {
         let me = self.core.lock().address().clone();
         for a in actions {
             match a {
-                DecAction::Send { to, msg } => {
-                    let bytes = match encode(&me, &msg) {
+                DecAction::Send { to, auth, msg } => {
+                    let bytes = match encode(&me, auth, &msg) {
                         Ok(b) => b,
                         Err(e) => {
                             tracing::error!("decoder: {e}");
