@@ -32,6 +32,12 @@
 use rand::{RngCore, SeedableRng};
 use weft::GroupAddress;
 
+/// Whether the `n`th dropped frame is logged at warn (1st, 2nd, 4th, ...):
+/// a flood of strangers' frames cannot flood the log.
+pub(crate) fn loud(n: u64) -> bool {
+    n.is_power_of_two()
+}
+
 /// The secret key of a core's grants.
 #[derive(Clone)]
 pub(crate) struct Keys {

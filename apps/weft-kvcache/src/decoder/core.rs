@@ -565,8 +565,14 @@ impl DecoderCore {
         now: Instant,
     ) -> Vec<DecAction> {
         let Some(&peer) = self.by_addr.get(from) else {
-            tracing::warn!(?from, "decoder: message from an unknown peer");
             self.dropped += 1;
+            if crate::auth::loud(self.dropped) {
+                tracing::warn!(
+                    ?from,
+                    dropped = self.dropped,
+                    "decoder: message from an unknown peer"
+                );
+            }
             return Vec::new();
         };
         if self.peers[peer].clock.dead().is_some() {

@@ -129,7 +129,9 @@ impl PrefillerCore {
     }
 
     /// Frames dropped so far: unauthentic, from a decoder's claimed other
-    /// incarnation, duplicates and replays.
+    /// incarnation, from one decoder too many, duplicates and replays.
+    /// (Dropped frames are logged at warn only at the 1st, 2nd, 4th, ...
+    /// drop: a flood cannot flood the log.)
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
@@ -236,15 +238,20 @@ impl PrefillerCore {
             Some(d) => d.clock.heard(now),
             None => {
                 if let Some(live) = self.other_incarnation(from) {
-                    tracing::warn!(decoder = ?from, ?live, "prefiller: frame of another incarnation of a live decoder dropped");
                     self.dropped += 1;
+                    if crate::auth::loud(self.dropped) {
+                        tracing::warn!(decoder = ?from, ?live, dropped = self.dropped, "prefiller: frame of another incarnation of a live decoder dropped");
+                    }
                     return Vec::new();
                 }
                 // Anyone who holds an address can speak from it: a
                 // bounded number of decoders, dead ones with nothing left
                 // making room first.
                 if !self.room_for_decoder() {
-                    tracing::warn!(decoder = ?from, max = self.max_decoders, "prefiller: message from a new decoder dropped: too many decoders");
+                    self.dropped += 1;
+                    if crate::auth::loud(self.dropped) {
+                        tracing::warn!(decoder = ?from, max = self.max_decoders, dropped = self.dropped, "prefiller: message from a new decoder dropped: too many decoders");
+                    }
                     return Vec::new();
                 }
                 self.decoders.insert(
@@ -291,8 +298,10 @@ impl PrefillerCore {
             return Vec::new();
         }
         if let Some(live) = self.other_incarnation(from) {
-            tracing::warn!(claimed = ?from, ?live, "prefiller: hello naming another incarnation of a live decoder dropped");
             self.dropped += 1;
+            if crate::auth::loud(self.dropped) {
+                tracing::warn!(claimed = ?from, ?live, dropped = self.dropped, "prefiller: hello naming another incarnation of a live decoder dropped");
+            }
             return Vec::new();
         }
         if self.hello_budget == 0 {
