@@ -76,7 +76,8 @@ pub enum PreAction {
     },
     /// Tell the application about a new request.
     Incoming(Incoming),
-    /// Post step `step` of `key`; report it with [`PrefillerCore::on_posted`].
+    /// Post step `step` of `key`; report it with
+    /// [`PrefillerCore::on_posted`](crate::PrefillerCore::on_posted).
     Post {
         /// Request.
         key: TaskKey,
