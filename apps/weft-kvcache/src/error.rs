@@ -73,6 +73,16 @@ pub enum Refusal {
         /// The decoder head.
         head: u32,
     },
+    /// The request id is at or below the oldest id the prefiller still
+    /// remembers for this decoder (over a window of newer requests
+    /// overtook it on the way): it is not served, as it could be a replay.
+    #[error("request id {id} is older than the ids remembered (those above {floor})")]
+    Stale {
+        /// The request id.
+        id: u64,
+        /// Ids at or below it are not served.
+        floor: u64,
+    },
     /// The prefiller holds as many requests as it may
     /// ([`KvConfig::max_pending_requests`](crate::KvConfig)); retry later or
     /// elsewhere.

@@ -90,14 +90,56 @@
 //! [`Decoder::cancel`] (or freeing a lease in flight) sends a cancel; the
 //! request's pages stay reserved until every prefiller confirmed that no
 //! write can land any more (it answers only after every posted write
-//! completed). Both sides heartbeat; a prefiller found dead (silence past
-//! [`Heartbeat::timeout`], or a failed SEND) fails its requests with
-//! [`KvError::PrefillerDead`] — a dead peer's pending writes are dropped
-//! (weft's peer-death contract) — and a dead decoder makes the prefiller
-//! drop its work ([`KvError::DecoderDead`] on the [`Serve`]).
+//! completed). A cancel that overtakes its request (delivery is unordered)
+//! is confirmed at once and remembered, so the request, when it comes, is
+//! answered as cancelled and never served. Both sides heartbeat; a
+//! prefiller found dead (silence past [`Heartbeat::timeout`], or a failed
+//! SEND) fails its requests with [`KvError::PrefillerDead`] — a dead
+//! peer's pending writes are dropped (weft's peer-death contract) — and a
+//! dead decoder makes the prefiller drop its work ([`KvError::DecoderDead`]
+//! on the [`Serve`]).
+//!
+//! ## Who may say what
+//! Delivery is reliable but unordered, and any process that can reach an
+//! engine may send it anything. The rule: a message is taken only from the
+//! peer that owns the request or lease it names, and then only if it still
+//! means something; cancels before requests, duplicates, replays and
+//! messages from strangers are harmless, and every request taken ends
+//! exactly once on each side.
+//!
+//! - *Sender identity.* The engine's receive reports the bytes of a
+//!   message, not the transport's sender, so a frame's `from` is only a
+//!   claim. Identity is bound to what the transport does guarantee: a SEND
+//!   to an address reaches only the engine that holds it. Each side derives
+//!   a secret grant per peer address (a keyed hash) and sends it only
+//!   there; a frame counts only if its [`Auth`] proof is the receiver's
+//!   grant for its claimed sender. An unproven `Hello` gets an echo (so
+//!   the real holder of the address can prove itself), anything else
+//!   unproven is dropped. A decoder sends a prefiller nothing but `Hello`
+//!   before it proved itself; what it has waits.
+//! - *Incarnations.* A claim to be a live decoder's next incarnation (same
+//!   NICs, another incarnation) is not answered while that decoder lives:
+//!   a send naming the newer incarnation would make the engine drop the
+//!   live one. It is believed once the older one is found dead.
+//! - *Requests* are keyed by their decoder and its id; a prefiller keeps a
+//!   bounded window of each decoder's ids ([`ID_WINDOW`]): a request whose
+//!   id it took already (a duplicate or replay) is dropped, one cancelled
+//!   before it came is answered `CancelAck`, one below the window is
+//!   refused [`Refusal::Stale`], one whose pages do not map is refused
+//!   [`Refusal::BadPages`]; the window goes with the decoder's entry.
+//! - *Answers* (`CancelAck`, `Failed`) count at the decoder only from a
+//!   prefiller the request was sent to, for its part not yet ended.
+//! - *Leases* are bound to the decoder that handed them out
+//!   ([`PagePool`], [`ForeignLease`]); a request writes the pages the pool
+//!   holds for its lease.
+//!
+//! `tests/model.rs` checks this with the real cores over every order of
+//! two decoders and two prefillers (with duplicates, replays, forged
+//! frames, crashes); `tests/hostile.rs` has the regression tests.
 
 #![deny(unsafe_code)]
 
+mod auth;
 mod completion;
 mod decoder;
 mod error;
@@ -119,11 +161,11 @@ pub use decoder::{
 pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
-pub use pages::{PageLease, PagePool};
+pub use pages::{ForeignLease, PageLease, PagePool};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
-    TaskKey, Write,
+    TaskKey, Write, ID_WINDOW,
 };
 pub use rendezvous::{Follower, KvPeer, KvRendezvous, Member};
 pub use tp::{RankSource, TpShape};
-pub use wire::{KvRequest, Msg};
+pub use wire::{Auth, KvRequest, Msg};

@@ -1,15 +1,35 @@
 //! Page allocation: the decoder's free pages and tail slots, and the leases
 //! that hold them. A lease's pages return to the pool only when no request
 //! that may still write them is in flight.
+//!
+//! A lease is bound to the pool that handed it out: every pool of the
+//! process has an id of its own and each lease carries it, so a lease of
+//! another decoder (whose ids count from 1 as well) is refused
+//! ([`KvError::UnknownLease`], [`ForeignLease`]) instead of being taken
+//! for this pool's lease of the same id. A request's pages are the pool's
+//! record of the lease, never the caller's copy.
 
 use crate::KvError;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Ids of the pools of this process (a lease names its pool).
+static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+
+/// A lease handed to a pool (or decoder) that did not hand it out; the
+/// lease comes back unchanged, for its own decoder.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("page lease {} belongs to another decoder", .0.id)]
+pub struct ForeignLease(pub PageLease);
 
 /// Pages (and one tail slot) taken from a decoder's cache for one prompt.
 /// Owned by the application between [`Decoder::alloc`](crate::Decoder::alloc)
-/// and [`Decoder::free`](crate::Decoder::free).
-#[derive(Debug, PartialEq, Eq)]
+/// and [`Decoder::free`](crate::Decoder::free). A copy is as good as the
+/// original and no better: the pool's record decides what a lease holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageLease {
+    /// The pool that handed it out.
+    pool: u64,
     pub(crate) id: u64,
     pages: Vec<u32>,
     tail_slot: u32,
@@ -32,7 +52,7 @@ impl PageLease {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Held {
     pages: Vec<u32>,
     tail_slot: u32,
@@ -44,8 +64,10 @@ struct Held {
 }
 
 /// Free pages and tail slots, and the leases holding the others.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PagePool {
+    /// This pool's id (process-unique).
+    id: u64,
     free_pages: BTreeSet<u32>,
     free_tails: BTreeSet<u32>,
     tail_slots: u32,
@@ -57,6 +79,7 @@ impl PagePool {
     /// A pool of `pages` pages and `tail_slots` tail slots, all free.
     pub fn new(pages: u32, tail_slots: u32) -> Self {
         Self {
+            id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
             free_pages: (0..pages).collect(),
             free_tails: (0..tail_slots.max(1)).collect(),
             tail_slots: tail_slots.max(1),
@@ -97,24 +120,44 @@ impl PagePool {
             },
         );
         Ok(PageLease {
+            pool: self.id,
             id,
             pages,
             tail_slot,
         })
     }
 
-    /// Marks `lease` busy with `request`.
-    pub fn start(&mut self, lease: u64, request: u64) -> Result<(), KvError> {
+    /// Whether `lease` was handed out by this pool.
+    pub fn owns(&self, lease: &PageLease) -> bool {
+        lease.pool == self.id
+    }
+
+    /// The pool that holds page `p` for a lease: that lease's id.
+    pub fn holder(&self, p: u32) -> Option<u64> {
+        self.held
+            .iter()
+            .find(|(_, h)| h.pages.contains(&p))
+            .map(|(&id, _)| id)
+    }
+
+    /// Marks `lease` busy with `request`; returns the lease's pages and
+    /// tail slot as this pool holds them. A lease of another pool, or one
+    /// already freed, is [`KvError::UnknownLease`].
+    pub fn start(&mut self, lease: &PageLease, request: u64) -> Result<(&[u32], u32), KvError> {
+        let id = lease.id;
         let h = self
             .held
-            .get_mut(&lease)
-            .filter(|h| !h.freed)
-            .ok_or(KvError::UnknownLease { lease })?;
+            .get_mut(&id)
+            .filter(|h| !h.freed && lease.pool == self.id)
+            .ok_or(KvError::UnknownLease { lease: id })?;
         if let Some(r) = h.active {
-            return Err(KvError::LeaseBusy { lease, request: r });
+            return Err(KvError::LeaseBusy {
+                lease: id,
+                request: r,
+            });
         }
         h.active = Some(request);
-        Ok(())
+        Ok((&h.pages, h.tail_slot))
     }
 
     /// The request on `lease` ended (no write of it can land any more).
@@ -132,19 +175,23 @@ impl PagePool {
     }
 
     /// The application frees `lease`: its pages return now, or when its
-    /// request in flight ends. Returns the request still in flight.
-    pub fn free(&mut self, lease: PageLease) -> Option<u64> {
+    /// request in flight ends. Returns the request still in flight; a lease
+    /// of another pool comes back as [`ForeignLease`], this pool untouched.
+    pub fn free(&mut self, lease: PageLease) -> Result<Option<u64>, ForeignLease> {
+        if lease.pool != self.id {
+            return Err(ForeignLease(lease));
+        }
         let active = match self.held.get_mut(&lease.id) {
             Some(h) => {
                 h.freed = true;
                 h.active
             }
-            None => return None,
+            None => return Ok(None),
         };
         if active.is_none() {
             self.give_back(lease.id);
         }
-        active
+        Ok(active)
     }
 
     fn give_back(&mut self, lease: u64) {
@@ -169,26 +216,50 @@ mod tests {
             p.alloc(1),
             Err(KvError::NoPages { need: 1, free: 0 })
         ));
-        p.start(a.id(), 10).unwrap();
+        assert_eq!(p.start(&a, 10).unwrap(), (&[0, 1, 2][..], 0));
         assert!(matches!(
-            p.start(a.id(), 11),
+            p.start(&a, 11),
             Err(KvError::LeaseBusy { request: 10, .. })
         ));
         let aid = a.id();
-        assert_eq!(p.free(a), Some(10));
+        let again = PageLease {
+            pool: a.pool,
+            id: aid,
+            pages: Vec::new(),
+            tail_slot: 0,
+        };
+        assert_eq!(p.free(a), Ok(Some(10)));
         assert_eq!(p.free_pages(), 0, "still in flight");
         p.end(aid);
         assert_eq!(p.free_pages(), 3);
         assert!(matches!(
-            p.start(aid, 12),
+            p.start(&again, 12),
             Err(KvError::UnknownLease { .. })
         ));
-        assert_eq!(p.free(b), None);
+        assert_eq!(p.free(b), Ok(None));
         assert_eq!(p.free_pages(), 8);
         let c = p.alloc(1).unwrap();
         let _d = p.alloc(1).unwrap();
         assert!(matches!(p.alloc(1), Err(KvError::NoTailSlot { slots: 2 })));
-        p.free(c);
+        p.free(c).unwrap();
         assert!(p.alloc(1).is_ok());
+    }
+
+    #[test]
+    fn a_lease_of_another_pool_is_refused() {
+        let mut a = PagePool::new(4, 1);
+        let mut b = PagePool::new(4, 1);
+        let mine = b.alloc(1).unwrap();
+        let theirs = a.alloc(3).unwrap();
+        assert_eq!(mine.id(), theirs.id());
+        assert!(!b.owns(&theirs) && b.owns(&mine));
+        assert!(matches!(
+            b.start(&theirs, 1),
+            Err(KvError::UnknownLease { .. })
+        ));
+        let back = b.free(theirs).unwrap_err().0;
+        assert_eq!(b.free_pages(), 3, "b's own lease 1 is still held");
+        assert_eq!(a.free(back), Ok(None));
+        assert_eq!(a.free_pages(), 4);
     }
 }

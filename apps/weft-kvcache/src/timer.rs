@@ -3,7 +3,7 @@
 //! wakes it at once); and [`drive`], which feeds a role's core from its
 //! receives and its heartbeat.
 
-use crate::wire::{decode, Msg};
+use crate::wire::{decode, Auth, Msg};
 use crate::{KvConfig, KvError};
 use crossbeam_channel::{RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -13,8 +13,8 @@ use weft::{GroupAddress, TransferEngine};
 
 /// A role's shared state (decoder, prefiller) as its drivers see it.
 pub(crate) trait Role: Send + Sync + 'static {
-    /// Steps the core with a message received from `from`.
-    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant);
+    /// Steps the core with a message received claiming to be from `from`.
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, auth: Auth, msg: Msg, now: Instant);
     /// Steps the core's heartbeat.
     fn tick(self: &Arc<Self>, now: Instant);
 }
@@ -35,7 +35,7 @@ pub(crate) fn drive<R: Role>(
         .submit_recvs(cfg.recv_len, cfg.recv_count, move |r| {
             let Some(role) = weak.upgrade() else { return };
             match r.map(decode) {
-                Ok(Ok((from, msg))) => role.on_msg(&from, msg, Instant::now()),
+                Ok(Ok(f)) => role.on_msg(&f.from, f.auth, f.msg, Instant::now()),
                 Ok(Err(e)) => tracing::warn!("{name}: {e}"),
                 Err(e) => tracing::warn!("{name}: receive failed: {e}"),
             }

@@ -1,6 +1,11 @@
 //! Wire protocol between decoder and prefiller: postcard frames, each
-//! starting with the protocol version (a varint `u16`) and the sender's
-//! address, so a peer of another version is told apart from garbage.
+//! starting with the protocol version (a varint `u16`), then the sender's
+//! claimed address and its [`Auth`] (see the crate's "Who may say what":
+//! the address is a claim, the proof is what makes it believed), then the
+//! message. A peer of another version is told apart from garbage; a frame
+//! longer than [`MAX_FRAME`] is not decoded at all, and no decoded list is
+//! longer than the frame's bytes, so garbage costs at most a bounded
+//! allocation and never a panic.
 
 use crate::{HeadMap, KvLayout, Refusal};
 use serde::{Deserialize, Serialize};
@@ -8,8 +13,36 @@ use weft::{GroupAddress, MrDesc};
 
 /// Version of the wire protocol this build speaks (2: addresses and
 /// descriptors carry the peer engine's incarnation; 3: the
-/// `Refusal::DuplicateHead` refusal; 4: the `Refusal::Busy` refusal).
-pub const WIRE_VERSION: u16 = 4;
+/// `Refusal::DuplicateHead` refusal; 4: the `Refusal::Busy` refusal;
+/// 5: every frame carries an [`Auth`], and the `Refusal::Stale` refusal).
+pub const WIRE_VERSION: u16 = 5;
+
+/// The longest frame decoded (1 MiB); longer ones are refused unread.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// What makes a frame's claimed sender believed (see the crate docs, "Who
+/// may say what"): each side derives a secret *grant* per peer address and
+/// sends it only to that address; a frame is authentic when it carries, as
+/// its `proof`, the grant its receiver derived for the frame's sender.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Auth {
+    /// The grant the receiver gave the sender (0: none known yet).
+    pub proof: u64,
+    /// The grant the sender gives the receiver: what the receiver's frames
+    /// to the sender must carry as their proof.
+    pub grant: u64,
+}
+
+/// A decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The address the sender claims.
+    pub from: GroupAddress,
+    /// Its proof and grant.
+    pub auth: Auth,
+    /// The message.
+    pub msg: Msg,
+}
 
 /// Errors decoding a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,6 +63,14 @@ pub enum WireError {
         len: usize,
         /// postcard's error.
         error: String,
+    },
+    /// The frame is longer than [`MAX_FRAME`].
+    #[error("frame of {len} bytes, at most {max} are decoded")]
+    TooLong {
+        /// Frame length.
+        len: usize,
+        /// [`MAX_FRAME`].
+        max: usize,
     },
     /// A message could not be encoded.
     #[error("encoding: {error}")]
@@ -110,20 +151,23 @@ pub enum Msg {
 struct FrameRef<'a> {
     version: u16,
     from: &'a GroupAddress,
+    auth: Auth,
     msg: &'a Msg,
 }
 
 #[derive(Deserialize)]
 struct Body {
     from: GroupAddress,
+    auth: Auth,
     msg: Msg,
 }
 
-/// Encodes a frame of `msg` from `from`.
-pub fn encode(from: &GroupAddress, msg: &Msg) -> Result<Vec<u8>, WireError> {
+/// Encodes a frame of `msg` from `from` with `auth`.
+pub fn encode(from: &GroupAddress, auth: Auth, msg: &Msg) -> Result<Vec<u8>, WireError> {
     postcard::to_stdvec(&FrameRef {
         version: WIRE_VERSION,
         from,
+        auth,
         msg,
     })
     .map_err(|e| WireError::Encode {
@@ -131,8 +175,17 @@ pub fn encode(from: &GroupAddress, msg: &Msg) -> Result<Vec<u8>, WireError> {
     })
 }
 
-/// Decodes a frame: its sender and message.
-pub fn decode(bytes: &[u8]) -> Result<(GroupAddress, Msg), WireError> {
+/// Decodes a frame. Never panics; allocates at most a small multiple of
+/// the frame's length (postcard checks every length prefix against the
+/// bytes left before it fills a list, and frames over [`MAX_FRAME`] are
+/// refused first).
+pub fn decode(bytes: &[u8]) -> Result<Frame, WireError> {
+    if bytes.len() > MAX_FRAME {
+        return Err(WireError::TooLong {
+            len: bytes.len(),
+            max: MAX_FRAME,
+        });
+    }
     let bad = |e: postcard::Error| WireError::Decode {
         len: bytes.len(),
         error: e.to_string(),
@@ -145,7 +198,11 @@ pub fn decode(bytes: &[u8]) -> Result<(GroupAddress, Msg), WireError> {
         });
     }
     let body: Body = postcard::from_bytes(rest).map_err(bad)?;
-    Ok((body.from, body.msg))
+    Ok(Frame {
+        from: body.from,
+        auth: body.auth,
+        msg: body.msg,
+    })
 }
 
 #[cfg(test)]
@@ -166,10 +223,12 @@ mod tests {
                 failure: Failure::Refused(Refusal::Duplicate),
             },
         ] {
-            let b = encode(&from, &m).unwrap();
-            assert_eq!(decode(&b).unwrap(), (from.clone(), m));
+            let auth = Auth { proof: 9, grant: 1 };
+            let b = encode(&from, auth, &m).unwrap();
+            let f = decode(&b).unwrap();
+            assert_eq!((f.from, f.auth, f.msg), (from.clone(), auth, m));
         }
-        let mut b = encode(&from, &Msg::Heartbeat).unwrap();
+        let mut b = encode(&from, Auth::default(), &Msg::Heartbeat).unwrap();
         b[0] = 9;
         assert_eq!(
             decode(&b),
@@ -183,5 +242,9 @@ mod tests {
             Err(WireError::Decode { .. })
         ));
         assert!(matches!(decode(&[]), Err(WireError::Decode { .. })));
+        assert!(matches!(
+            decode(&vec![0; MAX_FRAME + 1]),
+            Err(WireError::TooLong { .. })
+        ));
     }
 }

@@ -3,11 +3,25 @@
 //! it can land any more. Events go in (with `now`), [`DecAction`]s come out;
 //! the driver ([`crate::Decoder`]) runs them on the engine, tests step it
 //! directly.
+//!
+//! ## Who may say what
+//! Frames are taken only from the prefillers this decoder added, and only
+//! when authentic (their [`Auth`] proves the sender holds the address it
+//! names; see the crate docs). Until a prefiller's first authentic frame
+//! (the answer to this decoder's `Hello`, resent on every heartbeat until
+//! then), what this decoder has for it waits in a queue: a request
+//! cancelled there is never sent, so it ends at once. Of an authentic
+//! prefiller, a `CancelAck` or `Failed` counts only for a request that was
+//! sent to it and that it has not ended yet: a prefiller cannot end
+//! another's part of a request, and a duplicate or replay ends nothing.
+//! A lease is taken only from this decoder's own pool
+//! ([`PagePool`]), and a request writes the pages the pool holds for it.
 
+use crate::auth::Keys;
 use crate::layout::source_imm_count;
 use crate::liveness::{Beat, PeerClock};
-use crate::pages::{PageLease, PagePool};
-use crate::wire::{Failure, KvRequest, Msg};
+use crate::pages::{ForeignLease, PageLease, PagePool};
+use crate::wire::{Auth, Failure, KvRequest, Msg};
 use crate::{HeadMap, Heartbeat, KvError, KvLayout, PeerLoss, RankSource};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -73,10 +87,12 @@ impl Route {
 /// What the driver must do.
 #[derive(Debug, Clone)]
 pub enum DecAction {
-    /// SEND `msg` to `to`.
+    /// SEND `msg` to `to`, framed with `auth`.
     Send {
         /// Destination.
         to: GroupAddress,
+        /// The frame's proof and grant.
+        auth: Auth,
         /// Message.
         msg: Msg,
     },
@@ -109,17 +125,25 @@ pub struct Started {
     pub actions: Vec<DecAction>,
 }
 
+#[derive(Debug, Clone)]
 struct Peer {
     addr: GroupAddress,
     clock: PeerClock,
+    /// The prefiller's grant to this decoder, from its first authentic
+    /// frame: the proof of every frame sent to it.
+    theirs: Option<u64>,
+    /// Messages waiting for `theirs`.
+    queue: Vec<Msg>,
 }
 
+#[derive(Debug, Clone)]
 struct SourceState {
     peer: usize,
     /// No write of this source can land any more.
     quiet: bool,
 }
 
+#[derive(Debug, Clone)]
 struct Req {
     lease: u64,
     imm: u32,
@@ -132,8 +156,13 @@ struct Req {
 }
 
 /// The decoder's state machine.
+#[derive(Debug, Clone)]
 pub struct DecoderCore {
     me: GroupAddress,
+    keys: Keys,
+    /// Frames dropped: from strangers, unauthentic, or answers that count
+    /// for no request.
+    dropped: u64,
     layout: KvLayout,
     kv: MrDesc,
     tail: MrDesc,
@@ -158,6 +187,8 @@ impl DecoderCore {
         layout.validate()?;
         Ok(Self {
             me,
+            keys: Keys::random(),
+            dropped: 0,
             layout,
             kv,
             tail,
@@ -168,6 +199,27 @@ impl DecoderCore {
             reqs: BTreeMap::new(),
             next_id: 1,
         })
+    }
+
+    /// Derives its grants from a key drawn from `seed` instead of the OS's
+    /// randomness (tests and models). Call before adding prefillers.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.keys = Keys::seeded(seed);
+        self
+    }
+
+    /// Frames dropped so far: from strangers, unauthentic, or answers that
+    /// count for no request (duplicates, replays, another prefiller's).
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Whether prefiller `p` has proven itself (its first authentic frame
+    /// came): until then what is sent to it waits.
+    pub fn prefiller_ready(&self, p: PrefillerId) -> bool {
+        self.peers
+            .get(p.0 as usize)
+            .is_some_and(|x| x.theirs.is_some())
     }
 
     /// This decoder's address.
@@ -203,13 +255,26 @@ impl DecoderCore {
         self.peers.push(Peer {
             addr: addr.clone(),
             clock: PeerClock::new(now),
+            theirs: None,
+            queue: Vec::new(),
         });
-        self.by_addr.insert(addr.clone(), i);
-        let act = vec![DecAction::Send {
-            to: addr,
+        self.by_addr.insert(addr, i);
+        (PrefillerId(i as u32), vec![self.hello(i, now)])
+    }
+
+    /// A `Hello` to `peer` (proof: its grant if known).
+    fn hello(&mut self, peer: usize, now: Instant) -> DecAction {
+        let grant = self.keys.grant(&self.peers[peer].addr);
+        let p = &mut self.peers[peer];
+        p.clock.sent(now);
+        DecAction::Send {
+            to: p.addr.clone(),
+            auth: Auth {
+                proof: p.theirs.unwrap_or(0),
+                grant,
+            },
             msg: Msg::Hello,
-        }];
-        (PrefillerId(i as u32), act)
+        }
     }
 
     /// The address of a prefiller.
@@ -229,12 +294,26 @@ impl DecoderCore {
 
     /// Frees a lease: its pages return at once, or — if a request on it is
     /// in flight — that request is cancelled and they return once every
-    /// prefiller confirmed.
+    /// prefiller confirmed. A lease of another decoder is dropped with a
+    /// warning, this decoder's leases untouched ([`Self::try_free`] gives
+    /// it back).
     pub fn free(&mut self, lease: PageLease, now: Instant) -> Vec<DecAction> {
-        match self.pool.free(lease) {
+        self.try_free(lease, now).unwrap_or_else(|e| {
+            tracing::warn!("decoder: {e}: not freed here");
+            Vec::new()
+        })
+    }
+
+    /// [`Self::free`], giving a lease of another decoder back.
+    pub fn try_free(
+        &mut self,
+        lease: PageLease,
+        now: Instant,
+    ) -> Result<Vec<DecAction>, ForeignLease> {
+        Ok(match self.pool.free(lease)? {
             Some(id) => self.cancel(id, now),
             None => Vec::new(),
-        }
+        })
     }
 
     fn check_route(&self, route: &Route) -> Result<(), KvError> {
@@ -289,20 +368,21 @@ impl DecoderCore {
         now: Instant,
     ) -> Result<Started, KvError> {
         self.check_route(route)?;
-        let n = u32::try_from(lease.pages().len()).map_err(|_| KvError::Layout {
-            what: "too many pages".into(),
-        })?;
-        let mut imm_count = 0u64;
-        for s in &route.sources {
-            let heads = u32::try_from(s.heads.len()).unwrap_or(u32::MAX);
-            let c = source_imm_count(counts, &self.layout, heads, n, s.tail)?;
-            imm_count = imm_count.checked_add(c).ok_or_else(|| KvError::Layout {
-                what: "immediate count overflows".into(),
-            })?;
-        }
         let id = self.next_id;
-        self.pool.start(lease.id(), id)?;
+        // The pages are the pool's record of the lease, never the caller's.
+        let (pages, tail_slot) = {
+            let (p, t) = self.pool.start(lease, id)?;
+            (p.to_vec(), t)
+        };
+        let imm_count = match self.imm_count(route, &pages, counts) {
+            Ok(c) => c,
+            Err(e) => {
+                self.pool.end(lease.id());
+                return Err(e);
+            }
+        };
         self.next_id += 1;
+        let n = pages.len();
         let mut actions = Vec::with_capacity(route.sources.len());
         let mut sources = Vec::with_capacity(route.sources.len());
         for s in &route.sources {
@@ -314,12 +394,12 @@ impl DecoderCore {
                 kv: self.kv.clone(),
                 tail: self.tail.clone(),
                 heads: s.heads.clone(),
-                pages: lease.pages().to_vec(),
-                tail_slot: (s.tail && self.layout.tail_len > 0).then_some(lease.tail_slot()),
+                pages: pages.clone(),
+                tail_slot: (s.tail && self.layout.tail_len > 0).then_some(tail_slot),
                 imm,
                 meta: meta.to_vec(),
             };
-            actions.push(self.send(peer, Msg::Request(req), now));
+            actions.extend(self.send(peer, Msg::Request(req), now));
         }
         self.reqs.insert(
             id,
@@ -339,13 +419,36 @@ impl DecoderCore {
         })
     }
 
-    fn send(&mut self, peer: usize, msg: Msg, now: Instant) -> DecAction {
-        let p = &mut self.peers[peer];
-        p.clock.sent(now);
-        DecAction::Send {
-            to: p.addr.clone(),
-            msg,
+    /// Immediates a request of `pages` along `route` produces.
+    fn imm_count(&self, route: &Route, pages: &[u32], counts: &ImmCounts) -> Result<u64, KvError> {
+        let n = u32::try_from(pages.len()).map_err(|_| KvError::Layout {
+            what: "too many pages".into(),
+        })?;
+        let mut imm_count = 0u64;
+        for s in &route.sources {
+            let heads = u32::try_from(s.heads.len()).unwrap_or(u32::MAX);
+            let c = source_imm_count(counts, &self.layout, heads, n, s.tail)?;
+            imm_count = imm_count.checked_add(c).ok_or_else(|| KvError::Layout {
+                what: "immediate count overflows".into(),
+            })?;
         }
+        Ok(imm_count)
+    }
+
+    /// `msg` to `peer`: a send, or queued until the peer proved itself.
+    fn send(&mut self, peer: usize, msg: Msg, now: Instant) -> Option<DecAction> {
+        let grant = self.keys.grant(&self.peers[peer].addr);
+        let p = &mut self.peers[peer];
+        let Some(proof) = p.theirs else {
+            p.queue.push(msg);
+            return None;
+        };
+        p.clock.sent(now);
+        Some(DecAction::Send {
+            to: p.addr.clone(),
+            auth: Auth { proof, grant },
+            msg,
+        })
     }
 
     /// The immediate count of request `id` was reached (all its bytes are in
@@ -399,8 +502,17 @@ impl DecoderCore {
             _ => return out,
         };
         for peer in targets {
-            if self.peers[peer].clock.dead().is_none() {
-                out.push(self.send(peer, Msg::Cancel { id }, now));
+            if self.peers[peer].clock.dead().is_some() {
+                continue;
+            }
+            let q = &mut self.peers[peer].queue;
+            let queued = q.len();
+            q.retain(|m| !matches!(m, Msg::Request(r) if r.id == id));
+            if q.len() < queued {
+                // never sent: nothing of it can land
+                self.quiet(id, peer);
+            } else {
+                out.extend(self.send(peer, Msg::Cancel { id }, now));
             }
         }
         out.extend(self.settle(id));
@@ -436,23 +548,89 @@ impl DecoderCore {
         }
     }
 
-    /// A message arrived from `from`.
-    pub fn on_msg(&mut self, from: &GroupAddress, msg: Msg, now: Instant) -> Vec<DecAction> {
+    /// Whether `peer` is a source of request `id` that has not ended its
+    /// part yet.
+    fn live_source(&self, id: u64, peer: usize) -> bool {
+        self.reqs
+            .get(&id)
+            .is_some_and(|r| r.sources.iter().any(|s| s.peer == peer && !s.quiet))
+    }
+
+    /// A frame arrived claiming to be from `from`, with `auth`.
+    pub fn on_msg(
+        &mut self,
+        from: &GroupAddress,
+        auth: Auth,
+        msg: Msg,
+        now: Instant,
+    ) -> Vec<DecAction> {
         let Some(&peer) = self.by_addr.get(from) else {
-            tracing::warn!(?from, "decoder: message from an unknown peer");
+            self.dropped += 1;
+            if crate::auth::loud(self.dropped) {
+                tracing::warn!(
+                    ?from,
+                    dropped = self.dropped,
+                    "decoder: message from an unknown peer"
+                );
+            }
             return Vec::new();
         };
         if self.peers[peer].clock.dead().is_some() {
             return Vec::new(); // declared dead: its requests are settled
         }
+        let grant = self.keys.grant(from);
+        if auth.proof != grant {
+            if matches!(msg, Msg::Hello) {
+                // Echo the claimed grant: the real prefiller finds its own.
+                self.peers[peer].clock.sent(now);
+                return vec![DecAction::Send {
+                    to: from.clone(),
+                    auth: Auth {
+                        proof: auth.grant,
+                        grant,
+                    },
+                    msg: Msg::Hello,
+                }];
+            }
+            tracing::debug!(?from, "decoder: unauthentic frame dropped");
+            self.dropped += 1;
+            return Vec::new();
+        }
         self.peers[peer].clock.heard(now);
+        let mut out = Vec::new();
+        if self.peers[peer].theirs.is_none() {
+            self.peers[peer].theirs = Some(auth.grant);
+            let queued = std::mem::take(&mut self.peers[peer].queue);
+            if queued.is_empty() {
+                // so that the prefiller learns this decoder's grant now
+                out.extend(self.send(peer, Msg::Heartbeat, now));
+            }
+            for m in queued {
+                out.extend(self.send(peer, m, now));
+            }
+        }
         match msg {
-            Msg::Heartbeat | Msg::Hello => Vec::new(),
+            Msg::Heartbeat | Msg::Hello => {}
             Msg::CancelAck { id } => {
-                self.quiet(id, peer);
-                self.settle(id)
+                let stopping = self.reqs.get(&id).is_some_and(|r| r.stopping.is_some());
+                if stopping && self.live_source(id, peer) {
+                    self.quiet(id, peer);
+                    out.extend(self.settle(id));
+                } else {
+                    tracing::debug!(id, "decoder: cancel confirmation for no cancel dropped");
+                    self.dropped += 1;
+                }
             }
             Msg::Failed { id, failure } => {
+                if !self.live_source(id, peer) {
+                    tracing::debug!(
+                        id,
+                        ?from,
+                        "decoder: failure of a request not in flight there dropped"
+                    );
+                    self.dropped += 1;
+                    return out;
+                }
                 self.quiet(id, peer);
                 let addr = self.peers[peer].addr.clone();
                 let err = match failure {
@@ -468,15 +646,14 @@ impl DecoderCore {
                         error,
                     },
                 };
-                let mut out = self.stop(id, err, now, Some(peer));
+                out.extend(self.stop(id, err, now, Some(peer)));
                 out.extend(self.settle(id));
-                out
             }
             other => {
                 tracing::warn!(?from, "decoder: unexpected message {other:?}");
-                Vec::new()
             }
         }
+        out
     }
 
     /// A SEND to `to` failed: it is dead.
@@ -516,6 +693,7 @@ impl DecoderCore {
 
     fn fail_peer(&mut self, peer: usize, loss: PeerLoss, now: Instant) -> Vec<DecAction> {
         let addr = self.peers[peer].addr.clone();
+        self.peers[peer].queue.clear();
         tracing::warn!(peer = ?addr, "decoder: prefiller dead: {loss}");
         // A dead peer's pending writes are dropped (weft's peer-death
         // contract): none of its writes can land any more.
@@ -566,10 +744,10 @@ impl DecoderCore {
         for peer in 0..self.peers.len() {
             match self.peers[peer].clock.tick(now, &self.hb) {
                 Beat::Idle => {}
-                Beat::Send => out.push(DecAction::Send {
-                    to: self.peers[peer].addr.clone(),
-                    msg: Msg::Heartbeat,
-                }),
+                // not proven yet: greet it again (a first Hello may have
+                // been dropped, e.g. while its older incarnation lived)
+                Beat::Send if self.peers[peer].theirs.is_none() => out.push(self.hello(peer, now)),
+                Beat::Send => out.extend(self.send(peer, Msg::Heartbeat, now)),
                 Beat::Dead(loss) => out.extend(self.fail_peer(peer, loss, now)),
             }
         }

@@ -7,9 +7,9 @@ mod core;
 pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started};
 
 use crate::completion::{Completion, CompletionFuture};
-use crate::pages::PageLease;
+use crate::pages::{ForeignLease, PageLease};
 use crate::timer::{drive, Role, Ticker};
-use crate::wire::{encode, Msg};
+use crate::wire::{encode, Auth, Msg};
 use crate::{Heartbeat, KvError, KvLayout};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -251,8 +251,23 @@ impl Decoder {
     /// Returns a lease's pages to the pool: at once, or — while a request
     /// on them is in flight — after cancelling it, once every prefiller
     /// confirmed no write can land.
+    /// A lease of another decoder is dropped with a warning
+    /// ([`Self::try_free`] gives it back).
     pub fn free(&self, lease: PageLease) {
         self.sh.step(|c| c.free(lease, Instant::now()));
+    }
+
+    /// [`Self::free`], giving a lease of another decoder back untouched.
+    pub fn try_free(&self, lease: PageLease) -> Result<(), ForeignLease> {
+        let mut res = Ok(());
+        self.sh.step(|c| match c.try_free(lease, Instant::now()) {
+            Ok(a) => a,
+            Err(e) => {
+                res = Err(e);
+                Vec::new()
+            }
+        });
+        res
     }
 
     /// Starts filling `lease` along `route`; `meta` travels to the
@@ -342,8 +357,8 @@ fn check_region(r: &MemRegion, need: u64, what: &str) -> Result<(), KvError> {
 }
 
 impl Role for Shared {
-    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant) {
-        self.step(|c| c.on_msg(from, msg, now));
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, auth: Auth, msg: Msg, now: Instant) {
+        self.step(|c| c.on_msg(from, auth, msg, now));
     }
 
     fn tick(self: &Arc<Self>, now: Instant) {
@@ -362,8 +377,8 @@ impl Shared {
         let me = self.core.lock().address().clone();
         for a in actions {
             match a {
-                DecAction::Send { to, msg } => {
-                    let bytes = match encode(&me, &msg) {
+                DecAction::Send { to, auth, msg } => {
+                    let bytes = match encode(&me, auth, &msg) {
                         Ok(b) => b,
                         Err(e) => {
                             tracing::error!("decoder: {e}");

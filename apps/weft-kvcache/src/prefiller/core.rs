@@ -2,109 +2,51 @@
 //! their liveness, and every request from its arrival until none of its
 //! writes can land any more. Steps `0..layers` are the layers' paged writes,
 //! step `layers` the tail (when the request's source writes it).
+//!
+//! ## Who may say what
+//! A frame is taken only from the decoder it names, proven by its
+//! [`Auth`] (see the crate docs): an unauthentic `Hello` gets at most a
+//! `Hello` back, to the address it names, and only if no other incarnation
+//! is alive at that address's NICs (a stranger's claim to be a decoder's
+//! next incarnation is not believed while the decoder lives: a send to
+//! the newer incarnation would make the engine drop the live one); any
+//! other unauthentic frame is dropped. A request is keyed by its decoder
+//! and the decoder's id, so a decoder can only ever cancel its own.
+//!
+//! Per decoder, the ids it used are remembered in a window
+//! ([`ID_WINDOW`](crate::ID_WINDOW) ids above a floor that follows the contiguous ones):
+//! - a `Cancel` before its `Request` is confirmed at once and remembered;
+//!   the `Request`, when it comes, is answered `CancelAck` again and never
+//!   served (the decoder may have reused its pages already);
+//! - a `Request` whose id is being served or was served is a duplicate or
+//!   a replay: dropped, unanswered (a `Failed` for it would end the one
+//!   being served at the decoder while its writes go on);
+//! - a `Request` at or below the floor (the window overflowed past it) is
+//!   refused [`Refusal::Stale`], never served;
+//! - the window goes with the decoder's entry (ten heartbeat timeouts
+//!   after its death); a dead decoder's later frames are ignored until
+//!   then, and after that whatever they ask fails at the engine, which
+//!   never writes to a removed incarnation.
+//!
+//! Every request taken ends exactly once ([`PreAction::Finish`]), and the
+//! decoder is told (`CancelAck` or `Failed`) unless it is dead.
 
+pub use super::actions::{Incoming, PreAction, TaskKey, Write};
+
+use super::checks::refusal;
+use super::ids::{Dec, IdState, Ids, Seen};
+use crate::auth::Keys;
 use crate::layout::layer_pages;
 use crate::liveness::{Beat, PeerClock};
-use crate::wire::{Failure, KvRequest, Msg};
-use crate::{HeadMap, Heartbeat, KvError, KvLayout, PeerLoss, Refusal};
+use crate::wire::{Auth, Failure, KvRequest, Msg};
+use crate::{Heartbeat, KvError, KvLayout, PeerLoss, Refusal};
 use std::collections::BTreeMap;
 use std::time::Instant;
-use weft::{GroupAddress, MrDesc, Pages};
+use weft::GroupAddress;
 
-/// A request, named by its decoder and the decoder's id.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TaskKey {
-    /// The decoder.
-    pub decoder: GroupAddress,
-    /// Its request id.
-    pub id: u64,
-}
-
-/// A request waiting for the application to accept it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Incoming {
-    /// Which request.
-    pub key: TaskKey,
-    /// Pages of the prompt (per head).
-    pub pages: u32,
-    /// Heads to send (this rank's `src` → the decoder's `dst`).
-    pub heads: Vec<HeadMap>,
-    /// Whether this prefiller writes the tail.
-    pub tail: bool,
-    /// The decoder's application data.
-    pub meta: Vec<u8>,
-}
-
-/// One write to post.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Write {
-    /// A layer's paged write.
-    Layer {
-        /// Layer.
-        layer: u32,
-        /// Page bytes.
-        page_len: u64,
-        /// Source pages in this prefiller's KV region.
-        src: Pages,
-        /// Destination region.
-        dst: MrDesc,
-        /// Destination pages.
-        dst_pages: Pages,
-        /// Immediate.
-        imm: u32,
-    },
-    /// The tail.
-    Tail {
-        /// Bytes.
-        len: u64,
-        /// Offset in this prefiller's tail region.
-        src_off: u64,
-        /// Destination region.
-        dst: MrDesc,
-        /// Offset in it.
-        dst_off: u64,
-        /// Immediate.
-        imm: u32,
-    },
-}
-
-/// What the driver must do.
-#[derive(Debug, Clone)]
-pub enum PreAction {
-    /// SEND `msg` to `to`.
-    Send {
-        /// Destination.
-        to: GroupAddress,
-        /// Message.
-        msg: Msg,
-    },
-    /// Tell the application about a new request.
-    Incoming(Incoming),
-    /// Post step `step` of `key`; report it with [`PrefillerCore::on_posted`].
-    Post {
-        /// Request.
-        key: TaskKey,
-        /// Step.
-        step: u32,
-        /// The write.
-        write: Write,
-    },
-    /// The request ended (none of its writes can land any more).
-    Finish {
-        /// Request.
-        key: TaskKey,
-        /// Outcome.
-        result: Result<(), KvError>,
-    },
-    /// Decoder `peer` is dead: remove it from the engine
-    /// (`TransferEngine::remove_peer`), so that its connection state is
-    /// freed and nothing reaches that incarnation any more. Writes to it
-    /// still posted resolve as the engine's peer removal says.
-    Forget {
-        /// The dead decoder.
-        peer: GroupAddress,
-    },
-}
+/// Unauthentic `Hello`s answered per heartbeat tick at most: a stranger
+/// cannot make the prefiller send more than this on its behalf.
+const HELLO_REPLIES_PER_TICK: u32 = 64;
 
 #[derive(Debug, Clone)]
 enum Stop {
@@ -114,7 +56,7 @@ enum Stop {
     ShutDown,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Task {
     req: KvRequest,
     /// `Some` once accepted: source pages and tail slot.
@@ -127,11 +69,17 @@ struct Task {
 }
 
 /// The prefiller's state machine.
+#[derive(Debug, Clone)]
 pub struct PrefillerCore {
     layout: KvLayout,
     hb: Heartbeat,
-    decoders: BTreeMap<GroupAddress, PeerClock>,
+    keys: Keys,
+    decoders: BTreeMap<GroupAddress, Dec>,
     tasks: BTreeMap<TaskKey, Task>,
+    /// Unauthentic `Hello`s still answered before the next tick.
+    hello_budget: u32,
+    /// Frames dropped: unauthentic, duplicate or replayed.
+    dropped: u64,
     /// Most requests held at once (`KvConfig::max_pending_requests`).
     max_pending: usize,
     /// Most decoders known at once, dead ones kept included
@@ -162,12 +110,30 @@ impl PrefillerCore {
         Ok(Self {
             layout,
             hb,
+            keys: Keys::random(),
             decoders: BTreeMap::new(),
             tasks: BTreeMap::new(),
+            hello_budget: HELLO_REPLIES_PER_TICK,
+            dropped: 0,
             max_pending: crate::KvConfig::default().max_pending_requests,
             max_decoders: crate::KvConfig::default().max_decoders,
             closing: false,
         })
+    }
+
+    /// Derives its grants from a key drawn from `seed` instead of the OS's
+    /// randomness (tests and models). Call before any message.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.keys = Keys::seeded(seed);
+        self
+    }
+
+    /// Frames dropped so far: unauthentic, from a decoder's claimed other
+    /// incarnation, from one decoder too many, duplicates and replays.
+    /// (Dropped frames are logged at warn only at the 1st, 2nd, 4th, ...
+    /// drop: a flood cannot flood the log.)
+    pub fn dropped(&self) -> u64 {
+        self.dropped
     }
 
     /// Holds at most `max` requests at once (at least 1); more are refused
@@ -208,8 +174,9 @@ impl PrefillerCore {
         let gone: Vec<GroupAddress> = self
             .decoders
             .iter()
-            .filter(|(a, c)| {
-                c.died()
+            .filter(|(a, d)| {
+                d.clock
+                    .died()
                     .is_some_and(|d| now.saturating_duration_since(d) >= keep)
                     && !self.has_tasks(a)
             })
@@ -226,7 +193,7 @@ impl PrefillerCore {
         let oldest = self
             .decoders
             .iter()
-            .filter_map(|(a, c)| Some((c.died()?, a)))
+            .filter_map(|(a, d)| Some((d.clock.died()?, a)))
             .filter(|(_, a)| !self.has_tasks(a))
             .min_by_key(|(d, _)| *d)
             .map(|(_, a)| a.clone());
@@ -254,145 +221,53 @@ impl PrefillerCore {
         self.tasks.get(key).map(|t| t.steps)
     }
 
-    fn refuse(&self, req: &KvRequest) -> Option<Refusal> {
-        let (me, d) = (&self.layout, &req.layout);
-        if d.layers != me.layers || d.page_len != me.page_len {
-            return Some(Refusal::LayoutMismatch {
-                what: format!(
-                    "decoder {} layers of {} B pages, prefiller {} of {} B",
-                    d.layers, d.page_len, me.layers, me.page_len
-                ),
-            });
+    /// A frame arrived claiming to be from `from`, with `auth`.
+    pub fn on_msg(
+        &mut self,
+        from: &GroupAddress,
+        auth: Auth,
+        msg: Msg,
+        now: Instant,
+    ) -> Vec<PreAction> {
+        let grant = self.keys.grant(from);
+        if auth.proof != grant {
+            return self.unauthentic(from, auth, grant, msg);
         }
-        if req.tail_slot.is_some() && d.tail_len != me.tail_len {
-            return Some(Refusal::LayoutMismatch {
-                what: format!("tail {} B vs {} B", d.tail_len, me.tail_len),
-            });
-        }
-        for hm in &req.heads {
-            if hm.src >= me.kv_heads {
-                return Some(Refusal::HeadOutOfRange {
-                    head: hm.src,
-                    heads: me.kv_heads,
-                    side: "prefill".into(),
-                });
-            }
-            if hm.dst >= d.kv_heads {
-                return Some(Refusal::HeadOutOfRange {
-                    head: hm.dst,
-                    heads: d.kv_heads,
-                    side: "decode".into(),
-                });
-            }
-        }
-        // Each decoder head at most once (the decoder checks its own routes
-        // the same way). Without this, a short request repeating one head
-        // map thousands of times would make the per-layer index lists
-        // (heads x pages) as long as a whole cache.
-        let mut dsts: Vec<u32> = req.heads.iter().map(|hm| hm.dst).collect();
-        dsts.sort_unstable();
-        if let Some(w) = dsts.windows(2).find(|w| w[0] == w[1]) {
-            return Some(Refusal::DuplicateHead { head: w[0] });
-        }
-        if req.pages.is_empty() || req.heads.is_empty() {
-            return Some(Refusal::BadPages {
-                what: "no pages or no heads".into(),
-            });
-        }
-        if let Some(p) = req.pages.iter().find(|&&p| p >= d.num_pages) {
-            return Some(Refusal::BadPages {
-                what: format!("page {p} of {}", d.num_pages),
-            });
-        }
-        if req.tail_slot.is_some_and(|s| s >= d.tail_slots) {
-            return Some(Refusal::BadPages {
-                what: "tail slot out of range".into(),
-            });
-        }
-        None
-    }
-
-    /// A message arrived from `from`.
-    pub fn on_msg(&mut self, from: &GroupAddress, msg: Msg, now: Instant) -> Vec<PreAction> {
         match self.decoders.get_mut(from) {
-            Some(c) if c.dead().is_some() => return Vec::new(),
-            Some(c) => c.heard(now),
+            Some(d) if d.clock.dead().is_some() => return Vec::new(),
+            Some(d) => d.clock.heard(now),
             None => {
-                // Anyone who can send to this engine can name any address:
-                // a bounded number of decoders, dead ones with nothing left
-                // making room first.
-                if !self.room_for_decoder() {
-                    tracing::warn!(decoder = ?from, max = self.max_decoders, "prefiller: message from a new decoder dropped: too many decoders");
+                if let Some(live) = self.other_incarnation(from) {
+                    self.dropped += 1;
+                    if crate::auth::loud(self.dropped) {
+                        tracing::warn!(decoder = ?from, ?live, dropped = self.dropped, "prefiller: frame of another incarnation of a live decoder dropped");
+                    }
                     return Vec::new();
                 }
-                self.decoders.insert(from.clone(), PeerClock::new(now));
-            }
-        }
-        let key = |id| TaskKey {
-            decoder: from.clone(),
-            id,
-        };
-        match msg {
-            Msg::Hello | Msg::Heartbeat => Vec::new(),
-            Msg::Request(req) => {
-                let k = key(req.id);
-                let refusal = if self.closing {
-                    Some(Refusal::ShuttingDown)
-                } else if self.tasks.contains_key(&k) {
-                    Some(Refusal::Duplicate)
-                } else if self.tasks.len() >= self.max_pending {
-                    Some(Refusal::Busy {
-                        max: self.max_pending as u64,
-                    })
-                } else {
-                    self.refuse(&req)
-                };
-                if let Some(r) = refusal {
-                    tracing::warn!(id = req.id, "prefiller: refused: {r}");
-                    return vec![self.send(
-                        from,
-                        Msg::Failed {
-                            id: req.id,
-                            failure: Failure::Refused(r),
-                        },
-                        now,
-                    )];
+                // Anyone who holds an address can speak from it: a
+                // bounded number of decoders, dead ones with nothing left
+                // making room first.
+                if !self.room_for_decoder() {
+                    self.dropped += 1;
+                    if crate::auth::loud(self.dropped) {
+                        tracing::warn!(decoder = ?from, max = self.max_decoders, dropped = self.dropped, "prefiller: message from a new decoder dropped: too many decoders");
+                    }
+                    return Vec::new();
                 }
-                let inc = Incoming {
-                    key: k.clone(),
-                    pages: u32::try_from(req.pages.len()).unwrap_or(u32::MAX),
-                    heads: req.heads.clone(),
-                    tail: req.tail_slot.is_some(),
-                    meta: req.meta.clone(),
-                };
-                let steps = self.layout.layers + u32::from(req.tail_slot.is_some());
-                self.tasks.insert(
-                    k,
-                    Task {
-                        req,
-                        src: None,
-                        steps,
-                        ready: 0,
-                        posted: 0,
-                        in_flight: 0,
-                        stop: None,
+                self.decoders.insert(
+                    from.clone(),
+                    Dec {
+                        clock: PeerClock::new(now),
+                        theirs: auth.grant,
+                        ids: Ids::default(),
                     },
                 );
-                vec![PreAction::Incoming(inc)]
             }
-            Msg::Cancel { id } => {
-                let k = key(id);
-                match self.tasks.get_mut(&k) {
-                    Some(t) => {
-                        if t.stop.is_none() {
-                            t.stop = Some(Stop::Cancelled);
-                        }
-                        self.settle(&k, now)
-                    }
-                    // Unknown or finished: nothing of it can land any more.
-                    None => vec![self.send(from, Msg::CancelAck { id }, now)],
-                }
-            }
+        }
+        match msg {
+            Msg::Hello | Msg::Heartbeat => Vec::new(),
+            Msg::Request(req) => self.on_request(from, req, now),
+            Msg::Cancel { id } => self.on_cancel(from, id, now),
             other => {
                 tracing::warn!(?from, "prefiller: unexpected message {other:?}");
                 Vec::new()
@@ -400,12 +275,169 @@ impl PrefillerCore {
         }
     }
 
-    fn send(&mut self, to: &GroupAddress, msg: Msg, now: Instant) -> PreAction {
-        if let Some(c) = self.decoders.get_mut(to) {
-            c.sent(now);
+    /// A frame whose proof is not this prefiller's grant for its sender:
+    /// a `Hello` is answered (echoing the claimed grant, so that the real
+    /// holder of `from` can prove itself), the rest dropped.
+    fn unauthentic(
+        &mut self,
+        from: &GroupAddress,
+        auth: Auth,
+        grant: u64,
+        msg: Msg,
+    ) -> Vec<PreAction> {
+        if !matches!(msg, Msg::Hello) {
+            tracing::debug!(?from, "prefiller: unauthentic frame dropped");
+            self.dropped += 1;
+            return Vec::new();
         }
+        if self
+            .decoders
+            .get(from)
+            .is_some_and(|d| d.clock.dead().is_some())
+        {
+            return Vec::new();
+        }
+        if let Some(live) = self.other_incarnation(from) {
+            self.dropped += 1;
+            if crate::auth::loud(self.dropped) {
+                tracing::warn!(claimed = ?from, ?live, dropped = self.dropped, "prefiller: hello naming another incarnation of a live decoder dropped");
+            }
+            return Vec::new();
+        }
+        if self.hello_budget == 0 {
+            self.dropped += 1;
+            return Vec::new();
+        }
+        self.hello_budget -= 1;
+        vec![PreAction::Send {
+            to: from.clone(),
+            auth: Auth {
+                proof: auth.grant,
+                grant,
+            },
+            msg: Msg::Hello,
+        }]
+    }
+
+    /// A live decoder of another incarnation at one of `addr`'s NICs.
+    fn other_incarnation(&self, addr: &GroupAddress) -> Option<GroupAddress> {
+        self.decoders
+            .iter()
+            .find(|(a, d)| {
+                a.incarnation != addr.incarnation
+                    && d.clock.dead().is_none()
+                    && a.nics.iter().any(|n| addr.nics.contains(n))
+            })
+            .map(|(a, _)| a.clone())
+    }
+
+    fn on_request(&mut self, from: &GroupAddress, req: KvRequest, now: Instant) -> Vec<PreAction> {
+        let id = req.id;
+        let k = TaskKey {
+            decoder: from.clone(),
+            id,
+        };
+        if self.tasks.contains_key(&k) {
+            tracing::debug!(id, "prefiller: duplicate request dropped");
+            self.dropped += 1;
+            return Vec::new();
+        }
+        let Some(d) = self.decoders.get_mut(from) else {
+            return Vec::new();
+        };
+        match d.ids.state(id) {
+            IdState::Seen(Seen::Taken) => {
+                tracing::debug!(id, "prefiller: replayed request dropped");
+                self.dropped += 1;
+                return Vec::new();
+            }
+            IdState::Seen(Seen::Cancelled) => {
+                // Its cancel came first and was confirmed: never served.
+                d.ids.mark(id, Seen::Taken);
+                tracing::debug!(id, "prefiller: request after its cancel");
+                return vec![self.send(from, Msg::CancelAck { id }, Some(now))];
+            }
+            IdState::Old(floor) => {
+                let r = Refusal::Stale { id, floor };
+                tracing::warn!(id, "prefiller: refused: {r}");
+                let failure = Failure::Refused(r);
+                return vec![self.send(from, Msg::Failed { id, failure }, Some(now))];
+            }
+            IdState::New => d.ids.mark(id, Seen::Taken),
+        }
+        let refusal = if self.closing {
+            Some(Refusal::ShuttingDown)
+        } else if self.tasks.len() >= self.max_pending {
+            Some(Refusal::Busy {
+                max: self.max_pending as u64,
+            })
+        } else {
+            refusal(&self.layout, &req)
+        };
+        if let Some(r) = refusal {
+            tracing::warn!(id, "prefiller: refused: {r}");
+            let failure = Failure::Refused(r);
+            return vec![self.send(from, Msg::Failed { id, failure }, Some(now))];
+        }
+        let inc = Incoming {
+            key: k.clone(),
+            pages: u32::try_from(req.pages.len()).unwrap_or(u32::MAX),
+            heads: req.heads.clone(),
+            tail: req.tail_slot.is_some(),
+            meta: req.meta.clone(),
+        };
+        let steps = self.layout.layers + u32::from(req.tail_slot.is_some());
+        self.tasks.insert(
+            k,
+            Task {
+                req,
+                src: None,
+                steps,
+                ready: 0,
+                posted: 0,
+                in_flight: 0,
+                stop: None,
+            },
+        );
+        vec![PreAction::Incoming(inc)]
+    }
+
+    fn on_cancel(&mut self, from: &GroupAddress, id: u64, now: Instant) -> Vec<PreAction> {
+        let k = TaskKey {
+            decoder: from.clone(),
+            id,
+        };
+        if let Some(t) = self.tasks.get_mut(&k) {
+            if t.stop.is_none() {
+                t.stop = Some(Stop::Cancelled);
+            }
+            return self.settle(&k, Some(now));
+        }
+        if let Some(d) = self.decoders.get_mut(from) {
+            if let IdState::New = d.ids.state(id) {
+                // Before its request: remembered, so that the request is
+                // never served; nothing of it can land, so confirm now.
+                d.ids.mark(id, Seen::Cancelled);
+            }
+        }
+        // Unknown, finished or cancelled before: nothing of it can land.
+        vec![self.send(from, Msg::CancelAck { id }, Some(now))]
+    }
+
+    fn send(&mut self, to: &GroupAddress, msg: Msg, now: Option<Instant>) -> PreAction {
+        let grant = self.keys.grant(to);
+        let proof = match self.decoders.get_mut(to) {
+            Some(d) => {
+                if let Some(now) = now {
+                    d.clock.sent(now);
+                }
+                d.theirs
+            }
+            None => 0,
+        };
         PreAction::Send {
             to: to.clone(),
+            auth: Auth { proof, grant },
             msg,
         }
     }
@@ -461,7 +493,7 @@ impl PrefillerCore {
                 id: key.id,
                 failure,
             },
-            now,
+            Some(now),
         )]
     }
 
@@ -502,10 +534,11 @@ impl PrefillerCore {
                     src_pages,
                     &t.req.pages,
                 ) else {
-                    t.stop = Some(Stop::Failed(Failure::Write {
-                        step: step_name(l.layers, step),
-                        error: "page set out of range".into(),
-                    }));
+                    // The request's checks make this unreachable; should
+                    // it happen, the request still ends, answered.
+                    t.stop = Some(Stop::Failed(Failure::Refused(Refusal::BadPages {
+                        what: format!("{} has no page set", step_name(l.layers, step)),
+                    })));
                     break;
                 };
                 Write::Layer {
@@ -534,6 +567,10 @@ impl PrefillerCore {
                 write,
             });
         }
+        let stopped = t.stop.is_some();
+        if stopped {
+            out.extend(self.settle(key, None));
+        }
         Ok(out)
     }
 
@@ -553,8 +590,8 @@ impl PrefillerCore {
         if result.is_ok() {
             // delivered: the decoder is alive (its heartbeats may wait
             // behind these writes on a busy link)
-            if let Some(c) = self.decoders.get_mut(&key.decoder) {
-                c.heard(now);
+            if let Some(d) = self.decoders.get_mut(&key.decoder) {
+                d.clock.heard(now);
             }
         }
         if let Err(error) = result {
@@ -566,11 +603,11 @@ impl PrefillerCore {
                 }));
             }
         }
-        self.settle(key, now)
+        self.settle(key, Some(now))
     }
 
     /// Ends `key` if nothing of it is in flight and it is complete or stopping.
-    fn settle(&mut self, key: &TaskKey, now: Instant) -> Vec<PreAction> {
+    fn settle(&mut self, key: &TaskKey, now: Option<Instant>) -> Vec<PreAction> {
         let Some(t) = self.tasks.get(key) else {
             return Vec::new();
         };
@@ -638,7 +675,7 @@ impl PrefillerCore {
                     t.stop = Some(why());
                 }
             }
-            out.extend(self.settle(&k, now));
+            out.extend(self.settle(&k, Some(now)));
         }
         out
     }
@@ -654,7 +691,7 @@ impl PrefillerCore {
         let killed = self
             .decoders
             .get_mut(to)
-            .is_some_and(|c| c.kill(loss.clone(), now));
+            .is_some_and(|d| d.clock.kill(loss.clone(), now));
         if killed {
             self.decoder_dead(to.clone(), loss, now)
         } else {
@@ -678,11 +715,12 @@ impl PrefillerCore {
             // to stop, and its messages, if any come, meet the bound.
             return Vec::new();
         }
-        let clock = self
-            .decoders
-            .entry(addr.clone())
-            .or_insert_with(|| PeerClock::new(now));
-        if clock.kill(loss.clone(), now) {
+        let d = self.decoders.entry(addr.clone()).or_insert_with(|| Dec {
+            clock: PeerClock::new(now),
+            theirs: 0,
+            ids: Ids::default(),
+        });
+        if d.clock.kill(loss.clone(), now) {
             self.decoder_dead(addr.clone(), loss, now)
         } else {
             Vec::new()
@@ -707,11 +745,16 @@ impl PrefillerCore {
     pub fn tick(&mut self, now: Instant) -> Vec<PreAction> {
         let mut out = Vec::new();
         let mut dead = Vec::new();
-        for (addr, c) in self.decoders.iter_mut() {
-            match c.tick(now, &self.hb) {
+        self.hello_budget = HELLO_REPLIES_PER_TICK;
+        for (addr, d) in self.decoders.iter_mut() {
+            match d.clock.tick(now, &self.hb) {
                 Beat::Idle => {}
                 Beat::Send => out.push(PreAction::Send {
                     to: addr.clone(),
+                    auth: Auth {
+                        proof: d.theirs,
+                        grant: self.keys.grant(addr),
+                    },
                     msg: Msg::Heartbeat,
                 }),
                 Beat::Dead(loss) => dead.push((addr.clone(), loss)),

@@ -3,14 +3,18 @@
 //! completion callbacks, the UVM watcher and a heartbeat timer, and hands
 //! requests to the application as [`Incoming`]s to accept and serve.
 
+mod actions;
+mod checks;
 mod core;
+mod ids;
 
 pub use self::core::{Incoming, PreAction, PrefillerCore, TaskKey, Write};
+pub use self::ids::ID_WINDOW;
 
 use crate::completion::{Completion, CompletionFuture};
 use crate::decoder::{CacheRegions, KvConfig};
 use crate::timer::{drive, Role, Ticker};
-use crate::wire::{encode, Msg};
+use crate::wire::{encode, Auth, Msg};
 use crate::{KvError, KvLayout};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -351,8 +355,8 @@ impl Serve {
 }
 
 impl Role for Shared {
-    fn on_msg(self: &Arc<Self>, from: &GroupAddress, msg: Msg, now: Instant) {
-        self.step(|c| c.on_msg(from, msg, now));
+    fn on_msg(self: &Arc<Self>, from: &GroupAddress, auth: Auth, msg: Msg, now: Instant) {
+        self.step(|c| c.on_msg(from, auth, msg, now));
     }
 
     fn tick(self: &Arc<Self>, now: Instant) {
@@ -402,7 +406,7 @@ impl Shared {
             let mut queue = std::collections::VecDeque::from(f(&mut c));
             while let Some(a) = queue.pop_front() {
                 match a {
-                    PreAction::Send { to, msg } => sends.push((to, msg)),
+                    PreAction::Send { to, auth, msg } => sends.push((to, auth, msg)),
                     PreAction::Post { key, step, write } => {
                         if let Err(e) = self.post(&key, step, &write) {
                             queue.extend(c.on_posted(&key, step, Err(e), Instant::now()));
@@ -418,8 +422,8 @@ impl Shared {
                 }
             }
         }
-        for (to, msg) in sends {
-            if let Err(e) = self.send(&to, &msg) {
+        for (to, auth, msg) in sends {
+            if let Err(e) = self.send(&to, auth, &msg) {
                 tracing::error!("prefiller: {e}");
             }
         }
@@ -438,8 +442,8 @@ impl Shared {
         }
     }
 
-    fn send(self: &Arc<Self>, to: &GroupAddress, msg: &crate::wire::Msg) -> Result<(), String> {
-        let bytes = encode(&self.me, msg).map_err(|e| e.to_string())?;
+    fn send(self: &Arc<Self>, to: &GroupAddress, auth: Auth, msg: &Msg) -> Result<(), String> {
+        let bytes = encode(&self.me, auth, msg).map_err(|e| e.to_string())?;
         let weak = Arc::downgrade(self);
         let to2 = to.clone();
         // A failure reports through the callback (never inline: the core

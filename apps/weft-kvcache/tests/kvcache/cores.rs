@@ -2,97 +2,15 @@
 //! in: messages go from one core to the other, posts complete when the test
 //! says so.
 
+use crate::sans_io::*;
 use std::time::{Duration, Instant};
-use weft::{GroupAddress, ImmCounts, MrDesc, NetAddr, ShardConfig};
 use weft_kvcache::{
-    DecAction, DecoderCore, HeadMap, HeadOrder, Heartbeat, KvError, KvLayout, Msg, PreAction,
-    PrefillerCore, Route, Source, TaskKey, Write,
+    Auth, DecAction, DecoderCore, HeadMap, KvError, KvLayout, Msg, PreAction, PrefillerCore, Route,
+    Source, TaskKey, Write,
 };
-
-const LAYOUT: KvLayout = KvLayout {
-    layers: 4,
-    kv_heads: 2,
-    page_len: 4096,
-    tail_len: 1000,
-    num_pages: 16,
-    tail_slots: 4,
-    order: HeadOrder::HeadsBeforePages,
-};
-
-const HB: Heartbeat = Heartbeat {
-    interval: Duration::from_millis(10),
-    timeout: Duration::from_millis(100),
-};
-
-fn addr(b: u8) -> GroupAddress {
-    GroupAddress {
-        nics: vec![NetAddr(vec![b])],
-        incarnation: Default::default(),
-    }
-}
-
-fn desc() -> MrDesc {
-    MrDesc {
-        addr: 0,
-        len: 1 << 30,
-        rkeys: Vec::new(),
-        incarnation: Default::default(),
-    }
-}
-
-fn counts() -> ImmCounts {
-    ImmCounts {
-        nics: 1,
-        max_write_len: 1 << 30,
-        shard: ShardConfig::default(),
-    }
-}
 
 fn decoder(_t0: Instant) -> DecoderCore {
     DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap()
-}
-
-fn sends(a: &[DecAction]) -> Vec<(GroupAddress, Msg)> {
-    a.iter()
-        .filter_map(|a| match a {
-            DecAction::Send { to, msg } => Some((to.clone(), msg.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-fn finishes(a: &[DecAction]) -> Vec<(u64, Result<(), KvError>)> {
-    a.iter()
-        .filter_map(|a| match a {
-            DecAction::Finish { id, result, .. } => Some((*id, result.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-fn posts(a: &[PreAction]) -> Vec<(TaskKey, u32, Write)> {
-    a.iter()
-        .filter_map(|a| match a {
-            PreAction::Post { key, step, write } => Some((key.clone(), *step, write.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-fn pre_sends(a: &[PreAction]) -> Vec<(GroupAddress, Msg)> {
-    a.iter()
-        .filter_map(|a| match a {
-            PreAction::Send { to, msg } => Some((to.clone(), msg.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-fn pre_finish(a: &[PreAction]) -> Option<Result<(), KvError>> {
-    a.iter().find_map(|a| match a {
-        PreAction::Finish { result, .. } => Some(result.clone()),
-        _ => None,
-    })
 }
 
 /// Decoder with one prefiller, a request of `n` pages started and delivered
@@ -104,6 +22,8 @@ struct Pair {
     key: TaskKey,
     id: u64,
     lease: weft_kvcache::PageLease,
+    /// What the decoder's frames to the prefiller carry.
+    auth: Auth,
 }
 
 fn pair(n: u32) -> Pair {
@@ -111,19 +31,19 @@ fn pair(n: u32) -> Pair {
     let mut dec = decoder(t0);
     let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
     let (p, hello) = dec.add_prefiller(addr(1), t0);
-    for (_, m) in sends(&hello) {
-        assert!(pre.on_msg(&addr(100), m, t0).is_empty());
-    }
+    assert!(pump(&mut dec, &mut pre, &addr(1), hello, t0).is_empty());
+    assert!(dec.prefiller_ready(p));
     let lease = dec.alloc(n).unwrap();
     let st = dec
         .begin(&Route::single(p, 2), &lease, 5, &counts(), b"prompt", t0)
         .unwrap();
     // one paged write per layer (2 heads x n pages, 1 piece each) + tail
     assert_eq!(st.imm_count, u64::from(LAYOUT.layers * 2 * n) + 1);
-    let msgs = sends(&st.actions);
+    let msgs = frames(&st.actions);
     assert_eq!(msgs.len(), 1);
     assert_eq!(msgs[0].0, addr(1));
-    let acts = pre.on_msg(&addr(100), msgs[0].1.clone(), t0);
+    let auth = msgs[0].1;
+    let acts = pre.on_msg(&addr(100), auth, msgs[0].2.clone(), t0);
     let inc = match &acts[..] {
         [PreAction::Incoming(i)] => i.clone(),
         other => panic!("{other:?}"),
@@ -139,6 +59,7 @@ fn pair(n: u32) -> Pair {
         key: inc.key,
         id: st.id,
         lease,
+        auth,
     }
 }
 
@@ -224,7 +145,7 @@ fn cancel_is_confirmed_only_after_posted_writes_complete() {
         s.t0,
     );
     assert!(matches!(r, Err(KvError::LeaseBusy { .. })));
-    let a = s.pre.on_msg(&addr(100), m[0].1.clone(), s.t0);
+    let a = s.pre.on_msg(&addr(100), s.auth, m[0].1.clone(), s.t0);
     assert!(a.is_empty(), "writes in flight: no ack yet");
     // no more posts once cancelled
     assert!(s.pre.ready(&s.key, 5).unwrap().is_empty());
@@ -234,17 +155,22 @@ fn cancel_is_confirmed_only_after_posted_writes_complete() {
         pre_finish(&a),
         Some(Err(KvError::Cancelled { .. }))
     ));
-    let ack = pre_sends(&a);
-    assert_eq!(ack, vec![(addr(100), Msg::CancelAck { id: s.id })]);
+    let ack = pre_frames(&a);
+    assert_eq!(
+        pre_sends(&a),
+        vec![(addr(100), Msg::CancelAck { id: s.id })]
+    );
     let _ = p;
-    let f = finishes(&s.dec.on_msg(&addr(1), ack[0].1.clone(), s.t0));
+    let f = finishes(&s.dec.on_msg(&addr(1), ack[0].1, ack[0].2.clone(), s.t0));
     assert!(matches!(f[..], [(_, Err(KvError::Cancelled { .. }))]));
     // a late imm callback (the freed round) is ignored
     assert!(s.dec.on_imms(s.id, Ok(())).is_empty());
     assert!(s.dec.free(s.lease, s.t0).is_empty());
     assert_eq!(s.dec.pool().free_pages(), 16);
     // a cancel of an unknown request is acknowledged at once
-    let a = s.pre.on_msg(&addr(100), Msg::Cancel { id: 99 }, s.t0);
+    let a = s
+        .pre
+        .on_msg(&addr(100), s.auth, Msg::Cancel { id: 99 }, s.t0);
     assert_eq!(pre_sends(&a), vec![(addr(100), Msg::CancelAck { id: 99 })]);
 }
 
@@ -254,9 +180,11 @@ fn freeing_a_lease_in_flight_cancels_and_defers_the_pages() {
     let a = s.dec.free(s.lease, s.t0);
     assert_eq!(sends(&a), vec![(addr(1), Msg::Cancel { id: s.id })]);
     assert_eq!(s.dec.pool().free_pages(), 12);
-    let a = s.pre.on_msg(&addr(100), Msg::Cancel { id: s.id }, s.t0);
-    let ack = pre_sends(&a);
-    s.dec.on_msg(&addr(1), ack[0].1.clone(), s.t0);
+    let a = s
+        .pre
+        .on_msg(&addr(100), s.auth, Msg::Cancel { id: s.id }, s.t0);
+    let ack = pre_frames(&a);
+    s.dec.on_msg(&addr(1), ack[0].1, ack[0].2.clone(), s.t0);
     assert_eq!(s.dec.pool().free_pages(), 16);
 }
 
@@ -266,10 +194,16 @@ fn heartbeats_and_silence() {
     let t = s.t0 + Duration::from_millis(10);
     assert_eq!(sends(&s.dec.tick(t)), vec![(addr(1), Msg::Heartbeat)]);
     assert!(s.dec.tick(t + Duration::from_millis(1)).is_empty());
-    assert_eq!(pre_sends(&s.pre.tick(t)), vec![(addr(100), Msg::Heartbeat)]);
+    let beat = pre_frames(&s.pre.tick(t));
+    assert_eq!(
+        beat.iter()
+            .map(|f| (f.0.clone(), f.2.clone()))
+            .collect::<Vec<_>>(),
+        vec![(addr(100), Msg::Heartbeat)]
+    );
     // the prefiller keeps talking: the decoder keeps the request
     let t2 = s.t0 + Duration::from_millis(90);
-    s.dec.on_msg(&addr(1), Msg::Heartbeat, t2);
+    s.dec.on_msg(&addr(1), beat[0].1, Msg::Heartbeat, t2);
     assert!(finishes(&s.dec.tick(s.t0 + Duration::from_millis(150))).is_empty());
     // silence past the timeout: the request fails, typed, and the dead
     // prefiller is removed from the engine
@@ -330,8 +264,8 @@ fn a_failed_write_fails_the_request_at_the_decoder() {
         pre_finish(&a),
         Some(Err(KvError::TransferFailed { .. }))
     ));
-    let m = pre_sends(&a);
-    let f = finishes(&s.dec.on_msg(&addr(1), m[0].1.clone(), s.t0));
+    let m = pre_frames(&a);
+    let f = finishes(&s.dec.on_msg(&addr(1), m[0].1, m[0].2.clone(), s.t0));
     match &f[..] {
         [(_, Err(KvError::TransferFailed { step, error, .. }))] => {
             assert_eq!(step, "layer 0");
@@ -353,15 +287,17 @@ fn refusals_are_typed() {
         HB,
     )
     .unwrap();
-    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let (p, hello) = dec.add_prefiller(addr(1), t0);
+    pump(&mut dec, &mut pre, &addr(1), hello, t0);
     let lease = dec.alloc(1).unwrap();
     let st = dec
         .begin(&Route::single(p, 2), &lease, 1, &counts(), b"", t0)
         .unwrap();
-    let m = sends(&st.actions);
-    let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
-    let r = pre_sends(&a);
-    let f = finishes(&dec.on_msg(&addr(1), r[0].1.clone(), t0));
+    let m = frames(&st.actions);
+    let auth = m[0].1;
+    let a = pre.on_msg(&addr(100), auth, m[0].2.clone(), t0);
+    let r = pre_frames(&a);
+    let f = finishes(&dec.on_msg(&addr(1), r[0].1, r[0].2.clone(), t0));
     assert!(matches!(
         f[..],
         [(
@@ -375,6 +311,7 @@ fn refusals_are_typed() {
     // A request naming one decoder head twice (the decoder never sends
     // one; a foreign peer may) is refused as such, not served.
     let mut dup_pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let dup_auth = join(&mut dup_pre, &addr(100), t0);
     let st2 = dec
         .begin(&Route::single(p, 2), &lease, 2, &counts(), b"", t0)
         .unwrap();
@@ -383,7 +320,7 @@ fn refusals_are_typed() {
     };
     req.heads = vec![HeadMap { src: 0, dst: 1 }; 5000];
     let id = req.id;
-    let a = dup_pre.on_msg(&addr(100), Msg::Request(req), t0);
+    let a = dup_pre.on_msg(&addr(100), dup_auth, Msg::Request(req), t0);
     let r = pre_sends(&a);
     assert!(
         matches!(
@@ -415,7 +352,8 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
     let t0 = Instant::now();
     let mut dec = decoder(t0);
     let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap().with_max_pending(2);
-    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let (p, hello) = dec.add_prefiller(addr(1), t0);
+    pump(&mut dec, &mut pre, &addr(1), hello, t0);
     let mut keys = Vec::new();
     let mut leases = Vec::new();
     for k in 0..3u32 {
@@ -430,8 +368,8 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
                 t0,
             )
             .unwrap();
-        let m = sends(&st.actions);
-        let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
+        let m = frames(&st.actions);
+        let a = pre.on_msg(&addr(100), m[0].1, m[0].2.clone(), t0);
         if k < 2 {
             match &a[..] {
                 [PreAction::Incoming(i)] => keys.push(i.key.clone()),
@@ -449,7 +387,8 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
         );
         assert_eq!(pre.pending(), 2);
         // The decoder's request ends with that refusal.
-        let f = finishes(&dec.on_msg(&addr(1), r[0].1.clone(), t0));
+        let r = pre_frames(&a);
+        let f = finishes(&dec.on_msg(&addr(1), r[0].1, r[0].2.clone(), t0));
         assert!(
             matches!(
                 &f[..],
@@ -466,8 +405,8 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
     let st = dec
         .begin(&Route::single(p, 2), &lease, 9, &counts(), b"", t0)
         .unwrap();
-    let m = sends(&st.actions);
-    let a = pre.on_msg(&addr(100), m[0].1.clone(), t0);
+    let m = frames(&st.actions);
+    let a = pre.on_msg(&addr(100), m[0].1, m[0].2.clone(), t0);
     assert!(matches!(&a[..], [PreAction::Incoming(_)]), "{a:?}");
     assert_eq!(pre.pending(), 2);
 }
@@ -480,12 +419,14 @@ fn a_prefiller_at_its_request_bound_refuses_busy() {
 fn a_prefiller_knows_a_bounded_number_of_decoders() {
     let t0 = Instant::now();
     let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap().with_max_decoders(2);
-    assert!(pre.on_msg(&addr(1), Msg::Hello, t0).is_empty());
-    assert!(pre.on_msg(&addr(2), Msg::Hello, t0).is_empty());
+    let a1 = join(&mut pre, &addr(1), t0);
+    let _a2 = join(&mut pre, &addr(2), t0);
     assert_eq!(pre.decoders(), 2);
-    // A third, while both are alive: dropped, and nothing is sent to it.
+    // A third, while both are alive: dropped, and nothing is sent to it
+    // (but the answer to its first, unproven, hello).
     let t1 = t0 + Duration::from_millis(1);
-    assert!(pre.on_msg(&addr(3), Msg::Hello, t1).is_empty());
+    let a3 = join(&mut pre, &addr(3), t1);
+    assert!(pre.on_msg(&addr(3), a3, Msg::Hello, t1).is_empty());
     assert_eq!(pre.decoders(), 2);
     let beats = pre.tick(t1 + HB.interval);
     assert!(
@@ -512,10 +453,10 @@ fn a_prefiller_knows_a_bounded_number_of_decoders() {
             .any(|x| matches!(x, PreAction::Forget { peer } if *peer == addr(1))),
         "{a:?}"
     );
-    assert!(pre.on_msg(&addr(1), Msg::Hello, t1).is_empty());
+    assert!(pre.on_msg(&addr(1), a1, Msg::Hello, t1).is_empty());
     assert_eq!(pre.decoders(), 2);
     // ... until a new decoder needs its place.
-    assert!(pre.on_msg(&addr(3), Msg::Hello, t1).is_empty());
+    assert!(pre.on_msg(&addr(3), a3, Msg::Hello, t1).is_empty());
     assert_eq!(pre.decoders(), 2);
     // Decoder 2 goes silent and is found dead; its entry stays for ten
     // heartbeat timeouts, then goes (decoder 3 keeps talking).
@@ -523,7 +464,7 @@ fn a_prefiller_knows_a_bounded_number_of_decoders() {
     let mut found_dead = None;
     while t < t1 + HB.timeout * 12 {
         t += HB.interval;
-        assert!(pre.on_msg(&addr(3), Msg::Heartbeat, t).is_empty());
+        assert!(pre.on_msg(&addr(3), a3, Msg::Heartbeat, t).is_empty());
         let a = pre.tick(t);
         if a.iter()
             .any(|x| matches!(x, PreAction::Forget { peer } if *peer == addr(2)))
@@ -543,8 +484,10 @@ fn a_prefiller_knows_a_bounded_number_of_decoders() {
 fn a_dead_source_waits_for_the_other_sources_confirmation() {
     let t0 = Instant::now();
     let mut dec = decoder(t0);
-    let (a, _) = dec.add_prefiller(addr(1), t0);
-    let (b, _) = dec.add_prefiller(addr(2), t0);
+    let (a, hello_a) = dec.add_prefiller(addr(1), t0);
+    let (b, hello_b) = dec.add_prefiller(addr(2), t0);
+    fake_prefiller(&mut dec, &hello_a, &addr(1), t0);
+    let auth_b = fake_prefiller(&mut dec, &hello_b, &addr(2), t0);
     let route = Route {
         sources: vec![
             Source {
@@ -574,7 +517,7 @@ fn a_dead_source_waits_for_the_other_sources_confirmation() {
     let acts = dec.on_send_failed(&addr(1), "unreachable".into(), t0);
     assert_eq!(sends(&acts), vec![(addr(2), Msg::Cancel { id: st.id })]);
     assert!(finishes(&acts).is_empty(), "b may still write");
-    let f = finishes(&dec.on_msg(&addr(2), Msg::CancelAck { id: st.id }, t0));
+    let f = finishes(&dec.on_msg(&addr(2), auth_b, Msg::CancelAck { id: st.id }, t0));
     assert!(matches!(f[..], [(_, Err(KvError::PrefillerDead { .. }))]));
     dec.free(lease, t0);
     assert_eq!(dec.pool().free_pages(), 16);
@@ -585,13 +528,14 @@ fn accept_checks_the_source_pages_and_reports_need_acceptance() {
     let t0 = Instant::now();
     let mut dec = decoder(t0);
     let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
-    let (p, _) = dec.add_prefiller(addr(1), t0);
+    let (p, hello) = dec.add_prefiller(addr(1), t0);
+    pump(&mut dec, &mut pre, &addr(1), hello, t0);
     let lease = dec.alloc(2).unwrap();
     let st = dec
         .begin(&Route::single(p, 2), &lease, 1, &counts(), b"", t0)
         .unwrap();
-    let m = sends(&st.actions);
-    let key = match &pre.on_msg(&addr(100), m[0].1.clone(), t0)[..] {
+    let m = frames(&st.actions);
+    let key = match &pre.on_msg(&addr(100), m[0].1, m[0].2.clone(), t0)[..] {
         [PreAction::Incoming(i)] => i.key.clone(),
         other => panic!("{other:?}"),
     };

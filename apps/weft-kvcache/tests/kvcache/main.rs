@@ -2,8 +2,12 @@
 
 #[macro_use]
 mod common;
+// Sans-IO helpers of the protocol tests (`hostile`, `model`).
 mod cores;
 mod e2e;
+mod hostile;
+mod model;
 mod procs;
 mod rendezvous;
+mod sans_io;
 mod tp;
