@@ -49,7 +49,7 @@ use std::time::Duration;
 
 pub use domain::messages::DroppedMessages;
 use domain::DomainOptions;
-pub use domain::LibfabricDomain;
+pub use domain::{freed_dead_shm_locks, LibfabricDomain};
 pub use ffi::{restored_dispositions, KEPT_SIGNALS, SA_RESTORER};
 use weft_transport::{Domain, NetAddr, NicInfo, Provider, TransportError};
 

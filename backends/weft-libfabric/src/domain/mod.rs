@@ -26,6 +26,7 @@ mod peer_eps;
 mod peers;
 mod post;
 mod shm;
+pub use shm::freed_dead_locks as freed_dead_shm_locks;
 mod slots;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -517,5 +518,17 @@ impl Domain for LibfabricDomain {
             && self.peers.removing.is_empty()
             && !(self.peer_eps.enabled && self.peer_eps.check)
             && self.res.trywait()
+    }
+}
+
+impl Drop for LibfabricDomain {
+    /// Stops watching the regions of the shm peers still held.
+    fn drop(&mut self) {
+        for p in self.peers.table.iter_mut().filter(|p| p.watched) {
+            p.watched = false;
+            if let Some(name) = shm::region_name(&p.addr.0) {
+                shm::unwatch_region(&name);
+            }
+        }
     }
 }

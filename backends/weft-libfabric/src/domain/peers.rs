@@ -32,6 +32,9 @@ pub(super) struct Peer {
     pub(super) ep: Option<(usize, u64)>,
     /// Process id of an `shm` peer, for liveness checks.
     pub(super) pid: Option<i32>,
+    /// Its region is watched (`shm::watch_region`) until it is removed or
+    /// the domain dropped.
+    pub(super) watched: bool,
     /// Its entries in the EAGAIN backlog: while there are any, new work to
     /// the peer joins the backlog behind them without a futile attempt.
     pub(super) backlogged: usize,
@@ -138,6 +141,15 @@ impl LibfabricDomain {
             },
             other => other,
         })?;
+        // A live shm peer's region is watched for its owner dying with
+        // the region lock held (`shm::watch_region`).
+        let mut watched = false;
+        if let (Some(pid), None) = (pid, &dead) {
+            if let Some(name) = super::shm::region_name(&addr.0) {
+                super::shm::watch_region(&name, pid);
+                watched = true;
+            }
+        }
         let peer = Peer {
             addr: addr.clone(),
             fi_addr,
@@ -148,6 +160,7 @@ impl LibfabricDomain {
             eagain_since: None,
             ep: None,
             pid,
+            watched,
             backlogged: 0,
             issued: 0,
             rejected: None,
@@ -193,6 +206,11 @@ impl LibfabricDomain {
         p.removed = true;
         p.dead = Some("removed".into());
         let addr = p.addr.clone();
+        if std::mem::take(&mut p.watched) {
+            if let Some(name) = super::shm::region_name(&addr.0) {
+                super::shm::unwatch_region(&name);
+            }
+        }
         if self.peers.by_addr.get(&addr) == Some(&peer) {
             self.peers.by_addr.remove(&addr);
         }

@@ -41,16 +41,21 @@ pub(super) fn remove_stale_shm_regions() {
     });
 }
 
+/// The region file name an `shm` address (`fi_shm://<name>`) names.
+pub(super) fn region_name(addr: &[u8]) -> Option<String> {
+    let rest = addr.strip_prefix(b"fi_shm://")?;
+    let name: Vec<u8> = rest.iter().copied().take_while(|&b| b != 0).collect();
+    Some(String::from_utf8_lossy(&name).into_owned())
+}
+
 /// For an `shm` address (`fi_shm://<pid>:...`): the peer's pid, and whether
 /// it is already known unreachable (its region is gone: the 1.17 shm
 /// provider crashes when posting to such an address, so it must never be
 /// used).
 pub(super) fn shm_peer(addr: &[u8]) -> (Option<i32>, Option<String>) {
-    let Some(rest) = addr.strip_prefix(b"fi_shm://") else {
+    let Some(name) = region_name(addr) else {
         return (None, Some("not an shm endpoint name (fi_shm://...)".into()));
     };
-    let name: Vec<u8> = rest.iter().copied().take_while(|&b| b != 0).collect();
-    let name = String::from_utf8_lossy(&name).into_owned();
     let pid = name.split(':').next().and_then(|p| p.parse::<i32>().ok());
     let region = std::path::Path::new("/dev/shm").join(&name);
     let dead = if name.is_empty() || name.contains('/') || !region.exists() {
@@ -61,4 +66,106 @@ pub(super) fn shm_peer(addr: &[u8]) -> (Option<i32>, Option<String>) {
         None
     };
     (pid, dead)
+}
+
+/// The shm peers (region file name → owner pid) some domain of this
+/// process may write to, watched by one thread: when an owner dies holding
+/// its region lock, the lock is freed (see `ffi::free_dead_owner_lock`), so
+/// a worker spinning on it in `fi_writemsg` gets out and the dead peer's
+/// work fails as usual instead of wedging the engine for good. Each
+/// domain registers its peers with [`watch_region`] and drops them with
+/// [`unwatch_region`]; the thread ends when nothing is watched.
+static WATCHED: std::sync::Mutex<Option<std::collections::BTreeMap<String, (i32, usize)>>> =
+    std::sync::Mutex::new(None);
+
+/// How often the watcher looks at the watched owners.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Locks freed since the process started.
+static FREED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many region locks of dead shm peers this process freed.
+pub fn freed_dead_locks() -> u64 {
+    FREED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn watched(
+) -> std::sync::MutexGuard<'static, Option<std::collections::BTreeMap<String, (i32, usize)>>> {
+    WATCHED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Watches the region `name` (from the peer's `fi_shm://` address) owned
+/// by `pid`; counted, so two domains may watch one region.
+pub(super) fn watch_region(name: &str, pid: i32) {
+    let mut w = watched();
+    let start = w.is_none();
+    let map = w.get_or_insert_with(Default::default);
+    map.entry(name.to_string()).or_insert((pid, 0)).1 += 1;
+    if start {
+        let spawned = std::thread::Builder::new()
+            .name("weft-shm-watch".into())
+            .spawn(watch_loop);
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start the shm region watcher");
+            *w = None;
+        }
+    }
+}
+
+/// Stops watching one registration of `name`.
+pub(super) fn unwatch_region(name: &str) {
+    let mut w = watched();
+    if let Some(map) = w.as_mut() {
+        if let Some(e) = map.get_mut(name) {
+            e.1 = e.1.saturating_sub(1);
+            if e.1 == 0 {
+                map.remove(name);
+            }
+        }
+    }
+}
+
+fn watch_loop() {
+    loop {
+        std::thread::sleep(WATCH_EVERY);
+        let owners: Vec<(String, i32)> = {
+            let mut w = watched();
+            match w.as_ref() {
+                Some(map) if !map.is_empty() => {
+                    map.iter().map(|(n, (pid, _))| (n.clone(), *pid)).collect()
+                }
+                _ => {
+                    // Nothing watched: the thread ends (the next watch
+                    // starts another).
+                    *w = None;
+                    return;
+                }
+            }
+        };
+        for (name, pid) in owners {
+            if ffi::process_alive(pid) {
+                continue;
+            }
+            let path = std::path::Path::new("/dev/shm").join(&name);
+            match ffi::free_dead_owner_lock(&path, pid) {
+                Ok(ffi::LockState::Freed) => {
+                    FREED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        region = %name,
+                        pid,
+                        "an shm peer died holding its region lock: freed it"
+                    );
+                }
+                Ok(_) => {}
+                // The region file is gone (the peer cleaned up, or was
+                // reclaimed): nothing to free.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::debug!(region = %name, error = %e, "could not check a dead shm peer's region")
+                }
+            }
+        }
+    }
 }

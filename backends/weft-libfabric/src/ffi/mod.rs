@@ -611,6 +611,7 @@ const _: () = {
 
 mod loader;
 mod resources;
+mod shm_region;
 mod signals;
 mod window;
 
@@ -619,6 +620,7 @@ pub(crate) use loader::{getinfo, lib, Hints, Info, Lib};
 pub(crate) use resources::{
     is_remote_write, process_alive, CqEntry, CqError, CqRead, Desc, Mr, Resources,
 };
+pub(crate) use shm_region::{free_dead_owner_lock, LockState};
 pub(crate) use signals::keep_signals;
 pub use signals::{restored_dispositions, KEPT as KEPT_SIGNALS, SA_RESTORER};
 pub(crate) use window::{CtlBuf, HostWindow};

@@ -582,15 +582,30 @@ pub(crate) fn is_remote_write(flags: u64) -> bool {
     flags & FI_REMOTE_CQ_DATA != 0 && (flags & FI_REMOTE_WRITE != 0 || flags & FI_RECV == 0)
 }
 
-/// Whether process `pid` exists on this host (`kill(pid, 0)`); used to
-/// detect dead `shm` peers, which the shm provider never reports.
+/// Whether process `pid` runs on this host (`kill(pid, 0)`, and not a
+/// zombie: a killed process its parent has not reaped yet is dead for
+/// its peers); used to detect dead `shm` peers, which the shm provider
+/// never reports.
 pub(crate) fn process_alive(pid: i32) -> bool {
     if pid <= 0 {
         return true;
     }
     // SAFETY: signal 0 performs only the existence and permission check.
     let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    if rc != 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    }
+    // `/proc/<pid>/stat`: "pid (comm) S ...", the state after the last ')'.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state == 'Z' || state == 'X'),
+        // Gone between the two calls.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        // Not readable (e.g. `/proc` mounted with `hidepid`): it exists.
+        Err(_) => true,
+    }
 }
 
 // After `op!`: macros are in scope only below their definition.

@@ -99,7 +99,9 @@ fn kill_loop(provider: &str, seed: u64) {
     }
     eprintln!(
         "kill loop on {provider} (seed {seed:#x}): {n} kills; writes to the victims: {landed} \
-         landed before the kill, {unreachable} failed as unreachable"
+         landed before the kill, {unreachable} failed as unreachable; region locks of dead \
+         peers freed: {}",
+        weft_libfabric::freed_dead_shm_locks()
     );
     // `shutdown` returns even with dead peers behind it.
     let (tx, rx) = std::sync::mpsc::channel();
