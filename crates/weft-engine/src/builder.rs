@@ -99,7 +99,7 @@ impl EngineBuilder {
         let imms: Arc<ImmTable<ImmDone>> = Arc::new(ImmTable::new(cfg.imm_capacity));
         let (cb_tx, cb_rx) = crossbeam_channel::unbounded::<CbMsg>();
         let watcher = WatcherShared::new();
-        let probes = crate::probe::Probes::default();
+        let probes = crate::probe::Probes::new();
         let mut groups = Vec::new();
         let mut ctrl_rxs = Vec::new();
         for (i, spec) in self.groups.iter().enumerate() {

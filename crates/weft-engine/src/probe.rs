@@ -49,6 +49,10 @@ mod off {
 
     impl TransferProbe {
         #[inline(always)]
+        pub(crate) fn new() -> Self {
+            TransferProbe
+        }
+        #[inline(always)]
         pub(crate) fn start(_: TransferId, _: Stamps) -> Self {
             TransferProbe
         }
@@ -61,6 +65,12 @@ mod off {
     /// The engine's sink (none).
     #[derive(Debug, Clone, Default)]
     pub(crate) struct Probes;
+
+    impl Probes {
+        pub(crate) fn new() -> Self {
+            Probes
+        }
+    }
 }
 
 #[cfg(feature = "latency-probe")]
@@ -99,6 +109,11 @@ mod on {
     pub(crate) struct TransferProbe(Record);
 
     impl TransferProbe {
+        /// A slot's record before its transfer starts.
+        pub(crate) fn new() -> Self {
+            Self::default()
+        }
+
         /// The worker picked the transfer up (now).
         pub(crate) fn start(transfer: TransferId, s: Stamps) -> Self {
             TransferProbe(Record::start(transfer, s))
@@ -137,6 +152,10 @@ mod on {
     }
 
     impl Probes {
+        pub(crate) fn new() -> Self {
+            Self::default()
+        }
+
         pub(crate) fn drain(&self) -> Vec<Record> {
             self.0.drain()
         }

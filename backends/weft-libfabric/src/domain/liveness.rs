@@ -82,6 +82,19 @@ impl LibfabricDomain {
                 peer: p.addr.clone(),
                 reason: reason.clone(),
             }),
+            // A same-process shm peer whose engine shut down: its region
+            // mapping is gone, the provider must not touch it.
+            None if p
+                .local
+                .as_deref()
+                .is_some_and(|n| !super::shm::local_open(n)) =>
+            {
+                Err(TransportError::PeerUnreachable {
+                    nic: self.nic_name(),
+                    peer: p.addr.clone(),
+                    reason: "the engine of this shm endpoint (in this process) shut down".into(),
+                })
+            }
             None => Ok(p.fi_addr),
         }
     }

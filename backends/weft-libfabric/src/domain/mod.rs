@@ -165,6 +165,11 @@ impl LibfabricDomain {
         let want_fd = opts.wait_fd && info.data_progress == ffi::FI_PROGRESS_MANUAL;
         let res = Resources::open(lib, &name, &info, slots, want_fd)?;
         let addr = NetAddr(res.getname()?);
+        if info.prov_name == "shm" {
+            if let Some(region) = shm::region_name(&addr.0) {
+                shm::local_opened(&region);
+            }
+        }
         if addr.0.len() > msg::MAX_ADDR {
             return Err(TransportError::Unsupported {
                 nic: name,
@@ -522,8 +527,15 @@ impl Domain for LibfabricDomain {
 }
 
 impl Drop for LibfabricDomain {
-    /// Stops watching the regions of the shm peers still held.
+    /// Stops watching the regions of the shm peers still held, and tells
+    /// same-process peers that this endpoint is closing (before its region
+    /// goes with `res`).
     fn drop(&mut self) {
+        if self.is_shm {
+            if let Some(region) = shm::region_name(&self.nic.addr.0) {
+                shm::local_closed(&region);
+            }
+        }
         for p in self.peers.table.iter_mut().filter(|p| p.watched) {
             p.watched = false;
             if let Some(name) = shm::region_name(&p.addr.0) {

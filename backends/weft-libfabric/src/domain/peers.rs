@@ -35,6 +35,9 @@ pub(super) struct Peer {
     /// Its region is watched (`shm::watch_region`) until it is removed or
     /// the domain dropped.
     pub(super) watched: bool,
+    /// The region name of an shm peer in this same process: writes check
+    /// that its engine is still open (`shm::local_open`).
+    pub(super) local: Option<String>,
     /// Its entries in the EAGAIN backlog: while there are any, new work to
     /// the peer joins the backlog behind them without a futile attempt.
     pub(super) backlogged: usize,
@@ -144,6 +147,9 @@ impl LibfabricDomain {
         // A live shm peer's region is watched for its owner dying with
         // the region lock held (`shm::watch_region`).
         let mut watched = false;
+        let local = pid
+            .filter(|&p| u32::try_from(p).ok() == Some(std::process::id()))
+            .and_then(|_| super::shm::region_name(&addr.0));
         if let (Some(pid), None) = (pid, &dead) {
             if let Some(name) = super::shm::region_name(&addr.0) {
                 super::shm::watch_region(&name, pid);
@@ -161,6 +167,7 @@ impl LibfabricDomain {
             ep: None,
             pid,
             watched,
+            local,
             backlogged: 0,
             issued: 0,
             rejected: None,

@@ -169,3 +169,32 @@ fn watch_loop() {
         }
     }
 }
+
+/// The shm endpoints (region names) open in this process. The 1.17 shm
+/// provider hands a peer in the same process the owner's own mapping of
+/// its region: once that engine shuts down the mapping is gone, and a
+/// write to it crashes the writer. Writes to same-process peers check here
+/// first.
+static LOCAL: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn local() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<String>> {
+    LOCAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records this process's endpoint `name` as open.
+pub(super) fn local_opened(name: &str) {
+    local().insert(name.to_string());
+}
+
+/// Records this process's endpoint `name` as closed.
+pub(super) fn local_closed(name: &str) {
+    local().remove(name);
+}
+
+/// Whether this process's endpoint `name` is open.
+pub(super) fn local_open(name: &str) -> bool {
+    local().contains(name)
+}

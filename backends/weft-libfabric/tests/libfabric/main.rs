@@ -27,3 +27,4 @@ mod wait_fd;
 fn peer_process_entry() {
     common::child_entry();
 }
+mod shm_same_process;

@@ -105,7 +105,7 @@ impl Slab {
             posted_on: [0; MAX_NICS],
             error: None,
             send: None,
-            probe: crate::probe::TransferProbe::default(),
+            probe: crate::probe::TransferProbe::new(),
         });
         (slot, 0)
     }
