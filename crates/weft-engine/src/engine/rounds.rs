@@ -77,7 +77,7 @@ impl TransferEngine {
     /// `Err(ShutDown)` once [`shutdown`](Self::shutdown) has begun: a value
     /// handed out then could never be counted.
     fn check_live(&self) -> Result<(), EngineError> {
-        if self.inner.shut.load(Ordering::SeqCst) {
+        if self.is_shut_down() {
             Err(EngineError::ShutDown)
         } else {
             Ok(())

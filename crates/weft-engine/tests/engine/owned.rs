@@ -115,7 +115,9 @@ fn no_immediate_is_handed_out_after_shutdown() {
     let fabric = Fabric::new_realtime(FabricConfig::ideal(1));
     let (a, b) = pair(&fabric);
     let held = a.lease_imm().unwrap();
+    assert!(!a.is_shut_down());
     a.shutdown();
+    assert!(a.is_shut_down());
     assert_eq!(a.alloc_imm(), Err(EngineError::ShutDown));
     assert_eq!(a.reserve_imm(7), Err(EngineError::ShutDown));
     assert!(matches!(a.lease_imm(), Err(EngineError::ShutDown)));
