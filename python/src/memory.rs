@@ -131,7 +131,7 @@ pub(crate) fn resolve(
         return Err(errors::new_err(
             py,
             "ReadOnlyBufferError",
-            None,
+            "read_only",
             format!("writable=True but the {} is read-only", type_name(obj)),
         ));
     }
@@ -356,7 +356,7 @@ impl PyRegistration {
             errors::new_err(
                 py,
                 "StaleRegistrationError",
-                None,
+                "stale_mr",
                 "the registration was released (unreg)".into(),
             )
         })
@@ -373,7 +373,7 @@ impl PyRegistration {
             return Err(errors::new_err(
                 py,
                 "ReadOnlyBufferError",
-                None,
+                "read_only",
                 "read-only memory cannot be a write target: no descriptor".into(),
             ));
         }
