@@ -80,6 +80,17 @@ impl PyTransferEngine {
     fn err(&self, py: Python<'_>, e: weft::EngineError) -> PyErr {
         errors::engine_err(py, &e)
     }
+
+    /// `ShutDownError` once the engine is shut down: every call that uses
+    /// the engine checks this first, so none of them half-works afterwards
+    /// (hands out an immediate, arms a watcher, checks arguments).
+    fn live(&self, py: Python<'_>) -> PyResult<()> {
+        if self.engine.is_shut_down() {
+            Err(errors::shut_down(py))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// Refuses a host without enough NICs as `ProviderUnavailableError` (as
@@ -201,6 +212,7 @@ impl PyTransferEngine {
         writable: Option<bool>,
         keepalive: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRegistration> {
+        slf.get().live(slf.py())?;
         let py = slf.py();
         let this = slf.get();
         let r = memory::resolve(obj, device, writable, keepalive)?;
@@ -238,6 +250,7 @@ impl PyTransferEngine {
         imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let src = src.get();
         let keep = src.live_keep(py)?;
@@ -265,6 +278,7 @@ impl PyTransferEngine {
         data: &Bound<'_, PyAny>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let mut buf = BufferGuard::acquire(data).map_err(|e| {
             pyo3::exceptions::PyTypeError::new_err(format!("data must be bytes-like: {e}"))
         })?;
@@ -293,6 +307,7 @@ impl PyTransferEngine {
         on_message: &Bound<'_, PyAny>,
         on_error: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.live(py)?;
         let cb = watcher::recv_callback(on_message, on_error, &self.stats)?;
         py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
             .map_err(|e| self.err(py, e))
@@ -319,6 +334,7 @@ impl PyTransferEngine {
         imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let sp = types::pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
         let dp = types::pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
@@ -345,6 +361,7 @@ impl PyTransferEngine {
     /// peer, with a new address, is reached as usual). Removing an unknown
     /// or already removed peer does nothing.
     fn remove_peer(&self, py: Python<'_>, peer: PyRef<'_, PyPeerAddress>) -> PyResult<()> {
+        self.live(py)?;
         let addr = peer.inner.clone();
         py.detach(|| self.engine.remove_peer(&addr))
             .map_err(|e| self.err(py, e))
@@ -357,6 +374,7 @@ impl PyTransferEngine {
         py: Python<'_>,
         peers: Vec<PyRef<'_, PyPeerAddress>>,
     ) -> PyResult<PyPeerGroup> {
+        self.live(py)?;
         let addrs: Vec<weft::GroupAddress> = peers.iter().map(|p| p.inner.clone()).collect();
         py.detach(|| self.engine.add_peer_group(&addrs))
             .map(|inner| PyPeerGroup { inner })
@@ -378,6 +396,7 @@ impl PyTransferEngine {
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let dsts: Vec<weft::ScatterDst> = dsts.iter().map(|d| d.inner.clone()).collect();
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
@@ -407,6 +426,7 @@ impl PyTransferEngine {
         group: &Bound<'_, PyPeerGroup>,
         dsts: Vec<PyRef<'_, PyMrDesc>>,
     ) -> PyResult<PyScatterTargets> {
+        self.live(py)?;
         let descs: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
         self.engine
             .scatter_targets(&group.get().inner, &descs)
@@ -431,6 +451,7 @@ impl PyTransferEngine {
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let slices = types::scatter_slices(slices)?;
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
@@ -461,6 +482,7 @@ impl PyTransferEngine {
         dsts: Vec<PyRef<'_, PyMrDesc>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = PyImm::value_of(imm)?;
         let dsts: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
         let (state, on_done) = self.on_done(Vec::new());
@@ -485,6 +507,7 @@ impl PyTransferEngine {
         callback: &Bound<'_, PyAny>,
         word: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyUvmWatcher> {
+        self.live(py)?;
         watcher::alloc(py, &self.engine, &self.stats, callback, word)
     }
 
@@ -540,6 +563,7 @@ impl PyTransferEngine {
     /// peer group reserves); returns it as an `Imm`, returned to the
     /// allocator when released or garbage-collected.
     fn reserve_imm(&self, py: Python<'_>, imm: u32) -> PyResult<PyImm> {
+        self.live(py)?;
         self.engine
             .lease_imm_value(imm)
             .map(PyImm::new)
@@ -547,13 +571,15 @@ impl PyTransferEngine {
     }
 
     /// Immediates `imm` received and not yet consumed by a round.
-    fn imm_pending(&self, imm: &Bound<'_, PyAny>) -> PyResult<u64> {
+    fn imm_pending(&self, py: Python<'_>, imm: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.live(py)?;
         Ok(self.engine.imm_pending(PyImm::value_of(imm)?))
     }
 
     /// Allocates an immediate value, as an `Imm` returned to the allocator
     /// when released or garbage-collected.
     fn alloc_imm(&self, py: Python<'_>) -> PyResult<PyImm> {
+        self.live(py)?;
         self.engine
             .lease_imm()
             .map(PyImm::new)
@@ -572,6 +598,7 @@ impl PyTransferEngine {
         count: u64,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let value = PyImm::value_of(imm)?;
         let keep = if imm.is_instance_of::<PyImm>() {
             vec![RegKeep::object(imm.clone().unbind())]
@@ -587,20 +614,24 @@ impl PyTransferEngine {
     /// How many immediates a submit from domain group `group` delivers.
     #[pyo3(signature = (group=0))]
     fn imm_counts(&self, py: Python<'_>, group: usize) -> PyResult<PyImmCounts> {
+        self.live(py)?;
         self.engine
             .imm_counts(group)
             .map(|inner| PyImmCounts { inner })
             .map_err(|e| errors::engine_err(py, &e))
     }
 
-    /// Stops the engine (idempotent): new submits raise `ShutDownError`,
-    /// pending work fails, and the registered objects are released.
+    /// Stops the engine (idempotent): pending work fails, the registered
+    /// objects are released, and every later call raises `ShutDownError`
+    /// except `shutdown()`, `stats()` and the `provider`, `incarnation`,
+    /// `address` and `imm_capacity` properties.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.shutdown_inner(py)
     }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+    fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
+        slf.get().live(slf.py())?;
+        Ok(slf)
     }
 
     #[pyo3(signature = (*_args))]

@@ -99,3 +99,8 @@ pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
 pub(crate) fn refused(py: Python<'_>, kind: &str, message: impl Into<String>) -> PyErr {
     new_err(py, "InvalidArgumentError", kind, message.into())
 }
+
+/// `ShutDownError`, as the engine reports it.
+pub(crate) fn shut_down(py: Python<'_>) -> PyErr {
+    engine_err(py, &EngineError::ShutDown)
+}
