@@ -54,15 +54,17 @@ unsafe impl Sync for BufferGuard {}
 
 impl BufferGuard {
     /// Acquires a C-contiguous export of `obj`, writable if the exporter
-    /// allows it (else read-only).
+    /// allows it, else read-only. Exporters refuse a writable request on
+    /// read-only memory in their own way (numpy with `ValueError`, `bytes`
+    /// with `BufferError`), so any refusal but `TypeError` (not an exporter
+    /// at all) is retried read-only; if that fails too, its error is
+    /// returned.
     pub(crate) fn acquire(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = obj.py();
         let view = match Self::get(obj, PYBUF_C_CONTIGUOUS | PYBUF_WRITABLE) {
             Ok(v) => v,
-            Err(e) if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py) => {
-                Self::get(obj, PYBUF_C_CONTIGUOUS)?
-            }
-            Err(e) => return Err(e),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => return Err(e),
+            Err(_) => Self::get(obj, PYBUF_C_CONTIGUOUS)?,
         };
         Ok(BufferGuard {
             view,
