@@ -202,8 +202,12 @@ impl PyTransferEngine {
     /// `unreg()` or shutdown, so the memory can neither be freed nor
     /// resized meanwhile. `device` (if given) must match where the memory
     /// is; `writable=True` refuses read-only memory; `writable=False`
-    /// registers writable memory as a source only (no `desc`). CUDA memory
-    /// needs an engine built with `device="cuda:N"`.
+    /// registers writable memory as a source only (no `desc`); read-only
+    /// memory registers as a source only. Refused with
+    /// `InvalidArgumentError`: items that are not plain bytes (Python
+    /// objects, pointers: kind `"unsupported_dtype"`), non-contiguous memory
+    /// (kind `"not_contiguous"`), empty memory. CUDA memory needs an engine
+    /// built with `device="cuda:N"`.
     #[pyo3(signature = (obj, *, device=None, writable=None, keepalive=None))]
     fn reg_mr(
         slf: &Bound<'_, Self>,
@@ -282,6 +286,15 @@ impl PyTransferEngine {
         let mut buf = BufferGuard::acquire(data).map_err(|e| {
             pyo3::exceptions::PyTypeError::new_err(format!("data must be bytes-like: {e}"))
         })?;
+        if let Some(why) = crate::items::format_refusal(&buf.format()) {
+            buf.release(py);
+            let what = crate::items::describe(data);
+            return Err(errors::refused(
+                py,
+                crate::items::UNSUPPORTED_DTYPE,
+                format!("cannot send the {what}: {why}; send plain bytes"),
+            ));
+        }
         let (state, on_done) = self.on_done(Vec::new());
         // The engine copies the message before returning.
         let r = self
