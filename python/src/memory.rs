@@ -233,6 +233,14 @@ fn find(obj: &Bound<'_, PyAny>, keepalive: Option<&Bound<'_, PyAny>>) -> PyResul
             }
             None
         }
+        // Anything but a refusal (an interrupt, out of memory) is no
+        // reason to try another way.
+        Err(e)
+            if !e.is_instance_of::<pyo3::exceptions::PyBufferError>(py)
+                && !e.is_instance_of::<pyo3::exceptions::PyValueError>(py) =>
+        {
+            return Err(e)
+        }
         // An exporter that refused a C-contiguous export: if it offers a
         // strided one, that is why (said of the object, never of a fallback
         // it did not ask for).
