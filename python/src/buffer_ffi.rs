@@ -11,7 +11,7 @@
 
 use pyo3::ffi::PyObject;
 use pyo3::prelude::*;
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CStr};
 
 /// CPython's `Py_buffer` (Include/pybuffer.h, unchanged since 3.3).
 #[repr(C)]
@@ -35,6 +35,7 @@ extern "C" {
 }
 
 const PYBUF_WRITABLE: c_int = 0x0001;
+const PYBUF_FORMAT: c_int = 0x0004;
 const PYBUF_ND: c_int = 0x0008;
 const PYBUF_STRIDES: c_int = 0x0010 | PYBUF_ND;
 const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
@@ -53,19 +54,32 @@ unsafe impl Send for BufferGuard {}
 unsafe impl Sync for BufferGuard {}
 
 impl BufferGuard {
-    /// Acquires a C-contiguous export of `obj`, writable if the exporter
-    /// allows it (else read-only).
+    /// Acquires a C-contiguous export of `obj` with its item format,
+    /// writable if the exporter allows it, else read-only. Exporters refuse
+    /// a writable request on read-only memory in their own way (numpy with
+    /// `ValueError`, `bytes` with `BufferError`), so any refusal but
+    /// `TypeError` (not an exporter at all) is retried read-only; if that
+    /// fails too, its error is returned.
     pub(crate) fn acquire(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = obj.py();
-        let view = match Self::get(obj, PYBUF_C_CONTIGUOUS | PYBUF_WRITABLE) {
+        let flags = PYBUF_C_CONTIGUOUS | PYBUF_FORMAT;
+        let view = match Self::get(obj, flags | PYBUF_WRITABLE) {
             Ok(v) => v,
-            Err(e) if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py) => {
-                Self::get(obj, PYBUF_C_CONTIGUOUS)?
-            }
-            Err(e) => return Err(e),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => return Err(e),
+            Err(_) => Self::get(obj, flags)?,
         };
         Ok(BufferGuard {
             view,
+            released: false,
+        })
+    }
+
+    /// Acquires a read-only, possibly strided export of `obj`: what an
+    /// exporter that refused [`acquire`](Self::acquire) still offers, to
+    /// tell the user why (its shape and strides).
+    pub(crate) fn acquire_strided(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(BufferGuard {
+            view: Self::get(obj, PYBUF_STRIDES | PYBUF_FORMAT)?,
             released: false,
         })
     }
@@ -114,6 +128,41 @@ impl BufferGuard {
         // exporter's contiguous memory, pinned until release; the borrow of
         // `self` ends before `release(&mut self)` can run.
         unsafe { std::slice::from_raw_parts(self.ptr(), self.len()) }
+    }
+
+    /// The struct-module format of one item (`"B"` when the exporter gave
+    /// none, as the buffer protocol specifies).
+    pub(crate) fn format(&self) -> String {
+        if self.released || self.view.format.is_null() {
+            return "B".into();
+        }
+        // SAFETY: a non-NULL `format` of an unreleased export is a
+        // NUL-terminated string owned by the exporter until release; the
+        // borrow ends before this returns.
+        unsafe { CStr::from_ptr(self.view.format) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The export's shape (empty for a scalar or a released export).
+    pub(crate) fn shape(&self) -> Vec<isize> {
+        self.dims(self.view.shape)
+    }
+
+    /// The export's strides in bytes (empty when the exporter gave none:
+    /// C-contiguous).
+    pub(crate) fn strides(&self) -> Vec<isize> {
+        self.dims(self.view.strides)
+    }
+
+    fn dims(&self, p: *const isize) -> Vec<isize> {
+        let n = usize::try_from(self.view.ndim).unwrap_or(0);
+        if self.released || p.is_null() || n == 0 {
+            return Vec::new();
+        }
+        // SAFETY: `shape`/`strides` of an unreleased export, when non-NULL,
+        // have `ndim` entries owned by the exporter until release.
+        unsafe { std::slice::from_raw_parts(p, n) }.to_vec()
     }
 
     /// Whether the export is read-only.

@@ -19,7 +19,7 @@ pub(crate) fn attach_copy(py: Python<'_>, backend: &weft::Backend, ordinal: u32)
             errors::new_err(
                 py,
                 "ProviderUnavailableError",
-                Some("no_device"),
+                "no_device",
                 format!("cuda:{ordinal} for the loopback fabric: {e}"),
             )
         })?;

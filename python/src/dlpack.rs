@@ -58,6 +58,8 @@ struct DlManagedTensorVersioned {
 }
 
 const FLAG_READ_ONLY: u64 = 1;
+/// `kDLOpaqueHandle`: items are pointers.
+const KDL_OPAQUE_HANDLE: u8 = 3;
 const KDL_CPU: i32 = 1;
 const KDL_CUDA: i32 = 2;
 const KDL_CUDA_HOST: i32 = 3;
@@ -101,6 +103,33 @@ impl Drop for DlOwned {
     }
 }
 
+/// Why a DLPack tensor cannot be registered.
+pub(crate) enum DlError {
+    /// Not C-contiguous: its shape, and its strides in bytes.
+    NotContiguous {
+        /// Elements per dimension.
+        shape: Vec<i64>,
+        /// Bytes between consecutive elements, per dimension.
+        strides: Vec<i64>,
+    },
+    /// Its items are opaque handles (pointers), not plain bytes.
+    Pointers,
+    /// Anything else, said in a sentence.
+    Other(String),
+}
+
+impl From<&str> for DlError {
+    fn from(s: &str) -> Self {
+        DlError::Other(s.into())
+    }
+}
+
+impl From<String> for DlError {
+    fn from(s: String) -> Self {
+        DlError::Other(s)
+    }
+}
+
 /// A tensor read out of a capsule.
 pub(crate) struct DlView {
     pub(crate) ptr: *mut u8,
@@ -120,10 +149,11 @@ pub(crate) fn is_capsule(obj: &Bound<'_, PyAny>) -> bool {
     }
 }
 
-/// Consumes a DLPack capsule: checks the tensor is compact (C-contiguous),
-/// computes its byte extent, and renames the capsule so that we own it.
-/// On error the capsule is left untouched (its producer still frees it).
-pub(crate) fn consume(capsule: &Bound<'_, PyAny>) -> Result<DlView, String> {
+/// Consumes a DLPack capsule: checks the tensor is compact (C-contiguous)
+/// and holds no pointers, computes its byte extent, and renames the capsule
+/// so that we own it. On error the capsule is left untouched (its producer
+/// still frees it).
+pub(crate) fn consume(capsule: &Bound<'_, PyAny>) -> Result<DlView, DlError> {
     let p = capsule.as_ptr();
     // SAFETY: `p` is a live capsule (checked by the caller with
     // `is_capsule`); `PyCapsule_GetPointer` returns the pointer stored under
@@ -134,10 +164,10 @@ pub(crate) fn consume(capsule: &Bound<'_, PyAny>) -> Result<DlView, String> {
                 ffi::PyCapsule_GetPointer(p, VERSIONED.as_ptr()).cast::<DlManagedTensorVersioned>();
             let m_ref = m.as_ref().ok_or("DLPack capsule holds NULL")?;
             if m_ref.version.major != 1 {
-                return Err(format!(
+                return Err(DlError::Other(format!(
                     "unsupported DLPack version {}.{}",
                     m_ref.version.major, m_ref.version.minor
-                ));
+                )));
             }
             let (ptr, nbytes, device) = extent(&m_ref.dl_tensor)?;
             let read_only = m_ref.flags & FLAG_READ_ONLY != 0;
@@ -185,24 +215,27 @@ unsafe fn rename(p: *mut ffi::PyObject, name: &'static CStr) -> Result<(), Strin
 }
 
 /// Start, byte length and device of a compact tensor.
-fn extent(t: &DlTensor) -> Result<(*mut u8, usize, weft::Device), String> {
+fn extent(t: &DlTensor) -> Result<(*mut u8, usize, weft::Device), DlError> {
     let device = match t.device.device_type {
         KDL_CPU | KDL_CUDA_HOST => weft::Device::Host,
         KDL_CUDA | KDL_CUDA_MANAGED => weft::Device::Cuda(
             u32::try_from(t.device.device_id).map_err(|_| "negative CUDA device id")?,
         ),
         other => {
-            return Err(format!(
+            return Err(DlError::Other(format!(
                 "DLPack device type {other} is not supported (only CPU and CUDA)"
-            ))
+            )))
         }
     };
+    if t.dtype.code == KDL_OPAQUE_HANDLE {
+        return Err(DlError::Pointers);
+    }
     let bits = u64::from(t.dtype.bits) * u64::from(t.dtype.lanes);
     if bits == 0 || bits % 8 != 0 {
-        return Err(format!(
+        return Err(DlError::Other(format!(
             "DLPack dtype (code {}, {} bits x {} lanes) is not a whole number of bytes",
             t.dtype.code, t.dtype.bits, t.dtype.lanes
-        ));
+        )));
     }
     let ndim = usize::try_from(t.ndim).map_err(|_| "negative ndim")?;
     let shape: &[i64] = if ndim == 0 {
@@ -224,7 +257,11 @@ fn extent(t: &DlTensor) -> Result<(*mut u8, usize, weft::Device), String> {
         let mut want: i64 = 1;
         for i in (0..ndim).rev() {
             if shape[i] != 1 && strides[i] != want {
-                return Err("DLPack tensor is not C-contiguous".into());
+                let item = i64::try_from(bits / 8).unwrap_or(i64::MAX);
+                return Err(DlError::NotContiguous {
+                    shape: shape.to_vec(),
+                    strides: strides.iter().map(|s| s.saturating_mul(item)).collect(),
+                });
             }
             want = want.saturating_mul(shape[i]);
         }

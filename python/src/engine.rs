@@ -80,6 +80,17 @@ impl PyTransferEngine {
     fn err(&self, py: Python<'_>, e: weft::EngineError) -> PyErr {
         errors::engine_err(py, &e)
     }
+
+    /// `ShutDownError` once the engine is shut down: every call that uses
+    /// the engine checks this first, so none of them half-works afterwards
+    /// (hands out an immediate, arms a watcher, checks arguments).
+    fn live(&self, py: Python<'_>) -> PyResult<()> {
+        if self.engine.is_shut_down() {
+            Err(errors::shut_down(py))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// Refuses a host without enough NICs as `ProviderUnavailableError` (as
@@ -191,8 +202,12 @@ impl PyTransferEngine {
     /// `unreg()` or shutdown, so the memory can neither be freed nor
     /// resized meanwhile. `device` (if given) must match where the memory
     /// is; `writable=True` refuses read-only memory; `writable=False`
-    /// registers writable memory as a source only (no `desc`). CUDA memory
-    /// needs an engine built with `device="cuda:N"`.
+    /// registers writable memory as a source only (no `desc`); read-only
+    /// memory registers as a source only. Refused with
+    /// `InvalidArgumentError`: items that are not plain bytes (Python
+    /// objects, pointers: kind `"unsupported_dtype"`), non-contiguous memory
+    /// (kind `"not_contiguous"`), empty memory. CUDA memory needs an engine
+    /// built with `device="cuda:N"`.
     #[pyo3(signature = (obj, *, device=None, writable=None, keepalive=None))]
     fn reg_mr(
         slf: &Bound<'_, Self>,
@@ -201,6 +216,7 @@ impl PyTransferEngine {
         writable: Option<bool>,
         keepalive: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRegistration> {
+        slf.get().live(slf.py())?;
         let py = slf.py();
         let this = slf.get();
         let r = memory::resolve(obj, device, writable, keepalive)?;
@@ -238,6 +254,7 @@ impl PyTransferEngine {
         imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let src = src.get();
         let keep = src.live_keep(py)?;
@@ -265,9 +282,19 @@ impl PyTransferEngine {
         data: &Bound<'_, PyAny>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let mut buf = BufferGuard::acquire(data).map_err(|e| {
             pyo3::exceptions::PyTypeError::new_err(format!("data must be bytes-like: {e}"))
         })?;
+        if let Some(why) = crate::items::format_refusal(&buf.format()) {
+            buf.release(py);
+            let what = crate::items::describe(data);
+            return Err(errors::refused(
+                py,
+                crate::items::UNSUPPORTED_DTYPE,
+                format!("cannot send the {what}: {why}; send plain bytes"),
+            ));
+        }
         let (state, on_done) = self.on_done(Vec::new());
         // The engine copies the message before returning.
         let r = self
@@ -293,6 +320,7 @@ impl PyTransferEngine {
         on_message: &Bound<'_, PyAny>,
         on_error: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.live(py)?;
         let cb = watcher::recv_callback(on_message, on_error, &self.stats)?;
         py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
             .map_err(|e| self.err(py, e))
@@ -319,6 +347,7 @@ impl PyTransferEngine {
         imm: Option<&Bound<'_, PyAny>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let sp = types::pages(src_pages, src_stride.unwrap_or(page_len), src_offset)?;
         let dp = types::pages(dst_pages, dst_stride.unwrap_or(page_len), dst_offset)?;
@@ -345,6 +374,7 @@ impl PyTransferEngine {
     /// peer, with a new address, is reached as usual). Removing an unknown
     /// or already removed peer does nothing.
     fn remove_peer(&self, py: Python<'_>, peer: PyRef<'_, PyPeerAddress>) -> PyResult<()> {
+        self.live(py)?;
         let addr = peer.inner.clone();
         py.detach(|| self.engine.remove_peer(&addr))
             .map_err(|e| self.err(py, e))
@@ -357,6 +387,7 @@ impl PyTransferEngine {
         py: Python<'_>,
         peers: Vec<PyRef<'_, PyPeerAddress>>,
     ) -> PyResult<PyPeerGroup> {
+        self.live(py)?;
         let addrs: Vec<weft::GroupAddress> = peers.iter().map(|p| p.inner.clone()).collect();
         py.detach(|| self.engine.add_peer_group(&addrs))
             .map(|inner| PyPeerGroup { inner })
@@ -378,6 +409,7 @@ impl PyTransferEngine {
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let dsts: Vec<weft::ScatterDst> = dsts.iter().map(|d| d.inner.clone()).collect();
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
@@ -407,6 +439,7 @@ impl PyTransferEngine {
         group: &Bound<'_, PyPeerGroup>,
         dsts: Vec<PyRef<'_, PyMrDesc>>,
     ) -> PyResult<PyScatterTargets> {
+        self.live(py)?;
         let descs: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
         self.engine
             .scatter_targets(&group.get().inner, &descs)
@@ -431,6 +464,7 @@ impl PyTransferEngine {
         mode: Option<&str>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = imm.map(PyImm::value_of).transpose()?;
         let slices = types::scatter_slices(slices)?;
         let mode = mode.map(|m| types::scatter_mode(py, m)).transpose()?;
@@ -461,6 +495,7 @@ impl PyTransferEngine {
         dsts: Vec<PyRef<'_, PyMrDesc>>,
         callback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let imm = PyImm::value_of(imm)?;
         let dsts: Vec<weft::MrDesc> = dsts.iter().map(|d| d.inner.clone()).collect();
         let (state, on_done) = self.on_done(Vec::new());
@@ -485,6 +520,7 @@ impl PyTransferEngine {
         callback: &Bound<'_, PyAny>,
         word: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyUvmWatcher> {
+        self.live(py)?;
         watcher::alloc(py, &self.engine, &self.stats, callback, word)
     }
 
@@ -540,6 +576,7 @@ impl PyTransferEngine {
     /// peer group reserves); returns it as an `Imm`, returned to the
     /// allocator when released or garbage-collected.
     fn reserve_imm(&self, py: Python<'_>, imm: u32) -> PyResult<PyImm> {
+        self.live(py)?;
         self.engine
             .lease_imm_value(imm)
             .map(PyImm::new)
@@ -547,13 +584,15 @@ impl PyTransferEngine {
     }
 
     /// Immediates `imm` received and not yet consumed by a round.
-    fn imm_pending(&self, imm: &Bound<'_, PyAny>) -> PyResult<u64> {
+    fn imm_pending(&self, py: Python<'_>, imm: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.live(py)?;
         Ok(self.engine.imm_pending(PyImm::value_of(imm)?))
     }
 
     /// Allocates an immediate value, as an `Imm` returned to the allocator
     /// when released or garbage-collected.
     fn alloc_imm(&self, py: Python<'_>) -> PyResult<PyImm> {
+        self.live(py)?;
         self.engine
             .lease_imm()
             .map(PyImm::new)
@@ -575,6 +614,7 @@ impl PyTransferEngine {
         callback: Option<&Bound<'_, PyAny>>,
         peers: Option<Vec<PyRef<'_, PyPeerAddress>>>,
     ) -> PyResult<Py<PyTransfer>> {
+        self.live(py)?;
         let value = PyImm::value_of(imm)?;
         let keep = if imm.is_instance_of::<PyImm>() {
             vec![RegKeep::object(imm.clone().unbind())]
@@ -597,20 +637,24 @@ impl PyTransferEngine {
     /// How many immediates a submit from domain group `group` delivers.
     #[pyo3(signature = (group=0))]
     fn imm_counts(&self, py: Python<'_>, group: usize) -> PyResult<PyImmCounts> {
+        self.live(py)?;
         self.engine
             .imm_counts(group)
             .map(|inner| PyImmCounts { inner })
             .map_err(|e| errors::engine_err(py, &e))
     }
 
-    /// Stops the engine (idempotent): new submits raise `ShutDownError`,
-    /// pending work fails, and the registered objects are released.
+    /// Stops the engine (idempotent): pending work fails, the registered
+    /// objects are released, and every later call raises `ShutDownError`
+    /// except `shutdown()`, `stats()` and the `provider`, `incarnation`,
+    /// `address` and `imm_capacity` properties.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.shutdown_inner(py)
     }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+    fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
+        slf.get().live(slf.py())?;
+        Ok(slf)
     }
 
     #[pyo3(signature = (*_args))]

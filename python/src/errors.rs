@@ -8,8 +8,9 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use weft::{EngineError, ProviderError, TransportError};
 
-/// An instance of `weft._errors.<class>` with `message` and `kind`.
-pub(crate) fn new_err(py: Python<'_>, class: &str, kind: Option<&str>, message: String) -> PyErr {
+/// An instance of `weft._errors.<class>` with `message` and `kind` (a
+/// short snake_case string: every weft error carries one).
+pub(crate) fn new_err(py: Python<'_>, class: &str, kind: &str, message: String) -> PyErr {
     let made = (|| -> PyResult<PyErr> {
         let cls = py.import("weft._errors")?.getattr(class)?;
         let exc = cls.call1((message.clone(),))?;
@@ -69,7 +70,7 @@ pub(crate) fn engine_err(py: Python<'_>, e: &EngineError) -> PyErr {
         EngineError::ImmExhausted { .. } => ("ExhaustedError", "imm_exhausted"),
         _ => ("WeftError", "other"),
     };
-    new_err(py, class, Some(kind), e.to_string())
+    new_err(py, class, kind, e.to_string())
 }
 
 /// The Python exception for a provider error.
@@ -85,10 +86,22 @@ pub(crate) fn provider_err(py: Python<'_>, e: &ProviderError) -> PyErr {
         },
         _ => ("ProviderError", "other"),
     };
-    new_err(py, class, Some(kind), e.to_string())
+    new_err(py, class, kind, e.to_string())
 }
 
-/// `InvalidArgumentError` raised by the binding itself.
+/// `InvalidArgumentError` raised by the binding itself (kind
+/// `"invalid_argument"`).
 pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
-    new_err(py, "InvalidArgumentError", None, message.into())
+    refused(py, "invalid_argument", message)
+}
+
+/// `InvalidArgumentError` with a kind that says more than
+/// `"invalid_argument"` (`"not_contiguous"`, `"unsupported_dtype"`, ...).
+pub(crate) fn refused(py: Python<'_>, kind: &str, message: impl Into<String>) -> PyErr {
+    new_err(py, "InvalidArgumentError", kind, message.into())
+}
+
+/// `ShutDownError`, as the engine reports it.
+pub(crate) fn shut_down(py: Python<'_>) -> PyErr {
+    engine_err(py, &EngineError::ShutDown)
 }

@@ -13,6 +13,7 @@ mod dlpack;
 mod engine;
 mod errors;
 mod imm;
+mod items;
 mod memory;
 mod provider;
 mod transfer;

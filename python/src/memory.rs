@@ -9,9 +9,10 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::buffer_ffi::BufferGuard;
-use crate::dlpack::{self, DlOwned};
+use crate::dlpack::{self, DlError, DlOwned};
 use crate::engine::PyTransferEngine;
 use crate::errors;
+use crate::items::{self, Remedy};
 use crate::types::PyMrDesc;
 
 /// What keeps registered memory valid: the Python object and its buffer
@@ -102,9 +103,11 @@ struct Found {
 /// a DLPack capsule; a torch-like tensor (`data_ptr()`, `device`,
 /// `is_contiguous()`, `numel()`, `element_size()`: torch is never imported);
 /// a buffer-protocol object (numpy array, `bytearray`, `memoryview`,
-/// `mmap`, ...); any other object with `__dlpack__` (cupy, jax). `device`
-/// (if given) must match where the memory is; `writable=True` refuses
-/// read-only memory.
+/// `mmap`, ...); any other object with `__dlpack__` (cupy, jax). Memory
+/// whose items are not plain bytes (Python objects, pointers: see
+/// `items`) and non-contiguous memory are refused, naming the object.
+/// `device` (if given) must match where the memory is; `writable=True`
+/// refuses read-only memory.
 pub(crate) fn resolve(
     obj: &Bound<'_, PyAny>,
     device: Option<&Bound<'_, PyAny>>,
@@ -113,15 +116,15 @@ pub(crate) fn resolve(
 ) -> PyResult<Resolved> {
     let py = obj.py();
     let found = find(obj, keepalive)?;
+    let what = items::describe(obj);
     if let Some(d) = device {
         let want = parse_device(py, d)?;
         if want != found.device {
             return Err(errors::invalid(
                 py,
                 format!(
-                    "device={} but the {} lives on {}",
+                    "device={} but the {what} lives on {}",
                     device_name(want),
-                    type_name(obj),
                     device_name(found.device)
                 ),
             ));
@@ -131,22 +134,30 @@ pub(crate) fn resolve(
         return Err(errors::new_err(
             py,
             "ReadOnlyBufferError",
-            None,
-            format!("writable=True but the {} is read-only", type_name(obj)),
+            "read_only",
+            format!("writable=True but the {what} is read-only"),
         ));
     }
-    let Some(ptr) = NonNull::new(found.ptr).filter(|_| found.len > 0) else {
+    if found.len == 0 {
         return Err(errors::invalid(
             py,
-            format!("cannot register an empty {}", type_name(obj)),
+            format!("cannot register an empty {what}"),
+        ));
+    }
+    let Some(ptr) = NonNull::new(found.ptr) else {
+        return Err(errors::invalid(
+            py,
+            format!("cannot register the {what}: its memory is at address 0"),
         ));
     };
     // SAFETY: `ptr..ptr+len` is the object's contiguous memory on
     // `device` (buffer export, DLPack tensor, tensor storage, or the raw
     // caller's promise); the keep-alive (object, export, DLPack ownership)
     // is held by the engine until deregistration and by every transfer using
-    // it, so the memory is neither freed nor moved while registered. Remote
-    // writes into it are the caller's intent (RDMA semantics, documented).
+    // it, so the memory is neither freed nor moved while registered. Its
+    // items hold no pointers (checked by `find`, except for a raw region,
+    // which the caller vouches for). Remote writes into it are the caller's
+    // intent (RDMA semantics, documented).
     #[allow(unsafe_code)]
     let region = unsafe { weft::MemRegion::new(ptr, found.len, found.device) };
     Ok(Resolved {
@@ -184,15 +195,22 @@ fn find(obj: &Bound<'_, PyAny>, keepalive: Option<&Bound<'_, PyAny>>) -> PyResul
     }
     // 2. a DLPack capsule
     if dlpack::is_capsule(obj) {
-        return from_capsule(obj, keep_obj);
+        return from_capsule(obj, "DLPack capsule", keep_obj);
     }
+    // What the object says of its items (numpy's dtype, the array
+    // interfaces), before any memory is looked at.
+    items::check_declared(obj)?;
+    let what = items::describe(obj);
     // 3. a torch-like tensor (torch tensors do not export the buffer protocol)
     if obj.hasattr("data_ptr")? && obj.hasattr("element_size")? && obj.hasattr("device")? {
-        return from_tensor(obj, keep_obj);
+        return from_tensor(obj, &what, keep_obj);
     }
     // 4. the buffer protocol
-    match BufferGuard::acquire(obj) {
+    let buffer_err = match BufferGuard::acquire(obj) {
         Ok(buf) => {
+            if let Some(why) = items::format_refusal(&buf.format()) {
+                return Err(items::refuse_format(py, &what, &why));
+            }
             return Ok(Found {
                 ptr: buf.ptr(),
                 len: buf.len(),
@@ -203,52 +221,100 @@ fn find(obj: &Bound<'_, PyAny>, keepalive: Option<&Bound<'_, PyAny>>) -> PyResul
                     buf: Some(buf),
                     dl: None,
                 },
-            })
+            });
         }
-        Err(e) if obj.hasattr("__dlpack__")? => drop(e),
+        // Not an exporter at all.
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => {
+            if !obj.hasattr("__dlpack__")? {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "cannot register {what}: {e} (reg_mr takes a buffer-protocol object, a torch \
+                     tensor, a DLPack capsule or object, or a (ptr, nbytes, device) tuple)"
+                )));
+            }
+            None
+        }
+        // Anything but a refusal (an interrupt, out of memory) is no
+        // reason to try another way.
+        Err(e)
+            if !e.is_instance_of::<pyo3::exceptions::PyBufferError>(py)
+                && !e.is_instance_of::<pyo3::exceptions::PyValueError>(py) =>
+        {
+            return Err(e)
+        }
+        // An exporter that refused a C-contiguous export: if it offers a
+        // strided one, that is why (said of the object, never of a fallback
+        // it did not ask for).
         Err(e) => {
-            let msg = format!("cannot register {}: {e}", type_name(obj));
-            return Err(
-                if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py)
-                    || e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-                {
-                    errors::invalid(py, msg)
-                } else if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
-                    pyo3::exceptions::PyTypeError::new_err(format!(
-                        "{msg} (reg_mr takes a buffer-protocol object, a torch tensor, \
-                         a DLPack capsule or object, or a (ptr, nbytes, device) tuple)"
-                    ))
-                } else {
-                    e
-                },
-            );
+            if let Ok(view) = BufferGuard::acquire_strided(obj) {
+                if let Some(why) = items::format_refusal(&view.format()) {
+                    return Err(items::refuse_format(py, &what, &why));
+                }
+                let (shape, strides) = (widen(&view.shape()), widen(&view.strides()));
+                let layout = Some((&shape[..], &strides[..]));
+                return Err(items::not_contiguous(py, &what, layout, Remedy::Copy));
+            }
+            if !obj.hasattr("__dlpack__")? {
+                return Err(errors::invalid(
+                    py,
+                    format!("cannot register the {what}: {e}"),
+                ));
+            }
+            Some(e)
         }
-    }
-    // 5. any other `__dlpack__` producer
+    };
+    // 5. any other `__dlpack__` producer (or an exporter whose buffer
+    // export failed but whose DLPack export may not)
+    let failed = |why: String| {
+        let also = buffer_err
+            .as_ref()
+            .map(|e| format!(" (and its buffer export: {e})"))
+            .unwrap_or_default();
+        errors::refused(
+            py,
+            "dlpack",
+            format!("cannot register the {what}: {why}{also}"),
+        )
+    };
     let kw = PyDict::new(py);
     kw.set_item("max_version", (1, 0))?;
     let cap = match obj.call_method("__dlpack__", (), Some(&kw)) {
-        Ok(c) => c,
+        Ok(c) => Ok(c),
+        // A producer older than DLPack 1.0 takes no `max_version`.
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => {
-            obj.call_method0("__dlpack__")?
+            obj.call_method0("__dlpack__")
         }
-        Err(e) => return Err(e),
-    };
+        Err(e) => Err(e),
+    }
+    .map_err(|e| failed(format!("its __dlpack__() failed: {e}")))?;
     if !dlpack::is_capsule(&cap) {
-        return Err(errors::invalid(
-            py,
-            format!(
-                "{}.__dlpack__() did not return a DLPack capsule",
-                type_name(obj)
-            ),
+        return Err(failed(
+            "its __dlpack__() did not return a DLPack capsule".into(),
         ));
     }
-    from_capsule(&cap, keep_obj)
+    from_capsule(&cap, &what, keep_obj)
 }
 
-fn from_capsule(cap: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult<Found> {
+/// Byte counts of a buffer export as `i64` (as DLPack's).
+fn widen(v: &[isize]) -> Vec<i64> {
+    v.iter().map(|&x| x as i64).collect()
+}
+
+/// Reads a DLPack capsule; errors name `what` (the user's object).
+fn from_capsule(
+    cap: &Bound<'_, PyAny>,
+    what: &str,
+    keep_obj: Option<Py<PyAny>>,
+) -> PyResult<Found> {
     let py = cap.py();
-    let v = dlpack::consume(cap).map_err(|e| errors::invalid(py, format!("DLPack: {e}")))?;
+    let v = dlpack::consume(cap).map_err(|e| match e {
+        DlError::NotContiguous { shape, strides } => {
+            items::not_contiguous(py, what, Some((&shape, &strides)), Remedy::Copy)
+        }
+        DlError::Pointers => {
+            items::refuse_format(py, what, "its DLPack dtype is an opaque handle (pointers)")
+        }
+        DlError::Other(why) => errors::invalid(py, format!("cannot register the {what}: {why}")),
+    })?;
     Ok(Found {
         ptr: v.ptr,
         len: v.nbytes,
@@ -264,13 +330,10 @@ fn from_capsule(cap: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult
     })
 }
 
-fn from_tensor(t: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult<Found> {
+fn from_tensor(t: &Bound<'_, PyAny>, what: &str, keep_obj: Option<Py<PyAny>>) -> PyResult<Found> {
     let py = t.py();
     if !t.call_method0("is_contiguous")?.is_truthy()? {
-        return Err(errors::invalid(
-            py,
-            "cannot register a non-contiguous tensor (call .contiguous() first)",
-        ));
+        return Err(items::not_contiguous(py, what, None, Remedy::Tensor));
     }
     let ptr: usize = t.call_method0("data_ptr")?.extract()?;
     let numel: usize = t.call_method0("numel")?.extract()?;
@@ -305,13 +368,6 @@ fn from_tensor(t: &Bound<'_, PyAny>, keep_obj: Option<Py<PyAny>>) -> PyResult<Fo
             dl: None,
         },
     })
-}
-
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "object".into())
 }
 
 /// Memory registered with an engine (`TransferEngine.reg_mr`). Use it as a
@@ -356,7 +412,7 @@ impl PyRegistration {
             errors::new_err(
                 py,
                 "StaleRegistrationError",
-                None,
+                "stale_mr",
                 "the registration was released (unreg)".into(),
             )
         })
@@ -373,7 +429,7 @@ impl PyRegistration {
             return Err(errors::new_err(
                 py,
                 "ReadOnlyBufferError",
-                None,
+                "read_only",
                 "read-only memory cannot be a write target: no descriptor".into(),
             ));
         }

@@ -77,7 +77,7 @@ pub(crate) fn deadlock_err(py: Python<'_>, what: &str) -> PyErr {
     errors::new_err(
         py,
         "CallbackDeadlockError",
-        None,
+        "callback_deadlock",
         format!(
             "{what} called from a weft callback would hang (callbacks run one at a time on \
              weft's callback thread): attach another callback or await instead"
@@ -323,7 +323,7 @@ impl PyTransfer {
                 return Err(errors::new_err(
                     py,
                     "WaitTimeoutError",
-                    None,
+                    "wait_timeout",
                     format!(
                         "transfer not finished after {}s (it goes on)",
                         timeout.unwrap_or_default()

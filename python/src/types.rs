@@ -14,14 +14,8 @@ fn from_wire<T: serde::de::DeserializeOwned>(
     data: &[u8],
     what: &str,
 ) -> PyResult<T> {
-    weft::decode::<T>(data).map_err(|e| {
-        errors::new_err(
-            py,
-            "DescriptorError",
-            Some("wire"),
-            format!("bad {what}: {e}"),
-        )
-    })
+    weft::decode::<T>(data)
+        .map_err(|e| errors::new_err(py, "DescriptorError", "wire", format!("bad {what}: {e}")))
 }
 
 /// Encodes a wire value as Python bytes; a failure raises `DescriptorError`.
@@ -34,7 +28,7 @@ fn to_wire<'py, T: serde::Serialize>(
         errors::new_err(
             py,
             "DescriptorError",
-            Some("wire"),
+            "wire",
             format!("encoding {what}: {e}"),
         )
     })?;

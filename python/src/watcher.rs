@@ -77,12 +77,12 @@ pub struct PyUvmWatcher {
 }
 
 impl PyUvmWatcher {
-    fn word(&self) -> PyResult<NonNull<AtomicU64>> {
+    fn word(&self, py: Python<'_>) -> PyResult<NonNull<AtomicU64>> {
         self.inner
             .lock()
             .as_ref()
             .map(|w| w.ptr())
-            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("the watcher is closed"))
+            .ok_or_else(|| errors::refused(py, "watcher_closed", "the watcher is closed"))
     }
 
     fn close_inner(&self, py: Python<'_>) {
@@ -178,19 +178,19 @@ impl PyUvmWatcher {
 
     /// The word's current value.
     #[getter]
-    fn value(&self) -> PyResult<u64> {
+    fn value(&self, py: Python<'_>) -> PyResult<u64> {
         // SAFETY: the word is live while the watcher is open (checked by
         // `word()`, under the handle's lifetime).
         #[allow(unsafe_code)]
-        let v = unsafe { self.word()?.as_ref() }.load(Ordering::Acquire);
+        let v = unsafe { self.word(py)?.as_ref() }.load(Ordering::Acquire);
         Ok(v)
     }
 
     /// Stores `value` into the word from the host (atomically).
-    fn store(&self, value: u64) -> PyResult<()> {
+    fn store(&self, py: Python<'_>, value: u64) -> PyResult<()> {
         // SAFETY: as in `value`.
         #[allow(unsafe_code)]
-        unsafe { self.word()?.as_ref() }.store(value, Ordering::Release);
+        unsafe { self.word(py)?.as_ref() }.store(value, Ordering::Release);
         Ok(())
     }
 
@@ -206,7 +206,7 @@ impl PyUvmWatcher {
     /// with `pin_memory=True`).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.word()?;
+        self.word(py)?;
         let d = PyDict::new(py);
         d.set_item("shape", (1,))?;
         d.set_item("typestr", "<i8")?;

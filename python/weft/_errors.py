@@ -2,18 +2,35 @@
 
 Pure Python (it does not import ``weft._weft``), so the extension can look
 classes up here by name when it turns a Rust error into a Python one. Every
-exception carries ``kind``: the snake_case name of the Rust error variant
-(``"out_of_bounds"``, ``"shut_down"``, ...), or ``None`` when raised by the
-binding itself.
+exception carries ``kind``, a short snake_case string to branch on: the
+Rust error variant for engine and transport errors (``"out_of_bounds"``,
+``"shut_down"``, ``"peer_removed"``, ...), or what the binding refused
+(``"not_contiguous"``, ``"unsupported_dtype"``, ``"read_only"``,
+``"invalid_argument"``, ...). An exception built by hand gets its class's
+default (``"wait_timeout"`` for ``WaitTimeoutError``, ...).
 """
 
 from __future__ import annotations
+
+import re
+
+
+def _default_kind(cls_name: str) -> str:
+    """``"WaitTimeoutError"`` -> ``"wait_timeout"``."""
+    stem = cls_name[: -len("Error")] if cls_name.endswith("Error") else cls_name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
 
 
 class WeftError(Exception):
     """Base class of every error weft raises."""
 
-    kind: "str | None" = None
+    #: What went wrong, machine-readable (see the module docstring).
+    kind: str = "weft"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__:
+            cls.kind = _default_kind(cls.__name__)
 
 
 class ProviderError(WeftError):
@@ -45,13 +62,19 @@ class DescriptorError(InvalidArgumentError):
     """Bytes could not be decoded into a descriptor (truncated, trailing or
     garbage input)."""
 
+    kind = "wire"
+
 
 class ReadOnlyBufferError(InvalidArgumentError):
     """Read-only memory was asked to be a write target."""
 
+    kind = "read_only"
+
 
 class StaleRegistrationError(InvalidArgumentError):
     """The registration was already released (``unreg``) or is unknown."""
+
+    kind = "stale_mr"
 
 
 class ShutDownError(WeftError):

@@ -202,7 +202,12 @@ class TransferEngine:
         writable: Optional[bool] = None,
         keepalive: Any = None,
     ) -> Registration:
-        """Registers a buffer-protocol object, torch tensor, DLPack capsule/object or ``(ptr, nbytes, device)``."""
+        """Registers a buffer-protocol object, torch tensor, DLPack capsule/object or ``(ptr, nbytes, device)``.
+
+        Read-only memory registers as a source only. Raises ``InvalidArgumentError`` for memory
+        whose items are not plain bytes (``kind="unsupported_dtype"``: numpy object dtypes,
+        pointers) or that is not C-contiguous (``kind="not_contiguous"``).
+        """
     def submit_single_write(
         self,
         nbytes: int,
@@ -278,7 +283,9 @@ class TransferEngine:
     ) -> Transfer: ...
     def imm_counts(self, group: int = 0) -> ImmCounts: ...
     def stats(self) -> Dict[str, Any]: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stops the engine (idempotent); later calls raise ``ShutDownError``, except
+        ``shutdown()``, ``stats()`` and the properties."""
     def __enter__(self) -> TransferEngine: ...
     def __exit__(
         self,

@@ -370,6 +370,12 @@ impl TransferEngine {
         self.inner.probes.drain()
     }
 
+    /// Whether [`shutdown`](Self::shutdown) has begun: calls that start
+    /// work fail with [`EngineError::ShutDown`] from then on.
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.shut.load(Ordering::SeqCst)
+    }
+
     /// Stops the engine: new submits fail with `ShutDown`, queued and
     /// not-yet-posted work fails with `ShutDown`, posted work is drained
     /// (up to `drain_timeout`, then failed), armed immediate rounds fail,

@@ -175,14 +175,16 @@ impl TransferEngine {
     }
 
     /// [`TransferEngine::alloc_imm`] as an owned [`ImmLease`]: the value
-    /// returns to the allocator when the lease is dropped.
+    /// returns to the allocator when the lease is dropped. Fails as
+    /// `alloc_imm` does ([`EngineError::ShutDown`] after shutdown).
     pub fn lease_imm(&self) -> Result<ImmLease, EngineError> {
         let imm = self.alloc_imm()?;
         Ok(self.own_imm(imm))
     }
 
     /// [`TransferEngine::reserve_imm`] as an owned [`ImmLease`]: takes the
-    /// specific value `imm` (a group-wide value, see `reserve_imm`).
+    /// specific value `imm` (a group-wide value, see `reserve_imm`). Fails
+    /// as `reserve_imm` does.
     pub fn lease_imm_value(&self, imm: Imm) -> Result<ImmLease, EngineError> {
         self.reserve_imm(imm)?;
         Ok(self.own_imm(imm))

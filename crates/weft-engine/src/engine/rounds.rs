@@ -14,8 +14,10 @@ use weft_transport::Imm;
 impl TransferEngine {
     /// Allocates an immediate value of `0..imm_capacity`: the most recently
     /// freed one if any, else the lowest value never handed out. Values
-    /// taken with [`reserve_imm`](Self::reserve_imm) are skipped.
+    /// taken with [`reserve_imm`](Self::reserve_imm) are skipped. Fails
+    /// with [`EngineError::ShutDown`] once the engine is shut down.
     pub fn alloc_imm(&self) -> Result<Imm, EngineError> {
+        self.check_live()?;
         let capacity = self.inner.imms.capacity();
         let mut a = self.inner.imm_free.lock();
         if let Some(v) = a.free.pop() {
@@ -37,7 +39,8 @@ impl TransferEngine {
     /// caller, as [`alloc_imm`](Self::alloc_imm) would have handed it out;
     /// [`free_imm`](Self::free_imm) returns it. Fails with
     /// [`EngineError::ImmInUse`] if it is taken (allocated or reserved and
-    /// not freed).
+    /// not freed), with [`EngineError::ShutDown`] once the engine is shut
+    /// down.
     ///
     /// This is how a value free on *every member of a peer group* is had:
     /// scatter and barrier send one immediate value to every member, and
@@ -50,6 +53,7 @@ impl TransferEngine {
     /// member reserves them. A clash with a value some member already uses
     /// is then a typed error on that member, never a silent miscount.
     pub fn reserve_imm(&self, imm: Imm) -> Result<(), EngineError> {
+        self.check_live()?;
         let capacity = self.inner.imms.capacity();
         if imm >= capacity {
             return Err(EngineError::InvalidArgument {
@@ -68,6 +72,16 @@ impl TransferEngine {
         }
         a.mark(imm);
         Ok(())
+    }
+
+    /// `Err(ShutDown)` once [`shutdown`](Self::shutdown) has begun: a value
+    /// handed out then could never be counted.
+    fn check_live(&self) -> Result<(), EngineError> {
+        if self.is_shut_down() {
+            Err(EngineError::ShutDown)
+        } else {
+            Ok(())
+        }
     }
 
     /// Size of the immediate value space (`0..imm_capacity`), from

@@ -109,3 +109,20 @@ fn guards_do_not_keep_the_engine_alive() {
     lease.release().unwrap();
     a.shutdown();
 }
+
+#[test]
+fn no_immediate_is_handed_out_after_shutdown() {
+    let fabric = Fabric::new_realtime(FabricConfig::ideal(1));
+    let (a, b) = pair(&fabric);
+    let held = a.lease_imm().unwrap();
+    assert!(!a.is_shut_down());
+    a.shutdown();
+    assert!(a.is_shut_down());
+    assert_eq!(a.alloc_imm(), Err(EngineError::ShutDown));
+    assert_eq!(a.reserve_imm(7), Err(EngineError::ShutDown));
+    assert!(matches!(a.lease_imm(), Err(EngineError::ShutDown)));
+    assert!(matches!(a.lease_imm_value(7), Err(EngineError::ShutDown)));
+    // A value taken before shutdown is still returned without error.
+    held.release().unwrap();
+    b.shutdown();
+}
