@@ -134,7 +134,9 @@ impl PyTransferEngine {
     /// backend share its fabric). One domain group over all of the
     /// backend's NICs.
     #[new]
-    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None))]
+    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None))]
+    // One parameter per Python argument (keywords included).
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         provider: Option<&Bound<'_, PyAny>>,
@@ -143,18 +145,28 @@ impl PyTransferEngine {
         seed: u64,
         device: Option<&Bound<'_, PyAny>>,
         domain: Option<&str>,
+        write_timeout: Option<f64>,
+        connect_timeout: Option<f64>,
     ) -> PyResult<Self> {
+        let timeouts = provider::Timeouts {
+            write: write_timeout,
+            connect: connect_timeout,
+        };
         let device = match device {
             Some(d) => memory::parse_device(py, d)?,
             None => weft::Device::Host,
         };
         let backend = match provider {
-            None => Arc::new(provider::open(py, "loopback", nics, profile, seed, domain)?),
+            None => Arc::new(provider::open(
+                py, "loopback", nics, profile, seed, domain, timeouts,
+            )?),
             Some(p) => {
                 if let Ok(b) = p.cast::<PyBackend>() {
                     Arc::clone(&b.get().inner)
                 } else if let Ok(spec) = p.extract::<String>() {
-                    Arc::new(provider::open(py, &spec, nics, profile, seed, domain)?)
+                    Arc::new(provider::open(
+                        py, &spec, nics, profile, seed, domain, timeouts,
+                    )?)
                 } else {
                     return Err(pyo3::exceptions::PyTypeError::new_err(
                         "provider must be a spec string or a weft.Backend",

@@ -52,6 +52,35 @@ pub fn providers(py: Python<'_>) -> Vec<PyProviderStatus> {
         .collect()
 }
 
+/// The failure timeouts of `provider()` and `TransferEngine(spec, ...)`,
+/// in seconds (`None`: the backend's defaults).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Timeouts {
+    /// A peer with work in flight that completes none of it for this long
+    /// fails as unreachable.
+    pub(crate) write: Option<f64>,
+    /// Posts to a peer wait this long for its connection.
+    pub(crate) connect: Option<f64>,
+}
+
+impl Timeouts {
+    fn duration(
+        py: Python<'_>,
+        what: &str,
+        s: Option<f64>,
+    ) -> PyResult<Option<std::time::Duration>> {
+        s.map(|s| {
+            std::time::Duration::try_from_secs_f64(s).map_err(|_| {
+                errors::invalid(
+                    py,
+                    format!("{what} must be a non-negative number of seconds, got {s}"),
+                )
+            })
+        })
+        .transpose()
+    }
+}
+
 /// The provider options of `provider()` and `TransferEngine(spec, ...)`.
 pub(crate) fn open(
     py: Python<'_>,
@@ -60,6 +89,7 @@ pub(crate) fn open(
     profile: &str,
     seed: u64,
     domain: Option<&str>,
+    timeouts: Timeouts,
 ) -> PyResult<weft::Backend> {
     let profile = match profile {
         "adversarial" => weft::LoopbackProfile::Adversarial,
@@ -87,6 +117,12 @@ pub(crate) fn open(
             cfg = cfg.with_libfabric(weft::LibfabricOptions::same_machine(&prov));
         }
         Some(d) => cfg = cfg.with_libfabric(weft::LibfabricOptions::default().with_domain(d)),
+    }
+    if let Some(t) = Timeouts::duration(py, "write_timeout", timeouts.write)? {
+        cfg.libfabric = cfg.libfabric.with_write_timeout(t);
+    }
+    if let Some(t) = Timeouts::duration(py, "connect_timeout", timeouts.connect)? {
+        cfg.libfabric.connect_timeout = Some(t);
     }
     py.detach(|| weft::provider_with(&spec, &cfg))
         .map_err(|e| errors::provider_err(py, &e))
@@ -121,9 +157,11 @@ impl PyBackend {
 /// Opens the backend named by `spec` (`"loopback"`, `"libfabric:tcp"`, ...)
 /// with `nics` NICs per host; `profile` and `seed` configure the simulated
 /// fabric (`"adversarial"` or `"ideal"`); `domain` picks the libfabric
-/// domain (`"same-machine"`: `lo` for tcp, the shm domain for shm).
+/// domain (`"same-machine"`: `lo` for tcp, the shm domain for shm);
+/// `write_timeout` and `connect_timeout` (seconds) bound how long work to a
+/// hung or unreachable libfabric peer waits before failing.
 #[pyfunction]
-#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None))]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None))]
 pub fn provider(
     py: Python<'_>,
     spec: &str,
@@ -131,8 +169,14 @@ pub fn provider(
     profile: &str,
     seed: u64,
     domain: Option<&str>,
+    write_timeout: Option<f64>,
+    connect_timeout: Option<f64>,
 ) -> PyResult<PyBackend> {
+    let t = Timeouts {
+        write: write_timeout,
+        connect: connect_timeout,
+    };
     Ok(PyBackend {
-        inner: Arc::new(open(py, spec, nics, profile, seed, domain)?),
+        inner: Arc::new(open(py, spec, nics, profile, seed, domain, t)?),
     })
 }

@@ -37,6 +37,8 @@ def provider(
     profile: str = "adversarial",
     seed: int = 0,
     domain: Optional[str] = None,
+    write_timeout: Optional[float] = None,
+    connect_timeout: Optional[float] = None,
 ) -> Backend:
     """Opens the backend named by ``spec`` with ``nics`` NICs per host."""
 
@@ -185,6 +187,8 @@ class TransferEngine:
         seed: int = 0,
         device: Union[str, Any, None] = None,
         domain: Optional[str] = None,
+        write_timeout: Optional[float] = None,
+        connect_timeout: Optional[float] = None,
     ) -> None: ...
     @property
     def provider(self) -> str: ...

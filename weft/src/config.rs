@@ -105,6 +105,10 @@ pub struct LibfabricOptions {
     pub max_inflight: Option<usize>,
     /// How long posts to a peer may wait for its connection.
     pub connect_timeout: Option<Duration>,
+    /// How long a peer with work in flight may go without completing any
+    /// of it before its work fails as unreachable (a hung peer, or one gone
+    /// without closing its connection). `None`: the backend's default (30 s).
+    pub write_timeout: Option<Duration>,
 }
 
 impl LibfabricOptions {
@@ -126,6 +130,12 @@ impl LibfabricOptions {
     /// Sets [`LibfabricOptions::domain`].
     pub fn with_domain(mut self, domain: impl Into<String>) -> Self {
         self.domain = Some(domain.into());
+        self
+    }
+
+    /// Sets [`LibfabricOptions::write_timeout`].
+    pub fn with_write_timeout(mut self, t: Duration) -> Self {
+        self.write_timeout = Some(t);
         self
     }
 

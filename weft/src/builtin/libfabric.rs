@@ -20,6 +20,9 @@ fn libfabric_config(provider: &str, opts: &LibfabricOptions, nics: usize) -> Lib
     if let Some(t) = opts.connect_timeout {
         cfg = cfg.with_connect_timeout(t);
     }
+    if let Some(t) = opts.write_timeout {
+        cfg = cfg.with_write_timeout(t);
+    }
     cfg
 }
 
