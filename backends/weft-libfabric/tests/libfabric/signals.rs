@@ -73,7 +73,7 @@ fn signals_entry() {
     match role.as_str() {
         "keep" => {
             // SAFETY: installs a handler that only stores to an atomic.
-            unsafe { libc::signal(libc::SIGTERM, on_term as libc::sighandler_t) };
+            unsafe { libc::signal(libc::SIGTERM, on_term as *const () as libc::sighandler_t) };
             let before = dispositions();
             let Some(engines) = open_and_write() else {
                 child::send_line("skip").unwrap();
