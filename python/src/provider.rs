@@ -162,6 +162,8 @@ impl PyBackend {
 /// hung or unreachable libfabric peer waits before failing.
 #[pyfunction]
 #[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None))]
+// One parameter per Python argument (keywords included).
+#[allow(clippy::too_many_arguments)]
 pub fn provider(
     py: Python<'_>,
     spec: &str,

@@ -124,12 +124,16 @@ impl RequestHandle {
     }
 }
 
+/// A request's completion, its immediate count and the lease of its
+/// immediate value.
+type Pending = (Completion<Outcome>, u64, ImmLease);
+
 struct Shared {
     engine: Arc<TransferEngine>,
     core: Mutex<DecoderCore>,
     /// Per request: its completion, its immediate count and the lease of
     /// its immediate value (returned when the request ends).
-    handles: Mutex<BTreeMap<u64, (Completion<Outcome>, u64, ImmLease)>>,
+    handles: Mutex<BTreeMap<u64, Pending>>,
     counts: ImmCounts,
     mrs: Mutex<Vec<Registration>>,
 }
