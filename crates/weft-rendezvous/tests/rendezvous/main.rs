@@ -5,4 +5,5 @@ mod suite;
 mod dir;
 mod etcd;
 mod etcd_restart;
+mod hostile;
 mod mem;
