@@ -366,66 +366,78 @@ pub fn killed_process_expires<B: Backend>(b: &B, entry: &str) {
     assert_eq!(ns.peer("victim").unwrap(), None);
 }
 
+/// The test path, in this binary, of the `child_entry` test of the module
+/// whose `module_path!()` is `module` (`rendezvous::dir` →
+/// `dir::child_entry`): every backend's module has one, so the bare name
+/// would be ambiguous.
+pub fn entry(module: &str) -> String {
+    let m = module.split_once("::").map_or(module, |(_, m)| m);
+    format!("{m}::child_entry")
+}
+
 /// Expands to one `#[test]` per suite case for backend `$b`.
 #[macro_export]
 macro_rules! store_suite {
     ($b:ty) => {
         fn backend() -> Option<$b> {
-            <$b as crate::suite::Backend>::start()
+            <$b as $crate::suite::Backend>::start()
         }
         #[test]
         fn put_get_list_delete() {
             let Some(b) = backend() else { return };
-            crate::suite::put_get_list_delete(&b);
+            $crate::suite::put_get_list_delete(&b);
         }
         #[test]
         fn watch_reports_existing_then_changes() {
             let Some(b) = backend() else { return };
-            crate::suite::watch_reports_existing_then_changes(&b);
+            $crate::suite::watch_reports_existing_then_changes(&b);
         }
         #[test]
         fn unknown_lease_is_typed() {
             let Some(b) = backend() else { return };
-            crate::suite::unknown_lease_is_typed(&b);
+            $crate::suite::unknown_lease_is_typed(&b);
         }
         #[test]
         fn lease_not_kept_alive_expires() {
             let Some(b) = backend() else { return };
-            crate::suite::lease_not_kept_alive_expires(&b);
+            $crate::suite::lease_not_kept_alive_expires(&b);
         }
         #[test]
         fn kept_alive_lease_outlives_its_ttl() {
             let Some(b) = backend() else { return };
-            crate::suite::kept_alive_lease_outlives_its_ttl(&b);
+            $crate::suite::kept_alive_lease_outlives_its_ttl(&b);
         }
         #[test]
         fn clean_leave_is_seen_at_once() {
             let Some(b) = backend() else { return };
-            crate::suite::clean_leave_is_seen_at_once(&b);
+            $crate::suite::clean_leave_is_seen_at_once(&b);
         }
         #[test]
         fn late_joiner_finds_published_records() {
             let Some(b) = backend() else { return };
-            crate::suite::late_joiner_finds_published_records(&b);
+            $crate::suite::late_joiner_finds_published_records(&b);
         }
         #[test]
         fn session_regrants_a_lost_lease() {
             let Some(b) = backend() else { return };
-            crate::suite::session_regrants_a_lost_lease(&b);
+            $crate::suite::session_regrants_a_lost_lease(&b);
         }
         #[test]
         fn child_entry() {
-            crate::suite::child_entry();
+            $crate::suite::child_entry();
         }
         #[test]
         fn killed_process_expires() {
             let Some(b) = backend() else { return };
-            crate::suite::killed_process_expires(&b, "child_entry");
+            $crate::suite::killed_process_expires(&b, &$crate::suite::entry(module_path!()));
         }
         #[test]
         fn late_process_joins_and_leaves_cleanly() {
             let Some(b) = backend() else { return };
-            crate::suite::late_process_joins_and_leaves_cleanly(&b, "child_entry");
+            $crate::suite::late_process_joins_and_leaves_cleanly(
+                &b,
+                &$crate::suite::entry(module_path!()),
+            );
         }
     };
 }
