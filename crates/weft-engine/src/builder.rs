@@ -80,8 +80,10 @@ impl EngineBuilder {
     /// 16 bits replaced by a mix of the process id, and strictly larger
     /// than any this process drew before, so that a process restarted on
     /// the same host gets a larger incarnation than its predecessor. Peers
-    /// refuse an incarnation older than the newest they saw at the same
-    /// NIC address (see [`TransferEngine::incarnation`]).
+    /// refuse an incarnation older than the one they use at the same NIC
+    /// address, and adopt a newer one only once that one ended (see
+    /// [`TransferEngine::incarnation`] and docs/engine.md, "Peer
+    /// lifecycle").
     pub fn incarnation(mut self, incarnation: weft_transport::Incarnation) -> Self {
         self.incarnation = Some(incarnation);
         self
@@ -99,6 +101,8 @@ impl EngineBuilder {
         let imms: Arc<ImmTable<ImmDone>> = Arc::new(ImmTable::new(cfg.imm_capacity));
         let (cb_tx, cb_rx) = crossbeam_channel::unbounded::<CbMsg>();
         let watcher = WatcherShared::new();
+        // A unit struct only without the `latency-probe` feature.
+        #[allow(clippy::default_constructed_unit_structs)]
         let probes = crate::probe::Probes::default();
         let mut groups = Vec::new();
         let mut ctrl_rxs = Vec::new();

@@ -3,6 +3,7 @@
 //! requests), its peers, and the posting and completion polling that move
 //! WRs through it.
 
+use super::lifecycle::Refusal;
 use super::{transport, Event, WorkerCore};
 use crate::error::EngineError;
 use crate::wrid::{decode, is_send, Decoded};
@@ -98,19 +99,21 @@ impl Nic {
 impl WorkerCore {
     /// The peer at `addr` (incarnation `inc`) on NIC `nic`, added on
     /// first use. Removed and replaced incarnations are refused
-    /// ([`TransportError::PeerRemoved`]); a newer one replaces the old (see
+    /// ([`TransportError::PeerRemoved`]); a newer one replaces the old
+    /// only once the old one ended, and is refused as unproven before (see
     /// `lifecycle`).
     pub(super) fn resolve(
         &mut self,
         nic: usize,
         addr: &NetAddr,
         inc: Incarnation,
-    ) -> Result<PeerId, TransportError> {
+    ) -> Result<PeerId, Refusal> {
         if nic >= self.nics.len() {
             return Err(TransportError::InvalidArgument {
                 nic: String::new(),
                 what: format!("no NIC {nic}"),
-            });
+            }
+            .into());
         }
         self.admit(nic, addr, inc)?;
         let p = match self.resolve_on(nic, addr, inc)? {
@@ -403,6 +406,7 @@ impl WorkerCore {
         match c {
             Completion::Write { wr, result } | Completion::Send { wr, result } => {
                 if let Err(e) = result {
+                    self.note_unreachable(nic, &e);
                     // Recorded before the count, which may finish the transfer.
                     if let Some(slot) = self.slab.lookup(wr) {
                         let group = self.group;

@@ -105,6 +105,8 @@ impl Slab {
             posted_on: [0; MAX_NICS],
             error: None,
             send: None,
+            // A unit struct only without the `latency-probe` feature.
+            #[allow(clippy::default_constructed_unit_structs)]
             probe: crate::probe::TransferProbe::default(),
         });
         (slot, 0)
@@ -190,6 +192,7 @@ impl WorkerCore {
         e: TransportError,
     ) {
         self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        self.note_unreachable(nic, &e);
         let Some(slot) = self.slab.lookup(wr) else {
             return;
         };

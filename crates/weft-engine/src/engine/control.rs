@@ -158,8 +158,14 @@ impl TransferEngine {
     /// incarnation) fail with `PeerRemoved` and never reach a process that
     /// answers at the same address later. A restarted peer (a new
     /// [`incarnation`](TransferEngine::incarnation)) is reached at its
-    /// address, new or reused. A newer incarnation showing up at an address
-    /// replaces the older one there as if this were called for it.
+    /// address, new or reused. A newer incarnation named at an address
+    /// replaces the older one there as if this were called for it, but only
+    /// once the older one ended: removed with this call, or reported
+    /// unreachable by the transport; before, it is refused with
+    /// [`EngineError::IncarnationUnproven`]. Calling this is how an
+    /// application that learned of a restart by other means (its
+    /// rendezvous store, its heartbeats) lets the new incarnation in; the
+    /// engine believes the application, so pass addresses it trusts.
     /// Removing an unknown or already removed peer is a no-op. A peer with
     /// several domain groups is removed by passing each of its group
     /// addresses (each call removes the NIC addresses it names).

@@ -2,6 +2,7 @@
 
 #[macro_use]
 mod common;
+mod hostile_peers;
 mod hostile_use;
 mod keys_and_limits;
 mod observability;
