@@ -186,6 +186,7 @@ impl EngineBuilder {
                 cfg: cfg.clone(),
                 cb_tx: cb_tx.clone(),
                 probes: probes.clone(),
+                incarnation: inner.incarnation,
             };
             if self.manual {
                 match ctx.open() {

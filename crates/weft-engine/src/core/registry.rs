@@ -317,7 +317,7 @@ impl WorkerCore {
             ps.waiting.push_back(idx);
             return;
         }
-        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.len, ps.pool.len) else {
+        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.stride, ps.pool.stride) else {
             return;
         };
         match nic.domain.post_recv(wr_recv(pool, idx), buf) {

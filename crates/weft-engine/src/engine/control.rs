@@ -186,9 +186,14 @@ impl TransferEngine {
         first
     }
 
-    /// Posts a rotating pool of `count` receive buffers of `len` bytes on
-    /// NIC 0 of group 0. `cb` runs on the callback thread for every
-    /// received message (or receive error), on a copy of its bytes: the
+    /// Posts a rotating pool of `count` receive buffers for messages of up
+    /// to `len` bytes on NIC 0 of group 0 (each buffer also holds the
+    /// 20-byte SEND frame header). `cb` runs on the callback thread for
+    /// every received message meant for this engine's incarnation (or
+    /// receive error), on a copy of its bytes; frames meant for another
+    /// incarnation, or malformed, are dropped and counted
+    /// ([`GroupStats::recv_stale`](crate::GroupStats::recv_stale),
+    /// [`GroupStats::recv_malformed`](crate::GroupStats::recv_malformed)). The
     /// worker re-posts the buffer as soon as it has copied the message out,
     /// while the pool's messages waiting for `cb` stay under
     /// [`EngineConfig::recv_backlog_bytes`](crate::EngineConfig::recv_backlog_bytes)
@@ -205,10 +210,8 @@ impl TransferEngine {
                 what: "receive pool needs len > 0 and count > 0".into(),
             });
         }
-        let total = len
-            .checked_mul(u64::from(count))
-            .and_then(|t| usize::try_from(t).ok())
-            .ok_or_else(|| EngineError::InvalidArgument {
+        let total =
+            RecvPool::buffer_len(len, count).ok_or_else(|| EngineError::InvalidArgument {
                 what: "receive pool size overflows".into(),
             })?;
         // Pool ids are part of receive WR ids and never reused: refuse
