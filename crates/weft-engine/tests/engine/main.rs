@@ -1,5 +1,10 @@
 //! The integration tests of `weft-engine`: one test binary, one module per area.
 
+/// Counts each thread's allocations (a thread-local add per call), so the
+/// wire decoders' fuzz properties can bound what a decode allocates.
+#[global_allocator]
+static ALLOC: weft_testkit::fuzz::TrackingAlloc = weft_testkit::fuzz::TrackingAlloc;
+
 #[macro_use]
 mod common;
 mod hostile_peers;
@@ -13,3 +18,4 @@ mod regressions_faults_and_refusals;
 mod scatter_targets;
 mod step;
 mod threaded;
+mod wire_fuzz;
