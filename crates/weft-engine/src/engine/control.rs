@@ -41,8 +41,27 @@ impl TransferEngine {
         } else {
             g.kick();
         }
-        rx.recv()
-            .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?
+        rx.recv().map_err(|_| self.reply_closed(g))?
+    }
+
+    /// Why a control request's reply channel closed unanswered: the
+    /// group's worker failed, or the engine shut down. A worker that
+    /// panics while handling the request drops the reply sender as it
+    /// unwinds, a moment before it records `WorkerFailed`: wait (briefly,
+    /// yielding) for that record rather than report `ShutDown`.
+    fn reply_closed(&self, g: &GroupShared) -> EngineError {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(e) = g.failed.get() {
+                return e.clone();
+            }
+            if self.inner.shut.load(Ordering::SeqCst)
+                || start.elapsed() > std::time::Duration::from_secs(1)
+            {
+                return EngineError::ShutDown;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Registers memory with every NIC of the group serving its device
