@@ -64,6 +64,9 @@ pub(crate) fn engine_err(py: Python<'_>, e: &EngineError) -> PyErr {
         EngineError::WorkerFailed { .. } => ("WorkerFailedError", "worker_failed"),
         EngineError::PeerRemoved { .. } => ("PeerRemovedError", "peer_removed"),
         EngineError::PeerGone { .. } => ("PeerGoneError", "peer_gone"),
+        EngineError::IncarnationUnproven { .. } => {
+            ("IncarnationUnprovenError", "incarnation_unproven")
+        }
         EngineError::ImmAlreadyArmed { .. } => ("ImmAlreadyArmedError", "imm_already_armed"),
         EngineError::ImmInUse { .. } => ("ImmInUseError", "imm_in_use"),
         EngineError::ImmCountTooLarge { .. } => ("InvalidArgumentError", "imm_count_too_large"),

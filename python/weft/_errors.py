@@ -143,6 +143,13 @@ class PeerGoneError(WeftError):
     (``TransferEngine.remove_peer``): its immediates will not come."""
 
 
+class IncarnationUnprovenError(InvalidArgumentError):
+    """A descriptor or address names a newer incarnation of a peer whose live
+    incarnation was neither removed nor reported unreachable: refused for this
+    transfer only (call ``remove_peer`` with the old address if the peer did
+    restart)."""
+
+
 class UnsupportedError(TransportError):
     """The backend does not support the operation."""
 

@@ -42,10 +42,13 @@ impl RankInfo {
         postcard::to_allocvec(self).unwrap_or_default()
     }
 
-    /// Parses the wire form; a malformed message is
-    /// [`MoeError::PeerInfo`] (the rank is unknown: `u32::MAX`).
+    /// Parses the wire form; a malformed message (one that does not
+    /// decode, or with bytes left after it) is [`MoeError::PeerInfo`] (the
+    /// rank is unknown: `u32::MAX`). Never panics; allocates no more than
+    /// the bytes can hold (a length prefix larger than what is left is
+    /// refused before anything is allocated for it).
     pub fn from_bytes(bytes: &[u8]) -> Result<RankInfo, MoeError> {
-        postcard::from_bytes(bytes).map_err(|e| MoeError::PeerInfo {
+        weft::decode(bytes).map_err(|e| MoeError::PeerInfo {
             rank: u32::MAX,
             what: format!("undecodable rank info ({} bytes): {e}", bytes.len()),
         })

@@ -13,6 +13,8 @@
 mod demo;
 mod run;
 mod worker;
+#[cfg(test)]
+mod worker_fuzz;
 
 use std::process::ExitCode;
 use std::time::Instant;

@@ -78,32 +78,46 @@ impl Spec {
             .map_or(String::new(), |(r, ns)| format!(";rdv={r};ns={ns}"))
     }
 
-    /// Parses [`Self::encode`].
+    /// Parses [`Self::encode`]. Strict, since the line comes from another
+    /// process: every key once, no unknown key, numbers in range (a number
+    /// too large for its field is refused, never truncated).
     pub fn decode(s: &str) -> Result<Spec, String> {
+        const KEYS: [&str; 14] = [
+            "provider", "model", "fsdp", "pp", "ep", "inf", "instance", "tp", "nics", "unit", "wm",
+            "timeout", "rdv", "ns",
+        ];
         let mut m = std::collections::BTreeMap::new();
         for kv in s.split(';') {
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| format!("bad spec item {kv:?}"))?;
-            m.insert(k.to_string(), v.to_string());
+            if !KEYS.contains(&k) {
+                return Err(format!("unknown spec key {k:?}"));
+            }
+            if m.insert(k.to_string(), v.to_string()).is_some() {
+                return Err(format!("spec key {k:?} given twice"));
+            }
         }
         let get = |k: &str| m.get(k).cloned().ok_or_else(|| format!("spec lacks {k}"));
         let num =
             |k: &str| -> Result<u64, String> { get(k)?.parse().map_err(|e| format!("{k}: {e}")) };
+        let small = |k: &str| -> Result<u32, String> {
+            u32::try_from(num(k)?).map_err(|_| format!("{k}: too large"))
+        };
         Ok(Spec {
             provider: get("provider")?,
             model: get("model")?,
             train: TrainLayout {
-                fsdp: num("fsdp")? as u32,
-                pp: num("pp")? as u32,
-                ep: num("ep")? as u32,
+                fsdp: small("fsdp")?,
+                pp: small("pp")?,
+                ep: small("ep")?,
             },
             infer: InferLayout {
-                ranks: num("inf")? as u32,
-                instance: num("instance")? as u32,
-                attn_tp: num("tp")? as u32,
+                ranks: small("inf")?,
+                instance: small("instance")?,
+                attn_tp: small("tp")?,
             },
-            nics: num("nics")? as usize,
+            nics: usize::try_from(small("nics")?).map_err(|_| "nics: too large".to_string())?,
             unit_bytes: num("unit")?,
             watermark: num("wm")?,
             timeout_ms: num("timeout")?,
@@ -158,19 +172,28 @@ pub fn engine(b: &weft::Backend, nics: usize) -> Result<Arc<TransferEngine>, Str
     Ok(Arc::new(e))
 }
 
-fn hex(d: &MrDesc) -> String {
+pub(crate) fn hex(d: &MrDesc) -> String {
     weft::encode(d)
         .map(|b| b.iter().map(|x| format!("{x:02x}")).collect())
         .unwrap_or_default()
 }
 
-fn unhex(s: &str) -> Result<Option<MrDesc>, String> {
+/// A descriptor from its hex word (`-`: none). Strict: an even number of
+/// hex digits (no signs, no other characters), then the postcard
+/// descriptor with nothing after it.
+pub(crate) fn unhex(s: &str) -> Result<Option<MrDesc>, String> {
     if s == "-" {
         return Ok(None);
     }
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return Err(format!(
+            "hex: not an even number of hex digits ({} chars)",
+            s.len()
+        ));
+    }
     let b: Result<Vec<u8>, _> = (0..s.len())
         .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2).unwrap_or("zz"), 16))
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16))
         .collect();
     let b = b.map_err(|e| format!("hex: {e}"))?;
     weft::decode(&b).map(Some).map_err(|e| format!("{e}"))

@@ -80,8 +80,10 @@ impl EngineBuilder {
     /// 16 bits replaced by a mix of the process id, and strictly larger
     /// than any this process drew before, so that a process restarted on
     /// the same host gets a larger incarnation than its predecessor. Peers
-    /// refuse an incarnation older than the newest they saw at the same
-    /// NIC address (see [`TransferEngine::incarnation`]).
+    /// refuse an incarnation older than the one they use at the same NIC
+    /// address, and adopt a newer one only once that one ended (see
+    /// [`TransferEngine::incarnation`] and docs/engine.md, "Peer
+    /// lifecycle").
     pub fn incarnation(mut self, incarnation: weft_transport::Incarnation) -> Self {
         self.incarnation = Some(incarnation);
         self
@@ -183,6 +185,7 @@ impl EngineBuilder {
                 cfg: cfg.clone(),
                 cb_tx: cb_tx.clone(),
                 probes: probes.clone(),
+                incarnation: inner.incarnation,
             };
             if self.manual {
                 match ctx.open() {

@@ -125,7 +125,9 @@ pub struct EngineConfig {
     pub recv_backlog_bytes: u64,
     /// Send slots per group (each `send_slot_len` bytes, on NIC 0).
     pub send_slots: u32,
-    /// Bytes per send slot; larger messages are registered one by one.
+    /// The largest message a send slot holds (each slot also holds the
+    /// 20-byte SEND frame header); larger messages are registered one by
+    /// one.
     pub send_slot_len: u64,
     /// Idle loop iterations spent spinning before yielding. A group whose
     /// NICs need software progress ([`Capabilities::software_progress`]:

@@ -1,7 +1,7 @@
 //! Engine errors.
 
 use thiserror::Error;
-use weft_transport::{NetAddr, TransportError};
+use weft_transport::{Incarnation, NetAddr, TransportError};
 
 /// Identifies one submitted transfer (unique per engine).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -133,6 +133,34 @@ pub enum EngineError {
         /// The removed peer's incarnation.
         incarnation: weft_transport::Incarnation,
     },
+    /// A descriptor, group address or SEND destination names incarnation
+    /// `named` of the peer at NIC address `peer`, newer than the
+    /// incarnation `live` this engine knows there, and nothing has shown
+    /// that `live` ended: it was not removed
+    /// ([`TransferEngine::remove_peer`](crate::TransferEngine::remove_peer))
+    /// and the transport has not reported it unreachable. Incarnation
+    /// numbers in descriptors come from outside the transport (a file, a
+    /// store, a socket) and are not believed on their own: this
+    /// transfer (or peer group) is refused, nothing is sent, and `live`
+    /// keeps working. Once `live` is removed or reported unreachable, the
+    /// same descriptor is accepted and replaces it (docs/engine.md, "Peer
+    /// lifecycle").
+    ///
+    /// (No group index: the rule is engine-wide, the same on every group.)
+    #[error("{t}NIC {nic}: peer {peer} is incarnation {live}; incarnation {named} is not proven (the live one was neither removed nor reported unreachable)",
+        t = .transfer.map(|t| format!("transfer {t}: ")).unwrap_or_default())]
+    IncarnationUnproven {
+        /// The refused transfer (`None` for a peer group).
+        transfer: Option<TransferId>,
+        /// NIC index inside the group (the peer's NIC of that index).
+        nic: usize,
+        /// The remote NIC address.
+        peer: NetAddr,
+        /// The incarnation the descriptor or address names.
+        named: Incarnation,
+        /// The incarnation live at `peer`.
+        live: Incarnation,
+    },
     /// The group's worker panicked; its in-flight work failed with this and
     /// later submits to the group fail with it too.
     #[error("group {group}: worker failed: {what}")]
@@ -213,6 +241,12 @@ pub enum EngineError {
     },
 }
 
+// Every `Result` of a submit carries an `EngineError`, and the apps' error
+// types embed it: it stays at 72 bytes (64-bit), the size of its largest
+// variants.
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<EngineError>() <= 72);
+
 /// The bounds check of a span `[offset, offset + len)` in a region of
 /// `region_len` bytes: [`EngineError::OutOfBounds`] (naming the span
 /// `what`, formatted only on failure) when it overflows or does not fit.
@@ -252,5 +286,12 @@ impl EngineError {
     pub fn is_peer_removed(&self) -> bool {
         matches!(self, EngineError::PeerRemoved { .. })
             || matches!(self.transport(), Some(TransportError::PeerRemoved { .. }))
+    }
+
+    /// Whether a descriptor or address was refused because it names an
+    /// incarnation newer than the live one at its address without proof
+    /// ([`EngineError::IncarnationUnproven`]).
+    pub fn is_unproven_incarnation(&self) -> bool {
+        matches!(self, EngineError::IncarnationUnproven { .. })
     }
 }

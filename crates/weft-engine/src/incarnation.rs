@@ -10,11 +10,28 @@
 //! and remembers the `(address, incarnation)` pairs removed with
 //! `TransferEngine::remove_peer`. A worker asks it ([`Incarnations::admit`])
 //! only when it resolves a destination to a domain peer (once per address,
-//! incarnation and NIC, then cached), never per WR. A newer incarnation at
-//! a bound address replaces the bound one and bumps [`Incarnations::epoch`];
-//! each worker compares the epoch (one atomic load) before it takes a
-//! request or a control message and, when it moved, drops its peers that
-//! are no longer live (see `core::lifecycle`).
+//! incarnation and NIC, then cached), never per WR.
+//!
+//! **Who may say a peer restarted.** An incarnation number in a
+//! descriptor or group address is a claim made by bytes that came from a
+//! file, a store or a socket, not by the peer: it can be stale, damaged or
+//! forged. So a claim never ends the incarnation bound to an address. A
+//! *newer* incarnation named at a bound address is only adopted once the
+//! bound one is known to have ended:
+//! * it was removed (`TransferEngine::remove_peer`), or
+//! * the transport reported it unreachable: a WR to it failed with
+//!   `TransportError::PeerUnreachable` ([`Incarnations::unreachable`]).
+//!
+//! Until then the newer one is refused ([`Refused::Unproven`], the
+//! engine's `EngineError::IncarnationUnproven`) for the transfer or peer
+//! group that named it, and the bound one keeps working. Once adopted, the
+//! newer one replaces the bound one and bumps [`Incarnations::epoch`]; each
+//! worker compares the epoch (one atomic load) before it takes a request or
+//! a control message and, when it moved, drops its peers that are no longer
+//! live (see `core::lifecycle`). An older incarnation than the bound one is
+//! refused ([`Refused::Replaced`]); a removed one for good
+//! ([`Refused::Removed`]). The first incarnation named at an address never
+//! seen before binds it: there is nothing to compare it with.
 
 use crossbeam_utils::CachePadded;
 use parking_lot::RwLock;
@@ -59,14 +76,29 @@ pub(crate) enum Refused {
     Removed,
     /// Older than the incarnation bound to the address (`.0`).
     Replaced(Incarnation),
+    /// Newer than the incarnation bound to the address (`.0`), which is
+    /// not known to have ended: a claim nothing has confirmed.
+    Unproven(Incarnation),
 }
 
 #[derive(Debug, Default)]
 struct Table {
-    /// The live (newest seen) incarnation at each remote NIC address.
+    /// The live (or last removed) incarnation at each remote NIC address.
     bound: BTreeMap<NetAddr, Incarnation>,
     /// `(address, incarnation)` pairs removed with `remove_peer`.
     removed: BTreeSet<(NetAddr, Incarnation)>,
+    /// Bound `(address, incarnation)` pairs the transport reported
+    /// unreachable: a newer incarnation named there may replace them.
+    unreachable: BTreeSet<(NetAddr, Incarnation)>,
+}
+
+impl Table {
+    /// Whether the incarnation bound at `addr`, `b`, is known to have
+    /// ended (removed, or reported unreachable by the transport).
+    fn ended(&self, addr: &NetAddr, b: Incarnation) -> bool {
+        let k = (addr.clone(), b);
+        self.removed.contains(&k) || self.unreachable.contains(&k)
+    }
 }
 
 /// The engine-wide table of remote incarnations (see the module docs).
@@ -86,8 +118,9 @@ pub(crate) struct Incarnations {
 impl Incarnations {
     /// Whether `inc` may be used at `addr`: `Ok` when it is (now) the live
     /// incarnation there. An address not seen before is bound to `inc`; a
-    /// newer incarnation replaces the bound one (bumping the epoch). A
-    /// removed or older one is refused.
+    /// newer incarnation replaces the bound one (bumping the epoch) only
+    /// if the bound one is known to have ended, and is refused as
+    /// [`Refused::Unproven`] otherwise. A removed or older one is refused.
     pub(crate) fn admit(&self, addr: &NetAddr, inc: Incarnation) -> Result<(), Refused> {
         {
             let t = self.table.read();
@@ -97,6 +130,7 @@ impl Incarnations {
             match t.bound.get(addr) {
                 Some(&b) if b == inc => return Ok(()),
                 Some(&b) if b > inc => return Err(Refused::Replaced(b)),
+                Some(&b) if !t.ended(addr, b) => return Err(Refused::Unproven(b)),
                 _ => {}
             }
         }
@@ -107,30 +141,60 @@ impl Incarnations {
         match t.bound.get(addr).copied() {
             Some(b) if b == inc => Ok(()),
             Some(b) if b > inc => Err(Refused::Replaced(b)),
+            Some(b) if !t.ended(addr, b) => Err(Refused::Unproven(b)),
             old => {
                 t.bound.insert(addr.clone(), inc);
                 if let Some(old) = old {
+                    let key = (addr.clone(), old);
+                    let was_live = !t.removed.contains(&key);
+                    t.unreachable.remove(&key);
                     tracing::info!(
                         peer = %addr, old = %old, new = %inc,
-                        "a newer incarnation answers at this address: the old one is replaced"
+                        "a newer incarnation replaces one that ended at this address"
                     );
-                    self.epoch.fetch_add(1, Ordering::Release);
+                    if was_live {
+                        self.epoch.fetch_add(1, Ordering::Release);
+                    }
                 }
                 Ok(())
             }
         }
     }
 
+    /// The transport reported `inc` at `addr` unreachable (a WR to it
+    /// failed with `PeerUnreachable`): if it is the bound incarnation, a
+    /// newer one named there from now on replaces it. Nothing else
+    /// changes: the bound one stays live until then.
+    pub(crate) fn unreachable(&self, addr: &NetAddr, inc: Incarnation) {
+        let key = (addr.clone(), inc);
+        {
+            let t = self.table.read();
+            if t.bound.get(addr) != Some(&inc) || t.ended(addr, inc) {
+                return;
+            }
+        }
+        let mut t = self.table.write();
+        if t.bound.get(addr) == Some(&inc) && !t.removed.contains(&key) && t.unreachable.insert(key)
+        {
+            tracing::debug!(peer = %addr, incarnation = %inc,
+                "the transport reported this incarnation unreachable: a newer one may replace it");
+        }
+    }
+
     /// Records that `inc` at `addr` was removed: refused from now on. An
     /// incarnation older than `inc` bound there stops being live as well
-    /// (a newer one existed).
+    /// (the application says a newer one existed).
     pub(crate) fn remove(&self, addr: &NetAddr, inc: Incarnation) {
         let mut t = self.table.write();
         let fresh = t.removed.insert((addr.clone(), inc));
         let bound = t.bound.get(addr).copied();
         if bound.is_none_or(|b| b < inc) {
             t.bound.insert(addr.clone(), inc);
+            if let Some(b) = bound {
+                t.unreachable.remove(&(addr.clone(), b));
+            }
         }
+        t.unreachable.remove(&(addr.clone(), inc));
         if fresh && bound.is_some_and(|b| b <= inc) {
             self.epoch.fetch_add(1, Ordering::Release);
         }
@@ -163,11 +227,14 @@ mod tests {
     }
 
     /// The rules: first sight binds; the same incarnation is admitted; an
-    /// older one is refused; a newer one replaces (epoch moves, the old is
-    /// no longer live); a removed one is refused for good while a later
-    /// one at the same address is admitted; other addresses are unaffected.
+    /// older one is refused; a newer one is unproven (refused, nothing
+    /// changes) while the bound one has not ended, and replaces it (epoch
+    /// moves, the old is no longer live) once the transport reported it
+    /// unreachable or it was removed; a removed one is refused for good
+    /// while a later one at the same address is admitted; other addresses
+    /// are unaffected.
     #[test]
-    fn newer_replaces_older_and_removed_are_refused() {
+    fn newer_replaces_only_an_ended_incarnation() {
         let t = Incarnations::default();
         let e0 = t.epoch();
         assert_eq!(t.admit(&a(1), Incarnation(5)), Ok(()));
@@ -178,6 +245,28 @@ mod tests {
             t.admit(&a(1), Incarnation(4)),
             Err(Refused::Replaced(Incarnation(5)))
         );
+        // A claim of a newer incarnation changes nothing.
+        for claim in [6, 7, u64::MAX] {
+            assert_eq!(
+                t.admit(&a(1), Incarnation(claim)),
+                Err(Refused::Unproven(Incarnation(5)))
+            );
+        }
+        assert_eq!(t.epoch(), e0);
+        assert!(t.is_live(&a(1), Incarnation(5)));
+        // The transport's word about another incarnation changes nothing.
+        t.unreachable(&a(1), Incarnation(6));
+        assert_eq!(
+            t.admit(&a(1), Incarnation(7)),
+            Err(Refused::Unproven(Incarnation(5)))
+        );
+        // About the bound one: a newer one may now replace it.
+        t.unreachable(&a(1), Incarnation(5));
+        assert!(
+            t.is_live(&a(1), Incarnation(5)),
+            "still live until replaced"
+        );
+        assert_eq!(t.admit(&a(1), Incarnation(5)), Ok(()));
         assert_eq!(t.admit(&a(1), Incarnation(7)), Ok(()));
         let e1 = t.epoch();
         assert_ne!(e1, e0, "a replacement moves the epoch");
@@ -187,6 +276,11 @@ mod tests {
             t.admit(&a(1), Incarnation(5)),
             Err(Refused::Replaced(Incarnation(7)))
         );
+        // The new one starts with a clean record.
+        assert_eq!(
+            t.admit(&a(1), Incarnation(9)),
+            Err(Refused::Unproven(Incarnation(7)))
+        );
         t.remove(&a(1), Incarnation(7));
         let e2 = t.epoch();
         assert_ne!(e2, e1, "removing the live incarnation moves the epoch");
@@ -195,11 +289,13 @@ mod tests {
         t.remove(&a(1), Incarnation(7));
         assert_eq!(t.epoch(), e2, "removing twice is a no-op");
         assert_eq!(t.admit(&a(1), Incarnation(8)), Ok(()));
+        assert_eq!(t.epoch(), e2, "replacing a removed one ends nothing live");
         assert!(t.is_live(&a(1), Incarnation(8)));
         assert_eq!(t.admit(&a(1), Incarnation(7)), Err(Refused::Removed));
         assert_eq!(t.admit(&a(2), Incarnation(1)), Ok(()), "other address");
         // Removing an incarnation newer than the bound one ends the bound
-        // one too; removing an older one leaves the bound one live.
+        // one too (the application says so); removing an older one leaves
+        // the bound one live.
         t.remove(&a(2), Incarnation(3));
         assert!(!t.is_live(&a(2), Incarnation(1)));
         assert_eq!(

@@ -38,6 +38,7 @@ mod core;
 mod driver;
 mod engine;
 mod error;
+mod frame;
 mod gate;
 mod imm;
 mod incarnation;

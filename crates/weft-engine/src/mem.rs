@@ -3,12 +3,13 @@
 
 use crate::driver::GroupShared;
 use crate::error::EngineError;
+use crate::frame::{self, Rejected, HEADER_LEN};
 use crossbeam_queue::ArrayQueue;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use weft_transport::{Device, MemRegion};
+use weft_transport::{Device, Incarnation, MemRegion};
 
 /// A local registration made through the engine: registered with every NIC
 /// of one domain group. `Copy`; pass it to submits as the source.
@@ -122,8 +123,9 @@ impl Drop for RawBuf {
 }
 
 /// Fixed-size send slots on NIC 0 of a group. Submitters pop a free slot,
-/// copy the message in, and hand the slot index to the worker; the worker
-/// pushes it back when the SEND completes.
+/// copy the frame in (its header, then the message: see [`crate::frame`]),
+/// and hand the slot index to the worker; the worker pushes it back when
+/// the SEND completes.
 #[derive(Debug)]
 pub(crate) struct SendPool {
     pub(crate) buf: RawBuf,
@@ -156,25 +158,39 @@ impl SendPool {
         u64::from(slot) * self.slot_len
     }
 
-    /// Copies `msg` into a free slot; `None` if none is free or it does not fit.
+    /// Copies `msg` (a whole frame) into a free slot; `None` if none is
+    /// free or it does not fit.
     pub(crate) fn try_fill(&self, msg: &[u8]) -> Option<u32> {
-        if msg.len() as u64 > self.slot_len {
+        self.try_fill_parts(&[], msg)
+    }
+
+    /// Copies `head` then `msg` into a free slot; `None` if none is free
+    /// or they do not fit.
+    pub(crate) fn try_fill_parts(&self, head: &[u8], msg: &[u8]) -> Option<u32> {
+        let total = head.len().checked_add(msg.len())?;
+        if total as u64 > self.slot_len {
             return None;
         }
         let slot = self.free.pop()?;
-        let off = usize::try_from(self.slot_offset(slot)).ok()?;
+        let Some(off) = usize::try_from(self.slot_offset(slot)).ok() else {
+            let _ = self.free.push(slot);
+            return None;
+        };
         // SAFETY: `slot` was popped from the free list, so this thread owns
         // the slot's bytes exclusively until it hands the slot to the worker;
-        // `off + msg.len() <= buf.len()` because `msg.len() <= slot_len` and
-        // the buffer holds `slots * slot_len` bytes.
+        // `off + head.len() + msg.len() <= buf.len()` because their sum is at
+        // most `slot_len` and the buffer holds `slots * slot_len` bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(msg.as_ptr(), self.buf.ptr().add(off), msg.len());
+            let dst = self.buf.ptr().add(off);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), dst.add(head.len()), msg.len());
         }
         Some(slot)
     }
 }
 
-/// A message handed to the worker for a SEND.
+/// A frame (header and message, see [`crate::frame`]) handed to the
+/// worker for a SEND.
 #[derive(Debug)]
 pub(crate) enum SendPayload {
     /// Already copied into this send slot, `len` bytes.
@@ -183,10 +199,22 @@ pub(crate) enum SendPayload {
     Owned(Vec<u8>),
 }
 
+/// Why [`RecvPool::copy_out`] returned no message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotCopied {
+    /// The buffer index or length is out of the pool's range (a backend
+    /// bug: reported to the callback as an error).
+    OutOfRange,
+    /// The frame was dropped (see [`crate::frame::accept`]).
+    Rejected(Rejected),
+}
+
 /// Receive callback: the filled bytes, or why the buffer came back empty.
 pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
 
-/// A rotating pool of receive buffers on NIC 0 of a group.
+/// A rotating pool of receive buffers on NIC 0 of a group. Each buffer
+/// holds one frame: a header ([`HEADER_LEN`] bytes) and a message of up to
+/// `len` bytes; only accepted frames' messages reach the callback.
 ///
 /// The worker copies each filled buffer out into an owned message and
 /// re-posts the buffer at once, so receive buffers never wait for the
@@ -200,7 +228,9 @@ pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'stat
 pub(crate) struct RecvPool {
     pub(crate) id: u16,
     pub(crate) buf: RawBuf,
-    pub(crate) len: u64,
+    /// Bytes per buffer: the largest message it holds plus the frame
+    /// header.
+    pub(crate) stride: u64,
     pub(crate) count: u32,
     pub(crate) cb: parking_lot::Mutex<RecvCallback>,
     /// Owned message buffers whose callbacks have returned.
@@ -215,9 +245,18 @@ pub(crate) struct RecvPool {
 }
 
 impl RecvPool {
-    /// A pool of `count` buffers of `len` bytes each, in `buf`, holding
-    /// buffers back once `backlog_bytes` of messages are copied out (at
-    /// least one message); `group` is woken when they may be re-posted.
+    /// Bytes of the buffer a pool of `count` messages of up to `len` bytes
+    /// needs (`None` on overflow).
+    pub(crate) fn buffer_len(len: u64, count: u32) -> Option<usize> {
+        len.checked_add(HEADER_LEN as u64)?
+            .checked_mul(u64::from(count))
+            .and_then(|t| usize::try_from(t).ok())
+    }
+
+    /// A pool of `count` buffers for messages of up to `len` bytes each, in
+    /// `buf` ([`RecvPool::buffer_len`] bytes), holding buffers back once
+    /// `backlog_bytes` of messages are copied out (at least one message);
+    /// `group` is woken when they may be re-posted.
     pub(crate) fn new(
         id: u16,
         buf: RawBuf,
@@ -231,7 +270,7 @@ impl RecvPool {
         Self {
             id,
             buf,
-            len,
+            stride: len.saturating_add(HEADER_LEN as u64),
             count,
             cb: parking_lot::Mutex::new(cb),
             spare: ArrayQueue::new(count.max(1) as usize),
@@ -252,26 +291,37 @@ impl RecvPool {
         self.out.load(Ordering::SeqCst) >= self.max_out
     }
 
-    /// Copies the first `n` bytes of buffer `idx` into an owned message
-    /// (a recycled one when there is one); `None` if out of range.
+    /// The message of the frame in the first `n` bytes of buffer `idx`,
+    /// copied into an owned message (a recycled one when there is one), if
+    /// a receiver of incarnation `own` accepts the frame
+    /// ([`crate::frame::accept`]).
     ///
     /// # Safety
     /// Buffer `idx` must not be posted (no NIC may write it) during the
     /// call: the worker calls this on a buffer whose receive just completed,
     /// before re-posting it.
-    pub(crate) unsafe fn copy_out(&self, idx: u32, n: u64) -> Option<Vec<u8>> {
-        if idx >= self.count || n > self.len {
-            return None;
+    pub(crate) unsafe fn copy_out(
+        &self,
+        idx: u32,
+        n: u64,
+        own: Incarnation,
+    ) -> Result<Vec<u8>, NotCopied> {
+        if idx >= self.count || n > self.stride {
+            return Err(NotCopied::OutOfRange);
         }
-        let off = usize::try_from(u64::from(idx) * self.len).ok()?;
-        let n = usize::try_from(n).ok()?;
-        // SAFETY: in bounds (idx < count, n <= len, buffer is count*len);
-        // the caller guarantees no concurrent writer.
+        let off = u64::from(idx)
+            .checked_mul(self.stride)
+            .and_then(|o| usize::try_from(o).ok())
+            .ok_or(NotCopied::OutOfRange)?;
+        let n = usize::try_from(n).map_err(|_| NotCopied::OutOfRange)?;
+        // SAFETY: in bounds (idx < count, n <= stride, the buffer is
+        // count*stride bytes); the caller guarantees no concurrent writer.
         let bytes = unsafe { std::slice::from_raw_parts(self.buf.ptr().add(off), n) };
+        let body = frame::accept(bytes, own).map_err(NotCopied::Rejected)?;
         let mut msg = self.spare.pop().unwrap_or_default();
         msg.clear();
-        msg.extend_from_slice(bytes);
-        Some(msg)
+        msg.extend_from_slice(body);
+        Ok(msg)
     }
 
     /// Returns a message whose callback has returned, for reuse; wakes the

@@ -40,6 +40,16 @@ pub struct GroupStats {
     /// ([`weft_transport::Domain::wait_fd`]) instead of polling them (see
     /// [`PollPolicy`](crate::PollPolicy)).
     pub fd_sleeps: u64,
+    /// SENDs received (receive pools are on group 0) that were meant for
+    /// another incarnation of this engine's addresses — normally the
+    /// process that answered there before this one restarted in its place
+    /// — and were dropped, never handed to a receive callback (see
+    /// docs/engine.md, "SEND frames").
+    pub recv_stale: u64,
+    /// Messages received without a valid SEND frame (too short, not a weft
+    /// frame, another frame version or unknown flags): dropped, never
+    /// handed to a receive callback.
+    pub recv_malformed: u64,
     /// One entry per NIC of the group, in NIC order.
     pub nics: Vec<NicStats>,
 }
@@ -99,6 +109,8 @@ pub(crate) struct GroupCounters {
     in_flight: AtomicUsize,
     pending_wrs: AtomicUsize,
     fd_sleeps: Counter,
+    recv_stale: Counter,
+    recv_malformed: Counter,
     nics: Vec<NicCounters>,
 }
 
@@ -109,6 +121,8 @@ impl GroupCounters {
             in_flight: AtomicUsize::new(0),
             pending_wrs: AtomicUsize::new(0),
             fd_sleeps: Counter::default(),
+            recv_stale: Counter::default(),
+            recv_malformed: Counter::default(),
             nics: (0..nics).map(|_| NicCounters::default()).collect(),
         }
     }
@@ -137,6 +151,18 @@ impl GroupCounters {
         }
     }
 
+    /// A received frame was dropped: meant for another incarnation
+    /// (`stale`) or malformed. Returns the new count of its kind.
+    pub(crate) fn recv_dropped(&self, stale: bool) -> u64 {
+        let c = if stale {
+            &self.recv_stale
+        } else {
+            &self.recv_malformed
+        };
+        c.add(1);
+        c.get()
+    }
+
     /// The worker slept once in its NICs' wait fds.
     pub(crate) fn fd_slept(&self) {
         self.fd_sleeps.add(1);
@@ -156,6 +182,8 @@ impl GroupCounters {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending_wrs: self.pending_wrs.load(Ordering::Relaxed),
             fd_sleeps: self.fd_sleeps.get(),
+            recv_stale: self.recv_stale.get(),
+            recv_malformed: self.recv_malformed.get(),
             nics: self
                 .nics
                 .iter()

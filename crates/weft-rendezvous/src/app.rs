@@ -2,11 +2,12 @@
 //! under `weft/<namespace>/app/<kind>/<name>`.
 
 use std::marker::PhantomData;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use crate::record::{decode, encode};
+use crate::record::{decode, encode, SkippedRecords};
 use crate::watch::Event;
 use crate::{Namespace, Session, StoreError, Watch};
 
@@ -135,39 +136,43 @@ impl<T: Serialize + DeserializeOwned> Records<T> {
         session.delete(&self.key(name)?)
     }
 
-    /// Record `name`, if present.
+    /// Record `name`, if present. A record that does not decode is
+    /// [`StoreError::Record`] (and counted in
+    /// [`Namespace::skipped_records`]).
     pub fn get(&self, name: &str) -> Result<Option<T>, StoreError> {
         let key = self.key(name)?;
         self.ns
             .store()
             .get(&key)?
-            .map(|v| decode(&key, &v))
+            .map(|v| self.ns.counted(&key, decode(&key, &v)))
             .transpose()
     }
 
     /// Every record of this kind, by name. A record that does not decode
-    /// (another format version, another type under the same kind) is
-    /// skipped with a warning, as [`RecordWatch`] does, so one foreign
-    /// record cannot hide every other one.
+    /// (damaged bytes, another format version, another type under the
+    /// same kind) is skipped and counted ([`Namespace::skipped_records`]),
+    /// as [`RecordWatch`] does, so one foreign record cannot hide every
+    /// other one.
     pub fn list(&self) -> Result<Vec<(String, T)>, StoreError> {
         let prefix = self.prefix();
-        let mut out = Vec::new();
-        for (k, v) in self.ns.store().list(&prefix)? {
-            match decode(&k, &v) {
-                Ok(r) => out.push((name_of(&prefix, &k), r)),
-                Err(e) => {
-                    tracing::warn!(key = %k, error = %e, "skipping a record that does not decode")
-                }
-            }
-        }
-        Ok(out)
+        Ok(self
+            .ns
+            .store()
+            .list(&prefix)?
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let r = self.ns.counted(&k, decode(&k, &v)).ok()?;
+                Some((name_of(&prefix, &k), r))
+            })
+            .collect())
     }
 
-    /// Waits up to `timeout` for record `name` to be published.
+    /// Waits up to `timeout` for record `name` to be published. A record
+    /// that does not decode is [`StoreError::Record`] (and counted).
     pub fn wait(&self, name: &str, timeout: Duration) -> Result<T, StoreError> {
         let key = self.key(name)?;
         let v = self.ns.wait_key(&key, timeout)?;
-        decode(&key, &v)
+        self.ns.counted(&key, decode(&key, &v))
     }
 
     /// Watches the records of this kind: one [`RecordEvent::Joined`] per
@@ -178,6 +183,7 @@ impl<T: Serialize + DeserializeOwned> Records<T> {
         Ok(RecordWatch {
             inner: self.ns.store().watch(&prefix)?,
             prefix,
+            skipped: Arc::clone(self.ns.skipped()),
             _t: PhantomData,
         })
     }
@@ -187,10 +193,14 @@ fn name_of(prefix: &str, key: &str) -> String {
     key.strip_prefix(prefix).unwrap_or(key).to_string()
 }
 
-/// Decoded events of one kind of records (see [`Records::watch`]).
+/// Decoded events of one kind of records (see [`Records::watch`]). A join
+/// or update whose record does not decode is skipped and counted
+/// ([`Namespace::skipped_records`]): watchers keep the last good value of
+/// that name (a later leave is still reported).
 pub struct RecordWatch<T> {
     inner: Watch,
     prefix: String,
+    skipped: Arc<SkippedRecords>,
     _t: PhantomData<fn() -> T>,
 }
 
@@ -203,15 +213,24 @@ impl<T> std::fmt::Debug for RecordWatch<T> {
 }
 
 impl<T: DeserializeOwned> RecordWatch<T> {
-    fn convert(&self, ev: Event) -> Result<RecordEvent<T>, StoreError> {
-        Ok(match ev {
+    /// The event decoded; `None` (counted) for a record that does not
+    /// decode.
+    fn convert(&self, ev: Event) -> Option<RecordEvent<T>> {
+        let decoded = |key: &str, value: &[u8]| match decode(key, value) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.skipped.note(key, &e);
+                None
+            }
+        };
+        Some(match ev {
             Event::Join { key, value } => RecordEvent::Joined {
+                rec: decoded(&key, &value)?,
                 name: name_of(&self.prefix, &key),
-                rec: decode(&key, &value)?,
             },
             Event::Update { key, value } => RecordEvent::Updated {
+                rec: decoded(&key, &value)?,
                 name: name_of(&self.prefix, &key),
-                rec: decode(&key, &value)?,
             },
             Event::Leave { key } => RecordEvent::Left {
                 name: name_of(&self.prefix, &key),
@@ -219,21 +238,30 @@ impl<T: DeserializeOwned> RecordWatch<T> {
         })
     }
 
-    /// The next event, waiting up to `timeout`; `Ok(None)` if none came. A
-    /// record that does not decode is an error (the watch goes on).
+    /// The next event, waiting up to `timeout`; `Ok(None)` if none came.
+    /// Records that do not decode are skipped (see [`RecordWatch`]);
+    /// errors are the store's (a closed watch).
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<RecordEvent<T>>, StoreError> {
-        match self.inner.recv_timeout(timeout)? {
-            Some(ev) => self.convert(ev).map(Some),
-            None => Ok(None),
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
+            let Some(ev) = self.inner.recv_timeout(left)? else {
+                return Ok(None);
+            };
+            if let Some(ev) = self.convert(ev) {
+                return Ok(Some(ev));
+            }
         }
     }
 
-    /// The next event if one is queued.
+    /// The next event if one is queued (bad records skipped).
     pub fn try_recv(&self) -> Result<Option<RecordEvent<T>>, StoreError> {
-        match self.inner.try_recv()? {
-            Some(ev) => self.convert(ev).map(Some),
-            None => Ok(None),
+        while let Some(ev) = self.inner.try_recv()? {
+            if let Some(ev) = self.convert(ev) {
+                return Ok(Some(ev));
+            }
         }
+        Ok(None)
     }
 }
 

@@ -5,7 +5,17 @@
 //! `weft/<namespace>/mrs/<name>/<mr>` a [`MrRecord`]. Values are postcard,
 //! prefixed with the record format version ([`FORMAT_VERSION`]); a record
 //! of another version is refused with [`StoreError::Record`].
+//!
+//! Bytes a store hands back are not trusted: a value may be damaged,
+//! written by another version, or planted by anyone who can write the
+//! store. A [`PeerRecord`] must carry the name of the key it is stored
+//! under. A record that fails either check is refused for itself only:
+//! listings and watches skip it and count it
+//! ([`Namespace::skipped_records`]), so one bad record never hides the
+//! others, and a record is never reported under a name its key does not
+//! give it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,6 +75,10 @@ pub(crate) fn encode<T: Serialize>(key: &str, rec: &T) -> Result<Vec<u8>, StoreE
     })
 }
 
+/// Decodes a record of any type from `bytes` stored under `key`: the
+/// format version, then the value, with no trailing bytes. Never panics,
+/// and never allocates more than `bytes` can hold (postcard checks every
+/// length prefix against the bytes left before it allocates).
 pub(crate) fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
     let err = |reason: String| StoreError::Record {
         key: key.to_string(),
@@ -85,11 +99,54 @@ pub(crate) fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, 
     Ok(rec)
 }
 
+/// Decodes the [`PeerRecord`] stored under `key`, whose name in the
+/// namespace is `name`: refused unless the record says the same name.
+pub(crate) fn decode_peer(key: &str, name: &str, bytes: &[u8]) -> Result<PeerRecord, StoreError> {
+    let rec: PeerRecord = decode(key, bytes)?;
+    if rec.name != name {
+        return Err(StoreError::Record {
+            key: key.to_string(),
+            reason: format!(
+                "the record names peer {:?}, its key names {name:?}",
+                rec.name
+            ),
+        });
+    }
+    Ok(rec)
+}
+
+/// The count of records skipped because they did not decode or their name
+/// disagreed with their key, shared by a [`Namespace`], its clones and
+/// everything made from them ([`PeerWatch`], [`crate::Records`],
+/// [`crate::RecordWatch`]).
+#[derive(Debug, Default)]
+pub(crate) struct SkippedRecords(AtomicU64);
+
+impl SkippedRecords {
+    /// Counts one bad record and logs it: a warning for the 1st, 2nd, 4th,
+    /// 8th, ... one (so a store full of garbage cannot flood the log), the
+    /// others at debug level.
+    pub(crate) fn note(&self, key: &str, error: &StoreError) {
+        let n = self.0.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        if n.is_power_of_two() {
+            tracing::warn!(%key, %error, skipped = n,
+                "skipping a bad record (warned at the 1st, 2nd, 4th, ... one; the rest at debug level)");
+        } else {
+            tracing::debug!(%key, %error, skipped = n, "skipping a bad record");
+        }
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// The weft records of one namespace in a store.
 #[derive(Clone)]
 pub struct Namespace {
     store: Arc<dyn Store>,
     ns: String,
+    skipped: Arc<SkippedRecords>,
 }
 
 impl std::fmt::Debug for Namespace {
@@ -107,7 +164,24 @@ impl Namespace {
         Namespace {
             store,
             ns: ns.to_string(),
+            skipped: Arc::default(),
         }
+    }
+
+    /// Records skipped so far because they did not decode (damaged bytes,
+    /// another format version or type) or because a [`PeerRecord`]'s name
+    /// disagreed with its key: by listings ([`Namespace::peers`],
+    /// [`crate::Records::list`]), watches ([`PeerWatch`],
+    /// [`crate::RecordWatch`]) and look-ups of this namespace value, its
+    /// clones and what was made from them. Each one is also logged (a
+    /// warning for the 1st, 2nd, 4th, ... one, the rest at debug level).
+    pub fn skipped_records(&self) -> u64 {
+        self.skipped.get()
+    }
+
+    /// The shared skip counter (see [`Namespace::skipped_records`]).
+    pub(crate) fn skipped(&self) -> &Arc<SkippedRecords> {
+        &self.skipped
     }
 
     /// The store.
@@ -182,25 +256,50 @@ impl Namespace {
         session.put(&key, &encode(&key, &rec)?)
     }
 
-    /// Peer `name`, if present.
+    /// Peer `name`, if present. A record under its key that does not
+    /// decode or names another peer is [`StoreError::Record`] (and
+    /// counted in [`Namespace::skipped_records`]).
     pub fn peer(&self, name: &str) -> Result<Option<PeerRecord>, StoreError> {
         let key = self.peer_key(name)?;
-        self.store.get(&key)?.map(|v| decode(&key, &v)).transpose()
-    }
-
-    /// Every peer of the namespace, by name.
-    pub fn peers(&self) -> Result<Vec<PeerRecord>, StoreError> {
         self.store
-            .list(&self.peers_prefix())?
-            .iter()
-            .map(|(k, v)| decode(k, v))
-            .collect()
+            .get(&key)?
+            .map(|v| self.counted(&key, decode_peer(&key, name, &v)))
+            .transpose()
     }
 
-    /// Memory region `mr` of peer `name`, if present.
+    /// Every peer of the namespace, by name. A record that does not
+    /// decode, or whose name is not the one its key gives it, is skipped
+    /// and counted ([`Namespace::skipped_records`]): one bad record never
+    /// hides the others.
+    pub fn peers(&self) -> Result<Vec<PeerRecord>, StoreError> {
+        let prefix = self.peers_prefix();
+        Ok(self
+            .store
+            .list(&prefix)?
+            .iter()
+            .filter_map(|(k, v)| {
+                let name = k.strip_prefix(prefix.as_str()).unwrap_or(k);
+                self.counted(k, decode_peer(k, name, v)).ok()
+            })
+            .collect())
+    }
+
+    /// `r`, with an error counted as a skipped record.
+    pub(crate) fn counted<T>(&self, key: &str, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        if let Err(e) = &r {
+            self.skipped.note(key, e);
+        }
+        r
+    }
+
+    /// Memory region `mr` of peer `name`, if present. A record that does
+    /// not decode is [`StoreError::Record`] (and counted).
     pub fn mr(&self, name: &str, mr: &str) -> Result<Option<MrRecord>, StoreError> {
         let key = self.mr_key(name, mr)?;
-        self.store.get(&key)?.map(|v| decode(&key, &v)).transpose()
+        self.store
+            .get(&key)?
+            .map(|v| self.counted(&key, decode(&key, &v)))
+            .transpose()
     }
 
     /// Watches the namespace's peers (see [`PeerWatch`]).
@@ -208,21 +307,26 @@ impl Namespace {
         Ok(PeerWatch {
             prefix: self.peers_prefix(),
             inner: self.store.watch(&self.peers_prefix())?,
+            skipped: Arc::clone(&self.skipped),
         })
     }
 
-    /// Waits up to `timeout` for peer `name` to be published.
+    /// Waits up to `timeout` for peer `name` to be published. A record
+    /// under its key that does not decode or names another peer is
+    /// [`StoreError::Record`] (and counted).
     pub fn wait_peer(&self, name: &str, timeout: Duration) -> Result<PeerRecord, StoreError> {
         let key = self.peer_key(name)?;
         let v = self.wait_key(&key, timeout)?;
-        decode(&key, &v)
+        self.counted(&key, decode_peer(&key, name, &v))
     }
 
     /// Waits up to `timeout` for region `mr` of peer `name` to be published.
+    /// A record that does not decode is [`StoreError::Record`] (and
+    /// counted).
     pub fn wait_mr(&self, name: &str, mr: &str, timeout: Duration) -> Result<MrRecord, StoreError> {
         let key = self.mr_key(name, mr)?;
         let v = self.wait_key(&key, timeout)?;
-        decode(&key, &v)
+        self.counted(&key, decode(&key, &v))
     }
 
     pub(crate) fn wait_key(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
@@ -243,30 +347,53 @@ impl Namespace {
     }
 }
 
-/// Peer events of a namespace: decoded [`Watch`] events.
+/// Peer events of a namespace: decoded [`Watch`] events. A join or update
+/// whose record does not decode, or names another peer than its key, is
+/// skipped and counted ([`Namespace::skipped_records`]): watchers keep the
+/// last good record of that name (a later leave is still reported).
 #[derive(Debug)]
 pub struct PeerWatch {
     prefix: String,
     inner: Watch,
+    skipped: Arc<SkippedRecords>,
 }
 
 impl PeerWatch {
-    /// The next peer event, waiting up to `timeout`; `Ok(None)` if none came.
-    /// A record that does not decode is an error (the watch goes on).
+    /// The next peer event, waiting up to `timeout`; `Ok(None)` if none
+    /// came. Bad records are skipped (see [`PeerWatch`]); errors are the
+    /// store's (a closed watch).
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<PeerEvent>, StoreError> {
-        let Some(ev) = self.inner.recv_timeout(timeout)? else {
-            return Ok(None);
-        };
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
+            let Some(ev) = self.inner.recv_timeout(left)? else {
+                return Ok(None);
+            };
+            if let Some(ev) = self.convert(ev) {
+                return Ok(Some(ev));
+            }
+        }
+    }
+
+    /// The event decoded; `None` (counted) for a bad record.
+    fn convert(&self, ev: Event) -> Option<PeerEvent> {
         let name = |k: &str| {
             k.strip_prefix(self.prefix.as_str())
                 .unwrap_or(k)
                 .to_string()
         };
-        Ok(Some(match ev {
-            Event::Join { key, value } => PeerEvent::Joined(decode(&key, &value)?),
-            Event::Update { key, value } => PeerEvent::Updated(decode(&key, &value)?),
+        let decoded = |key: &str, value: &[u8]| match decode_peer(key, &name(key), value) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.skipped.note(key, &e);
+                None
+            }
+        };
+        Some(match ev {
+            Event::Join { key, value } => PeerEvent::Joined(decoded(&key, &value)?),
+            Event::Update { key, value } => PeerEvent::Updated(decoded(&key, &value)?),
             Event::Leave { key } => PeerEvent::Left { name: name(&key) },
-        }))
+        })
     }
 }
 

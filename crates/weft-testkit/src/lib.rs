@@ -14,6 +14,8 @@
 //! - [`mem`]: [`weft_transport::HostBuffer`] constructors and accessors that
 //!   panic on test bugs instead of returning errors.
 //! - [`etcd`]: a private etcd server on a free port for rendezvous tests.
+//! - [`fuzz`]: the case counts, mutations of valid encodings and the
+//!   allocation probe of the wire decoders' fuzz properties.
 //! - [`child`]: re-executing the current test binary as a child process in a
 //!   role, talking to it in lines over its stdin/stdout (with or without a
 //!   bound on the wait), signalling and killing it.
@@ -27,6 +29,7 @@
 pub mod child;
 pub mod drive;
 pub mod etcd;
+pub mod fuzz;
 pub mod mem;
 pub mod pattern;
 pub mod seed;

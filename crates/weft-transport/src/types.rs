@@ -88,8 +88,10 @@ fn hex_val(c: u8) -> Option<u8> {
 /// a later restart on the same host gets a larger one (weft-engine's
 /// `EngineBuilder` documents how). A receiver of descriptors and addresses
 /// holds at most one live incarnation per NIC address: older or removed
-/// ones are refused, a newer one replaces the old. Hand-built descriptors
-/// carry [`Incarnation::default`] (0), the oldest.
+/// ones are refused, and a newer one replaces the old only once the old
+/// one is known to have ended (removed, or reported unreachable by the
+/// transport): the number in a descriptor is a claim, not proof. Hand-built
+/// descriptors carry [`Incarnation::default`] (0), the oldest.
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]

@@ -1,9 +1,10 @@
 //! The peer lifecycle scenarios: a peer killed mid-transfer, removed with
 //! `TransferEngine::remove_peer` and restarted (a new host / process, at a
 //! new address or a reused one), [`RESTARTS`] times; and a peer killed and
-//! restarted at the same NIC addresses without `remove_peer`
-//! ([`IN_PLACE_RESTARTS`] times), which the new incarnation replaces
-//! implicitly.
+//! restarted at the same NIC addresses ([`IN_PLACE_RESTARTS`] times),
+//! which the new incarnation replaces once the old one is known to have
+//! ended: reported unreachable by the transport, or removed by the
+//! application after the engine refused the new descriptor as unproven.
 
 use super::run::{bail, engine_err, ensure, harness, is_unreachable, Run};
 use super::{EngineHarness, Kind};
@@ -205,11 +206,23 @@ pub(crate) fn peer_restart(h: &mut dyn EngineHarness) -> Result<(), CaseFailure>
     r.finish(&dead)
 }
 
+/// Whether `e` refuses a newer incarnation as unproven.
+fn is_unproven(e: &weft_engine::EngineError) -> bool {
+    e.is_unproven_incarnation()
+}
+
 /// A peer is killed with writes to it in flight and restarted at the same
-/// NIC addresses ([`EngineHarness::restart_peer_in_place`]) without
-/// `remove_peer`, [`IN_PLACE_RESTARTS`] times; a second peer survives
-/// throughout. The new incarnation is newer than the old; the first write
-/// to it replaces the old one implicitly. Each incarnation's rounds fire
+/// NIC addresses ([`EngineHarness::restart_peer_in_place`]),
+/// [`IN_PLACE_RESTARTS`] times; a second peer survives throughout. The new
+/// incarnation is newer than the old. A descriptor is no proof that the
+/// old one ended, so the new one replaces it only once that is known: on
+/// even restarts the initiator's write to the dead peer before the restart
+/// fails with `PeerUnreachable` (a heartbeat: the transport's word) and the
+/// first write to the new incarnation replaces the old one; on odd ones the
+/// initiator may have seen nothing — then the first write to the new
+/// incarnation fails with `IncarnationUnproven` (nothing sent) and the
+/// application removes the old incarnation (`remove_peer`), as it would on
+/// its own evidence (its rendezvous store, a heartbeat). Each incarnation's rounds fire
 /// once with every byte in place (rounds reuse the old incarnation's
 /// immediate value, so a stray immediate would fire one early or twice);
 /// writes pending at the kill resolve once (success, `PeerUnreachable` or
@@ -247,6 +260,14 @@ pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), Cas
         }
         r.h.kill_peer(cur).map_err(harness)?;
         pending_resolved_once(&mut r, k, &pending)?;
+        if k % 2 == 0 {
+            // A heartbeat: the transport says the peer is gone.
+            let f = r.single(64, None, 0, &desc, 0)?;
+            match r.wait_flags("a write to the dead peer", &[f])?.remove(0) {
+                Err(e) if is_unreachable(&e) => {}
+                res => bail!("incarnation {k}: a write to the dead peer: expected PeerUnreachable, got {res:?}"),
+            }
+        }
         dead.push(cur);
         let next = r.restart_in_place(cur, BUF)?;
         let naddr = r.h.peer(next).address();
@@ -260,6 +281,24 @@ pub(crate) fn peer_restart_in_place(h: &mut dyn EngineHarness) -> Result<(), Cas
             naddr.incarnation,
             addr.incarnation
         );
+        if k % 2 == 1 {
+            // Nothing may have told the initiator that the old incarnation
+            // ended: the new descriptor is then refused, nothing is sent,
+            // until the application removes the old one.
+            let ndesc = r.desc(next);
+            let f = r.single(64, None, 0, &ndesc, 0)?;
+            match r
+                .wait_flags("a first write to the restarted peer", &[f])?
+                .remove(0)
+            {
+                Ok(()) => {}
+                Err(e) if is_unproven(&e) => r
+                    .init
+                    .remove_peer(&addr)
+                    .map_err(|e| engine_err("remove_peer", e))?,
+                Err(e) => bail!("incarnation {k}: a first write to the restarted peer: {e}"),
+            }
+        }
         // The first round to the new incarnation replaces the old one.
         full_round(&mut r, next, 200 + k, k)?;
         // The old incarnation's descriptor is refused, never posted.

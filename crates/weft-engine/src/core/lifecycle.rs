@@ -4,10 +4,15 @@
 //! [`Incarnation`] (the table is [`Incarnations`](crate::incarnation::Incarnations),
 //! shared by all groups). An incarnation stops being live when
 //! `TransferEngine::remove_peer` removes it, or when a *newer* incarnation
-//! shows up at the same address (in a descriptor, a group address or a send
-//! destination being resolved): the old one is then replaced exactly as if
-//! `remove_peer` had been called for it. On each group, a peer whose
-//! incarnation stopped being live is dropped:
+//! named at the same address (in a descriptor, a group address or a send
+//! destination being resolved) replaces it — which it does only once the
+//! bound one is known to have ended: removed, or reported unreachable by
+//! the transport ([`WorkerCore::note_unreachable`]). Before that, a newer
+//! incarnation is a claim nothing confirmed: the destination naming it is
+//! refused with [`EngineError::IncarnationUnproven`] and nothing else
+//! changes. A replaced incarnation is dropped exactly as if `remove_peer`
+//! had been called for it. On each group, a peer whose incarnation stopped
+//! being live is dropped:
 //! * its WRs still waiting for send-queue room fail with
 //!   [`TransportError::PeerRemoved`] (never posted);
 //! * the domains forget it ([`weft_transport::Domain::remove_peer`]), which
@@ -26,11 +31,62 @@
 //! atomic load before each request and control message
 //! ([`WorkerCore::sync_incarnations`]); nothing is checked per WR.
 
-use super::WorkerCore;
-use crate::error::EngineError;
+use super::{transport, WorkerCore};
+use crate::error::{EngineError, TransferId};
 use crate::incarnation::Refused;
 use std::collections::VecDeque;
 use weft_transport::{Incarnation, NetAddr, PeerId, TransportError};
+
+/// Why a destination could not be resolved to a domain peer.
+#[derive(Debug)]
+pub(super) enum Refusal {
+    /// The backend's error, or a removed / replaced incarnation
+    /// ([`TransportError::PeerRemoved`]).
+    Transport(TransportError),
+    /// A newer incarnation than the live one, unconfirmed.
+    Unproven {
+        /// The incarnation the destination names.
+        named: Incarnation,
+        /// The incarnation live at the address.
+        live: Incarnation,
+    },
+}
+
+impl From<TransportError> for Refusal {
+    fn from(e: TransportError) -> Self {
+        Refusal::Transport(e)
+    }
+}
+
+impl Refusal {
+    /// The engine error for a destination at `peer` on NIC `nic` of
+    /// `group`: for `transfer`, or (`None`) for the control operation `op`.
+    pub(super) fn into_error(
+        self,
+        group: usize,
+        nic: usize,
+        transfer: Option<TransferId>,
+        peer: &NetAddr,
+        op: &'static str,
+    ) -> EngineError {
+        match (self, transfer) {
+            (Refusal::Transport(e), Some(t)) => transport(group, nic, t, Some(peer.clone()), e),
+            (Refusal::Transport(e), None) => EngineError::Control {
+                group,
+                nic,
+                op,
+                source: Box::new(e),
+            },
+            (Refusal::Unproven { named, live }, transfer) => EngineError::IncarnationUnproven {
+                transfer,
+                nic,
+                peer: peer.clone(),
+                named,
+                live,
+            },
+        }
+    }
+}
 
 impl WorkerCore {
     /// Removes incarnation `inc` of the peer at `addrs` (see the module
@@ -151,34 +207,58 @@ impl WorkerCore {
 
     /// Admits incarnation `inc` at `addr` for a destination resolved on
     /// `nic`: a removed or replaced incarnation is refused with
-    /// [`TransportError::PeerRemoved`]; a newer one replaces the one bound
-    /// there (dropped on this group at once, on the others at their next
+    /// [`TransportError::PeerRemoved`]; a newer one than the live one is
+    /// refused as unproven unless the live one ended, and then replaces it
+    /// (dropped on this group at once, on the others at their next
     /// [`WorkerCore::sync_incarnations`]).
     pub(super) fn admit(
         &mut self,
         nic: usize,
         addr: &NetAddr,
         inc: Incarnation,
-    ) -> Result<(), TransportError> {
+    ) -> Result<(), Refusal> {
         if let Err(why) = self.addrs.incs.admit(addr, inc) {
             let name = self
                 .nics
                 .get(nic)
                 .map(|n| n.name.clone())
                 .unwrap_or_default();
-            match why {
-                Refused::Removed => tracing::debug!(group = self.group, nic, peer = %addr,
-                    incarnation = %inc, "refused: this incarnation was removed"),
-                Refused::Replaced(live) => tracing::debug!(group = self.group, nic, peer = %addr,
-                    incarnation = %inc, live = %live, "refused: a newer incarnation answers there"),
-            }
-            return Err(TransportError::PeerRemoved {
+            let removed = TransportError::PeerRemoved {
                 nic: name,
                 peer: addr.clone(),
+            };
+            return Err(match why {
+                Refused::Removed => {
+                    tracing::debug!(group = self.group, nic, peer = %addr,
+                        incarnation = %inc, "refused: this incarnation was removed");
+                    removed.into()
+                }
+                Refused::Replaced(live) => {
+                    tracing::debug!(group = self.group, nic, peer = %addr,
+                        incarnation = %inc, live = %live, "refused: a newer incarnation answers there");
+                    removed.into()
+                }
+                Refused::Unproven(live) => {
+                    tracing::debug!(group = self.group, nic, peer = %addr, incarnation = %inc,
+                        live = %live, "refused: a newer incarnation than the live one, unconfirmed");
+                    Refusal::Unproven { named: inc, live }
+                }
             });
         }
         self.sync_incarnations();
         Ok(())
+    }
+
+    /// A WR on `nic` failed with `e`: if the transport reports its peer
+    /// unreachable, the incarnation resolved at that address on `nic` is
+    /// recorded as possibly ended (a newer incarnation named there may
+    /// replace it, see [`Incarnations::unreachable`](crate::incarnation::Incarnations::unreachable)).
+    pub(super) fn note_unreachable(&mut self, nic: usize, e: &TransportError) {
+        if let TransportError::PeerUnreachable { peer, .. } = e {
+            if let Some((inc, _)) = self.nics.get(nic).and_then(|n| n.peers.get(peer)) {
+                self.addrs.incs.unreachable(peer, *inc);
+            }
+        }
     }
 
     /// Publishes each NIC's number of resolved peers for `stats()`.

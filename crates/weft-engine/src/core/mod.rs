@@ -149,6 +149,9 @@ pub(crate) struct WorkerCore {
     /// its peers with (see `lifecycle`).
     inc_epoch: u64,
     probes: crate::probe::Probes,
+    /// The engine's own incarnation: received frames meant for another
+    /// one are dropped (see [`crate::frame`]).
+    incarnation: weft_transport::Incarnation,
 }
 
 /// A backend error on NIC `nic` of `group` while moving `transfer`.
@@ -184,6 +187,7 @@ impl WorkerCore {
         plan_window: usize,
         counters: Arc<GroupCounters>,
         probes: crate::probe::Probes,
+        incarnation: weft_transport::Incarnation,
     ) -> Result<Self, EngineError> {
         if domains.is_empty() || domains.len() > MAX_NICS {
             return Err(EngineError::Setup {
@@ -199,7 +203,10 @@ impl WorkerCore {
             .min()
             .unwrap_or(1)
             .max(1);
-        let send_pool = Arc::new(SendPool::new(send_slots, send_slot_len)?);
+        // Each slot holds a frame: the header and a message of up to
+        // `send_slot_len` bytes.
+        let slot_len = send_slot_len.saturating_add(crate::frame::HEADER_LEN as u64);
+        let send_pool = Arc::new(SendPool::new(send_slots, slot_len)?);
         let send_mr = nics[0]
             .domain
             .register(&send_pool.buf.region(), Access::LocalOnly)
@@ -248,6 +255,7 @@ impl WorkerCore {
             counters,
             inc_epoch: 0,
             probes,
+            incarnation,
         })
     }
 
@@ -261,7 +269,12 @@ impl WorkerCore {
             names: self.nics.iter().map(|n| n.name.clone()).collect(),
             paths: self.nics.iter().map(|n| n.domain.data_path()).collect(),
             max_write_len: self.max_write_len,
-            max_send_len: self.nics[0].caps.max_send_len,
+            // What a message may hold: the transport's largest SEND less
+            // the frame header.
+            max_send_len: self.nics[0]
+                .caps
+                .max_send_len
+                .saturating_sub(crate::frame::HEADER_LEN as u64),
         }
     }
 

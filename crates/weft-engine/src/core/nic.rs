@@ -3,8 +3,10 @@
 //! requests), its peers, and the posting and completion polling that move
 //! WRs through it.
 
+use super::lifecycle::Refusal;
 use super::{transport, Event, WorkerCore};
 use crate::error::EngineError;
+use crate::mem::NotCopied;
 use crate::wrid::{decode, is_send, Decoded};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -98,19 +100,21 @@ impl Nic {
 impl WorkerCore {
     /// The peer at `addr` (incarnation `inc`) on NIC `nic`, added on
     /// first use. Removed and replaced incarnations are refused
-    /// ([`TransportError::PeerRemoved`]); a newer one replaces the old (see
+    /// ([`TransportError::PeerRemoved`]); a newer one replaces the old
+    /// only once the old one ended, and is refused as unproven before (see
     /// `lifecycle`).
     pub(super) fn resolve(
         &mut self,
         nic: usize,
         addr: &NetAddr,
         inc: Incarnation,
-    ) -> Result<PeerId, TransportError> {
+    ) -> Result<PeerId, Refusal> {
         if nic >= self.nics.len() {
             return Err(TransportError::InvalidArgument {
                 nic: String::new(),
                 what: format!("no NIC {nic}"),
-            });
+            }
+            .into());
         }
         self.admit(nic, addr, inc)?;
         let p = match self.resolve_on(nic, addr, inc)? {
@@ -403,6 +407,7 @@ impl WorkerCore {
         match c {
             Completion::Write { wr, result } | Completion::Send { wr, result } => {
                 if let Err(e) = result {
+                    self.note_unreachable(nic, &e);
                     // Recorded before the count, which may finish the transfer.
                     if let Some(slot) = self.slab.lookup(wr) {
                         let group = self.group;
@@ -454,15 +459,25 @@ impl WorkerCore {
                     // Flushed at close: not an event.
                     return;
                 }
-                let result = result.and_then(|n| {
+                let own = self.incarnation;
+                let result = match result {
                     // SAFETY: buffer `idx` just completed and is re-posted
                     // only below, after its bytes were copied out.
-                    unsafe { pool_ref.copy_out(idx, n) }.ok_or_else(|| {
-                        EngineError::InvalidArgument {
-                            what: format!("receive of {n} bytes into buffer {idx}"),
+                    Ok(n) => match unsafe { pool_ref.copy_out(idx, n, own) } {
+                        Ok(msg) => Ok(msg),
+                        Err(NotCopied::Rejected(why)) => {
+                            // Not for this engine: dropped and counted, the
+                            // buffer serves the next SEND at once.
+                            self.frame_dropped(n, &why);
+                            self.repost(pool, idx);
+                            return;
                         }
-                    })
-                });
+                        Err(NotCopied::OutOfRange) => Err(EngineError::InvalidArgument {
+                            what: format!("receive of {n} bytes into buffer {idx}"),
+                        }),
+                    },
+                    Err(e) => Err(e),
+                };
                 // The bytes are out: the buffer serves the next SEND at once,
                 // whatever the user's callback does, unless the pool's
                 // copied-out messages are at their bound (see `RecvPool`).
@@ -481,6 +496,21 @@ impl WorkerCore {
                     self.events.push(e);
                 }
             }
+        }
+    }
+
+    /// Counts and logs a received frame of `n` bytes that was dropped:
+    /// a warning for the 1st, 2nd, 4th, ... one of its kind (stale or
+    /// malformed), the others at debug level.
+    fn frame_dropped(&self, n: u64, why: &crate::frame::Rejected) {
+        let stale = why.is_stale();
+        let count = self.counters.recv_dropped(stale);
+        let kind = if stale { "stale" } else { "malformed" };
+        if count.is_power_of_two() {
+            tracing::warn!(group = self.group, len = n, %why, kind, count,
+                "dropped a received SEND (warned at the 1st, 2nd, 4th, ... one of its kind)");
+        } else {
+            tracing::debug!(group = self.group, len = n, %why, kind, count, "dropped a received SEND");
         }
     }
 

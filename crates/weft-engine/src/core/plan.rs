@@ -5,7 +5,7 @@ use super::nic::send_op;
 use super::registry::Member;
 use super::route::{build_write_checked, Routes, Target};
 use super::slab::SendRes;
-use super::{transport, WorkerCore};
+use super::WorkerCore;
 use crate::error::EngineError;
 use crate::mem::SendPayload;
 use crate::request::{Body, Dsts, Routed};
@@ -326,7 +326,7 @@ impl WorkerCore {
         let group = self.group;
         let pid = self
             .resolve(0, &peer, inc)
-            .map_err(|e| transport(group, 0, tid, Some(peer.clone()), e));
+            .map_err(|e| e.into_error(group, 0, Some(tid), &peer, "resolve"));
         let (src, res) = match payload {
             SendPayload::Slot { slot: s, len } => {
                 let res = SendRes {

@@ -209,14 +209,10 @@ impl WorkerCore {
             let nics = p.nics.len().min(self.nics.len());
             let mut m = Vec::with_capacity(nics);
             for (nic, addr) in p.nics.into_iter().take(nics).enumerate() {
-                let id =
-                    self.resolve(nic, &addr, p.incarnation)
-                        .map_err(|e| EngineError::Control {
-                            group: self.group,
-                            nic,
-                            op: "add_peer",
-                            source: Box::new(e),
-                        })?;
+                let group = self.group;
+                let id = self
+                    .resolve(nic, &addr, p.incarnation)
+                    .map_err(|e| e.into_error(group, nic, None, &addr, "add_peer"))?;
                 m.push((addr, id));
             }
             members.push(Member {
@@ -321,7 +317,7 @@ impl WorkerCore {
             ps.waiting.push_back(idx);
             return;
         }
-        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.len, ps.pool.len) else {
+        let Some(buf) = ps.mr.slice(u64::from(idx) * ps.pool.stride, ps.pool.stride) else {
             return;
         };
         match nic.domain.post_recv(wr_recv(pool, idx), buf) {

@@ -3,7 +3,7 @@
 //! NIC, and the one place a piece becomes a WR (`push_write`).
 
 use super::nic::Op;
-use super::{transport, WorkerCore};
+use super::WorkerCore;
 use crate::error::{EngineError, TransferId};
 use crate::request::{no_rkey, PlainDst, Routed};
 use crate::MAX_NICS;
@@ -147,7 +147,7 @@ impl WorkerCore {
                     None => {
                         let group = self.group;
                         self.resolve(nic, addr, dst.incarnation)
-                            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?
+                            .map_err(|e| e.into_error(group, nic, Some(tid), addr, "resolve"))?
                     }
                 };
                 (peer, *rkey)
@@ -184,7 +184,7 @@ impl WorkerCore {
             })?;
         let peer = self
             .resolve(nic, &addr, inc)
-            .map_err(|e| transport(group, nic, tid, Some(addr.clone()), e))?;
+            .map_err(|e| e.into_error(group, nic, Some(tid), &addr, "resolve"))?;
         let cache = &mut self.nics[nic].by_addr_id;
         if cache.len() <= id as usize {
             cache.resize(id as usize + 1, None);

@@ -190,6 +190,7 @@ impl WorkerCore {
         e: TransportError,
     ) {
         self.pending_pieces = self.pending_pieces.saturating_sub(1);
+        self.note_unreachable(nic, &e);
         let Some(slot) = self.slab.lookup(wr) else {
             return;
         };

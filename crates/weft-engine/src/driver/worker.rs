@@ -28,6 +28,8 @@ pub(crate) struct WorkerCtx {
     pub(crate) cfg: EngineConfig,
     pub(crate) cb_tx: Sender<CbMsg>,
     pub(crate) probes: crate::probe::Probes,
+    /// The engine's incarnation (frames to another one are dropped).
+    pub(crate) incarnation: weft_transport::Incarnation,
 }
 
 impl WorkerCtx {
@@ -58,6 +60,7 @@ impl WorkerCtx {
             self.cfg.max_pending_wrs / 2,
             Arc::clone(&self.shared.counters),
             self.probes,
+            self.incarnation,
         )?;
         let info = core.info();
         crate::engine::log_data_paths(g, &info);

@@ -41,8 +41,27 @@ impl TransferEngine {
         } else {
             g.kick();
         }
-        rx.recv()
-            .map_err(|_| g.failed.get().cloned().unwrap_or(EngineError::ShutDown))?
+        rx.recv().map_err(|_| self.reply_closed(g))?
+    }
+
+    /// Why a control request's reply channel closed unanswered: the
+    /// group's worker failed, or the engine shut down. A worker that
+    /// panics while handling the request drops the reply sender as it
+    /// unwinds, a moment before it records `WorkerFailed`: wait (briefly,
+    /// yielding) for that record rather than report `ShutDown`.
+    fn reply_closed(&self, g: &GroupShared) -> EngineError {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(e) = g.failed.get() {
+                return e.clone();
+            }
+            if self.inner.shut.load(Ordering::SeqCst)
+                || start.elapsed() > std::time::Duration::from_secs(1)
+            {
+                return EngineError::ShutDown;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Registers memory with every NIC of the group serving its device
@@ -158,8 +177,14 @@ impl TransferEngine {
     /// incarnation) fail with `PeerRemoved` and never reach a process that
     /// answers at the same address later. A restarted peer (a new
     /// [`incarnation`](TransferEngine::incarnation)) is reached at its
-    /// address, new or reused. A newer incarnation showing up at an address
-    /// replaces the older one there as if this were called for it.
+    /// address, new or reused. A newer incarnation named at an address
+    /// replaces the older one there as if this were called for it, but only
+    /// once the older one ended: removed with this call, or reported
+    /// unreachable by the transport; before, it is refused with
+    /// [`EngineError::IncarnationUnproven`]. Calling this is how an
+    /// application that learned of a restart by other means (its
+    /// rendezvous store, its heartbeats) lets the new incarnation in; the
+    /// engine believes the application, so pass addresses it trusts.
     /// Removing an unknown or already removed peer is a no-op. A peer with
     /// several domain groups is removed by passing each of its group
     /// addresses (each call removes the NIC addresses it names).
@@ -182,9 +207,14 @@ impl TransferEngine {
         first
     }
 
-    /// Posts a rotating pool of `count` receive buffers of `len` bytes on
-    /// NIC 0 of group 0. `cb` runs on the callback thread for every
-    /// received message (or receive error), on a copy of its bytes: the
+    /// Posts a rotating pool of `count` receive buffers for messages of up
+    /// to `len` bytes on NIC 0 of group 0 (each buffer also holds the
+    /// 20-byte SEND frame header). `cb` runs on the callback thread for
+    /// every received message meant for this engine's incarnation (or
+    /// receive error), on a copy of its bytes; frames meant for another
+    /// incarnation, or malformed, are dropped and counted
+    /// ([`GroupStats::recv_stale`](crate::GroupStats::recv_stale),
+    /// [`GroupStats::recv_malformed`](crate::GroupStats::recv_malformed)). The
     /// worker re-posts the buffer as soon as it has copied the message out,
     /// while the pool's messages waiting for `cb` stay under
     /// [`EngineConfig::recv_backlog_bytes`](crate::EngineConfig::recv_backlog_bytes)
@@ -201,10 +231,8 @@ impl TransferEngine {
                 what: "receive pool needs len > 0 and count > 0".into(),
             });
         }
-        let total = len
-            .checked_mul(u64::from(count))
-            .and_then(|t| usize::try_from(t).ok())
-            .ok_or_else(|| EngineError::InvalidArgument {
+        let total =
+            RecvPool::buffer_len(len, count).ok_or_else(|| EngineError::InvalidArgument {
                 what: "receive pool size overflows".into(),
             })?;
         // Pool ids are part of receive WR ids and never reused: refuse

@@ -279,7 +279,13 @@ impl TransferEngine {
     /// [`EngineBuilder::incarnation`](crate::EngineBuilder::incarnation)),
     /// carried by its [`GroupAddress`]es and the descriptors
     /// [`TransferEngine::reg_mr`] returns, so peers tell it apart from an
-    /// earlier or later process at the same NIC addresses.
+    /// earlier or later process at the same NIC addresses, and by every
+    /// SEND it makes (a receiver drops SENDs meant for another
+    /// incarnation). A peer adopts a newer incarnation at the same NIC
+    /// addresses only once the one it used ended (removed, or reported
+    /// unreachable by the transport); until then descriptors naming the
+    /// newer one fail with [`EngineError::IncarnationUnproven`]
+    /// (docs/engine.md, "Peer lifecycle").
     pub fn incarnation(&self) -> weft_transport::Incarnation {
         self.inner.incarnation
     }

@@ -6,6 +6,7 @@ use super::{no_group, PeerGroupHandle, TransferEngine};
 use crate::config::QueueFullPolicy;
 use crate::driver::GroupShared;
 use crate::error::{EngineError, TransferId};
+use crate::frame::{self, HEADER_LEN};
 use crate::mem::{MrHandle, SendPayload};
 use crate::ondone::OnDone;
 use crate::request::{routed_dsts, Body, Dsts, GroupAddress, PagedBody, PlainDst, Submitted};
@@ -147,7 +148,14 @@ impl TransferEngine {
         crate::error::check_range(what, offset, len, dst.len)
     }
 
-    /// SENDs a copy of `msg` from NIC 0 of group 0 to NIC 0 of `peer`.
+    /// SENDs a copy of `msg` from NIC 0 of group 0 to NIC 0 of `peer`, in a
+    /// frame naming `peer.incarnation` (see docs/engine.md, "SEND frames"):
+    /// the receiver hands it to a receive callback only if that is its
+    /// incarnation (or 0, an address built by hand), and drops it
+    /// otherwise. A destination whose incarnation this engine knows was
+    /// removed or replaced fails with `PeerRemoved`; one newer than the
+    /// live incarnation at its address without proof, with
+    /// [`EngineError::IncarnationUnproven`].
     pub fn submit_send(
         &self,
         peer: &GroupAddress,
@@ -171,12 +179,24 @@ impl TransferEngine {
                 ),
             });
         }
-        let payload = match gs.send_pool.get().and_then(|p| p.try_fill(msg)) {
+        // The frame: who it is meant for (the receiver drops it if that is
+        // not its incarnation) and who sends it, then the message.
+        let head = frame::header(peer.incarnation, self.inner.incarnation);
+        let payload = match gs
+            .send_pool
+            .get()
+            .and_then(|p| p.try_fill_parts(&head, msg))
+        {
             Some(slot) => SendPayload::Slot {
                 slot,
-                len: msg.len() as u64,
+                len: (HEADER_LEN + msg.len()) as u64,
             },
-            None => SendPayload::Owned(msg.to_vec()),
+            None => {
+                let mut v = Vec::with_capacity(HEADER_LEN + msg.len());
+                v.extend_from_slice(&head);
+                v.extend_from_slice(msg);
+                SendPayload::Owned(v)
+            }
         };
         let req = self.new_req(
             on_done,

@@ -366,6 +366,15 @@ pub fn killed_process_expires<B: Backend>(b: &B, entry: &str) {
     assert_eq!(ns.peer("victim").unwrap(), None);
 }
 
+/// The test path, in this binary, of the `child_entry` test of the module
+/// whose `module_path!()` is `module` (`rendezvous::dir` →
+/// `dir::child_entry`): every backend's module has one, so the bare name
+/// would be ambiguous.
+pub fn entry(module: &str) -> String {
+    let m = module.split_once("::").map_or(module, |(_, m)| m);
+    format!("{m}::child_entry")
+}
+
 /// Expands to one `#[test]` per suite case for backend `$b`.
 #[macro_export]
 macro_rules! store_suite {
@@ -420,12 +429,15 @@ macro_rules! store_suite {
         #[test]
         fn killed_process_expires() {
             let Some(b) = backend() else { return };
-            $crate::suite::killed_process_expires(&b, "child_entry");
+            $crate::suite::killed_process_expires(&b, &$crate::suite::entry(module_path!()));
         }
         #[test]
         fn late_process_joins_and_leaves_cleanly() {
             let Some(b) = backend() else { return };
-            $crate::suite::late_process_joins_and_leaves_cleanly(&b, "child_entry");
+            $crate::suite::late_process_joins_and_leaves_cleanly(
+                &b,
+                &$crate::suite::entry(module_path!()),
+            );
         }
     };
 }
