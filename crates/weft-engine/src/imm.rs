@@ -414,6 +414,15 @@ impl ImmDone {
         self.watch.as_ref().is_some_and(|w| Arc::ptr_eq(w, watch))
     }
 
+    /// Resolves a round that never waited (a zero count): its count is
+    /// dropped at once, before the result is reported.
+    pub(crate) fn resolve_unarmed(self, r: DoneResult) -> Option<Event> {
+        let ImmDone { on_done, round, .. } = self;
+        drop(round);
+        let (cb, r) = on_done.resolve_inline(r)?;
+        Some(Event::Done(cb, r))
+    }
+
     /// Resolves a flag or counter at once; a callback comes back as the
     /// event that runs it on the callback thread, with the round's count
     /// (dropped once the callback returned; no second box around it).

@@ -197,7 +197,7 @@ impl TransferEngine {
             return Err(EngineError::ShutDown);
         };
         if count == 0 {
-            if let Some(e) = d.resolve(Ok(())) {
+            if let Some(e) = d.resolve_unarmed(Ok(())) {
                 self.dispatch(e);
             }
             return Ok(());
