@@ -3,7 +3,7 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::{de::DeserializeOwned, Serialize};
 
@@ -242,16 +242,7 @@ impl<T: DeserializeOwned> RecordWatch<T> {
     /// Records that do not decode are skipped (see [`RecordWatch`]);
     /// errors are the store's (a closed watch).
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<RecordEvent<T>>, StoreError> {
-        let deadline = Instant::now().checked_add(timeout);
-        loop {
-            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
-            let Some(ev) = self.inner.recv_timeout(left)? else {
-                return Ok(None);
-            };
-            if let Some(ev) = self.convert(ev) {
-                return Ok(Some(ev));
-            }
-        }
+        self.inner.recv_map_timeout(timeout, |ev| self.convert(ev))
     }
 
     /// The next event if one is queued (bad records skipped).

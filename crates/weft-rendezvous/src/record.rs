@@ -363,16 +363,7 @@ impl PeerWatch {
     /// came. Bad records are skipped (see [`PeerWatch`]); errors are the
     /// store's (a closed watch).
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<PeerEvent>, StoreError> {
-        let deadline = Instant::now().checked_add(timeout);
-        loop {
-            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
-            let Some(ev) = self.inner.recv_timeout(left)? else {
-                return Ok(None);
-            };
-            if let Some(ev) = self.convert(ev) {
-                return Ok(Some(ev));
-            }
-        }
+        self.inner.recv_map_timeout(timeout, |ev| self.convert(ev))
     }
 
     /// The event decoded; `None` (counted) for a bad record.

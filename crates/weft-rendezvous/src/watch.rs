@@ -95,6 +95,27 @@ impl Watch {
         }
     }
 
+    /// The next event `f` maps to `Some`, waiting up to `timeout` in all;
+    /// events it maps to `None` are dropped. `Ok(None)` when none came.
+    pub(crate) fn recv_map_timeout<E>(
+        &self,
+        timeout: Duration,
+        mut f: impl FnMut(Event) -> Option<E>,
+    ) -> Result<Option<E>, StoreError> {
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        loop {
+            let left = deadline.map_or(timeout, |d| {
+                d.saturating_duration_since(std::time::Instant::now())
+            });
+            let Some(ev) = self.recv_timeout(left)? else {
+                return Ok(None);
+            };
+            if let Some(e) = f(ev) {
+                return Ok(Some(e));
+            }
+        }
+    }
+
     /// The next event if one is queued.
     pub fn try_recv(&self) -> Result<Option<Event>, StoreError> {
         match self.rx.try_recv() {
