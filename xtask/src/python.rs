@@ -23,11 +23,6 @@ const TARGET: &str = "target";
 /// Where the built wheel is put (the tests list its files).
 const WHEELS: &str = "target/python-wheels";
 
-/// The wheel is built with the workspace's `test` profile into the
-/// workspace's target dir: the crates the workspace's test run compiled
-/// (same versions and features) are reused, not compiled again in release.
-const WHEEL_PROFILE: &str = "--profile test";
-
 /// pytest's exit status when it collected no tests.
 const NO_TESTS: i32 = 5;
 
@@ -88,8 +83,7 @@ fn interpreter(root: &Path) -> Result<PathBuf> {
     Ok(venv.join("bin/python"))
 }
 
-/// Builds the wheel from `python/` (the `test` profile, see
-/// [`WHEEL_PROFILE`]), installs it, runs pytest
+/// Builds the wheel from `python/` (release), installs it, runs pytest
 /// (GPU tests deselected; `no tests collected` is a failure).
 pub fn test(root: &Path) -> Result {
     let py = interpreter(root)?;
@@ -123,7 +117,6 @@ pub fn test(root: &Path) -> Result {
     proc::run(
         python_cmd(&py, root)
             .env("PATH", &path)
-            .env("MATURIN_PEP517_ARGS", WHEEL_PROFILE)
             .args([
                 "-m",
                 "pip",

@@ -1,5 +1,6 @@
 //! A peer killed at any point of a stream of writes: 100 kill timings per
-//! provider (seeded, 0–3 ms after the first write was submitted). Each
+//! provider (seeded, 0–3 ms after the first write was submitted; on tcp
+//! once the connection is up). Each
 //! time, every write to the victim ends (succeeded, or failed as
 //! unreachable) within the configured bound; the survivor and later peers
 //! keep working through the same engine; `remove_peer` of the dead peer
@@ -59,6 +60,25 @@ fn kill_loop(provider: &str, seed: u64) {
     for i in 0..n {
         let victim = h.add_peer(LEN).expect("spawn victim");
         let addr = h.peer(victim).address();
+        if provider == "tcp" {
+            // Connected first: a tcp peer killed before its connection is
+            // up fails only after `connect_timeout` (tested elsewhere), which
+            // would make each kill cost seconds here.
+            for f in singles(
+                &mut h,
+                &init,
+                &smr,
+                seed,
+                victim,
+                500 + i,
+                false,
+                1,
+                WLEN,
+                |k| k,
+            ) {
+                wait_ok(&format!("kill {i}: warm-up write"), &f);
+            }
+        }
         let delay = Duration::from_micros(rng.gen_range(0..3_000));
         let flags = singles(
             &mut h,
