@@ -35,7 +35,7 @@
 //! Bounds: each run below says what it adds to the scenario (decoder 1's
 //! request, one duplicate or replay, one forged frame, one crash or false
 //! suspicion); a run prints its bounds with its state count and time.
-//! `probe` (ignored) runs other bounds from the environment: `DUPS`,
+//! `manual::probe` (ignored) runs other bounds from the environment: `DUPS`,
 //! `FORGED`, `DEATHS` (counts), `SECOND`, `CANCELS`, `OTHER` (0 or 1).
 
 use crate::sans_io::{addr, counts, desc};
@@ -1146,25 +1146,30 @@ fn every_order_with_a_crash_or_a_suspicion() {
     );
 }
 
-/// Bounds from the environment (see the module docs).
-#[test]
-#[ignore]
-fn probe() {
-    let v = |k: &str| {
-        std::env::var(k)
-            .ok()
-            .and_then(|x| x.parse::<u8>().ok())
-            .unwrap_or(0)
-    };
-    check(
-        "probe",
-        Bounds {
-            dups: v("DUPS"),
-            forged: v("FORGED"),
-            deaths: v("DEATHS"),
-            second: v("SECOND") > 0,
-            cancels: v("CANCELS") > 0,
-            other: v("OTHER") > 0,
-        },
-    );
+/// Runs by hand only (`cargo xtask test` skips `manual::`).
+mod manual {
+    use super::{check, Bounds};
+
+    /// Bounds from the environment (see the module docs).
+    #[test]
+    #[ignore = "manual: bounds from the environment"]
+    fn probe() {
+        let v = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|x| x.parse::<u8>().ok())
+                .unwrap_or(0)
+        };
+        check(
+            "probe",
+            Bounds {
+                dups: v("DUPS"),
+                forged: v("FORGED"),
+                deaths: v("DEATHS"),
+                second: v("SECOND") > 0,
+                cancels: v("CANCELS") > 0,
+                other: v("OTHER") > 0,
+            },
+        );
+    }
 }

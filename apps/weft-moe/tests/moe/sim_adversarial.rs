@@ -117,6 +117,7 @@ fn run_rules(
 /// ≥ 50 seeds at EP4 and EP8, random routings (some ranks ragged), three
 /// steps each, P = 2 (speculative and overflow paths both used).
 #[test]
+#[ignore = "slow: 50 adversarial seeds"]
 fn ep4_ep8_fifty_seeds() {
     for seed in seeds_or(0..50) {
         run(&cfg(4, 2, 3, 6, 2), Routing::Random, seed, 3, 1 << 40, None);
@@ -126,6 +127,7 @@ fn ep4_ep8_fifty_seeds() {
 
 /// EP 2, 3, 16, 32 and 64 (E/N = 2; at EP64 T=8, R=4).
 #[test]
+#[ignore = "slow: up to 64 ranks"]
 fn ep2_to_64() {
     for seed in seeds_or(0..4) {
         run(&cfg(2, 3, 3, 6, 2), Routing::Random, seed, 3, 1 << 40, None);
@@ -164,6 +166,7 @@ fn ep2_to_64() {
 /// P = 0, 1, T and T·R (P ≥ T), EP4 and EP8, with small WRITE limits so
 /// entries are cut into several WRs.
 #[test]
+#[ignore = "slow: every edge case over many seeds"]
 fn edge_cases() {
     for seed in seeds_or(0..3) {
         for (n, mwl) in [(4u32, 1u64 << 40), (8, 100)] {

@@ -4,41 +4,86 @@
 use crate::ffi;
 
 /// The shm provider (1.17) names an endpoint's region
-/// `/dev/shm/<pid>:<domain>:<endpoint>` and fails `fi_enable` with `EBUSY`
-/// when that file exists. A process killed with SIGKILL leaves its regions
-/// behind, so a later process that happens to get the same pid could not
-/// open shm endpoints at all. Before this process opens its first shm
-/// endpoint, no region named after its pid can be its own: those files are
-/// left over from a dead process, and are removed (once per process).
+/// `/dev/shm/<pid>:<domain>:<endpoint>` and never removes it when its
+/// process is killed: a SIGKILLed peer leaves its regions behind (tens of
+/// MiB each), and a later process that happens to get the same pid could
+/// not open shm endpoints at all (`fi_enable` fails with `EBUSY` on the name
+/// clash). Before this process opens its first shm endpoint (once per
+/// process), every region of that shape left by a process that no longer
+/// runs is removed: those named after this process's own pid (none can be
+/// its own yet), and those of other pids that have exited, when this user
+/// owns the file. A region of a running process, of a pid this process may
+/// not signal (another user's), or of another shape is never touched.
+///
+/// A pid is judged in this process's pid namespace; processes that share
+/// `/dev/shm` share it too (the shm provider's cross-memory-attach copies
+/// need that already).
 pub(super) fn remove_stale_shm_regions() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let prefix = format!("{}:", std::process::id());
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-            return;
-        };
-        for entry in dir.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else {
-                continue;
-            };
-            let Some(rest) = name.strip_prefix(&prefix) else {
-                continue;
-            };
-            // Only the provider's own `<pid>:<n>:<n>` names.
-            let number = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
-            let ours = rest
-                .split_once(':')
-                .is_some_and(|(d, e)| number(d) && number(e));
-            if !ours {
-                continue;
-            }
-            match std::fs::remove_file(entry.path()) {
-                Ok(()) => tracing::info!(region = %name, "removed a stale shm region of a dead process with this pid"),
-                Err(e) => tracing::warn!(region = %name, error = %e, "could not remove a stale shm region"),
-            }
+        let (removed, bytes) = reclaim_regions(std::path::Path::new("/dev/shm"));
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                bytes,
+                "removed shm regions left in /dev/shm by processes that exited"
+            );
         }
     });
+}
+
+/// Removes from `dir` the region files (`<pid>:<n>:<n>`) of processes that
+/// no longer run (see [`remove_stale_shm_regions`]); returns how many files
+/// and bytes went.
+pub(super) fn reclaim_regions(dir: &std::path::Path) -> (usize, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::process::id() as i32;
+    // Files this user owns: `/proc/self` belongs to the effective uid.
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (0, 0);
+    };
+    let (mut removed, mut bytes) = (0, 0);
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(region_owner) else {
+            continue;
+        };
+        let Ok(meta) = entry.metadata() else {
+            continue;
+        };
+        let stale = if pid == me {
+            true
+        } else {
+            Some(meta.uid()) == uid && !ffi::process_alive(pid)
+        };
+        if !stale {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                tracing::debug!(region = ?name, pid, "removed a stale shm region");
+                removed += 1;
+                bytes += meta.len();
+            }
+            Err(e) => {
+                tracing::warn!(region = ?name, error = %e, "could not remove a stale shm region")
+            }
+        }
+    }
+    (removed, bytes)
+}
+
+/// The owner pid of a region file named like the provider's own
+/// `<pid>:<domain>:<endpoint>` (decimal numbers); `None` for any other name.
+fn region_owner(name: &str) -> Option<i32> {
+    let number = |p: &str| !p.is_empty() && p.len() <= 10 && p.bytes().all(|b| b.is_ascii_digit());
+    let (pid, rest) = name.split_once(':')?;
+    let (d, e) = rest.split_once(':')?;
+    if !(number(pid) && number(d) && number(e)) {
+        return None;
+    }
+    pid.parse::<i32>().ok().filter(|&p| p > 0)
 }
 
 /// The region file name an `shm` address (`fi_shm://<name>`) names.
