@@ -18,6 +18,7 @@ mod backlog;
 mod clock;
 mod cq;
 mod errors;
+mod keys;
 mod limbo;
 mod liveness;
 pub(crate) mod messages;
@@ -113,6 +114,9 @@ pub struct LibfabricDomain {
     prov_key: bool,
     hmem: bool,
     is_shm: bool,
+    /// shm: this domain's key table, which its peers check WRITEs against
+    /// (`keys.rs`); `None` elsewhere or when it could not be created.
+    keys: Option<ffi::KeyTable>,
     /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
     /// EFA, whose provider errnos are its own status codes).
     prov_errno_is_errno: bool,
@@ -240,7 +244,19 @@ impl LibfabricDomain {
             "libfabric domain open"
         );
         let info_prov = info.prov_name.clone();
+        let keys = if info.prov_name == "shm" {
+            shm::region_name(&nic.addr.0).and_then(|region| match ffi::KeyTable::create(&region) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::warn!(region, error = %e, "no shm key table: peers cannot refuse stale keys early");
+                    None
+                }
+            })
+        } else {
+            None
+        };
         let mut d = LibfabricDomain {
+            keys,
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
@@ -414,6 +430,9 @@ impl Domain for LibfabricDomain {
             .res
             .mr_reg(region.addr(), region.len(), flags, requested, cuda)?;
         let rkey = if self.prov_key { mr.key } else { requested };
+        if access == Access::RemoteWrite {
+            self.publish_key(rkey, region.addr(), region.len() as u64);
+        }
         let key = MrKey(requested);
         let local = LocalMr {
             key,
@@ -436,6 +455,14 @@ impl Domain for LibfabricDomain {
     }
 
     fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
+        if self.mrs.contains_key(&mr) {
+            let rkey = if self.prov_key {
+                self.mrs.get(&mr).map_or(0, |e| e.mr.key)
+            } else {
+                mr.0
+            };
+            self.withdraw_key(rkey);
+        }
         let e = self
             .mrs
             .remove(&mr)

@@ -32,6 +32,8 @@ pub(super) struct Peer {
     pub(super) ep: Option<(usize, u64)>,
     /// Process id of an `shm` peer, for liveness checks.
     pub(super) pid: Option<i32>,
+    /// An shm peer's key table, which WRITEs to it are checked against.
+    pub(super) keys: Option<super::keys::PeerKeys>,
     /// Its region is watched (`shm::watch_region`) until it is removed or
     /// the domain dropped.
     pub(super) watched: bool,
@@ -150,10 +152,12 @@ impl LibfabricDomain {
         let local = pid
             .filter(|&p| u32::try_from(p).ok() == Some(std::process::id()))
             .and_then(|_| super::shm::region_name(&addr.0));
+        let mut keys = None;
         if let (Some(pid), None) = (pid, &dead) {
             if let Some(name) = super::shm::region_name(&addr.0) {
                 super::shm::watch_region(&name, pid);
                 watched = true;
+                keys = super::keys::PeerKeys::open(&name);
             }
         }
         let peer = Peer {
@@ -166,6 +170,7 @@ impl LibfabricDomain {
             eagain_since: None,
             ep: None,
             pid,
+            keys,
             watched,
             local,
             backlogged: 0,
@@ -212,6 +217,7 @@ impl LibfabricDomain {
         }
         p.removed = true;
         p.dead = Some("removed".into());
+        p.keys = None;
         let addr = p.addr.clone();
         if std::mem::take(&mut p.watched) {
             if let Some(name) = super::shm::region_name(&addr.0) {

@@ -50,7 +50,20 @@ impl LibfabricDomain {
                 Native::Recv { .. } => {}
             }
         }
-        let rc = self.issue_on(ep, i, n, more)?;
+        // A WRITE to an shm peer is checked against the peer's key table
+        // first (`keys.rs`): the provider never completes one it rejects.
+        let checked = match (n, self.slots.table.get(i)) {
+            (
+                Native::Write {
+                    key, raddr, len, ..
+                },
+                Some(&SlotUse::Write { peer, .. }),
+            ) => self.check_write(peer, key, raddr, len as u64)?,
+            _ => None,
+        };
+        let rc = self.issue_on(ep, i, n, more);
+        self.posted_write(checked);
+        let rc = rc?;
         if rc == 0 && ep != 0 {
             if let Some(e) = self.peer_eps.slot_ep.get_mut(i) {
                 *e = Some(ep);

@@ -609,12 +609,14 @@ const _: () = {
     assert!(offset_of!(FiOpsCq, strerror) == 56);
 };
 
+mod key_table;
 mod loader;
 mod resources;
 mod shm_region;
 mod signals;
 mod window;
 
+pub(crate) use key_table::{KeyTable, Verdict, PREFIX as KEY_TABLE_PREFIX};
 use loader::cstr_owned;
 pub(crate) use loader::{getinfo, lib, Hints, Info, Lib};
 pub(crate) use resources::{

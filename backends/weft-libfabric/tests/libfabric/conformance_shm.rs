@@ -4,9 +4,7 @@
 lf_conformance!(|seed| crate::common::LfInProcess::harness("shm", seed);
     pass: capabilities_sane, send_recv_sizes, recv_buffer_pool, write_sizes, write_large, imm_only_writes,
     batch_writes_queue_full, imm_exactly_once, payload_visible_at_imm, concurrent_writes, multi_nic,
-    local_access_errors, message_too_long, receiver_not_ready, unknown_peer, peer_death, peer_removal;
+    local_access_errors, message_too_long, receiver_not_ready, unknown_peer, peer_death, peer_removal,
+    remote_access_violations, usable_after_remote_error, deregistered_memory;
     known_failures:
-    remote_access_violations = "shm 1.17 drops a write with a bad key at the target and never completes it",
-    usable_after_remote_error = "shm 1.17 never completes a write with a bad key",
-    deregistered_memory = "shm 1.17 never completes a write to a deregistered key",
 );

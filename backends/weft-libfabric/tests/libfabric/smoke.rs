@@ -8,7 +8,7 @@ use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
 use weft_testkit::mem::{self, HostBufferExt};
 use weft_transport::{
     Access, Completion, Domain, HostBuffer, LocalMr, MrDesc, NetAddr, PeerId, Provider,
-    RemoteSlice, Rkey, TransportError, WrId, WriteWr,
+    RemoteAccessReason, RemoteSlice, Rkey, TransportError, WrId, WriteWr,
 };
 
 fn provider(name: &str) -> Option<LibfabricProvider> {
@@ -709,4 +709,72 @@ fn peer_endpoint_limit_is_a_typed_error() {
             "{name}: {out:?}"
         );
     }
+}
+
+/// shm: a WRITE whose rkey the target does not have registered (never, or
+/// no longer: a stale descriptor) or that falls outside the registration is
+/// refused with `RemoteAccess` before it reaches the provider (libfabric
+/// 1.17's shm drops such a WRITE at the target without ever completing it,
+/// and every later operation to that peer waits behind it), and WRITEs
+/// posted after it to the same peer land.
+#[test]
+fn shm_bad_rkey_fails_and_later_writes_land() {
+    let Some(p) = provider_with("shm", |c| c.with_write_timeout(Duration::from_secs(3))) else {
+        return;
+    };
+    let mut t = Pair::new(&p, vec![7u8; 4096], vec![0u8; 4096]);
+    let mut unknown = t.wr(1, 4096, Some(5));
+    unknown.dst.rkey = Rkey(unknown.dst.rkey.0 + 1000);
+    let mut past_end = t.wr(2, 64, Some(6));
+    past_end.dst.offset = 4096 - 32;
+    let mut out = Vec::new();
+    for (wr, reason) in [
+        (&unknown, RemoteAccessReason::UnknownKey),
+        (&past_end, RemoteAccessReason::OutOfBounds),
+    ] {
+        match t.post(wr, &mut out) {
+            Err(TransportError::RemoteAccess { reason: r, .. }) => assert_eq!(r, reason),
+            other => panic!("WRITE {:?}: {other:?}", wr.wr),
+        }
+    }
+    // A registration withdrawn on the target: its descriptor is stale.
+    let stale_buf = mem::zeroed(4096);
+    let stale_mr =
+        t.b.register(&stale_buf.region(), Access::RemoteWrite)
+            .unwrap();
+    let stale = WriteWr {
+        dst: desc_of(&*t.b, &stale_mr).slice(0, 0, 64).unwrap(),
+        ..t.wr(3, 64, Some(7))
+    };
+    t.b.deregister(stale_mr.key).unwrap();
+    assert!(
+        matches!(
+            t.post(&stale, &mut out),
+            Err(TransportError::RemoteAccess {
+                reason: RemoteAccessReason::UnknownKey,
+                ..
+            })
+        ),
+        "WRITE to a deregistered key"
+    );
+    for k in 0..3 {
+        let good = t.wr(10 + k, 4096, Some(100 + k as u32));
+        t.post(&good, &mut out).unwrap();
+    }
+    t.wait(&mut out, |o| (10..13).all(|k| has_write(o, k)));
+    for k in 10..13 {
+        assert!(
+            out.iter()
+                .any(|c| matches!(c, Completion::Write { wr, result: Ok(()) } if wr.0 == k)),
+            "{out:?}"
+        );
+    }
+    t.wait(&mut out, |o| {
+        o.iter()
+            .filter(|c| matches!(c, Completion::Imm { .. }))
+            .count()
+            >= 3
+    });
+    assert!(t.dst.snapshot().iter().all(|&x| x == 7));
+    assert!(stale_buf.snapshot().iter().all(|&x| x == 0));
 }

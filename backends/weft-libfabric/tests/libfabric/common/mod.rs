@@ -237,19 +237,21 @@ impl XprocBackend for LfXproc {
     }
 }
 
-/// Removes the shm regions (`/dev/shm/<pid>:<n>:<n>`) a reaped child left
-/// behind: SIGKILL skips the provider's clean-up, and the files would pile
-/// up (16 MiB of tmpfs each) and clash with a later process of that pid.
+/// Removes the shm regions (`/dev/shm/<pid>:<n>:<n>`) and weft's key
+/// tables next to them (`weft-keys.<pid>:...`) a reaped child left behind:
+/// SIGKILL skips the clean-up, and the files would pile up (16 MiB of tmpfs
+/// per region) until a later process reclaims them.
 fn remove_shm_regions(pid: u32) {
     let prefix = format!("{pid}:");
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return;
     };
     for e in dir.flatten() {
-        if e.file_name()
-            .to_str()
-            .is_some_and(|n| n.starts_with(&prefix))
-        {
+        if e.file_name().to_str().is_some_and(|n| {
+            n.strip_prefix("weft-keys.")
+                .unwrap_or(n)
+                .starts_with(&prefix)
+        }) {
             let _ = std::fs::remove_file(e.path());
         }
     }
