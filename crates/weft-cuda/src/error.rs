@@ -54,6 +54,26 @@ pub enum CudaError {
         /// The compiler log or error.
         log: String,
     },
+    /// Memory that cannot be shared with another process: not device
+    /// memory of this process, a range past its allocation, or a
+    /// virtual-memory allocation made without POSIX file-descriptor handles.
+    #[error("{device}: cannot share memory with another process: {what}")]
+    NotShareable {
+        /// The device concerned.
+        device: String,
+        /// Why.
+        what: String,
+    },
+    /// A peer's shared memory could not be mapped into this process (a
+    /// forged or stale description, a peer that is gone, no permission to
+    /// take its descriptor, a range outside its allocation).
+    #[error("{device}: cannot map a peer's memory: {what}")]
+    ImportFailed {
+        /// The device importing.
+        device: String,
+        /// What failed.
+        what: String,
+    },
     /// A caller error: bad length, offset out of range, wrong device.
     #[error("{device}: invalid argument: {what}")]
     InvalidArgument {
@@ -94,6 +114,15 @@ impl From<CudaError> for TransportError {
                 message: name,
             },
             CudaError::Compile { ref device, .. } => TransportError::Failed {
+                nic: device.clone(),
+                wr: None,
+                what: e.to_string(),
+            },
+            CudaError::NotShareable { device, what } => TransportError::Unsupported {
+                nic: device,
+                what: format!("sharing memory with another process: {what}"),
+            },
+            CudaError::ImportFailed { ref device, .. } => TransportError::Failed {
                 nic: device.clone(),
                 wr: None,
                 what: e.to_string(),

@@ -27,7 +27,12 @@
 //!   bump); [`KERNELS_CU`] is their source, so other kernels can reuse the
 //!   device functions;
 //! - [`Stream`] and [`Graph`]: a non-blocking stream, stream capture into a
-//!   CUDA graph and graph launch.
+//!   CUDA graph and graph launch;
+//! - [`Gpu::export`] / [`Gpu::import`] / [`ImportCache`]: device memory
+//!   shared between processes (legacy IPC handles for `cuMemAlloc` memory,
+//!   POSIX file descriptors for virtual-memory allocations such as
+//!   [`Gpu::alloc_shareable`]'s), described by a [`SharedMemory`] (which,
+//!   with its byte encoding, exists without the feature too).
 //!
 //! ## Engine integration
 //! ```ignore
@@ -56,8 +61,10 @@
 #![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
 
 mod error;
+mod share;
 
 pub use error::CudaError;
+pub use share::{ShareKind, SharedMemory};
 
 /// What [`probe`] found: the driver's CUDA version and how many devices it
 /// reports.
@@ -85,8 +92,9 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    probe, probe_nvrtc, CudaCopy, DeviceBuffer, Event, Function, Gpu, Graph, HostFlag, Kernels,
-    MappedBuffer, Module, ProbeOrdering, Stream, WatchWord, KERNELS_CU,
+    probe, probe_nvrtc, CudaCopy, DeviceBuffer, Event, Exported, Function, Gpu, Graph, HostFlag,
+    ImportCache, Imported, Kernels, MappedBuffer, Module, ProbeOrdering, Stream, WatchWord,
+    KERNELS_CU,
 };
 
 /// Probes for a usable CUDA driver. This build has no CUDA support (the

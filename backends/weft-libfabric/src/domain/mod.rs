@@ -320,6 +320,32 @@ impl LibfabricDomain {
         Ok(d)
     }
 
+    /// A failed registration of device memory: a provider that advertises
+    /// FI_HMEM but was built without CUDA support (Debian's and Ubuntu's
+    /// libfabric: "Cannot register memory for uninitialized iface",
+    /// `-FI_ENOSYS`) is `Unsupported`, and the data-path report says so from
+    /// then on; any other error stays as it is.
+    fn hmem_refused(&mut self, cuda: Option<u32>, e: TransportError) -> TransportError {
+        let enosys = matches!(&e, TransportError::Provider { code, .. }
+            if *code == -i64::from(libc::ENOSYS) || *code == i64::from(libc::ENOSYS));
+        match cuda {
+            Some(i) if enosys => {
+                self.hmem = false;
+                self.caps.device_memory = false;
+                TransportError::Unsupported {
+                    nic: self.nic_name(),
+                    what: format!(
+                        "registering cuda:{i} memory: provider {} advertises FI_HMEM but this \
+                         libfabric has no CUDA support (fi_mr_regattr: ENOSYS; build libfabric \
+                         --with-cuda)",
+                        self._info.prov_name
+                    ),
+                }
+            }
+            _ => e,
+        }
+    }
+
     /// The next requested key for a registration (never 0).
     fn alloc_key(&mut self) -> u64 {
         let k = self.next_key;
@@ -428,7 +454,8 @@ impl Domain for LibfabricDomain {
         let requested = self.alloc_key();
         let mr = self
             .res
-            .mr_reg(region.addr(), region.len(), flags, requested, cuda)?;
+            .mr_reg(region.addr(), region.len(), flags, requested, cuda)
+            .map_err(|e| self.hmem_refused(cuda, e))?;
         let rkey = if self.prov_key { mr.key } else { requested };
         if access == Access::RemoteWrite {
             self.publish_key(rkey, region.addr(), region.len() as u64);

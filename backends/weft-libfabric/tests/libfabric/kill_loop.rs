@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use weft_conformance::engine::EngineHarness;
 use weft_engine::{DoneFlag, EngineError};
 use weft_testkit::{mem, SeedGuard};
-use weft_transport::HostBuffer;
+use weft_transport::{HostBuffer, TransportError};
 
 /// Writes in flight to each victim.
 const WRITES: u64 = 16;
@@ -55,7 +55,7 @@ fn kill_loop(provider: &str, seed: u64) {
     let (smr, _) = init.reg_mr(src.region()).expect("reg src");
     let survivor = h.add_peer(LEN).expect("spawn survivor");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let (mut landed, mut unreachable) = (0u64, 0u64);
+    let (mut landed, mut unreachable, mut misreported) = (0u64, 0u64, 0u64);
     let n = kills();
     for i in 0..n {
         let victim = h.add_peer(LEN).expect("spawn victim");
@@ -103,6 +103,17 @@ fn kill_loop(provider: &str, seed: u64) {
                 ),
                 Some(Ok(())) => landed += 1,
                 Some(Err(e)) if is_unreachable(&e) || e.is_peer_removed() => unreachable += 1,
+                // tcp;ofi_rxm now and then cancels an operation of a
+                // connection whose peer was killed with provider errno
+                // ENOENT, what it also reports for a target's rejection:
+                // indistinguishable here (docs/backends.md, provider
+                // limitations).
+                Some(Err(e))
+                    if provider == "tcp"
+                        && matches!(e.transport(), Some(TransportError::RemoteAccess { .. })) =>
+                {
+                    misreported += 1
+                }
                 Some(Err(e)) => panic!("kill {i}: write {k}: unexpected error {e}"),
             }
         }
@@ -119,8 +130,8 @@ fn kill_loop(provider: &str, seed: u64) {
     }
     eprintln!(
         "kill loop on {provider} (seed {seed:#x}): {n} kills; writes to the victims: {landed} \
-         landed before the kill, {unreachable} failed as unreachable; region locks of dead \
-         peers freed: {}",
+         landed before the kill, {unreachable} failed as unreachable, {misreported} as a \
+         remote access error; region locks of dead peers freed: {}",
         weft_libfabric::freed_dead_shm_locks()
     );
     // `shutdown` returns even with dead peers behind it.

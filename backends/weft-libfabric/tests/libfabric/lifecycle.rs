@@ -8,8 +8,9 @@
 //! domain writes to each peer on an endpoint of its own (a region in
 //! `/dev/shm`), closed once the peer is removed: open per-peer endpoints
 //! and this process's regions in `/dev/shm` are back to their baseline
-//! after every removal (tcp opens none; the shm test is the only one in
-//! this binary that makes regions, so the count is its own).
+//! after every removal (tcp opens none). The shm loop runs in a child
+//! process of its own, so the count is not disturbed by the binary's other
+//! shm tests.
 
 use crate::common::one_nic_provider as provider;
 use std::time::Duration;
@@ -124,9 +125,26 @@ fn tcp_removed_peers_free_their_av_entries() {
     restart_loop("tcp");
 }
 
+/// The child of [`shm_removed_peers_are_forgotten`].
+#[test]
+fn lifecycle_entry() {
+    if weft_testkit::child::role().is_some() {
+        restart_loop("shm");
+        weft_testkit::child::send_line("done").unwrap();
+    }
+}
+
 #[test]
 fn shm_removed_peers_are_forgotten() {
-    restart_loop("shm");
+    let mut c = weft_testkit::child::spawn_role("lifecycle_entry", "shm", &[]).expect("spawn");
+    let line = c
+        .recv_line_timeout(Duration::from_secs(300))
+        .expect("child line");
+    let status = c.wait().expect("wait");
+    assert!(
+        status.success() && line.as_deref() == Some("done"),
+        "the shm restart loop failed in its process ({status}; see its output above)"
+    );
 }
 
 /// Peers that only sent this domain a message (passive peers) are bounded

@@ -18,7 +18,7 @@ pub struct Gpu {
 pub(crate) struct GpuInner {
     pub(crate) ordinal: u32,
     pub(crate) label: String,
-    dev: sys::CUdevice,
+    pub(crate) dev: sys::CUdevice,
     pub(crate) ctx: sys::CUcontext,
     name: String,
     cc: (i32, i32),

@@ -21,6 +21,9 @@ pub(crate) struct BufInner {
     gpu: Gpu,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// A virtual-memory allocation (`new_shareable`): its handle and mapped
+    /// size; `None` for `cuMemAlloc` memory.
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -50,8 +53,77 @@ impl DeviceBuffer {
                 gpu: gpu.clone(),
                 ptr,
                 len,
+                vmm: None,
             }),
         };
+        buf.fill(0)?;
+        Ok(buf)
+    }
+
+    /// `len` bytes (rounded up to the granularity) of `cuMemCreate` memory
+    /// with POSIX file-descriptor handles, mapped read-write for this
+    /// device, zero-filled.
+    pub(crate) fn new_shareable(gpu: &Gpu, len: usize) -> Result<Self, CudaError> {
+        let g = &gpu.inner;
+        let label = &g.label;
+        if len == 0 {
+            return Err(CudaError::InvalidArgument {
+                device: label.clone(),
+                what: "cannot allocate a zero-length device buffer".into(),
+            });
+        }
+        g.bind()?;
+        // SAFETY: zero is a valid bit pattern for this plain C struct.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location = super::ipc::location(g.ordinal);
+        let mut gran = 0usize;
+        // SAFETY: valid out-parameter and property struct.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut gran,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+        .result()
+        .map_err(drv(label, "cuMemGetAllocationGranularity"))?;
+        let size = len.div_ceil(gran.max(1)) * gran.max(1);
+        let mut h = 0;
+        // SAFETY: valid out-parameter and property struct; `size` is a
+        // multiple of the granularity.
+        unsafe { sys::cuMemCreate(&mut h, size, &prop, 0) }
+            .result()
+            .map_err(drv(label, "cuMemCreate"))?;
+        let mut ptr = 0;
+        // SAFETY: reserves `size` bytes of address space.
+        if let Err(e) = unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) }.result() {
+            // SAFETY: the handle created above, released once.
+            let _ = unsafe { sys::cuMemRelease(h) };
+            return Err(drv(label, "cuMemAddressReserve")(e));
+        }
+        // From here `BufInner`'s drop undoes what was done.
+        let buf = DeviceBuffer {
+            inner: Arc::new(BufInner {
+                gpu: gpu.clone(),
+                ptr,
+                len,
+                vmm: Some((h, size)),
+            }),
+        };
+        let access = super::ipc::access_desc(g.ordinal);
+        // SAFETY: maps the new allocation over the reserved range and grants
+        // this device read-write access.
+        unsafe {
+            sys::cuMemMap(ptr, size, 0, h, 0)
+                .result()
+                .map_err(drv(label, "cuMemMap"))?;
+            sys::cuMemSetAccess(ptr, size, &access, 1)
+                .result()
+                .map_err(drv(label, "cuMemSetAccess"))?;
+        }
         buf.fill(0)?;
         Ok(buf)
     }
@@ -173,6 +245,18 @@ impl Drop for BufInner {
     fn drop(&mut self) {
         if let Err(e) = self.gpu.inner.synchronize() {
             tracing::warn!(device = %self.gpu.inner.label, %e, "synchronize before cuMemFree failed");
+        }
+        if let Some((h, size)) = self.vmm {
+            // SAFETY: the range, reservation and handle of `new_shareable`,
+            // undone once (an unmapped range reports an error, harmlessly).
+            unsafe {
+                let _ = sys::cuMemUnmap(self.ptr, size);
+                let _ = sys::cuMemAddressFree(self.ptr, size);
+                if let Err(e) = sys::cuMemRelease(h).result() {
+                    tracing::warn!(device = %self.gpu.inner.label, ?e, "cuMemRelease failed");
+                }
+            }
+            return;
         }
         // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once;
         // the context is current (bound by `synchronize`) and idle.

@@ -5,6 +5,8 @@ mod copy;
 #[allow(unsafe_code)]
 mod gpu;
 #[allow(unsafe_code)]
+mod ipc;
+#[allow(unsafe_code)]
 mod kernels;
 #[allow(unsafe_code)]
 mod mapped;
@@ -19,6 +21,7 @@ mod stream;
 
 pub use copy::CudaCopy;
 pub use gpu::Gpu;
+pub use ipc::{Exported, ImportCache, Imported};
 pub use kernels::{Kernels, ProbeOrdering, KERNELS_CU};
 pub use mapped::{HostFlag, WatchWord};
 pub use memory::DeviceBuffer;

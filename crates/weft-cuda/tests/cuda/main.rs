@@ -5,3 +5,5 @@
 mod common;
 mod gpu_basics;
 mod gpu_engine;
+mod gpu_ipc;
+mod gpu_libfabric;
