@@ -21,6 +21,8 @@ use std::process::Command;
 
 /// The bench example copied next to the test binaries.
 const BENCH: &str = "watcher_latency";
+/// The cross-process copy bandwidth example, copied and run with the bench.
+const IPC_BENCH: &str = "ipc_bandwidth";
 
 /// `cargo <sub> --release -p weft-cuda --features cuda`.
 fn cargo_cuda(sub: &str) -> Command {
@@ -48,7 +50,7 @@ pub fn build(root: &Path, dir: &Path) -> Result {
     exes.extend(
         proc::executables(&mut examples, false)?
             .into_iter()
-            .filter(|p| p.file_name().is_some_and(|n| n == BENCH)),
+            .filter(|p| p.file_name().is_some_and(|n| n == BENCH || n == IPC_BENCH)),
     );
     if !exes
         .iter()
@@ -172,7 +174,10 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 .flatten()
                 .map(|e| e.path())
                 .filter(|p| p.is_file())
-                .filter(|p| p.file_name().is_some_and(|n| n != BENCH && n != "xtask"))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n != BENCH && n != IPC_BENCH && n != "xtask")
+                })
                 .collect();
             bins.sort();
             for t in bins {
@@ -207,6 +212,22 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
         let txt = out.join("watcher-latency.txt");
         let mut txt_log = File::create(&txt).map_err(io("creating", &txt))?;
         ok &= proc::run_tee(&mut c, &mut txt_log)?;
+        // Device-to-device copies into another process's memory against the
+        // same copies in this process, for both kinds of shared memory.
+        let txt = out.join("ipc-bandwidth.txt");
+        let mut txt_log = File::create(&txt).map_err(io("creating", &txt))?;
+        for vmm in [false, true] {
+            let mut c = match &args.prebuilt {
+                None => {
+                    let mut c = cargo_cuda("run");
+                    c.args(["--example", IPC_BENCH, "--"]).current_dir(root);
+                    c
+                }
+                Some(dir) => Command::new(dir.join(IPC_BENCH)),
+            };
+            c.args(vmm.then_some("--vmm")).envs(gpu_env());
+            ok &= proc::run_tee(&mut c, &mut txt_log)?;
+        }
     }
     if ok {
         Ok(())
