@@ -109,6 +109,10 @@ pub struct LibfabricOptions {
     /// of it before its work fails as unreachable (a hung peer, or one gone
     /// without closing its connection). `None`: the backend's default (30 s).
     pub write_timeout: Option<Duration>,
+    /// Register GPU memory with the provider (FI_HMEM). Needs a libfabric
+    /// built with CUDA support (docs/gpu.md); with one without, registering
+    /// GPU memory is a typed `Unsupported`.
+    pub hmem: bool,
 }
 
 impl LibfabricOptions {
@@ -136,6 +140,12 @@ impl LibfabricOptions {
     /// Sets [`LibfabricOptions::write_timeout`].
     pub fn with_write_timeout(mut self, t: Duration) -> Self {
         self.write_timeout = Some(t);
+        self
+    }
+
+    /// Sets [`LibfabricOptions::hmem`].
+    pub fn with_hmem(mut self, on: bool) -> Self {
+        self.hmem = on;
         self
     }
 

@@ -23,6 +23,9 @@ use std::process::Command;
 const BENCH: &str = "watcher_latency";
 /// The cross-process copy bandwidth example, copied and run with the bench.
 const IPC_BENCH: &str = "ipc_bandwidth";
+/// The engine-over-CUDA-shm bandwidth example, copied (run by hand with a
+/// CUDA-enabled libfabric: `WEFT_LIBFABRIC_PATH`).
+const SHM_BENCH: &str = "shm_hmem_bandwidth";
 
 /// `cargo <sub> --release -p weft-cuda --features cuda`.
 fn cargo_cuda(sub: &str) -> Command {
@@ -50,7 +53,10 @@ pub fn build(root: &Path, dir: &Path) -> Result {
     exes.extend(
         proc::executables(&mut examples, false)?
             .into_iter()
-            .filter(|p| p.file_name().is_some_and(|n| n == BENCH || n == IPC_BENCH)),
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n == BENCH || n == IPC_BENCH || n == SHM_BENCH)
+            }),
     );
     if !exes
         .iter()
@@ -157,6 +163,28 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
         .envs(env.clone())
         .status();
 
+    // A CUDA-enabled libfabric (scripts/libfabric-cuda.sh) next to the
+    // binaries: the tests load it and must register CUDA memory on shm.
+    let lf_dir = args
+        .prebuilt
+        .clone()
+        .unwrap_or_else(|| root.join("gpu-bin"))
+        .join("libfabric-cuda");
+    let lf_cuda = lf_dir.join("libfabric.so.1");
+    let lf_env: Vec<(String, String)> = if lf_cuda.is_file() {
+        let abs = std::fs::canonicalize(&lf_cuda).map_err(io("resolving", &lf_cuda))?;
+        vec![
+            ("WEFT_LIBFABRIC_PATH".into(), abs.display().to_string()),
+            ("WEFT_REQUIRE_CUDA_LIBFABRIC".into(), "1".into()),
+        ]
+    } else {
+        println!(
+            "no {}: the GPU-to-GPU libfabric tests will skip (and fail the run); build it with \
+             scripts/libfabric-cuda.sh",
+            lf_cuda.display()
+        );
+        Vec::new()
+    };
     let log_path = out.join("gpu-tests.log");
     let mut log = File::create(&log_path).map_err(io("creating", &log_path))?;
     let mut ok = true;
@@ -165,7 +193,8 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
             let mut c = cargo_cuda("test");
             c.args(["--", "--test-threads=4"])
                 .current_dir(root)
-                .envs(env.clone());
+                .envs(env.clone())
+                .envs(lf_env.clone());
             ok &= proc::run_tee(&mut c, &mut log)?;
         }
         Some(dir) => {
@@ -175,8 +204,9 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 .map(|e| e.path())
                 .filter(|p| p.is_file())
                 .filter(|p| {
-                    p.file_name()
-                        .is_some_and(|n| n != BENCH && n != IPC_BENCH && n != "xtask")
+                    p.file_name().is_some_and(|n| {
+                        ![BENCH, IPC_BENCH, SHM_BENCH, "xtask"].contains(&n.to_str().unwrap_or(""))
+                    })
                 })
                 .collect();
             bins.sort();
@@ -184,8 +214,21 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 let name = t.file_name().unwrap_or_default().to_string_lossy();
                 proc::tee_line(&format!("== {name}"), &mut log)?;
                 let mut c = Command::new(&t);
-                c.arg("--test-threads=4").envs(env.clone());
+                c.arg("--test-threads=4")
+                    .envs(env.clone())
+                    .envs(lf_env.clone());
                 ok &= proc::run_tee(&mut c, &mut log)?;
+                if !lf_env.is_empty() && name.starts_with("cuda-") {
+                    // The distro libfabric's typed refusal, without the CUDA build.
+                    proc::tee_line(
+                        &format!("== {name} gpu_libfabric (system libfabric)"),
+                        &mut log,
+                    )?;
+                    let mut c = Command::new(&t);
+                    c.args(["gpu_libfabric", "--test-threads=1"])
+                        .envs(env.clone());
+                    ok &= proc::run_tee(&mut c, &mut log)?;
+                }
             }
         }
     }
@@ -226,6 +269,21 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 Some(dir) => Command::new(dir.join(IPC_BENCH)),
             };
             c.args(vmm.then_some("--vmm")).envs(gpu_env());
+            ok &= proc::run_tee(&mut c, &mut txt_log)?;
+        }
+        // Engine WRITEs GPU to GPU across processes over the CUDA shm.
+        if !lf_env.is_empty() {
+            let txt = out.join("shm-hmem-bandwidth.txt");
+            let mut txt_log = File::create(&txt).map_err(io("creating", &txt))?;
+            let mut c = match &args.prebuilt {
+                None => {
+                    let mut c = cargo_cuda("run");
+                    c.args(["--example", SHM_BENCH, "--"]).current_dir(root);
+                    c
+                }
+                Some(dir) => Command::new(dir.join(SHM_BENCH)),
+            };
+            c.envs(gpu_env()).envs(lf_env.clone());
             ok &= proc::run_tee(&mut c, &mut txt_log)?;
         }
     }

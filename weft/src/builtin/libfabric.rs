@@ -23,6 +23,9 @@ fn libfabric_config(provider: &str, opts: &LibfabricOptions, nics: usize) -> Lib
     if let Some(t) = opts.write_timeout {
         cfg = cfg.with_write_timeout(t);
     }
+    if opts.hmem {
+        cfg = cfg.with_hmem(true);
+    }
     cfg
 }
 
@@ -40,4 +43,30 @@ pub(crate) fn host(
     };
     let p = LibfabricProvider::with_config(libfabric_config(provider, &config.libfabric, nics))?;
     Ok(Arc::new(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn every_option_reaches_the_backend_config() {
+        let opts = LibfabricOptions::same_machine("shm")
+            .with_hmem(true)
+            .with_write_timeout(Duration::from_secs(3))
+            .with_connect_timeout(Duration::from_secs(4))
+            .with_max_inflight(77);
+        let cfg = libfabric_config("shm", &opts, 2);
+        assert!(cfg.hmem);
+        assert_eq!(cfg.write_timeout, Duration::from_secs(3));
+        assert_eq!(cfg.connect_timeout, Duration::from_secs(4));
+        assert_eq!(cfg.max_inflight, 77);
+        assert_eq!(cfg.domains, Some(vec!["shm".to_string(); 2]));
+        let plain = libfabric_config("shm", &LibfabricOptions::same_machine("shm"), 1);
+        assert!(
+            !plain.hmem,
+            "GPU memory registration stays off unless asked for"
+        );
+    }
 }

@@ -76,6 +76,8 @@ const FI_WAIT_FD: c_int = 3;
 const FI_GETWAIT: c_int = 5;
 const FI_ENABLE: c_int = 6;
 const FI_HMEM_CUDA: c_int = 1;
+/// `FI_HMEM_DEVICE_ONLY` (`fi_mr_regattr` flag): device memory, not managed.
+const FI_HMEM_DEVICE_ONLY: u64 = 1 << 46;
 const FI_ADDR_UNSPEC: u64 = u64::MAX;
 
 pub(crate) const FI_EAGAIN: i64 = libc::EAGAIN as i64;

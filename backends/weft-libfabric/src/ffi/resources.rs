@@ -487,7 +487,10 @@ impl Resources {
                     device: u64::from(dev),
                 });
                 // SAFETY: as above for CUDA memory; `attr` is padded.
-                unsafe { regattr(dom_fid, attr.as_ptr(), 0, &mut mr) }
+                // `FI_HMEM_DEVICE_ONLY`: the memory is device memory (not
+                // managed), which lets shm move it with CUDA IPC instead of
+                // staging it through host bounce buffers.
+                unsafe { regattr(dom_fid, attr.as_ptr(), FI_HMEM_DEVICE_ONLY, &mut mr) }
             }
         };
         self.check("fi_mr_reg", i64::from(rc))?;

@@ -7,3 +7,4 @@ mod gpu_basics;
 mod gpu_engine;
 mod gpu_ipc;
 mod gpu_libfabric;
+mod gpu_xproc_engine;

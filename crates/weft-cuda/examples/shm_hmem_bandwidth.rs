@@ -1,0 +1,192 @@
+//! GPU-to-GPU WRITE bandwidth across processes through the engine over a
+//! CUDA-enabled libfabric's `shm` (FI_HMEM; the provider moves the bytes
+//! with CUDA IPC), against `cuMemcpyDtoDAsync` inside one process, in the
+//! same run.
+//!
+//! The example re-executes itself as the target: it registers a device
+//! buffer with its engine and prints the descriptor. libfabric's shm
+//! completes a CUDA WRITE when the target has *issued* its `cudaMemcpy`
+//! (device-to-device copies return before they finish), so the writer's
+//! completion alone says nothing about the bytes: per sample this process
+//! submits one engine WRITE, waits for its completion, then asks the target
+//! over a pipe to synchronise its GPU context and waits for the answer.
+//! A sample is 8 such WRITEs (all completed) then one synchronisation; the
+//! baseline sample is 8 copies of that size between two buffers of this
+//! process, then the same pipe round trip; alternating.
+//!
+//! Usage: `WEFT_LIBFABRIC_PATH=/path/to/cuda/libfabric.so.1 shm_hmem_bandwidth
+//! [--reps N]` (default 7 repetitions per size).
+
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_cuda::Gpu;
+use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, TransferEngine};
+use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_transport::{decode, encode, Device, DeviceCopy, MrDesc};
+
+const MAX: usize = 256 << 20;
+/// WRITEs (and baseline copies) per sample, before one synchronisation.
+const BATCH: usize = 8;
+
+fn engine() -> Result<TransferEngine, Box<dyn std::error::Error>> {
+    let p = LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true))?;
+    let mut cfg = EngineConfig::default();
+    cfg.idle_sleep = None;
+    Ok(TransferEngine::builder()
+        .group(DomainGroupSpec::new(Arc::new(p), vec![0]).device(Device::Cuda(0)))
+        .config(cfg)
+        .build()?)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--target") {
+        return target();
+    }
+    let reps: usize = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7)
+        .max(1);
+    let gpu = Gpu::open(0)?;
+    let src = gpu.alloc(MAX)?;
+    let scratch = gpu.alloc(MAX)?;
+    let e = engine()?;
+    // SAFETY: `src` outlives the engine (dropped after it, below).
+    let (h, _) = e.reg_mr(unsafe { src.region() })?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("--target")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = std::io::BufReader::new(child.stdout.take().ok_or("target stdout")?);
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    let t = line.trim();
+    let bytes: Vec<u8> = (0..t.len() / 2)
+        .map(|i| u8::from_str_radix(&t[2 * i..2 * i + 2], 16))
+        .collect::<Result<_, _>>()?;
+    let desc: MrDesc = decode(&bytes)?;
+    let mut stdin = child.stdin.take().ok_or("target stdin")?;
+    let copy = gpu.copy_engine()?;
+    let dev = Device::Cuda(0);
+    println!(
+        "engine WRITE over libfabric {:?} shm (FI_HMEM) to another process vs cuMemcpyDtoD in one \
+         process, {} , {reps} reps per size",
+        weft_libfabric::library_version(),
+        gpu.name()
+    );
+    println!(
+        "{:>10} {:>26} {:>26} {:>7}",
+        "size", "engine GB/s min/med/max", "in-process GB/s min/med/max", "ratio"
+    );
+    let mut size = 4096;
+    while size <= MAX {
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..reps + 1 {
+            let t = Instant::now();
+            let mut flags = Vec::with_capacity(BATCH);
+            for _ in 0..BATCH {
+                let (od, f) = OnDone::flag();
+                e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
+                flags.push(f);
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            for f in &flags {
+                while !f.is_done() {
+                    if Instant::now() > deadline {
+                        return Err("a WRITE did not complete within 60 s".into());
+                    }
+                    std::hint::spin_loop();
+                }
+                if let Some(Err(err)) = f.result() {
+                    return Err(format!("WRITE of {size} B: {err}").into());
+                }
+            }
+            sync(&mut stdin, &mut out)?;
+            times[0].push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for _ in 0..BATCH {
+                copy.copy(
+                    scratch.device_ptr(),
+                    dev,
+                    src.device_ptr(),
+                    dev,
+                    size as u64,
+                )?;
+            }
+            sync(&mut stdin, &mut out)?;
+            times[1].push(t.elapsed().as_secs_f64());
+        }
+        let stats = |v: &mut Vec<f64>| {
+            v.remove(0); // warm-up
+            let mut g: Vec<f64> = v.iter().map(|t| (BATCH * size) as f64 / t / 1e9).collect();
+            g.sort_by(|a, b| a.total_cmp(b));
+            (g[0], g[g.len() / 2], g[g.len() - 1])
+        };
+        let (a, b) = (stats(&mut times[0]), stats(&mut times[1]));
+        println!(
+            "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2}",
+            human(size),
+            a.0,
+            a.1,
+            a.2,
+            b.0,
+            b.1,
+            b.2,
+            a.1 / b.1
+        );
+        size *= 4;
+    }
+    writeln!(stdin, "done")?;
+    child.wait()?;
+    drop(e);
+    Ok(())
+}
+
+/// Asks the target to synchronise its GPU context; returns once it did.
+fn sync(
+    stdin: &mut std::process::ChildStdin,
+    out: &mut std::io::BufReader<std::process::ChildStdout>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    writeln!(stdin, "sync")?;
+    stdin.flush()?;
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    if line.trim() != "ok" {
+        return Err(format!("target answered {line:?}").into());
+    }
+    Ok(())
+}
+
+/// The target: registers a device buffer, prints its descriptor, waits.
+fn target() -> Result<(), Box<dyn std::error::Error>> {
+    let gpu = Gpu::open(0)?;
+    let dst = gpu.alloc(MAX)?;
+    let e = engine()?;
+    // SAFETY: `dst` outlives the engine (dropped after it, below).
+    let (_h, desc) = e.reg_mr(unsafe { dst.region() })?;
+    let hex: String = encode(&desc)?.iter().map(|b| format!("{b:02x}")).collect();
+    println!("{hex}");
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    while std::io::stdin().lock().read_line(&mut line)? > 0 && line.trim() == "sync" {
+        gpu.synchronize()?;
+        println!("ok");
+        std::io::stdout().flush()?;
+        line.clear();
+    }
+    drop(e);
+    Ok(())
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n => format!("{} KiB", n >> 10),
+    }
+}

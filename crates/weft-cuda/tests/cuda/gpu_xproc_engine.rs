@@ -1,0 +1,233 @@
+//! GPU memory across processes through the engine: two processes, each a
+//! `TransferEngine` over libfabric `shm` with FI_HMEM, each with a domain
+//! group serving cuda:0. The child (the writer) WRITEs from its device
+//! buffer into the parent's device buffer — single WRITEs of 4 KiB to
+//! 16 MiB and paged WRITEs of KV-cache shapes (16 KiB pages in a shuffled
+//! order), every one with an immediate; the parent waits for the immediates
+//! and checks every byte on the GPU.
+//!
+//! Needs a libfabric built with CUDA support (load it with
+//! `WEFT_LIBFABRIC_PATH`); with one that refuses CUDA memory (the distro's)
+//! the test skips, unless `WEFT_REQUIRE_CUDA_LIBFABRIC=1` makes that a
+//! failure. Skips without a GPU (fails under `WEFT_CUDA_REQUIRE_GPU=1`).
+
+#![cfg(feature = "cuda")]
+
+use crate::common::gpu;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_cuda::{DeviceBuffer, Gpu};
+use weft_engine::{DomainGroupSpec, EngineConfig, MrHandle, OnDone, TransferEngine};
+use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_testkit::child::{self, spawn_role};
+use weft_transport::{decode, encode, Device, MrDesc, Pages, TransportError};
+
+const DST: usize = 48 << 20;
+const SIZES: [usize; 5] = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20];
+const PAGE: u64 = 16 << 10;
+const PAGES: u32 = 256;
+/// Where the paged region starts in the destination (after the singles).
+const PAGED_AT: u64 = 32 << 20;
+
+fn required() -> bool {
+    std::env::var_os("WEFT_REQUIRE_CUDA_LIBFABRIC").is_some_and(|v| v == "1")
+}
+
+/// An engine over libfabric shm with FI_HMEM, one group on cuda:0.
+fn engine() -> Result<TransferEngine, String> {
+    let p = LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true))
+        .map_err(|e| format!("libfabric shm: {e}"))?;
+    let mut cfg = EngineConfig::default();
+    cfg.idle_sleep = Some(Duration::from_micros(200));
+    TransferEngine::builder()
+        .group(DomainGroupSpec::new(Arc::new(p), vec![0]).device(Device::Cuda(0)))
+        .config(cfg)
+        .build()
+        .map_err(|e| format!("engine: {e}"))
+}
+
+/// Registers `buf`; `Err` with the refusal when the library cannot.
+fn reg(e: &TransferEngine, buf: &DeviceBuffer) -> Result<(MrHandle, MrDesc), String> {
+    // SAFETY: every buffer registered here outlives its engine (dropped
+    // after it in each function).
+    e.reg_mr(unsafe { buf.region() })
+        .map_err(|err| match err.transport() {
+            Some(TransportError::Unsupported { what, .. }) => format!("unsupported: {what}"),
+            _ => format!("registration failed: {err}"),
+        })
+}
+
+/// Byte `k` of the source pattern.
+fn pat(k: usize) -> u8 {
+    (k as u8).wrapping_mul(13) ^ (k >> 12) as u8
+}
+
+/// Where single WRITE `i` lands in the destination.
+fn single_at(i: usize) -> u64 {
+    SIZES[..i].iter().map(|&s| s as u64).sum()
+}
+
+/// The page order both sides use (destination page `j` ← source page
+/// `order[j]`), a fixed shuffle.
+fn order() -> Vec<u32> {
+    (0..PAGES).map(|j| (j * 97 + 31) % PAGES).collect()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The writer: `<desc hex> <imm>` in, every WRITE submitted, "done" out.
+#[test]
+fn xproc_writer_entry() {
+    let Some(_) = child::role() else { return };
+    let g = Gpu::open(0).expect("writer: GPU");
+    let src = g.alloc(DST).unwrap();
+    let bytes: Vec<u8> = (0..DST).map(pat).collect();
+    src.write(0, &bytes).unwrap();
+    let e = engine().expect("writer: engine");
+    let (h, _) = match reg(&e, &src) {
+        Ok(r) => r,
+        Err(why) => {
+            child::send_line(&format!("skip {why}")).unwrap();
+            return;
+        }
+    };
+    child::send_line("ready").unwrap();
+    let line = child::recv_line().unwrap().expect("desc line");
+    let (d, imm) = line.split_once(' ').unwrap();
+    let desc: MrDesc = decode(&unhex(d)).unwrap();
+    let imm: u32 = imm.parse().unwrap();
+    let mut flags = Vec::new();
+    for (i, &len) in SIZES.iter().enumerate() {
+        let (od, f) = OnDone::flag();
+        e.submit_single_write(
+            len as u64,
+            Some(imm),
+            (&h, single_at(i)),
+            (&desc, single_at(i)),
+            od,
+        )
+        .unwrap();
+        flags.push(f);
+    }
+    let src_pages = Pages {
+        indices: order(),
+        stride: PAGE,
+        offset: 0,
+    };
+    let dst_pages = Pages {
+        indices: (0..PAGES).collect(),
+        stride: PAGE,
+        offset: PAGED_AT,
+    };
+    let (od, f) = OnDone::flag();
+    e.submit_paged_writes(PAGE, Some(imm), (&h, &src_pages), (&desc, &dst_pages), od)
+        .unwrap();
+    flags.push(f);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for f in &flags {
+        while !f.is_done() {
+            assert!(Instant::now() < deadline, "writer: a WRITE never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if let Some(Err(err)) = f.result() {
+            child::send_line(&format!("failed {err}")).unwrap();
+            return;
+        }
+    }
+    child::send_line("done").unwrap();
+    // Stay until the reader has checked (our engine owns the source).
+    let _ = child::recv_line();
+    drop(e);
+}
+
+#[test]
+fn device_writes_cross_processes_over_cuda_shm() {
+    let Some(g) = gpu("device_writes_cross_processes_over_cuda_shm") else {
+        return;
+    };
+    let dst = g.alloc(DST).unwrap();
+    let e = match engine() {
+        Ok(e) => e,
+        Err(why) if !required() => {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        Err(why) => panic!("{why}"),
+    };
+    let (_h, desc) = match reg(&e, &dst) {
+        Ok(r) => r,
+        Err(why) if !required() => {
+            eprintln!("SKIP: this libfabric cannot register CUDA memory on shm: {why}");
+            return;
+        }
+        Err(why) => panic!("WEFT_REQUIRE_CUDA_LIBFABRIC=1: {why}"),
+    };
+    let mut c = spawn_role("xproc_writer_entry", "writer", &[]).expect("spawn");
+    let line = |c: &mut child::ChildProcess| {
+        c.recv_line_timeout(Duration::from_secs(120))
+            .expect("child line")
+            .expect("child alive")
+    };
+    let first = line(&mut c);
+    assert_eq!(first, "ready", "the writer could not register its source");
+    let imm = e.alloc_imm().unwrap();
+    let counts = e.imm_counts(0).unwrap();
+    let want: u64 = SIZES
+        .iter()
+        .map(|&s| counts.single_write(s as u64))
+        .sum::<u64>()
+        + counts.paged_writes(PAGE, u64::from(PAGES));
+    let (od, arrived) = OnDone::flag();
+    e.expect_imm_count_with(imm, want, od).unwrap();
+    let started = Instant::now();
+    c.send_line(&format!("{} {}", hex(&encode(&desc).unwrap()), imm))
+        .unwrap();
+    assert_eq!(line(&mut c), "done", "the writer's WRITEs");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !arrived.is_done() {
+        assert!(
+            Instant::now() < deadline,
+            "{want} immediates never all arrived"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        matches!(arrived.result(), Some(Ok(()))),
+        "{:?}",
+        arrived.result()
+    );
+    eprintln!(
+        "{} single WRITEs and {PAGES} pages of {PAGE} B GPU to GPU across processes: {:?}",
+        SIZES.len(),
+        started.elapsed()
+    );
+    // libfabric's shm reports a CUDA WRITE (and its immediate) once the
+    // target has issued the device-to-device cudaMemcpy, which returns
+    // before the copy ends: synchronise this process's context first.
+    g.synchronize().unwrap();
+    let got = dst.to_vec().unwrap();
+    let mut wrong = 0usize;
+    for (i, &len) in SIZES.iter().enumerate() {
+        let at = single_at(i) as usize;
+        wrong += (0..len).filter(|&k| got[at + k] != pat(at + k)).count();
+    }
+    for (j, &s) in order().iter().enumerate() {
+        let at = PAGED_AT as usize + j * PAGE as usize;
+        let from = s as usize * PAGE as usize;
+        wrong += (0..PAGE as usize)
+            .filter(|&k| got[at + k] != pat(from + k))
+            .count();
+    }
+    c.send_line("checked").unwrap();
+    assert!(c.wait().unwrap().success());
+    assert_eq!(wrong, 0, "bytes written GPU to GPU across processes");
+    drop(e);
+}
