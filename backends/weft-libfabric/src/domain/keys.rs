@@ -1,25 +1,30 @@
-//! `shm` key tables (see `ffi::KeyTable`): a domain publishes the keys of
-//! its remotely writable registrations, and checks a WRITE to an shm peer
-//! against that peer's table before handing it to the provider, which
-//! would otherwise drop a WRITE with a stale key without ever completing it
-//! (and every later operation on the endpoint with it).
+//! `shm` key tables and doorbells (see `ffi::KeyTable`, `ffi::Bell`): a
+//! domain publishes the keys of its remotely writable registrations, and
+//! checks a WRITE to an shm peer against that peer's table before handing
+//! it to the provider, which would otherwise drop a WRITE with a stale key
+//! without ever completing it (and every later operation on the endpoint
+//! with it). A domain with nothing to do sleeps on its doorbell; a peer
+//! that posts to it, or waits on it, rings.
 
 use std::time::Duration;
 
 use weft_transport::{PeerId, RemoteAccessReason, TransportError};
 
 use super::clock::Clock;
+use super::slots::SlotUse;
 use super::LibfabricDomain;
-use crate::ffi::{self, KeyTable, Verdict};
+use crate::ffi::{self, KeyTable, Ringer, Verdict};
 
 /// How long a deregistration waits for writers between their check and
 /// their post (a writer there is inside one provider call).
 const QUIESCE_BOUND: Duration = Duration::from_millis(200);
 
-/// A peer's key table, mapped by a writer, with the lane it posts under.
+/// A peer's key table, mapped by a writer, with the lane it posts under,
+/// and the peer's doorbell.
 pub(super) struct PeerKeys {
     table: KeyTable,
     lane: usize,
+    ringer: Option<Ringer>,
 }
 
 impl PeerKeys {
@@ -41,7 +46,23 @@ impl PeerKeys {
             );
             return None;
         };
-        Some(PeerKeys { table, lane })
+        let ringer = Ringer::open(region)
+            .map_err(|e| tracing::debug!(region, error = %e, "shm peer without a doorbell"))
+            .ok();
+        Some(PeerKeys {
+            table,
+            lane,
+            ringer,
+        })
+    }
+
+    /// Wakes the peer if it sleeps on its doorbell.
+    fn ring_if_sleeping(&self) {
+        if let Some(r) = &self.ringer {
+            if self.table.sleeping() {
+                r.ring();
+            }
+        }
     }
 }
 
@@ -137,6 +158,82 @@ impl LibfabricDomain {
             .and_then(|p| p.keys.as_ref())
         {
             k.table.posting(k.lane, false);
+        }
+    }
+}
+
+impl LibfabricDomain {
+    /// After an operation was handed to the provider in slot `i`: wakes
+    /// its peer if that sleeps (it must progress to take the operation).
+    pub(super) fn ring_after_post(&self, i: usize) {
+        let peer = match self.slots.table.get(i) {
+            Some(SlotUse::Write { peer, .. })
+            | Some(SlotUse::Send { peer, .. })
+            | Some(SlotUse::Ack { peer }) => *peer,
+            _ => return,
+        };
+        if let Some(k) = self
+            .peers
+            .table
+            .get(peer.0 as usize)
+            .and_then(|p| p.keys.as_ref())
+        {
+            k.ring_if_sleeping();
+        }
+    }
+
+    /// Once per `poll`: the next shm peer (round robin) with operations in
+    /// flight is woken if it sleeps (a transfer in several steps, such as
+    /// shm's staged copies, needs both sides to progress).
+    pub(super) fn ring_busy_peer(&mut self) {
+        let n = self.peers.table.len();
+        if n == 0 || self.keys.is_none() {
+            return;
+        }
+        self.ring_cursor = (self.ring_cursor + 1) % n;
+        let p = &self.peers.table[self.ring_cursor];
+        if p.inflight > 0 {
+            if let Some(k) = &p.keys {
+                k.ring_if_sleeping();
+            }
+        }
+    }
+
+    /// shm's `try_wait`: with nothing of this domain's own pending, raises
+    /// the sleeping flag (peers that post to it from then on ring), then
+    /// progresses once to catch what arrived before the flag was seen.
+    /// `false` (flag lowered) when that found work.
+    pub(super) fn shm_try_wait(&mut self, idle: bool) -> bool {
+        let (Some(t), Some(_)) = (&self.keys, &self.bell) else {
+            return false;
+        };
+        if !idle {
+            return false;
+        }
+        t.set_sleeping(true);
+        let mut clock = Clock::system();
+        let found = match self.progress_into_stash(&mut clock) {
+            Ok(()) => !self.cq.stash.is_empty(),
+            Err(_) => true,
+        };
+        if found {
+            if let Some(t) = &self.keys {
+                t.set_sleeping(false);
+            }
+        }
+        self.asleep = !found;
+        !found
+    }
+
+    /// At the start of `poll`: if this domain slept on its doorbell, it is
+    /// awake now (flag lowered, rings drained).
+    pub(super) fn wake_from_bell(&mut self) {
+        if !std::mem::take(&mut self.asleep) {
+            return;
+        }
+        if let (Some(t), Some(b)) = (&self.keys, &self.bell) {
+            t.set_sleeping(false);
+            b.drain();
         }
     }
 }

@@ -117,6 +117,12 @@ pub struct LibfabricDomain {
     /// shm: this domain's key table, which its peers check WRITEs against
     /// (`keys.rs`); `None` elsewhere or when it could not be created.
     keys: Option<ffi::KeyTable>,
+    /// shm: the doorbell this domain's worker sleeps on (`keys.rs`).
+    bell: Option<ffi::Bell>,
+    /// shm: the peer [`LibfabricDomain::ring_busy_peer`] looks at next.
+    ring_cursor: usize,
+    /// shm: the last `try_wait` let the worker sleep on the doorbell.
+    asleep: bool,
     /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
     /// EFA, whose provider errnos are its own status codes).
     prov_errno_is_errno: bool,
@@ -255,8 +261,19 @@ impl LibfabricDomain {
         } else {
             None
         };
+        let bell = match (&keys, shm::region_name(&nic.addr.0)) {
+            (Some(_), Some(region)) => ffi::Bell::create(&region)
+                .map_err(|e| {
+                    tracing::warn!(region, error = %e, "no shm doorbell: an idle engine keeps polling")
+                })
+                .ok(),
+            _ => None,
+        };
         let mut d = LibfabricDomain {
             keys,
+            bell,
+            ring_cursor: 0,
+            asleep: false,
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
@@ -527,6 +544,7 @@ impl Domain for LibfabricDomain {
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
         let clock = &mut Clock::system();
         let before = out.len();
+        self.wake_from_bell();
         out.append(&mut self.cq.stash);
         self.cq.stashed_tx = 0;
         // Completions first: they drive the software providers' progress
@@ -552,6 +570,7 @@ impl Domain for LibfabricDomain {
         if self.peer_eps.enabled && self.peer_eps.check {
             self.close_peer_eps(out, clock);
         }
+        self.ring_busy_peer();
         Ok(out.len() - before)
     }
 
@@ -559,24 +578,30 @@ impl Domain for LibfabricDomain {
     /// [`crate::LibfabricConfig::wait_fd`]): readable when the provider has
     /// something to progress, including what peers send into this host.
     fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.res.wait_fd()
+        self.res
+            .wait_fd()
+            .or_else(|| self.bell.as_ref().map(|b| b.fd()))
     }
 
     /// `true` only when this domain has nothing of its own pending (no
     /// stashed completions, no operation or ACK in flight, no backlog,
     /// held message, cancelled operation, removal or endpoint to close:
-    /// all of them need polls, some on timers) and `fi_trywait` agrees.
+    /// all of them need polls, some on timers) and `fi_trywait` agrees, or
+    /// on shm (no wait object) once its peers will ring its doorbell.
     fn try_wait(&mut self) -> bool {
-        self.res.wait_fd().is_some()
-            && self.cq.stash.is_empty()
+        let idle = self.cq.stash.is_empty()
             && self.slots.idle()
             && self.backlog.queue.is_empty()
             && self.msgs.held.is_empty()
             && self.msgs.acks_out.is_empty()
             && self.limbo.entries.is_empty()
             && self.peers.removing.is_empty()
-            && !(self.peer_eps.enabled && self.peer_eps.check)
-            && self.res.trywait()
+            && !(self.peer_eps.enabled && self.peer_eps.check);
+        if self.res.wait_fd().is_none() {
+            // shm: no wait object of the provider's; the doorbell.
+            return self.shm_try_wait(idle);
+        }
+        idle && self.res.trywait()
     }
 }
 

@@ -64,6 +64,9 @@ impl LibfabricDomain {
         let rc = self.issue_on(ep, i, n, more);
         self.posted_write(checked);
         let rc = rc?;
+        if rc == 0 && self.is_shm {
+            self.ring_after_post(i);
+        }
         if rc == 0 && ep != 0 {
             if let Some(e) = self.peer_eps.slot_ep.get_mut(i) {
                 *e = Some(ep);

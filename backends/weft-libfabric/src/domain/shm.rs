@@ -46,10 +46,12 @@ pub(super) fn reclaim_regions(dir: &std::path::Path) -> (usize, u64) {
     let (mut removed, mut bytes) = (0, 0);
     for entry in entries.flatten() {
         let name = entry.file_name();
-        // A region, or the key table weft keeps next to it (`ffi::KeyTable`).
-        let owner = name
-            .to_str()
-            .map(|n| n.strip_prefix(ffi::KEY_TABLE_PREFIX).unwrap_or(n));
+        // A region, or the key table and doorbell weft keeps next to it.
+        let owner = name.to_str().map(|n| {
+            n.strip_prefix(ffi::KEY_TABLE_PREFIX)
+                .or_else(|| n.strip_prefix(ffi::BELL_PREFIX))
+                .unwrap_or(n)
+        });
         let Some(pid) = owner.and_then(region_owner) else {
             continue;
         };

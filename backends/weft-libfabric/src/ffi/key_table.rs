@@ -13,7 +13,9 @@
 //!
 //! Layout (all little-endian integers, naturally aligned):
 //! - header (64 bytes): magic `u64`, version `u32`, slot count `u32`, lane
-//!   count `u32`, owner pid `i32`, overflow count `u64`;
+//!   count `u32`, owner pid `i32`, overflow count `u64`, the owner's
+//!   sleeping flag `u32` (its worker sleeps on its doorbell, `ffi::Bell`:
+//!   a writer that posts to it rings);
 //! - `LANES` writer lanes of 8 bytes: pid `i32`, posting flag `u32`;
 //! - `SLOTS` key slots of 32 bytes: sequence `u32` (odd while the owner
 //!   changes the slot), state `u32` (empty, live, revoked), key, base and
@@ -41,7 +43,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"weftkeys");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Key slots: registrations live at once in one domain that the table can
 /// describe; past that, unknown keys are let through (see `overflow`).
 pub(crate) const SLOTS: usize = 16384;
@@ -285,6 +287,19 @@ impl KeyTable {
     pub(crate) fn posting(&self, l: usize, on: bool) {
         let at = LANES_AT + (l % LANES) * LANE;
         self.u32_at(at + 4).store(u32::from(on), Ordering::SeqCst);
+    }
+
+    /// Owner: whether its worker is about to sleep on its doorbell (peers
+    /// that post to it then ring). Sequentially consistent: the owner sets
+    /// it, then looks for work; a writer posts, then reads it.
+    pub(crate) fn set_sleeping(&self, on: bool) {
+        self.u32_at(32).store(u32::from(on), Ordering::SeqCst);
+    }
+
+    /// Writer (or owner): whether the owner sleeps on its doorbell.
+    pub(crate) fn sleeping(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.u32_at(32).load(Ordering::SeqCst) != 0
     }
 
     /// Writer: whether a WRITE of `len` bytes at remote address `addr` with

@@ -611,6 +611,7 @@ const _: () = {
     assert!(offset_of!(FiOpsCq, strerror) == 56);
 };
 
+mod bell;
 mod key_table;
 mod loader;
 mod resources;
@@ -618,6 +619,7 @@ mod shm_region;
 mod signals;
 mod window;
 
+pub(crate) use bell::{Bell, Ringer, PREFIX as BELL_PREFIX};
 pub(crate) use key_table::{KeyTable, Verdict, PREFIX as KEY_TABLE_PREFIX};
 use loader::cstr_owned;
 pub(crate) use loader::{getinfo, lib, Hints, Info, Lib};

@@ -778,3 +778,75 @@ fn shm_bad_rkey_fails_and_later_writes_land() {
     assert!(t.dst.snapshot().iter().all(|&x| x == 7));
     assert!(stale_buf.snapshot().iter().all(|&x| x == 0));
 }
+
+/// Whether `fd` is readable within `ms` milliseconds.
+fn readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, exclusively borrowed for the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n > 0 && p.revents & libc::POLLIN != 0
+}
+
+/// shm has no wait object of its own; a domain's doorbell is its wait fd.
+/// An idle target may sleep (`try_wait`), a WRITE posted to it then makes
+/// its fd readable, and its `poll` delivers the immediate; a target that is
+/// awake is not rung.
+#[test]
+fn shm_sleeping_target_is_rung() {
+    let Some(p) = provider("shm") else { return };
+    let mut t = Pair::new(&p, vec![3u8; 4096], vec![0u8; 4096]);
+    let fd =
+        t.b.wait_fd()
+            .expect("an shm domain has a wait fd (its doorbell)");
+    let mut out = Vec::new();
+    // Connected first (the first WRITE sets up the pair).
+    t.post(&t.wr(1, 64, Some(1)), &mut out).unwrap();
+    t.wait(&mut out, |o| {
+        has_write(o, 1) && o.iter().any(|c| matches!(c, Completion::Imm { imm: 1 }))
+    });
+    for round in 0..3u32 {
+        out.clear();
+        for _ in 0..100 {
+            t.b.poll(&mut out).unwrap();
+        }
+        assert!(
+            t.b.try_wait(),
+            "round {round}: an idle shm domain may sleep"
+        );
+        assert!(!readable(fd, 0), "round {round}: nothing rang yet");
+        let imm = 10 + round;
+        let wr = t.wr(u64::from(imm), 4096, Some(imm));
+        let mut aout = Vec::new();
+        assert!(t.a.post_write(&wr).is_ok());
+        assert!(
+            readable(fd, 5000),
+            "round {round}: a WRITE to a sleeping peer rings"
+        );
+        // The target wakes and delivers it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !out
+            .iter()
+            .any(|c| matches!(c, Completion::Imm { imm: i } if *i == imm))
+        {
+            assert!(Instant::now() < deadline, "round {round}: {out:?}");
+            t.b.poll(&mut out).unwrap();
+            t.a.poll(&mut aout).unwrap();
+        }
+        assert!(!readable(fd, 0), "round {round}: drained on waking");
+        // Awake: a WRITE does not ring.
+        let wr = t.wr(u64::from(imm) + 100, 64, None);
+        t.a.post_write(&wr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !has_write(&aout, u64::from(imm) + 100) {
+            assert!(Instant::now() < deadline, "round {round}: {aout:?}");
+            t.b.poll(&mut out).unwrap();
+            t.a.poll(&mut aout).unwrap();
+        }
+        assert!(!readable(fd, 0), "round {round}: an awake peer is not rung");
+    }
+    assert!(t.dst.snapshot().iter().all(|&x| x == 3));
+}

@@ -63,9 +63,17 @@ fn stale_regions_are_reclaimed() {
     let live = sleeper.id();
     let path = |name: String| PathBuf::from("/dev/shm").join(name);
     let dead_region = path(format!("{dead}:0:0"));
+    let dead_keys = path(format!("weft-keys.{dead}:0:0"));
+    let dead_bell = path(format!("weft-bell.{dead}:0:0"));
     let dead_other = path(format!("{dead}:weft-test-keep"));
     let live_region = path(format!("{live}:0:0"));
-    for p in [&dead_region, &dead_other, &live_region] {
+    for p in [
+        &dead_region,
+        &dead_keys,
+        &dead_bell,
+        &dead_other,
+        &live_region,
+    ] {
         std::fs::write(p, vec![0u8; 4096]).expect("write a fake region");
     }
     let mut c = spawn_role("stale_shm_entry", "open", &[]).expect("spawn");
@@ -76,8 +84,15 @@ fn stale_regions_are_reclaimed() {
     let _ = c.wait();
     let _ = sleeper.kill();
     let _ = sleeper.wait();
-    let state = [&dead_region, &dead_other, &live_region].map(|p| p.exists());
-    for p in [&dead_region, &dead_other, &live_region] {
+    let all = [
+        &dead_region,
+        &dead_keys,
+        &dead_bell,
+        &dead_other,
+        &live_region,
+    ];
+    let state = all.map(|p| p.exists());
+    for p in all {
         let _ = std::fs::remove_file(p);
     }
     if line.starts_with("skip") {
@@ -87,8 +102,8 @@ fn stale_regions_are_reclaimed() {
     assert_eq!(line, "opened", "child opening shm endpoints");
     assert_eq!(
         state,
-        [false, true, true],
-        "exists after the child opened shm: [dead process's region, \
-         dead process's file of another shape, running process's region]"
+        [false, false, false, true, true],
+        "exists after the child opened shm: [dead process's region, its key table, its \
+         doorbell, its file of another shape, running process's region]"
     );
 }

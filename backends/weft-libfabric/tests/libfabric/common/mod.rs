@@ -238,7 +238,7 @@ impl XprocBackend for LfXproc {
 }
 
 /// Removes the shm regions (`/dev/shm/<pid>:<n>:<n>`) and weft's key
-/// tables next to them (`weft-keys.<pid>:...`) a reaped child left behind:
+/// tables and doorbells next to them (`weft-keys.<pid>:...`, `weft-bell.`) a reaped child left behind:
 /// SIGKILL skips the clean-up, and the files would pile up (16 MiB of tmpfs
 /// per region) until a later process reclaims them.
 fn remove_shm_regions(pid: u32) {
@@ -249,6 +249,7 @@ fn remove_shm_regions(pid: u32) {
     for e in dir.flatten() {
         if e.file_name().to_str().is_some_and(|n| {
             n.strip_prefix("weft-keys.")
+                .or_else(|| n.strip_prefix("weft-bell."))
                 .unwrap_or(n)
                 .starts_with(&prefix)
         }) {
