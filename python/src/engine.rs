@@ -134,7 +134,7 @@ impl PyTransferEngine {
     /// backend share its fabric). One domain group over all of the
     /// backend's NICs.
     #[new]
-    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None))]
+    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None, hmem=false))]
     // One parameter per Python argument (keywords included).
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -147,10 +147,12 @@ impl PyTransferEngine {
         domain: Option<&str>,
         write_timeout: Option<f64>,
         connect_timeout: Option<f64>,
+        hmem: bool,
     ) -> PyResult<Self> {
-        let timeouts = provider::Timeouts {
+        let timeouts = provider::Knobs {
             write: write_timeout,
             connect: connect_timeout,
+            hmem,
         };
         let device = match device {
             Some(d) => memory::parse_device(py, d)?,

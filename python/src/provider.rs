@@ -52,18 +52,22 @@ pub fn providers(py: Python<'_>) -> Vec<PyProviderStatus> {
         .collect()
 }
 
-/// The failure timeouts of `provider()` and `TransferEngine(spec, ...)`,
-/// in seconds (`None`: the backend's defaults).
+/// The libfabric knobs of `provider()` and `TransferEngine(spec, ...)`:
+/// failure timeouts in seconds (`None`: the backend's defaults) and
+/// whether GPU memory is registered with the provider.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Timeouts {
+pub(crate) struct Knobs {
     /// A peer with work in flight that completes none of it for this long
     /// fails as unreachable.
     pub(crate) write: Option<f64>,
     /// Posts to a peer wait this long for its connection.
     pub(crate) connect: Option<f64>,
+    /// Register GPU memory with the provider (FI_HMEM; needs a libfabric
+    /// built with CUDA).
+    pub(crate) hmem: bool,
 }
 
-impl Timeouts {
+impl Knobs {
     fn duration(
         py: Python<'_>,
         what: &str,
@@ -89,7 +93,7 @@ pub(crate) fn open(
     profile: &str,
     seed: u64,
     domain: Option<&str>,
-    timeouts: Timeouts,
+    knobs: Knobs,
 ) -> PyResult<weft::Backend> {
     let profile = match profile {
         "adversarial" => weft::LoopbackProfile::Adversarial,
@@ -118,12 +122,13 @@ pub(crate) fn open(
         }
         Some(d) => cfg = cfg.with_libfabric(weft::LibfabricOptions::default().with_domain(d)),
     }
-    if let Some(t) = Timeouts::duration(py, "write_timeout", timeouts.write)? {
+    if let Some(t) = Knobs::duration(py, "write_timeout", knobs.write)? {
         cfg.libfabric = cfg.libfabric.with_write_timeout(t);
     }
-    if let Some(t) = Timeouts::duration(py, "connect_timeout", timeouts.connect)? {
+    if let Some(t) = Knobs::duration(py, "connect_timeout", knobs.connect)? {
         cfg.libfabric.connect_timeout = Some(t);
     }
+    cfg.libfabric.hmem = knobs.hmem;
     py.detach(|| weft::provider_with(&spec, &cfg))
         .map_err(|e| errors::provider_err(py, &e))
 }
@@ -159,9 +164,11 @@ impl PyBackend {
 /// fabric (`"adversarial"` or `"ideal"`); `domain` picks the libfabric
 /// domain (`"same-machine"`: `lo` for tcp, the shm domain for shm);
 /// `write_timeout` and `connect_timeout` (seconds) bound how long work to a
-/// hung or unreachable libfabric peer waits before failing.
+/// hung or unreachable libfabric peer waits before failing; `hmem=True`
+/// registers GPU memory with the libfabric provider (a libfabric built with
+/// CUDA; docs/gpu.md).
 #[pyfunction]
-#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None))]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None, hmem=false))]
 // One parameter per Python argument (keywords included).
 #[allow(clippy::too_many_arguments)]
 pub fn provider(
@@ -173,10 +180,12 @@ pub fn provider(
     domain: Option<&str>,
     write_timeout: Option<f64>,
     connect_timeout: Option<f64>,
+    hmem: bool,
 ) -> PyResult<PyBackend> {
-    let t = Timeouts {
+    let t = Knobs {
         write: write_timeout,
         connect: connect_timeout,
+        hmem,
     };
     Ok(PyBackend {
         inner: Arc::new(open(py, spec, nics, profile, seed, domain, t)?),

@@ -282,3 +282,17 @@ def test_stats_and_repr(pair):
     assert st["callback_errors"] == 0 and len(st["groups"]) == 1
     assert set(st["groups"][0]) == {"queued", "in_flight", "pending_wrs"}
     assert "loopback" in repr(a)
+
+
+def test_hmem_option_reaches_libfabric():
+    """``hmem=True`` (GPU memory registered with the provider) is accepted
+    and leaves host memory working; a non-bool is refused."""
+    if not any(p.spec == "libfabric:shm" and p.available for p in weft.providers()):
+        pytest.skip("libfabric:shm unavailable here")
+    with weft.TransferEngine("libfabric:shm", domain="same-machine", hmem=True) as e:
+        r = e.reg_mr(np.zeros(4096, dtype=np.uint8))
+        assert r.nbytes == 4096 and r.device == "cpu"
+    b = weft.provider("libfabric:shm", domain="same-machine", hmem=True)
+    assert b.spec == "libfabric:shm"
+    with pytest.raises(TypeError):
+        weft.TransferEngine("libfabric:shm", hmem="yes")

@@ -131,3 +131,70 @@ def test_uvm_watcher_bumped_by_torch_kernel(gpu_pair, cuda):
     news = [n for _, n in seen]
     assert news == sorted(news) and news[-1] == bumps and w.value == bumps
     w.close()
+
+
+WRITER = """
+import sys, torch, weft
+with weft.TransferEngine("libfabric:shm", domain="same-machine", device="cuda:0", hmem=True) as eng:
+    n = int(sys.argv[1])
+    g = torch.Generator(device="cuda").manual_seed(7)
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+    torch.cuda.synchronize()
+    s = eng.reg_mr(src)
+    print("ready", flush=True)
+    desc = weft.MrDesc.from_bytes(bytes.fromhex(sys.stdin.readline().strip()))
+    imm = int(sys.stdin.readline())
+    for k in range(4):
+        part = n // 4
+        eng.submit_single_write(part, s, desc, imm=imm, src_offset=k * part, dst_offset=k * part).wait(timeout=120)
+    print("done", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_cuda_tensors_cross_processes_over_cuda_shm(cuda):
+    """GPU to GPU across processes: a child writes its CUDA tensor into this
+    process's, through engines over libfabric shm with ``hmem=True``. Needs
+    a libfabric built with CUDA (``WEFT_LIBFABRIC_PATH``, docs/gpu.md);
+    skips without one unless ``WEFT_REQUIRE_CUDA_LIBFABRIC=1``."""
+    import subprocess
+    import sys
+
+    required = os.environ.get("WEFT_REQUIRE_CUDA_LIBFABRIC") == "1"
+    n = 32 << 20
+    dst = torch.zeros(n, dtype=torch.uint8, device=cuda)
+    with weft.TransferEngine("libfabric:shm", domain="same-machine", device="cuda:0", hmem=True) as eng:
+        try:
+            d = eng.reg_mr(dst)
+        except weft.UnsupportedError as e:
+            if required:
+                pytest.fail(f"WEFT_REQUIRE_CUDA_LIBFABRIC=1 but: {e}")
+            print(f"SKIP: this libfabric cannot register CUDA memory: {e}")
+            pytest.skip(str(e))
+        child = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline().strip() == "ready"
+            imm = eng.alloc_imm()
+            rnd = eng.expect_imm_count(imm, 4 * eng.imm_counts().single_write(n // 4))
+            child.stdin.write(d.desc.to_bytes().hex() + "\n" + str(int(imm)) + "\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "done"
+            rnd.wait(timeout=120)
+            # shm completes a CUDA write once the target issued its copy.
+            torch.cuda.synchronize()
+            g = torch.Generator(device=cuda).manual_seed(7)
+            want = torch.randint(0, 256, (n,), dtype=torch.uint8, device=cuda, generator=g)
+            assert torch.equal(dst, want)
+            child.stdin.write("bye\n")
+            child.stdin.flush()
+            assert child.wait(timeout=60) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

@@ -39,6 +39,7 @@ def provider(
     domain: Optional[str] = None,
     write_timeout: Optional[float] = None,
     connect_timeout: Optional[float] = None,
+    hmem: bool = False,
 ) -> Backend:
     """Opens the backend named by ``spec`` with ``nics`` NICs per host."""
 
@@ -189,6 +190,7 @@ class TransferEngine:
         domain: Optional[str] = None,
         write_timeout: Optional[float] = None,
         connect_timeout: Optional[float] = None,
+        hmem: bool = False,
     ) -> None: ...
     @property
     def provider(self) -> str: ...

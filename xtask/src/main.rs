@@ -130,14 +130,29 @@ fn test(root: &Path) -> Result {
     // Slow cross-process and soak tests are `#[ignore = "slow: ..."]`, so a
     // plain `cargo test` stays quick; CI runs them too. Cases a provider
     // cannot satisfy (`known_failures::`) and probes run by hand
-    // (`manual::`) stay out.
+    // (`manual::`) stay out. Doc tests run on their own: their `ignore`
+    // blocks are illustrations, not tests to include.
     proc::run(
         proc::cargo()
-            .args(["test", "--workspace", "--"])
+            .args([
+                "test",
+                "--workspace",
+                "--lib",
+                "--bins",
+                "--tests",
+                "--examples",
+                "--",
+            ])
             .args(ALL_TESTS)
             .current_dir(root)
             .envs(env)
             .env(etcd::REQUIRE.0, etcd::REQUIRE.1),
+    )?;
+    proc::run(
+        proc::cargo()
+            .args(["test", "--workspace", "--doc"])
+            .current_dir(root)
+            .envs(env),
     )?;
     // The in-process libfabric tests again, against libfabric 2.x (Debian
     // 13's package, unpacked under target/; skipped when it cannot be

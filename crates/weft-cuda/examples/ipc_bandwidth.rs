@@ -11,6 +11,9 @@
 //! Usage: `ipc_bandwidth [--vmm] [--reps N]` (default 7 repetitions per size
 //! and side; prints min/median/max GB/s and the ratio of medians).
 
+#[path = "common/table.rs"]
+mod table;
+
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -39,11 +42,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().ok_or("peer stdout")?).read_line(&mut line)?;
-    let bytes: Vec<u8> = (0..line.trim().len() / 2)
-        .map(|i| u8::from_str_radix(&line.trim()[2 * i..2 * i + 2], 16))
-        .collect::<Result<_, _>>()?;
+    let bytes = table::read_hex(&mut std::io::BufReader::new(
+        child.stdout.take().ok_or("peer stdout")?,
+    ))?;
     let remote = gpu.import(&SharedMemory::from_bytes(&bytes)?)?;
     let src = gpu.alloc(MAX)?;
     let local = gpu.alloc(MAX)?;
@@ -58,10 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         gpu.name(),
     );
-    println!(
-        "{:>10} {:>26} {:>26} {:>7}",
-        "size", "peer process GB/s min/med/max", "this process GB/s min/med/max", "ratio"
-    );
+    table::header("peer process", "this process");
     let mut size = 4096;
     while size <= MAX {
         let mut times = [Vec::new(), Vec::new()];
@@ -75,24 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 times[side].push(t.elapsed().as_secs_f64());
             }
         }
-        let stats = |v: &mut Vec<f64>| {
-            v.remove(0); // warm-up
-            let mut g: Vec<f64> = v.iter().map(|t| size as f64 / t / 1e9).collect();
-            g.sort_by(|a, b| a.total_cmp(b));
-            (g[0], g[g.len() / 2], g[g.len() - 1])
-        };
-        let (a, b) = (stats(&mut times[0]), stats(&mut times[1]));
-        println!(
-            "{:>10} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>7.2}",
-            human(size),
-            a.0,
-            a.1,
-            a.2,
-            b.0,
-            b.1,
-            b.2,
-            a.1 / b.1
-        );
+        table::row(size, size, &mut times);
         size *= 4;
     }
     drop(remote);
@@ -123,12 +104,4 @@ fn peer(vmm: bool) -> Result<(), Box<dyn std::error::Error>> {
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line)?;
     Ok(())
-}
-
-fn human(n: usize) -> String {
-    match n {
-        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
-        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
-        n => format!("{} KiB", n >> 10),
-    }
 }

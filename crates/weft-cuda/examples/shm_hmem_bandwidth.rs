@@ -17,6 +17,9 @@
 //! Usage: `WEFT_LIBFABRIC_PATH=/path/to/cuda/libfabric.so.1 shm_hmem_bandwidth
 //! [--reps N]` (default 7 repetitions per size).
 
+#[path = "common/table.rs"]
+mod table;
+
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -64,12 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .stdout(Stdio::piped())
         .spawn()?;
     let mut out = std::io::BufReader::new(child.stdout.take().ok_or("target stdout")?);
-    let mut line = String::new();
-    out.read_line(&mut line)?;
-    let t = line.trim();
-    let bytes: Vec<u8> = (0..t.len() / 2)
-        .map(|i| u8::from_str_radix(&t[2 * i..2 * i + 2], 16))
-        .collect::<Result<_, _>>()?;
+    let bytes = table::read_hex(&mut out)?;
     let desc: MrDesc = decode(&bytes)?;
     let mut stdin = child.stdin.take().ok_or("target stdin")?;
     let copy = gpu.copy_engine()?;
@@ -80,10 +78,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         weft_libfabric::library_version(),
         gpu.name()
     );
-    println!(
-        "{:>10} {:>26} {:>26} {:>7}",
-        "size", "engine GB/s min/med/max", "in-process GB/s min/med/max", "ratio"
-    );
+    table::header("engine", "in-process");
     let mut size = 4096;
     while size <= MAX {
         let mut times = [Vec::new(), Vec::new()];
@@ -122,24 +117,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             sync(&mut stdin, &mut out)?;
             times[1].push(t.elapsed().as_secs_f64());
         }
-        let stats = |v: &mut Vec<f64>| {
-            v.remove(0); // warm-up
-            let mut g: Vec<f64> = v.iter().map(|t| (BATCH * size) as f64 / t / 1e9).collect();
-            g.sort_by(|a, b| a.total_cmp(b));
-            (g[0], g[g.len() / 2], g[g.len() - 1])
-        };
-        let (a, b) = (stats(&mut times[0]), stats(&mut times[1]));
-        println!(
-            "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2}",
-            human(size),
-            a.0,
-            a.1,
-            a.2,
-            b.0,
-            b.1,
-            b.2,
-            a.1 / b.1
-        );
+        table::row(size, BATCH * size, &mut times);
         size *= 4;
     }
     writeln!(stdin, "done")?;
@@ -182,11 +160,4 @@ fn target() -> Result<(), Box<dyn std::error::Error>> {
     }
     drop(e);
     Ok(())
-}
-
-fn human(n: usize) -> String {
-    match n {
-        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
-        n => format!("{} KiB", n >> 10),
-    }
 }

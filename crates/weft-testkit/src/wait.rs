@@ -27,6 +27,20 @@ pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool)
     }
 }
 
+/// Whether `fd` becomes readable within `ms` milliseconds (`poll(2)`;
+/// 0: right now). For tests of wait fds and doorbells.
+#[allow(unsafe_code)]
+pub fn fd_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, exclusively borrowed for the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n > 0 && p.revents & libc::POLLIN != 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -120,17 +120,7 @@ impl Ringer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn readable(fd: RawFd, ms: i32) -> bool {
-        let mut p = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, exclusively borrowed for the call.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        n > 0 && p.revents & libc::POLLIN != 0
-    }
+    use weft_testkit::wait::fd_readable as readable;
 
     #[test]
     fn a_ring_wakes_and_a_drain_resets() {

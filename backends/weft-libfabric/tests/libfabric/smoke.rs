@@ -3,6 +3,7 @@
 //! behaviour (dead peers, malformed addresses, error mapping).
 
 use std::time::{Duration, Instant};
+use weft_testkit::wait::fd_readable as readable;
 
 use weft_libfabric::{LibfabricConfig, LibfabricDomain, LibfabricProvider};
 use weft_testkit::mem::{self, HostBufferExt};
@@ -777,18 +778,6 @@ fn shm_bad_rkey_fails_and_later_writes_land() {
     });
     assert!(t.dst.snapshot().iter().all(|&x| x == 7));
     assert!(stale_buf.snapshot().iter().all(|&x| x == 0));
-}
-
-/// Whether `fd` is readable within `ms` milliseconds.
-fn readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, exclusively borrowed for the call.
-    let n = unsafe { libc::poll(&mut p, 1, ms) };
-    n > 0 && p.revents & libc::POLLIN != 0
 }
 
 /// shm has no wait object of its own; a domain's doorbell is its wait fd.

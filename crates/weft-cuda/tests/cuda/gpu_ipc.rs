@@ -7,7 +7,7 @@
 
 #![cfg(feature = "cuda")]
 
-use crate::common::gpu;
+use crate::common::{gpu, hex, unhex};
 use std::time::{Duration, Instant};
 use weft_cuda::{CudaError, Gpu, ImportCache, ShareKind, SharedMemory};
 use weft_testkit::child::{self, spawn_role};
@@ -16,16 +16,6 @@ use weft_transport::{Device, DeviceCopy};
 /// Byte `k` of the pattern `seed`.
 fn pat(seed: u8, k: usize) -> u8 {
     (k as u8).wrapping_mul(7).wrapping_add(seed)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
 }
 
 /// The child: imports each description it is sent (`<seed> <new seed>

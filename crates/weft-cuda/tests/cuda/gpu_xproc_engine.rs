@@ -13,7 +13,7 @@
 
 #![cfg(feature = "cuda")]
 
-use crate::common::gpu;
+use crate::common::{gpu, hex, unhex};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_cuda::{DeviceBuffer, Gpu};
@@ -71,16 +71,6 @@ fn single_at(i: usize) -> u64 {
 /// `order[j]`), a fixed shuffle.
 fn order() -> Vec<u32> {
     (0..PAGES).map(|j| (j * 97 + 31) % PAGES).collect()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
 }
 
 /// The writer: `<desc hex> <imm>` in, every WRITE submitted, "done" out.

@@ -35,3 +35,15 @@ pub fn gpu_kernels(test: &str) -> Option<(Gpu, Kernels)> {
         Err(e) => panic!("{test}: kernels unavailable: {e}"),
     }
 }
+
+/// Lowercase hex of `b` (descriptions passed to child processes by line).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of [`hex`]'s output.
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
