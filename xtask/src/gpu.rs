@@ -191,7 +191,8 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
     match &args.prebuilt {
         None => {
             let mut c = cargo_cuda("test");
-            c.args(["--", "--test-threads=4"])
+            // One test at a time: see crates/weft-cuda/tests/cuda/main.rs.
+            c.args(["--", "--test-threads=1"])
                 .current_dir(root)
                 .envs(env.clone())
                 .envs(lf_env.clone());
@@ -214,7 +215,7 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 let name = t.file_name().unwrap_or_default().to_string_lossy();
                 proc::tee_line(&format!("== {name}"), &mut log)?;
                 let mut c = Command::new(&t);
-                c.arg("--test-threads=4")
+                c.arg("--test-threads=1")
                     .envs(env.clone())
                     .envs(lf_env.clone());
                 ok &= proc::run_tee(&mut c, &mut log)?;

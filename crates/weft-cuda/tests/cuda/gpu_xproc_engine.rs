@@ -138,36 +138,31 @@ fn xproc_writer_entry() {
     drop(e);
 }
 
+/// The reader: registers its destination, prints `<desc hex> <imm>` (or
+/// `skip <why>`), waits for every immediate, checks every byte, prints
+/// `checked <wrong bytes>`.
 #[test]
-fn device_writes_cross_processes_over_cuda_shm() {
-    let Some(g) = gpu("device_writes_cross_processes_over_cuda_shm") else {
-        return;
-    };
+fn xproc_reader_entry() {
+    let Some(_) = child::role() else { return };
+    let g = Gpu::open(0).expect("reader: GPU");
     let dst = g.alloc(DST).unwrap();
     let e = match engine() {
         Ok(e) => e,
-        Err(why) if !required() => {
-            eprintln!("SKIP: {why}");
+        Err(why) => {
+            child::send_line(&format!("skip {why}")).unwrap();
             return;
         }
-        Err(why) => panic!("{why}"),
     };
     let (_h, desc) = match reg(&e, &dst) {
         Ok(r) => r,
-        Err(why) if !required() => {
-            eprintln!("SKIP: this libfabric cannot register CUDA memory on shm: {why}");
+        Err(why) => {
+            child::send_line(&format!(
+                "skip this libfabric cannot register CUDA memory on shm: {why}"
+            ))
+            .unwrap();
             return;
         }
-        Err(why) => panic!("WEFT_REQUIRE_CUDA_LIBFABRIC=1: {why}"),
     };
-    let mut c = spawn_role("xproc_writer_entry", "writer", &[]).expect("spawn");
-    let line = |c: &mut child::ChildProcess| {
-        c.recv_line_timeout(Duration::from_secs(120))
-            .expect("child line")
-            .expect("child alive")
-    };
-    let first = line(&mut c);
-    assert_eq!(first, "ready", "the writer could not register its source");
     let imm = e.alloc_imm().unwrap();
     let counts = e.imm_counts(0).unwrap();
     let want: u64 = SIZES
@@ -177,10 +172,7 @@ fn device_writes_cross_processes_over_cuda_shm() {
         + counts.paged_writes(PAGE, u64::from(PAGES));
     let (od, arrived) = OnDone::flag();
     e.expect_imm_count_with(imm, want, od).unwrap();
-    let started = Instant::now();
-    c.send_line(&format!("{} {}", hex(&encode(&desc).unwrap()), imm))
-        .unwrap();
-    assert_eq!(line(&mut c), "done", "the writer's WRITEs");
+    child::send_line(&format!("{} {}", hex(&encode(&desc).unwrap()), imm)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while !arrived.is_done() {
         assert!(
@@ -193,11 +185,6 @@ fn device_writes_cross_processes_over_cuda_shm() {
         matches!(arrived.result(), Some(Ok(()))),
         "{:?}",
         arrived.result()
-    );
-    eprintln!(
-        "{} single WRITEs and {PAGES} pages of {PAGE} B GPU to GPU across processes: {:?}",
-        SIZES.len(),
-        started.elapsed()
     );
     // libfabric's shm reports a CUDA WRITE (and its immediate) once the
     // target has issued the device-to-device cudaMemcpy, which returns
@@ -216,8 +203,50 @@ fn device_writes_cross_processes_over_cuda_shm() {
             .filter(|&k| got[at + k] != pat(from + k))
             .count();
     }
-    c.send_line("checked").unwrap();
-    assert!(c.wait().unwrap().success());
-    assert_eq!(wrong, 0, "bytes written GPU to GPU across processes");
+    child::send_line(&format!("checked {wrong}")).unwrap();
     drop(e);
+}
+
+/// Both sides are child processes (this binary re-executed), so the CUDA
+/// state libfabric keeps (IPC mappings of the peer) never lives in the test
+/// process, where other GPU tests run.
+#[test]
+fn device_writes_cross_processes_over_cuda_shm() {
+    let Some(_g) = gpu("device_writes_cross_processes_over_cuda_shm") else {
+        return;
+    };
+    let line = |c: &mut child::ChildProcess, who: &str| {
+        c.recv_line_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("{who}: {e}"))
+            .unwrap_or_else(|| panic!("{who} exited early"))
+    };
+    let mut reader = spawn_role("xproc_reader_entry", "reader", &[]).expect("spawn reader");
+    let first = line(&mut reader, "reader");
+    if let Some(why) = first.strip_prefix("skip ") {
+        assert!(!required(), "WEFT_REQUIRE_CUDA_LIBFABRIC=1: {why}");
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let mut writer = spawn_role("xproc_writer_entry", "writer", &[]).expect("spawn writer");
+    assert_eq!(
+        line(&mut writer, "writer"),
+        "ready",
+        "the writer could not register its source"
+    );
+    let started = Instant::now();
+    writer.send_line(&first).unwrap();
+    assert_eq!(line(&mut writer, "writer"), "done", "the writer's WRITEs");
+    assert_eq!(
+        line(&mut reader, "reader"),
+        "checked 0",
+        "wrong bytes written GPU to GPU across processes"
+    );
+    eprintln!(
+        "{} single WRITEs and {PAGES} pages of {PAGE} B GPU to GPU across processes: {:?}",
+        SIZES.len(),
+        started.elapsed()
+    );
+    writer.send_line("checked").unwrap();
+    assert!(writer.wait().unwrap().success());
+    assert!(reader.wait().unwrap().success());
 }
