@@ -134,7 +134,7 @@ impl PyTransferEngine {
     /// backend share its fabric). One domain group over all of the
     /// backend's NICs.
     #[new]
-    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None, hmem=false))]
+    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false))]
     // One parameter per Python argument (keywords included).
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -148,11 +148,13 @@ impl PyTransferEngine {
         write_timeout: Option<f64>,
         connect_timeout: Option<f64>,
         hmem: bool,
+        hmem_ipc: bool,
     ) -> PyResult<Self> {
         let timeouts = provider::Knobs {
             write: write_timeout,
             connect: connect_timeout,
             hmem,
+            hmem_ipc,
         };
         let device = match device {
             Some(d) => memory::parse_device(py, d)?,

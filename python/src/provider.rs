@@ -65,6 +65,8 @@ pub(crate) struct Knobs {
     /// Register GPU memory with the provider (FI_HMEM; needs a libfabric
     /// built with CUDA).
     pub(crate) hmem: bool,
+    /// With `hmem`: shm moves GPU memory with CUDA IPC.
+    pub(crate) hmem_ipc: bool,
 }
 
 impl Knobs {
@@ -129,6 +131,7 @@ pub(crate) fn open(
         cfg.libfabric.connect_timeout = Some(t);
     }
     cfg.libfabric.hmem = knobs.hmem;
+    cfg.libfabric.hmem_ipc = knobs.hmem_ipc;
     py.detach(|| weft::provider_with(&spec, &cfg))
         .map_err(|e| errors::provider_err(py, &e))
 }
@@ -166,9 +169,9 @@ impl PyBackend {
 /// `write_timeout` and `connect_timeout` (seconds) bound how long work to a
 /// hung or unreachable libfabric peer waits before failing; `hmem=True`
 /// registers GPU memory with the libfabric provider (a libfabric built with
-/// CUDA; docs/gpu.md).
+/// CUDA; docs/gpu.md), and `hmem_ipc=True` lets shm move it with CUDA IPC.
 #[pyfunction]
-#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None, hmem=false))]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false))]
 // One parameter per Python argument (keywords included).
 #[allow(clippy::too_many_arguments)]
 pub fn provider(
@@ -181,11 +184,13 @@ pub fn provider(
     write_timeout: Option<f64>,
     connect_timeout: Option<f64>,
     hmem: bool,
+    hmem_ipc: bool,
 ) -> PyResult<PyBackend> {
     let t = Knobs {
         write: write_timeout,
         connect: connect_timeout,
         hmem,
+        hmem_ipc,
     };
     Ok(PyBackend {
         inner: Arc::new(open(py, spec, nics, profile, seed, domain, t)?),

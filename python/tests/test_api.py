@@ -292,7 +292,7 @@ def test_hmem_option_reaches_libfabric():
     with weft.TransferEngine("libfabric:shm", domain="same-machine", hmem=True) as e:
         r = e.reg_mr(np.zeros(4096, dtype=np.uint8))
         assert r.nbytes == 4096 and r.device == "cpu"
-    b = weft.provider("libfabric:shm", domain="same-machine", hmem=True)
+    b = weft.provider("libfabric:shm", domain="same-machine", hmem=True, hmem_ipc=True)
     assert b.spec == "libfabric:shm"
     with pytest.raises(TypeError):
         weft.TransferEngine("libfabric:shm", hmem="yes")

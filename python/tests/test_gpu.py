@@ -186,8 +186,7 @@ def test_cuda_tensors_cross_processes_over_cuda_shm(cuda):
             child.stdin.flush()
             assert child.stdout.readline().strip() == "done"
             rnd.wait(timeout=120)
-            # shm completes a CUDA write once the target issued its copy.
-            torch.cuda.synchronize()
+            # No synchronisation: the bytes are in place when the round fires.
             g = torch.Generator(device=cuda).manual_seed(7)
             want = torch.randint(0, 256, (n,), dtype=torch.uint8, device=cuda, generator=g)
             assert torch.equal(dst, want)

@@ -40,6 +40,7 @@ def provider(
     write_timeout: Optional[float] = None,
     connect_timeout: Optional[float] = None,
     hmem: bool = False,
+    hmem_ipc: bool = False,
 ) -> Backend:
     """Opens the backend named by ``spec`` with ``nics`` NICs per host."""
 
@@ -191,6 +192,7 @@ class TransferEngine:
         write_timeout: Optional[float] = None,
         connect_timeout: Optional[float] = None,
         hmem: bool = False,
+        hmem_ipc: bool = False,
     ) -> None: ...
     @property
     def provider(self) -> str: ...

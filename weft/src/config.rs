@@ -113,6 +113,10 @@ pub struct LibfabricOptions {
     /// built with CUDA support (docs/gpu.md); with one without, registering
     /// GPU memory is a typed `Unsupported`.
     pub hmem: bool,
+    /// With `hmem`: let shm move GPU memory with CUDA IPC (fast; the
+    /// initiator's completion then comes before the copy from its buffer
+    /// ends: see `weft_libfabric::LibfabricConfig::hmem_ipc`).
+    pub hmem_ipc: bool,
 }
 
 impl LibfabricOptions {
@@ -146,6 +150,12 @@ impl LibfabricOptions {
     /// Sets [`LibfabricOptions::hmem`].
     pub fn with_hmem(mut self, on: bool) -> Self {
         self.hmem = on;
+        self
+    }
+
+    /// Sets [`LibfabricOptions::hmem_ipc`].
+    pub fn with_hmem_ipc(mut self, on: bool) -> Self {
+        self.hmem_ipc = on;
         self
     }
 

@@ -276,16 +276,22 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
         if !lf_env.is_empty() {
             let txt = out.join("shm-hmem-bandwidth.txt");
             let mut txt_log = File::create(&txt).map_err(io("creating", &txt))?;
-            let mut c = match &args.prebuilt {
-                None => {
-                    let mut c = cargo_cuda("run");
-                    c.args(["--example", SHM_BENCH, "--"]).current_dir(root);
-                    c
-                }
-                Some(dir) => Command::new(dir.join(SHM_BENCH)),
-            };
-            c.envs(gpu_env()).envs(lf_env.clone());
-            ok &= proc::run_tee(&mut c, &mut txt_log)?;
+            // Staged through host memory, then with CUDA IPC.
+            for ipc in [false, true] {
+                let mut c = match &args.prebuilt {
+                    None => {
+                        let mut c = cargo_cuda("run");
+                        c.args(["--example", SHM_BENCH, "--"]).current_dir(root);
+                        c
+                    }
+                    Some(dir) => Command::new(dir.join(SHM_BENCH)),
+                };
+                c.args(ipc.then_some("--ipc"))
+                    .args(["--reps", "3"])
+                    .envs(gpu_env())
+                    .envs(lf_env.clone());
+                ok &= proc::run_tee(&mut c, &mut txt_log)?;
+            }
         }
     }
     if ok {

@@ -65,6 +65,15 @@ pub struct LibfabricConfig {
     pub domains: Option<Vec<String>>,
     /// Ask for `FI_HMEM` so CUDA memory can be registered.
     pub hmem: bool,
+    /// Register CUDA memory `FI_HMEM_DEVICE_ONLY`, which lets shm move it
+    /// with CUDA IPC (device to device, ~1.3 TB/s on an H100) instead of
+    /// staging it through host memory (~0.8 GB/s). Off by default: shm then
+    /// completes a WRITE at the *initiator* once the target has issued its
+    /// copy from the initiator's buffer, which may still be running, so the
+    /// source must not be reused until the target confirms (an immediate
+    /// the target answers, for one). Immediates at the target are always
+    /// reported after the bytes landed.
+    pub hmem_ipc: bool,
     /// Set `FI_MORE` on all but the last WRITE of a batch. Default: on for
     /// `efa`, off for software providers (which gain nothing from it).
     pub fi_more: Option<bool>,
@@ -152,6 +161,7 @@ impl LibfabricConfig {
             provider: provider.into(),
             domains: None,
             hmem: false,
+            hmem_ipc: false,
             fi_more: None,
             max_inflight: 1024,
             max_recvs: 1024,
@@ -177,6 +187,12 @@ impl LibfabricConfig {
     /// Enables `FI_HMEM` (CUDA memory registration).
     pub fn with_hmem(mut self, hmem: bool) -> Self {
         self.hmem = hmem;
+        self
+    }
+
+    /// Sets [`LibfabricConfig::hmem_ipc`].
+    pub fn with_hmem_ipc(mut self, on: bool) -> Self {
+        self.hmem_ipc = on;
         self
     }
 
@@ -382,6 +398,7 @@ impl LibfabricProvider {
                 .fi_more
                 .unwrap_or_else(|| info.prov_name.starts_with("efa")),
             hmem: self.config.hmem,
+            hmem_ipc: self.config.hmem_ipc,
             connect_timeout: self.config.connect_timeout,
             write_timeout: self.config.write_timeout,
             max_send_len: self.config.max_send_len,

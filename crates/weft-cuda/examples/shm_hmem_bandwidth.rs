@@ -15,7 +15,8 @@
 //! process, then the same pipe round trip; alternating.
 //!
 //! Usage: `WEFT_LIBFABRIC_PATH=/path/to/cuda/libfabric.so.1 shm_hmem_bandwidth
-//! [--reps N]` (default 7 repetitions per size).
+//! [--ipc] [--reps N]` (default 7 repetitions per size; `--ipc`: CUDA IPC
+//! instead of staging through host memory, `LibfabricConfig::hmem_ipc`).
 
 #[path = "common/table.rs"]
 mod table;
@@ -33,8 +34,12 @@ const MAX: usize = 256 << 20;
 /// WRITEs (and baseline copies) per sample, before one synchronisation.
 const BATCH: usize = 8;
 
-fn engine() -> Result<TransferEngine, Box<dyn std::error::Error>> {
-    let p = LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true))?;
+fn engine(ipc: bool) -> Result<TransferEngine, Box<dyn std::error::Error>> {
+    let p = LibfabricProvider::with_config(
+        LibfabricConfig::new("shm")
+            .with_hmem(true)
+            .with_hmem_ipc(ipc),
+    )?;
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = None;
     Ok(TransferEngine::builder()
@@ -45,8 +50,9 @@ fn engine() -> Result<TransferEngine, Box<dyn std::error::Error>> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    let ipc = args.iter().any(|a| a == "--ipc");
     if args.iter().any(|a| a == "--target") {
-        return target();
+        return target(ipc);
     }
     let reps: usize = args
         .iter()
@@ -58,11 +64,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gpu = Gpu::open(0)?;
     let src = gpu.alloc(MAX)?;
     let scratch = gpu.alloc(MAX)?;
-    let e = engine()?;
+    let e = engine(ipc)?;
     // SAFETY: `src` outlives the engine (dropped after it, below).
     let (h, _) = e.reg_mr(unsafe { src.region() })?;
     let mut child = Command::new(std::env::current_exe()?)
         .arg("--target")
+        .args(ipc.then_some("--ipc"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -73,9 +80,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let copy = gpu.copy_engine()?;
     let dev = Device::Cuda(0);
     println!(
-        "engine WRITE over libfabric {:?} shm (FI_HMEM) to another process vs cuMemcpyDtoD in one \
-         process, {} , {reps} reps per size",
+        "engine WRITE over libfabric {:?} shm (FI_HMEM{}) to another process vs cuMemcpyDtoD in one \
+         process, {}, {reps} reps per size",
         weft_libfabric::library_version(),
+        if ipc { ", CUDA IPC" } else { ", staged through host memory" },
         gpu.name()
     );
     table::header("engine", "in-process");
@@ -142,10 +150,10 @@ fn sync(
 }
 
 /// The target: registers a device buffer, prints its descriptor, waits.
-fn target() -> Result<(), Box<dyn std::error::Error>> {
+fn target(ipc: bool) -> Result<(), Box<dyn std::error::Error>> {
     let gpu = Gpu::open(0)?;
     let dst = gpu.alloc(MAX)?;
-    let e = engine()?;
+    let e = engine(ipc)?;
     // SAFETY: `dst` outlives the engine (dropped after it, below).
     let (_h, desc) = e.reg_mr(unsafe { dst.region() })?;
     let hex: String = encode(&desc)?.iter().map(|b| format!("{b:02x}")).collect();

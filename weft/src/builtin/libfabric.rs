@@ -26,6 +26,9 @@ fn libfabric_config(provider: &str, opts: &LibfabricOptions, nics: usize) -> Lib
     if opts.hmem {
         cfg = cfg.with_hmem(true);
     }
+    if opts.hmem_ipc {
+        cfg = cfg.with_hmem_ipc(true);
+    }
     cfg
 }
 
@@ -54,11 +57,12 @@ mod tests {
     fn every_option_reaches_the_backend_config() {
         let opts = LibfabricOptions::same_machine("shm")
             .with_hmem(true)
+            .with_hmem_ipc(true)
             .with_write_timeout(Duration::from_secs(3))
             .with_connect_timeout(Duration::from_secs(4))
             .with_max_inflight(77);
         let cfg = libfabric_config("shm", &opts, 2);
-        assert!(cfg.hmem);
+        assert!(cfg.hmem && cfg.hmem_ipc);
         assert_eq!(cfg.write_timeout, Duration::from_secs(3));
         assert_eq!(cfg.connect_timeout, Duration::from_secs(4));
         assert_eq!(cfg.max_inflight, 77);

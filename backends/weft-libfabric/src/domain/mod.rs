@@ -59,6 +59,8 @@ pub(crate) struct DomainOptions {
     pub(crate) max_batch: usize,
     pub(crate) fi_more: bool,
     pub(crate) hmem: bool,
+    /// Register CUDA memory `FI_HMEM_DEVICE_ONLY` (shm: CUDA IPC).
+    pub(crate) hmem_ipc: bool,
     pub(crate) connect_timeout: Duration,
     /// How long a peer with operations in flight may go without a
     /// completion before it is declared unreachable.
@@ -88,6 +90,8 @@ struct MrEntry {
     addr: u64,
     len: u64,
     device: Device,
+    /// Registered for remote writes.
+    remote: bool,
     /// Where received messages are copied (host memory only).
     window: Option<HostWindow>,
 }
@@ -123,6 +127,10 @@ pub struct LibfabricDomain {
     ring_cursor: usize,
     /// shm: the last `try_wait` let the worker sleep on the doorbell.
     asleep: bool,
+    /// The CUDA device of each remotely writable CUDA registration: while
+    /// any exist on a provider that copies with CUDA itself, immediates are
+    /// reported only after its copies completed (`ffi::CudaFence`).
+    cuda_targets: Vec<u32>,
     /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
     /// EFA, whose provider errnos are its own status codes).
     prov_errno_is_errno: bool,
@@ -274,6 +282,7 @@ impl LibfabricDomain {
             bell,
             ring_cursor: 0,
             asleep: false,
+            cuda_targets: Vec::new(),
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
@@ -324,12 +333,17 @@ impl LibfabricDomain {
         let key = d.alloc_key();
         let mr = d
             .res
-            .mr_reg(dummy_addr, d.dummy.len(), LOCAL_ACCESS, key, None)?;
+            .mr_reg(dummy_addr, d.dummy.len(), LOCAL_ACCESS, key, None, false)?;
         d.dummy_desc = mr.desc;
         let key = d.alloc_key();
-        let mr = d
-            .res
-            .mr_reg(d.msgs.ctl.addr(), d.msgs.ctl.len(), LOCAL_ACCESS, key, None)?;
+        let mr = d.res.mr_reg(
+            d.msgs.ctl.addr(),
+            d.msgs.ctl.len(),
+            LOCAL_ACCESS,
+            key,
+            None,
+            false,
+        )?;
         d.msgs.ctl_desc = mr.desc;
         for j in 0..d.opts.bounces {
             d.post_bounce(j, &mut clock)?;
@@ -360,6 +374,37 @@ impl LibfabricDomain {
                 }
             }
             _ => e,
+        }
+    }
+
+    /// Before immediates (or receives) in `new` are reported: on a
+    /// provider that moves GPU memory with `cudaMemcpy` itself (shm, tcp),
+    /// waits for those copies on every device with remotely writable CUDA
+    /// registrations, so a WRITE's bytes are in place when its immediate is
+    /// seen. EFA and verbs NICs write GPU memory themselves: nothing to do.
+    fn fence_cuda_copies(&mut self, new: &[Completion]) {
+        let copies_itself = self.is_shm || self.is_tcp;
+        if !copies_itself
+            || !new
+                .iter()
+                .any(|c| matches!(c, Completion::Imm { .. } | Completion::Recv { .. }))
+        {
+            return;
+        }
+        let Some(fence) = ffi::CudaFence::get() else {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(nic = %self.nic.name, "no CUDA runtime loaded: immediates of CUDA WRITEs may be reported before their bytes land")
+            });
+            return;
+        };
+        let mut devs = self.cuda_targets.clone();
+        devs.sort_unstable();
+        devs.dedup();
+        for d in devs {
+            if let Err(code) = fence.wait(d) {
+                tracing::warn!(nic = %self.nic.name, device = d, code, "cudaStreamSynchronize before reporting immediates failed");
+            }
         }
     }
 
@@ -471,11 +516,21 @@ impl Domain for LibfabricDomain {
         let requested = self.alloc_key();
         let mr = self
             .res
-            .mr_reg(region.addr(), region.len(), flags, requested, cuda)
+            .mr_reg(
+                region.addr(),
+                region.len(),
+                flags,
+                requested,
+                cuda,
+                self.opts.hmem_ipc,
+            )
             .map_err(|e| self.hmem_refused(cuda, e))?;
         let rkey = if self.prov_key { mr.key } else { requested };
         if access == Access::RemoteWrite {
             self.publish_key(rkey, region.addr(), region.len() as u64);
+            if let Some(dev) = cuda {
+                self.cuda_targets.push(dev);
+            }
         }
         let key = MrKey(requested);
         let local = LocalMr {
@@ -492,6 +547,7 @@ impl Domain for LibfabricDomain {
                 addr: local.addr,
                 len: local.len,
                 device: local.device,
+                remote: access == Access::RemoteWrite,
                 window: HostWindow::of(region),
             },
         );
@@ -511,6 +567,11 @@ impl Domain for LibfabricDomain {
             .mrs
             .remove(&mr)
             .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
+        if let (Device::Cuda(dev), true) = (e.device, e.remote) {
+            if let Some(k) = self.cuda_targets.iter().position(|&d| d == dev) {
+                self.cuda_targets.swap_remove(k);
+            }
+        }
         self.res.mr_close(e.mr)
     }
 
@@ -571,6 +632,9 @@ impl Domain for LibfabricDomain {
             self.close_peer_eps(out, clock);
         }
         self.ring_busy_peer();
+        if !self.cuda_targets.is_empty() {
+            self.fence_cuda_copies(&out[before..]);
+        }
         Ok(out.len() - before)
     }
 

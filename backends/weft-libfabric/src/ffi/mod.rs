@@ -612,6 +612,7 @@ const _: () = {
 };
 
 mod bell;
+mod cuda_fence;
 mod key_table;
 mod loader;
 mod resources;
@@ -620,6 +621,7 @@ mod signals;
 mod window;
 
 pub(crate) use bell::{Bell, Ringer, PREFIX as BELL_PREFIX};
+pub(crate) use cuda_fence::CudaFence;
 pub(crate) use key_table::{KeyTable, Verdict, PREFIX as KEY_TABLE_PREFIX};
 use loader::cstr_owned;
 pub(crate) use loader::{getinfo, lib, Hints, Info, Lib};

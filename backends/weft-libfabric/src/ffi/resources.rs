@@ -436,7 +436,9 @@ impl Resources {
         Ok(fi_addr)
     }
 
-    /// Registers `[addr, addr+len)`. `cuda` selects FI_HMEM_CUDA memory.
+    /// Registers `[addr, addr+len)`. `cuda` selects FI_HMEM_CUDA memory;
+    /// `device_only` marks it `FI_HMEM_DEVICE_ONLY` (shm then moves it with
+    /// CUDA IPC).
     pub(crate) fn mr_reg(
         &mut self,
         addr: u64,
@@ -444,6 +446,7 @@ impl Resources {
         access: u64,
         requested_key: u64,
         cuda: Option<u32>,
+        device_only: bool,
     ) -> Result<Mr, TransportError> {
         // SAFETY: the domain is open; `mr` is its MR ops table.
         let ops = unsafe { (*self.domain).mr };
@@ -486,11 +489,12 @@ impl Resources {
                     iface: FI_HMEM_CUDA,
                     device: u64::from(dev),
                 });
+                // `FI_HMEM_DEVICE_ONLY`: device memory (not managed), which
+                // lets shm move it with CUDA IPC instead of staging it
+                // through host bounce buffers.
+                let flags = if device_only { FI_HMEM_DEVICE_ONLY } else { 0 };
                 // SAFETY: as above for CUDA memory; `attr` is padded.
-                // `FI_HMEM_DEVICE_ONLY`: the memory is device memory (not
-                // managed), which lets shm move it with CUDA IPC instead of
-                // staging it through host bounce buffers.
-                unsafe { regattr(dom_fid, attr.as_ptr(), FI_HMEM_DEVICE_ONLY, &mut mr) }
+                unsafe { regattr(dom_fid, attr.as_ptr(), flags, &mut mr) }
             }
         };
         self.check("fi_mr_reg", i64::from(rc))?;

@@ -33,10 +33,16 @@ fn required() -> bool {
     std::env::var_os("WEFT_REQUIRE_CUDA_LIBFABRIC").is_some_and(|v| v == "1")
 }
 
-/// An engine over libfabric shm with FI_HMEM, one group on cuda:0.
+/// An engine over libfabric shm with FI_HMEM (and CUDA IPC when the role
+/// says `ipc`), one group on cuda:0.
 fn engine() -> Result<TransferEngine, String> {
-    let p = LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true))
-        .map_err(|e| format!("libfabric shm: {e}"))?;
+    let ipc = child::role().is_some_and(|r| r.ends_with("ipc"));
+    let p = LibfabricProvider::with_config(
+        LibfabricConfig::new("shm")
+            .with_hmem(true)
+            .with_hmem_ipc(ipc),
+    )
+    .map_err(|e| format!("libfabric shm: {e}"))?;
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = Some(Duration::from_micros(200));
     TransferEngine::builder()
@@ -186,10 +192,9 @@ fn xproc_reader_entry() {
         "{:?}",
         arrived.result()
     );
-    // libfabric's shm reports a CUDA WRITE (and its immediate) once the
-    // target has issued the device-to-device cudaMemcpy, which returns
-    // before the copy ends: synchronise this process's context first.
-    g.synchronize().unwrap();
+    // No synchronisation here: the domain reports immediates only after
+    // the provider's copies into this memory completed (`to_vec` reads on a
+    // non-blocking stream, which does not wait for them).
     let got = dst.to_vec().unwrap();
     let mut wrong = 0usize;
     for (i, &len) in SIZES.iter().enumerate() {
@@ -212,7 +217,18 @@ fn xproc_reader_entry() {
 /// process, where other GPU tests run.
 #[test]
 fn device_writes_cross_processes_over_cuda_shm() {
-    let Some(_g) = gpu("device_writes_cross_processes_over_cuda_shm") else {
+    cross_processes("device_writes_cross_processes_over_cuda_shm", "staged");
+}
+
+#[test]
+fn device_writes_cross_processes_over_cuda_shm_ipc() {
+    cross_processes("device_writes_cross_processes_over_cuda_shm_ipc", "ipc");
+}
+
+/// The test of the module docs, shm moving GPU memory through host memory
+/// (`staged`) or with CUDA IPC (`ipc`).
+fn cross_processes(test: &str, mode: &str) {
+    let Some(_g) = gpu(test) else {
         return;
     };
     let line = |c: &mut child::ChildProcess, who: &str| {
@@ -220,14 +236,16 @@ fn device_writes_cross_processes_over_cuda_shm() {
             .unwrap_or_else(|e| panic!("{who}: {e}"))
             .unwrap_or_else(|| panic!("{who} exited early"))
     };
-    let mut reader = spawn_role("xproc_reader_entry", "reader", &[]).expect("spawn reader");
+    let mut reader =
+        spawn_role("xproc_reader_entry", &format!("reader-{mode}"), &[]).expect("spawn reader");
     let first = line(&mut reader, "reader");
     if let Some(why) = first.strip_prefix("skip ") {
         assert!(!required(), "WEFT_REQUIRE_CUDA_LIBFABRIC=1: {why}");
         eprintln!("SKIP: {why}");
         return;
     }
-    let mut writer = spawn_role("xproc_writer_entry", "writer", &[]).expect("spawn writer");
+    let mut writer =
+        spawn_role("xproc_writer_entry", &format!("writer-{mode}"), &[]).expect("spawn writer");
     assert_eq!(
         line(&mut writer, "writer"),
         "ready",
@@ -242,11 +260,20 @@ fn device_writes_cross_processes_over_cuda_shm() {
         "wrong bytes written GPU to GPU across processes"
     );
     eprintln!(
-        "{} single WRITEs and {PAGES} pages of {PAGE} B GPU to GPU across processes: {:?}",
+        "{mode}: {} single WRITEs and {PAGES} pages of {PAGE} B GPU to GPU across processes: {:?}",
         SIZES.len(),
         started.elapsed()
     );
-    writer.send_line("checked").unwrap();
-    assert!(writer.wait().unwrap().success());
-    assert!(reader.wait().unwrap().success());
+    // The reader ends first: with CUDA IPC it maps the writer's memory, and
+    // libfabric 1.17's shm fails the reader's exit when the writer is gone
+    // by then (docs/backends.md, provider limitations).
+    let writer_first = std::env::var_os("WEFT_TEST_WRITER_EXITS_FIRST").is_some();
+    if writer_first {
+        writer.send_line("checked").unwrap();
+        let _ = writer.wait();
+    }
+    let r = reader.wait().unwrap();
+    writer.send_line("checked").ok();
+    let w = writer.wait().unwrap();
+    assert!(r.success() && w.success(), "exit: reader {r}, writer {w}");
 }
