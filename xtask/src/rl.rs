@@ -1,7 +1,8 @@
 //! CI step of `apps/weft-rl` (its tests already run in `cargo test
 //! --workspace`): the CLI end to end — the scale table at the paper's
 //! scale, and a real multi-process update over libfabric tcp with a killed
-//! trainer (P2P and Rank0 checked bit-exact). It runs the `weft-rl` binary
+//! trainer (P2P and Rank0 checked bit-exact), and the refusal of numbers
+//! out of range. It runs the `weft-rl` binary
 //! the workspace's test run built (`target/debug`, the test profile), so
 //! nothing is compiled again.
 
@@ -25,6 +26,25 @@ pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
             .current_dir(root)
             .envs(env.iter().copied()),
     )?;
+    // Numbers out of range are refused with the option named, not run.
+    for (args, names) in [
+        (&["simulate", "--nic-gbps", "0"][..], "nic_gbps"),
+        (&["simulate", "--nics", "0"][..], "nics"),
+        (&["plan", "--unit-mib", "0"][..], "--unit-mib"),
+    ] {
+        let out = Command::new(&bin)
+            .args(args)
+            .current_dir(root)
+            .output()
+            .map_err(|e| crate::proc::Error(format!("running weft-rl {args:?}: {e}")))?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || !err.contains(names) {
+            return fail(format!(
+                "weft-rl {args:?} must fail naming {names}: status {}, stderr {err:?}",
+                out.status
+            ));
+        }
+    }
     proc::run(
         Command::new(&bin)
             .args([

@@ -54,6 +54,18 @@ pub enum RlError {
         #[source]
         source: Option<weft::TransportError>,
     },
+    /// A configuration number out of its range (a zero bandwidth, no NICs,
+    /// a negative or non-finite time, an alignment that is not a power of
+    /// two, ...).
+    #[error("{field} = {value}: {expected}")]
+    Config {
+        /// The field (or command-line option) at fault.
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What it must be.
+        expected: &'static str,
+    },
     /// A rank that is not part of the plan, or a directory without it.
     #[error("unknown {role} rank {rank}")]
     UnknownRank {
@@ -62,4 +74,24 @@ pub enum RlError {
         /// The rank.
         rank: u32,
     },
+}
+
+impl RlError {
+    /// `Err(Config)` unless `ok`.
+    pub(crate) fn check(
+        ok: bool,
+        field: &'static str,
+        value: impl std::fmt::Display,
+        expected: &'static str,
+    ) -> Result<(), RlError> {
+        if ok {
+            Ok(())
+        } else {
+            Err(RlError::Config {
+                field,
+                value: value.to_string(),
+                expected,
+            })
+        }
+    }
 }

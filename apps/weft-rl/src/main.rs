@@ -183,11 +183,20 @@ impl LayoutArgs {
         i.ranks = self.inference.unwrap_or(i.ranks);
         i.instance = self.instance.unwrap_or(i.instance.min(i.ranks));
         i.attn_tp = self.tp.unwrap_or(i.attn_tp.min(i.instance));
+        let mib = |field: &'static str, v: u64| {
+            v.checked_mul(1 << 20)
+                .filter(|&b| b > 0)
+                .ok_or_else(|| format!("--{field} {v}: a size in MiB above 0 (and below 2^44)"))
+        };
+        if !(1..=64).contains(&self.nics) {
+            return Err(format!("--nics {}: 1 to 64 NICs per trainer", self.nics));
+        }
         let cfg = PlanConfig {
-            unit_bytes: self.unit_mib << 20,
-            watermark: self.watermark_mib << 20,
+            unit_bytes: mib("unit-mib", self.unit_mib)?,
+            watermark: mib("watermark-mib", self.watermark_mib)?,
             ..PlanConfig::default()
         };
+        cfg.validate().map_err(|e| e.to_string())?;
         Ok((m, t, i, cfg))
     }
 
@@ -245,6 +254,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         seed: a.seed,
         ..SimConfig::default()
     };
+    cfg.validate().map_err(|e| e.to_string())?;
     println!(
         "loopback fabric (timing-only, step mode, seed {}): {} x {} Gb/s NICs per GPU, {} us one-way; \
          modelled: unshard over NVLink {} GB/s (same {}-GPU node) or the NICs, quantise {} GB/s/GPU + {} us/kernel, submit {} us/WR",

@@ -62,6 +62,34 @@ pub struct PlanConfig {
     pub min_direct_bytes: u64,
 }
 
+impl PlanConfig {
+    /// Every knob in its range: a tile edge of 1 to 4096, a unit size and
+    /// watermark above 0, an alignment that is a power of two. [`plan`]
+    /// checks it first.
+    pub fn validate(&self) -> Result<(), RlError> {
+        RlError::check(
+            (1..=4096).contains(&self.block),
+            "block",
+            self.block,
+            "a tile edge of 1 to 4096",
+        )?;
+        RlError::check(
+            self.unit_bytes > 0,
+            "unit_bytes",
+            self.unit_bytes,
+            "above 0",
+        )?;
+        RlError::check(
+            self.align.is_power_of_two(),
+            "align",
+            self.align,
+            "a power of two",
+        )?;
+        RlError::check(self.watermark > 0, "watermark", self.watermark, "above 0")?;
+        Ok(())
+    }
+}
+
 impl Default for PlanConfig {
     fn default() -> Self {
         PlanConfig {
@@ -270,6 +298,7 @@ fn infer_region(m: &ModelLayout, ts: &[crate::meta::InferTensor], cfg: &PlanConf
 
 /// Computes the routing table.
 pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
+    cfg.validate()?;
     if cfg.block == 0 || cfg.unit_bytes == 0 || cfg.align == 0 {
         return Err(RlError::Plan(
             "block, unit_bytes and align must be > 0".into(),

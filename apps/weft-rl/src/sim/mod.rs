@@ -98,6 +98,56 @@ pub struct SimConfig {
     pub jitter_us: f64,
 }
 
+impl SimConfig {
+    /// Every number in its range: bandwidths finite and positive, at least
+    /// one NIC (at most 64) and one GPU per node, times finite and not
+    /// negative. [`simulate`] checks it first.
+    pub fn validate(&self) -> Result<(), RlError> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let time = |x: f64| x.is_finite() && x >= 0.0;
+        RlError::check(
+            positive(self.nic_gbps),
+            "nic_gbps",
+            self.nic_gbps,
+            "a finite bandwidth above 0",
+        )?;
+        RlError::check(
+            (1..=64).contains(&self.nics),
+            "nics",
+            self.nics,
+            "1 to 64 NICs per GPU",
+        )?;
+        RlError::check(
+            positive(self.nvlink_gbs),
+            "nvlink_gbs",
+            self.nvlink_gbs,
+            "a finite bandwidth above 0",
+        )?;
+        RlError::check(
+            self.gpus_per_node >= 1,
+            "gpus_per_node",
+            self.gpus_per_node,
+            "at least 1",
+        )?;
+        RlError::check(
+            positive(self.quant_gbs),
+            "quant_gbs",
+            self.quant_gbs,
+            "a finite throughput above 0",
+        )?;
+        for (field, v) in [
+            ("kernel_us", self.kernel_us),
+            ("submit_us", self.submit_us),
+            ("latency_us", self.latency_us),
+            ("barrier_us", self.barrier_us),
+            ("jitter_us", self.jitter_us),
+        ] {
+            RlError::check(time(v), field, v, "a finite time of 0 or more")?;
+        }
+        Ok(())
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
@@ -149,6 +199,7 @@ pub struct SimReport {
 
 /// Runs the fabric simulation and the cost model.
 pub fn simulate(m: &ModelLayout, plan: &Plan, cfg: &SimConfig) -> Result<SimReport, RlError> {
+    cfg.validate()?;
     let model = cost_model(m, plan, cfg);
     let f = fabric::run(m, plan, cfg)?;
     Ok(SimReport {

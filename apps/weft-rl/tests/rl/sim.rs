@@ -181,3 +181,155 @@ fn rank0_loses_at_scale() {
         "seed {seed}: {r:?}"
     );
 }
+
+/// Every configuration number out of range is a typed error naming its
+/// field, from `validate` and from `plan`/`simulate` before any work.
+#[test]
+fn out_of_range_configs_are_typed_errors() {
+    use weft_rl::RlError;
+    assert!(SimConfig::default().validate().is_ok());
+    assert!(PlanConfig::default().validate().is_ok());
+    let field = |r: Result<(), RlError>| match r {
+        Err(RlError::Config { field, .. }) => field,
+        other => panic!("not a Config error: {other:?}"),
+    };
+    let sims: Vec<(&str, SimConfig)> = vec![
+        (
+            "nic_gbps",
+            SimConfig {
+                nic_gbps: 0.0,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "nic_gbps",
+            SimConfig {
+                nic_gbps: f64::NAN,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "nic_gbps",
+            SimConfig {
+                nic_gbps: f64::INFINITY,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "nics",
+            SimConfig {
+                nics: 0,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "nics",
+            SimConfig {
+                nics: 65,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "nvlink_gbs",
+            SimConfig {
+                nvlink_gbs: -1.0,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "gpus_per_node",
+            SimConfig {
+                gpus_per_node: 0,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "quant_gbs",
+            SimConfig {
+                quant_gbs: 0.0,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "kernel_us",
+            SimConfig {
+                kernel_us: -0.5,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "latency_us",
+            SimConfig {
+                latency_us: f64::NAN,
+                ..SimConfig::default()
+            },
+        ),
+        (
+            "jitter_us",
+            SimConfig {
+                jitter_us: f64::NEG_INFINITY,
+                ..SimConfig::default()
+            },
+        ),
+    ];
+    let m = one_to_one(256);
+    let p = plan(&m, &PlanConfig::default()).unwrap();
+    for (want, cfg) in sims {
+        assert_eq!(field(cfg.validate()), want, "{cfg:?}");
+        match simulate(&m, &p, &cfg) {
+            Err(RlError::Config { field, .. }) => assert_eq!(field, want),
+            other => panic!("simulate with {want} out of range: {other:?}"),
+        }
+    }
+    let plans: Vec<(&str, PlanConfig)> = vec![
+        (
+            "block",
+            PlanConfig {
+                block: 0,
+                ..PlanConfig::default()
+            },
+        ),
+        (
+            "block",
+            PlanConfig {
+                block: 1 << 20,
+                ..PlanConfig::default()
+            },
+        ),
+        (
+            "unit_bytes",
+            PlanConfig {
+                unit_bytes: 0,
+                ..PlanConfig::default()
+            },
+        ),
+        (
+            "align",
+            PlanConfig {
+                align: 0,
+                ..PlanConfig::default()
+            },
+        ),
+        (
+            "align",
+            PlanConfig {
+                align: 96,
+                ..PlanConfig::default()
+            },
+        ),
+        (
+            "watermark",
+            PlanConfig {
+                watermark: 0,
+                ..PlanConfig::default()
+            },
+        ),
+    ];
+    for (want, cfg) in plans {
+        assert_eq!(field(cfg.validate()), want, "{cfg:?}");
+        match plan(&m, &cfg) {
+            Err(RlError::Config { field, .. }) => assert_eq!(field, want),
+            other => panic!("plan with {want} out of range: {:?}", other.map(|_| ())),
+        }
+    }
+}
