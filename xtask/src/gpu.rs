@@ -34,6 +34,14 @@ fn cargo_cuda(sub: &str) -> Command {
     c
 }
 
+/// `cargo <sub> --release -p weft --features cuda`: the facade's GPU
+/// examples (the cross-process benches).
+fn cargo_facade_cuda(sub: &str) -> Command {
+    let mut c = proc::cargo();
+    c.args([sub, "--release", "-p", "weft", "--features", "cuda"]);
+    c
+}
+
 /// Builds the GPU test and bench binaries into `dir`.
 pub fn build(root: &Path, dir: &Path) -> Result {
     std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
@@ -50,14 +58,14 @@ pub fn build(root: &Path, dir: &Path) -> Result {
     let mut exes = proc::executables(&mut tests, true)?;
     let mut examples = cargo_cuda("build");
     examples.arg("--examples").current_dir(root);
-    exes.extend(
-        proc::executables(&mut examples, false)?
-            .into_iter()
-            .filter(|p| {
-                p.file_name()
-                    .is_some_and(|n| n == BENCH || n == IPC_BENCH || n == SHM_BENCH)
-            }),
-    );
+    let mut facade = cargo_facade_cuda("build");
+    facade.arg("--examples").current_dir(root);
+    let mut built = proc::executables(&mut examples, false)?;
+    built.extend(proc::executables(&mut facade, false)?);
+    exes.extend(built.into_iter().filter(|p| {
+        p.file_name()
+            .is_some_and(|n| n == BENCH || n == IPC_BENCH || n == SHM_BENCH)
+    }));
     if !exes
         .iter()
         .any(|p| p.file_name().is_some_and(|n| n == BENCH))
@@ -263,7 +271,7 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
         for vmm in [false, true] {
             let mut c = match &args.prebuilt {
                 None => {
-                    let mut c = cargo_cuda("run");
+                    let mut c = cargo_facade_cuda("run");
                     c.args(["--example", IPC_BENCH, "--"]).current_dir(root);
                     c
                 }
@@ -280,7 +288,7 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
             for ipc in [false, true] {
                 let mut c = match &args.prebuilt {
                     None => {
-                        let mut c = cargo_cuda("run");
+                        let mut c = cargo_facade_cuda("run");
                         c.args(["--example", SHM_BENCH, "--"]).current_dir(root);
                         c
                     }

@@ -17,8 +17,8 @@ mod table;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
+use weft::{Device, DeviceCopy};
 use weft_cuda::{Gpu, SharedMemory};
-use weft_transport::{Device, DeviceCopy};
 
 const MAX: usize = 1 << 30;
 

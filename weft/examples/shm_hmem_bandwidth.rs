@@ -23,27 +23,32 @@ mod table;
 
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weft::{
+    decode, encode, Device, DeviceCopy, DomainGroupSpec, EngineConfig, LibfabricOptions, MrDesc,
+    OnDone, ProviderConfig, TransferEngine,
+};
 use weft_cuda::Gpu;
-use weft_engine::{DomainGroupSpec, EngineConfig, OnDone, TransferEngine};
-use weft_libfabric::{LibfabricConfig, LibfabricProvider};
-use weft_transport::{decode, encode, Device, DeviceCopy, MrDesc};
 
 const MAX: usize = 256 << 20;
 /// WRITEs (and baseline copies) per sample, before one synchronisation.
 const BATCH: usize = 8;
 
 fn engine(ipc: bool) -> Result<TransferEngine, Box<dyn std::error::Error>> {
-    let p = LibfabricProvider::with_config(
-        LibfabricConfig::new("shm")
-            .with_hmem(true)
-            .with_hmem_ipc(ipc),
+    // The facade's libfabric backend, one host (this process), GPU memory
+    // registered with the provider.
+    let backend = weft::provider_with(
+        &"libfabric:shm".parse()?,
+        &ProviderConfig::default().with_libfabric(
+            LibfabricOptions::same_machine("shm")
+                .with_hmem(true)
+                .with_hmem_ipc(ipc),
+        ),
     )?;
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = None;
     Ok(TransferEngine::builder()
-        .group(DomainGroupSpec::new(Arc::new(p), vec![0]).device(Device::Cuda(0)))
+        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
         .config(cfg)
         .build()?)
 }
@@ -80,10 +85,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let copy = gpu.copy_engine()?;
     let dev = Device::Cuda(0);
     println!(
-        "engine WRITE over libfabric {:?} shm (FI_HMEM{}) to another process vs cuMemcpyDtoD in one \
+        "engine WRITE over libfabric shm (FI_HMEM{}) to another process vs cuMemcpyDtoD in one \
          process, {}, {reps} reps per size",
-        weft_libfabric::library_version(),
-        if ipc { ", CUDA IPC" } else { ", staged through host memory" },
+        if ipc {
+            ", CUDA IPC"
+        } else {
+            ", staged through host memory"
+        },
         gpu.name()
     );
     table::header("engine", "in-process");
