@@ -127,10 +127,10 @@ pub struct LibfabricDomain {
     ring_cursor: usize,
     /// shm: the last `try_wait` let the worker sleep on the doorbell.
     asleep: bool,
-    /// The CUDA device of each remotely writable CUDA registration: while
-    /// any exist on a provider that copies with CUDA itself, immediates are
-    /// reported only after its copies completed (`ffi::CudaFence`).
-    cuda_targets: Vec<u32>,
+    /// Remotely writable CUDA registrations per device: while any exist on
+    /// a provider that copies with CUDA itself, immediates are reported only
+    /// after its copies completed (`ffi::CudaFence`).
+    cuda_targets: BTreeMap<u32, usize>,
     /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
     /// EFA, whose provider errnos are its own status codes).
     prov_errno_is_errno: bool,
@@ -282,7 +282,7 @@ impl LibfabricDomain {
             bell,
             ring_cursor: 0,
             asleep: false,
-            cuda_targets: Vec::new(),
+            cuda_targets: BTreeMap::new(),
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
@@ -398,10 +398,7 @@ impl LibfabricDomain {
             });
             return;
         };
-        let mut devs = self.cuda_targets.clone();
-        devs.sort_unstable();
-        devs.dedup();
-        for d in devs {
+        for &d in self.cuda_targets.keys() {
             if let Err(code) = fence.wait(d) {
                 tracing::warn!(nic = %self.nic.name, device = d, code, "cudaStreamSynchronize before reporting immediates failed");
             }
@@ -529,7 +526,7 @@ impl Domain for LibfabricDomain {
         if access == Access::RemoteWrite {
             self.publish_key(rkey, region.addr(), region.len() as u64);
             if let Some(dev) = cuda {
-                self.cuda_targets.push(dev);
+                *self.cuda_targets.entry(dev).or_default() += 1;
             }
         }
         let key = MrKey(requested);
@@ -568,8 +565,11 @@ impl Domain for LibfabricDomain {
             .remove(&mr)
             .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
         if let (Device::Cuda(dev), true) = (e.device, e.remote) {
-            if let Some(k) = self.cuda_targets.iter().position(|&d| d == dev) {
-                self.cuda_targets.swap_remove(k);
+            if let Some(n) = self.cuda_targets.get_mut(&dev) {
+                *n -= 1;
+                if *n == 0 {
+                    self.cuda_targets.remove(&dev);
+                }
             }
         }
         self.res.mr_close(e.mr)
