@@ -28,13 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.iter().any(|a| a == "--peer") {
         return peer(vmm);
     }
-    let reps: usize = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7)
-        .max(1);
+    let reps = table::reps(&args);
     let gpu = Gpu::open(0)?;
     let mut child = Command::new(std::env::current_exe()?)
         .arg("--peer")

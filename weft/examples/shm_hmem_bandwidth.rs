@@ -59,13 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.iter().any(|a| a == "--target") {
         return target(ipc);
     }
-    let reps: usize = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7)
-        .max(1);
+    let reps = table::reps(&args);
     let gpu = Gpu::open(0)?;
     let src = gpu.alloc(MAX)?;
     let scratch = gpu.alloc(MAX)?;

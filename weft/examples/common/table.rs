@@ -38,6 +38,16 @@ pub fn header(measured: &str, baseline: &str) {
     );
 }
 
+/// `--reps N` of the command line (default 7, at least 1).
+pub fn reps(args: &[String]) -> usize {
+    args.iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7)
+        .max(1)
+}
+
 /// Reads one line of hex from `r` into bytes.
 pub fn read_hex(r: &mut impl std::io::BufRead) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
     let mut line = String::new();

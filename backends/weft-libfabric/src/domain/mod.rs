@@ -552,18 +552,12 @@ impl Domain for LibfabricDomain {
     }
 
     fn deregister(&mut self, mr: MrKey) -> Result<(), TransportError> {
-        if self.mrs.contains_key(&mr) {
-            let rkey = if self.prov_key {
-                self.mrs.get(&mr).map_or(0, |e| e.mr.key)
-            } else {
-                mr.0
-            };
-            self.withdraw_key(rkey);
-        }
         let e = self
             .mrs
             .remove(&mr)
             .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
+        // Peers stop using the key before the provider forgets it.
+        self.withdraw_key(if self.prov_key { e.mr.key } else { mr.0 });
         if let (Device::Cuda(dev), true) = (e.device, e.remote) {
             if let Some(n) = self.cuda_targets.get_mut(&dev) {
                 *n -= 1;
