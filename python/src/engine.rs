@@ -20,16 +20,25 @@ use crate::watcher::{self, PyUvmWatcher};
 
 /// Live engines, shut down at interpreter exit (`atexit`, registered by
 /// the module) so that weft's threads stop calling into Python before the
-/// interpreter finalizes. Keyed by a per-object serial.
-static LIVE: Mutex<Vec<(u64, weft::TransferEngine)>> = Mutex::new(Vec::new());
+/// interpreter finalizes, and the engines `weft.metrics_text()` reports.
+/// Keyed by a per-object serial.
+static LIVE: Mutex<Vec<(u64, weft::TransferEngine, Arc<BindingStats>)>> = Mutex::new(Vec::new());
 static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The live engines and their binding counters, in creation order.
+pub(crate) fn live() -> Vec<(weft::TransferEngine, Arc<BindingStats>)> {
+    LIVE.lock()
+        .iter()
+        .map(|(_, e, s)| (e.clone(), Arc::clone(s)))
+        .collect()
+}
 
 /// Shuts down every live engine (the module's `atexit` hook).
 #[pyfunction]
 pub fn _shutdown_all(py: Python<'_>) {
     let all = std::mem::take(&mut *LIVE.lock());
     py.detach(|| {
-        for (_, e) in &all {
+        for (_, e, _) in &all {
             e.shutdown();
         }
     });
@@ -64,6 +73,8 @@ impl PyTransferEngine {
         if transfer::in_callback() {
             return Err(transfer::deadlock_err(py, "shutdown()"));
         }
+        // A shut-down engine leaves the process's metrics page.
+        LIVE.lock().retain(|(s, _, _)| *s != self.serial);
         // Shutdown joins the callback thread, which may need the GIL to
         // drop a registration: never hold it here.
         py.detach(|| self.engine.shutdown());
@@ -122,7 +133,7 @@ fn check_nics(py: Python<'_>, backend: &weft::Backend, host: &dyn weft::Provider
 
 impl Drop for PyTransferEngine {
     fn drop(&mut self) {
-        LIVE.lock().retain(|(s, _)| *s != self.serial);
+        LIVE.lock().retain(|(s, _, _)| *s != self.serial);
         let _ = Python::try_attach(|py| py.detach(|| self.engine.shutdown()));
     }
 }
@@ -194,12 +205,14 @@ impl PyTransferEngine {
             })
             .map_err(|e| errors::engine_err(py, &e))?;
         let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        LIVE.lock().push((serial, engine.clone()));
+        let stats = Arc::<BindingStats>::default();
+        LIVE.lock()
+            .push((serial, engine.clone(), Arc::clone(&stats)));
         Ok(PyTransferEngine {
             engine,
             backend,
             regs: Mutex::new(HashMap::new()),
-            stats: Arc::default(),
+            stats,
             serial,
         })
     }
@@ -542,7 +555,9 @@ impl PyTransferEngine {
 
     /// Binding and engine counters: `callback_errors` (Python callbacks
     /// that raised), `imm_excess`, `imm_dropped`, and per group
-    /// `queued`/`in_flight`/`pending_wrs`.
+    /// `queued`/`in_flight`/`pending_wrs`, `transfers_ok` and
+    /// `transfers_failed` (a dict: error kind to count). `metrics_text()`
+    /// has the rest (per NIC, per peer, the data path).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let s = self.engine.stats();
         let d = pyo3::types::PyDict::new(py);
@@ -560,10 +575,25 @@ impl PyTransferEngine {
             gd.set_item("queued", g.queued)?;
             gd.set_item("in_flight", g.in_flight)?;
             gd.set_item("pending_wrs", g.pending_wrs)?;
+            gd.set_item("transfers_ok", g.transfers_ok)?;
+            let failed = pyo3::types::PyDict::new(py);
+            for (k, n) in &g.transfers_failed {
+                failed.set_item(*k, *n)?;
+            }
+            gd.set_item("transfers_failed", failed)?;
             groups.append(gd)?;
         }
         d.set_item("groups", groups)?;
         Ok(d)
+    }
+
+    /// This engine's counters in Prometheus' text format: per NIC and per
+    /// peer WRs and bytes, transfers by outcome and failures by kind, the
+    /// data path of every NIC (provider, fabric, GPU memory direct or
+    /// staged), and the binding's callback errors.
+    fn metrics_text(&self) -> PyResult<String> {
+        crate::metrics::page(&[(self.engine.clone(), Arc::clone(&self.stats))], false)
+            .map_err(crate::metrics::value_err)
     }
 
     /// The engine's incarnation: drawn when it was built, carried by its

@@ -15,6 +15,7 @@ mod errors;
 mod imm;
 mod items;
 mod memory;
+mod metrics;
 mod provider;
 mod transfer;
 mod types;
@@ -40,6 +41,9 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyScatterDst>()?;
     m.add_class::<types::PyScatterTargets>()?;
     m.add_class::<watcher::PyUvmWatcher>()?;
+    m.add_class::<metrics::PyMetricsServer>()?;
+    m.add_function(wrap_pyfunction!(metrics::metrics_text, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::serve_metrics, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     let shutdown_all = wrap_pyfunction!(engine::_shutdown_all, m)?;
     m.add_function(shutdown_all.clone())?;

@@ -280,7 +280,7 @@ def test_stats_and_repr(pair):
     a, b = pair
     st = a.stats()
     assert st["callback_errors"] == 0 and len(st["groups"]) == 1
-    assert set(st["groups"][0]) == {"queued", "in_flight", "pending_wrs"}
+    assert set(st["groups"][0]) == {"queued", "in_flight", "pending_wrs", "transfers_ok", "transfers_failed"}
     assert "loopback" in repr(a)
 
 

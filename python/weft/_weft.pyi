@@ -291,6 +291,8 @@ class TransferEngine:
     ) -> Transfer: ...
     def imm_counts(self, group: int = 0) -> ImmCounts: ...
     def stats(self) -> Dict[str, Any]: ...
+    def metrics_text(self) -> str:
+        """This engine's counters in Prometheus' text format."""
     def shutdown(self) -> None:
         """Stops the engine (idempotent); later calls raise ``ShutDownError``, except
         ``shutdown()``, ``stats()`` and the properties."""
@@ -301,3 +303,21 @@ class TransferEngine:
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
+
+def metrics_text() -> str:
+    """Every live engine's counters on one page, in Prometheus' text format,
+    each sample labelled ``engine="<incarnation hex>"``."""
+
+class MetricsServer:
+    """An HTTP endpoint serving ``metrics_text()`` at ``/metrics``."""
+
+    @property
+    def address(self) -> Tuple[str, int]: ...
+    @property
+    def url(self) -> str: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> MetricsServer: ...
+    def __exit__(self, *args: Any) -> bool: ...
+
+def serve_metrics(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+    """Serves ``metrics_text()`` over HTTP from a background thread."""

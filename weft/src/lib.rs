@@ -45,6 +45,7 @@ mod config;
 mod error;
 mod registry;
 pub mod rendezvous;
+mod serve;
 mod spec;
 pub mod topology;
 
@@ -54,6 +55,7 @@ pub use error::ProviderError;
 pub use registry::{
     provider, provider_with, providers, register, Availability, Factory, ProviderStatus, Registry,
 };
+pub use serve::MetricsServer;
 pub use spec::ProviderSpec;
 pub use topology::Topology;
 

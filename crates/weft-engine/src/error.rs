@@ -268,6 +268,39 @@ pub(crate) fn check_range(
 }
 
 impl EngineError {
+    /// A short, stable, snake_case name of the failure: the transport
+    /// error's [`TransportError::kind`] where one caused it (a failed WR,
+    /// a dead NIC, a refused control operation), else the variant's name
+    /// (`"queue_full"`, `"out_of_bounds"`, `"peer_gone"`, ...). Metrics
+    /// count failures by it.
+    pub fn kind(&self) -> &'static str {
+        if let Some(t) = self.transport() {
+            return t.kind();
+        }
+        match self {
+            EngineError::Transport { .. } | EngineError::Control { .. } => "transport",
+            EngineError::NicDown { .. } => "nic_down",
+            EngineError::QueueFull { .. } => "queue_full",
+            EngineError::ShutDown => "shut_down",
+            EngineError::InvalidArgument { .. } => "invalid_argument",
+            EngineError::OutOfBounds { .. } => "out_of_bounds",
+            EngineError::UnknownMr(_) => "unknown_mr",
+            EngineError::StaleMr { .. } => "stale_mr",
+            EngineError::RecvPoolsExhausted { .. } => "recv_pools_exhausted",
+            EngineError::NicCountMismatch { .. } => "nic_count_mismatch",
+            EngineError::PeerRemoved { .. } => "peer_removed",
+            EngineError::PeerGone { .. } => "peer_gone",
+            EngineError::IncarnationUnproven { .. } => "incarnation_unproven",
+            EngineError::WorkerFailed { .. } => "worker_failed",
+            EngineError::ImmAlreadyArmed { .. } => "imm_already_armed",
+            EngineError::ImmInUse { .. } => "imm_in_use",
+            EngineError::ImmCountTooLarge { .. } => "imm_count_too_large",
+            EngineError::ImmExhausted { .. } => "imm_exhausted",
+            EngineError::Setup { .. } => "setup",
+            EngineError::NotDirect { .. } => "not_direct",
+        }
+    }
+
     /// The underlying transport error, if there is one.
     pub fn transport(&self) -> Option<&TransportError> {
         match self {

@@ -44,6 +44,7 @@ mod imm;
 mod incarnation;
 #[allow(unsafe_code)]
 mod mem;
+pub mod metrics;
 mod ondone;
 pub mod probe;
 mod request;
@@ -66,7 +67,7 @@ pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
 pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
-pub use stats::{EngineStats, GroupStats, NicStats};
+pub use stats::{EngineStats, GroupStats, NicStats, PeerStats};
 pub use watcher::{UvmWatcher, WatchCallback};
 pub use weft_transport::{
     DataPath, DeviceMemoryPath, DirectKind, Imm, Incarnation, MrDesc, Pages, ProgressMode,

@@ -6,7 +6,10 @@
 //! not read-modify-write atomics: no locked instruction on the posting
 //! path. Readers see a recent value.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use weft_transport::NetAddr;
 
 /// Engine statistics.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -52,6 +55,30 @@ pub struct GroupStats {
     pub recv_malformed: u64,
     /// One entry per NIC of the group, in NIC order.
     pub nics: Vec<NicStats>,
+    /// Transfers (writes, scatters, barriers, SENDs) that finished
+    /// successfully.
+    pub transfers_ok: u64,
+    /// Transfers that failed, by [`EngineError::kind`](crate::EngineError::kind)
+    /// of their error (requests refused at submit, before reaching the
+    /// group's queue, are not counted: the caller got their error).
+    pub transfers_failed: BTreeMap<&'static str, u64>,
+    /// What each resolved peer was sent, by NIC then address (a peer's
+    /// entry goes when it is removed or replaced).
+    pub peers: Vec<PeerStats>,
+}
+
+/// What one NIC of a group has posted to one peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PeerStats {
+    /// NIC index inside the group.
+    pub nic: usize,
+    /// The peer's NIC address.
+    pub addr: NetAddr,
+    /// WRs (WRITE pieces and SENDs) the NIC accepted for this peer.
+    pub wrs_posted: u64,
+    /// Payload bytes of those WRs.
+    pub bytes_posted: u64,
 }
 
 /// What one NIC of a group has carried since the engine started.
@@ -95,6 +122,22 @@ impl Counter {
     }
 }
 
+/// What one NIC posted to one peer; written by the group's worker.
+#[derive(Debug, Default)]
+pub(crate) struct PeerCounters {
+    wrs: Counter,
+    bytes: Counter,
+}
+
+impl PeerCounters {
+    /// `wrs` WRs carrying `bytes` bytes were posted to the peer.
+    #[inline]
+    pub(crate) fn posted(&self, wrs: u64, bytes: u64) {
+        self.wrs.add(wrs);
+        self.bytes.add(bytes);
+    }
+}
+
 #[derive(Debug, Default)]
 struct NicCounters {
     wrs: Counter,
@@ -112,6 +155,12 @@ pub(crate) struct GroupCounters {
     recv_stale: Counter,
     recv_malformed: Counter,
     nics: Vec<NicCounters>,
+    transfers_ok: Counter,
+    /// Failures by kind (the error path only: a lock is fine).
+    failed: Mutex<BTreeMap<&'static str, u64>>,
+    /// Per-peer counters, shared with the worker's NICs (added and
+    /// removed with the peers, on the control path).
+    peers: Mutex<BTreeMap<(usize, NetAddr), Arc<PeerCounters>>>,
 }
 
 impl GroupCounters {
@@ -124,7 +173,44 @@ impl GroupCounters {
             recv_stale: Counter::default(),
             recv_malformed: Counter::default(),
             nics: (0..nics).map(|_| NicCounters::default()).collect(),
+            transfers_ok: Counter::default(),
+            failed: Mutex::default(),
+            peers: Mutex::default(),
         }
+    }
+
+    /// A transfer finished successfully.
+    #[inline]
+    pub(crate) fn transfer_ok(&self) {
+        self.transfers_ok.add(1);
+    }
+
+    /// A transfer failed with an error of kind `kind`.
+    pub(crate) fn transfer_failed(&self, kind: &'static str) {
+        *self
+            .failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(kind)
+            .or_default() += 1;
+    }
+
+    /// NIC `nic` resolved the peer at `addr`: its counters, fresh.
+    pub(crate) fn peer_added(&self, nic: usize, addr: &NetAddr) -> Arc<PeerCounters> {
+        let c = Arc::new(PeerCounters::default());
+        self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert((nic, addr.clone()), Arc::clone(&c));
+        c
+    }
+
+    /// NIC `nic` dropped the peer at `addr`.
+    pub(crate) fn peer_dropped(&self, nic: usize, addr: &NetAddr) {
+        self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&(nic, addr.clone()));
     }
 
     /// NIC `nic` accepted `wrs` WRs carrying `bytes` bytes.
@@ -199,6 +285,24 @@ impl GroupCounters {
                     }
                 })
                 .collect(),
+            transfers_ok: self.transfers_ok.get(),
+            transfers_failed: self
+                .failed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+            peers: self
+                .peers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|((nic, addr), c)| PeerStats {
+                    nic: *nic,
+                    addr: addr.clone(),
+                    wrs_posted: c.wrs.get(),
+                    bytes_posted: c.bytes.get(),
+                })
+                .collect(),
         }
     }
 }
@@ -216,6 +320,16 @@ mod tests {
         c.posted(7, 1, 1); // no such NIC: ignored
         c.completed(0, 2);
         c.completed(7, 1);
+        c.transfer_ok();
+        c.transfer_failed("peer_unreachable");
+        c.transfer_failed("peer_unreachable");
+        c.transfer_failed("remote_access");
+        let a = NetAddr(vec![1, 2]);
+        let b = NetAddr(vec![3]);
+        c.peer_added(1, &a).posted(2, 64);
+        c.peer_added(0, &b).posted(1, 8);
+        c.peer_added(0, &a);
+        c.peer_dropped(0, &a);
         c.publish(4, 2);
         let s = c.snapshot(9);
         assert_eq!((s.queued, s.in_flight, s.pending_wrs), (9, 4, 2));
@@ -236,5 +350,16 @@ mod tests {
                 }
             ]
         );
+        assert_eq!(s.transfers_ok, 1);
+        assert_eq!(
+            s.transfers_failed.into_iter().collect::<Vec<_>>(),
+            vec![("peer_unreachable", 2), ("remote_access", 1)]
+        );
+        let peers: Vec<_> = s
+            .peers
+            .iter()
+            .map(|p| (p.nic, p.addr.clone(), p.wrs_posted, p.bytes_posted))
+            .collect();
+        assert_eq!(peers, vec![(0, b, 1, 8), (1, a, 2, 64)]);
     }
 }

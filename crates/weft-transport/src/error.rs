@@ -176,6 +176,28 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// A short, stable, snake_case name of the variant (`"peer_unreachable"`,
+    /// `"remote_access"`, ...): the label metrics count failures by.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TransportError::PeerUnreachable { .. } => "peer_unreachable",
+            TransportError::PeerRemoved { .. } => "peer_removed",
+            TransportError::RemoteAccess { .. } => "remote_access",
+            TransportError::LocalAccess { .. } => "local_access",
+            TransportError::ReceiverNotReady { .. } => "receiver_not_ready",
+            TransportError::MessageTooLong { .. } => "message_too_long",
+            TransportError::QueueFull { .. } => "queue_full",
+            TransportError::InvalidArgument { .. } => "invalid_argument",
+            TransportError::Unsupported { .. } => "unsupported",
+            TransportError::LibraryUnavailable { .. } => "library_unavailable",
+            TransportError::NoDevice { .. } => "no_device",
+            TransportError::Provider { .. } => "provider",
+            TransportError::Failed { .. } => "failed",
+            TransportError::NicDown { .. } => "nic_down",
+            TransportError::Canceled { .. } => "canceled",
+        }
+    }
+
     /// The NIC the error happened on, where the variant names one.
     pub fn nic(&self) -> Option<&str> {
         match self {

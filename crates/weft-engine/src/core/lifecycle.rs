@@ -174,6 +174,8 @@ impl WorkerCore {
         };
         self.fail_queued_to(nic, peer, &err);
         self.nics[nic].peer_addrs.remove(&peer);
+        self.nics[nic].peer_counts.remove(&peer);
+        self.counters.peer_dropped(nic, addr);
         self.nics[nic].domain.remove_peer(peer).map_err(|e| {
             tracing::warn!(group = self.group, nic, peer = %addr, error = %e, "backend cannot remove the peer");
             EngineError::Control {

@@ -482,6 +482,7 @@ impl WorkerCore {
 
     /// Fails a request that never reached planning (shutdown).
     pub(crate) fn reject(&mut self, req: Submitted, e: EngineError) {
+        self.counters.transfer_failed(e.kind());
         if let Some((cb, r)) = req.on_done.resolve_inline(Err(e)) {
             self.events.push(Event::Done(cb, r));
         }

@@ -7,6 +7,7 @@ use super::lifecycle::Refusal;
 use super::{transport, Event, WorkerCore};
 use crate::error::EngineError;
 use crate::mem::NotCopied;
+use crate::stats::PeerCounters;
 use crate::wrid::{decode, is_send, Decoded};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -52,6 +53,8 @@ pub(super) struct Nic {
     /// per address: a newer one replaces it, see `lifecycle`) and its id.
     pub(super) peers: BTreeMap<NetAddr, (Incarnation, PeerId)>,
     pub(super) peer_addrs: BTreeMap<PeerId, NetAddr>,
+    /// What was posted to each resolved peer (shared with `stats()`).
+    pub(super) peer_counts: BTreeMap<PeerId, Arc<PeerCounters>>,
     /// `peers` by [`AddrBook`](crate::request::AddrBook) id (filled on
     /// first use).
     pub(super) by_addr_id: Vec<Option<PeerId>>,
@@ -73,6 +76,7 @@ impl Nic {
             backlog: VecDeque::new(),
             peers: BTreeMap::new(),
             peer_addrs: BTreeMap::new(),
+            peer_counts: BTreeMap::new(),
             by_addr_id: Vec::new(),
             dead: None,
             recvs_posted: 0,
@@ -152,6 +156,10 @@ impl WorkerCore {
         let known = n.peers.len();
         let p = n.resolve(addr, inc)?;
         if n.peers.len() != known {
+            if let Some(id) = p {
+                n.peer_counts
+                    .insert(id, self.counters.peer_added(nic, addr));
+            }
             self.counters.set_peers(nic, self.nics[nic].peers.len());
         }
         Ok(p)
@@ -228,6 +236,9 @@ impl WorkerCore {
                     Ok(()) => {
                         self.posted(nic, front.wr);
                         self.counters.posted(nic, 1, front.src.len);
+                        if let Some(c) = self.nics[nic].peer_counts.get(&front.peer) {
+                            c.posted(1, front.src.len);
+                        }
                         progressed = true;
                     }
                     Err(e) if e.is_retryable() => {
@@ -269,10 +280,25 @@ impl WorkerCore {
                 Err(PostError { posted, error }) => (posted.min(k), Some(error)),
             };
             let mut bytes = 0u64;
-            // One slab update per run of WRs of one transfer.
+            // One slab update per run of WRs of one transfer, one peer
+            // counter update per run of WRs to one peer.
             let mut run: Option<(WrId, usize)> = None;
+            let mut to: Option<(PeerId, u64, u64)> = None;
             for w in &batch[..accepted] {
                 bytes = bytes.wrapping_add(w.src.len);
+                match &mut to {
+                    Some((p, k, b)) if *p == w.peer => {
+                        *k += 1;
+                        *b = b.wrapping_add(w.src.len);
+                    }
+                    _ => {
+                        if let Some((p, k, b)) = to.replace((w.peer, 1, w.src.len)) {
+                            if let Some(c) = n.peer_counts.get(&p) {
+                                c.posted(k, b);
+                            }
+                        }
+                    }
+                }
                 match &mut run {
                     Some((id, c)) if *id == w.wr => *c += 1,
                     _ => {
@@ -284,6 +310,11 @@ impl WorkerCore {
             }
             if let Some((id, c)) = run {
                 self.slab.posted_run(nic, id, c, &self.probes);
+            }
+            if let Some((p, k, b)) = to {
+                if let Some(c) = n.peer_counts.get(&p) {
+                    c.posted(k, b);
+                }
             }
             let rejected = match &err {
                 Some(e) if !e.is_retryable() => batch.get(accepted).copied(),

@@ -225,8 +225,14 @@ impl WorkerCore {
         // hold `remaining` up, so we only get here when all are accounted.
         t.live = false;
         let result = match t.error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+            Some(e) => {
+                self.counters.transfer_failed(e.kind());
+                Err(e)
+            }
+            None => {
+                self.counters.transfer_ok();
+                Ok(())
+            }
         };
         let on_done = t.on_done.take();
         let send = t.send.take();

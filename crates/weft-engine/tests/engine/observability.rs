@@ -262,3 +262,121 @@ fn a_freed_reservation_is_handed_out_once() {
     assert_eq!(n as u32, cap, "every value is handed out once");
     e.shutdown();
 }
+
+/// The value of the sample of `name` whose labels include every one of
+/// `want` in a Prometheus text page.
+fn sample(page: &str, name: &str, want: &[(&str, &str)]) -> Option<f64> {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.strip_suffix('}')?),
+                None => (series, ""),
+            };
+            (n == name
+                && want
+                    .iter()
+                    .all(|(k, v)| labels.split(',').any(|kv| kv == format!("{k}=\"{v}\""))))
+            .then(|| value.parse().ok())?
+        })
+        .next()
+}
+
+/// `metrics_text()` counts bytes and WRs per peer, successful transfers,
+/// failures by kind (a forged rkey: `remote_access`), and names the data
+/// path of every NIC; each family appears once with its HELP and TYPE.
+#[test]
+fn metrics_count_per_peer_and_failures_by_kind() {
+    let fabric = Fabric::new(FabricConfig::ideal(7));
+    let ea = engine(&fabric, fabric.add_host(1), 1, test_config(), true);
+    let eb = engine(&fabric, fabric.add_host(1), 1, test_config(), true);
+    let ec = engine(&fabric, fabric.add_host(1), 1, test_config(), true);
+    let src = mem::patterned(9, 8192);
+    let (db, dc) = (mem::zeroed(8192), mem::zeroed(8192));
+    let (sh, _) = ea.reg_mr(src.region()).unwrap();
+    let (_, ddb) = eb.reg_mr(db.region()).unwrap();
+    let (_, ddc) = ec.reg_mr(dc.region()).unwrap();
+    let mut forged: MrDesc = ddb.clone();
+    forged.rkeys[0].1 .0 ^= 0x5a5a;
+    let done = Arc::new(DoneCounter::new());
+    ea.submit_single_write(4096, None, (&sh, 0), (&ddb, 0), OnDone::counter(&done))
+        .unwrap();
+    ea.submit_single_write(1000, None, (&sh, 0), (&ddc, 0), OnDone::counter(&done))
+        .unwrap();
+    let (od, bad) = OnDone::flag();
+    ea.submit_single_write(64, None, (&sh, 0), (&forged, 0), od)
+        .unwrap();
+    drive(&fabric, &[ea.clone(), eb.clone(), ec.clone()], || {
+        done.total() == 2 && bad.is_done()
+    });
+    let err = bad.result().unwrap().unwrap_err();
+    assert_eq!(err.kind(), "remote_access", "{err}");
+    let page = ea.metrics_text();
+    let (b, c) = (ddb.rkeys[0].0.to_string(), ddc.rkeys[0].0.to_string());
+    let peer =
+        |p: &str, name: &str| sample(&page, name, &[("group", "0"), ("nic", "0"), ("peer", p)]);
+    assert_eq!(
+        peer(&b, "weft_peer_bytes_posted_total"),
+        Some(4096.0 + 64.0),
+        "{page}"
+    );
+    assert_eq!(
+        peer(&c, "weft_peer_bytes_posted_total"),
+        Some(1000.0),
+        "{page}"
+    );
+    assert_eq!(peer(&b, "weft_peer_wrs_posted_total"), Some(2.0), "{page}");
+    assert_eq!(peer(&c, "weft_peer_wrs_posted_total"), Some(1.0), "{page}");
+    assert_eq!(
+        sample(&page, "weft_transfers_ok_total", &[("group", "0")]),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(
+            &page,
+            "weft_transfers_failed_total",
+            &[("group", "0"), ("kind", "remote_access")]
+        ),
+        Some(1.0),
+        "{page}"
+    );
+    assert_eq!(
+        sample(
+            &page,
+            "weft_bytes_posted_total",
+            &[("group", "0"), ("nic", "0")]
+        ),
+        Some(4096.0 + 1000.0 + 64.0)
+    );
+    assert_eq!(
+        sample(
+            &page,
+            "weft_data_path_info",
+            &[("group", "0"), ("provider", "loopback")]
+        ),
+        Some(1.0),
+        "{page}"
+    );
+    // A receiver that only received: its failures family is there at zero.
+    assert_eq!(
+        sample(
+            &eb.metrics_text(),
+            "weft_transfers_failed_total",
+            &[("kind", "none")]
+        ),
+        Some(0.0)
+    );
+    for family in [
+        "weft_peer_bytes_posted_total",
+        "weft_transfers_failed_total",
+    ] {
+        assert_eq!(
+            page.matches(&format!("# TYPE {family} counter\n")).count(),
+            1
+        );
+    }
+    for e in [ea, eb, ec] {
+        e.shutdown();
+    }
+}
