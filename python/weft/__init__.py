@@ -50,6 +50,8 @@ from ._weft import (
     serve_metrics,
 )
 
+from . import dist, rendezvous  # noqa: E402  (submodules: weft.dist, weft.rendezvous)
+
 __version__: str = _weft.__version__
 
 __all__ = [
@@ -71,6 +73,8 @@ __all__ = [
     "provider",
     "providers",
     "serve_metrics",
+    "dist",
+    "rendezvous",
     "__version__",
     *_errors_all,
 ]

@@ -171,4 +171,34 @@ class CallbackDeadlockError(WeftError, RuntimeError):
     """A blocking call was made from a weft callback, where it would hang."""
 
 
+class RendezvousError(WeftError):
+    """A rendezvous store or record failed (``kind``: ``protocol``, ``io``,
+    ``record``, ``watch_closed``, ``closed``, ...)."""
+
+
+class StoreUnavailableError(RendezvousError):
+    """The store cannot be reached right now (transient: retry)."""
+
+    kind = "unavailable"
+
+
+class LeaseLostError(RendezvousError):
+    """The session's lease expired or was revoked."""
+
+    kind = "lease_not_found"
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """What was awaited in the store did not appear in time."""
+
+    kind = "timeout"
+
+
+class InvalidRendezvousArgumentError(RendezvousError, ValueError):
+    """A store spec, namespace or name was refused (``kind``: ``spec`` or
+    ``invalid_key``)."""
+
+    kind = "spec"
+
+
 __all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]
