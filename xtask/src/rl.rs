@@ -11,7 +11,8 @@ use std::process::Command;
 
 use crate::proc::{self, fail, Result};
 
-/// Runs `weft-rl simulate` and `weft-rl run --provider libfabric:tcp --kill`.
+/// Runs `weft-rl simulate`, `plan`/`simulate` of Hugging Face configs, the
+/// refusals, and `weft-rl run --provider libfabric:tcp --kill`.
 pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
     let bin = root.join("target/debug/weft-rl");
     if !bin.is_file() {
@@ -42,6 +43,45 @@ pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
             return fail(format!(
                 "weft-rl {args:?} must fail naming {names}: status {}, stderr {err:?}",
                 out.status
+            ));
+        }
+    }
+    // A model the repo does not build in, from its config.json and a
+    // layout file (apps/weft-rl/configs): planned, and simulated.
+    let configs = root.join("apps/weft-rl/configs");
+    for (cmd, config, layout, name) in [
+        (
+            "plan",
+            "llama-3.1-405b.config.json",
+            Some("fsdp64-pp2-to-tp8.layout.json"),
+            "llama-3.1-405b",
+        ),
+        (
+            "simulate",
+            "tiny-qwen3-moe.config.json",
+            None,
+            "tiny-qwen3-moe",
+        ),
+    ] {
+        let mut c = Command::new(&bin);
+        c.arg(cmd).arg("--config").arg(configs.join(config));
+        if let Some(l) = layout {
+            c.arg("--layout").arg(configs.join(l));
+        }
+        let out = c
+            .current_dir(root)
+            .envs(env.iter().copied())
+            .output()
+            .map_err(|e| {
+                crate::proc::Error(format!("running weft-rl {cmd} --config {config}: {e}"))
+            })?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        if !out.status.success() || !text.contains(name) {
+            return fail(format!(
+                "weft-rl {cmd} --config {config}: status {}, stderr {:?}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
             ));
         }
     }

@@ -66,6 +66,16 @@ pub enum RlError {
         /// What it must be.
         expected: &'static str,
     },
+    /// A model `config.json` or layout file the planner cannot take: a
+    /// missing or out-of-range field, an unknown `model_type`, a layout
+    /// feature it does not express.
+    #[error("model config: {field}: {reason}")]
+    ModelConfig {
+        /// The field at fault (`config.json` or `layout` for the whole file).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A rank that is not part of the plan, or a directory without it.
     #[error("unknown {role} rank {rank}")]
     UnknownRank {

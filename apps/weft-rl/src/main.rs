@@ -63,6 +63,9 @@ struct RunArgs {
     /// Model (tiny-moe, tiny-mla).
     #[arg(long, default_value = "tiny-moe")]
     model: String,
+    /// A Hugging Face config.json instead of --model (every rank reads it).
+    #[arg(long)]
+    config: Option<String>,
     /// FSDP.
     #[arg(long, default_value_t = 2)]
     fsdp: u32,
@@ -115,6 +118,13 @@ struct SimArgs {
     /// Models (default: the paper's three).
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
+    /// A Hugging Face config.json to simulate (instead of --models).
+    #[arg(long)]
+    config: Option<String>,
+    /// A layout file (JSON: train fsdp/pp/ep, inference ranks/instance/tp)
+    /// instead of the paper's layout.
+    #[arg(long)]
+    layout: Option<String>,
     /// NICs per GPU.
     #[arg(long, default_value_t = 1)]
     nics: u32,
@@ -137,6 +147,15 @@ struct LayoutArgs {
     /// qwen3-235b-a22b, deepseek-v3, kimi-k2, tiny-moe, tiny-mla.
     #[arg(long, default_value = "kimi-k2")]
     model: String,
+    /// A Hugging Face config.json instead of --model (Llama, Mistral,
+    /// Qwen2/3, Qwen3-MoE, Mixtral, DeepSeek-V3, Kimi-K2 field names).
+    #[arg(long)]
+    config: Option<String>,
+    /// A layout file (JSON: {"train": {"fsdp", "pp", "ep"}, "inference":
+    /// {"ranks", "instance", "tp"}}) instead of the paper's layout; the
+    /// flags below override it.
+    #[arg(long)]
+    layout: Option<String>,
     /// FSDP degree (default: the paper's layout).
     #[arg(long)]
     fsdp: Option<u32>,
@@ -168,15 +187,18 @@ struct LayoutArgs {
 
 impl LayoutArgs {
     fn resolve(&self) -> Result<(ModelConfig, TrainLayout, InferLayout, PlanConfig), String> {
-        let m = models::model(&self.model).ok_or_else(|| {
-            let names: Vec<_> = models::MODELS.iter().map(|m| m.name).collect();
-            format!(
-                "unknown model {:?} (known: {})",
-                self.model,
-                names.join(", ")
-            )
-        })?;
-        let (mut t, mut i) = models::paper_layout(&m);
+        let m = models::load(self.config.as_deref().unwrap_or(&self.model))
+            .map_err(|e| e.to_string())?;
+        let (mut t, mut i) = match &self.layout {
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).map_err(|e| format!("--layout {path}: {e}"))?;
+                models::LayoutFile::parse(&text)
+                    .map_err(|e| format!("--layout {path}: {e}"))?
+                    .layouts()
+            }
+            None => models::paper_layout(&m),
+        };
         t.fsdp = self.fsdp.unwrap_or(t.fsdp);
         t.pp = self.pp.unwrap_or(t.pp);
         t.ep = self.ep.unwrap_or(t.ep);
@@ -239,7 +261,9 @@ fn paper(m: &str) -> &'static str {
 }
 
 fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
-    let names: Vec<String> = if a.models.is_empty() {
+    let names: Vec<String> = if let Some(c) = &a.config {
+        vec![c.clone()]
+    } else if a.models.is_empty() {
         vec![
             "kimi-k2".into(),
             "deepseek-v3".into(),
@@ -267,6 +291,8 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         let t0 = Instant::now();
         let la = LayoutArgs {
             model: n.clone(),
+            config: None,
+            layout: a.layout.clone(),
             fsdp: None,
             pp: None,
             ep: None,
@@ -277,7 +303,8 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             unit_mib: a.unit_mib,
             watermark_mib: a.watermark_mib,
         };
-        let (_, t, i, ml, p) = la.build()?;
+        let (m, t, i, ml, p) = la.build()?;
+        let n = m.name.to_string();
         let planned = t0.elapsed();
         let r = simulate(&ml, &p, &cfg).map_err(|e| e.to_string())?;
         println!(
@@ -300,7 +327,7 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::run(
             &worker::Spec {
                 provider: a.provider.clone(),
-                model: a.model.clone(),
+                model: a.config.clone().unwrap_or_else(|| a.model.clone()),
                 train: TrainLayout {
                     fsdp: a.fsdp,
                     pp: a.pp,

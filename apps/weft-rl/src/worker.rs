@@ -131,8 +131,7 @@ impl Spec {
 
     /// The model layout and plan (deterministic: the same on every rank).
     pub fn build(&self) -> Result<(ModelLayout, Plan), String> {
-        let m =
-            models::model(&self.model).ok_or_else(|| format!("unknown model {}", self.model))?;
+        let m = models::load(&self.model).map_err(|e| e.to_string())?;
         let ml = models::build(&m, self.train, self.infer).map_err(|e| e.to_string())?;
         let pc = PlanConfig {
             unit_bytes: self.unit_bytes,

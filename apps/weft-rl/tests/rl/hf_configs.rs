@@ -1,0 +1,319 @@
+//! Models from Hugging Face `config.json` files and layouts from layout
+//! files: the real configs of the shipped models read back to the same
+//! numbers, small configs of every family plan to plans that place every
+//! byte exactly once (executed in memory against the reference), and
+//! hostile files are typed errors.
+
+use crate::plan_props::check_model;
+use weft_rl::models::{self, LayoutFile, ModelConfig, Naming};
+use weft_rl::{PlanConfig, RlError};
+
+/// DeepSeek-V3's published config.json (the fields weft reads, plus some
+/// it ignores).
+const DEEPSEEK_V3_JSON: &str = r#"{
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+  "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+  "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+  "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+  "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "vocab_size": 129280, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "rope_scaling": {"type": "yarn", "factor": 40}
+}"#;
+
+const KIMI_K2_JSON: &str = r#"{
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+  "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+  "n_shared_experts": 1, "n_routed_experts": 384, "first_k_dense_replace": 1,
+  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
+  "tie_word_embeddings": false
+}"#;
+
+const QWEN3_235B_JSON: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+  "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+  "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+  "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+  "tie_word_embeddings": false, "attention_bias": false
+}"#;
+
+/// The shipped tables and the parsed configs agree but for name and source.
+#[test]
+fn published_configs_read_back_as_the_shipped_tables() {
+    for (json, want) in [
+        (DEEPSEEK_V3_JSON, models::DEEPSEEK_V3),
+        (KIMI_K2_JSON, models::KIMI_K2),
+        (QWEN3_235B_JSON, models::QWEN3_235B),
+    ] {
+        let got = ModelConfig::from_hf_config(&want.name, json).unwrap();
+        assert_eq!(
+            ModelConfig {
+                source: want.source.clone(),
+                ..got
+            },
+            want
+        );
+    }
+}
+
+/// A small config of each family, with a layout file, planned and checked
+/// byte for byte.
+fn plan_and_check(name: &str, json: &str, layout: &str, block: u64) -> weft_rl::ModelLayout {
+    let m = ModelConfig::from_hf_config(name, json).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (t, i) = LayoutFile::parse(layout).unwrap().layouts();
+    let ml = models::build(&m, t, i).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let cfg = PlanConfig {
+        block,
+        unit_bytes: 2048,
+        align: 8,
+        watermark: 1 << 20,
+        min_direct_bytes: 64,
+    };
+    if let Err(e) = check_model(&ml, &cfg, 3) {
+        panic!("{name}: {e}");
+    }
+    ml
+}
+
+fn names(ml: &weft_rl::ModelLayout) -> Vec<&str> {
+    ml.params.iter().map(|p| p.name.as_str()).collect()
+}
+
+#[test]
+fn llama_with_fewer_kv_heads_than_tp_ranks() {
+    let json = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100}"#;
+    // TP 4 over 2 key/value heads: each head on two ranks.
+    let ml = plan_and_check(
+        "llama-tiny",
+        json,
+        r#"{"train": {"fsdp": 4}, "inference": {"ranks": 8, "instance": 4, "tp": 4}}"#,
+        16,
+    );
+    let n = names(&ml);
+    assert!(n.contains(&"model.layers.1.mlp.down_proj.weight") && n.contains(&"lm_head.weight"));
+    assert!(!n
+        .iter()
+        .any(|n| n.contains("q_norm") || n.contains("experts") || n.contains("bias")));
+    // Ranks 0 and 1 of an instance hold key/value head 0, ranks 2 and 3 head 1.
+    let kv_rows = |r: usize| {
+        let t = ml.inference[r]
+            .iter()
+            .find(|t| t.name == "layers.0.qkv_proj")
+            .unwrap();
+        t.segments[1].src.rows.clone()
+    };
+    assert_eq!(kv_rows(0), kv_rows(1));
+    assert_eq!(kv_rows(2), kv_rows(3));
+    assert_ne!(kv_rows(1), kv_rows(2));
+    assert_eq!(kv_rows(0), 0..16);
+}
+
+#[test]
+fn qwen2_biases_and_tied_embeddings() {
+    let json = r#"{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 120, "tie_word_embeddings": true}"#;
+    let ml = plan_and_check(
+        "qwen2-tiny",
+        json,
+        r#"{"train": {"fsdp": 2, "pp": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    let n = names(&ml);
+    assert!(n.contains(&"model.layers.0.self_attn.k_proj.bias"));
+    assert!(
+        !n.contains(&"lm_head.weight"),
+        "tied: no lm_head of its own"
+    );
+    assert!(ml.inference[0]
+        .iter()
+        .any(|t| t.name == "layers.1.qkv_proj.bias"));
+    assert!(!ml.inference[0].iter().any(|t| t.name == "lm_head"));
+}
+
+#[test]
+fn qwen3_dense_and_moe() {
+    let dense = r#"{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "vocab_size": 64, "tie_word_embeddings": true}"#;
+    let ml = plan_and_check(
+        "qwen3-tiny",
+        dense,
+        r#"{"train": {"fsdp": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    assert!(names(&ml).contains(&"model.layers.1.self_attn.q_norm.weight"));
+    let moe = r#"{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 80}"#;
+    let ml = plan_and_check(
+        "qwen3-moe-tiny",
+        moe,
+        r#"{"train": {"fsdp": 2, "ep": 2}, "inference": {"ranks": 4, "instance": 2, "tp": 2}}"#,
+        16,
+    );
+    assert!(names(&ml).contains(&"model.layers.1.mlp.experts.3.down_proj.weight"));
+}
+
+#[test]
+fn mixtral_names_its_experts_w1_w3_w2() {
+    let json = r#"{"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 70}"#;
+    let m = ModelConfig::from_hf_config("mixtral-tiny", json).unwrap();
+    assert_eq!(m.naming, Naming::Mixtral);
+    let ml = plan_and_check(
+        "mixtral-tiny",
+        json,
+        r#"{"train": {"fsdp": 2, "ep": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    let n = names(&ml);
+    for want in [
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+        "model.layers.1.block_sparse_moe.experts.2.w2.weight",
+    ] {
+        assert!(n.contains(&want), "{want} missing");
+    }
+}
+
+#[test]
+fn deepseek_mla_with_a_dense_first_layer() {
+    let json = r#"{"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "n_shared_experts": 1, "n_routed_experts": 4, "first_k_dense_replace": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 64}"#;
+    let ml = plan_and_check(
+        "mla-tiny",
+        json,
+        r#"{"train": {"fsdp": 2, "ep": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    let n = names(&ml);
+    assert!(n.contains(&"model.layers.0.mlp.down_proj.weight"));
+    assert!(n.contains(&"model.layers.2.mlp.gate.e_score_correction_bias"));
+}
+
+/// Hostile and unsupported files: typed errors naming the field.
+#[test]
+fn refused_configs_name_the_field() {
+    let base = r#""hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 64"#;
+    let cases: Vec<(String, &str)> = vec![
+        ("not json".into(), "config.json"),
+        ("[1, 2]".into(), "config.json"),
+        (format!(r#"{{{base}}}"#), "model_type"),
+        (format!(r#"{{"model_type": "gpt2", {base}}}"#), "model_type"),
+        (
+            r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}"#.into(),
+            "intermediate_size",
+        ),
+        (
+            format!(r#"{{"model_type": "llama", {base}, "num_key_value_heads": 3}}"#),
+            "num_key_value_heads",
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": -64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}"#.into(),
+            "hidden_size",
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 1e30, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}"#.into(),
+            "hidden_size",
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 99999999999, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}"#.into(),
+            "hidden_size",
+        ),
+        (
+            format!(r#"{{"model_type": "llama", {base}, "tie_word_embeddings": "yes"}}"#),
+            "tie_word_embeddings",
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 65, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}"#.into(),
+            "head_dim",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "qwen3_moe", {base}, "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [0]}}"#
+            ),
+            "mlp_only_layers",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "qwen3_moe", {base}, "num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 2}}"#
+            ),
+            "decoder_sparse_step",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "deepseek_v3", {base}, "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "moe_intermediate_size": 32}}"#
+            ),
+            "q_lora_rank",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "deepseek_v3", {base}, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 3}}"#
+            ),
+            "first_k_dense_replace",
+        ),
+    ];
+    for (json, field) in cases {
+        match ModelConfig::from_hf_config("x", &json) {
+            Err(RlError::ModelConfig { field: f, .. }) => assert_eq!(f, field, "{json}"),
+            other => panic!("{json}: {other:?}"),
+        }
+    }
+    // Every truncation of a real config is an error, never a panic.
+    for n in 0..DEEPSEEK_V3_JSON.len() {
+        if DEEPSEEK_V3_JSON.is_char_boundary(n) {
+            assert!(ModelConfig::from_hf_config("x", &DEEPSEEK_V3_JSON[..n]).is_err());
+        }
+    }
+    for bad in [
+        r#"{"train": {"fsdp": 2, "tp": 2}, "inference": {"ranks": 2}}"#,
+        r#"{"train": {"fsdp": 2}}"#,
+        r#"{"train": {"fsdp": -1}, "inference": {"ranks": 2}}"#,
+        r#"{"train": {"fsdp": 2}, "inference": {"ranks": 2}, "extra": 1}"#,
+    ] {
+        assert!(
+            matches!(LayoutFile::parse(bad), Err(RlError::ModelConfig { .. })),
+            "{bad}"
+        );
+    }
+}
+
+/// `models::load` takes a known name or a path, naming the model after
+/// its directory.
+#[test]
+fn load_reads_a_config_file() {
+    let dir = std::env::temp_dir().join(format!("weft-rl-hf-{}", std::process::id()));
+    let model_dir = dir.join("Tiny-Llama");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    let path = model_dir.join("config.json");
+    std::fs::write(
+        &path,
+        r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}"#,
+    )
+    .unwrap();
+    let m = models::load(path.to_str().unwrap()).unwrap();
+    assert_eq!(m.name, "Tiny-Llama");
+    assert_eq!(models::load("kimi-k2").unwrap(), models::KIMI_K2);
+    match models::load(dir.join("nope.json").to_str().unwrap()) {
+        Err(RlError::ModelConfig { field, reason }) => {
+            assert_eq!(field, "model");
+            assert!(reason.contains("kimi-k2"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
