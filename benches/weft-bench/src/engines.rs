@@ -18,7 +18,8 @@ use weft::{
 /// `WEFT_BENCH_BLOCK_AFTER_US=N|off` `EngineConfig::idle_block_after`;
 /// `WEFT_BENCH_MAX_INFLIGHT=N` `EngineConfig::max_inflight_per_nic`;
 /// `WEFT_BENCH_PROGRESS_SPINS=N` `EngineConfig::progress_spins`;
-/// `WEFT_BENCH_MAX_PENDING=N` `EngineConfig::max_pending_wrs`.
+/// `WEFT_BENCH_MAX_PENDING=N` `EngineConfig::max_pending_wrs`;
+/// `WEFT_BENCH_CALLER_POSTS=0|1` `EngineConfig::caller_posts`.
 pub fn bench_config() -> EngineConfig {
     let poll = match std::env::var("WEFT_BENCH_POLL")
         .ok()
@@ -62,6 +63,9 @@ pub fn bench_config() -> EngineConfig {
     c.max_pending_wrs = max_pending_wrs;
     c.idle_block_after = idle_block_after;
     c.max_inflight_per_nic = max_inflight_per_nic;
+    if let Some(v) = env_num::<u8>("WEFT_BENCH_CALLER_POSTS") {
+        c.caller_posts = v != 0;
+    }
     c
 }
 

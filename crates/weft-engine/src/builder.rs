@@ -128,6 +128,7 @@ impl EngineBuilder {
                 wake_fd: crate::driver::block::WakeFd::new(),
                 failed: OnceLock::new(),
                 counters: Arc::new(GroupCounters::new(spec.nics.len())),
+                slot: parking_lot::Mutex::new(None),
             }));
             ctrl_rxs.push(ctrl_rx);
         }

@@ -179,6 +179,14 @@ pub struct EngineConfig {
     /// per idle period (docs/benchmarks.md, "Polling policy and idle
     /// CPU").
     pub idle_block_after: Option<Duration>,
+    /// Whether a submitting thread plans and posts its request itself when
+    /// the group's worker is not using the group's state at that moment
+    /// (it takes the worker's lock without waiting, and only when nothing
+    /// is queued before it); otherwise, and always in manual mode, the
+    /// request goes through the group's queue to the worker. The worker
+    /// keeps completions, the backlog and progress either way. Saves the
+    /// hand-off to the worker thread on lightly loaded groups. Default on.
+    pub caller_posts: bool,
 }
 
 impl Default for EngineConfig {
@@ -202,6 +210,7 @@ impl Default for EngineConfig {
             drain_timeout: Duration::from_secs(5),
             poll: PollPolicy::Adaptive,
             idle_block_after: Some(Duration::from_millis(10)),
+            caller_posts: true,
         }
     }
 }

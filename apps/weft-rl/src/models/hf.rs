@@ -155,17 +155,18 @@ impl ModelConfig {
                     format!("{kv_heads} does not divide num_attention_heads {heads}"),
                 ));
             }
-            let head_dim =
-                match f.opt_dim("head_dim")? {
-                    Some(d) => d,
-                    None if hidden.is_multiple_of(heads) => hidden / heads,
-                    None => return Err(bad(
+            let head_dim = match f.opt_dim("head_dim")? {
+                Some(d) => d,
+                None if hidden.is_multiple_of(heads) => hidden / heads,
+                None => {
+                    return Err(bad(
                         "head_dim",
                         format!(
                             "missing, and hidden_size {hidden} is not a multiple of {heads} heads"
                         ),
-                    )),
-                };
+                    ))
+                }
+            };
             Ok(Attn::Gqa {
                 heads,
                 kv_heads,

@@ -64,6 +64,13 @@ pub(crate) struct GroupShared {
     pub(crate) failed: OnceLock<EngineError>,
     /// Load and per-NIC counters the worker publishes.
     pub(crate) counters: Arc<GroupCounters>,
+    /// The group's worker (threaded mode, while its thread runs): the
+    /// thread holds the lock while it works on the group's state and
+    /// releases it between laps and while it sleeps; a submitting thread
+    /// that finds it free posts its request itself
+    /// ([`EngineConfig::caller_posts`](crate::EngineConfig::caller_posts);
+    /// `try_lock` only, so a submitter never waits for it).
+    pub(crate) slot: parking_lot::Mutex<Option<worker::Worker>>,
 }
 
 impl GroupShared {

@@ -10,7 +10,7 @@ use crate::config::{DomainGroupSpec, EngineConfig, Idle, IdleState, PollPolicy};
 use crate::core::{Control, Event, WorkerCore};
 use crate::error::EngineError;
 use crate::imm::{ImmDone, ImmTable, ImmWaits};
-use crate::request::AddrBook;
+use crate::request::{AddrBook, Submitted};
 use crossbeam_channel::{Receiver, Sender};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -79,6 +79,7 @@ impl WorkerCtx {
             draining: None,
             finished: false,
             broken: false,
+            taken_here: false,
         })
     }
 }
@@ -102,6 +103,11 @@ pub(crate) struct Worker {
     /// Set once `iterate` panicked: the core may be half-updated, so the
     /// worker never iterates again, it only refuses (`refuse_queued`).
     broken: bool,
+    /// A submitting thread took a request since the last lap
+    /// (`try_take`): the next lap counts as progress, as taking it from
+    /// the queue would have, so the in-flight window restarts and the
+    /// worker polls for its completions rather than parking.
+    taken_here: bool,
 }
 
 const BURST: usize = 64;
@@ -115,7 +121,7 @@ impl Worker {
     /// One loop iteration in SPEC priority order. Returns whether anything
     /// happened.
     pub(crate) fn iterate(&mut self) -> bool {
-        let mut did = false;
+        let mut did = std::mem::take(&mut self.taken_here);
         // Every message counted in `ctrl_sent` is in the channel already;
         // those sent since are counted (and found) on a later lap.
         let sent = self.shared.ctrl_sent.load(Ordering::Acquire);
@@ -172,24 +178,53 @@ impl Worker {
         did
     }
 
-    /// Sleeps in the NICs' wait fds for at most `timeout`, unless
-    /// something arrived since the last poll or a NIC has work pending.
-    /// Returns whether it slept, and whether a NIC's fd woke it.
-    fn sleep_in_fds(
-        &mut self,
-        blocker: &mut Blocker,
-        seen_arms: u64,
-        timeout: Duration,
-    ) -> Option<bool> {
-        let wake = self.shared.wake_fd.as_ref()?;
-        let mut slept = None;
+    /// Announces `sleeping` and checks, with the lock held, whether the
+    /// worker may sleep in its NICs' wait fds: nothing arrived since the
+    /// last poll and no NIC has work pending ([`WorkerCore::try_wait`],
+    /// which also arms the fds). `None`: the group has no wake fd (no fd
+    /// sleep; `sleeping` left clear); `Some(may)` otherwise, with
+    /// `sleeping` set for [`sleep_in_fds`] to clear. A submitter that
+    /// posts after the lock is released sees `sleeping` and wakes the fd,
+    /// so its completions are never slept through.
+    fn prepare_fd_sleep(&mut self, seen_arms: u64) -> Option<bool> {
+        self.shared.wake_fd.as_ref()?;
         self.shared.sleeping.store(true, Ordering::SeqCst);
-        if self.nothing_to_wake_for(seen_arms) && self.core.try_wait() {
-            slept = Some(blocker.sleep(wake, timeout));
-            self.shared.counters.fd_slept();
+        Some(self.nothing_to_wake_for(seen_arms) && self.core.try_wait())
+    }
+
+    /// Takes `req` on the submitting thread (see
+    /// [`EngineConfig::caller_posts`](crate::EngineConfig::caller_posts)):
+    /// plans it and posts its first WRs as a worker lap's step (1) would,
+    /// hands the events to the callback thread and publishes the load.
+    /// Gives the request back when the worker must take it instead: the
+    /// group failed or is shutting down, control messages are waiting
+    /// (they come first), or the pending bound is reached.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn try_take(&mut self, req: Submitted) -> Result<(), Submitted> {
+        if self.broken
+            || self.finished
+            || self.draining.is_some()
+            || self.shared.closing.load(Ordering::SeqCst)
+            || self.shared.ctrl_sent.load(Ordering::Acquire) != self.ctrl_seen
+            || self.core.pending_pieces() >= self.max_pending
+        {
+            return Err(req);
         }
-        self.shared.sleeping.store(false, Ordering::SeqCst);
-        slept
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.core.sync_incarnations();
+            self.core.take_request(req);
+        }));
+        if let Err(p) = r {
+            // As if the worker had panicked: the group fails.
+            self.fail_now(&*p);
+            return Ok(());
+        }
+        self.taken_here = true;
+        self.shared
+            .counters
+            .publish(self.core.live_transfers(), self.core.pending_pieces());
+        self.flush();
+        Ok(())
     }
 
     /// Whether nothing a waker announces is pending: no request, control
@@ -348,7 +383,10 @@ impl Worker {
     }
 }
 
-/// The worker thread's main loop.
+/// The worker thread's main loop. The worker sits in its group's
+/// [`slot`](super::GroupShared::slot): each lap takes the lock, and every
+/// wait (yield, park, sleep in the wait fds) happens with it released, so
+/// a submitting thread can post in between (`Worker::try_take`).
 pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), EngineError>)>) {
     let g = ctx.shared.index;
     let _ = ctx.shared.thread.set(std::thread::current());
@@ -374,7 +412,8 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     let inflight_spin = ctx.cfg.inflight_spin;
     let progress_spins = ctx.cfg.progress_spins;
     let drain = ctx.cfg.drain_timeout;
-    let mut w = match ctx.open() {
+    let shared = Arc::clone(&ctx.shared);
+    let w = match ctx.open() {
         Ok(w) => {
             let _ = init.send((g, Ok(())));
             w
@@ -396,11 +435,12 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     }
     // Software-progress groups with wait fds sleep in them (`PollPolicy`).
     let mut blocker = if software_progress {
-        Blocker::new(w.core.wait_fds(), w.shared.wake_fd.as_ref())
+        Blocker::new(w.core.wait_fds(), shared.wake_fd.as_ref())
     } else {
         None
     };
     let block_after = block_after_of(&idle, blocker.is_some());
+    *shared.slot.lock() = Some(w);
     let mut idle_since: Option<Instant> = None;
     // Progress is stamped lazily, by the first idle lap that may park, rather
     // than with a clock read on every productive lap (no measurable change on
@@ -410,6 +450,8 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     let mut progressed = false;
     let mut dead_nics = 0;
     loop {
+        let mut slot = shared.slot.lock();
+        let Some(w) = slot.as_mut() else { break };
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
             Err(p) => {
@@ -417,7 +459,7 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
                 break;
             }
         };
-        if w.shared.closing.load(Ordering::SeqCst) {
+        if shared.closing.load(Ordering::SeqCst) {
             w.drain_step(Instant::now() + drain);
             if w.finished {
                 break;
@@ -429,81 +471,97 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
             progressed = true;
             continue;
         }
-        if let Some(d) = idle.step(&mut idle_n) {
-            let stamp_idle = block_after.is_some() && idle_since.is_none();
-            if progressed || stamp_idle {
-                let now = Instant::now();
-                if progressed {
-                    // The in-flight window (`inflight_spin`) runs from here,
-                    // for every group: a software-progress group under
-                    // `SpinThenPark` parks with WRs in flight once it has
-                    // passed (tests/spin_then_park.rs in weft-libfabric).
-                    last_progress = now;
-                }
-                progressed = false;
-                if stamp_idle {
-                    idle_since = Some(now);
-                }
+        let Some(d) = idle.step(&mut idle_n) else {
+            continue;
+        };
+        let stamp_idle = block_after.is_some() && idle_since.is_none();
+        if progressed || stamp_idle {
+            let now = Instant::now();
+            if progressed {
+                // The in-flight window (`inflight_spin`) runs from here,
+                // for every group: a software-progress group under
+                // `SpinThenPark` parks with WRs in flight once it has
+                // passed (tests/spin_then_park.rs in weft-libfabric).
+                last_progress = now;
             }
-            let arms = w.imm_waits.arms.load(Ordering::SeqCst);
-            if arms != seen_arms {
-                // A round was armed since: its immediates are due.
-                seen_arms = arms;
-                last_progress = Instant::now();
+            progressed = false;
+            if stamp_idle {
+                idle_since = Some(now);
             }
-            let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
-            if blocker.is_some() && w.core.dead_nics() != dead_nics {
-                // A NIC died: sleep on the live NICs' fds only.
-                dead_nics = w.core.dead_nics();
-                blocker = Blocker::new(w.core.wait_fds(), w.shared.wake_fd.as_ref());
-            }
-            if let (Some(after), Some(b)) = (block_after, blocker.as_mut()) {
-                // Adaptive, software progress, wait fds: poll (yielding)
-                // for `after`, then sleep in the fds while nothing is
-                // awaited.
-                // (`idle_since` was set when this idle stretch first got
-                // here.)
-                if awaited || idle_since.is_none_or(|s| s.elapsed() < after) {
-                    std::thread::yield_now();
-                    continue;
-                }
-                match w.sleep_in_fds(b, seen_arms, FD_SLEEP_MAX) {
-                    // A peer sent something (e.g. a WRITE into this host,
-                    // which completes nothing here): poll at full speed
-                    // for `after` again rather than once per wake-up.
-                    Some(true) => idle_since = Some(Instant::now()),
-                    Some(false) => {}
-                    None => std::thread::yield_now(),
-                }
-                continue;
-            }
-            // Without wait fds, `SpinThenPark` parks software-progress
-            // groups too: what peers write into this host then waits for
-            // the next poll (at most `idle_sleep`), the price of a bounded
-            // idle CPU.
-            let keep_polling = software_progress && idle.poll == PollPolicy::Adaptive;
-            if keep_polling || (awaited && last_progress.elapsed() < inflight_spin) {
-                // Completions are due, or the NIC moves data (also what
-                // peers write into this host) only while polled: keep
-                // polling, only yield the core.
+        }
+        let arms = w.imm_waits.arms.load(Ordering::SeqCst);
+        if arms != seen_arms {
+            // A round was armed since: its immediates are due.
+            seen_arms = arms;
+            last_progress = Instant::now();
+        }
+        let awaited = w.core.in_flight() || w.imm_waits.armed.load(Ordering::SeqCst) > 0;
+        if blocker.is_some() && w.core.dead_nics() != dead_nics {
+            // A NIC died: sleep on the live NICs' fds only.
+            dead_nics = w.core.dead_nics();
+            blocker = Blocker::new(w.core.wait_fds(), shared.wake_fd.as_ref());
+        }
+        if let (Some(after), Some(b)) = (block_after, blocker.as_mut()) {
+            // Adaptive, software progress, wait fds: poll (yielding)
+            // for `after`, then sleep in the fds while nothing is
+            // awaited.
+            // (`idle_since` was set when this idle stretch first got
+            // here.)
+            if awaited || idle_since.is_none_or(|s| s.elapsed() < after) {
+                drop(slot);
                 std::thread::yield_now();
                 continue;
             }
-            if let Some(b) = blocker.as_mut() {
-                // SpinThenPark with wait fds: the fds wake it for what
-                // peers send, so it needs no `idle_sleep` bound. A NIC
-                // with work pending (`try_wait` false) parks as below.
-                if w.sleep_in_fds(b, seen_arms, d.max(FD_SLEEP_MAX)).is_some() {
+            let may = w.prepare_fd_sleep(seen_arms);
+            drop(slot);
+            match sleep_in_fds(&shared, b, may, FD_SLEEP_MAX) {
+                // A peer sent something (e.g. a WRITE into this host,
+                // which completes nothing here): poll at full speed
+                // for `after` again rather than once per wake-up.
+                Some(true) => idle_since = Some(Instant::now()),
+                Some(false) => {}
+                None => std::thread::yield_now(),
+            }
+            continue;
+        }
+        // Without wait fds, `SpinThenPark` parks software-progress
+        // groups too: what peers write into this host then waits for
+        // the next poll (at most `idle_sleep`), the price of a bounded
+        // idle CPU.
+        let keep_polling = software_progress && idle.poll == PollPolicy::Adaptive;
+        if keep_polling || (awaited && last_progress.elapsed() < inflight_spin) {
+            // Completions are due, or the NIC moves data (also what
+            // peers write into this host) only while polled: keep
+            // polling, only yield the core.
+            drop(slot);
+            std::thread::yield_now();
+            continue;
+        }
+        if let Some(b) = blocker.as_mut() {
+            // SpinThenPark with wait fds: the fds wake it for what
+            // peers send, so it needs no `idle_sleep` bound. A NIC
+            // with work pending (`try_wait` false) parks as below.
+            let may = w.prepare_fd_sleep(seen_arms);
+            if may.is_some() {
+                drop(slot);
+                if sleep_in_fds(&shared, b, may, d.max(FD_SLEEP_MAX)).is_some() {
                     continue;
                 }
+                slot = shared.slot.lock();
             }
-            w.shared.sleeping.store(true, Ordering::SeqCst);
-            if w.nothing_to_wake_for(seen_arms) {
-                std::thread::park_timeout(d);
-            }
-            w.shared.sleeping.store(false, Ordering::SeqCst);
         }
+        let Some(w) = slot.as_mut() else { break };
+        shared.sleeping.store(true, Ordering::SeqCst);
+        let park = w.nothing_to_wake_for(seen_arms);
+        drop(slot);
+        if park {
+            std::thread::park_timeout(d);
+        }
+        shared.sleeping.store(false, Ordering::SeqCst);
     }
+    let Some(mut w) = shared.slot.lock().take() else {
+        return;
+    };
     // Leftover control requests get an answer.
     if w.shared.failed.get().is_none() {
         while let Ok(c) = w.ctrl_rx.try_recv() {
@@ -512,6 +570,27 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     }
     w.flush();
     w.close();
+}
+
+/// Sleeps in the NICs' wait fds for at most `timeout` if `may` (from
+/// [`Worker::prepare_fd_sleep`], with the worker's lock released since):
+/// `Some(woken by a NIC's fd)` when it slept, `None` when it did not.
+/// Clears `sleeping` either way.
+fn sleep_in_fds(
+    shared: &GroupShared,
+    blocker: &mut Blocker,
+    may: Option<bool>,
+    timeout: Duration,
+) -> Option<bool> {
+    let slept = match (may, shared.wake_fd.as_ref()) {
+        (Some(true), Some(wake)) => {
+            shared.counters.fd_slept();
+            Some(blocker.sleep(wake, timeout))
+        }
+        _ => None,
+    };
+    shared.sleeping.store(false, Ordering::SeqCst);
+    slept
 }
 
 /// When an idle `Adaptive` worker with wait fds sleeps in them (`None`:

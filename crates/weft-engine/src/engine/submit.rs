@@ -50,6 +50,12 @@ impl TransferEngine {
         gs: &GroupShared,
         mut req: Submitted,
     ) -> Result<(), (EngineError, Submitted)> {
+        if self.inner.config.caller_posts && self.inner.manual.is_none() {
+            req = match self.post_here(gs, req) {
+                Ok(()) => return Ok(()),
+                Err(r) => r,
+            };
+        }
         let backoff = Backoff::new();
         loop {
             if self.inner.shut.load(Ordering::SeqCst) {
@@ -80,6 +86,37 @@ impl TransferEngine {
                 }
             }
         }
+    }
+
+    /// The caller-posts path (`EngineConfig::caller_posts`): when nothing
+    /// is queued before it and the worker's lock is free right now, the
+    /// request is planned and posted on this thread; otherwise it is given
+    /// back for the queue. Never waits: `try_lock` only, so it cannot
+    /// deadlock with the worker or with itself (a submit from code the
+    /// engine runs while this thread holds the lock finds it taken and
+    /// queues).
+    #[allow(clippy::result_large_err)]
+    fn post_here(&self, gs: &GroupShared, mut req: Submitted) -> Result<(), Submitted> {
+        if !gs.queue.is_empty() {
+            return Err(req);
+        }
+        let Some(mut slot) = gs.slot.try_lock() else {
+            return Err(req);
+        };
+        let Some(w) = slot.as_mut() else {
+            return Err(req);
+        };
+        // Checked with the lock held: a shutdown or failure that began
+        // before is seen here (the queue path then refuses the request).
+        if self.inner.shut.load(Ordering::SeqCst) || gs.failed.get().is_some() {
+            return Err(req);
+        }
+        req.stamps.enqueued();
+        w.try_take(req)?;
+        drop(slot);
+        // The worker polls the completions: wake it if it sleeps.
+        gs.wake();
+        Ok(())
     }
 
     pub(super) fn new_req(&self, on_done: OnDone, body: Body) -> Submitted {
