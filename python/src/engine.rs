@@ -18,32 +18,6 @@ use crate::types::{
 };
 use crate::watcher::{self, PyUvmWatcher};
 
-/// Live engines, shut down at interpreter exit (`atexit`, registered by
-/// the module) so that weft's threads stop calling into Python before the
-/// interpreter finalizes, and the engines `weft.metrics_text()` reports.
-/// Keyed by a per-object serial.
-static LIVE: Mutex<Vec<(u64, weft::TransferEngine, Arc<BindingStats>)>> = Mutex::new(Vec::new());
-static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// The live engines and their binding counters, in creation order.
-pub(crate) fn live() -> Vec<(weft::TransferEngine, Arc<BindingStats>)> {
-    LIVE.lock()
-        .iter()
-        .map(|(_, e, s)| (e.clone(), Arc::clone(s)))
-        .collect()
-}
-
-/// Shuts down every live engine (the module's `atexit` hook).
-#[pyfunction]
-pub fn _shutdown_all(py: Python<'_>) {
-    let all = std::mem::take(&mut *LIVE.lock());
-    py.detach(|| {
-        for (_, e, _) in &all {
-            e.shutdown();
-        }
-    });
-}
-
 /// A weft transfer engine over one backend: register memory, write into
 /// peers' memory, count immediates. Shut it down with `shutdown()` or by
 /// using it as a context manager.
@@ -74,7 +48,7 @@ impl PyTransferEngine {
             return Err(transfer::deadlock_err(py, "shutdown()"));
         }
         // A shut-down engine leaves the process's metrics page.
-        LIVE.lock().retain(|(s, _, _)| *s != self.serial);
+        crate::live::remove(self.serial);
         // Shutdown joins the callback thread, which may need the GIL to
         // drop a registration: never hold it here.
         py.detach(|| self.engine.shutdown());
@@ -133,7 +107,7 @@ fn check_nics(py: Python<'_>, backend: &weft::Backend, host: &dyn weft::Provider
 
 impl Drop for PyTransferEngine {
     fn drop(&mut self) {
-        LIVE.lock().retain(|(s, _, _)| *s != self.serial);
+        crate::live::remove(self.serial);
         let _ = Python::try_attach(|py| py.detach(|| self.engine.shutdown()));
     }
 }
@@ -204,10 +178,9 @@ impl PyTransferEngine {
                     .build()
             })
             .map_err(|e| errors::engine_err(py, &e))?;
-        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let serial = crate::live::next_serial();
         let stats = Arc::<BindingStats>::default();
-        LIVE.lock()
-            .push((serial, engine.clone(), Arc::clone(&stats)));
+        crate::live::add(serial, &engine, &stats);
         Ok(PyTransferEngine {
             engine,
             backend,
@@ -692,7 +665,7 @@ impl PyTransferEngine {
 
     /// Stops the engine (idempotent): pending work fails, the registered
     /// objects are released, and every later call raises `ShutDownError`
-    /// except `shutdown()`, `stats()` and the `provider`, `incarnation`,
+    /// except `shutdown()`, `stats()`, `metrics_text()` and the `provider`, `incarnation`,
     /// `address` and `imm_capacity` properties.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.shutdown_inner(py)

@@ -14,6 +14,7 @@ mod engine;
 mod errors;
 mod imm;
 mod items;
+mod live;
 mod memory;
 mod metrics;
 mod provider;
@@ -53,7 +54,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metrics::metrics_text, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::serve_metrics, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    let shutdown_all = wrap_pyfunction!(engine::_shutdown_all, m)?;
+    let shutdown_all = wrap_pyfunction!(live::_shutdown_all, m)?;
     m.add_function(shutdown_all.clone())?;
     // Engines stop (and their threads stop entering Python) before the
     // interpreter finalizes.

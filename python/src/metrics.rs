@@ -37,7 +37,7 @@ pub(crate) fn page(
 /// (`engine="..."`, hex).
 #[pyfunction]
 pub fn metrics_text() -> PyResult<String> {
-    page(&crate::engine::live(), true).map_err(value_err)
+    page(&crate::live::live(), true).map_err(value_err)
 }
 
 pub(crate) fn value_err(e: weft::metrics::InvalidMetricName) -> PyErr {
@@ -105,7 +105,7 @@ pub fn serve_metrics(py: Python<'_>, port: u16, host: &str) -> PyResult<PyMetric
     let server = py
         .detach(|| {
             weft::MetricsServer::start(addr, || {
-                page(&crate::engine::live(), true).unwrap_or_else(|e| format!("# error: {e}\n"))
+                page(&crate::live::live(), true).unwrap_or_else(|e| format!("# error: {e}\n"))
             })
         })
         .map_err(|e| PyOSError::new_err(format!("cannot serve metrics on {host}:{port}: {e}")))?;

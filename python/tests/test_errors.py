@@ -63,6 +63,7 @@ def test_what_still_works_after_shutdown(shut):
     a, _, s, _, _, _ = shut
     a.shutdown()  # idempotent
     assert a.stats()["callback_errors"] == 0  # counters stay readable
+    assert "weft_transfers_ok_total" in a.metrics_text()
     assert a.provider == "loopback" and a.imm_capacity > 0
     assert isinstance(a.incarnation, int) and a.address is not None
     assert "TransferEngine" in repr(a)
@@ -72,7 +73,7 @@ def test_what_still_works_after_shutdown(shut):
 def test_every_engine_method_is_covered():
     """A new TransferEngine method gets a row in AFTER_SHUTDOWN (or is one
     of the calls documented to work after shutdown)."""
-    works = {"shutdown", "stats", "provider", "incarnation", "address", "imm_capacity"}
+    works = {"shutdown", "stats", "metrics_text", "provider", "incarnation", "address", "imm_capacity"}
     public = {m for m in dir(weft.TransferEngine) if not m.startswith("_")}
     assert public == (set(AFTER_SHUTDOWN) - {"__enter__", "alloc_uvm_watcher(word=)"}) | works
 

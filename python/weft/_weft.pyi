@@ -295,7 +295,7 @@ class TransferEngine:
         """This engine's counters in Prometheus' text format."""
     def shutdown(self) -> None:
         """Stops the engine (idempotent); later calls raise ``ShutDownError``, except
-        ``shutdown()``, ``stats()`` and the properties."""
+        ``shutdown()``, ``stats()``, ``metrics_text()`` and the properties."""
     def __enter__(self) -> TransferEngine: ...
     def __exit__(
         self,
