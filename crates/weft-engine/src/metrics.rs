@@ -10,7 +10,8 @@
 //!   `bytes_posted_total`, `wrs_completed_total`, `peers`;
 //! * per peer (`group`, `nic`, `peer`, the NIC address in hex):
 //!   `peer_wrs_posted_total`, `peer_bytes_posted_total`;
-//! * per group (`group`): `transfers_ok_total`, `transfers_failed_total`
+//! * per group (`group`): `transfers_ok_total`, `caller_posted_total`,
+//!   `transfers_failed_total`
 //!   (and `kind`, [`EngineError::kind`](crate::EngineError::kind)),
 //!   `queued`, `in_flight`, `pending_wrs`, `fd_sleeps_total`,
 //!   `recv_dropped_total` (and `reason`: `stale` or `malformed`);
@@ -203,7 +204,13 @@ impl Metrics {
         for (gi, gs) in stats.groups.iter().enumerate() {
             let g = gi.to_string();
             let group = with(&[("group", &g)]);
-            let per_group: [(&str, &str, MetricKind, f64); 5] = [
+            let per_group: [(&str, &str, MetricKind, f64); 6] = [
+                (
+                    "weft_caller_posted_total",
+                    "Requests the submitting thread posted itself, without the hand-off to the worker.",
+                    Counter,
+                    gs.caller_posted as f64,
+                ),
                 (
                     "weft_transfers_ok_total",
                     "Transfers that finished successfully.",

@@ -1,10 +1,11 @@
 //! Engine statistics: what [`TransferEngine::stats`](crate::TransferEngine::stats)
 //! reports, and the per-group counters the workers publish for it.
 //!
-//! Each group's counters have one writer (its worker), so they are updated
-//! with plain loads and stores (the stores `Release`, the reads `Acquire`),
-//! not read-modify-write atomics: no locked instruction on the posting
-//! path. Readers see a recent value.
+//! Each group's counters have one writer at a time (its worker, or a
+//! submitting thread that posts while it holds the worker's lock; the lock
+//! orders them), so they are updated with plain loads and stores (the
+//! stores `Release`, the reads `Acquire`), not read-modify-write atomics:
+//! no locked instruction on the posting path. Readers see a recent value.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -65,6 +66,10 @@ pub struct GroupStats {
     /// What each resolved peer was sent, by NIC then address (a peer's
     /// entry goes when it is removed or replaced).
     pub peers: Vec<PeerStats>,
+    /// Requests the submitting thread planned and posted itself, without
+    /// the hand-off to the worker
+    /// ([`EngineConfig::caller_posts`](crate::EngineConfig::caller_posts)).
+    pub caller_posted: u64,
 }
 
 /// What one NIC of a group has posted to one peer.
@@ -156,6 +161,7 @@ pub(crate) struct GroupCounters {
     recv_malformed: Counter,
     nics: Vec<NicCounters>,
     transfers_ok: Counter,
+    caller_posted: Counter,
     /// Failures by kind (the error path only: a lock is fine).
     failed: Mutex<BTreeMap<&'static str, u64>>,
     /// Per-peer counters, shared with the worker's NICs (added and
@@ -174,9 +180,17 @@ impl GroupCounters {
             recv_malformed: Counter::default(),
             nics: (0..nics).map(|_| NicCounters::default()).collect(),
             transfers_ok: Counter::default(),
+            caller_posted: Counter::default(),
             failed: Mutex::default(),
             peers: Mutex::default(),
         }
+    }
+
+    /// A submitting thread posted a request itself (written under the
+    /// worker's lock, so still one writer at a time).
+    #[inline]
+    pub(crate) fn caller_posted(&self) {
+        self.caller_posted.add(1);
     }
 
     /// A transfer finished successfully.
@@ -286,6 +300,7 @@ impl GroupCounters {
                 })
                 .collect(),
             transfers_ok: self.transfers_ok.get(),
+            caller_posted: self.caller_posted.get(),
             transfers_failed: self
                 .failed
                 .lock()

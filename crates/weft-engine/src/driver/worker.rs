@@ -220,6 +220,7 @@ impl Worker {
             return Ok(());
         }
         self.taken_here = true;
+        self.shared.counters.caller_posted();
         self.shared
             .counters
             .publish(self.core.live_transfers(), self.core.pending_pieces());

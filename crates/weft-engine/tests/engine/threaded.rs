@@ -589,3 +589,42 @@ fn blocked_recv_callback_bounds_the_backlog() {
         rx.shutdown();
     }
 }
+
+/// `EngineConfig::caller_posts`: with it, sequential writes from one
+/// thread to an otherwise idle group are (at least sometimes) posted by the
+/// submitting thread itself, and every byte lands; without it, never.
+#[test]
+fn caller_posts_takes_idle_groups_and_can_be_turned_off() {
+    for on in [true, false] {
+        let fabric = Fabric::new_realtime(FabricConfig::ideal(21));
+        let mut cfg = test_config();
+        cfg.caller_posts = on;
+        let ea = engine(&fabric, fabric.add_host(1), 1, cfg.clone(), false);
+        let eb = engine(&fabric, fabric.add_host(1), 1, cfg, false);
+        let src = mem::patterned(4, 1 << 16);
+        let dst = mem::zeroed(1 << 16);
+        let (sh, _) = ea.reg_mr(src.region()).unwrap();
+        let (_, dd) = eb.reg_mr(dst.region()).unwrap();
+        for i in 0..200u64 {
+            let (od, flag) = OnDone::flag();
+            let off = (i % 16) * 4096;
+            ea.submit_single_write(4096, None, (&sh, off), (&dd, off), od)
+                .unwrap();
+            assert_eq!(flag.wait_timeout(Duration::from_secs(30)), Some(Ok(())));
+            if i % 50 == 0 {
+                // Let the worker go idle (and park) between some writes.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        assert_eq!(dst.bytes(0, 1 << 16), src.bytes(0, 1 << 16));
+        let s = ea.stats().groups[0].clone();
+        assert_eq!(s.transfers_ok, 200);
+        if on {
+            assert!(s.caller_posted > 0, "the fast path never ran: {s:?}");
+        } else {
+            assert_eq!(s.caller_posted, 0);
+        }
+        ea.shutdown();
+        eb.shutdown();
+    }
+}
