@@ -207,7 +207,11 @@ impl Worker {
             || self.shared.closing.load(Ordering::SeqCst)
             || self.shared.ctrl_sent.load(Ordering::Acquire) != self.ctrl_seen
             || self.core.pending_pieces() >= self.max_pending
+            || self.core.has_partial()
         {
+            // (A paged write with pages left to plan takes turns with new
+            // requests lap by lap in `iterate`; taking requests here would
+            // let a stream of small submits starve it.)
             return Err(req);
         }
         let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -241,6 +245,7 @@ impl Worker {
             && !self.shared.closing.load(Ordering::SeqCst)
             && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
             && !self.core.held_releasable()
+            && !self.taken_here
     }
 
     pub(crate) fn flush(&mut self) {
@@ -255,6 +260,14 @@ impl Worker {
     /// thread's ending; manual mode uses [`Worker::step_manual`]).
     pub(crate) fn failed(&mut self, payload: &(dyn std::any::Any + Send)) {
         self.fail_now(payload);
+        self.refuse_until_closed();
+    }
+
+    /// A failed worker's thread from the failure to the shutdown: refuses
+    /// what is queued (every millisecond) until the group closes. Runs with
+    /// the worker's lock held; submitters never wait for it (they queue,
+    /// and are refused here).
+    fn refuse_until_closed(&mut self) {
         while !(self.shared.closing.load(Ordering::SeqCst) && self.shared.queue.is_empty()) {
             std::thread::park_timeout(Duration::from_millis(1));
             self.refuse_queued();
@@ -450,9 +463,19 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     // spin-and-yield phase late.
     let mut progressed = false;
     let mut dead_nics = 0;
+    // A panic of this thread outside a lap (shutdown handling, the idle
+    // code) must not leave the worker in its slot for submitters to post
+    // to with nobody polling: the guard fails the group and vacates it.
+    let _vacate = Vacate(&shared);
     loop {
         let mut slot = shared.slot.lock();
         let Some(w) = slot.as_mut() else { break };
+        if w.broken {
+            // A request taken on a submitting thread panicked (`try_take`):
+            // as after a panic here, the core is never touched again.
+            w.refuse_until_closed();
+            break;
+        }
         let did = match std::panic::catch_unwind(AssertUnwindSafe(|| w.iterate())) {
             Ok(did) => did,
             Err(p) => {
@@ -472,9 +495,17 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
             progressed = true;
             continue;
         }
+        // Spins and yields with the lock released: a submitter may post
+        // meanwhile (then the next lap counts it as progress).
+        drop(slot);
         let Some(d) = idle.step(&mut idle_n) else {
             continue;
         };
+        let mut slot = shared.slot.lock();
+        let Some(w) = slot.as_mut() else { break };
+        if w.taken_here {
+            continue;
+        }
         let stamp_idle = block_after.is_some() && idle_since.is_none();
         if progressed || stamp_idle {
             let now = Instant::now();
@@ -571,6 +602,33 @@ pub(crate) fn worker_main(ctx: WorkerCtx, init: Sender<(usize, Result<(), Engine
     }
     w.flush();
     w.close();
+}
+
+/// Fails the group and takes the worker out of its slot if the worker
+/// thread unwinds outside a lap (see `worker_main`).
+struct Vacate<'a>(&'a GroupShared);
+
+impl Drop for Vacate<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let g = self.0.index;
+        tracing::error!(
+            group = g,
+            "worker thread panicked outside a lap; failing the group"
+        );
+        let _ = self.0.failed.set(EngineError::WorkerFailed {
+            group: g,
+            what: "the worker thread panicked outside a lap".into(),
+        });
+        // The unwinding lap's guard is gone already; a submitter may hold
+        // the lock for a moment, then the worker stays (it refuses nothing
+        // more, but `failed` makes every later submit fail).
+        if let Some(mut slot) = self.0.slot.try_lock() {
+            drop(slot.take());
+        }
+    }
 }
 
 /// Sleeps in the NICs' wait fds for at most `timeout` if `may` (from
