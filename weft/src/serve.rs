@@ -2,16 +2,17 @@
 //! format) to a scraper: [`MetricsServer`].
 //!
 //! One thread, one connection at a time: a scraper asks every few seconds.
-//! Requests are untrusted input: the request head is read up to 8 KiB
-//! within two seconds, anything else is refused, and a client that stalls
-//! is dropped, never waited on for longer.
+//! Requests are untrusted input: the request head is read up to 8 KiB,
+//! anything but `GET` is refused, and a client gets two seconds to send
+//! its request (and each write of the answer what is left of them): one
+//! that trickles or stalls is dropped, never waited on for longer.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The longest request head read (request line and headers).
 const MAX_HEAD: usize = 8 * 1024;
@@ -99,6 +100,8 @@ impl MetricsServer {
                 SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
             });
         }
+        // The connection wakes the accept; the thread then finishes the
+        // client it serves (at most `CLIENT_TIMEOUT` plus one answer).
         if TcpStream::connect_timeout(&to, CLIENT_TIMEOUT).is_ok() {
             let _ = t.join();
         }
@@ -113,16 +116,26 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Reads one request head and answers it.
+/// What is left of `deadline`, as a socket timeout (an error once it has
+/// passed: a client gets [`CLIENT_TIMEOUT`] in all, not per read).
+fn left(deadline: Instant) -> io::Result<Option<Duration>> {
+    let d = deadline.saturating_duration_since(Instant::now());
+    if d.is_zero() {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, "client too slow"));
+    }
+    Ok(Some(d))
+}
+
+/// Reads one request head and answers it, all within [`CLIENT_TIMEOUT`].
 fn answer(mut c: TcpStream, page: &impl Fn() -> String) -> io::Result<()> {
-    c.set_read_timeout(Some(CLIENT_TIMEOUT))?;
-    c.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let deadline = Instant::now() + CLIENT_TIMEOUT;
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
         if head.len() >= MAX_HEAD {
-            return reply(&mut c, "431 Request Header Fields Too Large", "");
+            return reply(&mut c, deadline, "431 Request Header Fields Too Large", "");
         }
+        c.set_read_timeout(left(deadline)?)?;
         let n = c.read(&mut buf)?;
         if n == 0 {
             break;
@@ -135,13 +148,20 @@ fn answer(mut c: TcpStream, page: &impl Fn() -> String) -> io::Result<()> {
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
     match (method, path) {
-        ("GET", "/metrics" | "/") => reply(&mut c, "200 OK", &page()),
-        ("GET", _) => reply(&mut c, "404 Not Found", "not found: try /metrics\n"),
-        _ => reply(&mut c, "405 Method Not Allowed", "only GET\n"),
+        ("GET", "/metrics" | "/") => reply(&mut c, deadline, "200 OK", &page()),
+        ("GET", _) => reply(
+            &mut c,
+            deadline,
+            "404 Not Found",
+            "not found: try /metrics\n",
+        ),
+        _ => reply(&mut c, deadline, "405 Method Not Allowed", "only GET\n"),
     }
 }
 
-fn reply(c: &mut TcpStream, status: &str, body: &str) -> io::Result<()> {
+fn reply(c: &mut TcpStream, deadline: Instant, status: &str, body: &str) -> io::Result<()> {
+    // A reader that stalls gets what is left of its time per write.
+    c.set_write_timeout(left(deadline)?)?;
     write!(
         c,
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
@@ -184,9 +204,24 @@ mod tests {
         // A head that never ends is cut at the limit.
         let long = vec![b'a'; MAX_HEAD];
         assert!(get(a, &long).starts_with("HTTP/1.1 431"));
-        // A client that connects and says nothing is dropped after the
-        // timeout; the next one is served.
+        // A client that connects and says nothing, and one that trickles
+        // a byte at a time, are dropped after the timeout in all; the next
+        // one is served.
         let _silent = TcpStream::connect(a).unwrap();
+        let mut slow = TcpStream::connect(a).unwrap();
+        let t0 = Instant::now();
+        let mut cut = false;
+        for _ in 0..40 {
+            if slow.write_all(b"G").is_err() {
+                cut = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        let mut rest = Vec::new();
+        let _ = slow.read_to_end(&mut rest);
+        assert!(cut || rest.is_empty(), "a trickling client got an answer");
+        assert!(t0.elapsed() < Duration::from_secs(30));
         assert!(get(a, b"GET /metrics HTTP/1.1\r\n\r\n").contains("x_total"));
         s.stop();
         assert!(TcpStream::connect(a).is_err(), "still listening after stop");

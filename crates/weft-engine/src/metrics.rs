@@ -11,7 +11,8 @@
 //! * per peer (`group`, `nic`, `peer`, the NIC address in hex):
 //!   `peer_wrs_posted_total`, `peer_bytes_posted_total`;
 //! * per group (`group`): `transfers_ok_total`, `caller_posted_total`,
-//!   `transfers_failed_total`
+//!   `transfers_failed_total` (declared without a sample until a first
+//!   failure)
 //!   (and `kind`, [`EngineError::kind`](crate::EngineError::kind)),
 //!   `queued`, `in_flight`, `pending_wrs`, `fd_sleeps_total`,
 //!   `recv_dropped_total` (and `reason`: `stale` or `malformed`);
@@ -124,9 +125,15 @@ impl Metrics {
         }
         if let Some((bad, _)) = labels
             .iter()
-            .find(|(l, _)| !valid_name(l) || l.contains(':'))
+            .find(|(l, _)| !valid_name(l) || l.contains(':') || l.starts_with("__"))
         {
             return Err(InvalidMetricName((*bad).to_string()));
+        }
+        for (i, (l, _)) in labels.iter().enumerate() {
+            if labels[..i].iter().any(|(k, _)| k == l) {
+                // A repeated label makes the whole page unparsable.
+                return Err(InvalidMetricName(format!("{l} (given twice)")));
+            }
         }
         let mut set = String::new();
         for (i, (k, v)) in labels.iter().enumerate() {
@@ -150,8 +157,33 @@ impl Metrics {
         Ok(())
     }
 
+    /// Declares family `name` (its `# HELP` and `# TYPE` lines) without a
+    /// sample, as for a counter of kinds none of which happened yet.
+    pub fn declare(
+        &mut self,
+        name: &str,
+        help: &str,
+        kind: MetricKind,
+    ) -> Result<(), InvalidMetricName> {
+        if !valid_name(name) {
+            return Err(InvalidMetricName(name.to_string()));
+        }
+        self.families
+            .entry(name.to_string())
+            .or_insert_with(|| Family {
+                help: help.replace('\\', "\\\\").replace('\n', "\\n"),
+                kind,
+                samples: Vec::new(),
+            });
+        Ok(())
+    }
+
     /// Adds the counters of `engine` ([`TransferEngine::stats`] and its
     /// data-path report), each sample labelled with `labels` first.
+    /// `labels` may not use the names the engine's samples use (`group`,
+    /// `nic`, `nic_name`, `provider`, `fabric`, `gpu_memory`, `progress`,
+    /// `peer`, `kind`, `reason`); two engines on one page need a label
+    /// that tells them apart (as `weft.metrics_text()` adds `engine`).
     pub fn add_engine(
         &mut self,
         engine: &TransferEngine,
@@ -247,17 +279,9 @@ impl Metrics {
             }
             const FAILED: &str = "weft_transfers_failed_total";
             const FAILED_HELP: &str = "Transfers that failed, by kind of error.";
-            // Kinds appear with their first failure; until then one zero
-            // sample of kind "none" keeps the family on the page.
-            if gs.transfers_failed.is_empty() {
-                out.push((
-                    FAILED,
-                    FAILED_HELP,
-                    Counter,
-                    with(&[("group", &g), ("kind", "none")]),
-                    0.0,
-                ));
-            }
+            // Kinds appear with their first failure; until then the
+            // family is declared with no sample.
+            self.declare(FAILED, FAILED_HELP, Counter)?;
             for (k, n) in &gs.transfers_failed {
                 out.push((
                     FAILED,
@@ -406,6 +430,12 @@ mod tests {
             f64::INFINITY,
         )
         .unwrap();
+        assert!(m
+            .add("c", "", MetricKind::Gauge, &[("x", "1"), ("x", "2")], 0.0)
+            .is_err());
+        assert!(m
+            .add("c", "", MetricKind::Gauge, &[("__name__", "1")], 0.0)
+            .is_err());
         assert_eq!(
             m.render(),
             "# HELP a A gauge.\n# TYPE a gauge\na 1.5\n\
