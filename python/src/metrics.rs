@@ -53,6 +53,16 @@ pub struct PyMetricsServer {
     addr: std::net::SocketAddr,
 }
 
+impl Drop for PyMetricsServer {
+    fn drop(&mut self) {
+        // Stopping joins the server thread (up to one client's time): never
+        // with the GIL held.
+        if let Some(s) = self.server.take() {
+            let _ = Python::try_attach(|py| py.detach(|| s.stop()));
+        }
+    }
+}
+
 #[pymethods]
 impl PyMetricsServer {
     /// `(host, port)` the server listens on.

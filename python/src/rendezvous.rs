@@ -33,8 +33,19 @@ pub(crate) fn store_err(py: Python<'_>, e: &StoreError) -> PyErr {
     new_err(py, class, kind, e.to_string())
 }
 
-/// Seconds from Python as a `Duration` (finite, not negative).
+/// The longest timeout or lease accepted (about 31 years): longer ones
+/// would overflow the clock arithmetic behind them.
+const MAX_SECONDS: f64 = 1e9;
+
+/// Seconds from Python as a `Duration` (finite, not negative, at most
+/// [`MAX_SECONDS`]).
 fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    if s > MAX_SECONDS {
+        return Err(crate::errors::invalid(
+            py,
+            format!("{what} must be at most {MAX_SECONDS} seconds, got {s}"),
+        ));
+    }
     Duration::try_from_secs_f64(s).map_err(|_| {
         crate::errors::invalid(
             py,
@@ -92,6 +103,16 @@ impl PySession {
                 "the session is closed".into(),
             )
         })
+    }
+}
+
+impl Drop for PySession {
+    fn drop(&mut self) {
+        // Closing revokes the lease (a store round trip): never with the
+        // GIL held.
+        if let Some(s) = self.inner.take() {
+            let _ = Python::try_attach(|py| py.detach(|| drop(s)));
+        }
     }
 }
 
@@ -267,12 +288,22 @@ pub struct PyNamespace {
 
 #[pymethods]
 impl PyNamespace {
-    /// Namespace `name` of `store` (no `/` in it).
+    /// Namespace `name` of `store` (non-empty, no `/` in it).
     #[new]
-    fn new(store: &PyStore, name: &str) -> Self {
-        PyNamespace {
-            inner: Namespace::new(Arc::clone(&store.inner), name),
+    fn new(py: Python<'_>, store: &PyStore, name: &str) -> PyResult<Self> {
+        if name.is_empty() || name.contains('/') {
+            return Err(store_err(
+                py,
+                &StoreError::InvalidKey {
+                    endpoint: store.inner.endpoint().to_string(),
+                    key: name.to_string(),
+                    reason: "a namespace must be non-empty and contain no '/'",
+                },
+            ));
         }
+        Ok(PyNamespace {
+            inner: Namespace::new(Arc::clone(&store.inner), name),
+        })
     }
 
     /// The namespace's name.

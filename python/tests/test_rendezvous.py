@@ -78,9 +78,12 @@ def test_refusals():
         rv.open_store("zookeeper:somewhere")
     assert isinstance(e.value, ValueError) and e.value.kind == "spec"
     store = rv.open_store("mem")
-    ns = rv.Namespace(store, "has/slash")
+    for bad in ["has/slash", ""]:
+        with pytest.raises(weft.InvalidRendezvousArgumentError) as e:
+            rv.Namespace(store, bad)
+        assert e.value.kind == "invalid_key"
     with pytest.raises(weft.InvalidRendezvousArgumentError) as e:
-        ns.peer("x")
+        rv.Namespace(store, "ok").peer("a/b")
     assert e.value.kind == "invalid_key"
     ok = rv.Namespace(store, "ok")
     t0 = time.monotonic()
@@ -91,6 +94,11 @@ def test_refusals():
         ok.wait_peer("never", timeout=float("nan"))
     with pytest.raises(weft.InvalidArgumentError):
         rv.Session(store, ttl=-1)
+    for huge in [1e19, float("inf")]:
+        with pytest.raises(weft.InvalidArgumentError):
+            rv.Session(store, ttl=huge)
+        with pytest.raises(weft.InvalidArgumentError):
+            ok.wait_peer("never", timeout=huge)
 
 
 def test_garbage_records_are_skipped(tmp_path):

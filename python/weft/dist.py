@@ -9,7 +9,7 @@ learns every other rank's engine address and descriptors in one collective.
     peers[r].address, peers[r].descs[0]
 
 Only bytes cross the collective (no pickle): each rank's engine address and
-descriptors, length-prefixed, gathered with ``all_gather_into_tensor``
+descriptors, length-prefixed, gathered with ``all_gather``
 (CUDA tensors on the current device when the group's backend is NCCL, CPU
 tensors otherwise). What another rank sent is decoded with the checks of
 ``PeerAddress.from_bytes`` / ``MrDesc.from_bytes``: garbled input raises
@@ -27,9 +27,10 @@ from ._weft import MrDesc, PeerAddress, TransferEngine
 __all__ = ["RankInfo", "exchange", "encode", "decode", "decode_error"]
 
 _MAGIC = b"wfx1"
-#: The largest payload a rank may announce (an address and descriptors
-#: take a few hundred bytes each).
-_MAX_PAYLOAD = 16 << 20
+#: The largest payload a rank may announce: every rank allocates the group
+#: size times the largest announced (an address and a descriptor take about
+#: a hundred bytes each).
+_MAX_PAYLOAD = 64 << 10
 
 
 def decode_error(rank: int, why: str) -> Exception:
