@@ -59,7 +59,7 @@ pub fn run(root: &Path, env: &[(&str, &str)]) -> Result {
         (
             "simulate",
             "tiny-qwen3-moe.config.json",
-            None,
+            Some("tiny.layout.json"),
             "tiny-qwen3-moe",
         ),
     ] {

@@ -189,6 +189,7 @@ impl LayoutArgs {
     fn resolve(&self) -> Result<(ModelConfig, TrainLayout, InferLayout, PlanConfig), String> {
         let m = models::load(self.config.as_deref().unwrap_or(&self.model))
             .map_err(|e| e.to_string())?;
+        let from_file = self.layout.is_some();
         let (mut t, mut i) = match &self.layout {
             Some(path) => {
                 let text =
@@ -203,8 +204,11 @@ impl LayoutArgs {
         t.pp = self.pp.unwrap_or(t.pp);
         t.ep = self.ep.unwrap_or(t.ep);
         i.ranks = self.inference.unwrap_or(i.ranks);
-        i.instance = self.instance.unwrap_or(i.instance.min(i.ranks));
-        i.attn_tp = self.tp.unwrap_or(i.attn_tp.min(i.instance));
+        // The paper's layout shrinks to fit a smaller --inference; a layout
+        // file's numbers stand as written (`build` refuses what does not fit).
+        let fit = |v: u32, cap: u32| if from_file { v } else { v.min(cap) };
+        i.instance = self.instance.unwrap_or(fit(i.instance, i.ranks));
+        i.attn_tp = self.tp.unwrap_or(fit(i.attn_tp, i.instance));
         let mib = |field: &'static str, v: u64| {
             v.checked_mul(1 << 20)
                 .filter(|&b| b > 0)

@@ -83,6 +83,87 @@ struct LayerIds {
     bias: Vec<usize>,
 }
 
+/// Most trainer or inference ranks a layout may have.
+const MAX_RANKS: u64 = 1 << 20;
+/// Most parameters (tensors) a model may have.
+const MAX_PARAMS: u64 = 1 << 24;
+/// Most elements one parameter may have.
+const MAX_ELEMS: u64 = 1 << 40;
+
+/// Refuses sizes that would overflow the planner's arithmetic or exhaust
+/// memory (a hostile or mistyped config or layout file), and tensor
+/// parallel degrees that do not split attention heads whole.
+fn check_scale(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<(), RlError> {
+    let bad = |what: String| Err(RlError::Layout(what));
+    let trainers = u64::from(t.fsdp) * u64::from(t.pp) * u64::from(t.ep);
+    if trainers > MAX_RANKS || u64::from(inf.ranks) > MAX_RANKS {
+        return bad(format!(
+            "{trainers} trainers and {} inference ranks: at most {MAX_RANKS} each",
+            inf.ranks
+        ));
+    }
+    let per_layer = 16 + 3 * (m.experts + m.shared_experts);
+    match m.layers.checked_mul(per_layer) {
+        Some(n) if n <= MAX_PARAMS => {}
+        _ => {
+            return bad(format!(
+                "{} layers of {per_layer} parameters: over {MAX_PARAMS}",
+                m.layers
+            ))
+        }
+    }
+    let (rows, tp_heads) = match m.attn {
+        Attn::Gqa {
+            heads,
+            kv_heads,
+            head_dim,
+        } => (heads.checked_mul(head_dim), Some((heads, kv_heads))),
+        Attn::Mla {
+            heads,
+            q_lora,
+            kv_lora,
+            nope,
+            rope,
+            v,
+        } => (
+            heads
+                .checked_mul(nope + rope.max(v))
+                .map(|x| x.max(q_lora).max(kv_lora + rope)),
+            Some((heads, heads)),
+        ),
+    };
+    let widest = [
+        rows,
+        Some(m.vocab),
+        Some(m.dense_inter),
+        m.moe_inter.checked_mul(m.shared_experts.max(1)),
+        Some(m.experts),
+    ];
+    for x in widest {
+        match x.and_then(|x| x.checked_mul(m.hidden)) {
+            Some(n) if n <= MAX_ELEMS => {}
+            _ => {
+                return bad(format!(
+                    "a tensor of hidden size {} is over {MAX_ELEMS} elements",
+                    m.hidden
+                ))
+            }
+        }
+    }
+    let tp = u64::from(inf.attn_tp);
+    if let Some((heads, kv)) = tp_heads {
+        if !heads.is_multiple_of(tp) {
+            return bad(format!("{heads} attention heads do not split over TP {tp}"));
+        }
+        if !(kv.is_multiple_of(tp) || tp.is_multiple_of(kv)) {
+            return bad(format!(
+                "{kv} key/value heads neither split over TP {tp} nor replicate evenly"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Builds the [`ModelLayout`] of `m` under the given layouts.
 pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelLayout, RlError> {
     if t.fsdp == 0
@@ -100,6 +181,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
             inf.ranks, inf.instance, inf.attn_tp
         )));
     }
+    check_scale(m, t, inf)?;
     let h = m.hidden;
     let mut b = Builder {
         params: Vec::new(),
@@ -159,6 +241,11 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
                             s,
                         ));
                     }
+                }
+                if m.o_bias {
+                    // Row-parallel o_proj: its bias is whole on every rank.
+                    let o = b.dense(format!("{p}.self_attn.o_proj.bias"), h, 1, s);
+                    ids.norms.push(o);
                 }
                 if m.qk_norm {
                     ids.norms

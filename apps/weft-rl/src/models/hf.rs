@@ -14,7 +14,8 @@
 //! | [`ModelFamily::DeepseekV3`] | `deepseek_v3`, `kimi_k2` | MLA: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim` | `first_k_dense_replace` dense layers, then `n_routed_experts` + `n_shared_experts` |
 //!
 //! Common: `hidden_size`, `num_hidden_layers`, `vocab_size`,
-//! `tie_word_embeddings` (default false). The file is untrusted input:
+//! `tie_word_embeddings` (default false), `attention_bias` (q/k/v and
+//! o_proj biases; `mlp_bias` is refused). The file is untrusted input:
 //! a missing field, a number out of range or a layout the planner cannot
 //! express (Qwen3-MoE's `mlp_only_layers`, a `decoder_sparse_step` other
 //! than 1, MLA without `q_lora_rank`) is a typed [`RlError::ModelConfig`],
@@ -191,6 +192,7 @@ impl ModelConfig {
             vocab,
             qk_norm: false,
             qkv_bias: false,
+            o_bias: false,
             tied_embeddings: f.flag("tie_word_embeddings")?,
             naming: Naming::Qwen,
         };
@@ -198,13 +200,16 @@ impl ModelConfig {
             ModelFamily::Llama | ModelFamily::Qwen2 | ModelFamily::Qwen3 => {
                 m.attn = gqa()?;
                 m.dense_inter = f.dim("intermediate_size")?;
-                m.qkv_bias = family == ModelFamily::Qwen2 || f.flag("attention_bias")?;
+                let attention_bias = f.flag("attention_bias")?;
+                m.qkv_bias = family == ModelFamily::Qwen2 || attention_bias;
+                m.o_bias = attention_bias;
                 m.qk_norm = family == ModelFamily::Qwen3;
             }
             ModelFamily::Qwen3Moe => {
                 m.attn = gqa()?;
                 m.qk_norm = true;
                 m.qkv_bias = f.flag("attention_bias")?;
+                m.o_bias = m.qkv_bias;
                 if f.count("decoder_sparse_step", 1)? != 1 {
                     return Err(bad(
                         "decoder_sparse_step",
@@ -226,6 +231,7 @@ impl ModelConfig {
             ModelFamily::Mixtral => {
                 m.attn = gqa()?;
                 m.qkv_bias = f.flag("attention_bias")?;
+                m.o_bias = m.qkv_bias;
                 m.dense_layers = 0;
                 m.experts = f.dim("num_local_experts")?;
                 m.moe_inter = f.dim("intermediate_size")?;
@@ -258,6 +264,9 @@ impl ModelConfig {
                 m.shared_experts = f.count("n_shared_experts", 0)?;
                 m.moe_inter = f.dim("moe_intermediate_size")?;
             }
+        }
+        if f.flag("mlp_bias")? {
+            return Err(bad("mlp_bias", "MLP biases are not modelled"));
         }
         if m.dense_layers > 0 && m.dense_inter == 0 {
             return Err(bad("intermediate_size", "missing for the dense layers"));

@@ -112,8 +112,11 @@ pub struct ModelConfig {
     pub vocab: u64,
     /// Grouped-query attention has per-head `q_norm` / `k_norm` (Qwen3).
     pub qk_norm: bool,
-    /// `q_proj`, `k_proj`, `v_proj` have biases (Qwen2).
+    /// `q_proj`, `k_proj`, `v_proj` have biases (Qwen2, and
+    /// `attention_bias` models).
     pub qkv_bias: bool,
+    /// `o_proj` has a bias (`attention_bias` of Llama-style models).
+    pub o_bias: bool,
     /// `lm_head` is the embedding (`tie_word_embeddings`): no parameter of
     /// its own, and no inference tensor of its own.
     pub tied_embeddings: bool,
@@ -140,6 +143,7 @@ pub const QWEN3_235B: ModelConfig = ModelConfig {
     vocab: 151936,
     qk_norm: true,
     qkv_bias: false,
+    o_bias: false,
     tied_embeddings: false,
     naming: Naming::Qwen,
 };
@@ -166,6 +170,7 @@ pub const DEEPSEEK_V3: ModelConfig = ModelConfig {
     vocab: 129280,
     qk_norm: false,
     qkv_bias: false,
+    o_bias: false,
     tied_embeddings: false,
     naming: Naming::Qwen,
 };
@@ -192,6 +197,7 @@ pub const KIMI_K2: ModelConfig = ModelConfig {
     vocab: 163840,
     qk_norm: false,
     qkv_bias: false,
+    o_bias: false,
     tied_embeddings: false,
     naming: Naming::Qwen,
 };
@@ -216,6 +222,7 @@ pub const TINY_MOE: ModelConfig = ModelConfig {
     vocab: 1024,
     qk_norm: true,
     qkv_bias: false,
+    o_bias: false,
     tied_embeddings: false,
     naming: Naming::Qwen,
 };
@@ -242,6 +249,7 @@ pub const TINY_MLA: ModelConfig = ModelConfig {
     vocab: 512,
     qk_norm: false,
     qkv_bias: false,
+    o_bias: false,
     tied_embeddings: false,
     naming: Naming::Qwen,
 };
@@ -332,7 +340,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
         pp: 2,
         ep: 8,
     };
-    if m.name.starts_with("tiny") {
+    if m.name == TINY_MOE.name || m.name == TINY_MLA.name {
         return (
             TrainLayout {
                 fsdp: 2,

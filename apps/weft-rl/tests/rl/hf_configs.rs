@@ -317,3 +317,86 @@ fn load_reads_a_config_file() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Biases: `attention_bias` adds q/k/v and o_proj biases (o_proj's whole
+/// on every TP rank); `mlp_bias` is refused.
+#[test]
+fn attention_bias_adds_o_proj_bias_and_mlp_bias_is_refused() {
+    let json = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 64, "attention_bias": true}"#;
+    let ml = plan_and_check(
+        "llama-bias",
+        json,
+        r#"{"train": {"fsdp": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    let n = names(&ml);
+    assert!(n.contains(&"model.layers.0.self_attn.o_proj.bias"));
+    assert!(n.contains(&"model.layers.0.self_attn.v_proj.bias"));
+    let with_mlp_bias = json.replace("\"attention_bias\": true", "\"mlp_bias\": true");
+    match ModelConfig::from_hf_config("x", &with_mlp_bias) {
+        Err(RlError::ModelConfig { field, .. }) => assert_eq!(field, "mlp_bias"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Layouts that would split heads, or sizes that would overflow, are typed
+/// errors of `build`, never a silent layout or a panic.
+#[test]
+fn build_refuses_split_heads_and_overflowing_sizes() {
+    let gqa = |heads: u32, kv: u32| {
+        format!(
+            r#"{{"model_type": "llama", "hidden_size": 640, "intermediate_size": 256,
+            "num_hidden_layers": 1, "num_attention_heads": {heads}, "num_key_value_heads": {kv},
+            "head_dim": 16, "vocab_size": 64}}"#
+        )
+    };
+    let layout = |tp: u32| {
+        LayoutFile::parse(&format!(
+            r#"{{"train": {{"fsdp": 2}}, "inference": {{"ranks": {tp}, "tp": {tp}}}}}"#
+        ))
+        .unwrap()
+        .layouts()
+    };
+    for (heads, kv, tp, ok) in [
+        (40, 8, 16, false), // 40 heads over 16 ranks
+        (4, 4, 8, false),   // fewer query heads than ranks
+        (24, 6, 4, false),  // 6 kv heads: neither split nor replicated evenly
+        (16, 2, 8, true),   // kv heads replicated 4 times
+        (16, 16, 8, true),
+    ] {
+        let m = ModelConfig::from_hf_config("x", &gqa(heads, kv)).unwrap();
+        let (t, i) = layout(tp);
+        let r = models::build(&m, t, i);
+        assert_eq!(
+            r.is_ok(),
+            ok,
+            "{heads} heads, {kv} kv, TP {tp}: {:?}",
+            r.err()
+        );
+        if !ok {
+            assert!(matches!(r, Err(RlError::Layout(_))));
+        }
+    }
+    let huge = r#"{"model_type": "llama", "hidden_size": 16777216, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 16777216}"#;
+    let m = ModelConfig::from_hf_config("x", huge).unwrap();
+    let (t, i) = layout(1);
+    assert!(matches!(models::build(&m, t, i), Err(RlError::Layout(_))));
+    let many = r#"{"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 16000000, "num_attention_heads": 4, "num_local_experts": 1000,
+        "vocab_size": 64}"#;
+    let m = ModelConfig::from_hf_config("x", many).unwrap();
+    assert!(matches!(models::build(&m, t, i), Err(RlError::Layout(_))));
+    let wide = LayoutFile::parse(
+        r#"{"train": {"fsdp": 4000000000, "pp": 4000000000}, "inference": {"ranks": 2}}"#,
+    )
+    .unwrap()
+    .layouts();
+    let m = ModelConfig::from_hf_config("x", &gqa(4, 4)).unwrap();
+    assert!(matches!(
+        models::build(&m, wide.0, wide.1),
+        Err(RlError::Layout(_))
+    ));
+}
