@@ -184,8 +184,12 @@ pub struct EngineConfig {
     /// (it takes the worker's lock without waiting, and only when nothing
     /// is queued before it); otherwise, and always in manual mode, the
     /// request goes through the group's queue to the worker. The worker
-    /// keeps completions, the backlog and progress either way. Saves the
-    /// hand-off to the worker thread on lightly loaded groups. Default on.
+    /// keeps completions, the backlog and progress either way. Meant to
+    /// save the hand-off to the worker thread on lightly loaded groups; off
+    /// by default until a benchmark shows the gain (docs/benchmarks.md,
+    /// "Ping-pong"), and best left off where submitting threads share
+    /// contended cores (one descheduled while it holds the lock holds the
+    /// worker back).
     pub caller_posts: bool,
 }
 
@@ -210,7 +214,7 @@ impl Default for EngineConfig {
             drain_timeout: Duration::from_secs(5),
             poll: PollPolicy::Adaptive,
             idle_block_after: Some(Duration::from_millis(10)),
-            caller_posts: true,
+            caller_posts: false,
         }
     }
 }

@@ -34,6 +34,15 @@ const SLOT_LEN: usize = 96 * 1024;
 /// Mixed single and paged writes with immediates between `hosts` hosts of
 /// `nics` NICs; every expect_imm_count callback checks all its bytes are in
 /// place; arming happens before or after submitting (early arrivals).
+/// The threaded tests' engine configuration: [`test_config`], with
+/// `caller_posts` on for odd seeds, so the fixed seeds cover both the
+/// queue hand-off and the submitting thread posting itself.
+fn threaded_config(seed: u64) -> weft_engine::EngineConfig {
+    let mut c = test_config();
+    c.caller_posts = seed % 2 == 1;
+    c
+}
+
 fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
     let _g = SeedGuard::new(seed, "mixed_writes");
     let fabric = Fabric::new_realtime(FabricConfig {
@@ -43,7 +52,7 @@ fn mixed_writes(seed: u64, hosts: usize, nics: usize, total: usize) {
     let engines: Vec<TransferEngine> = (0..hosts)
         .map(|_| {
             let h = fabric.add_host(nics);
-            engine(&fabric, h, nics, test_config(), false)
+            engine(&fabric, h, nics, threaded_config(seed), false)
         })
         .collect();
     let src_len = 1 << 20;
@@ -240,7 +249,7 @@ fn send_recv_storm() {
         let hosts = 4;
         let per_pair: u32 = if cfg!(debug_assertions) { 150 } else { 2000 };
         let engines: Vec<TransferEngine> = (0..hosts)
-            .map(|_| engine(&fabric, fabric.add_host(2), 2, test_config(), false))
+            .map(|_| engine(&fabric, fabric.add_host(2), 2, threaded_config(seed), false))
             .collect();
         let got: Vec<Arc<Mutex<BTreeSet<(u8, u32)>>>> =
             (0..hosts).map(|_| Arc::default()).collect();
@@ -330,7 +339,7 @@ fn resubmitting_callbacks_and_peer_death() {
         let _g = SeedGuard::new(seed, "resubmitting_callbacks_and_peer_death");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let cfg = {
-            let mut c = test_config();
+            let mut c = threaded_config(seed);
             c.queue_capacity = 2;
             c.queue_full = QueueFullPolicy::Block;
             c
@@ -430,8 +439,8 @@ fn shutdown_resolves_everything() {
         let _g = SeedGuard::new(seed, "shutdown_resolves_everything");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(2), fabric.add_host(2));
-        let ea = engine(&fabric, a, 2, test_config(), false);
-        let eb = engine(&fabric, b, 2, test_config(), false);
+        let ea = engine(&fabric, a, 2, threaded_config(seed), false);
+        let eb = engine(&fabric, b, 2, threaded_config(seed), false);
         let src = mem::patterned(seed, 1 << 20);
         let dst = mem::zeroed(1 << 20);
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
@@ -472,8 +481,8 @@ fn rearm_rounds_race_arrivals() {
         let _g = SeedGuard::new(seed, "rearm_rounds_race_arrivals");
         let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
         let (a, b) = (fabric.add_host(3), fabric.add_host(3));
-        let ea = engine(&fabric, a, 3, test_config(), false);
-        let eb = engine(&fabric, b, 3, test_config(), false);
+        let ea = engine(&fabric, a, 3, threaded_config(seed), false);
+        let eb = engine(&fabric, b, 3, threaded_config(seed), false);
         let src = Arc::new(mem::patterned(seed, 1 << 20));
         let dst = Arc::new(mem::zeroed(1 << 20));
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
