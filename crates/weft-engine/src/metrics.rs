@@ -120,9 +120,6 @@ impl Metrics {
         labels: &[(&str, &str)],
         value: f64,
     ) -> Result<(), InvalidMetricName> {
-        if !valid_name(name) {
-            return Err(InvalidMetricName(name.to_string()));
-        }
         if let Some((bad, _)) = labels
             .iter()
             .find(|(l, _)| !valid_name(l) || l.contains(':') || l.starts_with("__"))
@@ -145,15 +142,10 @@ impl Metrics {
             escape_into(&mut set, v);
             set.push('"');
         }
-        self.families
-            .entry(name.to_string())
-            .or_insert_with(|| Family {
-                help: help.replace('\\', "\\\\").replace('\n', "\\n"),
-                kind,
-                samples: Vec::new(),
-            })
-            .samples
-            .push((set, value));
+        self.declare(name, help, kind)?;
+        if let Some(f) = self.families.get_mut(name) {
+            f.samples.push((set, value));
+        }
         Ok(())
     }
 
