@@ -51,7 +51,7 @@ impl Input {
 
 fn dims(ranks: u32, p: u32) -> Dims {
     let mut c = MoeConfig::new(ranks, 256, 8, 128, TOKEN_BYTES, HIDDEN);
-    c.private_tokens = p;
+    c.private_tokens = Some(p);
     c.max_buffer_bytes = 8 << 30;
     c.validate().expect("DeepSeek-V3 shape")
 }

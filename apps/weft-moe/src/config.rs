@@ -43,8 +43,10 @@ pub struct MoeConfig {
     /// Element type of expert outputs and combined tokens.
     pub out_dtype: OutDtype,
     /// Speculative private slots per (source, destination) (P), at most
-    /// `max_tokens · topk`; 0 turns speculation off.
-    pub private_tokens: u32,
+    /// `max_tokens · topk`; `Some(0)` turns speculation off. `None` (the
+    /// default): `min(32, max_tokens · topk)`, derived when the config is
+    /// used, so it follows later edits of `max_tokens` and `topk`.
+    pub private_tokens: Option<u32>,
     /// Index of this MoE group on its engine (each instance reserves five
     /// immediate values from the top of the engine's range).
     pub instance: u32,
@@ -56,8 +58,8 @@ pub struct MoeConfig {
 
 impl MoeConfig {
     /// A config with the given shape and defaults elsewhere: bf16 outputs,
-    /// `private_tokens = min(32, max_tokens·topk)`, instance 0, a 10 s step
-    /// timeout and a 4 GiB buffer limit.
+    /// derived `private_tokens` (`min(32, max_tokens·topk)`), instance 0, a
+    /// 10 s step timeout and a 4 GiB buffer limit.
     pub fn new(
         ranks: u32,
         experts: u32,
@@ -66,7 +68,6 @@ impl MoeConfig {
         token_bytes: u32,
         hidden: u32,
     ) -> Self {
-        let cap = u64::from(max_tokens).saturating_mul(u64::from(topk));
         Self {
             ranks,
             experts,
@@ -75,11 +76,21 @@ impl MoeConfig {
             token_bytes,
             hidden,
             out_dtype: OutDtype::Bf16,
-            private_tokens: cap.min(32) as u32,
+            private_tokens: None,
             instance: 0,
             step_timeout: Duration::from_secs(10),
             max_buffer_bytes: 4 << 30,
         }
+    }
+
+    /// The speculative private slots in effect: `private_tokens`, or when
+    /// unset `min(32, max_tokens · topk)`.
+    pub fn private(&self) -> u32 {
+        self.private_tokens.unwrap_or_else(|| {
+            u64::from(self.max_tokens)
+                .saturating_mul(u64::from(self.topk))
+                .min(32) as u32
+        })
     }
 
     /// Checks the config and derives the [`Dims`] every other part uses.
@@ -107,10 +118,10 @@ impl MoeConfig {
         let r = u64::from(self.topk);
         let local = self.experts / self.ranks;
         let max_pairs = t * r; // both < 2^32: no overflow
-        let p = u64::from(self.private_tokens);
+        let p = u64::from(self.private());
         if p > max_pairs {
             return Err(ConfigError::PrivateTooLarge {
-                p: self.private_tokens,
+                p: self.private(),
                 max: max_pairs,
             });
         }
@@ -145,7 +156,7 @@ impl MoeConfig {
             local,
             topk: self.topk,
             max_tokens: self.max_tokens,
-            private: self.private_tokens,
+            private: self.private(),
             token_bytes: self.token_bytes,
             hidden: self.hidden,
             out_dtype: self.out_dtype,
@@ -297,12 +308,12 @@ mod tests {
             })
         ));
         let mut c = deepseek(8);
-        c.private_tokens = 128 * 8 + 1;
+        c.private_tokens = Some(128 * 8 + 1);
         assert!(matches!(
             c.validate(),
             Err(ConfigError::PrivateTooLarge { max: 1024, .. })
         ));
-        c.private_tokens = 128 * 8;
+        c.private_tokens = Some(128 * 8);
         c.max_buffer_bytes = u64::MAX;
         assert!(c.validate().is_ok());
         let mut c = deepseek(64);
@@ -314,6 +325,25 @@ mod tests {
         let mut c = MoeConfig::new(u32::MAX, u32::MAX, u32::MAX, u32::MAX, 1, 1);
         c.max_buffer_bytes = u64::MAX;
         assert!(c.validate().is_err());
+    }
+
+    /// The derived `private_tokens` follows edits made after `new`: a
+    /// smaller `max_tokens` or `topk` lowers it instead of failing.
+    #[test]
+    fn derived_private_tokens_follow_later_edits() {
+        let mut c = deepseek(8);
+        assert_eq!(c.private(), 32);
+        c.max_tokens = 2;
+        c.topk = 4;
+        assert_eq!(c.private(), 8);
+        assert_eq!(c.validate().map(|d| d.private), Ok(8));
+        c.private_tokens = Some(0);
+        assert_eq!(c.validate().map(|d| d.private), Ok(0));
+        c.private_tokens = Some(9);
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::PrivateTooLarge { p: 9, max: 8 })
+        ));
     }
 
     #[test]

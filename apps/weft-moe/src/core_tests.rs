@@ -22,7 +22,7 @@ fn ic(max_write_len: u64) -> ImmCounts {
 #[allow(clippy::too_many_arguments)]
 fn lockstep(n: u32, l: u32, r: u32, t: u32, p: u32, mwl: u64, seed: u64, steps: u32) {
     let mut c = MoeConfig::new(n, n * l, r, t, 40, 12);
-    c.private_tokens = p.min(t * r);
+    c.private_tokens = Some(p.min(t * r));
     let d = c.validate().unwrap();
     let ic = ic(mwl);
     let imms = ImmValues::for_instance(0, 1 << 16).unwrap();

@@ -179,7 +179,7 @@ impl HostExec {
             u64::from(cfg.token_bytes),
             u64::from(cfg.hidden),
             u64::from(cfg.out_dtype.size()),
-            u64::from(cfg.private_tokens),
+            u64::from(cfg.private()),
             u64::from(imms.route),
         ] {
             h = fnv(h, v);

@@ -158,7 +158,7 @@ mod tests {
     #[test]
     fn worked_example() {
         let mut c = MoeConfig::new(4, 4, 2, 4, 100, 8);
-        c.private_tokens = 2;
+        c.private_tokens = Some(2);
         let d = c.validate().unwrap();
         // n(1→0) = 5, n(2→0) = 0, n(3→0) = 2; rank 0 sends one pair to rank 1.
         let rows = vec![

@@ -12,7 +12,7 @@ use weft::{shard, ImmCounts, ShardConfig};
 /// some ranks with fewer tokens, some with none).
 fn setup(n: u32, l: u32, r: u32, t: u32, p: u32, seed: u64) -> (Dims, RouteMatrix) {
     let mut c = MoeConfig::new(n, n * l, r, t, 24, 4);
-    c.private_tokens = p.min(t * r);
+    c.private_tokens = Some(p.min(t * r));
     let d = c.validate().unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let skew: u32 = rng.gen_range(0..3);
@@ -194,7 +194,7 @@ fn check_counts(d: &Dims, m: &RouteMatrix, ic: &ImmCounts) {
 fn ep4_by_hand() {
     // N=4, L=1, R=2, T=3, P=1.
     let mut c = MoeConfig::new(4, 4, 2, 3, 8, 4);
-    c.private_tokens = 1;
+    c.private_tokens = Some(1);
     let d = c.validate().unwrap();
     let rows = vec![
         vec![0, 3, 0, 0],
@@ -257,7 +257,7 @@ fn edge_cases() {
 fn all_pairs_to_one_expert_is_the_tight_bound() {
     let (n, t, r) = (4u32, 5u32, 3u32);
     let mut c = MoeConfig::new(n, n, r, t, 8, 4);
-    c.private_tokens = 0;
+    c.private_tokens = Some(0);
     let d = c.validate().unwrap();
     let mut row = vec![0; n as usize];
     row[2] = t * r;

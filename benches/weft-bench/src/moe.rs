@@ -59,7 +59,7 @@ pub fn ds_config(n: u32, private: u32) -> MoeConfig {
 
 fn shape(n: u32, tokens: u32, hidden: u32, private: u32) -> MoeConfig {
     let mut c = MoeConfig::new(n, 256, 8, tokens, hidden + hidden / 128 * 4, hidden);
-    c.private_tokens = private.min(tokens * 8);
+    c.private_tokens = Some(private.min(tokens * 8));
     c.max_buffer_bytes = u64::MAX;
     c.step_timeout = Duration::from_secs(60);
     c

@@ -184,7 +184,7 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64) {
 
 fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
     let mut c = MoeConfig::new(n, n * l, r, t, 20, 6);
-    c.private_tokens = p.min(t * r);
+    c.private_tokens = Some(p.min(t * r));
     c
 }
 

@@ -57,7 +57,7 @@ fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, dtype: OutDtype) -> Dims
 #[allow(clippy::too_many_arguments)]
 fn cfg_h(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, hidden: u32, dtype: OutDtype) -> Dims {
     let mut c = MoeConfig::new(n, n * l, r, t, tb, hidden);
-    c.private_tokens = p;
+    c.private_tokens = Some(p);
     c.out_dtype = dtype;
     c.validate().expect("valid config")
 }
@@ -357,7 +357,7 @@ fn gpu_deepseek_shape_ep8_bit_exact() {
     };
     // H = 7168 fp8 + 56 f32 scales, top-8 of 256 experts, 128 tokens, EP8.
     let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
-    c.private_tokens = 32;
+    c.private_tokens = Some(32);
     let d = c.validate().unwrap();
     run(&gpu, &k, &d, &[Routing::Random], 5, 2, false);
 }
@@ -441,7 +441,7 @@ fn gpu_engine_deepseek_shape_ep8_bit_exact() {
         return;
     };
     let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
-    c.private_tokens = 32;
+    c.private_tokens = Some(32);
     let d = c.validate().unwrap();
     let px = Proxies::Engine {
         seed: 9,

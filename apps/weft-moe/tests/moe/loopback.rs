@@ -96,7 +96,7 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
 
 fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
     let mut c = MoeConfig::new(n, n * l, r, t, 40, 12);
-    c.private_tokens = p.min(t * r);
+    c.private_tokens = Some(p.min(t * r));
     c.step_timeout = Duration::from_secs(30);
     c
 }

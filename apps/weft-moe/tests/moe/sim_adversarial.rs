@@ -16,7 +16,7 @@ use weft_testkit::{seeds_or, SeedGuard};
 
 fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
     let mut c = MoeConfig::new(n, n * l, r, t, 40, 12);
-    c.private_tokens = p.min(t * r);
+    c.private_tokens = Some(p.min(t * r));
     c
 }
 

@@ -36,7 +36,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 fn cfg(n: u32) -> MoeConfig {
     let mut c = MoeConfig::new(n, 2 * n, 3, 6, 40, 12);
-    c.private_tokens = 2;
+    c.private_tokens = Some(2);
     c.step_timeout = Duration::from_secs(60);
     c
 }
