@@ -27,3 +27,65 @@ def pair(request: pytest.FixtureRequest):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A private etcd on 127.0.0.1 (Debian's etcd-server), its client URL.
+
+    Skips without an ``etcd`` binary (``WEFT_ETCD`` names another), unless
+    ``WEFT_REQUIRE_ETCD=1`` (CI) makes that a failure.
+    """
+    import os
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+
+    binary = os.environ.get("WEFT_ETCD") or shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.path.isfile(binary):
+        if os.environ.get("WEFT_REQUIRE_ETCD") == "1":
+            pytest.fail("WEFT_REQUIRE_ETCD=1 but no etcd binary (install etcd-server)")
+        pytest.skip("no etcd binary (install Debian's etcd-server, or set WEFT_ETCD)")
+    client, peer = _free_port(), _free_port()
+    url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    log = open(tmp_path / "etcd.log", "wb")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--name=weft-test",
+            f"--data-dir={tmp_path / 'etcd-data'}",
+            f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}",
+            f"--listen-peer-urls={purl}",
+            f"--initial-advertise-peer-urls={purl}",
+            f"--initial-cluster=weft-test={purl}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200 and b"true" in r.read():
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, f"etcd exited: see {tmp_path / 'etcd.log'}"
+            assert time.monotonic() < deadline, "etcd not healthy after 30 s"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

@@ -175,3 +175,50 @@ def test_two_processes_meet_in_a_directory(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+DYING = r"""
+import sys, time, weft
+from weft import rendezvous as rv
+store = rv.open_store("etcd:" + sys.argv[1])
+eng = weft.TransferEngine(weft.provider("loopback"))
+s = rv.Session(store, ttl=2)
+rv.Namespace(store, "job").publish_engine(s, "doomed", eng)
+print("published", flush=True)
+time.sleep(600)  # until killed: its lease then expires
+"""
+
+
+def test_etcd_lease_ends_with_its_process(etcd, loopback_pair):
+    """Over a real etcd: records published under a session are found and
+    watched from another handle; a publisher SIGKILLed mid-lease leaves
+    once its lease expires."""
+    a, _ = loopback_pair
+    store = rv.open_store(f"etcd:{etcd}")
+    assert store.endpoint == f"etcd:{etcd}"
+    ns = rv.Namespace(store, "job")
+    with rv.Session(store, ttl=5) as s:
+        ns.publish_engine(s, "alive", a)
+        assert rv.Namespace(rv.open_store(f"etcd:{etcd}"), "job").wait_peer("alive", timeout=10).address() == a.address
+    watch = ns.watch_peers()
+    child = subprocess.Popen([sys.executable, "-c", DYING, etcd], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "published"
+        seen = {}
+        deadline = time.monotonic() + 30
+        while "leave" not in seen.get("doomed", ()) and time.monotonic() < deadline:
+            ev = watch.recv(timeout=1.0)
+            if ev is None:
+                continue
+            seen.setdefault(ev.name, []).append(ev.kind)
+            if ev.name == "doomed" and ev.kind == "join":
+                child.kill()
+                child.wait()
+                killed = time.monotonic()
+        assert seen.get("doomed", [])[:1] == ["join"], seen
+        assert "leave" in seen["doomed"], f"the dead publisher's record stayed: {seen}"
+        assert time.monotonic() - killed < 15
+        assert ns.peer("doomed") is None
+    finally:
+        child.kill()
+        child.wait()

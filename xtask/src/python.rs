@@ -158,7 +158,10 @@ pub fn test(root: &Path) -> Result {
             "-m",
             "not gpu",
         ])
-        .env("WEFT_WHEEL", &wheel);
+        .env("WEFT_WHEEL", &wheel)
+        // The etcd-backed tests must not skip in this run (setup.sh
+        // installs etcd-server).
+        .env(crate::etcd::REQUIRE.0, crate::etcd::REQUIRE.1);
     match pytest.status() {
         Ok(s) if s.success() => Ok(()),
         Ok(s) if s.code() == Some(NO_TESTS) => {
