@@ -145,6 +145,7 @@ mod decoder;
 mod error;
 pub mod layout;
 mod liveness;
+pub mod metrics;
 mod pages;
 mod prefiller;
 pub mod rendezvous;
@@ -161,6 +162,7 @@ pub use decoder::{
 pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
+pub use metrics::Outcomes;
 pub use pages::{ForeignLease, PageLease, PagePool};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,

@@ -136,6 +136,7 @@ struct Shared {
     handles: Mutex<BTreeMap<u64, Pending>>,
     counts: ImmCounts,
     mrs: Mutex<Vec<Registration>>,
+    outcomes: crate::Outcomes,
 }
 
 /// The decode side: the application's paged KV cache, registered with the
@@ -184,12 +185,24 @@ impl Decoder {
             handles: Mutex::new(BTreeMap::new()),
             counts,
             mrs: Mutex::new(mrs),
+            outcomes: crate::Outcomes::default(),
         });
         let ticker = drive(&engine, &sh, &cfg, "decoder", "kv-decoder-hb")?;
         Ok(Self {
             sh,
             ticker: Mutex::new(Some(ticker)),
         })
+    }
+
+    /// Requests taken and how they ended.
+    pub fn outcomes(&self) -> &crate::Outcomes {
+        &self.sh.outcomes
+    }
+
+    /// Frames dropped so far: from strangers, unauthentic, or answers that
+    /// count for no request.
+    pub fn dropped_frames(&self) -> u64 {
+        self.sh.core.lock().dropped()
     }
 
     /// This decoder's address (what prefillers see as the sender).
@@ -296,6 +309,7 @@ impl Decoder {
                     sh.handles
                         .lock()
                         .insert(s.id, (done.clone(), s.imm_count, imm_lease));
+                    sh.outcomes.started();
                     s
                 }
                 // The lease is dropped: the value returns.
@@ -402,6 +416,7 @@ impl Shared {
                     if let Some((done, imms, imm_lease)) = h {
                         // The value returns before the caller hears.
                         drop(imm_lease);
+                        self.outcomes.ended(&result);
                         done.complete(result.map(|()| Completed { id, imms }));
                     }
                 }

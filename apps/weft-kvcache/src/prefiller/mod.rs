@@ -53,6 +53,7 @@ struct Shared {
     serving: Mutex<BTreeMap<TaskKey, Completion<ServeOutcome>>>,
     incoming: Mutex<Option<Sender<Incoming>>>,
     stats: PrefillStats,
+    outcomes: crate::Outcomes,
 }
 
 /// The prefill side: serves decoders' requests from the application's
@@ -119,6 +120,7 @@ impl Prefiller {
             tail,
             mrs: Mutex::new(vec![kv_reg, tail_reg]),
             serving: Mutex::new(BTreeMap::new()),
+            outcomes: crate::Outcomes::default(),
             incoming: Mutex::new(Some(tx)),
             stats: PrefillStats::default(),
         });
@@ -133,6 +135,16 @@ impl Prefiller {
     /// This prefiller's address (what decoders add).
     pub fn address(&self) -> GroupAddress {
         self.sh.me.clone()
+    }
+
+    /// Requests handed to serving and how they ended.
+    pub fn outcomes(&self) -> &crate::Outcomes {
+        &self.sh.outcomes
+    }
+
+    /// Frames dropped so far: unauthentic, duplicate or replayed.
+    pub fn dropped_frames(&self) -> u64 {
+        self.sh.core.lock().dropped()
     }
 
     /// Host-side cost of the layer reports so far.
@@ -174,6 +186,7 @@ impl Prefiller {
             let mut c = self.sh.core.lock();
             c.accept(&inc.key, src_pages, tail_slot)?;
             self.sh.serving.lock().insert(inc.key.clone(), done.clone());
+            self.sh.outcomes.started();
             c.steps(&inc.key).unwrap_or(0)
         };
         Ok(Serve {
@@ -437,6 +450,7 @@ impl Shared {
         for (key, result) in finished {
             let done = self.serving.lock().remove(&key);
             if let Some(d) = done {
+                self.outcomes.ended(&result);
                 d.complete(result);
             }
         }

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use weft::loopback::{Fabric, FabricConfig, HostId, NicModel};
 use weft::TransferEngine;
 use weft_kvcache::{Decoder, KvError, KvLayout, Prefiller, Route};
@@ -296,5 +296,54 @@ fn an_external_watcher_word_reused_across_requests_drives_the_posts() {
     }
     let st = s.app.pre.stats();
     assert!(st.steps.load(std::sync::atomic::Ordering::Relaxed) >= 4 * 7);
+    s.teardown();
+}
+
+/// The decoder's and the prefiller's counters count every request once,
+/// by outcome, and land on one Prometheus page with their engines'.
+#[test]
+fn metrics_count_requests_by_outcome() {
+    let s = setup(5, Signal::Mixed, None);
+    for k in 0..3u64 {
+        let lease = s.dec.alloc(4).unwrap();
+        let h = s.dec.request(&s.route, &lease, &meta(500 + k)).unwrap();
+        h.wait().unwrap();
+        s.dec.free(lease);
+    }
+    let d = s.dec.outcomes();
+    assert_eq!((d.taken(), d.completed()), (3, 3));
+    assert!(d.failed().is_empty());
+    let p = s.app.pre.outcomes();
+    // The prefiller's side ends once its last write completed: it may
+    // trail the decoder's count by a moment.
+    let t0 = Instant::now();
+    while p.completed() < 3 && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!((p.taken(), p.completed()), (3, 3));
+    let mut m = weft::metrics::Metrics::new();
+    s.dec.write_metrics(&mut m, &[("role", "decode")]).unwrap();
+    s.app
+        .pre
+        .write_metrics(&mut m, &[("role", "prefill")])
+        .unwrap();
+    m.add_engine(&s.de, &[("role", "decode")]).unwrap();
+    m.add_engine(&s.pe, &[("role", "prefill")]).unwrap();
+    let page = m.render();
+    for line in [
+        "weft_kvcache_decoder_requests_total{role=\"decode\"} 3\n",
+        "weft_kvcache_decoder_completed_total{role=\"decode\"} 3\n",
+        "weft_kvcache_prefiller_completed_total{role=\"prefill\"} 3\n",
+        "weft_kvcache_decoder_free_pages{role=\"decode\"} 48\n",
+        "# TYPE weft_kvcache_decoder_failed_total counter\n",
+    ] {
+        assert!(page.contains(line), "{line:?} missing from\n{page}");
+    }
+    assert!(page.contains("weft_kvcache_prefiller_steps_total{role=\"prefill\"} "));
+    assert_eq!(
+        page.matches("# TYPE weft_transfers_ok_total counter")
+            .count(),
+        1
+    );
     s.teardown();
 }
