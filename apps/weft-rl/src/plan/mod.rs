@@ -31,7 +31,10 @@
 //! **Waves** (the watermark): the units of a mesh group are cut into waves
 //! so that no trainer's arena holds more than `watermark` bytes at a time;
 //! a wave starts with a barrier among the group's ranks (every arena of the
-//! group is free again).
+//! group is free again). Before the cut, the group's units are interleaved
+//! writer by writer, the writer with the fewest bytes so far first, so each
+//! wave gives every writer about the same share (a writer that got a whole
+//! wave's worth alone would hold the others at the next barrier).
 
 use std::collections::BTreeMap;
 
@@ -505,6 +508,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
             u.quant == Quant::Fp8Block,
         )
     });
+    interleave_writers(&mut units);
     let mut groups = Vec::new();
     let mut arena_len = 0;
     let mut k = 0;
@@ -559,6 +563,42 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         groups,
         arena_len: arena_len.max(1),
     })
+}
+
+/// Within each mesh group (units sorted by group, then parameter order),
+/// interleaves the writers' units so that every prefix of the group holds
+/// about the same bytes per writer: the next unit is the next one (in
+/// parameter order) of the writer with the fewest bytes emitted so far
+/// (ties: the lowest rank). Waves are cut from prefixes, so each wave then
+/// gives every writer a similar share and no writer waits at the next
+/// barrier for another's backlog.
+fn interleave_writers(units: &mut Vec<Unit>) {
+    let mut out = Vec::with_capacity(units.len());
+    let mut rest = std::mem::take(units).into_iter().peekable();
+    while let Some(first) = rest.next() {
+        let g = first.mesh_group;
+        let mut by_writer: BTreeMap<Rank, std::collections::VecDeque<Unit>> = BTreeMap::new();
+        by_writer.entry(first.writer).or_default().push_back(first);
+        while let Some(u) = rest.next_if(|u| u.mesh_group == g) {
+            by_writer.entry(u.writer).or_default().push_back(u);
+        }
+        let mut sent: BTreeMap<Rank, u64> = by_writer.keys().map(|&w| (w, 0)).collect();
+        loop {
+            let Some((&w, _)) = sent
+                .iter()
+                .filter(|(w, _)| by_writer.get(w).is_some_and(|q| !q.is_empty()))
+                .min_by_key(|(w, b)| (**b, **w))
+            else {
+                break;
+            };
+            let Some(u) = by_writer.get_mut(&w).and_then(|q| q.pop_front()) else {
+                break;
+            };
+            *sent.entry(w).or_default() += u.dest_bytes();
+            out.push(u);
+        }
+    }
+    *units = out;
 }
 
 #[allow(clippy::too_many_arguments)]
