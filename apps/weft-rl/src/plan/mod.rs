@@ -583,14 +583,11 @@ fn interleave_writers(units: &mut Vec<Unit>) {
             by_writer.entry(u.writer).or_default().push_back(u);
         }
         let mut sent: BTreeMap<Rank, u64> = by_writer.keys().map(|&w| (w, 0)).collect();
-        loop {
-            let Some((&w, _)) = sent
-                .iter()
-                .filter(|(w, _)| by_writer.get(w).is_some_and(|q| !q.is_empty()))
-                .min_by_key(|(w, b)| (**b, **w))
-            else {
-                break;
-            };
+        while let Some((&w, _)) = sent
+            .iter()
+            .filter(|(w, _)| by_writer.get(w).is_some_and(|q| !q.is_empty()))
+            .min_by_key(|(w, b)| (**b, **w))
+        {
             let Some(u) = by_writer.get_mut(&w).and_then(|q| q.pop_front()) else {
                 break;
             };
