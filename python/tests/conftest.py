@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 # Importing the source tree without a built extension fails here with
@@ -17,16 +19,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fabric: needs libfabric")
 
 
+@contextlib.contextmanager
+def _loopback_engines(n: int, **provider: object):
+    """`n` engines on one simulated fabric, shut down afterwards."""
+    backend = weft.provider("loopback", **provider)
+    engines = [weft.TransferEngine(backend) for _ in range(n)]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
 @pytest.fixture(params=["ideal", "adversarial"])
 def pair(request: pytest.FixtureRequest):
-    """Two engines on one simulated fabric."""
-    backend = weft.provider("loopback", profile=request.param, seed=7)
-    a, b = weft.TransferEngine(backend), weft.TransferEngine(backend)
-    try:
+    """Two engines on one simulated fabric, under each profile."""
+    with _loopback_engines(2, profile=request.param, seed=7) as (a, b):
         yield a, b
-    finally:
-        a.shutdown()
-        b.shutdown()
+
+
+@pytest.fixture
+def loopback_pair():
+    """Two engines on one simulated fabric (default profile)."""
+    with _loopback_engines(2, seed=5) as (a, b):
+        yield a, b
+
+
+@pytest.fixture
+def loopback_trio():
+    """Three engines on one simulated fabric (default profile)."""
+    with _loopback_engines(3, seed=11) as engines:
+        yield engines
 
 
 def _free_port() -> int:

@@ -40,19 +40,8 @@ def value(page: str, name: str, **want: str) -> float:
     return hits[0]
 
 
-@pytest.fixture
-def engines():
-    backend = weft.provider("loopback", seed=11)
-    es = [weft.TransferEngine(backend) for _ in range(3)]
-    try:
-        yield es
-    finally:
-        for e in es:
-            e.shutdown()
-
-
-def test_engine_page_counts_peers_transfers_and_failures(engines):
-    a, b, c = engines
+def test_engine_page_counts_peers_transfers_and_failures(loopback_trio):
+    a, b, c = loopback_trio
     src = np.arange(8192, dtype=np.uint8)
     db, dc = np.zeros(8192, dtype=np.uint8), np.zeros(8192, dtype=np.uint8)
     s, rb, rc = a.reg_mr(src), b.reg_mr(db), c.reg_mr(dc)
@@ -74,8 +63,9 @@ def test_engine_page_counts_peers_transfers_and_failures(engines):
     assert st["transfers_ok"] == 2 and st["transfers_failed"] == {"remote_access": 1}
 
 
-def test_process_page_labels_every_live_engine(engines):
+def test_process_page_labels_every_live_engine(loopback_trio):
     page = weft.metrics_text()
+    engines = loopback_trio
     incs = {f"{e.incarnation:016x}" for e in engines}
     seen = {ls["engine"] for n, ls, _ in parse(page) if n == "weft_data_path_info"}
     assert incs <= seen
@@ -84,7 +74,7 @@ def test_process_page_labels_every_live_engine(engines):
     assert f"{engines[0].incarnation:016x}" not in seen
 
 
-def test_http_endpoint_serves_the_page(engines):
+def test_http_endpoint_serves_the_page(loopback_trio):
     with weft.serve_metrics() as server:
         host, port = server.address
         assert host == "127.0.0.1" and port > 0

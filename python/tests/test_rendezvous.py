@@ -14,17 +14,6 @@ import weft
 from weft import rendezvous as rv
 
 
-@pytest.fixture
-def loopback_pair():
-    backend = weft.provider("loopback", seed=5)
-    a, b = weft.TransferEngine(backend), weft.TransferEngine(backend)
-    try:
-        yield a, b
-    finally:
-        a.shutdown()
-        b.shutdown()
-
-
 def test_publish_find_and_write(loopback_pair):
     a, b = loopback_pair
     store = rv.open_store("mem")

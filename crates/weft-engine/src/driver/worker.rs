@@ -171,10 +171,7 @@ impl Worker {
         did |= self.core.release_held();
         // (3) completion queues
         did |= self.core.poll() > 0;
-        self.shared
-            .counters
-            .publish(self.core.live_transfers(), self.core.pending_pieces());
-        self.flush();
+        self.publish_and_flush();
         did
     }
 
@@ -225,10 +222,7 @@ impl Worker {
         }
         self.taken_here = true;
         self.shared.counters.caller_posted();
-        self.shared
-            .counters
-            .publish(self.core.live_transfers(), self.core.pending_pieces());
-        self.flush();
+        self.publish_and_flush();
         Ok(())
     }
 
@@ -246,6 +240,16 @@ impl Worker {
             && self.imm_waits.arms.load(Ordering::SeqCst) == seen_arms
             && !self.core.held_releasable()
             && !self.taken_here
+    }
+
+    /// Publishes the load for `stats()` and hands the events to the
+    /// callback thread: the end of a lap, and of a request taken on a
+    /// submitting thread.
+    fn publish_and_flush(&mut self) {
+        self.shared
+            .counters
+            .publish(self.core.live_transfers(), self.core.pending_pieces());
+        self.flush();
     }
 
     pub(crate) fn flush(&mut self) {
