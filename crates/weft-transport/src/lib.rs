@@ -75,6 +75,7 @@ mod host_buffer;
 mod memory;
 mod passive;
 mod path;
+mod peer_memory;
 mod types;
 mod wire;
 
@@ -82,6 +83,7 @@ pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
 pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
 pub use passive::PassivePeers;
+pub use peer_memory::{CopyTicket, Exported, PeerMemory};
 pub use path::{DataPath, DeviceMemoryPath, DirectKind, ProgressMode};
 pub use types::{
     Capabilities, Completion, Imm, Incarnation, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages,

@@ -32,6 +32,9 @@ pub enum DirectKind {
     /// libfabric `FI_HMEM` on a provider whose NIC accesses GPU memory
     /// (EFA, verbs-based providers).
     FiHmem,
+    /// Another process's device memory mapped into the initiator (CUDA
+    /// IPC) and written by the initiator's copy engines: same-host peers.
+    PeerMapped,
     /// The backend says direct without saying how.
     Unspecified,
 }
@@ -121,6 +124,7 @@ impl fmt::Display for DirectKind {
             DirectKind::PeerMemory => "GPUDirect RDMA, peer memory",
             DirectKind::DmaBuf => "GPUDirect RDMA, dma-buf",
             DirectKind::FiHmem => "FI_HMEM",
+            DirectKind::PeerMapped => "peer memory mapped (CUDA IPC), copy engines",
             DirectKind::Unspecified => "unspecified",
         })
     }

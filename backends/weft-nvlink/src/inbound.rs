@@ -1,0 +1,346 @@
+//! The target's side of one connection: frames from the forward ring are
+//! checked against this domain's registrations and receive buffers, their
+//! bytes copied into place, and each finished operation answered on the
+//! back ring. The initiator is untrusted: a frame that breaks the protocol
+//! ends the connection (`RingError`); one that names memory it may not
+//! write is answered with a remote-access error and writes nothing.
+
+use crate::keys::Keys;
+use crate::proto::{self, Status};
+use crate::ring::{Frame, Ring, RingError};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft_transport::{
+    Access, Completion, Device, PeerMemory, RemoteAccessReason, TransportError, WrId,
+};
+
+/// A posted receive buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvBuf {
+    pub(crate) wr: WrId,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) dev: Device,
+}
+
+#[derive(Debug)]
+enum Cur {
+    Write {
+        op: u64,
+        rkey: u64,
+        addr: u64,
+        total: u64,
+        got: u64,
+        err: Option<RemoteAccessReason>,
+        imm: Option<u32>,
+    },
+    Send {
+        op: u64,
+        total: u64,
+        got: u64,
+        dst: Option<RecvBuf>,
+        err: Option<Status>,
+    },
+}
+
+/// What the domain lends a connection while it is progressed.
+pub(crate) struct Target<'a> {
+    pub(crate) keys: &'a Keys,
+    pub(crate) recvs: &'a mut VecDeque<RecvBuf>,
+    pub(crate) out: &'a mut Vec<Completion>,
+    pub(crate) pm: Option<&'a Arc<dyn PeerMemory>>,
+    pub(crate) now: Instant,
+    pub(crate) rnr: Duration,
+    pub(crate) nic: &'a str,
+}
+
+/// One inbound connection's protocol state.
+pub(crate) struct Inbound {
+    pub(crate) rx: Ring,
+    pub(crate) tx: Ring,
+    cur: Option<Cur>,
+    pending_ack: Option<(u64, Status)>,
+    blocked_since: Option<Instant>,
+}
+
+/// Frames handled per connection per poll, so one busy initiator cannot
+/// starve the rest.
+const BUDGET: usize = 64;
+
+impl Inbound {
+    pub(crate) fn new(rx: Ring, tx: Ring) -> Inbound {
+        Inbound {
+            rx,
+            tx,
+            cur: None,
+            pending_ack: None,
+            blocked_since: None,
+        }
+    }
+
+    /// Whether a SEND waits for a receive buffer (the domain must keep
+    /// polling to time it out).
+    pub(crate) fn blocked(&self) -> bool {
+        self.blocked_since.is_some() || self.pending_ack.is_some()
+    }
+
+    /// Handles frames; `Ok(true)` when the initiator should be woken.
+    pub(crate) fn progress(&mut self, t: &mut Target<'_>) -> Result<bool, RingError> {
+        let mut acked = false;
+        for _ in 0..BUDGET {
+            if let Some((op, st)) = self.pending_ack {
+                let (w, x) = st.encode();
+                if !self
+                    .tx
+                    .push(proto::ACK, &proto::words([op, w, x]), 0, |_| {})
+                {
+                    break;
+                }
+                acked = true;
+                self.pending_ack = None;
+            }
+            let Some(f) = self.rx.peek()? else { break };
+            let done = match f.kind {
+                proto::WRITE => self.write(&f, t)?,
+                proto::SEND => match self.send(&f, t)? {
+                    Some(done) => done,
+                    None => break,
+                },
+                proto::LANDED => {
+                    proto::need(&f, 2).ok_or_else(|| RingError("short LANDED".into()))?;
+                    t.out.push(Completion::Imm {
+                        imm: f.u64_at(1) as u32,
+                    });
+                    None
+                }
+                k => return Err(RingError(format!("frame kind {k} on the forward ring"))),
+            };
+            self.rx.consume(&f);
+            self.pending_ack = done;
+        }
+        if let Some((op, st)) = self.pending_ack {
+            let (w, x) = st.encode();
+            if self
+                .tx
+                .push(proto::ACK, &proto::words([op, w, x]), 0, |_| {})
+            {
+                acked = true;
+                self.pending_ack = None;
+            }
+        }
+        Ok(acked && self.tx.wants_bell())
+    }
+
+    /// A WRITE chunk; `Some` answer when it was the last.
+    fn write(&mut self, f: &Frame, t: &mut Target<'_>) -> Result<Option<(u64, Status)>, RingError> {
+        proto::need(f, 6).ok_or_else(|| RingError("short WRITE".into()))?;
+        let (op, rkey, addr, total, at, flags) = (
+            f.u64_at(0),
+            f.u64_at(1),
+            f.u64_at(2),
+            f.u64_at(3),
+            f.u64_at(4),
+            f.u64_at(5),
+        );
+        if at == 0 {
+            if self.cur.is_some() {
+                return Err(RingError(format!(
+                    "WRITE {op} starts inside another operation"
+                )));
+            }
+            let err = match t.keys.get(rkey) {
+                None => Some(RemoteAccessReason::UnknownKey),
+                Some(r) if r.access != Access::RemoteWrite => Some(RemoteAccessReason::NotWritable),
+                Some(r) if !r.holds(addr, total) => Some(RemoteAccessReason::OutOfBounds),
+                Some(_) => None,
+            };
+            let imm = (flags & proto::F_IMM != 0).then_some((flags >> 32) as u32);
+            self.cur = Some(Cur::Write {
+                op,
+                rkey,
+                addr,
+                total,
+                got: 0,
+                err,
+                imm,
+            });
+        }
+        let Some(Cur::Write {
+            op: cop,
+            rkey: ck,
+            addr: ca,
+            total: ct,
+            got,
+            err,
+            imm,
+        }) = &mut self.cur
+        else {
+            return Err(RingError(format!(
+                "WRITE {op} chunk at {at} without its start"
+            )));
+        };
+        let n = f.payload_len as u64;
+        let last = flags & proto::F_LAST != 0;
+        if (*cop, *ck, *ca, *ct, *got) != (op, rkey, addr, total, at)
+            || n > total - at
+            || last != (at + n == total)
+        {
+            return Err(RingError(format!(
+                "WRITE {op} chunk at {at} of {n} bytes out of sequence"
+            )));
+        }
+        if err.is_none() && n > 0 {
+            // Checked per chunk: the region may have been deregistered since.
+            match t.keys.get(rkey) {
+                Some(r) if r.holds(addr + at, n) => {
+                    if let Err(e) = place(r.device, addr + at, f, t.pm) {
+                        tracing::warn!(%e, nic = t.nic, "nvlink: copying a WRITE into place failed");
+                        *err = Some(RemoteAccessReason::Unspecified);
+                    }
+                }
+                _ => *err = Some(RemoteAccessReason::UnknownKey),
+            }
+        }
+        *got += n;
+        if !last {
+            return Ok(None);
+        }
+        let (err, imm) = (*err, *imm);
+        self.cur = None;
+        Ok(Some(match err {
+            None => {
+                if let Some(imm) = imm {
+                    t.out.push(Completion::Imm { imm });
+                }
+                (op, Status::Ok)
+            }
+            Some(r) => (op, Status::RemoteAccess(r)),
+        }))
+    }
+
+    /// A SEND chunk: `None` while its first chunk waits for a receive
+    /// buffer, `Some(answer)` once handled (`Some(None)` mid-message).
+    #[allow(clippy::type_complexity)]
+    fn send(
+        &mut self,
+        f: &Frame,
+        t: &mut Target<'_>,
+    ) -> Result<Option<Option<(u64, Status)>>, RingError> {
+        proto::need(f, 3).ok_or_else(|| RingError("short SEND".into()))?;
+        let (op, total, word) = (f.u64_at(0), f.u64_at(1), f.u64_at(2));
+        let (at, last) = (word & !proto::LAST_BIT, word & proto::LAST_BIT != 0);
+        if at == 0 {
+            if self.cur.is_some() {
+                return Err(RingError(format!(
+                    "SEND {op} starts inside another operation"
+                )));
+            }
+            let (dst, err) = match t.recvs.pop_front() {
+                None => {
+                    let since = *self.blocked_since.get_or_insert(t.now);
+                    if t.now.duration_since(since) < t.rnr {
+                        return Ok(None);
+                    }
+                    (None, Some(Status::NotReady))
+                }
+                Some(b) if b.len < total => {
+                    t.out.push(Completion::Recv {
+                        wr: b.wr,
+                        result: Err(TransportError::MessageTooLong {
+                            nic: t.nic.to_string(),
+                            peer: weft_transport::NetAddr(Vec::new()),
+                            len: total,
+                            capacity: b.len,
+                        }),
+                    });
+                    (None, Some(Status::TooLong { capacity: b.len }))
+                }
+                Some(b) => (Some(b), None),
+            };
+            self.blocked_since = None;
+            self.cur = Some(Cur::Send {
+                op,
+                total,
+                got: 0,
+                dst,
+                err,
+            });
+        }
+        let Some(Cur::Send {
+            op: cop,
+            total: ct,
+            got,
+            dst,
+            err,
+        }) = &mut self.cur
+        else {
+            return Err(RingError(format!(
+                "SEND {op} chunk at {at} without its start"
+            )));
+        };
+        let n = f.payload_len as u64;
+        if (*cop, *ct, *got) != (op, total, at) || n > total - at || last != (at + n == total) {
+            return Err(RingError(format!(
+                "SEND {op} chunk at {at} of {n} bytes out of sequence"
+            )));
+        }
+        if let (Some(b), None) = (dst.as_ref(), *err) {
+            if n > 0 {
+                if let Err(e) = place(b.dev, b.addr + at, f, t.pm) {
+                    tracing::warn!(%e, nic = t.nic, "nvlink: copying a SEND into its buffer failed");
+                    *err = Some(Status::RemoteAccess(RemoteAccessReason::Unspecified));
+                }
+            }
+        }
+        *got += n;
+        if !last {
+            return Ok(Some(None));
+        }
+        let (dst, err) = (*dst, *err);
+        self.cur = None;
+        if let Some(b) = dst {
+            let result = match err {
+                None => Ok(total),
+                Some(_) => Err(TransportError::Failed {
+                    nic: t.nic.to_string(),
+                    wr: Some(b.wr),
+                    what: "the message could not be copied into the buffer".into(),
+                }),
+            };
+            t.out.push(Completion::Recv { wr: b.wr, result });
+        }
+        Ok(Some(Some((op, err.unwrap_or(Status::Ok)))))
+    }
+}
+
+/// Copies a frame's payload to `dst` (memory of `dev` in this process).
+fn place(
+    dev: Device,
+    dst: u64,
+    f: &Frame,
+    pm: Option<&Arc<dyn PeerMemory>>,
+) -> Result<(), TransportError> {
+    let n = f.payload_len;
+    match dev {
+        Device::Host => {
+            // SAFETY: `dst .. dst+n` lies inside a registered host region
+            // (checked by the caller against the live registration; the
+            // registrant promised it stays valid while registered), and the
+            // payload lies inside the frame. The peer may change the payload
+            // while it is copied: that garbles only its own bytes.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::ptr::copy_nonoverlapping(f.payload, dst as *mut u8, n)
+            };
+            Ok(())
+        }
+        _ => match pm {
+            Some(pm) => pm.copy(dst, dev, f.payload as u64, Device::Host, n as u64),
+            None => Err(TransportError::Unsupported {
+                nic: String::new(),
+                what: format!("{dev} memory without a copier"),
+            }),
+        },
+    }
+}
