@@ -17,6 +17,8 @@ pub struct ProviderConfig {
     pub loopback: LoopbackOptions,
     /// libfabric (`libfabric:<provider>`).
     pub libfabric: LibfabricOptions,
+    /// The same-host backend (`nvlink`).
+    pub nvlink: NvlinkOptions,
 }
 
 impl Default for ProviderConfig {
@@ -25,6 +27,7 @@ impl Default for ProviderConfig {
             nics: 1,
             loopback: LoopbackOptions::default(),
             libfabric: LibfabricOptions::default(),
+            nvlink: NvlinkOptions::default(),
         }
     }
 }
@@ -46,6 +49,62 @@ impl ProviderConfig {
     pub fn with_libfabric(mut self, libfabric: LibfabricOptions) -> Self {
         self.libfabric = libfabric;
         self
+    }
+
+    /// Sets [`ProviderConfig::nvlink`].
+    pub fn with_nvlink(mut self, nvlink: NvlinkOptions) -> Self {
+        self.nvlink = nvlink;
+        self
+    }
+}
+
+/// Options of the same-host backend (`nvlink`). [`ProviderConfig::nics`]
+/// is its number of lanes.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub struct NvlinkOptions {
+    /// Memory peers may map, e.g. `weft_cuda::Gpu::peer_memory` (GPU
+    /// memory registered and written one-sidedly through CUDA IPC);
+    /// without it only host memory can be registered.
+    pub peer_memory: Option<std::sync::Arc<dyn weft_transport::PeerMemory>>,
+    /// How long a SEND waits for a receive buffer; `None`: the backend's
+    /// default (1 s).
+    pub rnr_timeout: Option<Duration>,
+}
+
+impl NvlinkOptions {
+    /// Sets [`NvlinkOptions::peer_memory`].
+    pub fn with_peer_memory(mut self, pm: std::sync::Arc<dyn weft_transport::PeerMemory>) -> Self {
+        self.peer_memory = Some(pm);
+        self
+    }
+
+    /// Sets [`NvlinkOptions::rnr_timeout`].
+    pub fn with_rnr_timeout(mut self, t: Duration) -> Self {
+        self.rnr_timeout = Some(t);
+        self
+    }
+}
+
+impl std::fmt::Debug for NvlinkOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvlinkOptions")
+            .field("peer_memory", &self.peer_memory.as_ref().map(|p| p.name().to_string()))
+            .field("rnr_timeout", &self.rnr_timeout)
+            .finish()
+    }
+}
+
+/// Equal when both name the same peer memory object (or none) and the
+/// same timeout.
+impl PartialEq for NvlinkOptions {
+    fn eq(&self, other: &Self) -> bool {
+        let pm = match (&self.peer_memory, &other.peer_memory) {
+            (None, None) => true,
+            (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        pm && self.rnr_timeout == other.rnr_timeout
     }
 }
 

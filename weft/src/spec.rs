@@ -11,7 +11,7 @@ use crate::registry::Registry;
 ///
 /// The grammar is `NAME[:ARG]`: `loopback`, `loopback-null` (alias `null`),
 /// `libfabric:<provider>` (`tcp`, `shm`, `efa`, any libfabric provider
-/// name), `verbs` and `verbs:<device>`, plus any name added with
+/// name), `verbs` and `verbs:<device>`, `nvlink`, plus any name added with
 /// [`Registry::register`] ([`ProviderSpec::Custom`]). [`FromStr`] accepts
 /// the built-in names and the names registered in the process-wide
 /// registry ([`crate::register`]); [`fmt::Display`] writes the canonical
@@ -30,6 +30,9 @@ pub enum ProviderSpec {
     /// libibverbs (ConnectX / any RC NIC): every device, or only the named
     /// one (`verbs:mlx5_0`).
     Verbs(Option<String>),
+    /// The same-host backend (`weft-nvlink`): processes of one host,
+    /// GPU memory through CUDA IPC (see [`crate::NvlinkOptions`]).
+    Nvlink,
     /// A backend added with [`Registry::register`].
     Custom {
         /// The name it was registered under.
@@ -48,6 +51,7 @@ impl ProviderSpec {
             ProviderSpec::LoopbackNull => "loopback-null",
             ProviderSpec::Libfabric(_) => "libfabric",
             ProviderSpec::Verbs(_) => "verbs",
+            ProviderSpec::Nvlink => "nvlink",
             ProviderSpec::Custom { name, .. } => name,
         }
     }
@@ -56,7 +60,7 @@ impl ProviderSpec {
     /// argument), if anything.
     pub fn arg(&self) -> Option<&str> {
         match self {
-            ProviderSpec::Loopback | ProviderSpec::LoopbackNull => None,
+            ProviderSpec::Loopback | ProviderSpec::LoopbackNull | ProviderSpec::Nvlink => None,
             ProviderSpec::Libfabric(p) => Some(p),
             ProviderSpec::Verbs(d) => d.as_deref(),
             ProviderSpec::Custom { arg, .. } => arg.as_deref(),
@@ -90,6 +94,8 @@ impl ProviderSpec {
             ("libfabric", _) => return Err(invalid(
                 "libfabric needs a provider name, e.g. libfabric:tcp, libfabric:shm, libfabric:efa",
             )),
+            ("nvlink", None) => ProviderSpec::Nvlink,
+            ("nvlink", Some(_)) => return Err(invalid("nvlink takes no argument")),
             ("verbs", None) => ProviderSpec::Verbs(None),
             ("verbs", Some(d)) if !d.is_empty() => ProviderSpec::Verbs(Some(d.to_string())),
             ("verbs", Some(_)) => {

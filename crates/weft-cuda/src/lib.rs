@@ -28,6 +28,10 @@
 //!   device functions;
 //! - [`Stream`] and [`Graph`]: a non-blocking stream, stream capture into a
 //!   CUDA graph and graph launch;
+//! - [`Gpu::peer_memory`] / [`CudaPeerMemory`]: the
+//!   [`weft_transport::PeerMemory`] of a GPU, with which the same-host
+//!   backend (`weft-nvlink`) registers GPU memory and copies into peers'
+//!   GPU memory on a stream per peer;
 //! - [`Gpu::export`] / [`Gpu::import`] / [`ImportCache`]: device memory
 //!   shared between processes (legacy IPC handles for `cuMemAlloc` memory,
 //!   POSIX file descriptors for virtual-memory allocations such as
@@ -92,7 +96,7 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    probe, probe_nvrtc, CudaCopy, DeviceBuffer, Event, Exported, Function, Gpu, Graph, HostFlag,
+    probe, probe_nvrtc, CudaCopy, CudaPeerMemory, DeviceBuffer, Event, Exported, Function, Gpu, Graph, HostFlag,
     ImportCache, Imported, Kernels, MappedBuffer, Module, ProbeOrdering, Stream, WatchWord,
     KERNELS_CU,
 };

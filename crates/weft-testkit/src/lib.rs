@@ -16,6 +16,8 @@
 //! - [`etcd`]: a private etcd server on a free port for rendezvous tests.
 //! - [`fuzz`]: the case counts, mutations of valid encodings and the
 //!   allocation probe of the wire decoders' fuzz properties.
+//! - [`peer_memory`]: a host-memory `PeerMemory` for the one-sided path of
+//!   same-host backends without a GPU.
 //! - [`child`]: re-executing the current test binary as a child process in a
 //!   role, talking to it in lines over its stdin/stdout (with or without a
 //!   bound on the wait), signalling and killing it.
@@ -25,6 +27,7 @@
 //! `weft-conformance`), never of a library.
 
 #![deny(unsafe_code)]
+// `peer_memory` copies between registered host ranges (its own allow).
 
 pub mod child;
 pub mod drive;
@@ -32,6 +35,7 @@ pub mod etcd;
 pub mod fuzz;
 pub mod mem;
 pub mod pattern;
+pub mod peer_memory;
 pub mod seed;
 pub mod wait;
 

@@ -10,6 +10,8 @@ use std::sync::Arc;
 pub(crate) mod libfabric;
 #[cfg(feature = "loopback")]
 pub(crate) mod loopback;
+#[cfg(feature = "nvlink")]
+pub(crate) mod nvlink;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
@@ -80,6 +82,12 @@ pub(crate) fn register_all(r: &mut Registry) {
         &["libfabric:tcp", "libfabric:shm", "libfabric:efa"],
         &["libfabric:<provider>"],
         gated!("libfabric", per_host(libfabric::host)),
+    );
+    r.insert(
+        "nvlink",
+        &["nvlink"],
+        &[],
+        gated!("nvlink", per_host(nvlink::host)),
     );
     r.insert(
         "verbs",

@@ -15,6 +15,8 @@ mod memory;
 #[allow(unsafe_code)]
 mod module;
 #[allow(unsafe_code)]
+mod peer;
+#[allow(unsafe_code)]
 mod probe;
 #[allow(unsafe_code)]
 mod stream;
@@ -26,6 +28,7 @@ pub use kernels::{Kernels, ProbeOrdering, KERNELS_CU};
 pub use mapped::{HostFlag, WatchWord};
 pub use memory::DeviceBuffer;
 pub use module::{Event, Function, MappedBuffer, Module};
+pub use peer::CudaPeerMemory;
 pub use probe::{probe, probe_nvrtc};
 pub use stream::{Graph, Stream};
 

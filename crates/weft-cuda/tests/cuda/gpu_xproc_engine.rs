@@ -1,12 +1,13 @@
 //! GPU memory across processes through the engine: two processes, each a
-//! `TransferEngine` over libfabric `shm` with FI_HMEM, each with a domain
-//! group serving cuda:0. The child (the writer) WRITEs from its device
+//! `TransferEngine` over libfabric `shm` with FI_HMEM or over the same-host
+//! backend (`weft-nvlink`, CUDA peer memory), each with a domain group
+//! serving cuda:0. The child (the writer) WRITEs from its device
 //! buffer into the parent's device buffer — single WRITEs of 4 KiB to
 //! 16 MiB and paged WRITEs of KV-cache shapes (16 KiB pages in a shuffled
 //! order), every one with an immediate; the parent waits for the immediates
 //! and checks every byte on the GPU.
 //!
-//! Needs a libfabric built with CUDA support (load it with
+//! The libfabric runs need a libfabric built with CUDA support (load it with
 //! `WEFT_LIBFABRIC_PATH`); with one that refuses CUDA memory (the distro's)
 //! the test skips, unless `WEFT_REQUIRE_CUDA_LIBFABRIC=1` makes that a
 //! failure. Skips without a GPU (fails under `WEFT_CUDA_REQUIRE_GPU=1`).
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 use weft_cuda::{DeviceBuffer, Gpu};
 use weft_engine::{DomainGroupSpec, EngineConfig, MrHandle, OnDone, TransferEngine};
 use weft_libfabric::{LibfabricConfig, LibfabricProvider};
+use weft_nvlink::{NvlinkConfig, NvlinkProvider};
 use weft_testkit::child::{self, spawn_role};
 use weft_transport::{decode, encode, Device, MrDesc, Pages, TransportError};
 
@@ -34,19 +36,24 @@ fn required() -> bool {
 }
 
 /// An engine over libfabric shm with FI_HMEM (and CUDA IPC when the role
-/// says `ipc`), one group on cuda:0.
+/// says `ipc`), or over the same-host backend with CUDA peer memory when
+/// it says `nvlink`; one group on cuda:0.
 fn engine() -> Result<TransferEngine, String> {
-    let ipc = child::role().is_some_and(|r| r.ends_with("ipc"));
-    let p = LibfabricProvider::with_config(
-        LibfabricConfig::new("shm")
-            .with_hmem(true)
-            .with_hmem_ipc(ipc),
-    )
-    .map_err(|e| format!("libfabric shm: {e}"))?;
+    let role = child::role().unwrap_or_default();
+    let p: Arc<dyn weft_transport::Provider> = if role.ends_with("nvlink") {
+        let pm = Gpu::open(0).and_then(|g| g.peer_memory()).map_err(|e| format!("peer memory: {e}"))?;
+        Arc::new(NvlinkProvider::new(NvlinkConfig::default().with_lanes(1).with_peer_memory(Arc::new(pm))))
+    } else {
+        let ipc = role.ends_with("ipc");
+        Arc::new(
+            LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true).with_hmem_ipc(ipc))
+                .map_err(|e| format!("libfabric shm: {e}"))?,
+        )
+    };
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = Some(Duration::from_micros(200));
     TransferEngine::builder()
-        .group(DomainGroupSpec::new(Arc::new(p), vec![0]).device(Device::Cuda(0)))
+        .group(DomainGroupSpec::new(p, vec![0]).device(Device::Cuda(0)))
         .config(cfg)
         .build()
         .map_err(|e| format!("engine: {e}"))
@@ -225,6 +232,13 @@ fn device_writes_cross_processes_over_cuda_shm_ipc() {
     cross_processes("device_writes_cross_processes_over_cuda_shm_ipc", "ipc");
 }
 
+/// The same over the same-host backend: the writer maps the reader's
+/// memory (CUDA IPC) and copies into it on its own stream.
+#[test]
+fn device_writes_cross_processes_over_nvlink() {
+    cross_processes("device_writes_cross_processes_over_nvlink", "nvlink");
+}
+
 /// The test of the module docs, shm moving GPU memory through host memory
 /// (`staged`) or with CUDA IPC (`ipc`).
 fn cross_processes(test: &str, mode: &str) {
@@ -240,7 +254,7 @@ fn cross_processes(test: &str, mode: &str) {
         spawn_role("xproc_reader_entry", &format!("reader-{mode}"), &[]).expect("spawn reader");
     let first = line(&mut reader, "reader");
     if let Some(why) = first.strip_prefix("skip ") {
-        assert!(!required(), "WEFT_REQUIRE_CUDA_LIBFABRIC=1: {why}");
+        assert!(!required() && mode != "nvlink", "{mode}: {why}");
         eprintln!("SKIP: {why}");
         return;
     }

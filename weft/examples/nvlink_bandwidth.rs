@@ -1,0 +1,163 @@
+//! GPU-to-GPU WRITE bandwidth across processes through the engine over the
+//! same-host backend (`nvlink`: the initiator maps the target's memory
+//! with CUDA IPC and copies into it on a stream of its own), against
+//! `cuMemcpyDtoDAsync` inside one process, in the same run.
+//!
+//! The example re-executes itself as the target: it registers a device
+//! buffer with its engine and prints the descriptor. A WRITE over nvlink
+//! completes once its copy finished (delivery complete), so a sample is 8
+//! engine WRITEs of one size, all completed; the baseline sample is 8
+//! synchronous copies of that size between two buffers of this process;
+//! alternating. Then 64 KiB pages of a KV-cache shape: 256 paged WRITEs in
+//! a shuffled order, one request.
+//!
+//! Usage: `nvlink_bandwidth [--reps N]` (default 7 repetitions per size).
+
+#[path = "common/table.rs"]
+mod table;
+
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft::{
+    decode, encode, Device, DeviceCopy, DomainGroupSpec, EngineConfig, MrDesc, NvlinkOptions,
+    OnDone, Pages, ProviderConfig, TransferEngine,
+};
+use weft_cuda::Gpu;
+
+const MAX: usize = 1 << 30;
+/// WRITEs (and baseline copies) per sample.
+const BATCH: usize = 8;
+
+fn engine(gpu: &Gpu) -> Result<TransferEngine, Box<dyn std::error::Error>> {
+    let pm = Arc::new(gpu.peer_memory()?);
+    let backend = weft::provider_with(
+        &"nvlink".parse()?,
+        &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
+    )?;
+    let mut cfg = EngineConfig::default();
+    cfg.idle_sleep = None;
+    Ok(TransferEngine::builder()
+        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
+        .config(cfg)
+        .build()?)
+}
+
+fn wait_all(flags: &[Arc<weft::DoneFlag>], what: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for f in flags {
+        while !f.is_done() {
+            if Instant::now() > deadline {
+                return Err(format!("{what}: not complete within 60 s").into());
+            }
+            std::hint::spin_loop();
+        }
+        if let Some(Err(err)) = f.result() {
+            return Err(format!("{what}: {err}").into());
+        }
+    }
+    Ok(())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--target") {
+        return target();
+    }
+    let reps = table::reps(&args);
+    let gpu = Gpu::open(0)?;
+    let src = gpu.alloc(MAX)?;
+    let scratch = gpu.alloc(MAX)?;
+    let e = engine(&gpu)?;
+    // SAFETY: `src` outlives the engine (dropped after it, below).
+    let (h, _) = e.reg_mr(unsafe { src.region() })?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("--target")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = std::io::BufReader::new(child.stdout.take().ok_or("target stdout")?);
+    let desc: MrDesc = decode(&table::read_hex(&mut out)?)?;
+    let mut stdin = child.stdin.take().ok_or("target stdin")?;
+    let copy = gpu.copy_engine()?;
+    let dev = Device::Cuda(0);
+    println!(
+        "engine WRITE over nvlink (CUDA IPC, copy engine) to another process vs cuMemcpyDtoD in \
+         one process, {}, {reps} reps per size",
+        gpu.name()
+    );
+    table::header("engine", "in-process");
+    let mut size = 4096;
+    while size <= MAX {
+        let batch = if size >= 256 << 20 { 2 } else { BATCH };
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..reps + 1 {
+            let t = Instant::now();
+            let mut flags = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                let (od, f) = OnDone::flag();
+                e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
+                flags.push(f);
+            }
+            wait_all(&flags, &format!("WRITE of {size} B"))?;
+            times[0].push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for _ in 0..batch {
+                copy.copy(scratch.device_ptr(), dev, src.device_ptr(), dev, size as u64)?;
+            }
+            times[1].push(t.elapsed().as_secs_f64());
+        }
+        table::row(size, batch * size, &mut times);
+        size *= 4;
+    }
+    println!("paged WRITEs (256 shuffled pages per request) vs in-process copies of the same pages");
+    table::header("engine", "in-process");
+    for page in [4usize << 10, 16 << 10, 64 << 10] {
+        let n = 256u32;
+        let order: Vec<u32> = (0..n).map(|j| (j * 97 + 31) % n).collect();
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..reps + 1 {
+            let sp = Pages { indices: order.clone(), stride: page as u64, offset: 0 };
+            let dp = Pages { indices: (0..n).collect(), stride: page as u64, offset: 0 };
+            let t = Instant::now();
+            let (od, f) = OnDone::flag();
+            e.submit_paged_writes(page as u64, None, (&h, &sp), (&desc, &dp), od)?;
+            wait_all(&[f], "paged WRITEs")?;
+            times[0].push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for (j, &s) in order.iter().enumerate() {
+                copy.copy(
+                    scratch.device_ptr() + (j * page) as u64,
+                    dev,
+                    src.device_ptr() + s as u64 * page as u64,
+                    dev,
+                    page as u64,
+                )?;
+            }
+            times[1].push(t.elapsed().as_secs_f64());
+        }
+        table::row(page, n as usize * page, &mut times);
+    }
+    writeln!(stdin, "done")?;
+    child.wait()?;
+    drop(e);
+    Ok(())
+}
+
+/// The target: registers a device buffer, prints its descriptor, waits
+/// for the end (the bytes arrive without it doing anything but polling).
+fn target() -> Result<(), Box<dyn std::error::Error>> {
+    let gpu = Gpu::open(0)?;
+    let dst = gpu.alloc(MAX)?;
+    let e = engine(&gpu)?;
+    // SAFETY: `dst` outlives the engine (dropped after it, below).
+    let (_h, desc) = e.reg_mr(unsafe { dst.region() })?;
+    let hex: String = encode(&desc)?.iter().map(|b| format!("{b:02x}")).collect();
+    println!("{hex}");
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line)?;
+    drop(e);
+    Ok(())
+}
