@@ -104,22 +104,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             for _ in 0..batch {
-                copy.copy(scratch.device_ptr(), dev, src.device_ptr(), dev, size as u64)?;
+                copy.copy(
+                    scratch.device_ptr(),
+                    dev,
+                    src.device_ptr(),
+                    dev,
+                    size as u64,
+                )?;
             }
             times[1].push(t.elapsed().as_secs_f64());
         }
         table::row(size, batch * size, &mut times);
         size *= 4;
     }
-    println!("paged WRITEs (256 shuffled pages per request) vs in-process copies of the same pages");
+    println!(
+        "paged WRITEs (256 shuffled pages per request) vs in-process copies of the same pages"
+    );
     table::header("engine", "in-process");
     for page in [4usize << 10, 16 << 10, 64 << 10] {
         let n = 256u32;
         let order: Vec<u32> = (0..n).map(|j| (j * 97 + 31) % n).collect();
         let mut times = [Vec::new(), Vec::new()];
         for _ in 0..reps + 1 {
-            let sp = Pages { indices: order.clone(), stride: page as u64, offset: 0 };
-            let dp = Pages { indices: (0..n).collect(), stride: page as u64, offset: 0 };
+            let sp = Pages {
+                indices: order.clone(),
+                stride: page as u64,
+                offset: 0,
+            };
+            let dp = Pages {
+                indices: (0..n).collect(),
+                stride: page as u64,
+                offset: 0,
+            };
             let t = Instant::now();
             let (od, f) = OnDone::flag();
             e.submit_paged_writes(page as u64, None, (&h, &sp), (&desc, &dp), od)?;

@@ -89,7 +89,10 @@ impl NvlinkOptions {
 impl std::fmt::Debug for NvlinkOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NvlinkOptions")
-            .field("peer_memory", &self.peer_memory.as_ref().map(|p| p.name().to_string()))
+            .field(
+                "peer_memory",
+                &self.peer_memory.as_ref().map(|p| p.name().to_string()),
+            )
             .field("rnr_timeout", &self.rnr_timeout)
             .finish()
     }

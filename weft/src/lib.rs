@@ -50,7 +50,9 @@ mod spec;
 pub mod topology;
 
 pub use backend::{Backend, HostSource};
-pub use config::{LibfabricOptions, LoopbackOptions, LoopbackProfile, NvlinkOptions, ProviderConfig};
+pub use config::{
+    LibfabricOptions, LoopbackOptions, LoopbackProfile, NvlinkOptions, ProviderConfig,
+};
 pub use error::ProviderError;
 pub use registry::{
     provider, provider_with, providers, register, Availability, Factory, ProviderStatus, Registry,
@@ -63,8 +65,8 @@ pub use weft_engine::*;
 pub use weft_transport::{
     decode, encode, Access, Capabilities, Completion, Device, DeviceCopy, Domain, HostBuffer,
     HostBufferBuilder, HostBufferError, LocalMr, LocalSlice, MemRegion, MrKey, NetAddr,
-    NetAddrParseError, NicInfo, PeerId, PeerMemory, PostError, Provider, RemoteAccessReason, RemoteSlice, Rkey,
-    TransportError, WireError, WrId, WriteWr,
+    NetAddrParseError, NicInfo, PeerId, PeerMemory, PostError, Provider, RemoteAccessReason,
+    RemoteSlice, Rkey, TransportError, WireError, WrId, WriteWr,
 };
 
 /// The simulated fabric's own types (fault rules, NIC models, statistics),

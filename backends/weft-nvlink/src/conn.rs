@@ -42,12 +42,7 @@ pub(crate) struct OutConn {
 impl OutConn {
     /// Connects to `to` and sends the hello; the error says why nobody
     /// answers there.
-    pub(crate) fn connect(
-        to: &Addr,
-        ring: usize,
-        my_bell: RawFd,
-        token: u64,
-    ) -> Result<OutConn, String> {
+    pub(crate) fn connect(to: &Addr, ring: usize, my_bell: RawFd) -> Result<OutConn, String> {
         let sock = sys::connect(&to.socket_name()).map_err(|e| format!("nobody listens ({e})"))?;
         let len = proto::channel_len(ring as u64, BACK_RING as u64);
         let map =
@@ -69,7 +64,7 @@ impl OutConn {
             sock,
             _map: map,
             bell: None,
-            core: Outbound::new(tx, rx, token),
+            core: Outbound::new(tx, rx),
         })
     }
 

@@ -10,7 +10,7 @@ use crate::sys::{self, Mapping};
 use crate::{Addr, NvlinkConfig};
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use weft_transport::{
     Access, Capabilities, Completion, DataPath, Device, DeviceMemoryPath, DirectKind, LocalMr,
@@ -19,7 +19,6 @@ use weft_transport::{
 };
 
 static NEXT_INDEX: AtomicU32 = AtomicU32::new(0);
-static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
 
 const TAG_LISTEN: u64 = 0;
 const TAG_BELL: u64 = 1;
@@ -356,8 +355,8 @@ impl NvlinkDomain {
             let pm = self.config.peer_memory.as_ref();
             c.core.fail_all(pm, &err, &mut self.done);
             sys::epoll_del(self.ep.as_raw_fd(), c.sock.as_raw_fd());
-            if let Some(pm) = pm {
-                pm.forget_peer(c.core.token);
+            if let (Some(pm), Some(t)) = (pm, c.core.token()) {
+                pm.forget_peer(t);
             }
         }
     }
@@ -486,8 +485,7 @@ impl weft_transport::Domain for NvlinkDomain {
         let state = if to.host != sys::host_id() {
             PeerState::Dead("on another host".into())
         } else {
-            let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
-            match OutConn::connect(&to, self.config.ring_bytes, self.bell.as_raw_fd(), token) {
+            match OutConn::connect(&to, self.config.ring_bytes, self.bell.as_raw_fd()) {
                 Ok(c) => match sys::epoll_add(
                     self.ep.as_raw_fd(),
                     c.sock.as_raw_fd(),
@@ -523,8 +521,8 @@ impl weft_transport::Domain for NvlinkDomain {
                 let pm = self.config.peer_memory.as_ref();
                 c.core.fail_all(pm, &err, &mut self.done);
                 sys::epoll_del(self.ep.as_raw_fd(), c.sock.as_raw_fd());
-                if let Some(pm) = pm {
-                    pm.forget_peer(c.core.token);
+                if let (Some(pm), Some(t)) = (pm, c.core.token()) {
+                    pm.forget_peer(t);
                 }
             }
             PeerState::Dead(_) | PeerState::Removed => {}
@@ -636,7 +634,9 @@ impl Drop for NvlinkDomain {
                         &TransportError::Canceled { nic: nic.clone() },
                         &mut sink,
                     );
-                    pm.forget_peer(c.core.token);
+                    if let Some(t) = c.core.token() {
+                        pm.forget_peer(t);
+                    }
                 }
             }
         }

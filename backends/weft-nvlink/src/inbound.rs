@@ -375,7 +375,12 @@ mod tests {
         // SAFETY: both rings lie inside `mem`, which the rig keeps alive.
         let (f1, f2, b1, b2) = unsafe {
             let b = base.add(CONTROL + CAP);
-            (Ring::new(base, CAP), Ring::new(base, CAP), Ring::new(b, CAP), Ring::new(b, CAP))
+            (
+                Ring::new(base, CAP),
+                Ring::new(base, CAP),
+                Ring::new(b, CAP),
+                Ring::new(b, CAP),
+            )
         };
         Rig {
             _mem: mem,
@@ -392,7 +397,10 @@ mod tests {
     impl Rig {
         fn reg(&mut self, access: Access) -> (u64, u64) {
             let base = self.mem.as_ptr() as u64;
-            (self.keys.insert(base, 4096, access, Device::Host, None), base)
+            (
+                self.keys.insert(base, 4096, access, Device::Host, None),
+                base,
+            )
         }
         fn push(&mut self, kind: u16, hdr: &[u64], payload: &[u8]) {
             let h = proto::words::<6>(std::array::from_fn(|i| hdr.get(i).copied().unwrap_or(0)));
@@ -417,15 +425,27 @@ mod tests {
         fn acks(&mut self) -> Vec<(u64, Status)> {
             let mut v = Vec::new();
             while let Some(f) = self.back.peek().unwrap() {
-                v.push((f.u64_at(0), Status::decode(f.u64_at(1), f.u64_at(2)).unwrap()));
+                v.push((
+                    f.u64_at(0),
+                    Status::decode(f.u64_at(1), f.u64_at(2)).unwrap(),
+                ));
                 self.back.consume(&f);
             }
             v
         }
     }
 
-    fn write_hdr(op: u64, rkey: u64, addr: u64, total: u64, at: u64, last: bool, imm: Option<u32>) -> [u64; 6] {
-        let flags = imm.map_or(0, |i| proto::F_IMM | (i as u64) << 32) | if last { proto::F_LAST } else { 0 };
+    fn write_hdr(
+        op: u64,
+        rkey: u64,
+        addr: u64,
+        total: u64,
+        at: u64,
+        last: bool,
+        imm: Option<u32>,
+    ) -> [u64; 6] {
+        let flags = imm.map_or(0, |i| proto::F_IMM | (i as u64) << 32)
+            | if last { proto::F_LAST } else { 0 };
         [op, rkey, addr, total, at, flags]
     }
 
@@ -441,12 +461,23 @@ mod tests {
             (4, rw, u64::MAX - 3, RemoteAccessReason::OutOfBounds),
         ];
         for (op, key, addr, _) in cases {
-            r.push(proto::WRITE, &write_hdr(op, key, addr, 8, 0, true, Some(7)), &[0xaa; 8]);
+            r.push(
+                proto::WRITE,
+                &write_hdr(op, key, addr, 8, 0, true, Some(7)),
+                &[0xaa; 8],
+            );
         }
         r.run(Instant::now()).unwrap();
-        let want: Vec<_> = cases.iter().map(|c| (c.0, Status::RemoteAccess(c.3))).collect();
+        let want: Vec<_> = cases
+            .iter()
+            .map(|c| (c.0, Status::RemoteAccess(c.3)))
+            .collect();
         assert_eq!(r.acks(), want);
-        assert!(r.out.is_empty(), "no immediate for a refused write: {:?}", r.out);
+        assert!(
+            r.out.is_empty(),
+            "no immediate for a refused write: {:?}",
+            r.out
+        );
         assert!(r.mem.iter().all(|&b| b == 0));
     }
 
@@ -454,27 +485,52 @@ mod tests {
     fn chunked_write_lands_and_its_immediate_follows_the_last_chunk() {
         let mut r = rig();
         let (k, base) = r.reg(Access::RemoteWrite);
-        r.push(proto::WRITE, &write_hdr(9, k, base + 100, 16, 0, false, Some(5)), &[1; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(9, k, base + 100, 16, 0, false, Some(5)),
+            &[1; 8],
+        );
         r.run(Instant::now()).unwrap();
-        assert!(r.out.is_empty() && r.acks().is_empty(), "nothing before the last chunk");
-        r.push(proto::WRITE, &write_hdr(9, k, base + 100, 16, 8, true, Some(5)), &[2; 8]);
+        assert!(
+            r.out.is_empty() && r.acks().is_empty(),
+            "nothing before the last chunk"
+        );
+        r.push(
+            proto::WRITE,
+            &write_hdr(9, k, base + 100, 16, 8, true, Some(5)),
+            &[2; 8],
+        );
         r.run(Instant::now()).unwrap();
         assert_eq!(r.out, vec![Completion::Imm { imm: 5 }]);
         assert_eq!(r.acks(), vec![(9, Status::Ok)]);
-        assert_eq!(&r.mem[100..116], &[1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]);
+        assert_eq!(
+            &r.mem[100..116],
+            &[1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+        );
     }
 
     #[test]
     fn deregistration_mid_write_stops_the_bytes_and_the_immediate() {
         let mut r = rig();
         let (k, base) = r.reg(Access::RemoteWrite);
-        r.push(proto::WRITE, &write_hdr(1, k, base, 16, 0, false, Some(5)), &[1; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 16, 0, false, Some(5)),
+            &[1; 8],
+        );
         r.run(Instant::now()).unwrap();
         r.keys.remove(k).unwrap();
-        r.push(proto::WRITE, &write_hdr(1, k, base, 16, 8, true, Some(5)), &[2; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 16, 8, true, Some(5)),
+            &[2; 8],
+        );
         r.run(Instant::now()).unwrap();
         assert!(r.out.is_empty());
-        assert_eq!(r.acks(), vec![(1, Status::RemoteAccess(RemoteAccessReason::UnknownKey))]);
+        assert_eq!(
+            r.acks(),
+            vec![(1, Status::RemoteAccess(RemoteAccessReason::UnknownKey))]
+        );
         assert!(r.mem[8..16].iter().all(|&b| b == 0));
     }
 
@@ -495,21 +551,45 @@ mod tests {
         // A chunk that does not continue the write in progress.
         let mut r = rig();
         (k, base) = r.reg(Access::RemoteWrite);
-        r.push(proto::WRITE, &write_hdr(1, k, base, 16, 0, false, None), &[1; 8]);
-        r.push(proto::WRITE, &write_hdr(1, k, base, 16, 4, true, None), &[1; 12]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 16, 0, false, None),
+            &[1; 8],
+        );
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 16, 4, true, None),
+            &[1; 12],
+        );
         assert!(r.run(Instant::now()).is_err());
         // A "last" chunk that is not the end, and a payload past the total.
         let mut r = rig();
-        r.push(proto::WRITE, &write_hdr(1, k, base, 16, 0, true, None), &[1; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 16, 0, true, None),
+            &[1; 8],
+        );
         assert!(r.run(Instant::now()).is_err());
         let mut r = rig();
-        r.push(proto::WRITE, &write_hdr(1, k, base, 4, 0, true, None), &[1; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k, base, 4, 0, true, None),
+            &[1; 8],
+        );
         assert!(r.run(Instant::now()).is_err());
         // A new write starting inside another.
         let mut r = rig();
         let (k2, b2) = r.reg(Access::RemoteWrite);
-        r.push(proto::WRITE, &write_hdr(1, k2, b2, 16, 0, false, None), &[1; 8]);
-        r.push(proto::WRITE, &write_hdr(2, k2, b2, 8, 0, true, None), &[1; 8]);
+        r.push(
+            proto::WRITE,
+            &write_hdr(1, k2, b2, 16, 0, false, None),
+            &[1; 8],
+        );
+        r.push(
+            proto::WRITE,
+            &write_hdr(2, k2, b2, 8, 0, true, None),
+            &[1; 8],
+        );
         assert!(r.run(Instant::now()).is_err());
     }
 
@@ -519,20 +599,48 @@ mod tests {
         let t0 = Instant::now();
         r.push(proto::SEND, &[1, 4, proto::LAST_BIT], &[3; 4]);
         r.run(t0).unwrap();
-        assert!(r.acks().is_empty() && r.inb.blocked(), "waits for a receive buffer");
+        assert!(
+            r.acks().is_empty() && r.inb.blocked(),
+            "waits for a receive buffer"
+        );
         r.run(t0 + Duration::from_millis(150)).unwrap();
         assert_eq!(r.acks(), vec![(1, Status::NotReady)]);
         // Then a buffer too small, then one that fits.
         let (k, base) = r.reg(Access::LocalOnly);
         let _ = k;
-        r.recvs.push_back(RecvBuf { wr: WrId(1), addr: base, len: 2, dev: Device::Host });
-        r.recvs.push_back(RecvBuf { wr: WrId(2), addr: base + 8, len: 8, dev: Device::Host });
+        r.recvs.push_back(RecvBuf {
+            wr: WrId(1),
+            addr: base,
+            len: 2,
+            dev: Device::Host,
+        });
+        r.recvs.push_back(RecvBuf {
+            wr: WrId(2),
+            addr: base + 8,
+            len: 8,
+            dev: Device::Host,
+        });
         r.push(proto::SEND, &[2, 4, proto::LAST_BIT], &[4; 4]);
         r.push(proto::SEND, &[3, 4, proto::LAST_BIT], &[5; 4]);
         r.run(t0).unwrap();
-        assert_eq!(r.acks(), vec![(2, Status::TooLong { capacity: 2 }), (3, Status::Ok)]);
-        assert!(matches!(r.out[0], Completion::Recv { wr: WrId(1), result: Err(_) }));
-        assert_eq!(r.out[1], Completion::Recv { wr: WrId(2), result: Ok(4) });
+        assert_eq!(
+            r.acks(),
+            vec![(2, Status::TooLong { capacity: 2 }), (3, Status::Ok)]
+        );
+        assert!(matches!(
+            r.out[0],
+            Completion::Recv {
+                wr: WrId(1),
+                result: Err(_)
+            }
+        ));
+        assert_eq!(
+            r.out[1],
+            Completion::Recv {
+                wr: WrId(2),
+                result: Ok(4)
+            }
+        );
         assert_eq!(&r.mem[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5, 5]);
     }
 }

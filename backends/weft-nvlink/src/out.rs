@@ -61,8 +61,6 @@ pub(crate) struct Outbound {
     pub(crate) keys: Option<RemoteKeys>,
     /// The target's pid, once known (the same pid: no import needed).
     pub(crate) target_pid: Option<u32>,
-    /// The token this connection's imports are cached under.
-    pub(crate) token: u64,
     backlog: VecDeque<Op>,
     awaiting: BTreeMap<u64, (WrId, bool)>,
     copies: VecDeque<(CopyTicket, WrId, Option<u32>)>,
@@ -73,13 +71,12 @@ pub(crate) struct Outbound {
 }
 
 impl Outbound {
-    pub(crate) fn new(tx: Ring, rx: Ring, token: u64) -> Outbound {
+    pub(crate) fn new(tx: Ring, rx: Ring) -> Outbound {
         Outbound {
             tx,
             rx,
             keys: None,
             target_pid: None,
-            token,
             backlog: VecDeque::new(),
             awaiting: BTreeMap::new(),
             copies: VecDeque::new(),
@@ -140,20 +137,18 @@ impl Outbound {
                 weft_transport::RemoteAccessReason::OutOfBounds,
             )));
         }
+        // Imports and copy lanes are per target process (the token): every
+        // lane of this process to it shares one mapping per allocation (a
+        // legacy IPC handle opens once per process) and one stream.
+        let token = self.target_pid.unwrap_or(0) as u64;
         let mapped = if self.target_pid == Some(std::process::id()) {
             Ok(e.base)
         } else {
-            pm.import(self.token, &e.desc)
+            pm.import(token, &e.desc)
         };
         match mapped {
             Ok(base) => {
-                let t = pm.start_copy(
-                    self.token,
-                    base + (addr - e.base),
-                    src.addr,
-                    src.dev,
-                    src.len,
-                )?;
+                let t = pm.start_copy(token, base + (addr - e.base), src.addr, src.dev, src.len)?;
                 self.copies.push_back((t, wr, imm));
             }
             Err(err) => {
@@ -165,6 +160,12 @@ impl Outbound {
             }
         }
         Ok(Posted::Queued)
+    }
+
+    /// The token the target's imports are cached under (its pid), once
+    /// it answered.
+    pub(crate) fn token(&self) -> Option<u64> {
+        self.target_pid.map(u64::from)
     }
 
     /// Whether bytes still wait for ring space or a copy: only polling

@@ -95,6 +95,7 @@ mod ctx;
 pub mod data_path;
 pub mod engine;
 mod harness;
+mod memory;
 mod pattern;
 pub mod xproc;
 
@@ -102,6 +103,7 @@ pub use harness::{
     BufId, Harness, HarnessError, HostId, InProcess, InProcessBackend, DEFAULT_SETTLE_ROUNDS,
     DEFAULT_WAIT_BUDGET,
 };
+pub use memory::{host_memory, TestMemory};
 
 use std::fmt;
 use std::io::Write as _;

@@ -96,9 +96,9 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    probe, probe_nvrtc, CudaCopy, CudaPeerMemory, DeviceBuffer, Event, Exported, Function, Gpu, Graph, HostFlag,
-    ImportCache, Imported, Kernels, MappedBuffer, Module, ProbeOrdering, Stream, WatchWord,
-    KERNELS_CU,
+    probe, probe_nvrtc, CudaCopy, CudaPeerMemory, DeviceBuffer, Event, Exported, Function, Gpu,
+    Graph, HostFlag, ImportCache, Imported, Kernels, MappedBuffer, Module, ProbeOrdering, Stream,
+    WatchWord, KERNELS_CU,
 };
 
 /// Probes for a usable CUDA driver. This build has no CUDA support (the

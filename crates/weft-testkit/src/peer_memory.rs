@@ -48,12 +48,18 @@ impl PeerMemory for HostPeerMemory {
         let mut desc = std::process::id().to_le_bytes().to_vec();
         desc.extend_from_slice(&addr.to_le_bytes());
         desc.extend_from_slice(&len.to_le_bytes());
-        Ok(Exported { desc, keep: Box::new(()) })
+        Ok(Exported {
+            desc,
+            keep: Box::new(()),
+        })
     }
 
     fn import(&self, _peer: u64, desc: &[u8]) -> Result<u64, TransportError> {
         if desc.len() != 20 {
-            return Err(Self::refuse(format!("a description of {} bytes", desc.len())));
+            return Err(Self::refuse(format!(
+                "a description of {} bytes",
+                desc.len()
+            )));
         }
         let pid = u32::from_le_bytes(desc[..4].try_into().expect("4 bytes"));
         if pid != std::process::id() {
@@ -64,7 +70,14 @@ impl PeerMemory for HostPeerMemory {
 
     fn forget_peer(&self, _peer: u64) {}
 
-    fn start_copy(&self, _peer: u64, dst: u64, src: u64, src_dev: Device, len: u64) -> Result<CopyTicket, TransportError> {
+    fn start_copy(
+        &self,
+        _peer: u64,
+        dst: u64,
+        src: u64,
+        src_dev: Device,
+        len: u64,
+    ) -> Result<CopyTicket, TransportError> {
         if src_dev != Device::Host {
             return Err(Self::refuse(format!("copies from {src_dev}")));
         }
@@ -94,9 +107,18 @@ impl PeerMemory for HostPeerMemory {
         }
     }
 
-    fn copy(&self, dst: u64, dst_dev: Device, src: u64, src_dev: Device, len: u64) -> Result<(), TransportError> {
+    fn copy(
+        &self,
+        dst: u64,
+        dst_dev: Device,
+        src: u64,
+        src_dev: Device,
+        len: u64,
+    ) -> Result<(), TransportError> {
         if dst_dev != Device::Host || src_dev != Device::Host {
-            return Err(Self::refuse(format!("copies between {src_dev} and {dst_dev}")));
+            return Err(Self::refuse(format!(
+                "copies between {src_dev} and {dst_dev}"
+            )));
         }
         // SAFETY: both spans lie in registered host memory of this process.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };

@@ -83,8 +83,8 @@ pub use error::{PostError, RemoteAccessReason, TransportError, WireError};
 pub use host_buffer::{HostBuffer, HostBufferBuilder, HostBufferError};
 pub use memory::{Access, Device, DeviceCopy, LocalMr, LocalSlice, MemRegion, MrKey, Rkey};
 pub use passive::PassivePeers;
-pub use peer_memory::{CopyTicket, Exported, PeerMemory};
 pub use path::{DataPath, DeviceMemoryPath, DirectKind, ProgressMode};
+pub use peer_memory::{CopyTicket, Exported, PeerMemory};
 pub use types::{
     Capabilities, Completion, Imm, Incarnation, MrDesc, NetAddr, NetAddrParseError, NicInfo, Pages,
     PeerId, RemoteSlice, ScatterDst, WrId, WriteWr,

@@ -68,7 +68,10 @@ impl NvInProcess {
 
 impl InProcessBackend for NvInProcess {
     fn name(&self) -> String {
-        format!("nvlink{}/in-process", if self.one_sided { "+one-sided" } else { "" })
+        format!(
+            "nvlink{}/in-process",
+            if self.one_sided { "+one-sided" } else { "" }
+        )
     }
     fn seed(&self) -> u64 {
         self.seed

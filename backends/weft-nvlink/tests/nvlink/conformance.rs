@@ -7,17 +7,33 @@
 //! WRITE falls back to the rings).
 
 mod in_process {
-    weft_conformance::conformance_tests!(|seed| crate::common::NvInProcess::harness(seed, false), seeds = 0..3u64, heavy_seeds = 0..1u64);
+    weft_conformance::conformance_tests!(
+        |seed| crate::common::NvInProcess::harness(seed, false),
+        seeds = 0..3u64,
+        heavy_seeds = 0..1u64
+    );
 }
 
 mod in_process_one_sided {
-    weft_conformance::conformance_tests!(|seed| crate::common::NvInProcess::harness(seed, true), seeds = 0..3u64, heavy_seeds = 0..1u64);
+    weft_conformance::conformance_tests!(
+        |seed| crate::common::NvInProcess::harness(seed, true),
+        seeds = 0..3u64,
+        heavy_seeds = 0..1u64
+    );
 }
 
 mod cross_process {
-    weft_conformance::conformance_tests!(|seed| crate::common::CrossProcess::new("nvlink", seed), seeds = 0..1u64, heavy_seeds = 0..1u64);
+    weft_conformance::conformance_tests!(
+        |seed| crate::common::CrossProcess::new("nvlink", seed),
+        seeds = 0..1u64,
+        heavy_seeds = 0..1u64
+    );
 }
 
 mod cross_process_fallback {
-    weft_conformance::conformance_tests!(|seed| crate::common::CrossProcess::new("nvlink;one-sided", seed), seeds = 0..1u64, heavy_seeds = 0..1u64);
+    weft_conformance::conformance_tests!(
+        |seed| crate::common::CrossProcess::new("nvlink;one-sided", seed),
+        seeds = 0..1u64,
+        heavy_seeds = 0..1u64
+    );
 }

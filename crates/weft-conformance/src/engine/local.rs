@@ -5,10 +5,10 @@
 
 use super::{check_regions, EngineHarness, EnginePeer, Kind, Region, PEER_IMMS};
 use crate::HarnessError;
+use crate::TestMemory;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use weft_engine::{GroupAddress, Imm, MrDesc, TransferEngine};
-use weft_transport::HostBuffer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -22,7 +22,7 @@ type RoundHook = Arc<dyn Fn(u64, &Result<(), String>) + Send + Sync>;
 /// shuts the engine down (before the buffer goes).
 pub struct LocalPeer {
     engine: TransferEngine,
-    buf: Arc<HostBuffer>,
+    buf: Arc<dyn TestMemory>,
     desc: MrDesc,
     imms: Vec<Imm>,
     rounds: Rounds,
@@ -35,12 +35,14 @@ impl LocalPeer {
     /// Registers a zeroed buffer of `buf_len` bytes with `engine` and
     /// allocates [`PEER_IMMS`] immediate values.
     pub fn new(engine: TransferEngine, buf_len: usize) -> Result<Self, String> {
-        let buf = Arc::new(
-            HostBuffer::new(buf_len).map_err(|e| format!("peer buffer of {buf_len} bytes: {e}"))?,
-        );
-        let (_mr, desc) = engine
-            .reg_mr(buf.region())
-            .map_err(|e| format!("reg_mr: {e}"))?;
+        Self::with_memory(engine, crate::memory::host_memory(buf_len)?)
+    }
+
+    /// [`LocalPeer::new`] over `buf` (zeroed; host or device memory).
+    pub fn with_memory(engine: TransferEngine, buf: Box<dyn TestMemory>) -> Result<Self, String> {
+        let buf: Arc<dyn TestMemory> = Arc::from(buf);
+        let region = buf.sub_region(0..buf.len()).ok_or("an empty peer buffer")?;
+        let (_mr, desc) = engine.reg_mr(region).map_err(|e| format!("reg_mr: {e}"))?;
         let imms = (0..PEER_IMMS)
             .map(|_| engine.alloc_imm())
             .collect::<Result<Vec<_>, _>>()
@@ -112,7 +114,7 @@ impl EnginePeer for LocalPeer {
             .expect_imm_count(imm, count, move |r| {
                 let result = match r {
                     Err(e) => Err(format!("imm round failed: {e}")),
-                    Ok(()) => check_regions(&buf, &regions),
+                    Ok(()) => check_regions(&*buf, &regions),
                 };
                 if let Some(h) = &hook {
                     h(tag, &result);

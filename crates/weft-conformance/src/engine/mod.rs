@@ -54,7 +54,6 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use weft_engine::{GroupAddress, Imm, ImmCounts, MrDesc, ScatterMode, TransferEngine};
 use weft_testkit::check_pattern;
-use weft_transport::HostBuffer;
 
 /// Immediate values every peer allocates at start-up (fresh engines hand
 /// out the same ones, which scatter and barrier rely on).
@@ -122,7 +121,7 @@ pub struct Region {
 }
 
 /// Checks every region of `buf` against the source pattern.
-pub fn check_regions(buf: &HostBuffer, regions: &[Region]) -> Result<(), String> {
+pub fn check_regions(buf: &dyn crate::TestMemory, regions: &[Region]) -> Result<(), String> {
     for r in regions {
         let got = buf
             .read(r.dst_off as usize, r.len as usize)

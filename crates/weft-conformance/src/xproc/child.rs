@@ -4,13 +4,14 @@
 use super::frame::{recv_frame, send_frame};
 use super::wire::{CompW, ErrW, InfoW, Req, Resp, SliceW, WriteW};
 use super::{XprocBackend, ENV_NICS, ENV_SOCKET};
+use crate::TestMemory;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weft_transport::{
-    Access, Completion, Domain, HostBuffer, MrKey, NetAddr, PeerId, RemoteAccessReason,
-    TransportError, WrId, WriteWr,
+    Access, Completion, Domain, MrKey, NetAddr, PeerId, RemoteAccessReason, TransportError, WrId,
+    WriteWr,
 };
 
 /// Field order matters: the domains (and their registrations) drop before
@@ -22,7 +23,7 @@ struct ChildState {
     /// yet. The background poller frees the domain's slots early, so the
     /// child enforces `max_inflight` as the parent sees it.
     outstanding: Vec<usize>,
-    mem: Vec<HostBuffer>,
+    mem: Vec<Box<dyn TestMemory>>,
 }
 
 /// Checks that the proxy codec round-trips every message kind (what the
@@ -158,7 +159,7 @@ pub(crate) fn serve<B: XprocBackend>(backend: &B) -> Result<(), String> {
         }
         let resp = {
             let mut st = state.lock().map_err(|_| "state poisoned".to_string())?;
-            handle(&mut st, req)
+            handle(&mut st, req, &|len| backend.alloc(len))
         };
         if let Err(e) = send_frame(&mut sock, &resp) {
             break Err(format!("write response: {e}"));
@@ -169,7 +170,11 @@ pub(crate) fn serve<B: XprocBackend>(backend: &B) -> Result<(), String> {
     result
 }
 
-fn handle(st: &mut ChildState, req: Req) -> Resp {
+fn handle(
+    st: &mut ChildState,
+    req: Req,
+    alloc: &dyn Fn(usize) -> Result<Box<dyn TestMemory>, String>,
+) -> Resp {
     fn dom(st: &mut ChildState, nic: u32) -> Result<&mut Box<dyn Domain>, TransportError> {
         st.domains
             .get_mut(nic as usize)
@@ -178,12 +183,13 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
                 what: "no such nic in child".into(),
             })
     }
-    fn mem(st: &ChildState, buf: u64) -> Result<&HostBuffer, String> {
+    fn mem(st: &ChildState, buf: u64) -> Result<&dyn TestMemory, String> {
         st.mem
             .get(buf as usize)
+            .map(|b| &**b)
             .ok_or_else(|| "no such buffer".into())
     }
-    fn outside(offset: u64, len: u64, m: &HostBuffer) -> String {
+    fn outside(offset: u64, len: u64, m: &dyn TestMemory) -> String {
         format!("[{offset}, +{len}) outside buffer of {}", m.len())
     }
     match req {
@@ -211,7 +217,7 @@ fn handle(st: &mut ChildState, req: Req) -> Resp {
         Req::Alloc(len) => {
             let r = usize::try_from(len)
                 .map_err(|e| e.to_string())
-                .and_then(|len| HostBuffer::new(len).map_err(|e| e.to_string()))
+                .and_then(alloc)
                 .map(|b| {
                     st.mem.push(b);
                     st.mem.len() as u64 - 1

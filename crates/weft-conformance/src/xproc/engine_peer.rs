@@ -72,12 +72,14 @@ pub(crate) fn run_peer<B: XprocBackend>(backend: &B) -> Result<(), String> {
         .map_err(|e| format!("{ENV_PEER_BUF}: {e}"))?
         .parse()
         .map_err(|e| format!("{ENV_PEER_BUF}: {e}"))?;
-    let mut peer = LocalPeer::new(backend.engine()?, len)?.with_round_hook(|tag, result| {
-        say(&FromPeer::Done {
-            tag,
-            result: result.clone(),
-        })
-    });
+    let mut peer = LocalPeer::with_memory(backend.engine()?, backend.alloc(len)?)?.with_round_hook(
+        |tag, result| {
+            say(&FromPeer::Done {
+                tag,
+                result: result.clone(),
+            })
+        },
+    );
     say(&FromPeer::Hello {
         pid: std::process::id(),
         addr: peer.address(),

@@ -83,6 +83,13 @@ pub trait XprocBackend: Sized {
             "no way to name an address nobody listens on".into(),
         ))
     }
+    /// Zeroed memory of `len` bytes for the suites (in a child: what the
+    /// parent allocates, fills, reads and registers; an engine peer's
+    /// buffer). Host memory unless the backend runs the suites on device
+    /// memory.
+    fn alloc(&self, len: usize) -> Result<Box<dyn crate::TestMemory>, String> {
+        crate::memory::host_memory(len)
+    }
     /// Called after a child of this backend was SIGKILLed and reaped, to
     /// clean up what it could not (e.g. shared-memory files).
     fn reaped(&mut self, pid: u32) {

@@ -83,7 +83,10 @@ impl PeerMemory for CudaPeerMemory {
 
     fn export(&self, addr: u64, len: u64, device: Device) -> Result<Exported, TransportError> {
         if !self.serves(device) {
-            return Err(self.err(format!("{device} memory (this serves {})", self.gpu.device())));
+            return Err(self.err(format!(
+                "{device} memory (this serves {})",
+                self.gpu.device()
+            )));
         }
         let e = self.gpu.export(addr, len)?;
         Ok(Exported {
@@ -136,7 +139,8 @@ impl PeerMemory for CudaPeerMemory {
                 Device::Host => sys::cuMemcpyHtoDAsync_v2(dst, src as usize as *const _, n, stream)
                     .result()
                     .map_err(drv(label, "cuMemcpyHtoDAsync"))?,
-                _ => result::memcpy_dtod_async(dst, src, n, stream).map_err(drv(label, "cuMemcpyDtoDAsync"))?,
+                _ => result::memcpy_dtod_async(dst, src, n, stream)
+                    .map_err(drv(label, "cuMemcpyDtoDAsync"))?,
             }
             let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(drv(label, "cuEventCreate"))?;
@@ -172,7 +176,14 @@ impl PeerMemory for CudaPeerMemory {
         done
     }
 
-    fn copy(&self, dst: u64, dst_dev: Device, src: u64, src_dev: Device, len: u64) -> Result<(), TransportError> {
+    fn copy(
+        &self,
+        dst: u64,
+        dst_dev: Device,
+        src: u64,
+        src_dev: Device,
+        len: u64,
+    ) -> Result<(), TransportError> {
         self.local.copy(dst, dst_dev, src, src_dev, len)
     }
 }

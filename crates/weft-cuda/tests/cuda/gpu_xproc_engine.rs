@@ -41,13 +41,23 @@ fn required() -> bool {
 fn engine() -> Result<TransferEngine, String> {
     let role = child::role().unwrap_or_default();
     let p: Arc<dyn weft_transport::Provider> = if role.ends_with("nvlink") {
-        let pm = Gpu::open(0).and_then(|g| g.peer_memory()).map_err(|e| format!("peer memory: {e}"))?;
-        Arc::new(NvlinkProvider::new(NvlinkConfig::default().with_lanes(1).with_peer_memory(Arc::new(pm))))
+        let pm = Gpu::open(0)
+            .and_then(|g| g.peer_memory())
+            .map_err(|e| format!("peer memory: {e}"))?;
+        Arc::new(NvlinkProvider::new(
+            NvlinkConfig::default()
+                .with_lanes(1)
+                .with_peer_memory(Arc::new(pm)),
+        ))
     } else {
         let ipc = role.ends_with("ipc");
         Arc::new(
-            LibfabricProvider::with_config(LibfabricConfig::new("shm").with_hmem(true).with_hmem_ipc(ipc))
-                .map_err(|e| format!("libfabric shm: {e}"))?,
+            LibfabricProvider::with_config(
+                LibfabricConfig::new("shm")
+                    .with_hmem(true)
+                    .with_hmem_ipc(ipc),
+            )
+            .map_err(|e| format!("libfabric shm: {e}"))?,
         )
     };
     let mut cfg = EngineConfig::default();

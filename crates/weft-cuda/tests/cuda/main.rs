@@ -13,4 +13,5 @@ mod gpu_basics;
 mod gpu_engine;
 mod gpu_ipc;
 mod gpu_libfabric;
+mod gpu_suites;
 mod gpu_xproc_engine;
