@@ -135,15 +135,20 @@ impl PyTransferEngine {
         hmem: bool,
         hmem_ipc: bool,
     ) -> PyResult<Self> {
+        let device = match device {
+            Some(d) => memory::parse_device(py, d)?,
+            None => weft::Device::Host,
+        };
         let timeouts = provider::Knobs {
             write: write_timeout,
             connect: connect_timeout,
             hmem,
             hmem_ipc,
-        };
-        let device = match device {
-            Some(d) => memory::parse_device(py, d)?,
-            None => weft::Device::Host,
+            // A spec string opened for a GPU group: `nvlink` maps its memory.
+            gpu: match device {
+                weft::Device::Cuda(i) => Some(i),
+                _ => None,
+            },
         };
         let backend = match provider {
             None => Arc::new(provider::open(

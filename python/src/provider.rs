@@ -67,6 +67,8 @@ pub(crate) struct Knobs {
     pub(crate) hmem: bool,
     /// With `hmem`: shm moves GPU memory with CUDA IPC.
     pub(crate) hmem_ipc: bool,
+    /// `nvlink`: the GPU whose memory peers may map (CUDA IPC).
+    pub(crate) gpu: Option<u32>,
 }
 
 impl Knobs {
@@ -132,6 +134,12 @@ pub(crate) fn open(
     }
     cfg.libfabric.hmem = knobs.hmem;
     cfg.libfabric.hmem_ipc = knobs.hmem_ipc;
+    if let (weft::ProviderSpec::Nvlink, Some(i)) = (&spec, knobs.gpu) {
+        let pm = py
+            .detach(|| weft_cuda::Gpu::open(i).and_then(|g| g.peer_memory()))
+            .map_err(|e| errors::invalid(py, format!("nvlink with GPU memory of cuda:{i}: {e}")))?;
+        cfg = cfg.with_nvlink(weft::NvlinkOptions::default().with_peer_memory(Arc::new(pm)));
+    }
     py.detach(|| weft::provider_with(&spec, &cfg))
         .map_err(|e| errors::provider_err(py, &e))
 }
@@ -169,9 +177,10 @@ impl PyBackend {
 /// `write_timeout` and `connect_timeout` (seconds) bound how long work to a
 /// hung or unreachable libfabric peer waits before failing; `hmem=True`
 /// registers GPU memory with the libfabric provider (a libfabric built with
-/// CUDA; docs/gpu.md), and `hmem_ipc=True` lets shm move it with CUDA IPC.
+/// CUDA; docs/gpu.md), and `hmem_ipc=True` lets shm move it with CUDA IPC;
+/// `gpu=i` gives `"nvlink"` GPU `i`'s memory through CUDA IPC.
 #[pyfunction]
-#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false))]
+#[pyo3(signature = (spec, *, nics=1, profile="adversarial", seed=0, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false, gpu=None))]
 // One parameter per Python argument (keywords included).
 #[allow(clippy::too_many_arguments)]
 pub fn provider(
@@ -185,12 +194,14 @@ pub fn provider(
     connect_timeout: Option<f64>,
     hmem: bool,
     hmem_ipc: bool,
+    gpu: Option<u32>,
 ) -> PyResult<PyBackend> {
     let t = Knobs {
         write: write_timeout,
         connect: connect_timeout,
         hmem,
         hmem_ipc,
+        gpu,
     };
     Ok(PyBackend {
         inner: Arc::new(open(py, spec, nics, profile, seed, domain, t)?),

@@ -41,8 +41,10 @@ def provider(
     connect_timeout: Optional[float] = None,
     hmem: bool = False,
     hmem_ipc: bool = False,
+    gpu: Optional[int] = None,
 ) -> Backend:
-    """Opens the backend named by ``spec`` with ``nics`` NICs per host."""
+    """Opens the backend named by ``spec`` with ``nics`` NICs per host
+    (``gpu=i``: ``"nvlink"`` maps GPU ``i``'s memory with CUDA IPC)."""
 
 class MrDesc:
     """What a peer needs to write into a registered region."""
