@@ -135,7 +135,9 @@ def test_uvm_watcher_bumped_by_torch_kernel(gpu_pair, cuda):
 
 WRITER = """
 import sys, torch, weft
-with weft.TransferEngine("libfabric:shm", domain="same-machine", device="cuda:0", hmem=True) as eng:
+spec = sys.argv[2]
+kw = dict(domain="same-machine", hmem=True) if spec.startswith("libfabric") else {}
+with weft.TransferEngine(spec, device="cuda:0", **kw) as eng:
     n = int(sys.argv[1])
     g = torch.Generator(device="cuda").manual_seed(7)
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
@@ -157,13 +159,23 @@ def test_cuda_tensors_cross_processes_over_cuda_shm(cuda):
     process's, through engines over libfabric shm with ``hmem=True``. Needs
     a libfabric built with CUDA (``WEFT_LIBFABRIC_PATH``, docs/gpu.md);
     skips without one unless ``WEFT_REQUIRE_CUDA_LIBFABRIC=1``."""
+    cross_processes(cuda, "libfabric:shm", os.environ.get("WEFT_REQUIRE_CUDA_LIBFABRIC") == "1")
+
+
+def test_cuda_tensors_cross_processes_over_nvlink(cuda):
+    """The same over the same-host backend: the child maps this process's
+    tensor with CUDA IPC and copies into it on its own stream."""
+    cross_processes(cuda, "nvlink", True)
+
+
+def cross_processes(cuda, spec, required):
     import subprocess
     import sys
 
-    required = os.environ.get("WEFT_REQUIRE_CUDA_LIBFABRIC") == "1"
     n = 32 << 20
     dst = torch.zeros(n, dtype=torch.uint8, device=cuda)
-    with weft.TransferEngine("libfabric:shm", domain="same-machine", device="cuda:0", hmem=True) as eng:
+    kw = dict(domain="same-machine", hmem=True) if spec.startswith("libfabric") else {}
+    with weft.TransferEngine(spec, device="cuda:0", **kw) as eng:
         try:
             d = eng.reg_mr(dst)
         except weft.UnsupportedError as e:
@@ -172,7 +184,7 @@ def test_cuda_tensors_cross_processes_over_cuda_shm(cuda):
             print(f"SKIP: this libfabric cannot register CUDA memory: {e}")
             pytest.skip(str(e))
         child = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(n)],
+            [sys.executable, "-c", WRITER, str(n), spec],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,5 +1,6 @@
 """Two Python processes write into each other's memory over libfabric tcp
-and shm: the example of docs/python.md, run exactly as written there."""
+and shm and over nvlink: the example of docs/python.md, run exactly as
+written there."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def example(name: str) -> str:
 
 
 @pytest.mark.fabric
-@pytest.mark.parametrize("spec", ["libfabric:tcp", "libfabric:shm"])
+@pytest.mark.parametrize("spec", ["libfabric:tcp", "libfabric:shm", "nvlink"])
 def test_doc_example_two_processes(spec, tmp_path):
     status = {p.spec: p for p in weft.providers()}[spec]
     if not status.available:
@@ -63,7 +64,7 @@ time.sleep(600)  # until killed
 
 
 @pytest.mark.fabric
-@pytest.mark.parametrize("spec", ["libfabric:tcp", "libfabric:shm"])
+@pytest.mark.parametrize("spec", ["libfabric:tcp", "libfabric:shm", "nvlink"])
 def test_peer_killed_fails_transfers(spec):
     """A peer SIGKILLed between writes: later writes fail with a
     TransportError subclass (no hang) and shutdown returns."""
