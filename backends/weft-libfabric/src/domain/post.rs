@@ -2,7 +2,7 @@
 //! (the WRITE, SEND and receive templates), issuing it, and what EAGAIN
 //! turns it into.
 
-use weft_transport::{LocalSlice, PeerId, PostError, TransportError, WrId, WriteWr};
+use weft_transport::{Device, LocalSlice, PeerId, PostError, TransportError, WrId, WriteWr};
 
 use super::clock::Clock;
 use super::messages::wire as msg;
@@ -211,6 +211,16 @@ impl LibfabricDomain {
         } else {
             Some((src.addr, len, self.local(&src, "SEND source")?))
         };
+        // Messages go through the receiver's host bounce buffers, and
+        // libfabric 1.17's shm crashed the sending process on a SEND of
+        // staged CUDA memory that waited for a receive buffer: refused, as
+        // RECV into device memory is.
+        if payload.is_some() && !self.mrs.get(&src.mr).is_some_and(|e| e.device == Device::Host) {
+            return Err(TransportError::Unsupported {
+                nic: self.nic_name(),
+                what: "SEND from device memory (messages go through host bounce buffers)".into(),
+            });
+        }
         if self.slots.free_tx.len() <= self.cq.stashed_tx {
             return Err(TransportError::QueueFull {
                 nic: self.nic_name(),
