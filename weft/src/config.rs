@@ -70,12 +70,21 @@ pub struct NvlinkOptions {
     /// How long a SEND waits for a receive buffer; `None`: the backend's
     /// default (1 s).
     pub rnr_timeout: Option<Duration>,
+    /// The host identity in the addresses (`None`: the kernel's boot id);
+    /// see `weft_nvlink::NvlinkConfig::host`.
+    pub host: Option<[u8; 16]>,
 }
 
 impl NvlinkOptions {
     /// Sets [`NvlinkOptions::peer_memory`].
     pub fn with_peer_memory(mut self, pm: std::sync::Arc<dyn weft_transport::PeerMemory>) -> Self {
         self.peer_memory = Some(pm);
+        self
+    }
+
+    /// Sets [`NvlinkOptions::host`].
+    pub fn with_host(mut self, host: [u8; 16]) -> Self {
+        self.host = Some(host);
         self
     }
 
@@ -94,6 +103,7 @@ impl std::fmt::Debug for NvlinkOptions {
                 &self.peer_memory.as_ref().map(|p| p.name().to_string()),
             )
             .field("rnr_timeout", &self.rnr_timeout)
+            .field("host", &self.host)
             .finish()
     }
 }
@@ -107,7 +117,7 @@ impl PartialEq for NvlinkOptions {
             (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
             _ => false,
         };
-        pm && self.rnr_timeout == other.rnr_timeout
+        pm && self.rnr_timeout == other.rnr_timeout && self.host == other.host
     }
 }
 

@@ -41,6 +41,8 @@ struct PeerSlot {
 /// One same-host domain (see the crate docs).
 pub struct NvlinkDomain {
     info: NicInfo,
+    /// The host identity in this domain's address.
+    host: [u8; 16],
     caps: Capabilities,
     config: NvlinkConfig,
     listener: OwnedFd,
@@ -85,8 +87,9 @@ impl NvlinkDomain {
     pub fn open(config: NvlinkConfig, lane: usize) -> Result<NvlinkDomain, TransportError> {
         let index = NEXT_INDEX.fetch_add(1, Ordering::Relaxed);
         let name = format!("nvlink{lane}");
+        let host = config.host.unwrap_or_else(sys::host_id);
         let me = Addr {
-            host: sys::host_id(),
+            host,
             pid: std::process::id(),
             index,
         };
@@ -114,6 +117,7 @@ impl NvlinkDomain {
             software_progress: true,
         };
         Ok(NvlinkDomain {
+            host,
             info: NicInfo {
                 name,
                 addr: me.encode(),
@@ -482,7 +486,7 @@ impl weft_transport::Domain for NvlinkDomain {
         }
         let id = self.next_peer;
         self.next_peer += 1;
-        let state = if to.host != sys::host_id() {
+        let state = if to.host != self.host {
             PeerState::Dead("on another host".into())
         } else {
             match OutConn::connect(&to, self.config.ring_bytes, self.bell.as_raw_fd()) {
@@ -599,6 +603,14 @@ impl weft_transport::Domain for NvlinkDomain {
             out.push(c);
         }
         Ok(n)
+    }
+
+    fn same_host(&self) -> bool {
+        true
+    }
+
+    fn prefers(&self, addr: &NetAddr) -> bool {
+        Addr::parse(addr).is_some_and(|a| a.host == self.host)
     }
 
     fn wait_fd(&self) -> Option<RawFd> {

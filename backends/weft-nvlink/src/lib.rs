@@ -67,6 +67,12 @@ pub struct NvlinkConfig {
     /// Memory peers may map (GPU memory: `weft_cuda::Gpu::peer_memory`);
     /// without it GPU memory cannot be registered and every byte is staged.
     pub peer_memory: Option<Arc<dyn PeerMemory>>,
+    /// The host identity this process's domains put in their addresses
+    /// (peers with another one are "on another host"). Default: the
+    /// kernel's boot id. Set it where processes of one machine must not
+    /// meet through shared memory (separate IPC namespaces), or to stand
+    /// in for several hosts on one machine.
+    pub host: Option<[u8; 16]>,
 }
 
 impl std::fmt::Debug for NvlinkConfig {
@@ -80,6 +86,7 @@ impl std::fmt::Debug for NvlinkConfig {
                 "peer_memory",
                 &self.peer_memory.as_ref().map(|p| p.name().to_string()),
             )
+            .field("host", &self.host)
             .finish()
     }
 }
@@ -92,6 +99,7 @@ impl Default for NvlinkConfig {
             ring_bytes: 4 << 20,
             max_inflight: 1024,
             peer_memory: None,
+            host: None,
         }
     }
 }
@@ -106,6 +114,12 @@ impl NvlinkConfig {
     /// With `lanes` lanes (see [`NvlinkConfig::lanes`]).
     pub fn with_lanes(mut self, lanes: usize) -> Self {
         self.lanes = lanes;
+        self
+    }
+
+    /// With this host identity (see [`NvlinkConfig::host`]).
+    pub fn with_host(mut self, host: [u8; 16]) -> Self {
+        self.host = Some(host);
         self
     }
 
@@ -149,8 +163,9 @@ impl NvlinkProvider {
         NvlinkProvider { config }
     }
 
-    /// Whether `addr` is an address of this backend on this host (an
-    /// engine over two fabrics routes such peers here).
+    /// Whether `addr` is an address of this backend on this host (by the
+    /// kernel's boot id; an engine over two fabrics routes such peers
+    /// here).
     pub fn is_local(addr: &NetAddr) -> bool {
         Addr::parse(addr).is_some_and(|a| a.host == sys::host_id())
     }

@@ -325,8 +325,13 @@ pub(crate) fn epoll_ready(ep: RawFd, out: &mut Vec<u64>) {
 }
 
 /// This host's identity: the kernel's boot id (16 bytes), shared by every
-/// process of one boot of one machine.
+/// process of one boot of one machine (read once).
 pub(crate) fn host_id() -> [u8; 16] {
+    static ID: std::sync::OnceLock<[u8; 16]> = std::sync::OnceLock::new();
+    *ID.get_or_init(read_boot_id)
+}
+
+fn read_boot_id() -> [u8; 16] {
     let mut id = [0u8; 16];
     if let Ok(s) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
         let hex: Vec<u8> = s

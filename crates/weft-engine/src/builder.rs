@@ -105,10 +105,13 @@ impl EngineBuilder {
         let mut groups = Vec::new();
         let mut ctrl_rxs = Vec::new();
         for (i, spec) in self.groups.iter().enumerate() {
-            if spec.nics.is_empty() || spec.nics.len() > MAX_NICS {
+            if spec.nics.is_empty() || spec.nic_count() > MAX_NICS {
                 return Err(EngineError::Setup {
                     group: i,
-                    what: format!("a group needs 1..={MAX_NICS} NICs, got {}", spec.nics.len()),
+                    what: format!(
+                        "a group needs 1..={MAX_NICS} NICs, got {}",
+                        spec.nic_count()
+                    ),
                     source: None,
                 });
             }
@@ -127,7 +130,7 @@ impl EngineBuilder {
                 thread: OnceLock::new(),
                 wake_fd: crate::driver::block::WakeFd::new(),
                 failed: OnceLock::new(),
-                counters: Arc::new(GroupCounters::new(spec.nics.len())),
+                counters: Arc::new(GroupCounters::new(spec.nic_count())),
                 slot: parking_lot::Mutex::new(None),
             }));
             ctrl_rxs.push(ctrl_rx);

@@ -227,6 +227,8 @@ pub struct DomainGroupSpec {
     pub(crate) device: Device,
     pub(crate) cpu: Option<usize>,
     pub(crate) numa: Option<u32>,
+    /// A same-host domain after the NICs (see [`DomainGroupSpec::same_host`]).
+    pub(crate) local: Option<(Arc<dyn Provider>, usize)>,
 }
 
 impl std::fmt::Debug for DomainGroupSpec {
@@ -237,6 +239,10 @@ impl std::fmt::Debug for DomainGroupSpec {
             .field("device", &self.device)
             .field("cpu", &self.cpu)
             .field("numa", &self.numa)
+            .field(
+                "same_host",
+                &self.local.as_ref().map(|(p, n)| (p.name().to_string(), *n)),
+            )
             .finish()
     }
 }
@@ -250,7 +256,24 @@ impl DomainGroupSpec {
             device: Device::Host,
             cpu: None,
             numa: None,
+            local: None,
         }
+    }
+
+    /// Adds NIC `nic` of a same-host `provider` (`nvlink`) after the
+    /// group's NICs: destinations on this host go through it, every other
+    /// through the NICs (`Domain::same_host`, `Domain::prefers`). Peers
+    /// must build their groups alike (the same NICs, the same-host NIC at
+    /// the same place), since each NIC writes to the peer's NIC of the same
+    /// index.
+    pub fn same_host(mut self, provider: Arc<dyn Provider>, nic: usize) -> Self {
+        self.local = Some((provider, nic));
+        self
+    }
+
+    /// NICs the group opens (the same-host one included).
+    pub(crate) fn nic_count(&self) -> usize {
+        self.nics.len() + usize::from(self.local.is_some())
     }
 
     /// The device (GPU) this group serves; `reg_mr` of that device's memory

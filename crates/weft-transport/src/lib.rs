@@ -201,6 +201,23 @@ pub trait Domain: Send {
     /// died); per-operation failures are reported as completions instead.
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError>;
 
+    /// Whether this domain reaches only peers of its own host (a same-host
+    /// backend such as `nvlink`). An engine group that mixes it with NIC
+    /// domains sends a destination through it when it
+    /// [`prefers`](Domain::prefers) the destination's address, and
+    /// through the other NICs otherwise. Default `false`.
+    fn same_host(&self) -> bool {
+        false
+    }
+
+    /// Whether `addr` (a peer address of this domain's kind) is best
+    /// reached through this domain: a same-host backend says so for peers
+    /// on its host. Default `false`.
+    fn prefers(&self, addr: &NetAddr) -> bool {
+        let _ = addr;
+        false
+    }
+
     /// A file descriptor that becomes readable when [`Domain::poll`] may
     /// have something to do (a completion, or data a peer sends that only
     /// a poll moves), for a caller that would rather sleep in `poll(2)`

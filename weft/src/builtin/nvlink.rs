@@ -22,5 +22,8 @@ pub(crate) fn host(
     if let Some(t) = config.nvlink.rnr_timeout {
         c = c.with_rnr_timeout(t);
     }
+    if let Some(h) = config.nvlink.host {
+        c = c.with_host(h);
+    }
     Ok(Arc::new(NvlinkProvider::new(c)))
 }

@@ -4,3 +4,4 @@ mod example_backend;
 mod readme;
 mod registry;
 mod topology;
+mod two_fabrics;

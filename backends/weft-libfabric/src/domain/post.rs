@@ -215,7 +215,12 @@ impl LibfabricDomain {
         // libfabric 1.17's shm crashed the sending process on a SEND of
         // staged CUDA memory that waited for a receive buffer: refused, as
         // RECV into device memory is.
-        if payload.is_some() && !self.mrs.get(&src.mr).is_some_and(|e| e.device == Device::Host) {
+        if payload.is_some()
+            && !self
+                .mrs
+                .get(&src.mr)
+                .is_some_and(|e| e.device == Device::Host)
+        {
             return Err(TransportError::Unsupported {
                 nic: self.nic_name(),
                 what: "SEND from device memory (messages go through host bounce buffers)".into(),

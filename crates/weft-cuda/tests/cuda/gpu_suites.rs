@@ -182,8 +182,10 @@ mod nvlink {
     /// mid-stream instead.
     mod engine {
         weft_conformance::engine_scenarios!(
-            |seed| weft_conformance::xproc::XprocEngines::<super::super::GpuXproc>::new("nvlink", seed)
-                .without_stop_hook(),
+            |seed| weft_conformance::xproc::XprocEngines::<super::super::GpuXproc>::new(
+                "nvlink", seed
+            )
+            .without_stop_hook(),
             seeds = [1u64]
         );
     }
@@ -229,7 +231,9 @@ mod shm {
     );
     mod engine {
         weft_conformance::engine_scenarios!(
-            |seed| weft_conformance::xproc::XprocEngines::<super::super::GpuXproc>::new("shm", seed),
+            |seed| weft_conformance::xproc::XprocEngines::<super::super::GpuXproc>::new(
+                "shm", seed
+            ),
             seeds = [1u64]
         );
     }

@@ -33,6 +33,7 @@
 //! a destination), `plan` (turning a request body into WRs) and `paged`
 //! (paged writes planned a window at a time).
 
+mod lanes;
 mod lifecycle;
 mod nic;
 mod paged;
@@ -96,6 +97,11 @@ pub(crate) enum Control {
         incarnation: weft_transport::Incarnation,
         reply: crossbeam_channel::Sender<Result<(), EngineError>>,
     },
+    /// The NICs WRITEs to a descriptor take (see `lanes`).
+    Lanes {
+        dst: weft_transport::MrDesc,
+        reply: crossbeam_channel::Sender<Result<Vec<usize>, EngineError>>,
+    },
 }
 
 /// Static facts about a group once its domains are open.
@@ -152,6 +158,8 @@ pub(crate) struct WorkerCore {
     /// The engine's own incarnation: received frames meant for another
     /// one are dropped (see [`crate::frame`]).
     incarnation: weft_transport::Incarnation,
+    /// The same-host NIC and the others (see `lanes`).
+    lanes: lanes::LaneTable,
 }
 
 /// A backend error on NIC `nic` of `group` while moving `transfer`.
@@ -231,7 +239,9 @@ impl WorkerCore {
             n.caps.max_inflight = n.caps.max_inflight.min(max_inflight_per_nic).max(1);
             n.caps.max_batch = n.caps.max_batch.max(1);
         }
+        let lanes = lanes::LaneTable::new(&nics.iter().map(|n| &*n.domain).collect::<Vec<_>>());
         Ok(Self {
+            lanes,
             group,
             nics,
             slab: Slab::default(),

@@ -113,7 +113,8 @@ impl WorkerCore {
         start: usize,
     ) -> Result<usize, EngineError> {
         let target = Target::Plain(&p.dst);
-        let nics = self.nics_for(target)?;
+        let lanes = self.lanes(target)?;
+        let nics = lanes.n;
         let mut routes = Routes::default();
         let tid = self.slab[slot as usize].id;
         // `plan_window` is at least 1 (`WorkerCore::new`).
@@ -130,7 +131,7 @@ impl WorkerCore {
             if one_piece && i >= start + nics {
                 // Pages start..start + nics looked up every NIC's route:
                 // the rest are pushed in one run.
-                let next = self.push_paged_run(slot, wr, &routes, nics, i, end, p, target)?;
+                let next = self.push_paged_run(slot, wr, &routes, lanes, i, end, p, target)?;
                 if next > i {
                     i = next;
                     continue;
@@ -143,7 +144,7 @@ impl WorkerCore {
                 });
             };
             if one_piece {
-                let nic = i % nics;
+                let nic = lanes.nic(i);
                 let route = self.route(&mut routes, tid, nic, Some(p.src), target)?;
                 self.push_write(slot, wr, route, nic, so, target, d_o, p.page_len, p.imm)?;
                 i += 1;
@@ -157,7 +158,7 @@ impl WorkerCore {
                 self.max_write_len,
                 self.shard.align,
             );
-            self.push_pieces(slot, wr, &mut routes, target, p.src, so, d_o, p.imm)?;
+            self.push_pieces(slot, wr, &mut routes, lanes, target, p.src, so, d_o, p.imm)?;
             i += 1;
         }
         Ok(i)
@@ -174,7 +175,7 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         routes: &Routes,
-        nics: usize,
+        lanes: super::lanes::Lanes,
         start: usize,
         end: usize,
         p: &PagedBody,
@@ -190,7 +191,8 @@ impl WorkerCore {
         };
         let mut err = None;
         let mut i = start;
-        let mut nic = start % nics.max(1);
+        let nics = lanes.n;
+        let mut lane = start % nics.max(1);
         for (&s, &d) in si.iter().zip(di) {
             // Submit checked the largest page index of each side, and
             // offsets grow with the index: none of these overflows.
@@ -198,6 +200,7 @@ impl WorkerCore {
             let d_o = u64::from(d).wrapping_mul(dp.stride).wrapping_add(dp.offset);
             debug_assert_eq!(Some(so), sp.index_offset(s));
             debug_assert_eq!(Some(d_o), dp.index_offset(d));
+            let nic = lanes.nic(lane);
             let Some(route) = routes.cached(nic) else {
                 break;
             };
@@ -212,9 +215,9 @@ impl WorkerCore {
                 wr, route.peer, mr, so, base, region_len, d_o, route.rkey, page_len, imm,
             ));
             i += 1;
-            nic += 1;
-            if nic == nics {
-                nic = 0;
+            lane += 1;
+            if lane == nics {
+                lane = 0;
             }
         }
         // `push_op`'s counts, once for the run.

@@ -26,12 +26,12 @@ impl WorkerCore {
                 dst,
                 dst_off,
             } => {
-                let nics = self.nics_for(Target::Plain(&dst))?;
+                let lanes = self.lanes(Target::Plain(&dst))?;
                 self.rr = self.rr.wrapping_add(1);
                 shard::plan_single_write_into(
                     &mut self.pieces,
                     len,
-                    nics,
+                    lanes.n,
                     self.max_write_len,
                     self.rr,
                     &self.shard,
@@ -41,6 +41,7 @@ impl WorkerCore {
                     slot,
                     wr,
                     &mut routes,
+                    lanes,
                     Target::Plain(&dst),
                     src,
                     src_off,
@@ -90,7 +91,7 @@ impl WorkerCore {
                     if let Some(r) = one_piece {
                         let d = r.dsts[j];
                         let target = Target::Member(r, peers, j);
-                        let nic = j % self.nics_for(target)?;
+                        let nic = self.lanes(target)?.nic(j);
                         let mr = src_mrs.get(nic).copied().flatten();
                         let route = self.member_route(r, peers, j, nic, mr)?;
                         self.push_write(
@@ -131,10 +132,9 @@ impl WorkerCore {
                         Dsts::Routed(r) => Target::Member(r, peers, j),
                         Dsts::Described(v) => Target::Desc(&v[j].dst, Some((peers, j))),
                     };
-                    let nics = self.nics_for(target)?;
                     // Zero-length, immediate-only: source is the send pool
                     // (any valid local key of that NIC works for 0 bytes).
-                    let nic = j % nics;
+                    let nic = self.lanes(target)?.nic(j);
                     self.push_zero_write(slot, wr, nic, target, imm)?;
                 }
                 Ok(())
@@ -187,7 +187,17 @@ impl WorkerCore {
                 });
                 break;
             }
-            let nic = j % nics;
+            let nic = if self.lanes.local().is_some() {
+                match self.lanes(Target::Member(r, peers, j)) {
+                    Ok(l) => l.nic(j),
+                    Err(e) => {
+                        err = Some(e);
+                        break;
+                    }
+                }
+            } else {
+                j % nics
+            };
             // `member_route`.
             let rkey = match r.rkey(d, nic) {
                 Ok(r) => r,
@@ -271,18 +281,28 @@ impl WorkerCore {
                 (t, d.len, d.src_offset, d.dst_offset)
             }
         };
-        let nics = self.nics_for(target)?;
+        let lanes = self.lanes(target)?;
         shard::plan_scatter_dst_into(
             &mut self.pieces,
             j,
             len,
-            nics,
+            lanes.n,
             self.max_write_len,
             mode,
             &self.shard,
         );
         let mut routes = Routes::default();
-        self.push_pieces(slot, wr, &mut routes, target, src, src_off, dst_off, imm)
+        self.push_pieces(
+            slot,
+            wr,
+            &mut routes,
+            lanes,
+            target,
+            src,
+            src_off,
+            dst_off,
+            imm,
+        )
     }
 
     pub(super) fn push_zero_write(

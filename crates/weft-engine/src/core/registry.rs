@@ -126,6 +126,9 @@ impl WorkerCore {
             } => {
                 let _ = reply.send(self.remove_peers(&addrs, incarnation));
             }
+            Control::Lanes { dst, reply } => {
+                let _ = reply.send(self.nics_to(&dst));
+            }
         }
     }
 

@@ -252,6 +252,7 @@ impl WorkerCore {
         slot: u32,
         wr: WrId,
         routes: &mut Routes,
+        lanes: super::lanes::Lanes,
         target: Target<'_>,
         src: u64,
         src_off: u64,
@@ -262,14 +263,15 @@ impl WorkerCore {
         let pieces = std::mem::take(&mut self.pieces);
         let mut r = Ok(());
         for p in &pieces {
+            let nic = lanes.nic(p.nic);
             r = self
-                .route(routes, tid, p.nic, Some(src), target)
+                .route(routes, tid, nic, Some(src), target)
                 .and_then(|route| {
                     self.push_write(
                         slot,
                         wr,
                         route,
-                        p.nic,
+                        nic,
                         src_off + p.offset,
                         target,
                         dst_off + p.offset,

@@ -36,11 +36,12 @@ impl WorkerCtx {
     /// Opens the domains (on the calling thread) and builds the worker.
     pub(crate) fn open(self) -> Result<Worker, EngineError> {
         let g = self.shared.index;
-        let mut domains = Vec::with_capacity(self.spec.nics.len());
-        for &n in &self.spec.nics {
-            let d = self.spec.provider.open(n).map_err(|e| EngineError::Setup {
+        let mut domains = Vec::with_capacity(self.spec.nic_count());
+        let nics = self.spec.nics.iter().map(|&n| (&self.spec.provider, n));
+        for (p, n) in nics.chain(self.spec.local.iter().map(|(p, n)| (p, *n))) {
+            let d = p.open(n).map_err(|e| EngineError::Setup {
                 group: g,
-                what: format!("opening NIC {n} of provider {}", self.spec.provider.name()),
+                what: format!("opening NIC {n} of provider {}", p.name()),
                 source: Some(Box::new(e)),
             })?;
             domains.push(d);

@@ -17,7 +17,7 @@ use weft_transport::{Device, MemRegion, MrDesc};
 impl TransferEngine {
     /// Sends a control request to group `g`'s worker and waits for the
     /// answer (in manual mode the worker's control queue runs inline).
-    fn control<T>(
+    pub(super) fn control<T>(
         &self,
         g: &GroupShared,
         make: impl FnOnce(Sender<Result<T, EngineError>>) -> Control,

@@ -96,6 +96,29 @@ impl TransferEngine {
         DataPathReport { nics }
     }
 
+    /// The NICs of group `g` that WRITEs to `dst` take, with their data
+    /// paths: in a group with a same-host NIC
+    /// ([`DomainGroupSpec::same_host`](crate::DomainGroupSpec::same_host))
+    /// that NIC alone for a peer on this host, the others for the rest;
+    /// otherwise every NIC the descriptor has a key for.
+    pub fn paths_to(&self, g: usize, dst: &MrDesc) -> Result<Vec<NicReport>, EngineError> {
+        let gs = self.group(g)?;
+        let dst = dst.clone();
+        let nics = self.control(gs, |reply| crate::core::Control::Lanes { dst, reply })?;
+        let info = self.info(g)?;
+        Ok(nics
+            .into_iter()
+            .filter_map(|i| {
+                Some(NicReport {
+                    group: g,
+                    nic: i,
+                    name: info.names.get(i)?.clone(),
+                    path: info.paths.get(i)?.clone(),
+                })
+            })
+            .collect())
+    }
+
     /// How each NIC of its group reaches registration `h`, in NIC order.
     pub fn reach(&self, h: &MrHandle) -> Result<Vec<Reach>, EngineError> {
         let info = self.info(self.own_group_index(h)?)?;
