@@ -57,7 +57,7 @@ impl Ring {
     /// that outlives the ring, and only one producer and one consumer use
     /// it.
     pub(crate) unsafe fn new(base: *mut u8, cap: usize) -> Ring {
-        debug_assert!(cap.is_power_of_two() && base as usize % 64 == 0);
+        debug_assert!(cap.is_power_of_two() && (base as usize).is_multiple_of(64));
         Ring {
             base,
             cap: cap as u64,
@@ -259,6 +259,7 @@ mod tests {
                     next += 1;
                     rx.consume(&f);
                 }
+                // SAFETY: `fill` writes exactly `n` bytes.
                 assert!(tx.push(1, &hdr, n, |p| unsafe {
                     std::ptr::write_bytes(p, round as u8, n)
                 }));
