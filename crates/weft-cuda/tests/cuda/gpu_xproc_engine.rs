@@ -40,30 +40,39 @@ fn required() -> bool {
 /// it says `nvlink`; one group on cuda:0.
 fn engine() -> Result<TransferEngine, String> {
     let role = child::role().unwrap_or_default();
-    let p: Arc<dyn weft_transport::Provider> = if role.ends_with("nvlink") {
+    let nvlink = || -> Result<Arc<dyn weft_transport::Provider>, String> {
         let pm = Gpu::open(0)
             .and_then(|g| g.peer_memory())
             .map_err(|e| format!("peer memory: {e}"))?;
-        Arc::new(NvlinkProvider::new(
+        Ok(Arc::new(NvlinkProvider::new(
             NvlinkConfig::default()
                 .with_lanes(1)
                 .with_peer_memory(Arc::new(pm)),
-        ))
-    } else {
-        let ipc = role.ends_with("ipc");
-        Arc::new(
+        )))
+    };
+    let shm = |ipc: bool| -> Result<Arc<dyn weft_transport::Provider>, String> {
+        Ok(Arc::new(
             LibfabricProvider::with_config(
                 LibfabricConfig::new("shm")
                     .with_hmem(true)
                     .with_hmem_ipc(ipc),
             )
             .map_err(|e| format!("libfabric shm: {e}"))?,
-        )
+        ))
+    };
+    // `mixed`: one group over two fabrics, shm as the NIC and nvlink as
+    // the same-host NIC (every WRITE here goes through nvlink).
+    let spec = if role.ends_with("mixed") {
+        DomainGroupSpec::new(shm(false)?, vec![0]).same_host(nvlink()?, 0)
+    } else if role.ends_with("nvlink") {
+        DomainGroupSpec::new(nvlink()?, vec![0])
+    } else {
+        DomainGroupSpec::new(shm(role.ends_with("ipc"))?, vec![0])
     };
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = Some(Duration::from_micros(200));
     TransferEngine::builder()
-        .group(DomainGroupSpec::new(p, vec![0]).device(Device::Cuda(0)))
+        .group(spec.device(Device::Cuda(0)))
         .config(cfg)
         .build()
         .map_err(|e| format!("engine: {e}"))
@@ -152,6 +161,19 @@ fn xproc_writer_entry() {
         }
         if let Some(Err(err)) = f.result() {
             child::send_line(&format!("failed {err}")).unwrap();
+            return;
+        }
+    }
+    if child::role().is_some_and(|r| r.ends_with("mixed")) {
+        // Two fabrics: the reader is on this host, so nvlink (NIC 1)
+        // carried every byte and shm (NIC 0) none.
+        let total = SIZES.iter().sum::<usize>() as u64 + u64::from(PAGES) * PAGE;
+        let nics = &e.stats().groups[0].nics;
+        if nics[1].bytes_posted != total || nics[0].bytes_posted != 0 {
+            child::send_line(&format!(
+                "failed routing: {nics:?}, expected {total} B on NIC 1"
+            ))
+            .unwrap();
             return;
         }
     }
@@ -249,6 +271,14 @@ fn device_writes_cross_processes_over_nvlink() {
     cross_processes("device_writes_cross_processes_over_nvlink", "nvlink");
 }
 
+/// The same with one group over two fabrics (a CUDA libfabric's shm as
+/// the NIC, nvlink as the same-host NIC): the reader checks its bytes and
+/// that every one came through nvlink.
+#[test]
+fn device_writes_cross_processes_over_two_fabrics() {
+    cross_processes("device_writes_cross_processes_over_two_fabrics", "mixed");
+}
+
 /// The test of the module docs, shm moving GPU memory through host memory
 /// (`staged`) or with CUDA IPC (`ipc`).
 fn cross_processes(test: &str, mode: &str) {
@@ -264,7 +294,7 @@ fn cross_processes(test: &str, mode: &str) {
         spawn_role("xproc_reader_entry", &format!("reader-{mode}"), &[]).expect("spawn reader");
     let first = line(&mut reader, "reader");
     if let Some(why) = first.strip_prefix("skip ") {
-        assert!(!required() && mode != "nvlink", "{mode}: {why}");
+        assert!(!(mode == "nvlink" || required()), "{mode}: {why}");
         eprintln!("SKIP: {why}");
         return;
     }
