@@ -28,9 +28,9 @@ esac
 if [ "$mode" = build ]; then
   mkdir -p "$dir"
   rm -f "$dir/gpu_moe" "$dir/gpu_bench"
-  exe=$(cargo test --release -p weft-moe --features cuda --test gpu_moe --no-run \
+  exe=$(cargo test --release -p weft-moe --features cuda --test moe --no-run \
           --message-format=json 2>/dev/null |
-        grep -o '"executable":"[^"]*"' | grep gpu_moe | tail -n1 | cut -d'"' -f4)
+        grep -o '"executable":"[^"]*"' | grep "/moe-" | tail -n1 | cut -d'"' -f4)
   [ -n "$exe" ] || { echo "gpu_moe test binary not found" >&2; exit 1; }
   cp "$exe" "$dir/gpu_moe"
   cargo build --release -p weft-moe --features cuda --example gpu_bench

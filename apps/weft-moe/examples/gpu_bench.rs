@@ -11,9 +11,12 @@
 //!    (combine-send → sum done) per rank, the proxy's signal → first
 //!    engine submit and the launch → first submit time, with P swept
 //!    0…32, and graph replay, for the engine-driven path (`EngineGroup`:
-//!    one TransferEngine per rank on the realtime loopback fabric, ideal
-//!    profile with no wire model, GPU memory moved by the CUDA copy engine)
-//!    and, as a baseline, `LocalGroup` (the proxies' own D2D copies).
+//!    one TransferEngine per rank) over the same-host backend `nvlink`
+//!    (each rank's WRITEs are copies into the other ranks' GPU buffers on
+//!    the copy engines) and over the realtime loopback fabric (ideal
+//!    profile with no wire model, GPU memory moved by one CUDA copier under
+//!    the fabric's lock), and, as a baseline, `LocalGroup` (the proxies'
+//!    own D2D copies).
 //!
 //! The torch baseline of the same dispatch/combine on the same GPU is
 //! `apps/weft-moe/bench/torch_baseline.py`; `run-gpu.sh` runs both.
@@ -189,19 +192,30 @@ fn kernel_only(gpu: &Gpu, k: &MoeKernels, n: u32, ranks: &[u32], iters: usize) -
 /// loopback fabric without a wire model (latency 0, unlimited bandwidth:
 /// what is measured is kernels, proxies, engines and the CUDA copies), or
 /// the `LocalGroup` baseline.
-fn group(gpu: &Gpu, d: &Dims, engine: bool) -> Res<(Box<dyn ProxyGroup>, Option<Fabric>)> {
+fn group(gpu: &Gpu, d: &Dims, mode: Mode) -> Res<(Box<dyn ProxyGroup>, Option<Fabric>)> {
     let timeout = Duration::from_secs(20);
-    if !engine {
-        return Ok((Box::new(LocalGroup::new(gpu, d, timeout)?), None));
+    match mode {
+        Mode::Local => return Ok((Box::new(LocalGroup::new(gpu, d, timeout)?), None)),
+        Mode::Nvlink => {
+            let cfg = EngineGroupConfig::nvlink(gpu, timeout)?;
+            return Ok((Box::new(EngineGroup::new(gpu, d, cfg)?), None));
+        }
+        Mode::Loopback => {}
     }
     let mut fabric = FabricConfig::ideal(7);
     fabric.nic = NicModel {
         latency: Duration::ZERO,
         link_gbps: 0.0,
     };
-    let cfg = EngineGroupConfig::new(fabric, timeout);
+    fabric.device_copy = Some(std::sync::Arc::new(gpu.copy_engine()?));
+    let f = Fabric::new_realtime(fabric);
+    let hosts = f.clone();
+    let hosts: weft_moe::cuda::HostFn = std::sync::Arc::new(move |_| {
+        let h = hosts.add_host(1);
+        Ok(std::sync::Arc::new(hosts.provider(h)) as std::sync::Arc<dyn weft::Provider>)
+    });
+    let cfg = EngineGroupConfig::new(hosts, timeout);
     let g = EngineGroup::new(gpu, d, cfg)?;
-    let f = g.fabric().clone();
     Ok((Box::new(g), Some(f)))
 }
 
@@ -238,11 +252,11 @@ fn end_to_end(
     p: u32,
     iters: usize,
     graphs: bool,
-    engine: bool,
+    mode: Mode,
 ) -> Res<Vec<f64>> {
     let d = dims(8, p);
     let n = d.ranks as usize;
-    let (group, fabric) = group(gpu, &d, engine)?;
+    let (group, fabric) = group(gpu, &d, mode)?;
     let mut stats0 = None;
     let mut rng = ChaCha8Rng::seed_from_u64(1000 + u64::from(p));
     let streams: Vec<Stream> = (0..n).map(|_| gpu.stream()).collect::<Result<_, _>>()?;
@@ -344,7 +358,7 @@ fn end_to_end(
         _ => vec![f64::NAN; 3],
     };
     if graphs {
-        let what = if engine { "engine" } else { "local" };
+        let what = mode.name();
         println!(
             "| graph replay, {what}, P={p} | step (4 kernels + proxies) | {:.1} | {:.1} | {} |",
             pct(&mut step, 0.5),
@@ -393,20 +407,20 @@ fn main() -> Res<()> {
     kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters)?;
     kernel_only(&gpu, &k, 64, &[0], iters)?;
 
-    for engine in [true, false] {
-        let (title, ps): (&str, &[u32]) = if engine {
-            ("engine-driven (EngineGroup: a TransferEngine per rank, loopback fabric without a wire model, CUDA copy engine)", &[0, 1, 4, 8, 16, 32])
-        } else {
-            (
+    for mode in [Mode::Nvlink, Mode::Loopback, Mode::Local] {
+        let (title, ps): (&str, &[u32]) = match mode {
+            Mode::Nvlink => ("engine-driven over nvlink (EngineGroup: a TransferEngine per rank, CUDA peer memory: copies on the copy engines)", &[0, 1, 4, 8, 16, 32]),
+            Mode::Loopback => ("engine-driven over the loopback fabric (no wire model, one CUDA copier under the fabric's lock)", &[0, 8, 32]),
+            Mode::Local => (
                 "baseline LocalGroup (proxies' own D2D copies, no engine)",
                 &[0, 8, 32],
-            )
+            ),
         };
         println!("\n### end to end, EP8 on one GPU, {title}\n");
         println!("| P | dispatch p50 µs | dispatch p99 | combine p50 | combine p99 | signal→first submit p50 | launch→signal seen p50 | launch→first submit p50 | launch→first submit p99 | proxy packed→dispatch_ready p50 | proxy combine_packed→combine_ready p50 | fabric WRITEs/step | MB/step | serial-copy floor µs/step |");
         println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &p in ps {
-            let v = end_to_end(&gpu, &k, p, iters, false, engine)?;
+            let v = end_to_end(&gpu, &k, p, iters, false, mode)?;
             let fl = |x: f64| {
                 if x.is_nan() {
                     "–".to_string()
@@ -421,7 +435,29 @@ fn main() -> Res<()> {
         }
     }
     println!("\n| mode | what | p50 µs | p99 µs | samples |\n|---|---|---|---|---|");
-    end_to_end(&gpu, &k, 32, iters.max(300), true, true)?;
-    end_to_end(&gpu, &k, 32, iters.max(300), true, false)?;
+    for mode in [Mode::Nvlink, Mode::Loopback, Mode::Local] {
+        end_to_end(&gpu, &k, 32, iters.max(300), true, mode)?;
+    }
     Ok(())
+}
+
+/// Which group an end-to-end run drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `EngineGroup` over nvlink.
+    Nvlink,
+    /// `EngineGroup` over the loopback fabric.
+    Loopback,
+    /// `LocalGroup`.
+    Local,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Nvlink => "engine over nvlink",
+            Mode::Loopback => "engine over loopback",
+            Mode::Local => "local",
+        }
+    }
 }

@@ -31,7 +31,7 @@ mod proxy;
 pub use kernels::MoeKernels;
 pub use kernels_cu::MOE_CU;
 pub use local::{LocalGroup, ProxyTimes};
-pub use proxy::{EngineGroup, EngineGroupConfig};
+pub use proxy::{EngineGroup, EngineGroupConfig, HostFn};
 
 use crate::config::Dims;
 use crate::error::{MoeError, Phase};

@@ -1,6 +1,9 @@
 //! [`EngineGroup`]: N ranks on one GPU whose data moves over a real
-//! [`weft::TransferEngine`] per rank, on one realtime loopback fabric that
-//! copies `Device::Cuda` memory through `weft_cuda::CudaCopy`.
+//! [`weft::TransferEngine`] per rank, each over the provider its
+//! configuration names for it ([`EngineGroupConfig::hosts`]): the
+//! same-host backend with the GPU's peer memory ([`EngineGroupConfig::nvlink`]),
+//! or any other backend that registers GPU memory (tests use the
+//! simulated fabric with a CUDA copier).
 //!
 //! Each rank's proxy thread runs the same [`RankCore`] as the CPU driver
 //! ([`crate::MoeRank`]) and the simulation ([`crate::sim`]); only the
@@ -47,20 +50,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use weft::loopback::{Fabric, FabricConfig};
 use weft::{
     DomainGroupSpec, DoneCounter, DoneFlag, EngineConfig, Imm, MrDesc, MrHandle, OnDone,
     PeerGroupHandle, Resources, ScatterMode, ScatterTargets, TransferEngine,
 };
 use weft_cuda::{Gpu, WatchWord};
 
-/// How an [`EngineGroup`] builds its fabric and engines.
-#[derive(Debug, Clone)]
+/// The provider rank `r`'s engine opens its NICs on.
+pub type HostFn =
+    Arc<dyn Fn(u32) -> Result<Arc<dyn weft::Provider>, weft::TransportError> + Send + Sync>;
+
+/// How an [`EngineGroup`] builds its engines.
+#[derive(Clone)]
 pub struct EngineGroupConfig {
-    /// The loopback fabric (profile, seed, NIC model, WRITE limits); its
-    /// `device_copy` is replaced by the GPU's copy engine.
-    pub fabric: FabricConfig,
-    /// NICs per rank's engine.
+    /// The provider of each rank (called once per rank, in rank order).
+    pub hosts: HostFn,
+    /// NICs per rank's engine (indices `0..nics` of its provider).
     pub nics: usize,
     /// Every rank's engine configuration.
     pub engine: EngineConfig,
@@ -69,15 +74,56 @@ pub struct EngineGroupConfig {
     pub timeout: Duration,
 }
 
+impl std::fmt::Debug for EngineGroupConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineGroupConfig")
+            .field("nics", &self.nics)
+            .field("engine", &self.engine)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
 impl EngineGroupConfig {
-    /// One NIC per rank on `fabric`, default engines, `timeout`.
-    pub fn new(fabric: FabricConfig, timeout: Duration) -> EngineGroupConfig {
+    /// One NIC per rank on the provider `hosts(rank)` gives, default
+    /// engines, `timeout`.
+    pub fn new(hosts: HostFn, timeout: Duration) -> EngineGroupConfig {
         EngineGroupConfig {
-            fabric,
+            hosts,
             nics: 1,
             engine: EngineConfig::default(),
             timeout,
         }
+    }
+
+    /// Every rank over the same-host backend (`nvlink`) with `gpu`'s peer
+    /// memory: WRITEs into another rank's GPU buffers are copies on the
+    /// GPU's copy engines (one-sided, no lock shared by the ranks).
+    pub fn nvlink(gpu: &Gpu, timeout: Duration) -> Result<EngineGroupConfig, GpuError> {
+        let pm: Arc<dyn weft::PeerMemory> = Arc::new(
+            gpu.peer_memory()
+                .map_err(GpuError::cuda(None, Phase::Setup))?,
+        );
+        let backend = weft::provider_with(
+            &weft::ProviderSpec::Nvlink,
+            &weft::ProviderConfig::default()
+                .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm)),
+        )
+        .map_err(|e| GpuError::Proxy {
+            rank: 0,
+            what: format!("opening nvlink: {e}"),
+        })?;
+        let backend = Arc::new(backend);
+        Ok(Self::new(
+            Arc::new(move |_| {
+                backend.host().map_err(|e| weft::TransportError::Failed {
+                    nic: "nvlink".into(),
+                    wr: None,
+                    what: e.to_string(),
+                })
+            }),
+            timeout,
+        ))
     }
 }
 
@@ -94,7 +140,6 @@ pub struct EngineGroup {
     shared: Arc<Shared>,
     threads: Vec<(u32, JoinHandle<Result<(), GpuError>>)>,
     engines: Vec<Arc<TransferEngine>>,
-    fabric: Fabric,
 }
 
 impl std::fmt::Debug for EngineGroup {
@@ -135,20 +180,13 @@ fn register(
 
 impl EngineGroup {
     /// Allocates `dims.ranks` ranks on `gpu`, builds one engine per rank on
-    /// a realtime loopback fabric copying GPU memory with the GPU's copy
-    /// engine, registers the buffers, connects every rank to the others and
-    /// starts the proxies.
+    /// its provider ([`EngineGroupConfig::hosts`]), registers the buffers,
+    /// connects every rank to the others and starts the proxies.
     pub fn new(gpu: &Gpu, dims: &Dims, cfg: EngineGroupConfig) -> Result<EngineGroup, GpuError> {
         let n = dims.ranks;
         let ranks = (0..n)
             .map(|r| GpuRank::new(gpu, dims, r).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
-        let copy = gpu
-            .copy_engine()
-            .map_err(GpuError::cuda(None, Phase::Setup))?;
-        let mut fcfg = cfg.fabric.clone();
-        fcfg.device_copy = Some(Arc::new(copy));
-        let fabric = Fabric::new_realtime(fcfg);
         let shared = Arc::new(Shared {
             dims: dims.clone(),
             times: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
@@ -160,19 +198,18 @@ impl EngineGroup {
             shared: shared.clone(),
             threads: Vec::new(),
             engines: Vec::new(),
-            fabric,
         };
         let mut nets = Vec::new();
         let mut descs = Vec::new();
         for r in 0..n {
-            let host = group.fabric.add_host(cfg.nics.max(1));
+            let provider = (cfg.hosts)(r).map_err(|e| GpuError::Proxy {
+                rank: r,
+                what: format!("the rank's provider: {e}"),
+            })?;
             let engine = TransferEngine::builder()
                 .group(
-                    DomainGroupSpec::new(
-                        Arc::new(group.fabric.provider(host)),
-                        (0..cfg.nics.max(1)).collect::<Vec<_>>(),
-                    )
-                    .device(gpu.device()),
+                    DomainGroupSpec::new(provider, (0..cfg.nics.max(1)).collect::<Vec<_>>())
+                        .device(gpu.device()),
                 )
                 .config(cfg.engine.clone())
                 .build()
@@ -238,11 +275,6 @@ impl EngineGroup {
             group.threads.push((r, handle));
         }
         Ok(group)
-    }
-
-    /// The loopback fabric (statistics, rules).
-    pub fn fabric(&self) -> &Fabric {
-        &self.fabric
     }
 
     /// Rank `r`'s engine.

@@ -9,8 +9,9 @@
 #![cfg(feature = "cuda")]
 
 use crate::common::{expert_outputs, inputs, routings, Owned, Routing, DTYPES};
+use std::sync::Arc;
 use std::time::Duration;
-use weft::loopback::FabricConfig;
+use weft::loopback::{Fabric, FabricConfig};
 use weft_cuda::{Gpu, Graph, Stream};
 use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
 use weft_moe::{reference, Dims, MoeConfig, OutDtype, RankInput};
@@ -78,6 +79,8 @@ enum Proxies {
     /// `EngineGroup` on the adversarial loopback fabric with this seed and
     /// largest WRITE per WR.
     Engine { seed: u64, max_write: u64 },
+    /// `EngineGroup` over the same-host backend (CUDA peer memory).
+    Nvlink,
 }
 
 struct Cluster<'a> {
@@ -94,12 +97,23 @@ impl<'a> Cluster<'a> {
                 Box::new(LocalGroup::new(gpu, d, Duration::from_secs(5)).expect("local group"))
             }
             Proxies::Engine { seed, max_write } => {
-                let fabric = FabricConfig {
+                // The adversarial simulated fabric, copying GPU memory with
+                // the GPU's copy engine: every rank a host of it.
+                let fabric = Fabric::new_realtime(FabricConfig {
                     max_write_len: max_write,
+                    device_copy: Some(Arc::new(gpu.copy_engine().expect("copy engine"))),
                     ..FabricConfig::adversarial(seed)
-                };
-                let cfg = EngineGroupConfig::new(fabric, Duration::from_secs(20));
+                });
+                let hosts: weft_moe::cuda::HostFn = Arc::new(move |_| {
+                    let h = fabric.add_host(1);
+                    Ok(Arc::new(fabric.provider(h)) as Arc<dyn weft::Provider>)
+                });
+                let cfg = EngineGroupConfig::new(hosts, Duration::from_secs(20));
                 Box::new(EngineGroup::new(gpu, d, cfg).expect("engine group"))
+            }
+            Proxies::Nvlink => {
+                let cfg = EngineGroupConfig::nvlink(gpu, Duration::from_secs(20)).expect("nvlink");
+                Box::new(EngineGroup::new(gpu, d, cfg).expect("engine group over nvlink"))
             }
         };
         let streams: Vec<Stream> = (0..d.ranks)
@@ -433,6 +447,60 @@ fn gpu_engine_graph_replay_bit_exact() {
             px,
         );
     }
+}
+
+/// The engine path over nvlink: random routings at EP 2/4/8, the edge
+/// cases and the DeepSeek-V3 shape, bit-exact.
+#[test]
+fn gpu_nvlink_engine_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_nvlink_engine_bit_exact") else {
+        return;
+    };
+    for (n, seed) in [(2u32, 31u64), (4, 32), (8, 33)] {
+        for dtype in DTYPES {
+            let d = cfg(n, 4, 4, 24, 3, 64, dtype);
+            run_with(
+                &gpu,
+                &k,
+                &d,
+                &[Routing::Random],
+                seed,
+                3,
+                false,
+                Proxies::Nvlink,
+            );
+        }
+    }
+    for (n, p, tb, h, dt) in [
+        (4u32, 0u32, 48u32, 40u32, OutDtype::Bf16),
+        (4, 16, 48, 36, OutDtype::F32),
+        (8, 2, 100, 36, OutDtype::Bf16),
+    ] {
+        let d = cfg_h(n, 2, 4, 16, p, tb, h, dt);
+        run_with(
+            &gpu,
+            &k,
+            &d,
+            &routings(&d),
+            u64::from(n * 1000 + p),
+            2,
+            false,
+            Proxies::Nvlink,
+        );
+    }
+    let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
+    c.private_tokens = Some(32);
+    let d = c.validate().unwrap();
+    run_with(
+        &gpu,
+        &k,
+        &d,
+        &[Routing::Random],
+        7,
+        2,
+        false,
+        Proxies::Nvlink,
+    );
 }
 
 #[test]

@@ -30,7 +30,7 @@ mod pipeline;
 
 pub use kernels::{DevMat, RlKernels, MAX_BOXES};
 pub use kernels_cu::RL_CU;
-pub use pipeline::{GpuStepTimes, GpuUpdate, GpuUpdateConfig};
+pub use pipeline::{GpuStepTimes, GpuUpdate, GpuUpdateConfig, RoleHosts};
 
 use weft_cuda::CudaError;
 

@@ -13,14 +13,15 @@
 //!    scales at the plan's offsets);
 //! 3. WRITE every tensor's bytes and scales from the image into the
 //!    inference rank's registered device region (one-sided, with an
-//!    immediate the inference engine counts), over a realtime loopback
-//!    fabric whose payload copies are the GPU's copy engine.
+//!    immediate the inference engine counts), over the provider the
+//!    configuration gives each side ([`GpuUpdateConfig::hosts`]; by default
+//!    the same-host backend `nvlink`, whose copies run on the GPU's copy
+//!    engines).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft::loopback::{Fabric, FabricConfig};
 use weft::{
     DomainGroupSpec, DoneCounter, EngineConfig, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
 };
@@ -31,14 +32,19 @@ use super::GpuError;
 use crate::meta::{Layout, ModelLayout, Quant};
 use crate::plan::Plan;
 
+/// The provider a side's engine opens its NICs on, by role (`"trainer"`,
+/// `"inference"`).
+pub type RoleHosts =
+    Arc<dyn Fn(&str) -> Result<Arc<dyn weft::Provider>, weft::TransportError> + Send + Sync>;
+
 /// Options of a [`GpuUpdate`].
 #[derive(Clone)]
 pub struct GpuUpdateConfig {
     /// The inference rank of the plan this GPU plays.
     pub inference_rank: u32,
-    /// The loopback fabric (its `device_copy` is replaced by the GPU's copy
-    /// engine).
-    pub fabric: FabricConfig,
+    /// Each side's provider; `None`: the same-host backend (`nvlink`)
+    /// with the GPU's peer memory.
+    pub hosts: Option<RoleHosts>,
     /// NICs per engine.
     pub nics: usize,
     /// Engine options.
@@ -51,7 +57,7 @@ impl Default for GpuUpdateConfig {
     fn default() -> Self {
         GpuUpdateConfig {
             inference_rank: 0,
-            fabric: FabricConfig::ideal(0),
+            hosts: None,
             nics: 2,
             engine: {
                 let mut c = EngineConfig::default();
@@ -95,7 +101,6 @@ pub struct GpuUpdate {
     // they have registered are freed.
     trainer: Arc<TransferEngine>,
     inference: Arc<TransferEngine>,
-    _fabric: Fabric,
     /// The registrations of `image` (trainer) and `target` (inference),
     /// and the inference side's immediate.
     held: Resources,
@@ -192,22 +197,23 @@ impl GpuUpdate {
         let kernels = RlKernels::compile(gpu)?;
         let stream = gpu.stream().map_err(GpuError::cuda("creating a stream"))?;
 
-        let copy = gpu
-            .copy_engine()
-            .map_err(GpuError::cuda("creating the copy engine"))?;
-        let mut fcfg = cfg.fabric.clone();
-        fcfg.device_copy = Some(Arc::new(copy));
-        let fabric = Fabric::new_realtime(fcfg);
         let nics = cfg.nics.max(1);
+        let hosts = match &cfg.hosts {
+            Some(h) => h.clone(),
+            None => nvlink_hosts(gpu, nics)?,
+        };
         let engine = |role: &'static str| -> Result<Arc<TransferEngine>, GpuError> {
-            let host = fabric.add_host(nics);
+            let provider = hosts(role).map_err(|e| {
+                GpuError::engine(role, "opening its provider")(weft::EngineError::Setup {
+                    group: 0,
+                    what: "the provider".into(),
+                    source: Some(Box::new(e)),
+                })
+            })?;
             TransferEngine::builder()
                 .group(
-                    DomainGroupSpec::new(
-                        Arc::new(fabric.provider(host)),
-                        (0..nics).collect::<Vec<_>>(),
-                    )
-                    .device(gpu.device()),
+                    DomainGroupSpec::new(provider, (0..nics).collect::<Vec<_>>())
+                        .device(gpu.device()),
                 )
                 .config(cfg.engine.clone())
                 .build()
@@ -242,7 +248,6 @@ impl GpuUpdate {
         Ok(GpuUpdate {
             trainer,
             inference,
-            _fabric: fabric,
             held,
             image_mr,
             target_desc,
@@ -466,4 +471,34 @@ impl Drop for GpuUpdate {
         self.trainer.shutdown();
         self.inference.shutdown();
     }
+}
+
+/// Both sides over the same-host backend with `gpu`'s peer memory
+/// (`nics` lanes).
+fn nvlink_hosts(gpu: &Gpu, nics: usize) -> Result<RoleHosts, GpuError> {
+    let pm: Arc<dyn weft::PeerMemory> = Arc::new(
+        gpu.peer_memory()
+            .map_err(GpuError::cuda("the GPU's peer memory"))?,
+    );
+    let backend = weft::provider_with(
+        &weft::ProviderSpec::Nvlink,
+        &weft::ProviderConfig::default()
+            .with_nics(nics)
+            .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm)),
+    )
+    .map_err(|e| {
+        GpuError::engine("both", "opening nvlink")(weft::EngineError::Setup {
+            group: 0,
+            what: e.to_string(),
+            source: None,
+        })
+    })?;
+    let backend = Arc::new(backend);
+    Ok(Arc::new(move |_| {
+        backend.host().map_err(|e| weft::TransportError::Failed {
+            nic: "nvlink".into(),
+            wr: None,
+            what: e.to_string(),
+        })
+    }))
 }

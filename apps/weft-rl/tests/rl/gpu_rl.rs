@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use weft::loopback::FabricConfig;
+use weft::loopback::{Fabric, FabricConfig};
 use weft_cuda::{Gpu, Stream};
 use weft_rl::cuda::{DevMat, GpuUpdate, GpuUpdateConfig, RlKernels};
 use weft_rl::fp8::quantize_block;
@@ -368,12 +368,24 @@ fn uneven_layout() -> ModelLayout {
 fn e2e(gpu: &Gpu, ml: &ModelLayout, p: weft_rl::Plan, seed: u64) {
     let p = Arc::new(p);
     for inf in 0..p.inference.len() as u32 {
+        // The adversarial simulated fabric with small WRITEs (copying GPU
+        // memory with the GPU's copy engine), every other run; nvlink (the
+        // default) in between.
+        let hosts: Option<weft_rl::cuda::RoleHosts> = (inf % 2 == 0).then(|| {
+            let fabric = Fabric::new_realtime(FabricConfig {
+                max_write_len: 16 << 10,
+                device_copy: Some(Arc::new(gpu.copy_engine().expect("copy engine"))),
+                ..FabricConfig::adversarial(seed)
+            });
+            let h: weft_rl::cuda::RoleHosts = Arc::new(move |_| {
+                let host = fabric.add_host(2);
+                Ok(Arc::new(fabric.provider(host)) as Arc<dyn weft::Provider>)
+            });
+            h
+        });
         let cfg = GpuUpdateConfig {
             inference_rank: inf,
-            fabric: FabricConfig {
-                max_write_len: 16 << 10,
-                ..FabricConfig::adversarial(seed)
-            },
+            hosts,
             ..GpuUpdateConfig::default()
         };
         let u = GpuUpdate::new(gpu, ml.clone(), p.clone(), cfg).expect("GpuUpdate");
