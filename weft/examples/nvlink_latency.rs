@@ -11,7 +11,11 @@
 //! min / median / max over `--reps` runs (default 5) of 2000 round trips
 //! each (median of each run), after 200 warm-up round trips.
 //!
-//! Usage: `nvlink_latency [--reps N]`.
+//! `--shm` runs the engine side over a CUDA-enabled libfabric's shm
+//! instead (FI_HMEM with CUDA IPC; load it with `WEFT_LIBFABRIC_PATH`),
+//! against the same raw baseline.
+//!
+//! Usage: `nvlink_latency [--reps N] [--shm]`.
 
 // Only `reps` and `read_hex` of the shared table code are used here.
 #[allow(dead_code)]
@@ -33,11 +37,22 @@ const ROUNDS: usize = 2000;
 const WARM: usize = 200;
 
 fn engine(gpu: &Gpu) -> Result<TransferEngine, Box<dyn std::error::Error>> {
-    let pm = Arc::new(gpu.peer_memory()?);
-    let backend = weft::provider_with(
-        &"nvlink".parse()?,
-        &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
-    )?;
+    let backend = if std::env::args().any(|a| a == "--shm") {
+        weft::provider_with(
+            &"libfabric:shm".parse()?,
+            &ProviderConfig::default().with_libfabric(
+                weft::LibfabricOptions::same_machine("shm")
+                    .with_hmem(true)
+                    .with_hmem_ipc(true),
+            ),
+        )?
+    } else {
+        let pm = Arc::new(gpu.peer_memory()?);
+        weft::provider_with(
+            &"nvlink".parse()?,
+            &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
+        )?
+    };
     let mut cfg = EngineConfig::default();
     cfg.idle_sleep = None;
     Ok(TransferEngine::builder()
@@ -109,8 +124,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let exported = gpu.export(buf.device_ptr(), 4096)?;
     let path = format!("/dev/shm/weft-nvlink-latency.{}", std::process::id());
     let flags = Flags::map(&path, true)?;
+    let shm = args.iter().any(|a| a == "--shm");
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--peer", &path])
+        .args(["--peer"])
+        .args(shm.then_some("--shm"))
+        .arg(&path)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -131,8 +149,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let copy = gpu.copy_engine()?;
     let dev = Device::Cuda(0);
     println!(
-        "8-byte WRITE+imm over nvlink (GPU to GPU, another process) vs a raw CUDA IPC copy + host flag, {}, \
+        "8-byte WRITE+imm over {} (GPU to GPU, another process) vs a raw CUDA IPC copy + host flag, {}, \
          half round trip in µs, median of {ROUNDS} round trips per run, {reps} runs",
+        if shm { "libfabric shm (FI_HMEM, CUDA IPC)" } else { "nvlink" },
         gpu.name()
     );
     let (mut eng, mut raw) = (Vec::new(), Vec::new());
