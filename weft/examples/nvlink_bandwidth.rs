@@ -13,17 +13,16 @@
 //!
 //! Usage: `nvlink_bandwidth [--reps N]` (default 7 repetitions per size).
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod shared;
 #[path = "common/table.rs"]
 mod table;
 
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-use weft::{
-    decode, encode, Device, DeviceCopy, DomainGroupSpec, EngineConfig, MrDesc, NvlinkOptions,
-    OnDone, Pages, ProviderConfig, TransferEngine,
-};
+use std::time::Instant;
+use weft::{decode, encode, Device, DeviceCopy, MrDesc, OnDone, Pages, TransferEngine};
 use weft_cuda::Gpu;
 
 const MAX: usize = 1 << 30;
@@ -31,33 +30,7 @@ const MAX: usize = 1 << 30;
 const BATCH: usize = 8;
 
 fn engine(gpu: &Gpu) -> Result<TransferEngine, Box<dyn std::error::Error>> {
-    let pm = Arc::new(gpu.peer_memory()?);
-    let backend = weft::provider_with(
-        &"nvlink".parse()?,
-        &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
-    )?;
-    let mut cfg = EngineConfig::default();
-    cfg.idle_sleep = None;
-    Ok(TransferEngine::builder()
-        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
-        .config(cfg)
-        .build()?)
-}
-
-fn wait_all(flags: &[Arc<weft::DoneFlag>], what: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for f in flags {
-        while !f.is_done() {
-            if Instant::now() > deadline {
-                return Err(format!("{what}: not complete within 60 s").into());
-            }
-            std::hint::spin_loop();
-        }
-        if let Some(Err(err)) = f.result() {
-            return Err(format!("{what}: {err}").into());
-        }
-    }
-    Ok(())
+    shared::gpu_engine(&shared::nvlink(gpu)?)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -100,7 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
                 flags.push(f);
             }
-            wait_all(&flags, &format!("WRITE of {size} B"))?;
+            shared::wait_all(&flags, &format!("WRITE of {size} B"))?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             for _ in 0..batch {
@@ -139,7 +112,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let t = Instant::now();
             let (od, f) = OnDone::flag();
             e.submit_paged_writes(page as u64, None, (&h, &sp), (&desc, &dp), od)?;
-            wait_all(&[f], "paged WRITEs")?;
+            shared::wait_all(&[f], "paged WRITEs")?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             for (j, &s) in order.iter().enumerate() {

@@ -17,6 +17,9 @@
 //!
 //! Usage: `nvlink_latency [--reps N] [--shm]`.
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod shared;
 // Only `reps` and `read_hex` of the shared table code are used here.
 #[allow(dead_code)]
 #[path = "common/table.rs"]
@@ -25,12 +28,8 @@ mod table;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Instant;
-use weft::{
-    decode, encode, Device, DeviceCopy, DomainGroupSpec, EngineConfig, MrDesc, NvlinkOptions,
-    OnDone, ProviderConfig, TransferEngine,
-};
+use weft::{decode, encode, Device, DeviceCopy, MrDesc, OnDone, TransferEngine};
 use weft_cuda::{Gpu, SharedMemory};
 
 const ROUNDS: usize = 2000;
@@ -38,27 +37,11 @@ const WARM: usize = 200;
 
 fn engine(gpu: &Gpu) -> Result<TransferEngine, Box<dyn std::error::Error>> {
     let backend = if std::env::args().any(|a| a == "--shm") {
-        weft::provider_with(
-            &"libfabric:shm".parse()?,
-            &ProviderConfig::default().with_libfabric(
-                weft::LibfabricOptions::same_machine("shm")
-                    .with_hmem(true)
-                    .with_hmem_ipc(true),
-            ),
-        )?
+        shared::cuda_shm(true)?
     } else {
-        let pm = Arc::new(gpu.peer_memory()?);
-        weft::provider_with(
-            &"nvlink".parse()?,
-            &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
-        )?
+        shared::nvlink(gpu)?
     };
-    let mut cfg = EngineConfig::default();
-    cfg.idle_sleep = None;
-    Ok(TransferEngine::builder()
-        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
-        .config(cfg)
-        .build()?)
+    shared::gpu_engine(&backend)
 }
 
 /// A page of host memory both processes map (a file under /dev/shm).

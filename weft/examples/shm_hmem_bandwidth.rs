@@ -18,16 +18,16 @@
 //! [--ipc] [--reps N]` (default 7 repetitions per size; `--ipc`: CUDA IPC
 //! instead of staging through host memory, `LibfabricConfig::hmem_ipc`).
 
+#[path = "common/gpu.rs"]
+#[allow(dead_code)]
+mod shared;
 #[path = "common/table.rs"]
 mod table;
 
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-use weft::{
-    decode, encode, Device, DeviceCopy, DomainGroupSpec, EngineConfig, LibfabricOptions, MrDesc,
-    OnDone, ProviderConfig, TransferEngine,
-};
+use std::time::Instant;
+use weft::{decode, encode, Device, DeviceCopy, MrDesc, OnDone, TransferEngine};
 use weft_cuda::Gpu;
 
 const MAX: usize = 256 << 20;
@@ -37,20 +37,7 @@ const BATCH: usize = 8;
 fn engine(ipc: bool) -> Result<TransferEngine, Box<dyn std::error::Error>> {
     // The facade's libfabric backend, one host (this process), GPU memory
     // registered with the provider.
-    let backend = weft::provider_with(
-        &"libfabric:shm".parse()?,
-        &ProviderConfig::default().with_libfabric(
-            LibfabricOptions::same_machine("shm")
-                .with_hmem(true)
-                .with_hmem_ipc(ipc),
-        ),
-    )?;
-    let mut cfg = EngineConfig::default();
-    cfg.idle_sleep = None;
-    Ok(TransferEngine::builder()
-        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
-        .config(cfg)
-        .build()?)
+    shared::gpu_engine(&shared::cuda_shm(ipc)?)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -100,18 +87,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
                 flags.push(f);
             }
-            let deadline = Instant::now() + Duration::from_secs(60);
-            for f in &flags {
-                while !f.is_done() {
-                    if Instant::now() > deadline {
-                        return Err("a WRITE did not complete within 60 s".into());
-                    }
-                    std::hint::spin_loop();
-                }
-                if let Some(Err(err)) = f.result() {
-                    return Err(format!("WRITE of {size} B: {err}").into());
-                }
-            }
+            shared::wait_all(&flags, &format!("WRITE of {size} B"))?;
             sync(&mut stdin, &mut out)?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use weft_transport::{CopyTicket, Device, Exported, PeerMemory, TransportError};
+use weft_transport::{CopyTicket, Device, DeviceCopy, Exported, PeerMemory, TransportError};
 
 /// See the module docs.
 #[derive(Debug, Default)]
@@ -106,7 +106,9 @@ impl PeerMemory for HostPeerMemory {
             }
         }
     }
+}
 
+impl DeviceCopy for HostPeerMemory {
     fn copy(
         &self,
         dst: u64,

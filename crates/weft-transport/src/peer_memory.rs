@@ -9,7 +9,7 @@
 //! the copy engines (per-peer streams, completion by event); tests implement
 //! it over shared host memory.
 
-use crate::{Device, TransportError};
+use crate::{Device, DeviceCopy, TransportError};
 use std::any::Any;
 
 /// A registration made openable by other processes: the description a peer
@@ -35,8 +35,10 @@ impl std::fmt::Debug for Exported {
 pub struct CopyTicket(pub u64);
 
 /// Memory of one device that peer processes on this host can map (see the
-/// module docs). Every method is non-blocking except [`PeerMemory::copy`].
-pub trait PeerMemory: Send + Sync {
+/// module docs). Every method is non-blocking except the synchronous
+/// [`DeviceCopy::copy`] between this process's memories (the staged path of
+/// a backend that moves bytes through host memory).
+pub trait PeerMemory: DeviceCopy {
     /// Short name for data-path reports, e.g. `"cuda-ipc"`.
     fn name(&self) -> &str;
 
@@ -74,16 +76,4 @@ pub trait PeerMemory: Send + Sync {
     /// visible at the destination (the ticket is then spent), `Ok(false)`
     /// while it runs, an error when it failed.
     fn copy_done(&self, ticket: CopyTicket) -> Result<bool, TransportError>;
-
-    /// Copies between this process's memories (`dst` on `dst_dev`, `src`
-    /// on `src_dev`) and returns when the bytes are visible: the staged
-    /// path of a backend that moves bytes through host memory.
-    fn copy(
-        &self,
-        dst: u64,
-        dst_dev: Device,
-        src: u64,
-        src_dev: Device,
-        len: u64,
-    ) -> Result<(), TransportError>;
 }

@@ -383,16 +383,21 @@ fn gpu_engine_ep2_ep4_ep8_random_bit_exact() {
     let Some((gpu, k)) = setup("gpu_engine_ep2_ep4_ep8_random_bit_exact") else {
         return;
     };
-    for (n, seed) in [(2u32, 21u64), (4, 22), (8, 23)] {
+    // Small WRITE limit: scatters and overflow writes split into many WRs
+    // (more immediates to count, more reordering).
+    random_ep248(&gpu, &k, 21, |seed| Proxies::Engine {
+        seed,
+        max_write: 200,
+    });
+}
+
+/// Random routings at EP 2, 4 and 8 (seeds `first..first + 3`), both
+/// output types, over the proxies `px(seed)` gives.
+fn random_ep248(gpu: &Gpu, k: &MoeKernels, first: u64, px: impl Fn(u64) -> Proxies) {
+    for (n, seed) in [(2u32, first), (4, first + 1), (8, first + 2)] {
         for dtype in DTYPES {
             let d = cfg(n, 4, 4, 24, 3, 64, dtype);
-            // Small WRITE limit: scatters and overflow writes split into
-            // many WRs (more immediates to count, more reordering).
-            let px = Proxies::Engine {
-                seed,
-                max_write: 200,
-            };
-            run_with(&gpu, &k, &d, &[Routing::Random], seed, 3, false, px);
+            run_with(gpu, k, &d, &[Routing::Random], seed, 3, false, px(seed));
         }
     }
 }
@@ -402,8 +407,15 @@ fn gpu_engine_edge_cases_bit_exact() {
     let Some((gpu, k)) = setup("gpu_engine_edge_cases_bit_exact") else {
         return;
     };
-    // P = 0, P = 1, P ≥ T, P = T·R, every routing of `routings`, odd
-    // token and row sizes, both output types.
+    edge_cases(&gpu, &k, |seed| Proxies::Engine {
+        seed,
+        max_write: 1 << 20,
+    });
+}
+
+/// P = 0, P = 1, P ≥ T, P = T·R, every routing of `routings`, odd token
+/// and row sizes, both output types, over the proxies `px(seed)` gives.
+fn edge_cases(gpu: &Gpu, k: &MoeKernels, px: impl Fn(u64) -> Proxies) {
     for (n, p, tb, h, dt) in [
         (4u32, 0u32, 48u32, 40u32, OutDtype::Bf16),
         (4, 1, 52, 36, OutDtype::Bf16),
@@ -413,11 +425,7 @@ fn gpu_engine_edge_cases_bit_exact() {
     ] {
         let d = cfg_h(n, 2, 4, 16, p, tb, h, dt);
         let seed = u64::from(n * 1000 + p);
-        let px = Proxies::Engine {
-            seed,
-            max_write: 1 << 20,
-        };
-        run_with(&gpu, &k, &d, &routings(&d), seed, 2, false, px);
+        run_with(gpu, k, &d, &routings(&d), seed, 2, false, px(seed));
     }
 }
 
@@ -456,51 +464,17 @@ fn gpu_nvlink_engine_bit_exact() {
     let Some((gpu, k)) = setup("gpu_nvlink_engine_bit_exact") else {
         return;
     };
-    for (n, seed) in [(2u32, 31u64), (4, 32), (8, 33)] {
-        for dtype in DTYPES {
-            let d = cfg(n, 4, 4, 24, 3, 64, dtype);
-            run_with(
-                &gpu,
-                &k,
-                &d,
-                &[Routing::Random],
-                seed,
-                3,
-                false,
-                Proxies::Nvlink,
-            );
-        }
-    }
-    for (n, p, tb, h, dt) in [
-        (4u32, 0u32, 48u32, 40u32, OutDtype::Bf16),
-        (4, 16, 48, 36, OutDtype::F32),
-        (8, 2, 100, 36, OutDtype::Bf16),
-    ] {
-        let d = cfg_h(n, 2, 4, 16, p, tb, h, dt);
-        run_with(
-            &gpu,
-            &k,
-            &d,
-            &routings(&d),
-            u64::from(n * 1000 + p),
-            2,
-            false,
-            Proxies::Nvlink,
-        );
-    }
+    random_ep248(&gpu, &k, 31, |_| Proxies::Nvlink);
+    edge_cases(&gpu, &k, |_| Proxies::Nvlink);
+    deepseek_ep8(&gpu, &k, Proxies::Nvlink);
+}
+
+/// The DeepSeek-V3 decode shape at EP8 (32 private tokens) over `px`.
+fn deepseek_ep8(gpu: &Gpu, k: &MoeKernels, px: Proxies) {
     let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
     c.private_tokens = Some(32);
     let d = c.validate().unwrap();
-    run_with(
-        &gpu,
-        &k,
-        &d,
-        &[Routing::Random],
-        7,
-        2,
-        false,
-        Proxies::Nvlink,
-    );
+    run_with(gpu, k, &d, &[Routing::Random], 6, 2, false, px);
 }
 
 #[test]
@@ -508,12 +482,12 @@ fn gpu_engine_deepseek_shape_ep8_bit_exact() {
     let Some((gpu, k)) = setup("gpu_engine_deepseek_shape_ep8_bit_exact") else {
         return;
     };
-    let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
-    c.private_tokens = Some(32);
-    let d = c.validate().unwrap();
-    let px = Proxies::Engine {
-        seed: 9,
-        max_write: 1 << 40,
-    };
-    run_with(&gpu, &k, &d, &[Routing::Random], 6, 2, false, px);
+    deepseek_ep8(
+        &gpu,
+        &k,
+        Proxies::Engine {
+            seed: 9,
+            max_write: 1 << 40,
+        },
+    );
 }

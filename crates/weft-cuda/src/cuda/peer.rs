@@ -175,7 +175,9 @@ impl PeerMemory for CudaPeerMemory {
         let _ = unsafe { result::event::destroy(ev) };
         done
     }
+}
 
+impl DeviceCopy for CudaPeerMemory {
     fn copy(
         &self,
         dst: u64,

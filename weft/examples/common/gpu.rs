@@ -1,0 +1,62 @@
+//! What the GPU examples share: an engine with one group on cuda:0 over a
+//! backend, the nvlink backend with a GPU's peer memory, and waiting for a
+//! batch of WRITEs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft::{
+    Backend, Device, DomainGroupSpec, DoneFlag, EngineConfig, NvlinkOptions, ProviderConfig,
+    TransferEngine,
+};
+use weft_cuda::Gpu;
+
+/// An engine with one group on cuda:0 over `backend`, polling without
+/// sleeping (latency and bandwidth runs).
+pub fn gpu_engine(backend: &Backend) -> Result<TransferEngine, Box<dyn std::error::Error>> {
+    let mut cfg = EngineConfig::default();
+    cfg.idle_sleep = None;
+    Ok(TransferEngine::builder()
+        .group(DomainGroupSpec::new(backend.host()?, vec![0]).device(Device::Cuda(0)))
+        .config(cfg)
+        .build()?)
+}
+
+/// The `nvlink` backend with `gpu`'s peer memory (CUDA IPC).
+pub fn nvlink(gpu: &Gpu) -> Result<Backend, Box<dyn std::error::Error>> {
+    let pm = Arc::new(gpu.peer_memory()?);
+    Ok(weft::provider_with(
+        &"nvlink".parse()?,
+        &ProviderConfig::default().with_nvlink(NvlinkOptions::default().with_peer_memory(pm)),
+    )?)
+}
+
+/// libfabric `shm` on this machine with GPU memory registered (FI_HMEM;
+/// a libfabric built with CUDA), moved with CUDA IPC when `ipc`.
+pub fn cuda_shm(ipc: bool) -> Result<Backend, Box<dyn std::error::Error>> {
+    Ok(weft::provider_with(
+        &"libfabric:shm".parse()?,
+        &ProviderConfig::default().with_libfabric(
+            weft::LibfabricOptions::same_machine("shm")
+                .with_hmem(true)
+                .with_hmem_ipc(ipc),
+        ),
+    )?)
+}
+
+/// Spins until every flag is done (60 s bound); the first failure is an
+/// error naming `what`.
+pub fn wait_all(flags: &[Arc<DoneFlag>], what: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for f in flags {
+        while !f.is_done() {
+            if Instant::now() > deadline {
+                return Err(format!("{what}: not complete within 60 s").into());
+            }
+            std::hint::spin_loop();
+        }
+        if let Some(Err(err)) = f.result() {
+            return Err(format!("{what}: {err}").into());
+        }
+    }
+    Ok(())
+}
