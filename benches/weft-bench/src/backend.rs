@@ -120,7 +120,7 @@ impl Testbed {
     /// providers (tcp, shm) and EFA's emulated protocols progress only
     /// inside `fi_cq_read`, on both sides.
     pub fn peers_need_progress(&self) -> bool {
-        matches!(self.kind(), BackendKind::Libfabric(_))
+        matches!(self.kind(), BackendKind::Libfabric(_) | BackendKind::Nvlink)
     }
 
     /// Opens all NICs of a fresh host as raw domains (for baselines).

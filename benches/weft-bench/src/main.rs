@@ -18,7 +18,7 @@ struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
     /// Backend(s), as weft provider specs: loopback, loopback-null,
-    /// libfabric:tcp, libfabric:shm, libfabric:efa, verbs, verbs:DEVICE.
+    /// libfabric:tcp, libfabric:shm, libfabric:efa, verbs, verbs:DEVICE, nvlink (same host).
     /// Repeat or comma-separate for several.
     #[arg(
         long,
@@ -87,7 +87,7 @@ enum Cmd {
     MoeModel(weft_bench::moe_model::ModelArgs),
     /// KvCache transfer (Qwen3-235B-like and DeepSeek-V3 MLA shapes) vs raw paged writes.
     Kvcache,
-    /// SEND/RECV and WRITE-with-imm ping-pong, two processes on libfabric,
+    /// SEND/RECV and WRITE-with-imm ping-pong, two processes on libfabric or nvlink,
     /// measured like and next to fi_pingpong; CPU per GB and per M WRs.
     Pingpong(weft_bench::pingpong::PingArgs),
     /// Polling policies: submit → completion after an idle gap, idle CPU per group.

@@ -450,7 +450,8 @@ impl Drop for Session {
 
 impl Session {
     fn open(tb: &Testbed, peer_exe: Option<&PathBuf>) -> Result<Session, String> {
-        let process = peer_exe.filter(|_| matches!(tb.kind(), BackendKind::Libfabric(_)));
+        let process = peer_exe
+            .filter(|_| matches!(tb.kind(), BackendKind::Libfabric(_) | BackendKind::Nvlink));
         if let Some(exe) = process {
             let mut child = Command::new(exe)
                 .args(["pingpong-peer", "--backend", &tb.kind().to_string()])
