@@ -117,9 +117,11 @@ impl PyTransferEngine {
     /// Builds an engine over `provider` (default `"loopback"`): a spec string (a fresh backend
     /// with `nics`, `profile`, `seed`) or a `Backend` (engines of one
     /// backend share its fabric). One domain group over all of the
-    /// backend's NICs.
+    /// backend's NICs; `same_host=True` adds an `nvlink` NIC after them,
+    /// through which peers on this host are reached (the rest through the
+    /// backend's NICs; peers must build their engines alike).
     #[new]
-    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false))]
+    #[pyo3(signature = (provider=None, *, nics=1, profile="adversarial", seed=0, device=None, domain=None, write_timeout=None, connect_timeout=None, hmem=false, hmem_ipc=false, same_host=false))]
     // One parameter per Python argument (keywords included).
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -134,6 +136,7 @@ impl PyTransferEngine {
         connect_timeout: Option<f64>,
         hmem: bool,
         hmem_ipc: bool,
+        same_host: bool,
     ) -> PyResult<Self> {
         let device = match device {
             Some(d) => memory::parse_device(py, d)?,
@@ -176,12 +179,30 @@ impl PyTransferEngine {
             crate::cuda::attach_copy(py, &backend, ordinal)?;
         }
         let nic_idx: Vec<usize> = (0..backend.nics()).collect();
+        let mut spec = weft::DomainGroupSpec::new(host, nic_idx).device(device);
+        if same_host {
+            if matches!(backend.spec(), weft::ProviderSpec::Nvlink) {
+                return Err(errors::invalid(py, "same_host=True adds nvlink to another backend; this one is nvlink"));
+            }
+            let gpu = match device {
+                weft::Device::Cuda(i) => Some(i),
+                _ => None,
+            };
+            let knobs = provider::Knobs {
+                write: None,
+                connect: None,
+                hmem: false,
+                hmem_ipc: false,
+                gpu,
+            };
+            let nv = provider::open(py, "nvlink", 1, "adversarial", 0, None, knobs)?;
+            let nv_host = py
+                .detach(|| nv.host())
+                .map_err(|e| errors::provider_err(py, &e))?;
+            spec = spec.same_host(nv_host, 0);
+        }
         let engine = py
-            .detach(|| {
-                weft::TransferEngine::builder()
-                    .group(weft::DomainGroupSpec::new(host, nic_idx).device(device))
-                    .build()
-            })
+            .detach(|| weft::TransferEngine::builder().group(spec).build())
             .map_err(|e| errors::engine_err(py, &e))?;
         let serial = crate::live::next_serial();
         let stats = Arc::<BindingStats>::default();
@@ -572,6 +593,16 @@ impl PyTransferEngine {
     fn metrics_text(&self) -> PyResult<String> {
         crate::metrics::page(&[(self.engine.clone(), Arc::clone(&self.stats))], false)
             .map_err(crate::metrics::value_err)
+    }
+
+    /// The NICs WRITEs to `desc` take (names, in NIC order): with
+    /// `same_host=True`, the nvlink NIC alone for a peer on this host and
+    /// the backend's NICs for the rest.
+    fn paths_to(&self, py: Python<'_>, desc: &PyMrDesc) -> PyResult<Vec<String>> {
+        let d = desc.inner.clone();
+        py.detach(|| self.engine.paths_to(0, &d))
+            .map(|v| v.into_iter().map(|r| r.name).collect())
+            .map_err(|e| errors::engine_err(py, &e))
     }
 
     /// The engine's incarnation: drawn when it was built, carried by its

@@ -195,9 +195,12 @@ class TransferEngine:
         connect_timeout: Optional[float] = None,
         hmem: bool = False,
         hmem_ipc: bool = False,
+        same_host: bool = False,
     ) -> None: ...
     @property
     def provider(self) -> str: ...
+    def paths_to(self, desc: MrDesc) -> List[str]:
+        """The NICs WRITEs to ``desc`` take (with ``same_host=True``: nvlink alone for a peer on this host)."""
     @property
     def incarnation(self) -> int: ...
     @property
