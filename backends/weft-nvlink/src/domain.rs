@@ -26,6 +26,10 @@ const TAG_OUT: u64 = 1 << 32;
 const TAG_IN: u64 = 2 << 32;
 /// How often a busy domain looks at its sockets (new peers, dead peers).
 const CHECK_EVERY: Duration = Duration::from_micros(200);
+/// Most inbound connections (greeted or not) a domain keeps: anyone on the
+/// host can connect, so their number (and the shared files they map) is
+/// bounded; a connection beyond it is closed at once.
+const MAX_INBOUND: usize = 4096;
 
 enum PeerState {
     Live(Box<OutConn>),
@@ -289,6 +293,10 @@ impl NvlinkDomain {
         loop {
             match sys::accept(self.listener.as_raw_fd()) {
                 Ok(Some(s)) => {
+                    if self.inbound.len() + self.greeting.len() >= MAX_INBOUND {
+                        tracing::warn!(nic = %self.info.name, "nvlink: {MAX_INBOUND} inbound connections already; refused one");
+                        continue;
+                    }
                     let tag = TAG_IN | self.next_in;
                     self.next_in += 1;
                     if sys::epoll_add(self.ep.as_raw_fd(), s.as_raw_fd(), tag).is_ok() {

@@ -157,6 +157,20 @@ impl XprocBackend for GpuXproc {
             .build()
             .map_err(|e| format!("engine: {e}"))
     }
+    fn unreachable_addr(&mut self) -> Result<weft_transport::NetAddr, HarnessError> {
+        if self.profile != "nvlink" {
+            return Err(HarnessError::Unsupported(
+                "no way to name an address nobody listens on".into(),
+            ));
+        }
+        // A domain opened and closed again: nobody listens at its address.
+        let d = self
+            .provider(1)
+            .map_err(HarnessError::Failed)?
+            .open(0)
+            .map_err(|e| HarnessError::Failed(e.to_string()))?;
+        Ok(d.local_addr().clone())
+    }
     fn alloc(&self, len: usize) -> Result<Box<dyn TestMemory>, String> {
         let buf = self.gpu.alloc(len.max(1)).map_err(|e| e.to_string())?;
         buf.fill(0).map_err(|e| e.to_string())?;
