@@ -10,13 +10,13 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
-use weft::loopback::FabricStats;
 use weft::{
     Backend, DomainGroupSpec, EngineConfig, LibfabricOptions, LoopbackOptions, LoopbackProfile,
     ProviderConfig, ProviderSpec, TransferEngine,
 };
 
 mod kvcache;
+mod sim;
 
 const NICS: usize = 2;
 
@@ -32,23 +32,6 @@ fn engine(backend: &Backend) -> Result<Arc<TransferEngine>, String> {
         .build()
         .map(Arc::new)
         .map_err(|e| format!("engine on a {} host: {e}", backend.spec()))
-}
-
-fn print_fabric(name: &str, s: &FabricStats, secs: f64) {
-    println!(
-        "  [{name}] fabric: {} WRITEs, {} SENDs, {} payload bytes in {} chunks, {} immediates, \
-         {} drops/{} retransmits, {} reorderings across / {} within writes; {:.3} s",
-        s.writes_posted,
-        s.sends_posted,
-        s.bytes_delivered,
-        s.chunks_delivered,
-        s.imms_delivered,
-        s.drops,
-        s.retransmits,
-        s.inversions_across,
-        s.inversions_within,
-        secs
-    );
 }
 
 /// Disaggregated prefill/decode: one prefiller, two decoders.
@@ -67,9 +50,8 @@ fn kvcache(spec: &ProviderSpec, seed: u64) -> Result<(), String> {
     }
     let backend = weft::provider_with(spec, &config).map_err(|e| e.to_string())?;
     let (_, _, secs) = kvcache::run(|| engine(&backend), seed)?;
-    match backend.loopback_fabric() {
-        Some(fabric) => print_fabric("kvcache", &fabric.stats(), secs),
-        None => println!("  [kvcache] {secs:.3} s"),
+    if !sim::print_fabric(&backend, "kvcache", secs) {
+        println!("  [kvcache] {secs:.3} s");
     }
     Ok(())
 }
