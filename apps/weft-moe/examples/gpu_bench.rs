@@ -21,7 +21,9 @@
 //! The torch baseline of the same dispatch/combine on the same GPU is
 //! `apps/weft-moe/bench/torch_baseline.py`; `run-gpu.sh` runs both.
 //!
-//! Usage: gpu_bench [ITERS] (default 300).
+//! Usage: gpu_bench [ITERS] (default 300). `WEFT_MOE_BENCH_MODES` (a
+//! comma list of `nvlink`, `loopback`, `local`; default all) picks the
+//! end-to-end groups.
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -407,7 +409,8 @@ fn main() -> Res<()> {
     kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters)?;
     kernel_only(&gpu, &k, 64, &[0], iters)?;
 
-    for mode in [Mode::Nvlink, Mode::Loopback, Mode::Local] {
+    let modes = Mode::chosen();
+    for &mode in &modes {
         let (title, ps): (&str, &[u32]) = match mode {
             Mode::Nvlink => ("engine-driven over nvlink (EngineGroup: a TransferEngine per rank, CUDA peer memory: copies on the copy engines)", &[0, 1, 4, 8, 16, 32]),
             Mode::Loopback => ("engine-driven over the loopback fabric (no wire model, one CUDA copier under the fabric's lock)", &[0, 8, 32]),
@@ -435,7 +438,7 @@ fn main() -> Res<()> {
         }
     }
     println!("\n| mode | what | p50 µs | p99 µs | samples |\n|---|---|---|---|---|");
-    for mode in [Mode::Nvlink, Mode::Loopback, Mode::Local] {
+    for &mode in &modes {
         end_to_end(&gpu, &k, 32, iters.max(300), true, mode)?;
     }
     Ok(())
@@ -453,6 +456,18 @@ enum Mode {
 }
 
 impl Mode {
+    /// The modes `WEFT_MOE_BENCH_MODES` names (all by default).
+    fn chosen() -> Vec<Mode> {
+        let all = [Mode::Nvlink, Mode::Loopback, Mode::Local];
+        match std::env::var("WEFT_MOE_BENCH_MODES") {
+            Ok(v) => all
+                .into_iter()
+                .filter(|m| v.split(',').any(|w| m.name().ends_with(w.trim())))
+                .collect(),
+            Err(_) => all.to_vec(),
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Mode::Nvlink => "engine over nvlink",

@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use weft_transport::{Completion, CopyTicket, Device, PeerMemory, TransportError, WrId};
 
+static NEXT_LOCAL_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Largest payload of one frame.
 pub(crate) const CHUNK: usize = 256 << 10;
 
@@ -68,6 +70,9 @@ pub(crate) struct Outbound {
     scratch: Vec<u8>,
     /// One-sided writes that fell back to the ring (an import failed).
     pub(crate) staged_fallbacks: u64,
+    /// The copy lane of a connection to a domain of this process (above
+    /// every pid, unique per connection).
+    local_lane: u64,
 }
 
 impl Outbound {
@@ -81,6 +86,7 @@ impl Outbound {
             awaiting: BTreeMap::new(),
             copies: VecDeque::new(),
             next_op: 1,
+            local_lane: (1 << 32) + NEXT_LOCAL_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             scratch: Vec::new(),
             staged_fallbacks: 0,
         }
@@ -119,7 +125,7 @@ impl Outbound {
             (Some(k), Some(_)) if src.len > 0 => k.lookup(rkey),
             _ => None,
         };
-        let (Some(e), Some(pm)) = (entry, pm) else {
+        let (Some(e), Some(pm), Some(token)) = (entry, pm, self.token()) else {
             self.queue(wr, src, Kind::Write { rkey, addr, imm });
             return Ok(Posted::Queued);
         };
@@ -137,10 +143,6 @@ impl Outbound {
                 weft_transport::RemoteAccessReason::OutOfBounds,
             )));
         }
-        // Imports and copy lanes are per target process (the token): every
-        // lane of this process to it shares one mapping per allocation (a
-        // legacy IPC handle opens once per process) and one stream.
-        let token = self.target_pid.unwrap_or(0) as u64;
         let mapped = if self.target_pid == Some(std::process::id()) {
             Ok(e.base)
         } else {
@@ -164,8 +166,19 @@ impl Outbound {
 
     /// The token the target's imports are cached under (its pid), once
     /// it answered.
+    ///
+    /// Imports and copy lanes are per target process: every lane of this
+    /// process to it shares one mapping per allocation (a legacy IPC handle
+    /// opens once per process) and one stream. A target in this process
+    /// needs no import, and each connection to one gets a stream of its own
+    /// (ranks sharing a process would otherwise queue on one).
     pub(crate) fn token(&self) -> Option<u64> {
-        self.target_pid.map(u64::from)
+        let pid = self.target_pid?;
+        Some(if pid == std::process::id() {
+            self.local_lane
+        } else {
+            u64::from(pid)
+        })
     }
 
     /// Whether bytes still wait for ring space or a copy: only polling
