@@ -11,8 +11,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use weft_transport::{Completion, CopyTicket, Device, PeerMemory, TransportError, WrId};
 
-static NEXT_LOCAL_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
 /// Largest payload of one frame.
 pub(crate) const CHUNK: usize = 256 << 10;
 
@@ -70,9 +68,6 @@ pub(crate) struct Outbound {
     scratch: Vec<u8>,
     /// One-sided writes that fell back to the ring (an import failed).
     pub(crate) staged_fallbacks: u64,
-    /// The copy lane of a connection to a domain of this process (above
-    /// every pid, unique per connection).
-    local_lane: u64,
 }
 
 impl Outbound {
@@ -86,7 +81,6 @@ impl Outbound {
             awaiting: BTreeMap::new(),
             copies: VecDeque::new(),
             next_op: 1,
-            local_lane: (1 << 32) + NEXT_LOCAL_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             scratch: Vec::new(),
             staged_fallbacks: 0,
         }
@@ -169,16 +163,13 @@ impl Outbound {
     ///
     /// Imports and copy lanes are per target process: every lane of this
     /// process to it shares one mapping per allocation (a legacy IPC handle
-    /// opens once per process) and one stream. A target in this process
-    /// needs no import, and each connection to one gets a stream of its own
-    /// (ranks sharing a process would otherwise queue on one).
+    /// opens once per process) and one stream. So do targets in this
+    /// process: a stream per connection would multiply the streams a
+    /// process holds past the GPU's hardware queues, and a copy queued
+    /// behind a kernel that spins on a flag (MoE's receive kernels) in the
+    /// same hardware queue never runs.
     pub(crate) fn token(&self) -> Option<u64> {
-        let pid = self.target_pid?;
-        Some(if pid == std::process::id() {
-            self.local_lane
-        } else {
-            u64::from(pid)
-        })
+        self.target_pid.map(u64::from)
     }
 
     /// Whether bytes still wait for ring space or a copy: only polling
