@@ -182,7 +182,10 @@ impl PyTransferEngine {
         let mut spec = weft::DomainGroupSpec::new(host, nic_idx).device(device);
         if same_host {
             if matches!(backend.spec(), weft::ProviderSpec::Nvlink) {
-                return Err(errors::invalid(py, "same_host=True adds nvlink to another backend; this one is nvlink"));
+                return Err(errors::invalid(
+                    py,
+                    "same_host=True adds nvlink to another backend; this one is nvlink",
+                ));
             }
             let gpu = match device {
                 weft::Device::Cuda(i) => Some(i),
