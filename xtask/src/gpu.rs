@@ -26,6 +26,9 @@ const IPC_BENCH: &str = "ipc_bandwidth";
 /// The engine-over-CUDA-shm bandwidth example, copied (run by hand with a
 /// CUDA-enabled libfabric: `WEFT_LIBFABRIC_PATH`).
 const SHM_BENCH: &str = "shm_hmem_bandwidth";
+/// The same-host backend's bandwidth and latency examples, copied and run
+/// with the bench (the latency one also over the CUDA shm when carried).
+const NVLINK_BENCHES: [&str; 2] = ["nvlink_bandwidth", "nvlink_latency"];
 
 /// `cargo <sub> --release -p weft-cuda --features cuda`.
 fn cargo_cuda(sub: &str) -> Command {
@@ -63,8 +66,9 @@ pub fn build(root: &Path, dir: &Path) -> Result {
     let mut built = proc::executables(&mut examples, false)?;
     built.extend(proc::executables(&mut facade, false)?);
     exes.extend(built.into_iter().filter(|p| {
-        p.file_name()
-            .is_some_and(|n| n == BENCH || n == IPC_BENCH || n == SHM_BENCH)
+        p.file_name().is_some_and(|n| {
+            n == BENCH || n == IPC_BENCH || n == SHM_BENCH || NVLINK_BENCHES.iter().any(|b| n == *b)
+        })
     }));
     if !exes
         .iter()
@@ -278,6 +282,38 @@ pub fn run(root: &Path, args: &RunArgs) -> Result {
                 Some(dir) => Command::new(dir.join(IPC_BENCH)),
             };
             c.args(vmm.then_some("--vmm")).envs(gpu_env());
+            ok &= proc::run_tee(&mut c, &mut txt_log)?;
+        }
+        // Engine WRITEs GPU to GPU across processes over nvlink: bandwidth
+        // and small-WRITE latency, each against its raw baseline; latency
+        // over the CUDA shm too when it is carried.
+        for (bench, shm) in [
+            (NVLINK_BENCHES[0], false),
+            (NVLINK_BENCHES[1], false),
+            (NVLINK_BENCHES[1], true),
+        ] {
+            if shm && lf_env.is_empty() {
+                continue;
+            }
+            let name = format!(
+                "{}{}.txt",
+                bench.replace('_', "-"),
+                if shm { "-shm" } else { "" }
+            );
+            let txt = out.join(name);
+            let mut txt_log = File::create(&txt).map_err(io("creating", &txt))?;
+            let mut c = match &args.prebuilt {
+                None => {
+                    let mut c = cargo_facade_cuda("run");
+                    c.args(["--example", bench, "--"]).current_dir(root);
+                    c
+                }
+                Some(dir) => Command::new(dir.join(bench)),
+            };
+            c.args(["--reps", "5"])
+                .args(shm.then_some("--shm"))
+                .envs(gpu_env())
+                .envs(lf_env.clone());
             ok &= proc::run_tee(&mut c, &mut txt_log)?;
         }
         // Engine WRITEs GPU to GPU across processes over the CUDA shm.
