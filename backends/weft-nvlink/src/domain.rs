@@ -331,9 +331,7 @@ impl NvlinkDomain {
         }
         let gone = self.inbound.get(&tag).is_some_and(|c| !c.alive());
         if gone {
-            if let Some(c) = self.inbound.remove(&tag) {
-                sys::epoll_del(self.ep.as_raw_fd(), c.sock.as_raw_fd());
-            }
+            self.drop_inbound(tag);
         }
     }
 
@@ -349,6 +347,18 @@ impl NvlinkDomain {
             Ok(true) => c.ring(),
             Ok(false) => {}
             Err(why) => self.kill_peer(id, why),
+        }
+    }
+
+    /// Forgets an inbound connection (its initiator is gone or broke the
+    /// protocol). A receive buffer its unfinished SEND had taken goes back
+    /// to the front of the posted ones: it was never reported filled.
+    fn drop_inbound(&mut self, tag: u64) {
+        if let Some(c) = self.inbound.remove(&tag) {
+            sys::epoll_del(self.ep.as_raw_fd(), c.sock.as_raw_fd());
+            if let Some(b) = c.core.abandon() {
+                self.recvs.push_front(b);
+            }
         }
     }
 
@@ -416,9 +426,7 @@ impl NvlinkDomain {
         }
         for (tag, why) in bad {
             tracing::warn!(nic = %self.info.name, %why, "nvlink: dropping a connection that broke the protocol");
-            if let Some(c) = self.inbound.remove(&tag) {
-                sys::epoll_del(self.ep.as_raw_fd(), c.sock.as_raw_fd());
-            }
+            self.drop_inbound(tag);
         }
     }
 }

@@ -79,6 +79,15 @@ impl Inbound {
         }
     }
 
+    /// The receive buffer of a SEND still arriving, when the connection is
+    /// given up (it was taken but never reported).
+    pub(crate) fn abandon(self) -> Option<RecvBuf> {
+        match self.cur {
+            Some(Cur::Send { dst, .. }) => dst,
+            _ => None,
+        }
+    }
+
     /// Whether a SEND waits for a receive buffer (the domain must keep
     /// polling to time it out).
     pub(crate) fn blocked(&self) -> bool {
@@ -591,6 +600,26 @@ mod tests {
             &[1; 8],
         );
         assert!(r.run(Instant::now()).is_err());
+    }
+
+    #[test]
+    fn an_abandoned_send_gives_its_buffer_back() {
+        let mut r = rig();
+        let (_, base) = r.reg(Access::LocalOnly);
+        r.recvs.push_back(RecvBuf {
+            wr: WrId(7),
+            addr: base,
+            len: 64,
+            dev: Device::Host,
+        });
+        r.push(proto::SEND, &[1, 16, 0], &[1; 8]);
+        r.run(Instant::now()).unwrap();
+        assert!(
+            r.recvs.is_empty() && r.out.is_empty(),
+            "taken, not reported"
+        );
+        let b = r.inb.abandon().expect("the taken buffer");
+        assert_eq!((b.wr, b.len), (WrId(7), 64));
     }
 
     #[test]
