@@ -67,13 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut times = [Vec::new(), Vec::new()];
         for _ in 0..reps + 1 {
             let t = Instant::now();
-            let mut flags = Vec::with_capacity(batch);
-            for _ in 0..batch {
-                let (od, f) = OnDone::flag();
-                e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
-                flags.push(f);
-            }
-            shared::wait_all(&flags, &format!("WRITE of {size} B"))?;
+            shared::write_batch(&e, &h, &desc, size, batch)?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             for _ in 0..batch {

@@ -27,7 +27,7 @@ mod table;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use weft::{decode, encode, Device, DeviceCopy, MrDesc, OnDone, TransferEngine};
+use weft::{decode, encode, Device, DeviceCopy, MrDesc, TransferEngine};
 use weft_cuda::Gpu;
 
 const MAX: usize = 256 << 20;
@@ -81,13 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut times = [Vec::new(), Vec::new()];
         for _ in 0..reps + 1 {
             let t = Instant::now();
-            let mut flags = Vec::with_capacity(BATCH);
-            for _ in 0..BATCH {
-                let (od, f) = OnDone::flag();
-                e.submit_single_write(size as u64, None, (&h, 0), (&desc, 0), od)?;
-                flags.push(f);
-            }
-            shared::wait_all(&flags, &format!("WRITE of {size} B"))?;
+            shared::write_batch(&e, &h, &desc, size, BATCH)?;
             sync(&mut stdin, &mut out)?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();

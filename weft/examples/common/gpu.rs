@@ -43,6 +43,24 @@ pub fn cuda_shm(ipc: bool) -> Result<Backend, Box<dyn std::error::Error>> {
     )?)
 }
 
+/// Submits `batch` WRITEs of `size` bytes from offset 0 of `h` to offset
+/// 0 of `desc` and waits until all completed.
+pub fn write_batch(
+    e: &TransferEngine,
+    h: &weft::MrHandle,
+    desc: &weft::MrDesc,
+    size: usize,
+    batch: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut flags = Vec::with_capacity(batch);
+    for _ in 0..batch {
+        let (od, f) = weft::OnDone::flag();
+        e.submit_single_write(size as u64, None, (h, 0), (desc, 0), od)?;
+        flags.push(f);
+    }
+    wait_all(&flags, &format!("WRITE of {size} B"))
+}
+
 /// Spins until every flag is done (60 s bound); the first failure is an
 /// error naming `what`.
 pub fn wait_all(flags: &[Arc<DoneFlag>], what: &str) -> Result<(), Box<dyn std::error::Error>> {
