@@ -31,21 +31,37 @@ pub(crate) struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    /// A new zeroed memfd of `len` bytes, mapped.
+    /// A new zeroed memfd of `len` bytes, sealed against resizing, mapped.
     pub(crate) fn create(name: &str, len: usize) -> io::Result<Mapping> {
         let cname = std::ffi::CString::new(name).map_err(io::Error::other)?;
         // SAFETY: a valid NUL-terminated name; the result is checked.
-        let fd = cvt(unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) })?;
+        let fd = cvt(unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        })?;
         // SAFETY: `fd` was just created and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: a valid descriptor; the result is checked.
         cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })?;
+        // Sealed: the peer that maps it can rely on its size (a file shrunk
+        // under a mapping faults the process that touches it).
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: a valid memfd created with sealing allowed.
+        cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
         Self::map(fd, len)
     }
 
-    /// Maps a memfd a peer sent, checking that it holds `len` bytes (a
-    /// shorter file would fault on access).
+    /// Maps a memfd a peer sent, checking that it holds `len` bytes and is
+    /// sealed against shrinking (a file shrunk under the mapping would
+    /// fault this process on access).
     pub(crate) fn open(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
+        // SAFETY: a valid descriptor; the result is checked.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "shared file not sealed against shrinking",
+            ));
+        }
         // SAFETY: `st` is a valid out-parameter for fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: a valid descriptor and out-parameter.
@@ -344,4 +360,33 @@ fn read_boot_id() -> [u8; 16] {
         }
     }
     id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_sealed_files_of_the_right_size_are_mapped() {
+        let m = Mapping::create("t", 8192).unwrap();
+        let dup = || {
+            // SAFETY: the mapping's descriptor is open for the whole test.
+            unsafe { std::os::fd::BorrowedFd::borrow_raw(m.fd()) }
+                .try_clone_to_owned()
+                .unwrap()
+        };
+        assert!(Mapping::open(dup(), 8192).is_ok());
+        assert!(Mapping::open(dup(), 8193).is_err(), "longer than the file");
+        // SAFETY: plain memfd creation; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"u".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: just created, owned by nobody else.
+        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: a valid descriptor.
+        assert_eq!(unsafe { libc::ftruncate(unsealed.as_raw_fd(), 8192) }, 0);
+        assert!(
+            Mapping::open(unsealed, 8192).is_err(),
+            "a peer could shrink it under us"
+        );
+    }
 }
