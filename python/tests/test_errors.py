@@ -48,6 +48,7 @@ AFTER_SHUTDOWN = {
     "imm_pending": lambda a, b, s, d, g, t: a.imm_pending(1),
     "expect_imm_count": lambda a, b, s, d, g, t: a.expect_imm_count(1, 1),
     "imm_counts": lambda a, b, s, d, g, t: a.imm_counts(),
+    "paths_to": lambda a, b, s, d, g, t: a.paths_to(d.desc),
     "__enter__": lambda a, b, s, d, g, t: a.__enter__(),
 }
 
