@@ -444,6 +444,30 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         }
     }
     let mut units = merged;
+    // Canonical order: by parameter name and box, destinations by rank,
+    // tensor name and row, not by where the model lists its parameters or
+    // tensors, so the plan (and its simulated time) does not depend on
+    // their order.
+    let name = |u: &Unit| m.params[u.param].name.as_str();
+    units.sort_by(|a, b| {
+        let key = |u: &Unit| {
+            (
+                u.src.rows.start,
+                u.src.rows.end,
+                u.src.cols.start,
+                u.src.cols.end,
+                u.quant == Quant::Fp8Block,
+                u.arena.is_some(),
+            )
+        };
+        name(a).cmp(name(b)).then_with(|| key(a).cmp(&key(b)))
+    });
+    for u in &mut units {
+        u.dests.sort_by(|a, b| {
+            let t = |d: &Dest| m.inference[d.inf as usize][d.tensor].name.as_str();
+            (a.inf, t(a), a.dest_row).cmp(&(b.inf, t(b), b.dest_row))
+        });
+    }
 
     // Balance within each mesh group.
     let groups_meta = m.mesh_groups();
@@ -499,14 +523,17 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         .enumerate()
         .map(|(i, (g, _))| (*g, i))
         .collect();
-    units.sort_by_key(|u| {
-        (
-            gpos[&u.mesh_group],
-            u.param,
-            u.src.rows.start,
-            u.src.cols.start,
-            u.quant == Quant::Fp8Block,
-        )
+    units.sort_by(|a, b| {
+        let key = |u: &Unit| {
+            (
+                gpos[&u.mesh_group],
+                name(u),
+                u.src.rows.start,
+                u.src.cols.start,
+                u.quant == Quant::Fp8Block,
+            )
+        };
+        key(a).cmp(&key(b))
     });
     interleave_writers(&mut units);
     let mut groups = Vec::new();

@@ -333,3 +333,39 @@ fn out_of_range_configs_are_typed_errors() {
         }
     }
 }
+
+/// The plan, and so the simulated update, does not depend on the order the
+/// model lists its parameters or an inference rank lists its tensors: the
+/// same layouts with both lists reversed simulate to the same time and WRs.
+#[test]
+fn listing_order_does_not_change_the_update() {
+    for (name, t, i) in small_layouts() {
+        let m = models::model(name).unwrap();
+        let ml = models::build(&m, t, i).unwrap();
+        let n = ml.params.len();
+        let mut rev = ml.clone();
+        rev.params.reverse();
+        for ts in &mut rev.inference {
+            ts.reverse();
+            for t in ts.iter_mut() {
+                for s in &mut t.segments {
+                    s.param = n - 1 - s.param;
+                }
+            }
+        }
+        let cfg = PlanConfig {
+            unit_bytes: 32 << 10,
+            watermark: 256 << 10,
+            ..PlanConfig::default()
+        };
+        let sc = SimConfig::default();
+        let a = simulate(&ml, &plan(&ml, &cfg).unwrap(), &sc).unwrap();
+        let b = simulate(&rev, &plan(&rev, &cfg).unwrap(), &sc).unwrap();
+        let ctx = format!("{name} {t:?} -> {i:?}");
+        assert_eq!(
+            (a.p2p_s, a.wrs, a.bytes),
+            (b.p2p_s, b.wrs, b.bytes),
+            "{ctx}: {a:?} vs {b:?}"
+        );
+    }
+}
