@@ -23,7 +23,10 @@
 //! Without a usable GPU it prints `SKIP` and exits 0; with
 //! `WEFT_CUDA_REQUIRE_GPU=1` it fails instead. Arguments (all optional):
 //! `--pages N` (per prompt, default 32 = 4096 tokens), `--ms a,b,c` (per-layer
-//! compute, default 2.27,5,10,20,34.9), `--reps N` (default 3), `--json FILE`.
+//! compute, default 2.27,5,10,20,34.9), `--reps N` (default 3), `--json FILE`,
+//! `--provider nvlink` (both engines over the same-host backend, whose
+//! WRITEs are copies on the GPU's copy engines; default: the simulated
+//! fabric copying through one CUDA copier).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -168,15 +171,28 @@ fn run() -> Result<(), String> {
         tail_slots: 1,
         order: HeadOrder::HeadsBeforePages,
     };
+    let nvlink = match arg("--provider").as_deref() {
+        None | Some("loopback") => None,
+        Some("nvlink") => {
+            let pm: Arc<dyn weft::PeerMemory> =
+                Arc::new(gpu.peer_memory().map_err(|e| e.to_string())?);
+            let config = weft::ProviderConfig::default()
+                .with_nics(2)
+                .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm));
+            Some(weft::provider_with(&weft::ProviderSpec::Nvlink, &config).map_err(|e| e.to_string())?)
+        }
+        Some(other) => return Err(format!("--provider {other}: loopback or nvlink")),
+    };
     let mut fc = FabricConfig::ideal(1);
     fc.device_copy = Some(Arc::new(gpu.copy_engine().map_err(|e| e.to_string())?));
     let fabric = Fabric::new_realtime(fc);
     let mk = || -> Result<Arc<TransferEngine>, String> {
+        let host: Arc<dyn weft::Provider> = match &nvlink {
+            Some(b) => b.host().map_err(|e| e.to_string())?,
+            None => Arc::new(fabric.provider(fabric.add_host(2))),
+        };
         TransferEngine::builder()
-            .group(
-                DomainGroupSpec::new(Arc::new(fabric.provider(fabric.add_host(2))), vec![0, 1])
-                    .device(Device::Cuda(0)),
-            )
+            .group(DomainGroupSpec::new(host, vec![0, 1]).device(Device::Cuda(0)))
             .build()
             .map(Arc::new)
             .map_err(|e| e.to_string())
