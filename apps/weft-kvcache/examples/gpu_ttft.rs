@@ -179,7 +179,10 @@ fn run() -> Result<(), String> {
             let config = weft::ProviderConfig::default()
                 .with_nics(2)
                 .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm));
-            Some(weft::provider_with(&weft::ProviderSpec::Nvlink, &config).map_err(|e| e.to_string())?)
+            Some(
+                weft::provider_with(&weft::ProviderSpec::Nvlink, &config)
+                    .map_err(|e| e.to_string())?,
+            )
         }
         Some(other) => return Err(format!("--provider {other}: loopback or nvlink")),
     };
