@@ -38,6 +38,7 @@
 
 use std::collections::BTreeMap;
 
+mod order;
 mod runs;
 
 pub(crate) use runs::box_run;
@@ -444,30 +445,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         }
     }
     let mut units = merged;
-    // Canonical order: by parameter name and box, destinations by rank,
-    // tensor name and row, not by where the model lists its parameters or
-    // tensors, so the plan (and its simulated time) does not depend on
-    // their order.
-    let name = |u: &Unit| m.params[u.param].name.as_str();
-    units.sort_by(|a, b| {
-        let key = |u: &Unit| {
-            (
-                u.src.rows.start,
-                u.src.rows.end,
-                u.src.cols.start,
-                u.src.cols.end,
-                u.quant == Quant::Fp8Block,
-                u.arena.is_some(),
-            )
-        };
-        name(a).cmp(name(b)).then_with(|| key(a).cmp(&key(b)))
-    });
-    for u in &mut units {
-        u.dests.sort_by(|a, b| {
-            let t = |d: &Dest| m.inference[d.inf as usize][d.tensor].name.as_str();
-            (a.inf, t(a), a.dest_row).cmp(&(b.inf, t(b), b.dest_row))
-        });
-    }
+    order::canonical(m, &mut units);
 
     // Balance within each mesh group.
     let groups_meta = m.mesh_groups();
@@ -523,19 +501,8 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         .enumerate()
         .map(|(i, (g, _))| (*g, i))
         .collect();
-    units.sort_by(|a, b| {
-        let key = |u: &Unit| {
-            (
-                gpos[&u.mesh_group],
-                name(u),
-                u.src.rows.start,
-                u.src.cols.start,
-                u.quant == Quant::Fp8Block,
-            )
-        };
-        key(a).cmp(&key(b))
-    });
-    interleave_writers(&mut units);
+    order::by_group(m, &gpos, &mut units);
+    order::interleave_writers(&mut units);
     let mut groups = Vec::new();
     let mut arena_len = 0;
     let mut k = 0;
@@ -590,39 +557,6 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         groups,
         arena_len: arena_len.max(1),
     })
-}
-
-/// Within each mesh group (units sorted by group, then parameter order),
-/// interleaves the writers' units so that every prefix of the group holds
-/// about the same bytes per writer: the next unit is the next one (in
-/// parameter order) of the writer with the fewest bytes emitted so far
-/// (ties: the lowest rank). Waves are cut from prefixes, so each wave then
-/// gives every writer a similar share and no writer waits at the next
-/// barrier for another's backlog.
-fn interleave_writers(units: &mut Vec<Unit>) {
-    let mut out = Vec::with_capacity(units.len());
-    let mut rest = std::mem::take(units).into_iter().peekable();
-    while let Some(first) = rest.next() {
-        let g = first.mesh_group;
-        let mut by_writer: BTreeMap<Rank, std::collections::VecDeque<Unit>> = BTreeMap::new();
-        by_writer.entry(first.writer).or_default().push_back(first);
-        while let Some(u) = rest.next_if(|u| u.mesh_group == g) {
-            by_writer.entry(u.writer).or_default().push_back(u);
-        }
-        let mut sent: BTreeMap<Rank, u64> = by_writer.keys().map(|&w| (w, 0)).collect();
-        while let Some((&w, _)) = sent
-            .iter()
-            .filter(|(w, _)| by_writer.get(w).is_some_and(|q| !q.is_empty()))
-            .min_by_key(|(w, b)| (**b, **w))
-        {
-            let Some(u) = by_writer.get_mut(&w).and_then(|q| q.pop_front()) else {
-                break;
-            };
-            *sent.entry(w).or_default() += u.dest_bytes();
-            out.push(u);
-        }
-    }
-    *units = out;
 }
 
 #[allow(clippy::too_many_arguments)]
