@@ -27,7 +27,7 @@ mod table;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use weft::{decode, encode, Device, DeviceCopy, MrDesc, TransferEngine};
+use weft::{decode, encode, MrDesc, TransferEngine};
 use weft_cuda::Gpu;
 
 const MAX: usize = 256 << 20;
@@ -64,7 +64,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let desc: MrDesc = decode(&bytes)?;
     let mut stdin = child.stdin.take().ok_or("target stdin")?;
     let copy = gpu.copy_engine()?;
-    let dev = Device::Cuda(0);
     println!(
         "engine WRITE over libfabric shm (FI_HMEM{}) to another process vs cuMemcpyDtoD in one \
          process, {}, {reps} reps per size",
@@ -85,15 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             sync(&mut stdin, &mut out)?;
             times[0].push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            for _ in 0..BATCH {
-                copy.copy(
-                    scratch.device_ptr(),
-                    dev,
-                    src.device_ptr(),
-                    dev,
-                    size as u64,
-                )?;
-            }
+            shared::copy_batch(&copy, scratch.device_ptr(), src.device_ptr(), size, BATCH)?;
             sync(&mut stdin, &mut out)?;
             times[1].push(t.elapsed().as_secs_f64());
         }

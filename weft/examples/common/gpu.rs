@@ -61,6 +61,23 @@ pub fn write_batch(
     wait_all(&flags, &format!("WRITE of {size} B"))
 }
 
+/// The baseline of a batch: `batch` synchronous device-to-device copies of
+/// `size` bytes from `src` to `dst`, both on cuda:0 of this process.
+pub fn copy_batch(
+    copy: &weft_cuda::CudaCopy,
+    dst: u64,
+    src: u64,
+    size: usize,
+    batch: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use weft::DeviceCopy;
+    let dev = Device::Cuda(0);
+    for _ in 0..batch {
+        copy.copy(dst, dev, src, dev, size as u64)?;
+    }
+    Ok(())
+}
+
 /// Spins until every flag is done (60 s bound); the first failure is an
 /// error naming `what`.
 pub fn wait_all(flags: &[Arc<DoneFlag>], what: &str) -> Result<(), Box<dyn std::error::Error>> {
