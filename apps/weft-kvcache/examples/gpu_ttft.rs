@@ -71,10 +71,7 @@ impl Side {
         // is only written by the NIC model and kernels.
         #[allow(unsafe_code)]
         unsafe {
-            CacheRegions {
-                kv: self.kv.region(),
-                tail: self.tail.region(),
-            }
+            CacheRegions::whole(self.kv.region(), self.tail.region())
         }
     }
 }

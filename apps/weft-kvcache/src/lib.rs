@@ -148,6 +148,7 @@ mod liveness;
 pub mod metrics;
 mod pages;
 mod prefiller;
+mod regions;
 pub mod rendezvous;
 mod send;
 mod timer;
@@ -156,8 +157,8 @@ pub mod wire;
 
 pub use completion::{Completion, CompletionFuture};
 pub use decoder::{
-    CacheRegions, Completed, DecAction, Decoder, DecoderCore, KvConfig, Outcome, PrefillerId,
-    RequestHandle, Route, Source, Started,
+    Completed, DecAction, Decoder, DecoderCore, KvConfig, Outcome, PrefillerId, RequestHandle,
+    Route, Source, Started,
 };
 pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
@@ -168,6 +169,7 @@ pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,
     TaskKey, Write, ID_WINDOW,
 };
+pub use regions::{layer_region, CacheRegions};
 pub use rendezvous::{Follower, KvPeer, KvRendezvous, Member};
 pub use tp::{RankSource, TpShape};
 pub use wire::{Auth, KvRequest, Msg};

@@ -14,8 +14,9 @@ use weft::{GroupAddress, MrDesc};
 /// Version of the wire protocol this build speaks (2: addresses and
 /// descriptors carry the peer engine's incarnation; 3: the
 /// `Refusal::DuplicateHead` refusal; 4: the `Refusal::Busy` refusal;
-/// 5: every frame carries an [`Auth`], and the `Refusal::Stale` refusal).
-pub const WIRE_VERSION: u16 = 5;
+/// 5: every frame carries an [`Auth`], and the `Refusal::Stale` refusal;
+/// 6: per-layer KV regions and an optional tail region).
+pub const WIRE_VERSION: u16 = 6;
 
 /// The longest frame decoded (1 MiB); longer ones are refused unread.
 pub const MAX_FRAME: usize = 1 << 20;
@@ -87,10 +88,10 @@ pub struct KvRequest {
     pub id: u64,
     /// The decoder's cache layout.
     pub layout: KvLayout,
-    /// Decoder KV region.
-    pub kv: MrDesc,
-    /// Decoder tail region.
-    pub tail: MrDesc,
+    /// Decoder KV regions: one holding every layer, or one per layer.
+    pub kv: Vec<MrDesc>,
+    /// Decoder tail region (`None` when it has none).
+    pub tail: Option<MrDesc>,
     /// Heads this prefiller sends: its head `src` → the decoder's head `dst`.
     pub heads: Vec<HeadMap>,
     /// Destination page indices, in prompt order.

@@ -122,14 +122,8 @@ impl Bed {
             HostBuffer::new(tail).map_err(e2s)?,
         ];
         let (pe, de) = (engine(tb)?, engine(tb)?);
-        let preg = CacheRegions {
-            kv: bufs[0].region(),
-            tail: bufs[1].region(),
-        };
-        let dreg = CacheRegions {
-            kv: bufs[2].region(),
-            tail: bufs[3].region(),
-        };
+        let preg = CacheRegions::whole(bufs[0].region(), bufs[1].region());
+        let dreg = CacheRegions::whole(bufs[2].region(), bufs[3].region());
         // The baseline's writes share the links with the protocol's
         // messages, and the CPU is saturated: a generous heartbeat timeout.
         let kvc = KvConfig {

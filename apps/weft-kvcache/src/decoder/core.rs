@@ -164,8 +164,8 @@ pub struct DecoderCore {
     /// for no request.
     dropped: u64,
     layout: KvLayout,
-    kv: MrDesc,
-    tail: MrDesc,
+    kv: Vec<MrDesc>,
+    tail: Option<MrDesc>,
     hb: Heartbeat,
     peers: Vec<Peer>,
     by_addr: BTreeMap<GroupAddress, usize>,
@@ -176,15 +176,30 @@ pub struct DecoderCore {
 
 impl DecoderCore {
     /// A decoder `me` whose registered cache (`layout`) is described by `kv`
-    /// and `tail`.
+    /// (one region for every layer, or one per layer) and `tail` (when the
+    /// layout has a tail).
     pub fn new(
         me: GroupAddress,
         layout: KvLayout,
-        kv: MrDesc,
-        tail: MrDesc,
+        kv: Vec<MrDesc>,
+        tail: Option<MrDesc>,
         hb: Heartbeat,
     ) -> Result<Self, KvError> {
         layout.validate()?;
+        if kv.len() != 1 && kv.len() as u64 != u64::from(layout.layers) {
+            return Err(KvError::Layout {
+                what: format!(
+                    "{} KV descriptors for {} layers: one, or one per layer",
+                    kv.len(),
+                    layout.layers
+                ),
+            });
+        }
+        if layout.tail_len > 0 && tail.is_none() {
+            return Err(KvError::Layout {
+                what: "the layout has a tail but no tail descriptor was given".into(),
+            });
+        }
         Ok(Self {
             me,
             keys: Keys::random(),

@@ -8,14 +8,16 @@ pub use self::core::{DecAction, DecoderCore, PrefillerId, Route, Source, Started
 
 use crate::completion::{Completion, CompletionFuture};
 use crate::pages::{ForeignLease, PageLease};
+use crate::regions::Registered;
 use crate::timer::{drive, Role, Ticker};
 use crate::wire::{encode, Auth, Msg};
+use crate::CacheRegions;
 use crate::{Heartbeat, KvError, KvLayout};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-use weft::{GroupAddress, ImmCounts, ImmLease, MemRegion, Registration, TransferEngine};
+use weft::{GroupAddress, ImmCounts, ImmLease, Registration, TransferEngine};
 
 /// Settings of a decoder or prefiller driver.
 #[derive(Debug, Clone, Copy)]
@@ -53,16 +55,6 @@ impl Default for KvConfig {
             max_decoders: 4096,
         }
     }
-}
-
-/// The application's KV cache memory: the KV region (`layout.kv_bytes()`
-/// bytes) and the tail region (`layout.tail_bytes()`), host or GPU.
-#[derive(Debug, Clone, Copy)]
-pub struct CacheRegions {
-    /// KV pages.
-    pub kv: MemRegion,
-    /// Tail slots (ignored when the layout has no tail).
-    pub tail: MemRegion,
 }
 
 /// A request that completed: every byte of it is in the lease's pages.
@@ -156,19 +148,9 @@ impl Decoder {
         regions: CacheRegions,
         cfg: KvConfig,
     ) -> Result<Self, KvError> {
-        layout.validate()?;
-        check_region(&regions.kv, layout.kv_bytes()?, "kv")?;
-        let kv = engine
-            .register(regions.kv)
-            .map_err(KvError::engine("register kv"))?;
-        let tail = engine
-            .register(regions.tail)
-            .map_err(KvError::engine("register tail"))?;
-        let (kv_desc, tail_desc) = (kv.desc().clone(), tail.desc().clone());
-        let mrs = vec![kv, tail];
-        if layout.tail_len > 0 {
-            check_region(&regions.tail, layout.tail_bytes()?, "tail")?;
-        }
+        let regs = Registered::new(&engine, &layout, &regions)?;
+        let (kv_desc, tail_desc) = regs.descs();
+        let mrs = regs.into_vec();
         let counts = engine
             .imm_counts(0)
             .map_err(KvError::engine("imm counts"))?;
@@ -360,18 +342,6 @@ impl Drop for Decoder {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-fn check_region(r: &MemRegion, need: u64, what: &str) -> Result<(), KvError> {
-    if (r.len() as u64) < need {
-        return Err(KvError::Layout {
-            what: format!(
-                "{what} region has {} bytes, the layout needs {need}",
-                r.len()
-            ),
-        });
-    }
-    Ok(())
 }
 
 impl Role for Shared {

@@ -16,6 +16,20 @@ pub(super) fn refusal(me: &KvLayout, req: &KvRequest) -> Option<Refusal> {
             ),
         });
     }
+    if req.kv.len() != 1 && req.kv.len() as u64 != u64::from(d.layers) {
+        return Some(Refusal::LayoutMismatch {
+            what: format!(
+                "{} decoder KV regions for {} layers",
+                req.kv.len(),
+                d.layers
+            ),
+        });
+    }
+    if req.tail_slot.is_some() && req.tail.is_none() {
+        return Some(Refusal::BadPages {
+            what: "a tail slot without a tail region".into(),
+        });
+    }
     if req.tail_slot.is_some() && d.tail_len != me.tail_len {
         return Some(Refusal::LayoutMismatch {
             what: format!("tail {} B vs {} B", d.tail_len, me.tail_len),

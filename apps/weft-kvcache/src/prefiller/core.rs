@@ -38,6 +38,7 @@ use super::ids::{Dec, IdState, Ids, Seen};
 use crate::auth::Keys;
 use crate::layout::layer_pages;
 use crate::liveness::{Beat, PeerClock};
+use crate::regions::layer_region;
 use crate::wire::{Auth, Failure, KvRequest, Msg};
 use crate::{Heartbeat, KvError, KvLayout, PeerLoss, Refusal};
 use std::collections::BTreeMap;
@@ -526,14 +527,15 @@ impl PrefillerCore {
         while t.posted < t.ready {
             let step = t.posted;
             let write = if step < l.layers {
-                let Some((src, dst_pages)) = layer_pages(
+                let Some(((dst, dst_pages), src)) = layer_pages(
                     l,
                     &t.req.layout,
                     step,
                     &t.req.heads,
                     src_pages,
                     &t.req.pages,
-                ) else {
+                )
+                .and_then(|(src, d)| Some((layer_region(&t.req.kv, step, d)?, src))) else {
                     // The request's checks make this unreachable; should
                     // it happen, the request still ends, answered.
                     t.stop = Some(Stop::Failed(Failure::Refused(Refusal::BadPages {
@@ -545,16 +547,23 @@ impl PrefillerCore {
                     layer: step,
                     page_len: l.page_len,
                     src,
-                    dst: t.req.kv.clone(),
+                    dst,
                     dst_pages,
                     imm: t.req.imm,
                 }
             } else {
                 let slot = t.req.tail_slot.unwrap_or(0);
+                let Some(dst) = t.req.tail.clone() else {
+                    // The request's checks make this unreachable too.
+                    t.stop = Some(Stop::Failed(Failure::Refused(Refusal::BadPages {
+                        what: "no tail region".into(),
+                    })));
+                    break;
+                };
                 Write::Tail {
                     len: l.tail_len,
                     src_off: l.tail_offset(*tail_slot).unwrap_or(0),
-                    dst: t.req.tail.clone(),
+                    dst,
                     dst_off: t.req.layout.tail_offset(slot).unwrap_or(0),
                     imm: t.req.imm,
                 }

@@ -12,9 +12,11 @@ pub use self::core::{Incoming, PreAction, PrefillerCore, TaskKey, Write};
 pub use self::ids::ID_WINDOW;
 
 use crate::completion::{Completion, CompletionFuture};
-use crate::decoder::{CacheRegions, KvConfig};
+use crate::decoder::KvConfig;
+use crate::regions::{layer_region, Registered};
 use crate::timer::{drive, Role, Ticker};
 use crate::wire::{encode, Auth, Msg};
+use crate::CacheRegions;
 use crate::{KvError, KvLayout};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -46,8 +48,9 @@ struct Shared {
     engine: Arc<TransferEngine>,
     me: GroupAddress,
     core: Mutex<PrefillerCore>,
-    kv: MrHandle,
-    tail: MrHandle,
+    /// The KV regions: one for the whole cache or one per layer.
+    kv: Vec<MrHandle>,
+    tail: Option<MrHandle>,
     /// The registrations of `kv` and `tail`, released at shutdown.
     mrs: Mutex<Vec<Registration>>,
     serving: Mutex<BTreeMap<TaskKey, Completion<ServeOutcome>>>,
@@ -97,20 +100,8 @@ impl Prefiller {
         let core = PrefillerCore::new(layout, cfg.heartbeat)?
             .with_max_pending(cfg.max_pending_requests)
             .with_max_decoders(cfg.max_decoders);
-        if (regions.kv.len() as u64) < layout.kv_bytes()?
-            || (layout.tail_len > 0 && (regions.tail.len() as u64) < layout.tail_bytes()?)
-        {
-            return Err(KvError::Layout {
-                what: "a cache region is smaller than the layout".into(),
-            });
-        }
-        let kv_reg = engine
-            .register(regions.kv)
-            .map_err(KvError::engine("register kv"))?;
-        let tail_reg = engine
-            .register(regions.tail)
-            .map_err(KvError::engine("register tail"))?;
-        let (kv, tail) = (kv_reg.handle(), tail_reg.handle());
+        let regs = Registered::new(&engine, &layout, &regions)?;
+        let (kv, tail) = regs.handles();
         let (tx, rx) = crossbeam_channel::unbounded();
         let sh = Arc::new(Shared {
             me: engine.main_address(),
@@ -118,7 +109,7 @@ impl Prefiller {
             core: Mutex::new(core),
             kv,
             tail,
-            mrs: Mutex::new(vec![kv_reg, tail_reg]),
+            mrs: Mutex::new(regs.into_vec()),
             serving: Mutex::new(BTreeMap::new()),
             outcomes: crate::Outcomes::default(),
             incoming: Mutex::new(Some(tx)),
@@ -483,32 +474,42 @@ impl Shared {
         });
         let r = match w {
             Write::Layer {
+                layer,
                 page_len,
                 src,
                 dst,
                 dst_pages,
                 imm,
-                ..
-            } => self.engine.submit_paged_writes(
-                *page_len,
-                Some(*imm),
-                (&self.kv, src),
-                (dst, dst_pages),
-                on_done,
-            ),
+            } => {
+                let Some((h, src)) = layer_region(&self.kv, *layer, src.clone()) else {
+                    return Err(format!("layer {layer} has no KV region"));
+                };
+                self.engine.submit_paged_writes(
+                    *page_len,
+                    Some(*imm),
+                    (&h, &src),
+                    (dst, dst_pages),
+                    on_done,
+                )
+            }
             Write::Tail {
                 len,
                 src_off,
                 dst,
                 dst_off,
                 imm,
-            } => self.engine.submit_single_write(
-                *len,
-                Some(*imm),
-                (&self.tail, *src_off),
-                (dst, *dst_off),
-                on_done,
-            ),
+            } => {
+                let Some(tail) = &self.tail else {
+                    return Err("this prefiller has no tail region".into());
+                };
+                self.engine.submit_single_write(
+                    *len,
+                    Some(*imm),
+                    (tail, *src_off),
+                    (dst, *dst_off),
+                    on_done,
+                )
+            }
         };
         r.map(|_| ()).map_err(|e| e.to_string())
     }

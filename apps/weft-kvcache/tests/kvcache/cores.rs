@@ -10,7 +10,7 @@ use weft_kvcache::{
 };
 
 fn decoder(_t0: Instant) -> DecoderCore {
-    DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap()
+    DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap()
 }
 
 /// Decoder with one prefiller, a request of `n` pages started and delivered

@@ -347,3 +347,75 @@ fn metrics_count_requests_by_outcome() {
     );
     s.teardown();
 }
+
+/// One region per layer on either side, or on both (the layout of
+/// vLLM-style per-layer tensors), mixed with whole-cache regions: every
+/// byte arrives where the layout says, the tail too.
+#[test]
+fn per_layer_regions_on_either_side_arrive_byte_exact() {
+    for seed in seeds_or([4, 5]) {
+        let _g = SeedGuard::new(seed, "per_layer_regions_on_either_side_arrive_byte_exact");
+        for (pre_layered, dec_layered) in [(false, true), (true, false), (true, true)] {
+            let fabric = Fabric::new_realtime(FabricConfig {
+                max_write_len: 1500,
+                ..FabricConfig::adversarial(seed)
+            });
+            let (ph, dh) = (fabric.add_host(NICS), fabric.add_host(NICS));
+            let (pe, de) = (engine(&fabric, ph, NICS), engine(&fabric, dh, NICS));
+            let regions = |c: &Cache, layered: bool| {
+                if layered {
+                    c.per_layer_regions()
+                } else {
+                    c.regions()
+                }
+            };
+            let pcache = Arc::new(Cache::new(lay()));
+            let preg = regions(&pcache, pre_layered);
+            let pre = Arc::new(Prefiller::new(pe.clone(), lay(), preg, kv_config()).unwrap());
+            let mut app = PrefillApp::start(pre, pcache, vec![0, 1], Signal::Mixed, None);
+            let dcache = Cache::new(lay());
+            let dreg = regions(&dcache, dec_layered);
+            let dec = Decoder::new(de.clone(), lay(), dreg, kv_config()).unwrap();
+            let route = Route::single(dec.add_prefiller(pe.main_address()), 2);
+            for (k, n) in [3u32, 11, 1].into_iter().enumerate() {
+                let lease = dec.alloc(n).unwrap();
+                let ps = seed * 100 + k as u64;
+                dec.request(&route, &lease, &meta(ps))
+                    .unwrap()
+                    .wait()
+                    .unwrap_or_else(|e| panic!("seed {seed} {pre_layered}/{dec_layered}: {e}"));
+                check_request(&dcache, &[0, 1], lease.pages(), lease.tail_slot(), ps)
+                    .unwrap_or_else(|e| panic!("seed {seed} {pre_layered}/{dec_layered}: {e}"));
+                dec.free(lease);
+            }
+            app.stop();
+            dec.shutdown();
+            app.pre.shutdown(Duration::from_secs(2));
+            de.shutdown();
+            pe.shutdown();
+        }
+    }
+}
+
+/// Regions that do not fit the layout are refused before anything is
+/// registered: a count that is neither one nor the layer count, a
+/// per-layer region shorter than a layer, a missing tail region.
+#[test]
+fn cache_regions_that_do_not_fit_the_layout_are_refused() {
+    let c = Cache::new(lay());
+    let mut r = c.per_layer_regions();
+    r.kv.pop();
+    assert!(
+        matches!(r.check(&lay()), Err(KvError::Layout { .. })),
+        "{r:?}"
+    );
+    let mut r = c.per_layer_regions();
+    let lb = lay().layer_bytes().unwrap() as usize;
+    r.kv[2] = c.kv.sub_region(0..lb - 1).unwrap();
+    assert!(matches!(r.check(&lay()), Err(KvError::Layout { .. })));
+    let mut r = c.per_layer_regions();
+    r.tail = None;
+    assert!(matches!(r.check(&lay()), Err(KvError::Layout { .. })));
+    assert!(c.per_layer_regions().check(&lay()).is_ok());
+    assert!(c.regions().check(&lay()).is_ok());
+}

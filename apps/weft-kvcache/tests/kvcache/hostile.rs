@@ -17,7 +17,7 @@ use weft_kvcache::{
 /// A decoder at `addr(100)` and a prefiller at `addr(1)` that believe each
 /// other.
 fn connected(t0: Instant) -> (DecoderCore, PrefillerCore, PrefillerId) {
-    let mut dec = DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap();
+    let mut dec = DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
     let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
     let (p, hello) = dec.add_prefiller(addr(1), t0);
     assert!(pump(&mut dec, &mut pre, &addr(1), hello, t0).is_empty());
@@ -68,8 +68,8 @@ fn a_cancel_that_overtakes_its_request_is_never_served() {
 #[test]
 fn a_lease_of_another_decoder_is_refused() {
     let t0 = Instant::now();
-    let mut a = DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap();
-    let mut b = DecoderCore::new(addr(101), LAYOUT, desc(), desc(), HB).unwrap();
+    let mut a = DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
+    let mut b = DecoderCore::new(addr(101), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
     let (p, _) = b.add_prefiller(addr(1), t0);
     let own = b.alloc(1).unwrap(); // b's lease 1: page 0
     let _other = b.alloc(2).unwrap(); // b's lease 2: pages 1, 2
@@ -154,8 +154,8 @@ fn a_request_whose_pages_cannot_be_mapped_is_refused() {
     let req = KvRequest {
         id: 9,
         layout: dec_layout,
-        kv: desc(),
-        tail: desc(),
+        kv: vec![desc()],
+        tail: Some(desc()),
         heads: vec![HeadMap { src: 0, dst: 2 }],
         pages: vec![0],
         tail_slot: None,
@@ -188,7 +188,7 @@ fn a_request_whose_pages_cannot_be_mapped_is_refused() {
 #[test]
 fn a_failed_from_a_prefiller_without_the_request_is_ignored() {
     let t0 = Instant::now();
-    let mut dec = DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap();
+    let mut dec = DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
     let (p1, h1) = dec.add_prefiller(addr(1), t0);
     let (_p2, h2) = dec.add_prefiller(addr(2), t0);
     fake_prefiller(&mut dec, &h1, &addr(1), t0);
@@ -325,8 +325,8 @@ fn early_cancels_are_bounded_and_never_served() {
         Msg::Request(KvRequest {
             id,
             layout: LAYOUT,
-            kv: desc(),
-            tail: desc(),
+            kv: vec![desc()],
+            tail: Some(desc()),
             heads: vec![HeadMap { src: 0, dst: 0 }],
             pages: vec![0],
             tail_slot: None,
@@ -379,7 +379,7 @@ fn early_cancels_are_bounded_and_never_served() {
 #[test]
 fn a_request_cancelled_before_the_handshake_is_never_sent() {
     let t0 = Instant::now();
-    let mut dec = DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap();
+    let mut dec = DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
     let (p, hello) = dec.add_prefiller(addr(1), t0);
     let lease = dec.alloc(1).unwrap();
     let st = dec
@@ -396,7 +396,7 @@ fn a_request_cancelled_before_the_handshake_is_never_sent() {
     fake_prefiller(&mut dec, &hello, &addr(1), t0);
     assert_eq!(dec.pending(), 0);
     // and the tick greets an unproven prefiller again, not a heartbeat
-    let mut d2 = DecoderCore::new(addr(100), LAYOUT, desc(), desc(), HB).unwrap();
+    let mut d2 = DecoderCore::new(addr(100), LAYOUT, vec![desc()], Some(desc()), HB).unwrap();
     d2.add_prefiller(addr(1), t0);
     let a = sends(&d2.tick(t0 + HB.interval));
     assert_eq!(a, vec![(addr(1), Msg::Hello)]);
@@ -486,8 +486,8 @@ fn valid_frames() -> Vec<Vec<u8>> {
     let req = KvRequest {
         id: 7,
         layout: LAYOUT,
-        kv: desc(),
-        tail: desc(),
+        kv: vec![desc()],
+        tail: Some(desc()),
         heads: vec![HeadMap { src: 0, dst: 1 }, HeadMap { src: 1, dst: 0 }],
         pages: vec![3, 1, 4, 1, 5],
         tail_slot: Some(2),
@@ -560,4 +560,49 @@ fn a_huge_length_prefix_is_an_error() {
     f.extend([0xff, 0xff, 0xff, 0xff, 0x0f]);
     decode_is_bounded(&f);
     assert!(wire::decode(&f).is_err());
+}
+
+/// A request whose decoder regions do not fit its layout — a KV region
+/// count that is neither one nor the layer count, a tail slot without a
+/// tail region — is refused with a typed answer before anything is taken.
+#[test]
+fn a_request_whose_regions_do_not_fit_its_layout_is_refused() {
+    let t0 = Instant::now();
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let auth = join(&mut pre, &addr(100), t0);
+    let base = KvRequest {
+        id: 11,
+        layout: LAYOUT,
+        kv: vec![desc()],
+        tail: Some(desc()),
+        heads: vec![HeadMap { src: 0, dst: 0 }],
+        pages: vec![0],
+        tail_slot: Some(0),
+        imm: 3,
+        meta: Vec::new(),
+    };
+    let too_many = KvRequest {
+        kv: vec![desc(); LAYOUT.layers as usize + 1],
+        ..base.clone()
+    };
+    let no_tail = KvRequest {
+        id: 12,
+        tail: None,
+        ..base
+    };
+    for (req, want_layout) in [(too_many, true), (no_tail, false)] {
+        let id = req.id;
+        let out = pre.on_msg(&addr(100), auth, Msg::Request(req), t0);
+        let sent = pre_sends(&out);
+        let ok = match &sent[..] {
+            [(_, Msg::Failed { id: got, failure })] if *got == id => match failure {
+                Failure::Refused(Refusal::LayoutMismatch { .. }) => want_layout,
+                Failure::Refused(Refusal::BadPages { .. }) => !want_layout,
+                _ => false,
+            },
+            _ => false,
+        };
+        assert!(ok, "request {id}: {out:?}");
+    }
+    assert_eq!(pre.pending(), 0);
 }

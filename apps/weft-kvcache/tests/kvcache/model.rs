@@ -572,7 +572,7 @@ impl KvModel {
         let t = self.t0;
         let decs: Vec<Dec> = (0..DECODERS)
             .map(|d| Dec {
-                core: DecoderCore::new(dec_addr(d), LAYOUT, desc(), desc(), HB)
+                core: DecoderCore::new(dec_addr(d), LAYOUT, vec![desc()], Some(desc()), HB)
                     .unwrap()
                     .with_seed(10 + d as u64),
                 alive: true,
@@ -775,8 +775,8 @@ impl KvModel {
                 let req = KvRequest {
                     id: 7,
                     layout: LAYOUT,
-                    kv: desc(),
-                    tail: desc(),
+                    kv: vec![desc()],
+                    tail: Some(desc()),
                     heads: vec![HeadMap { src: 0, dst: 0 }],
                     pages: vec![1],
                     tail_slot: None,

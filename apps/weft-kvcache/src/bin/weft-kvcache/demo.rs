@@ -46,10 +46,7 @@ impl Cache {
     }
 
     fn regions(&self) -> CacheRegions {
-        CacheRegions {
-            kv: self.kv.region(),
-            tail: self.tail.region(),
-        }
+        CacheRegions::whole(self.kv.region(), self.tail.region())
     }
 }
 

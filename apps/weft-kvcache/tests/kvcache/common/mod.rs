@@ -71,9 +71,22 @@ impl Cache {
     }
 
     pub fn regions(&self) -> CacheRegions {
-        CacheRegions {
-            kv: self.kv.region(),
-            tail: self.tail.region(),
+        CacheRegions::whole(self.kv.region(), self.tail.region())
+    }
+
+    /// The same memory as one registered region per layer (each layer a
+    /// separate registration, as vLLM's per-layer tensors are), plus the
+    /// tail region when the layout has a tail.
+    pub fn per_layer_regions(&self) -> CacheRegions {
+        let lb = self.layout.layer_bytes().unwrap() as usize;
+        let layers = (0..self.layout.layers as usize)
+            .map(|l| self.kv.sub_region(l * lb..(l + 1) * lb).unwrap())
+            .collect();
+        let r = CacheRegions::per_layer(layers);
+        if self.layout.tail_len > 0 {
+            r.with_tail(self.tail.region())
+        } else {
+            r
         }
     }
 
