@@ -143,6 +143,23 @@ pub enum KvError {
         /// Available.
         free: u32,
     },
+    /// Pages asked for by index that cannot be taken: out of range,
+    /// repeated, or held by another lease (a request that may still write
+    /// them).
+    #[error("page {page} cannot be taken: {why}")]
+    PageTaken {
+        /// The page.
+        page: u32,
+        /// Why.
+        why: String,
+    },
+    /// Something held for a peer timed out unused (an offered prompt no
+    /// decoder asked for).
+    #[error("expired: {what}")]
+    Expired {
+        /// What expired.
+        what: String,
+    },
     /// No free tail slot.
     #[error("no free tail slot ({slots} in all)")]
     NoTailSlot {
@@ -269,6 +286,8 @@ impl KvError {
             KvError::PeerDead { .. } => "PeerDead",
             KvError::NoPages { .. } => "NoPages",
             KvError::NoTailSlot { .. } => "NoTailSlot",
+            KvError::PageTaken { .. } => "PageTaken",
+            KvError::Expired { .. } => "Expired",
             KvError::UnknownLease { .. } => "UnknownLease",
             KvError::LeaseBusy { .. } => "LeaseBusy",
             KvError::Cancelled { .. } => "Cancelled",

@@ -70,19 +70,22 @@ pub struct PagePool {
     id: u64,
     free_pages: BTreeSet<u32>,
     free_tails: BTreeSet<u32>,
+    /// Tail slots of the cache; 0: the cache has no tail, and leases take
+    /// none (their slot reads 0).
     tail_slots: u32,
     held: BTreeMap<u64, Held>,
     next: u64,
 }
 
 impl PagePool {
-    /// A pool of `pages` pages and `tail_slots` tail slots, all free.
+    /// A pool of `pages` pages and `tail_slots` tail slots, all free (no
+    /// tail slots: leases take none).
     pub fn new(pages: u32, tail_slots: u32) -> Self {
         Self {
             id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
             free_pages: (0..pages).collect(),
-            free_tails: (0..tail_slots.max(1)).collect(),
-            tail_slots: tail_slots.max(1),
+            free_tails: (0..tail_slots).collect(),
+            tail_slots,
             held: BTreeMap::new(),
             next: 1,
         }
@@ -104,10 +107,54 @@ impl PagePool {
         if n == 0 || n > free {
             return Err(KvError::NoPages { need: n, free });
         }
-        let tail_slot = self.free_tails.pop_first().ok_or(KvError::NoTailSlot {
-            slots: self.tail_slots,
-        })?;
+        let tail_slot = self.take_tail()?;
         let pages: Vec<u32> = (0..n).filter_map(|_| self.free_pages.pop_first()).collect();
+        Ok(self.hold(pages, tail_slot))
+    }
+
+    /// Takes exactly `pages` (in this order: a serving stack's own block
+    /// ids) and a tail slot. Each page must be in range, free and named
+    /// once; otherwise nothing is taken ([`KvError::PageTaken`]).
+    pub fn alloc_pages(&mut self, pages: &[u32]) -> Result<PageLease, KvError> {
+        if pages.is_empty() {
+            return Err(KvError::NoPages {
+                need: 0,
+                free: self.free_pages(),
+            });
+        }
+        let mut seen = BTreeSet::new();
+        for &p in pages {
+            if !seen.insert(p) {
+                return Err(KvError::PageTaken {
+                    page: p,
+                    why: "named twice".into(),
+                });
+            }
+            if !self.free_pages.contains(&p) {
+                let why = match self.holder(p) {
+                    Some(l) => format!("held by lease {l}"),
+                    None => "out of range".into(),
+                };
+                return Err(KvError::PageTaken { page: p, why });
+            }
+        }
+        let tail_slot = self.take_tail()?;
+        for p in pages {
+            self.free_pages.remove(p);
+        }
+        Ok(self.hold(pages.to_vec(), tail_slot))
+    }
+
+    fn take_tail(&mut self) -> Result<u32, KvError> {
+        if self.tail_slots == 0 {
+            return Ok(0);
+        }
+        self.free_tails.pop_first().ok_or(KvError::NoTailSlot {
+            slots: self.tail_slots,
+        })
+    }
+
+    fn hold(&mut self, pages: Vec<u32>, tail_slot: u32) -> PageLease {
         let id = self.next;
         self.next += 1;
         self.held.insert(
@@ -119,12 +166,12 @@ impl PagePool {
                 freed: false,
             },
         );
-        Ok(PageLease {
+        PageLease {
             pool: self.id,
             id,
             pages,
             tail_slot,
-        })
+        }
     }
 
     /// Whether `lease` was handed out by this pool.
@@ -197,7 +244,9 @@ impl PagePool {
     fn give_back(&mut self, lease: u64) {
         if let Some(h) = self.held.remove(&lease) {
             self.free_pages.extend(h.pages);
-            self.free_tails.insert(h.tail_slot);
+            if self.tail_slots > 0 {
+                self.free_tails.insert(h.tail_slot);
+            }
         }
     }
 }
@@ -243,6 +292,28 @@ mod tests {
         assert!(matches!(p.alloc(1), Err(KvError::NoTailSlot { slots: 2 })));
         p.free(c).unwrap();
         assert!(p.alloc(1).is_ok());
+    }
+
+    #[test]
+    fn pages_by_index_are_taken_only_when_all_are_free() {
+        let mut p = PagePool::new(8, 0);
+        let a = p.alloc_pages(&[5, 2, 7]).unwrap();
+        assert_eq!(a.pages(), &[5, 2, 7], "in the caller's order");
+        for bad in [&[1, 1][..], &[1, 2], &[8], &[]] {
+            assert!(p.alloc_pages(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(p.free_pages(), 5, "a refusal takes nothing");
+        // no tail slots: any number of leases at once
+        let b = p.alloc_pages(&[0]).unwrap();
+        let c = p.alloc(2).unwrap();
+        assert_eq!(c.pages(), &[1, 3]);
+        assert_eq!(p.start(&b, 1).unwrap(), (&[0][..], 0));
+        p.free(a).unwrap();
+        assert!(p.alloc_pages(&[2, 5, 7]).is_ok());
+        assert!(matches!(
+            p.alloc_pages(&[0]),
+            Err(KvError::PageTaken { page: 0, .. })
+        ));
     }
 
     #[test]

@@ -307,6 +307,12 @@ impl DecoderCore {
         self.pool.alloc(pages)
     }
 
+    /// Takes exactly `pages` (the serving stack's own block ids) and a tail
+    /// slot: [`PagePool::alloc_pages`].
+    pub fn alloc_pages(&mut self, pages: &[u32]) -> Result<PageLease, KvError> {
+        self.pool.alloc_pages(pages)
+    }
+
     /// Frees a lease: its pages return at once, or — if a request on it is
     /// in flight — that request is cancelled and they return once every
     /// prefiller confirmed. A lease of another decoder is dropped with a

@@ -247,6 +247,14 @@ impl Decoder {
         self.sh.core.lock().alloc(pages)
     }
 
+    /// Takes exactly `pages` and a tail slot, for a serving stack that
+    /// allocates its blocks itself (vLLM's block manager): each must be in
+    /// range and not held by a lease whose request may still write it
+    /// ([`KvError::PageTaken`]).
+    pub fn alloc_pages(&self, pages: &[u32]) -> Result<PageLease, KvError> {
+        self.sh.core.lock().alloc_pages(pages)
+    }
+
     /// Returns a lease's pages to the pool: at once, or — while a request
     /// on them is in flight — after cancelling it, once every prefiller
     /// confirmed no write can land.

@@ -7,6 +7,7 @@ mod cores;
 mod e2e;
 mod hostile;
 mod model;
+mod offers;
 mod procs;
 mod rendezvous;
 mod sans_io;

@@ -1,0 +1,342 @@
+//! Serving prompts by key: [`Offers`] puts a [`Prefiller`] in the mode
+//! serving stacks need when the prefill side finishes a prompt before the
+//! decode side asks for it (vLLM's and SGLang's disaggregated flow). The
+//! application *offers* a prompt's pages under a key (the request id its
+//! router hands both sides) and reports its layers as they are computed;
+//! the decoder's request carries the key as its metadata, and the first
+//! request naming the key is served from the offered pages.
+//!
+//! Who may ask for what: a request names only a key. The pages served are
+//! the ones the application offered under it, never pages the decoder
+//! names, so a decoder learns at most the prompts whose keys it was given
+//! (keys are capabilities: make them unguessable). Each offer serves one
+//! request; a request for a key not offered (yet) waits up to the hold time
+//! for the offer, then is refused; an offer nobody asked for within its
+//! time to live expires ([`KvError::Expired`]), and its pages are the
+//! application's again.
+
+use crate::{Incoming, KvError, Prefiller, Serve, ServeOutcome};
+use crossbeam_channel::{select, tick, Receiver, Sender};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How an offer ended.
+#[derive(Debug, Clone)]
+pub struct OfferDone {
+    /// The offer's key.
+    pub key: Vec<u8>,
+    /// `Ok`: every write of it was delivered; otherwise why not
+    /// ([`KvError::Expired`] when nobody asked for it in time). Either way
+    /// no write from its pages can land any more: they are the
+    /// application's again.
+    pub outcome: ServeOutcome,
+}
+
+struct Offer {
+    pages: Vec<u32>,
+    tail_slot: u32,
+    /// Steps computed so far (layers, then the tail).
+    ready: u64,
+    expires: Instant,
+    /// Whether a request took it.
+    taken: bool,
+    /// The serve, once accepted.
+    serve: Option<Serve>,
+}
+
+struct Book {
+    offers: BTreeMap<Vec<u8>, Offer>,
+    /// Requests for keys not offered yet, with when they stop waiting.
+    waiting: VecDeque<(Incoming, Instant)>,
+    done: Vec<OfferDone>,
+    /// Longest a request waits for its offer.
+    hold: Duration,
+    /// Most requests waiting at once.
+    max_waiting: usize,
+}
+
+/// A [`Prefiller`] serving offered prompts by key (see the module docs).
+/// It takes every request of the prefiller: do not call
+/// [`Prefiller::next_request`] beside it.
+pub struct Offers {
+    pre: Arc<Prefiller>,
+    book: Arc<Mutex<Book>>,
+    stop: Option<Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Offers {
+    /// Serves `pre`'s requests from offers; a request waits at most `hold`
+    /// for its offer (and at most 4096 wait at once; more are refused).
+    pub fn new(pre: Arc<Prefiller>, hold: Duration) -> Result<Self, KvError> {
+        let book = Arc::new(Mutex::new(Book {
+            offers: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            done: Vec::new(),
+            hold,
+            max_waiting: 4096,
+        }));
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+        let (p, b) = (pre.clone(), book.clone());
+        let incoming = pre.incoming().clone();
+        let thread = std::thread::Builder::new()
+            .name("kv-offers".into())
+            .spawn(move || run(&p, &b, &incoming, &stop_rx))
+            .map_err(|e| KvError::Spawn {
+                name: "kv-offers",
+                error: e.to_string(),
+            })?;
+        Ok(Self {
+            pre,
+            book,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// The prefiller.
+    pub fn prefiller(&self) -> &Arc<Prefiller> {
+        &self.pre
+    }
+
+    /// Offers the prompt in `pages` (prompt order) and tail slot
+    /// `tail_slot` under `key`, with `ready` steps already computed (all
+    /// layers, plus one for the tail if the layout has one, when the prompt
+    /// is complete). A request for fewer pages takes the first ones. Expires
+    /// after `ttl` unless a request took it. A key offered and not yet
+    /// ended is refused ([`KvError::InvalidRoute`]).
+    pub fn offer(
+        &self,
+        key: Vec<u8>,
+        pages: Vec<u32>,
+        tail_slot: u32,
+        ready: u64,
+        ttl: Duration,
+    ) -> Result<(), KvError> {
+        if pages.is_empty() {
+            return Err(KvError::NoPages { need: 0, free: 0 });
+        }
+        let mut b = self.book.lock();
+        if b.offers.contains_key(&key) {
+            return Err(KvError::InvalidRoute {
+                what: format!("key {} is already offered", show(&key)),
+            });
+        }
+        let now = Instant::now();
+        b.offers.insert(
+            key.clone(),
+            Offer {
+                pages,
+                tail_slot,
+                ready,
+                expires: now + ttl,
+                taken: false,
+                serve: None,
+            },
+        );
+        // A request may have come first.
+        let first = b
+            .waiting
+            .iter()
+            .position(|(inc, _)| inc.meta == key)
+            .and_then(|i| b.waiting.remove(i));
+        drop(b);
+        if let Some((inc, _)) = first {
+            take(&self.pre, &self.book, inc);
+        }
+        Ok(())
+    }
+
+    /// Steps `0..steps` of the offer `key` are computed (layer-wise
+    /// transfer: layers, then the tail). Posts them if a request took it.
+    pub fn ready(&self, key: &[u8], steps: u64) -> Result<(), KvError> {
+        let mut b = self.book.lock();
+        let Some(o) = b.offers.get_mut(key) else {
+            return Err(KvError::InvalidRoute {
+                what: format!("key {} is not offered", show(key)),
+            });
+        };
+        o.ready = o.ready.max(steps);
+        let (serve, ready) = (o.serve.clone(), o.ready);
+        drop(b);
+        match serve {
+            Some(s) => s.ready(ready.min(u64::from(s.steps()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Withdraws an offer no request took yet (its pages are the
+    /// application's at once: `true`). One being served is not withdrawn
+    /// (`false`): it ends on its own, reported by [`Self::take_done`].
+    pub fn withdraw(&self, key: &[u8]) -> bool {
+        let mut b = self.book.lock();
+        match b.offers.get(key) {
+            Some(o) if !o.taken => {
+                b.offers.remove(key);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Offers that ended since the last call (served, failed or expired).
+    pub fn take_done(&self) -> Vec<OfferDone> {
+        std::mem::take(&mut self.book.lock().done)
+    }
+
+    /// Offers not ended yet.
+    pub fn pending(&self) -> usize {
+        self.book.lock().offers.len()
+    }
+
+    /// Stops taking requests (the prefiller itself is the caller's to shut
+    /// down; offers being served end as it does).
+    pub fn stop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Offers {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn show(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(s) if s.len() <= 80 => format!("{s:?}"),
+        _ => format!("<{} bytes>", key.len()),
+    }
+}
+
+fn run(
+    pre: &Arc<Prefiller>,
+    book: &Arc<Mutex<Book>>,
+    incoming: &Receiver<Incoming>,
+    stop: &Receiver<()>,
+) {
+    let ticks = tick(Duration::from_millis(20));
+    loop {
+        select! {
+            recv(incoming) -> inc => match inc {
+                Ok(inc) => {
+                    let mut b = book.lock();
+                    if b.offers.get(&inc.meta).is_some_and(|o| !o.taken) {
+                        drop(b);
+                        take(pre, book, inc);
+                    } else if b.waiting.len() >= b.max_waiting {
+                        drop(b);
+                        pre.reject(&inc, "too many requests waiting for their prompts");
+                    } else {
+                        let until = Instant::now() + b.hold;
+                        b.waiting.push_back((inc, until));
+                    }
+                }
+                Err(_) => return, // the prefiller shut down
+            },
+            recv(ticks) -> _ => expire(pre, book, Instant::now()),
+            recv(stop) -> _ => return,
+        }
+    }
+}
+
+/// Serves `inc` from the offer named by its key, if that offer is there
+/// and not taken. The book is not locked while the prefiller is called
+/// (its callbacks lock the book).
+fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
+    let key = inc.meta.clone();
+    let (pages, tail_slot) = {
+        let mut b = book.lock();
+        match b.offers.get_mut(&key) {
+            Some(o) if !o.taken => {
+                o.taken = true;
+                (o.pages.clone(), o.tail_slot)
+            }
+            _ => {
+                drop(b);
+                pre.reject(&inc, "no prompt offered under this key");
+                return;
+            }
+        }
+    };
+    let n = inc.pages as usize;
+    let accepted = if n == 0 || n > pages.len() {
+        Err(format!("{n} pages asked for, {} offered", pages.len()))
+    } else {
+        pre.accept(&inc, &pages[..n], tail_slot)
+            .map_err(|e| e.to_string())
+    };
+    let serve = match accepted {
+        Ok(s) => s,
+        Err(why) => {
+            tracing::warn!("offers: cannot serve {}: {why}", show(&key));
+            // The offer stays for a request that fits.
+            if let Some(o) = book.lock().offers.get_mut(&key) {
+                o.taken = false;
+            }
+            pre.reject(&inc, &why);
+            return;
+        }
+    };
+    let ready = {
+        let mut b = book.lock();
+        match b.offers.get_mut(&key) {
+            Some(o) => {
+                o.serve = Some(serve.clone());
+                o.ready
+            }
+            None => 0,
+        }
+    };
+    if ready > 0 {
+        if let Err(e) = serve.ready(ready.min(u64::from(serve.steps()))) {
+            tracing::warn!("offers: {}: {e}", show(&key));
+        }
+    }
+    let weak = Arc::downgrade(book);
+    serve.on_complete(move |r| {
+        if let Some(book) = weak.upgrade() {
+            let mut b = book.lock();
+            b.offers.remove(&key);
+            b.done.push(OfferDone {
+                key,
+                outcome: r.clone(),
+            });
+        }
+    });
+}
+
+fn expire(pre: &Prefiller, book: &Mutex<Book>, now: Instant) {
+    let mut refuse = Vec::new();
+    {
+        let mut b = book.lock();
+        while b.waiting.front().is_some_and(|(_, until)| *until <= now) {
+            if let Some((inc, _)) = b.waiting.pop_front() {
+                refuse.push(inc);
+            }
+        }
+        let gone: Vec<Vec<u8>> = b
+            .offers
+            .iter()
+            .filter(|(_, o)| !o.taken && o.expires <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in gone {
+            b.offers.remove(&key);
+            let what = format!("offer {} was not asked for in time", show(&key));
+            b.done.push(OfferDone {
+                key,
+                outcome: Err(KvError::Expired { what }),
+            });
+        }
+    }
+    for inc in refuse {
+        pre.reject(&inc, "no prompt offered under this key");
+    }
+}

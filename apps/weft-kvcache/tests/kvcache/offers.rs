@@ -1,0 +1,243 @@
+//! `Offers`: prompts served by key over the adversarial loopback fabric —
+//! offer before or after the request, layer-wise readiness, keys never
+//! offered, offers nobody asked for, one serve per offer.
+
+use crate::common::*;
+use std::sync::Arc;
+use std::time::Duration;
+use weft::loopback::{Fabric, FabricConfig};
+use weft::TransferEngine;
+use weft_kvcache::{Decoder, KvError, KvLayout, Offers, Prefiller, Route};
+use weft_testkit::{seeds_or, SeedGuard};
+
+const NICS: usize = 2;
+
+fn lay() -> KvLayout {
+    layout(4, 2, 1024, 700, 32)
+}
+
+struct Pair {
+    _fabric: Fabric,
+    pe: Arc<TransferEngine>,
+    de: Arc<TransferEngine>,
+    pcache: Cache,
+    dcache: Cache,
+    offers: Offers,
+    dec: Decoder,
+    route: Route,
+}
+
+fn pair(seed: u64, hold: Duration) -> Pair {
+    let fabric = Fabric::new_realtime(FabricConfig {
+        max_write_len: 1500,
+        ..FabricConfig::adversarial(seed)
+    });
+    let (ph, dh) = (fabric.add_host(NICS), fabric.add_host(NICS));
+    let (pe, de) = (engine(&fabric, ph, NICS), engine(&fabric, dh, NICS));
+    let pcache = Cache::new(lay());
+    let pre = Prefiller::new(pe.clone(), lay(), pcache.per_layer_regions(), kv_config()).unwrap();
+    let offers = Offers::new(Arc::new(pre), hold).unwrap();
+    let dcache = Cache::new(lay());
+    let dec = Decoder::new(de.clone(), lay(), dcache.per_layer_regions(), kv_config()).unwrap();
+    let route = Route::single(dec.add_prefiller(pe.main_address()), 2);
+    Pair {
+        _fabric: fabric,
+        pe,
+        de,
+        pcache,
+        dcache,
+        offers,
+        dec,
+        route,
+    }
+}
+
+impl Pair {
+    /// Computes prompt `seed` into the prefill pages `src` (tail slot 0).
+    fn compute(&self, src: &[u32], seed: u64) {
+        for l in 0..lay().layers {
+            compute_layer(&self.pcache, &[0, 1], src, seed, l);
+        }
+        compute_tail(&self.pcache, 0, seed);
+    }
+
+    fn done_keys(&self, want: usize) -> Vec<(Vec<u8>, Result<(), String>)> {
+        let mut got = Vec::new();
+        for _ in 0..500 {
+            got.extend(
+                self.offers
+                    .take_done()
+                    .into_iter()
+                    .map(|d| (d.key, d.outcome.map_err(|e| e.kind().to_string()))),
+            );
+            if got.len() >= want {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        got
+    }
+
+    fn teardown(mut self) {
+        self.offers.stop();
+        self.dec.shutdown();
+        self.offers.prefiller().shutdown(Duration::from_secs(2));
+        self.de.shutdown();
+        self.pe.shutdown();
+    }
+}
+
+const ALL: u64 = 5; // 4 layers + the tail
+
+#[test]
+fn an_offer_made_before_or_after_its_request_is_served_byte_exact() {
+    for seed in seeds_or([1, 2]) {
+        let _g = SeedGuard::new(
+            seed,
+            "an_offer_made_before_or_after_its_request_is_served_byte_exact",
+        );
+        let p = pair(seed, Duration::from_secs(10));
+        // offered first
+        p.compute(&[3, 9, 4], seed);
+        let key = seed.to_le_bytes().to_vec();
+        p.offers
+            .offer(key.clone(), vec![3, 9, 4], 0, ALL, Duration::from_secs(10))
+            .unwrap();
+        let lease = p.dec.alloc_pages(&[7, 1, 30]).unwrap();
+        p.dec
+            .request(&p.route, &lease, &key)
+            .unwrap()
+            .wait()
+            .unwrap();
+        check_request(&p.dcache, &[0, 1], &[7, 1, 30], lease.tail_slot(), seed).unwrap();
+        p.dec.free(lease);
+        // asked for first: the request waits for the offer
+        let s2 = seed + 100;
+        let key2 = s2.to_le_bytes().to_vec();
+        let lease = p.dec.alloc(2).unwrap();
+        let h = p.dec.request(&p.route, &lease, &key2).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!h.is_done(), "seed {seed}: served before it was offered");
+        p.compute(&[5, 6], s2);
+        p.offers
+            .offer(key2.clone(), vec![5, 6, 8], 0, ALL, Duration::from_secs(10))
+            .unwrap();
+        h.wait().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        check_request(&p.dcache, &[0, 1], lease.pages(), lease.tail_slot(), s2).unwrap();
+        let done = p.done_keys(2);
+        assert_eq!(done, vec![(key, Ok(())), (key2, Ok(()))], "seed {seed}");
+        assert_eq!(p.offers.pending(), 0);
+        p.teardown();
+    }
+}
+
+#[test]
+fn layers_reported_after_the_offer_are_posted_as_they_come() {
+    let seed = seeds_or([3])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "layers_reported_after_the_offer_are_posted_as_they_come",
+    );
+    let p = pair(seed, Duration::from_secs(10));
+    let key = b"prompt-layerwise".to_vec();
+    p.offers
+        .offer(key.clone(), vec![0, 1], 0, 0, Duration::from_secs(10))
+        .unwrap();
+    let lease = p.dec.alloc(2).unwrap();
+    let h = p.dec.request(&p.route, &lease, &key).unwrap();
+    for l in 0..lay().layers {
+        compute_layer(&p.pcache, &[0, 1], &[0, 1], seed, l);
+        p.offers.ready(&key, u64::from(l) + 1).unwrap();
+        assert!(
+            !h.is_done() || l == lay().layers,
+            "seed {seed}: done before the tail"
+        );
+    }
+    compute_tail(&p.pcache, 0, seed);
+    p.offers.ready(&key, ALL).unwrap();
+    h.wait().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    check_request(&p.dcache, &[0, 1], lease.pages(), lease.tail_slot(), seed).unwrap();
+    p.teardown();
+}
+
+#[test]
+fn keys_not_offered_are_refused_and_offers_not_asked_for_expire() {
+    let seed = seeds_or([4])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "keys_not_offered_are_refused_and_offers_not_asked_for_expire",
+    );
+    let p = pair(seed, Duration::from_millis(200));
+    let lease = p.dec.alloc(1).unwrap();
+    let r = p
+        .dec
+        .request(&p.route, &lease, b"never-offered")
+        .unwrap()
+        .wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.dec.free(lease);
+    p.offers
+        .offer(
+            b"lonely".to_vec(),
+            vec![2],
+            0,
+            ALL,
+            Duration::from_millis(100),
+        )
+        .unwrap();
+    assert!(matches!(
+        p.offers
+            .offer(b"lonely".to_vec(), vec![3], 0, ALL, Duration::from_secs(1)),
+        Err(KvError::InvalidRoute { .. })
+    ));
+    let done = p.done_keys(1);
+    assert_eq!(done, vec![(b"lonely".to_vec(), Err("Expired".into()))]);
+    // withdrawn offers are gone at once and never served
+    p.offers
+        .offer(b"gone".to_vec(), vec![2], 0, ALL, Duration::from_secs(10))
+        .unwrap();
+    assert!(p.offers.withdraw(b"gone"));
+    let lease = p.dec.alloc(1).unwrap();
+    let r = p.dec.request(&p.route, &lease, b"gone").unwrap().wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.teardown();
+}
+
+#[test]
+fn an_offer_serves_one_request_and_only_as_many_pages_as_offered() {
+    let seed = seeds_or([5])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "an_offer_serves_one_request_and_only_as_many_pages_as_offered",
+    );
+    let p = pair(seed, Duration::from_millis(300));
+    p.compute(&[4, 5], seed);
+    let key = b"once".to_vec();
+    // too many pages asked for: refused, the offer stays
+    p.offers
+        .offer(key.clone(), vec![4, 5], 0, ALL, Duration::from_secs(10))
+        .unwrap();
+    let big = p.dec.alloc(3).unwrap();
+    let r = p.dec.request(&p.route, &big, &key).unwrap().wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    let a = p.dec.alloc(2).unwrap();
+    p.dec.request(&p.route, &a, &key).unwrap().wait().unwrap();
+    check_request(&p.dcache, &[0, 1], a.pages(), a.tail_slot(), seed).unwrap();
+    // a second request for the same key (a replay) gets nothing
+    let b = p.dec.alloc(2).unwrap();
+    let r = p.dec.request(&p.route, &b, &key).unwrap().wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.teardown();
+}
