@@ -14,6 +14,7 @@ mod engine;
 mod errors;
 mod imm;
 mod items;
+mod kv;
 mod live;
 mod memory;
 mod metrics;
@@ -43,6 +44,9 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyScatterDst>()?;
     m.add_class::<types::PyScatterTargets>()?;
     m.add_class::<watcher::PyUvmWatcher>()?;
+    m.add_class::<kv::PyKvLayout>()?;
+    m.add_class::<kv::PyKvDecoder>()?;
+    m.add_class::<kv::PyKvPrefiller>()?;
     m.add_class::<metrics::PyMetricsServer>()?;
     m.add_class::<rendezvous::PyStore>()?;
     m.add_class::<rendezvous::PySession>()?;

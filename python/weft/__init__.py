@@ -50,7 +50,7 @@ from ._weft import (
     serve_metrics,
 )
 
-from . import dist, rendezvous  # noqa: E402  (submodules: weft.dist, weft.rendezvous)
+from . import dist, kv, rendezvous  # noqa: E402  (submodules: weft.dist, weft.kv, weft.rendezvous)
 
 __version__: str = _weft.__version__
 
@@ -74,6 +74,7 @@ __all__ = [
     "providers",
     "serve_metrics",
     "dist",
+    "kv",
     "rendezvous",
     "__version__",
     *_errors_all,

@@ -201,4 +201,11 @@ class InvalidRendezvousArgumentError(RendezvousError, ValueError):
     kind = "spec"
 
 
+class KvError(WeftError):
+    """A KvCache transfer (``weft.kv``) was refused or failed. ``kind`` is
+    the Rust ``KvError`` variant in snake_case: ``refused``,
+    ``prefiller_dead``, ``decoder_dead``, ``cancelled``, ``page_taken``,
+    ``expired``, ``layout``, ``invalid_route``, ``shut_down``, ..."""
+
+
 __all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]

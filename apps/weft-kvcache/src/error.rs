@@ -27,6 +27,9 @@ pub enum PeerLoss {
         /// The store's endpoint.
         store: String,
     },
+    /// The application removed it (it knows the peer is gone).
+    #[error("the application removed it")]
+    Removed,
 }
 
 /// Why a prefiller refused a request.
