@@ -165,7 +165,7 @@ pub use error::{KvError, PeerLoss, Refusal};
 pub use layout::{HeadMap, HeadOrder, KvLayout};
 pub use liveness::Heartbeat;
 pub use metrics::Outcomes;
-pub use offers::{OfferDone, Offers};
+pub use offers::{request_meta, OfferDone, Offers};
 pub use pages::{ForeignLease, PageLease, PagePool};
 pub use prefiller::{
     Incoming, LayerWatch, PreAction, PrefillStats, Prefiller, PrefillerCore, Serve, ServeOutcome,

@@ -3,7 +3,9 @@
 //! decode side asks for it (vLLM's and SGLang's disaggregated flow). The
 //! application *offers* a prompt's pages under a key (the request id its
 //! router hands both sides) and reports its layers as they are computed;
-//! the decoder's request carries the key as its metadata, and the first
+//! the decoder's request carries the key as its metadata
+//! ([`request_meta`]: the key and the first offered page it wants, for a
+//! decoder that holds a prefix of the prompt already), and the first
 //! request naming the key is served from the offered pages.
 //!
 //! Who may ask for what: a request names only a key. The pages served are
@@ -22,6 +24,22 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// The metadata of a request for the offer `key`, from its page `first` on
+/// (0: the whole prompt; a decoder holding the prompt's first pages in its
+/// own prefix cache skips them).
+pub fn request_meta(key: &[u8], first: u32) -> Vec<u8> {
+    let mut m = Vec::with_capacity(4 + key.len());
+    m.extend_from_slice(&first.to_le_bytes());
+    m.extend_from_slice(key);
+    m
+}
+
+/// `(first, key)` of a request's metadata ([`request_meta`]).
+fn parse_meta(meta: &[u8]) -> Option<(u32, &[u8])> {
+    let (f, key) = meta.split_first_chunk::<4>()?;
+    Some((u32::from_le_bytes(*f), key))
+}
 
 /// How an offer ended.
 #[derive(Debug, Clone)]
@@ -105,7 +123,8 @@ impl Offers {
     /// Offers the prompt in `pages` (prompt order) and tail slot
     /// `tail_slot` under `key`, with `ready` steps already computed (all
     /// layers, plus one for the tail if the layout has one, when the prompt
-    /// is complete). A request for fewer pages takes the first ones. Expires
+    /// is complete). A request takes the pages it asks for ([`request_meta`]:
+    /// from its first page on, as many as it has room for). Expires
     /// after `ttl` unless a request took it. A key offered and not yet
     /// ended is refused ([`KvError::InvalidRoute`]).
     pub fn offer(
@@ -141,7 +160,7 @@ impl Offers {
         let first = b
             .waiting
             .iter()
-            .position(|(inc, _)| inc.meta == key)
+            .position(|(inc, _)| parse_meta(&inc.meta).is_some_and(|(_, k)| k == key))
             .and_then(|i| b.waiting.remove(i));
         drop(b);
         if let Some((inc, _)) = first {
@@ -226,8 +245,12 @@ fn run(
         select! {
             recv(incoming) -> inc => match inc {
                 Ok(inc) => {
+                    let Some((_, key)) = parse_meta(&inc.meta) else {
+                        pre.reject(&inc, "request metadata is not an offer request");
+                        continue;
+                    };
                     let mut b = book.lock();
-                    if b.offers.get(&inc.meta).is_some_and(|o| !o.taken) {
+                    if b.offers.get(key).is_some_and(|o| !o.taken) {
                         drop(b);
                         take(pre, book, inc);
                     } else if b.waiting.len() >= b.max_waiting {
@@ -250,7 +273,11 @@ fn run(
 /// and not taken. The book is not locked while the prefiller is called
 /// (its callbacks lock the book).
 fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
-    let key = inc.meta.clone();
+    let Some((first, key)) = parse_meta(&inc.meta) else {
+        pre.reject(&inc, "request metadata is not an offer request");
+        return;
+    };
+    let (first, key) = (first as usize, key.to_vec());
     let (pages, tail_slot) = {
         let mut b = book.lock();
         match b.offers.get_mut(&key) {
@@ -266,11 +293,14 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
         }
     };
     let n = inc.pages as usize;
-    let accepted = if n == 0 || n > pages.len() {
-        Err(format!("{n} pages asked for, {} offered", pages.len()))
-    } else {
-        pre.accept(&inc, &pages[..n], tail_slot)
-            .map_err(|e| e.to_string())
+    let accepted = match first.checked_add(n) {
+        Some(end) if n > 0 && end <= pages.len() => pre
+            .accept(&inc, &pages[first..end], tail_slot)
+            .map_err(|e| e.to_string()),
+        _ => Err(format!(
+            "pages {first}..{first}+{n} asked for, {} offered",
+            pages.len()
+        )),
     };
     let serve = match accepted {
         Ok(s) => s,

@@ -153,25 +153,27 @@ impl PyKvDecoder {
         Ok(())
     }
 
-    /// Fills block ids `pages` (prompt order) with every head and the tail
-    /// from prefiller `prefiller` (an id from `add_prefiller`); `meta`
-    /// travels to the prefiller (an offer's key). Returns the request id.
-    /// `pages` must not be in another request still in flight
-    /// (`kind == "page_taken"`).
-    #[pyo3(signature = (pages, prefiller, meta = None))]
+    /// Fills block ids `pages` with every head (and the tail) of the prompt
+    /// that prefiller `prefiller` (an id from `add_prefiller`) offered under
+    /// `key`, from the offer's block `first` on (a decoder holding the
+    /// prompt's first blocks in its prefix cache skips them): `pages[i]`
+    /// gets offered block `first + i`. Returns the request id. `pages` must
+    /// not be in another request still in flight (`kind == "page_taken"`).
+    #[pyo3(signature = (pages, prefiller, key, first = 0))]
     fn request(
         &self,
         py: Python<'_>,
         pages: Vec<u32>,
         prefiller: u32,
-        meta: Option<Vec<u8>>,
+        key: Vec<u8>,
+        first: u32,
     ) -> PyResult<u64> {
         let heads = self.layout.inner.kv_heads;
         self.start(
             py,
             move |_| Ok(Route::single(PrefillerId(prefiller), heads)),
             pages,
-            meta.unwrap_or_default(),
+            request_meta(&key, first),
         )
     }
 
@@ -180,18 +182,19 @@ impl PyKvDecoder {
     /// `prefillers` (rank order), and `decode_tp` decode ranks, this one
     /// `decode_rank`. Every decode rank must use the same `seed` (it
     /// spreads MLA's replicated latent over the prefill ranks).
-    #[pyo3(signature = (pages, prefillers, kv_heads, prefill_tp, decode_tp, decode_rank, meta = None, seed = 0))]
+    #[pyo3(signature = (pages, prefillers, key, kv_heads, prefill_tp, decode_tp, decode_rank, first = 0, seed = 0))]
     #[allow(clippy::too_many_arguments)]
     fn request_tp(
         &self,
         py: Python<'_>,
         pages: Vec<u32>,
         prefillers: Vec<u32>,
+        key: Vec<u8>,
         kv_heads: u32,
         prefill_tp: u32,
         decode_tp: u32,
         decode_rank: u32,
-        meta: Option<Vec<u8>>,
+        first: u32,
         seed: u64,
     ) -> PyResult<u64> {
         let shape = TpShape {
@@ -212,7 +215,7 @@ impl PyKvDecoder {
                 Route::from_plan(mine, &ids)
             },
             pages,
-            meta.unwrap_or_default(),
+            request_meta(&key, first),
         )
     }
 

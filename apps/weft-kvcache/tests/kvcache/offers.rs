@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig};
 use weft::TransferEngine;
-use weft_kvcache::{Decoder, KvError, KvLayout, Offers, Prefiller, Route};
+use weft_kvcache::{request_meta, Decoder, KvError, KvLayout, Offers, Prefiller, Route};
 use weft_testkit::{seeds_or, SeedGuard};
 
 const NICS: usize = 2;
@@ -105,7 +105,7 @@ fn an_offer_made_before_or_after_its_request_is_served_byte_exact() {
             .unwrap();
         let lease = p.dec.alloc_pages(&[7, 1, 30]).unwrap();
         p.dec
-            .request(&p.route, &lease, &key)
+            .request(&p.route, &lease, &request_meta(&key, 0))
             .unwrap()
             .wait()
             .unwrap();
@@ -115,7 +115,10 @@ fn an_offer_made_before_or_after_its_request_is_served_byte_exact() {
         let s2 = seed + 100;
         let key2 = s2.to_le_bytes().to_vec();
         let lease = p.dec.alloc(2).unwrap();
-        let h = p.dec.request(&p.route, &lease, &key2).unwrap();
+        let h = p
+            .dec
+            .request(&p.route, &lease, &request_meta(&key2, 0))
+            .unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(!h.is_done(), "seed {seed}: served before it was offered");
         p.compute(&[5, 6], s2);
@@ -144,7 +147,10 @@ fn layers_reported_after_the_offer_are_posted_as_they_come() {
         .offer(key.clone(), vec![0, 1], 0, 0, Duration::from_secs(10))
         .unwrap();
     let lease = p.dec.alloc(2).unwrap();
-    let h = p.dec.request(&p.route, &lease, &key).unwrap();
+    let h = p
+        .dec
+        .request(&p.route, &lease, &request_meta(&key, 0))
+        .unwrap();
     for l in 0..lay().layers {
         compute_layer(&p.pcache, &[0, 1], &[0, 1], seed, l);
         p.offers.ready(&key, u64::from(l) + 1).unwrap();
@@ -171,7 +177,7 @@ fn keys_not_offered_are_refused_and_offers_not_asked_for_expire() {
     let lease = p.dec.alloc(1).unwrap();
     let r = p
         .dec
-        .request(&p.route, &lease, b"never-offered")
+        .request(&p.route, &lease, &request_meta(b"never-offered", 0))
         .unwrap()
         .wait();
     assert!(
@@ -201,7 +207,11 @@ fn keys_not_offered_are_refused_and_offers_not_asked_for_expire() {
         .unwrap();
     assert!(p.offers.withdraw(b"gone"));
     let lease = p.dec.alloc(1).unwrap();
-    let r = p.dec.request(&p.route, &lease, b"gone").unwrap().wait();
+    let r = p
+        .dec
+        .request(&p.route, &lease, &request_meta(b"gone", 0))
+        .unwrap()
+        .wait();
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
@@ -224,17 +234,98 @@ fn an_offer_serves_one_request_and_only_as_many_pages_as_offered() {
         .offer(key.clone(), vec![4, 5], 0, ALL, Duration::from_secs(10))
         .unwrap();
     let big = p.dec.alloc(3).unwrap();
-    let r = p.dec.request(&p.route, &big, &key).unwrap().wait();
+    let r = p
+        .dec
+        .request(&p.route, &big, &request_meta(&key, 0))
+        .unwrap()
+        .wait();
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
     );
     let a = p.dec.alloc(2).unwrap();
-    p.dec.request(&p.route, &a, &key).unwrap().wait().unwrap();
+    p.dec
+        .request(&p.route, &a, &request_meta(&key, 0))
+        .unwrap()
+        .wait()
+        .unwrap();
     check_request(&p.dcache, &[0, 1], a.pages(), a.tail_slot(), seed).unwrap();
     // a second request for the same key (a replay) gets nothing
     let b = p.dec.alloc(2).unwrap();
-    let r = p.dec.request(&p.route, &b, &key).unwrap().wait();
+    let r = p
+        .dec
+        .request(&p.route, &b, &request_meta(&key, 0))
+        .unwrap()
+        .wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.teardown();
+}
+
+/// A decoder holding the prompt's first pages (its prefix cache) asks for
+/// the rest: it gets the offered pages from `first` on, and nothing past
+/// the offer; metadata that is not an offer request is refused.
+#[test]
+fn a_request_may_skip_the_prompt_pages_it_holds_but_not_run_past_the_offer() {
+    let seed = seeds_or([6])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "a_request_may_skip_the_prompt_pages_it_holds_but_not_run_past_the_offer",
+    );
+    let p = pair(seed, Duration::from_millis(300));
+    // the prompt's pages 0..4 live in prefill pages [10, 11, 12, 13]; the
+    // decoder holds the first two and asks for pages 2..4 of the prompt
+    for l in 0..lay().layers {
+        compute_layer(&p.pcache, &[0, 1], &[10, 11, 12, 13], seed, l);
+    }
+    compute_tail(&p.pcache, 0, seed);
+    p.offers
+        .offer(
+            b"prefix".to_vec(),
+            vec![10, 11, 12, 13],
+            0,
+            ALL,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    let past = p.dec.alloc(3).unwrap();
+    let r = p
+        .dec
+        .request(&p.route, &past, &request_meta(b"prefix", 2))
+        .unwrap()
+        .wait();
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.dec.free(past);
+    let lease = p.dec.alloc_pages(&[20, 21]).unwrap();
+    p.dec
+        .request(&p.route, &lease, &request_meta(b"prefix", 2))
+        .unwrap()
+        .wait()
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    // decoder page 20 holds prompt page 2, 21 prompt page 3
+    let l = lay();
+    for layer in 0..l.layers {
+        for h in 0..2u32 {
+            for (j, dp) in [(2u32, 20u32), (3, 21)] {
+                let off = l.offset(layer, h, dp).unwrap() as usize;
+                let got = p.dcache.kv.read(off, l.page_len as usize).unwrap();
+                let want: Vec<u8> = (0..l.page_len)
+                    .map(|i| kv_byte(seed, layer, h, j, i))
+                    .collect();
+                assert_eq!(
+                    got, want,
+                    "seed {seed}: layer {layer} head {h} prompt page {j}"
+                );
+            }
+        }
+    }
+    let short = p.dec.alloc(1).unwrap();
+    let r = p.dec.request(&p.route, &short, b"abc").unwrap().wait();
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
