@@ -18,7 +18,7 @@ transfer path::
     # decode process
     dec = kv.KvDecoder(weft.TransferEngine("libfabric:tcp"), layout, kv_caches)
     p = dec.add_prefiller(prefill_address_bytes)
-    rid = dec.request(block_ids, p, meta=b"req-42")
+    rid = dec.request(block_ids, p, key=b"req-42")
     done, failed = dec.poll()                              # each step
     # prefill process
     pre = kv.KvPrefiller(weft.TransferEngine("libfabric:tcp"), layout, kv_caches)

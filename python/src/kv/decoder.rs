@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use weft_kvcache::{
-    Decoder, KvError, Outcome, PageLease, PrefillerId, RequestHandle, Route, TpShape,
+    request_meta, Decoder, KvError, Outcome, PageLease, PrefillerId, RequestHandle, Route, TpShape,
 };
 
 use super::{config, failure, kv_err, regions, PyKvLayout};
@@ -177,7 +177,8 @@ impl PyKvDecoder {
         )
     }
 
-    /// `request` across a TP mismatch (or MLA: `kv_heads=1`): the model's
+    /// `request` across a TP mismatch (or MLA: `kv_heads=1`), each prefill
+    /// rank having offered its heads of the prompt under `key`: the model's
     /// `kv_heads` split over `prefill_tp` prefill ranks, whose ids are
     /// `prefillers` (rank order), and `decode_tp` decode ranks, this one
     /// `decode_rank`. Every decode rank must use the same `seed` (it
