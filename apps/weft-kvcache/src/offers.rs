@@ -14,7 +14,9 @@
 //! (keys are capabilities: make them unguessable). Each offer serves one
 //! request; a request for a key not offered (yet) waits up to the hold time
 //! for the offer, then is refused; an offer nobody asked for within its
-//! time to live expires ([`KvError::Expired`]), and its pages are the
+//! time to live expires ([`KvError::Expired`]), and one whose request ended
+//! before it was served (cancelled by its decoder, or the decoder died)
+//! ends with it ([`KvError::Cancelled`]); either way its pages are the
 //! application's again.
 
 use crate::{Incoming, KvError, Prefiller, Serve, ServeOutcome};
@@ -294,9 +296,23 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
     };
     let n = inc.pages as usize;
     let accepted = match first.checked_add(n) {
-        Some(end) if n > 0 && end <= pages.len() => pre
-            .accept(&inc, &pages[first..end], tail_slot)
-            .map_err(|e| e.to_string()),
+        Some(end) if n > 0 && end <= pages.len() => {
+            match pre.accept(&inc, &pages[first..end], tail_slot) {
+                Err(KvError::NotIncoming { request, .. }) => {
+                    // The request that claimed the offer ended before it
+                    // was served (its decoder cancelled it, or died): the
+                    // offer ends with it, and its pages are free at once.
+                    let mut b = book.lock();
+                    b.offers.remove(&key);
+                    b.done.push(OfferDone {
+                        key,
+                        outcome: Err(KvError::Cancelled { request }),
+                    });
+                    return;
+                }
+                r => r.map_err(|e| e.to_string()),
+            }
+        }
         _ => Err(format!(
             "pages {first}..{first}+{n} asked for, {} offered",
             pages.len()

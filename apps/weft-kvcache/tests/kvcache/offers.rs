@@ -332,3 +332,48 @@ fn a_request_may_skip_the_prompt_pages_it_holds_but_not_run_past_the_offer() {
     );
     p.teardown();
 }
+
+/// A request cancelled while it waits for its offer takes the offer with
+/// it when the offer comes: the offer ends at once (`Cancelled`), nothing
+/// is written, and the decoder's pages keep what they held.
+#[test]
+fn an_offer_whose_request_was_cancelled_first_ends_without_a_write() {
+    let seed = seeds_or([7])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "an_offer_whose_request_was_cancelled_first_ends_without_a_write",
+    );
+    let p = pair(seed, Duration::from_secs(10));
+    let lease = p.dec.alloc_pages(&[3, 4]).unwrap();
+    p.dcache.fill_pages(&[3, 4], 0xee);
+    let h = p
+        .dec
+        .request(&p.route, &lease, &request_meta(b"late", 0))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    p.dec.cancel(&h);
+    let r = h.wait();
+    assert!(
+        matches!(r, Err(KvError::Cancelled { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.compute(&[0, 1], seed);
+    p.offers
+        .offer(
+            b"late".to_vec(),
+            vec![0, 1],
+            0,
+            ALL,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    let done = p.done_keys(1);
+    assert_eq!(
+        done,
+        vec![(b"late".to_vec(), Err("Cancelled".into()))],
+        "seed {seed}"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    p.dcache.check_filled(&[3, 4], 0xee).unwrap();
+    p.teardown();
+}

@@ -1,0 +1,402 @@
+"""vLLM KV connector over weft: disaggregated prefill/decode with
+``weft.kv``, loaded by vLLM without changes to vLLM::
+
+    vllm serve ... --kv-transfer-config '{"kv_connector": "WeftConnector",
+        "kv_connector_module_path": "weft.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"provider": "libfabric:efa"}}'
+
+(``kv_role`` ``kv_consumer`` on the decode instances.) A router sends each
+request to a prefill instance with ``kv_transfer_params={"do_remote_decode":
+True}`` and ``max_tokens=1``, then to a decode instance with the
+``kv_transfer_params`` the prefill instance returned — the same flow as
+vLLM's NIXL connector, so the same proxies work.
+
+How the bytes move (push, decoder-initiated): when the prefill request
+finishes, the prefill worker *offers* its blocks under the request id and
+keeps them (``request_finished`` delays their free). The decode worker
+allocates its blocks, asks the prefill worker (one of weft's SENDs) for the
+offer, and the prefill worker WRITEs every layer's blocks straight into the
+decode blocks, with immediates; the decode worker knows the load is
+complete when the immediates say every byte is in place — no extra round
+trip, and the decode side never needs READ access to prefill memory, which
+not every fabric offers. The prefill blocks are freed once their writes
+completed (or the offer expired unused after ``offer_ttl`` seconds).
+
+``kv_connector_extra_config`` keys: ``provider`` (a weft provider spec,
+default ``"libfabric:tcp"``), ``nics`` (default 1), ``offer_ttl`` (seconds,
+default 120), ``hold`` (seconds a decoder's request waits for its offer,
+default 30), ``heartbeat_timeout`` (seconds, default 10).
+
+Supported: one KV cache group (full attention, or MLA's one latent);
+per-layer KV tensors whose block dimension is known (``[2, num_blocks, ...]``
+K/V first, or ``[num_blocks, ...]``) and contiguous; host or CUDA memory
+(CUDA needs a provider that registers GPU memory); prefill and decode with
+the same tensor-parallel size (decode TP rank ``r`` loads from prefill TP
+rank ``r``); decode-side prefix-cache hits (only the missing blocks move);
+aborts during a load (the load is cancelled, and vLLM frees the blocks only
+once no write can land); failed loads reported through
+``get_block_ids_with_load_errors``. Not supported: hybrid (HMA) groups,
+layer-wise pipelining of the transfer with the prefill forward, and
+different TP sizes between prefill and decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import weft
+import weft.kv as wkv
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("weft.vllm")
+
+__all__ = ["WeftConnector", "WeftConnectorMetadata", "WeftHandshake", "kv_layout"]
+
+
+@dataclasses.dataclass
+class WeftHandshake(KVConnectorHandshakeMetadata):
+    """A worker's weft address (its prefiller's, on a producer)."""
+
+    address: bytes
+
+
+@dataclasses.dataclass
+class RecvReq:
+    """A load for the decode worker: its blocks and where the KV is."""
+
+    local_block_ids: list[int]
+    first: int
+    params: dict[str, Any]
+
+
+class WeftConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step."""
+
+    def __init__(self) -> None:
+        self.reqs_to_recv: dict[str, RecvReq] = {}
+        self.reqs_to_offer: dict[str, list[int]] = {}
+        self.reqs_to_cancel: set[str] = set()
+
+
+def kv_layout(kv_caches: dict[str, Any], num_blocks: int) -> tuple[wkv.KvLayout, list[Any]]:
+    """The ``weft.kv`` layout of vLLM's per-layer KV tensors (in the dict's
+    order) and the tensors: the dimension of size ``num_blocks`` is the
+    page index, the dimensions before it are "heads" (K and V), those after
+    it one page."""
+    layers = list(kv_caches.values())
+    if not layers:
+        raise weft.KvError("no KV cache tensors")
+    t = layers[0]
+    shape = tuple(t.shape)
+    try:
+        dim = shape.index(num_blocks)
+    except ValueError:
+        raise weft.KvError(f"KV tensors {shape} have no dimension of {num_blocks} blocks") from None
+    heads = 1
+    for d in shape[:dim]:
+        heads *= d
+    for name, x in kv_caches.items():
+        if tuple(x.shape) != shape or x.dtype != t.dtype:
+            raise weft.KvError(f"layer {name}: {tuple(x.shape)} {x.dtype}, layer 0: {shape} {t.dtype}")
+        if not x.is_contiguous():
+            raise weft.KvError(f"layer {name}: KV tensor is not contiguous (strides {x.stride()})")
+    return wkv.layout_for(layers, kv_heads=heads, num_pages=num_blocks), layers
+
+
+class WeftConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector moving KV blocks with weft (see the module)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "Optional[KVCacheConfig]" = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kt = vllm_config.kv_transfer_config
+        extra = dict(kt.kv_connector_extra_config or {})
+        self.engine_id: str = kt.engine_id or "weft"
+        self.provider: str = str(extra.get("provider", "libfabric:tcp"))
+        self.nics: int = int(extra.get("nics", 1))
+        self.offer_ttl: float = float(extra.get("offer_ttl", 120.0))
+        self.hold: float = float(extra.get("hold", 30.0))
+        self.heartbeat_timeout: float = float(extra.get("heartbeat_timeout", 10.0))
+        self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.is_producer: bool = kt.is_kv_producer
+        self.is_consumer: bool = kt.is_kv_consumer
+        self.num_blocks: Optional[int] = getattr(kv_cache_config, "num_blocks", None)
+        # scheduler side
+        self._addresses: dict[int, bytes] = {}
+        self._recv: dict[str, RecvReq] = {}
+        self._offer: dict[str, list[int]] = {}
+        self._cancel: set[str] = set()
+        self._loading: set[str] = set()
+        # worker side
+        self._engines: list[weft.TransferEngine] = []
+        self.decoder: Optional[wkv.KvDecoder] = None
+        self.prefiller: Optional[wkv.KvPrefiller] = None
+        self._prefillers: dict[bytes, int] = {}
+        self._by_rid: dict[int, tuple[str, list[int]]] = {}
+        self._rid_of: dict[str, int] = {}
+        self._recv_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._offered: set[str] = set()
+        self._send_done: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self._stats = {"loads": 0, "loads_failed": 0, "offers": 0, "offers_failed": 0}
+
+    # ---------------------------------------------------------------- worker
+
+    def _tp_rank(self) -> int:
+        if self.tp_size == 1:
+            return 0
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the worker's KV tensors: a prefiller on producers, a
+        decoder on consumers (each with an engine of its own)."""
+        if self.num_blocks is None:
+            raise weft.KvError("WeftConnector needs kv_cache_config.num_blocks")
+        layout, layers = kv_layout(kv_caches, self.num_blocks)
+        hb = dict(heartbeat_interval=min(1.0, self.heartbeat_timeout / 10), heartbeat_timeout=self.heartbeat_timeout)
+        if self.is_producer:
+            eng = weft.TransferEngine(self.provider, nics=self.nics)
+            self._engines.append(eng)
+            self.prefiller = wkv.KvPrefiller(eng, layout, layers, hold=self.hold, **hb)
+        if self.is_consumer:
+            eng = weft.TransferEngine(self.provider, nics=self.nics)
+            self._engines.append(eng)
+            self.decoder = wkv.KvDecoder(eng, layout, layers, **hb)
+        log.info("weft connector: %s over %s (%s)", layout, self.provider, "producer" if self.is_producer else "consumer")
+
+    def get_handshake_metadata(self) -> Optional[WeftHandshake]:
+        """The prefiller's address, for the scheduler to hand to decoders."""
+        if self.prefiller is None:
+            return None
+        return WeftHandshake(address=self.prefiller.address.to_bytes())
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Starts this step's loads, offers and cancels (never blocks)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, WeftConnectorMetadata)
+        if self.prefiller is not None:
+            for req_id, blocks in meta.reqs_to_offer.items():
+                try:
+                    self.prefiller.offer(req_id.encode(), blocks, ttl=self.offer_ttl)
+                    self._offered.add(req_id)
+                    self._stats["offers"] += 1
+                except weft.KvError as e:
+                    log.warning("weft connector: cannot offer %s: %s", req_id, e)
+                    self._send_done.add(req_id)
+        if self.decoder is not None:
+            for req_id, r in meta.reqs_to_recv.items():
+                self._start_load(req_id, r)
+            for req_id in meta.reqs_to_cancel:
+                rid = self._rid_of.get(req_id)
+                if rid is not None:
+                    self.decoder.cancel(rid)
+
+    def _start_load(self, req_id: str, r: RecvReq) -> None:
+        assert self.decoder is not None
+        p = r.params
+        try:
+            if int(p.get("tp_size", 1)) != self.tp_size:
+                raise weft.KvError(f"prefill TP {p.get('tp_size')} != decode TP {self.tp_size}: not supported")
+            addrs = p["remote_addresses"]
+            addr = bytes.fromhex(addrs[self._tp_rank()])
+            pid = self._prefillers.get(addr)
+            if pid is None:
+                pid = self._prefillers[addr] = self.decoder.add_prefiller(addr)
+            key = str(p["remote_request_id"]).encode()
+            rid = self.decoder.request(r.local_block_ids, pid, key, first=r.first)
+        except (weft.WeftError, KeyError, ValueError, IndexError, TypeError) as e:
+            log.warning("weft connector: load of %s not started: %s", req_id, e)
+            self._load_errors.update(r.local_block_ids)
+            self._recv_done.add(req_id)
+            self._stats["loads_failed"] += 1
+            return
+        self._by_rid[rid] = (req_id, r.local_block_ids)
+        self._rid_of[req_id] = rid
+        self._stats["loads"] += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: a request is scheduled only once its load completed."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing: the prefill side offers whole prompts when they finish."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: offered blocks stay held until sent."""
+
+    def _poll(self) -> None:
+        if self.decoder is not None:
+            done, failed = self.decoder.poll()
+            for rid in done:
+                req_id, _ = self._by_rid.pop(rid)
+                self._rid_of.pop(req_id, None)
+                self._recv_done.add(req_id)
+            for rid, kind, msg in failed:
+                req_id, blocks = self._by_rid.pop(rid)
+                self._rid_of.pop(req_id, None)
+                self._recv_done.add(req_id)
+                if kind == "cancelled":  # vLLM aborted it: not a load error
+                    continue
+                log.warning("weft connector: load of %s failed (%s): %s", req_id, kind, msg)
+                self._load_errors.update(blocks)
+                self._stats["loads_failed"] += 1
+        if self.prefiller is not None:
+            done, failed = self.prefiller.poll()
+            for key in done:
+                self._send_done.add(key.decode())
+            for key, kind, msg in failed:
+                if kind not in ("expired", "cancelled"):
+                    log.warning("weft connector: sending %s failed (%s): %s", key.decode(), kind, msg)
+                self._stats["offers_failed"] += 1
+                self._send_done.add(key.decode())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Loads that ended (done or failed; failed blocks are in
+        ``get_block_ids_with_load_errors``) and offers that ended (their
+        blocks may be freed), each once."""
+        # Only ids this worker sends for are remembered (no unbounded set).
+        self._finished_seen.update(r for r in finished_req_ids if r in self._offered or r in self._send_done)
+        self._poll()
+        recving, self._recv_done = self._recv_done, set()
+        # A send is reported only for requests vLLM told us finished.
+        sending = {r for r in self._send_done if r in self._finished_seen}
+        self._send_done -= sending
+        self._finished_seen -= sending
+        self._offered -= sending
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call."""
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def get_kv_connector_stats(self) -> None:
+        """weft's counters are in Prometheus' format: ``weft.metrics_text()``."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Loads and offers started and failed by this worker, with the
+        decoder's and prefiller's own counters (``requests``: taken,
+        completed, failed by kind) and what is in flight."""
+        s: dict[str, Any] = dict(self._stats)
+        if self.decoder is not None:
+            s["decoder"] = {**self.decoder.stats(), "pending": self.decoder.pending}
+        if self.prefiller is not None:
+            s["prefiller"] = {**self.prefiller.stats(), "pending": self.prefiller.pending}
+        return s
+
+    def shutdown(self) -> None:
+        """Ends every transfer and releases the KV registrations."""
+        if self.decoder is not None:
+            self.decoder.shutdown()
+        if self.prefiller is not None:
+            self.prefiller.shutdown(drain=2.0)
+        for e in self._engines:
+            e.shutdown()
+        self._engines.clear()
+
+    # ------------------------------------------------------------- scheduler
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Workers' addresses by TP rank (what decoders are sent to)."""
+        for rank, m in metadata.items():
+            if isinstance(m, WeftHandshake):
+                self._addresses[int(rank)] = m.address
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """A decode request with remote KV: every prompt token not computed
+        locally, loaded asynchronously."""
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_addresses") and p.get("remote_request_id"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Records the blocks a remote load fills (once per request)."""
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return
+        if num_external_tokens > 0:
+            group = blocks.blocks[0]
+            first = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+            local = blocks.get_unhashed_block_ids_all_groups()[0]
+            self._recv[request.request_id] = RecvReq(list(local), first, dict(p))
+            self._loading.add(request.request_id)
+        p["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's loads, offers and cancels."""
+        meta = WeftConnectorMetadata()
+        meta.reqs_to_recv, self._recv = self._recv, {}
+        meta.reqs_to_offer, self._offer = self._offer, {}
+        meta.reqs_to_cancel, self._cancel = self._cancel, set()
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads that ended are no longer cancellable."""
+        for r in connector_output.finished_recving or ():
+            self._loading.discard(r)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Prefill: offer the finished prompt's blocks (freed once sent or
+        expired) and return the decode side's ``kv_transfer_params``.
+        Decode: an abort during a load cancels it."""
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        if not p:
+            return False, None
+        rid = request.request_id
+        if rid in self._loading:
+            # vLLM frees the blocks when the worker reports the load ended,
+            # which it does once the cancel is confirmed.
+            self._loading.discard(rid)
+            self._recv.pop(rid, None)
+            self._cancel.add(rid)
+            return False, None
+        if not p.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        if not block_ids:
+            return False, None
+        if len(self._addresses) < self.tp_size:
+            log.warning("weft connector: no worker addresses (handshake missing): %s not offered", rid)
+            return False, None
+        self._offer[rid] = list(block_ids)
+        return True, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_request_id=rid,
+            remote_block_ids=list(block_ids),
+            remote_addresses=[self._addresses[r].hex() for r in range(self.tp_size)],
+            tp_size=self.tp_size,
+            remote_num_tokens=request.num_computed_tokens,
+            remote_expiry=time.time() + self.offer_ttl,
+        )
