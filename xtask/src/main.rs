@@ -21,6 +21,7 @@ mod libfabric2;
 mod proc;
 mod python;
 mod rl;
+mod vllm;
 
 use clap::{Parser, Subcommand};
 use proc::Result;
@@ -49,6 +50,9 @@ enum Task {
     /// The Python package alone (part of `test`): build the wheel, install it
     /// into the current interpreter's environment, run pytest.
     Python,
+    /// The vLLM connector's tests alone (part of `test`; needs the wheel the
+    /// Python step built): vLLM installed into target/venv-vllm, pytest.
+    Vllm,
     /// Demos and benchmarks over the built-in loopback backend (release build);
     /// results in bench-out/. `WEFT_BENCH_ARGS` replaces the default `--quick`.
     Bench,
@@ -160,6 +164,8 @@ fn test(root: &Path) -> Result {
     libfabric2::run(root, &env)?;
     // The Python package: wheel built, installed, pytest (python.rs).
     python::test(root)?;
+    // The vLLM connector against the real vLLM package (its own venv).
+    vllm::test(root)?;
     rl::run(root, &env)?;
     // Model-checked lock-free parts (the ImmCounter and the shutdown gate,
     // with loom: every `loom_model` module of the engine), in their
@@ -224,6 +230,7 @@ fn main() -> ExitCode {
         Task::Test => test(&root),
         Task::Bench => bench(&root),
         Task::Python => python::test(&root),
+        Task::Vllm => vllm::test(&root),
         Task::Libfabric2 => libfabric2::run(&root, &[]),
         Task::GpuBuild { dir } => gpu::build(&root, &dir),
         Task::GpuRun { prebuilt, bench } => gpu::run(&root, &gpu::RunArgs { prebuilt, bench }),

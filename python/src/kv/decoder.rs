@@ -308,6 +308,7 @@ impl PyKvDecoder {
         slf
     }
 
+    #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.shutdown(py);
         false

@@ -32,6 +32,7 @@ pub struct PyKvLayout {
 impl PyKvLayout {
     #[new]
     #[pyo3(signature = (layers, kv_heads, page_len, num_pages, tail_len = 0, tail_slots = 0, order = "heads_before_pages"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         layers: u32,

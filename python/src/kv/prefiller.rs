@@ -32,7 +32,7 @@ pub struct PyKvPrefiller {
 }
 
 fn secs(py: Python<'_>, v: f64, what: &str) -> PyResult<Duration> {
-    if v.is_finite() && v >= 0.0 && v <= 1e9 {
+    if v.is_finite() && (0.0..=1e9).contains(&v) {
         Ok(Duration::from_secs_f64(v))
     } else {
         Err(crate::errors::invalid(
@@ -197,6 +197,7 @@ impl PyKvPrefiller {
         slf
     }
 
+    #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
         self.shutdown(py, 5.0)?;
         Ok(false)
