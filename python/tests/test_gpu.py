@@ -209,3 +209,90 @@ def cross_processes(cuda, spec, required):
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+KV_PREFILL = """
+import sys, time, torch, weft, weft.kv as kv
+spec = sys.argv[1]
+kw = dict(domain="same-machine", hmem=True) if spec.startswith("libfabric") else {}
+L, NB = 8, 64
+layers = [torch.zeros(2, NB, 16, 8, 128, dtype=torch.float16, device="cuda") for _ in range(L)]
+g = torch.Generator(device="cuda").manual_seed(11)
+blocks = list(range(10, 50))
+for t in layers:
+    t[:, blocks] = torch.randn(2, len(blocks), 16, 8, 128, generator=g, device="cuda", dtype=torch.float16)
+torch.cuda.synchronize()
+with weft.TransferEngine(spec, device="cuda:0", **kw) as eng:
+    pre = kv.KvPrefiller(eng, kv.layout_for(layers, kv_heads=2, num_pages=NB), layers)
+    print(pre.address.to_bytes().hex(), flush=True)
+    pre.offer(b"gpu-prompt", blocks)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        done, failed = pre.poll()
+        if done or failed:
+            print("served", done, failed, flush=True)
+            break
+        time.sleep(0.001)
+    sys.stdin.readline()
+    pre.shutdown()
+"""
+
+
+@pytest.mark.parametrize("spec", ["nvlink", "libfabric:shm"])
+def test_kv_prompt_moves_between_processes_in_cuda_tensors(cuda, spec):
+    """weft.kv with vLLM-shaped per-layer CUDA tensors (fp16 ``[2, blocks,
+    16, 8, 128]``, 8 layers): a prefill process offers 40 blocks, this
+    process requests them into other block ids; every byte checked on the
+    GPU. libfabric shm needs a CUDA-enabled libfabric (skips without one
+    unless ``WEFT_REQUIRE_CUDA_LIBFABRIC=1``)."""
+    import subprocess
+    import sys
+    import time
+
+    import weft.kv as kv
+
+    kw = dict(domain="same-machine", hmem=True) if spec.startswith("libfabric") else {}
+    L, NB = 8, 64
+    layers = [torch.zeros(2, NB, 16, 8, 128, dtype=torch.float16, device=cuda) for _ in range(L)]
+    with weft.TransferEngine(spec, device="cuda:0", **kw) as eng:
+        try:
+            eng.reg_mr(layers[0]).unreg()
+        except weft.UnsupportedError as e:
+            if os.environ.get("WEFT_REQUIRE_CUDA_LIBFABRIC") == "1" or spec == "nvlink":
+                pytest.fail(f"cannot register CUDA memory on {spec}: {e}")
+            print(f"SKIP: this libfabric cannot register CUDA memory: {e}")
+            pytest.skip(str(e))
+        child = subprocess.Popen(
+            [sys.executable, "-c", KV_PREFILL, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            addr = bytes.fromhex(child.stdout.readline().strip())
+            with kv.KvDecoder(eng, kv.layout_for(layers, kv_heads=2, num_pages=NB), layers) as dec:
+                p = dec.add_prefiller(addr)
+                dblocks = list(range(63, 23, -1))
+                t0 = time.perf_counter()
+                rid = dec.request(dblocks, p, b"gpu-prompt")
+                end = time.monotonic() + 120
+                while True:
+                    done, failed = dec.poll()
+                    if done or failed:
+                        break
+                    assert time.monotonic() < end, "no outcome in 120 s"
+                    time.sleep(0.0005)
+                took = time.perf_counter() - t0
+                assert (done, failed) == ([rid], []), failed
+                print(f"kv over {spec}: {L * 2 * 40 * 32} KiB in {took * 1e3:.2f} ms (request to poll)")
+            # No synchronisation: the bytes are in place when poll() says so.
+            g = torch.Generator(device=cuda).manual_seed(11)
+            for t in layers:
+                want = torch.randn(2, 40, 16, 8, 128, generator=g, device=cuda, dtype=torch.float16)
+                assert torch.equal(t[:, dblocks], want)
+            assert "served [b'gpu-prompt'] []" in child.stdout.readline()
+            child.stdin.write("bye\n")
+            child.stdin.flush()
+            assert child.wait(timeout=60) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

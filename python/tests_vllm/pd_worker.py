@@ -71,6 +71,9 @@ def serve(conn: Any, root: str, role: str, provider: str, extra: dict) -> None:
                 conn.send(all(bool((t.view(torch.uint8)[:, blocks] == byte).all()) for t in kv.values()))
             elif cmd == "stats":
                 conn.send(w.stats())
+            elif cmd == "kvstats":  # what vLLM's model runner sends its logger
+                s = w.get_kv_connector_stats()
+                conn.send(None if s is None else s.to_dict())
             elif cmd == "stop":
                 w.shutdown()
                 conn.send(None)

@@ -65,7 +65,8 @@ class Instance:
         # A decode instance's forward computes only the tokens after the
         # prompt: no fake KV is written into loaded blocks.
         self.computes = role == "kv_producer"
-        self.sched = F.scheduler(F.vllm_config(root, role, provider, **extra))
+        self.vc = F.vllm_config(root, role, provider, **extra)
+        self.sched = F.scheduler(self.vc)
         self.worker = Worker(root, role, provider, **extra)
         self.finished: dict[str, dict] = {}
         self.recv_meta: dict[str, Any] = {}
@@ -161,6 +162,17 @@ def test_prompts_move_byte_exact_and_both_schedulers_end_empty(pd):
     assert d.empty() and p.empty()
     s = d.worker.call("stats")
     assert s["loads"] == len(lens) and s["loads_failed"] == 0, s
+    # vLLM's KV transfer log, fed as its model runner feeds it
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    logging_ = KVConnectorLogging(d.vc.kv_transfer_config)
+    logging_.observe(d.worker.call("kvstats"))
+    lines: list[str] = []
+    logging_.log(lambda fmt, *a: lines.append(fmt % a))
+    blocks = sum(F.prompt_blocks(n) for n in lens.values())
+    assert f"loads={len(lens)}, loads_failed=0" in lines[0], lines
+    assert f"load_bytes={blocks * F.LAYERS * 2 * F.BLOCK * F.KV_HEADS * F.HEAD_DIM * 2}" in lines[0], lines
+    assert d.worker.call("kvstats") is None  # reported once
 
 
 @pytest.mark.parametrize("pd", [("libfabric:tcp", FAST)], indirect=True, ids=["tcp"])

@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weft.vllm")
 
-__all__ = ["WeftConnector", "WeftConnectorMetadata", "WeftHandshake", "kv_layout"]
+__all__ = ["WeftConnector", "WeftConnectorMetadata", "WeftHandshake", "WeftKVConnectorStats", "kv_layout"]
 
 
 @dataclasses.dataclass
@@ -83,6 +84,44 @@ class RecvReq:
     local_block_ids: list[int]
     first: int
     params: dict[str, Any]
+
+
+_COUNTS = ("loads", "loads_failed", "offers", "offers_failed", "load_bytes")
+
+
+@dataclasses.dataclass
+class WeftKVConnectorStats(KVConnectorStats):
+    """What vLLM's KV transfer logging shows for this connector: loads and
+    offers started and failed, bytes loaded, and each load's time from its
+    start to the worker seeing it complete (seconds)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {**{k: 0 for k in _COUNTS}, "load_seconds": []}
+
+    def aggregate(self, other: KVConnectorStats) -> "WeftKVConnectorStats":
+        if not other.is_empty():
+            for k in _COUNTS:
+                self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+            self.data["load_seconds"] = list(self.data.get("load_seconds", [])) + list(other.data.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in _COUNTS}
+        secs = sorted(self.data.get("load_seconds", []))
+        if secs:
+            out["load_ms_median"] = round(1e3 * secs[len(secs) // 2], 3)
+            out["load_ms_max"] = round(1e3 * secs[-1], 3)
+            total = sum(secs)
+            if total > 0:
+                out["load_gb_per_s"] = round(self.data.get("load_bytes", 0) / total / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in _COUNTS)
 
 
 class WeftConnectorMetadata(KVConnectorMetadata):
@@ -161,6 +200,9 @@ class WeftConnector(KVConnectorBase_V1):
         self._send_done: set[str] = set()
         self._finished_seen: set[str] = set()
         self._stats = {"loads": 0, "loads_failed": 0, "offers": 0, "offers_failed": 0}
+        self._interval = WeftKVConnectorStats()
+        self._started: dict[int, float] = {}
+        self._block_bytes = 0
 
     # ---------------------------------------------------------------- worker
 
@@ -177,6 +219,7 @@ class WeftConnector(KVConnectorBase_V1):
         if self.num_blocks is None:
             raise weft.KvError("WeftConnector needs kv_cache_config.num_blocks")
         layout, layers = kv_layout(kv_caches, self.num_blocks)
+        self._block_bytes = layout.layers * layout.kv_heads * layout.page_len
         hb = dict(heartbeat_interval=min(1.0, self.heartbeat_timeout / 10), heartbeat_timeout=self.heartbeat_timeout)
         if self.is_producer:
             eng = weft.TransferEngine(self.provider, nics=self.nics)
@@ -203,7 +246,7 @@ class WeftConnector(KVConnectorBase_V1):
                 try:
                     self.prefiller.offer(req_id.encode(), blocks, ttl=self.offer_ttl)
                     self._offered.add(req_id)
-                    self._stats["offers"] += 1
+                    self._count("offers")
                 except weft.KvError as e:
                     log.warning("weft connector: cannot offer %s: %s", req_id, e)
                     self._send_done.add(req_id)
@@ -232,11 +275,16 @@ class WeftConnector(KVConnectorBase_V1):
             log.warning("weft connector: load of %s not started: %s", req_id, e)
             self._load_errors.update(r.local_block_ids)
             self._recv_done.add(req_id)
-            self._stats["loads_failed"] += 1
+            self._count("loads_failed")
             return
         self._by_rid[rid] = (req_id, r.local_block_ids)
         self._rid_of[req_id] = rid
-        self._stats["loads"] += 1
+        self._started[rid] = time.perf_counter()
+        self._count("loads")
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self._stats[what] = self._stats.get(what, 0) + n
+        self._interval.data[what] = self._interval.data.get(what, 0) + n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing: a request is scheduled only once its load completed."""
@@ -250,19 +298,23 @@ class WeftConnector(KVConnectorBase_V1):
     def _poll(self) -> None:
         if self.decoder is not None:
             done, failed = self.decoder.poll()
+            now = time.perf_counter()
             for rid in done:
-                req_id, _ = self._by_rid.pop(rid)
+                req_id, blocks = self._by_rid.pop(rid)
                 self._rid_of.pop(req_id, None)
                 self._recv_done.add(req_id)
+                self._interval.data["load_seconds"].append(now - self._started.pop(rid, now))
+                self._count("load_bytes", len(blocks) * self._block_bytes)
             for rid, kind, msg in failed:
                 req_id, blocks = self._by_rid.pop(rid)
                 self._rid_of.pop(req_id, None)
+                self._started.pop(rid, None)
                 self._recv_done.add(req_id)
                 if kind == "cancelled":  # vLLM aborted it: not a load error
                     continue
                 log.warning("weft connector: load of %s failed (%s): %s", req_id, kind, msg)
                 self._load_errors.update(blocks)
-                self._stats["loads_failed"] += 1
+                self._count("loads_failed")
         if self.prefiller is not None:
             done, failed = self.prefiller.poll()
             for key in done:
@@ -270,7 +322,7 @@ class WeftConnector(KVConnectorBase_V1):
             for key, kind, msg in failed:
                 if kind not in ("expired", "cancelled"):
                     log.warning("weft connector: sending %s failed (%s): %s", key.decode(), kind, msg)
-                self._stats["offers_failed"] += 1
+                self._count("offers_failed")
                 self._send_done.add(key.decode())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -293,9 +345,19 @@ class WeftConnector(KVConnectorBase_V1):
         errs, self._load_errors = self._load_errors, set()
         return errs
 
-    def get_kv_connector_stats(self) -> None:
-        """weft's counters are in Prometheus' format: ``weft.metrics_text()``."""
-        return None
+    def get_kv_connector_stats(self) -> Optional[WeftKVConnectorStats]:
+        """This worker's loads and offers since the last call (vLLM's KV
+        transfer logging), or None when there were none. weft's own
+        counters are in Prometheus' format: ``weft.metrics_text()``."""
+        if self._interval.is_empty():
+            return None
+        s, self._interval = self._interval, WeftKVConnectorStats()
+        return s
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> WeftKVConnectorStats:
+        """Stats from their serialized form (vLLM's logger process)."""
+        return WeftKVConnectorStats(data=dict(data) if data else {})
 
     def stats(self) -> dict[str, Any]:
         """Loads and offers started and failed by this worker, with the
