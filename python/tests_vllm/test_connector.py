@@ -251,3 +251,28 @@ def test_a_decode_killed_with_its_load_in_flight_frees_the_prefill_blocks(pd):
     run_until(lambda: p.empty(), p, timeout=30)
     s = p.worker.call("stats")
     assert s["offers_failed"] == 1 and s["prefiller"]["pending"] == 0, s
+
+
+@pytest.mark.parametrize("pd", [("libfabric:tcp", FAST)], indirect=True, ids=["tcp"])
+def test_garbled_kv_transfer_params_fail_the_load_not_the_worker(pd):
+    """kv_transfer_params come from the router, unchecked by vLLM: garbage
+    in them fails that request's load (its blocks reported), nothing
+    else; a good request afterwards still moves."""
+    p, d = pd
+    good = prefill(p, "ok", [4000 + t for t in range(33)])
+    bad = {
+        "hex": {**good, "remote_addresses": ["zz"]},
+        "bytes": {**good, "remote_addresses": ["00ff13"]},
+        "empty": {**good, "remote_addresses": [""]},
+        "type": {**good, "remote_addresses": 5},
+        "tp": {**good, "tp_size": 2},
+    }
+    for k, prm in bad.items():
+        d.sched.add_request(F.request(f"bad-{k}", [5000 + t for t in range(20)], max_tokens=2, params=prm))
+    run_until(lambda: all(f"bad-{k}" in d.recved for k in bad), d)
+    for k in bad:
+        assert set(d.recv_meta[f"bad-{k}"].local_block_ids) <= d.invalid, k
+    d.sched.add_request(F.request("d-ok", [4000 + t for t in range(33)], max_tokens=2, params=dict(good)))
+    run_until(lambda: p.empty() and "d-ok" in d.checks, p, d)
+    assert d.checks["d-ok"] is None, d.checks["d-ok"]
+    assert d.worker.call("stats")["loads_failed"] == len(bad)
