@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig};
 use weft::TransferEngine;
-use weft_kvcache::{request_meta, Decoder, KvError, KvLayout, Offers, Prefiller, Route};
+use weft_kvcache::{
+    request_meta, Completed, Decoder, KvError, KvLayout, Offers, PageLease, Prefiller, Route,
+};
 use weft_testkit::{seeds_or, SeedGuard};
 
 const NICS: usize = 2;
@@ -53,6 +55,11 @@ fn pair(seed: u64, hold: Duration) -> Pair {
 }
 
 impl Pair {
+    /// Requests `lease` with `meta` and waits for the outcome.
+    fn ask(&self, lease: &PageLease, meta: &[u8]) -> Result<Completed, KvError> {
+        self.dec.request(&self.route, lease, meta).unwrap().wait()
+    }
+
     /// Computes prompt `seed` into the prefill pages `src` (tail slot 0).
     fn compute(&self, src: &[u32], seed: u64) {
         for l in 0..lay().layers {
@@ -104,11 +111,7 @@ fn an_offer_made_before_or_after_its_request_is_served_byte_exact() {
             .offer(key.clone(), vec![3, 9, 4], 0, ALL, Duration::from_secs(10))
             .unwrap();
         let lease = p.dec.alloc_pages(&[7, 1, 30]).unwrap();
-        p.dec
-            .request(&p.route, &lease, &request_meta(&key, 0))
-            .unwrap()
-            .wait()
-            .unwrap();
+        p.ask(&lease, &request_meta(&key, 0)).unwrap();
         check_request(&p.dcache, &[0, 1], &[7, 1, 30], lease.tail_slot(), seed).unwrap();
         p.dec.free(lease);
         // asked for first: the request waits for the offer
@@ -175,11 +178,7 @@ fn keys_not_offered_are_refused_and_offers_not_asked_for_expire() {
     );
     let p = pair(seed, Duration::from_millis(200));
     let lease = p.dec.alloc(1).unwrap();
-    let r = p
-        .dec
-        .request(&p.route, &lease, &request_meta(b"never-offered", 0))
-        .unwrap()
-        .wait();
+    let r = p.ask(&lease, &request_meta(b"never-offered", 0));
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
@@ -207,11 +206,7 @@ fn keys_not_offered_are_refused_and_offers_not_asked_for_expire() {
         .unwrap();
     assert!(p.offers.withdraw(b"gone"));
     let lease = p.dec.alloc(1).unwrap();
-    let r = p
-        .dec
-        .request(&p.route, &lease, &request_meta(b"gone", 0))
-        .unwrap()
-        .wait();
+    let r = p.ask(&lease, &request_meta(b"gone", 0));
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
@@ -234,29 +229,17 @@ fn an_offer_serves_one_request_and_only_as_many_pages_as_offered() {
         .offer(key.clone(), vec![4, 5], 0, ALL, Duration::from_secs(10))
         .unwrap();
     let big = p.dec.alloc(3).unwrap();
-    let r = p
-        .dec
-        .request(&p.route, &big, &request_meta(&key, 0))
-        .unwrap()
-        .wait();
+    let r = p.ask(&big, &request_meta(&key, 0));
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
     );
     let a = p.dec.alloc(2).unwrap();
-    p.dec
-        .request(&p.route, &a, &request_meta(&key, 0))
-        .unwrap()
-        .wait()
-        .unwrap();
+    p.ask(&a, &request_meta(&key, 0)).unwrap();
     check_request(&p.dcache, &[0, 1], a.pages(), a.tail_slot(), seed).unwrap();
     // a second request for the same key (a replay) gets nothing
     let b = p.dec.alloc(2).unwrap();
-    let r = p
-        .dec
-        .request(&p.route, &b, &request_meta(&key, 0))
-        .unwrap()
-        .wait();
+    let r = p.ask(&b, &request_meta(&key, 0));
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
@@ -291,21 +274,14 @@ fn a_request_may_skip_the_prompt_pages_it_holds_but_not_run_past_the_offer() {
         )
         .unwrap();
     let past = p.dec.alloc(3).unwrap();
-    let r = p
-        .dec
-        .request(&p.route, &past, &request_meta(b"prefix", 2))
-        .unwrap()
-        .wait();
+    let r = p.ask(&past, &request_meta(b"prefix", 2));
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
     );
     p.dec.free(past);
     let lease = p.dec.alloc_pages(&[20, 21]).unwrap();
-    p.dec
-        .request(&p.route, &lease, &request_meta(b"prefix", 2))
-        .unwrap()
-        .wait()
+    p.ask(&lease, &request_meta(b"prefix", 2))
         .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
     // decoder page 20 holds prompt page 2, 21 prompt page 3
     let l = lay();
@@ -325,7 +301,7 @@ fn a_request_may_skip_the_prompt_pages_it_holds_but_not_run_past_the_offer() {
         }
     }
     let short = p.dec.alloc(1).unwrap();
-    let r = p.dec.request(&p.route, &short, b"abc").unwrap().wait();
+    let r = p.ask(&short, b"abc");
     assert!(
         matches!(r, Err(KvError::Refused { .. })),
         "seed {seed}: {r:?}"
