@@ -28,121 +28,19 @@
 //! WRITEs are copies on the GPU's copy engines; default: the simulated
 //! fabric copying through one CUDA copier).
 
+#[path = "common/ttft.rs"]
+mod ttft;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use ttft::{arg, required, verify, Prefill, Side, TAIL};
 use weft::loopback::{Fabric, FabricConfig};
 use weft::{Device, DomainGroupSpec, TransferEngine};
-use weft_cuda::{pattern_word, DeviceBuffer, Gpu, Kernels, Stream, WatchWord};
-use weft_kvcache::{CacheRegions, Decoder, HeadOrder, KvConfig, KvLayout, Prefiller, Route};
+use weft_cuda::Gpu;
+use weft_kvcache::{Decoder, HeadOrder, KvConfig, KvLayout, Prefiller, Route};
 
 const LAYERS: u32 = 94;
 const PAGE: u64 = 32 * 1024;
-const TAIL: u64 = 8 * 1024;
-
-fn required() -> bool {
-    std::env::var_os("WEFT_CUDA_REQUIRE_GPU").is_some_and(|v| v == "1")
-}
-
-fn arg(name: &str) -> Option<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter()
-        .position(|x| x == name)
-        .and_then(|i| a.get(i + 1).cloned())
-}
-
-struct Side {
-    kv: DeviceBuffer,
-    tail: DeviceBuffer,
-}
-
-impl Side {
-    fn new(gpu: &Gpu, l: &KvLayout) -> Result<Self, String> {
-        let kv = gpu.alloc(l.kv_bytes().map_err(|e| e.to_string())? as usize);
-        let tail = gpu.alloc(l.tail_bytes().map_err(|e| e.to_string())? as usize);
-        Ok(Side {
-            kv: kv.map_err(|e| e.to_string())?,
-            tail: tail.map_err(|e| e.to_string())?,
-        })
-    }
-
-    fn regions(&self) -> CacheRegions {
-        // SAFETY: the buffers outlive the decoder/prefiller that register
-        // them (dropped after them at the end of `run`), and device memory
-        // is only written by the NIC model and kernels.
-        #[allow(unsafe_code)]
-        unsafe {
-            CacheRegions::whole(self.kv.region(), self.tail.region())
-        }
-    }
-}
-
-/// The per-request kernel sequence on `stream`.
-struct Prefill<'a> {
-    k: &'a Kernels,
-    stream: &'a Stream,
-    src: &'a Side,
-    word: &'a WatchWord,
-    flag: &'a weft_cuda::HostFlag,
-    spin_out: &'a DeviceBuffer,
-    layout: KvLayout,
-}
-
-impl Prefill<'_> {
-    fn launch(&self, seed: u64, layer_ns: u64, bump: bool) -> Result<(), String> {
-        let e = |e: weft_cuda::CudaError| e.to_string();
-        let lb = self.layout.layer_bytes().map_err(|e| e.to_string())? as usize;
-        for l in 0..self.layout.layers {
-            let off = l as usize * lb;
-            self.k
-                .fill_pattern(self.stream, &self.src.kv, off, lb / 8, seed + u64::from(l))
-                .map_err(e)?;
-            if layer_ns > 0 {
-                // the rest of the layer's compute: spin until the timeout
-                self.k
-                    .wait_flag_write(self.stream, self.flag, 1, layer_ns, self.spin_out, 0, 1, 32)
-                    .map_err(e)?;
-            }
-            if bump {
-                self.k.scalar_inc(self.stream, self.word, 1).map_err(e)?;
-            }
-        }
-        self.k
-            .fill_pattern(
-                self.stream,
-                &self.src.tail,
-                0,
-                (TAIL / 8) as usize,
-                seed ^ 0x7a11,
-            )
-            .map_err(e)?;
-        if bump {
-            self.k.scalar_inc(self.stream, self.word, 1).map_err(e)?;
-        }
-        Ok(())
-    }
-}
-
-fn verify(dst: &Side, l: &KvLayout, seed: u64) -> Result<(), String> {
-    let kv = dst.kv.to_vec().map_err(|e| e.to_string())?;
-    let lb = l.layer_bytes().map_err(|e| e.to_string())? as usize;
-    for layer in 0..l.layers as usize {
-        let s = seed + layer as u64;
-        for (i, w) in kv[layer * lb..(layer + 1) * lb].chunks_exact(8).enumerate() {
-            let got = u64::from_le_bytes(w.try_into().map_err(|_| "word")?);
-            if got != pattern_word(s, i as u64) {
-                return Err(format!("layer {layer} word {i} differs"));
-            }
-        }
-    }
-    let tail = dst.tail.to_vec().map_err(|e| e.to_string())?;
-    for (i, w) in tail.chunks_exact(8).enumerate() {
-        let got = u64::from_le_bytes(w.try_into().map_err(|_| "word")?);
-        if got != pattern_word(seed ^ 0x7a11, i as u64) {
-            return Err(format!("tail word {i} differs"));
-        }
-    }
-    Ok(())
-}
 
 fn run() -> Result<(), String> {
     if let Err(e) = weft_cuda::probe() {
@@ -170,17 +68,7 @@ fn run() -> Result<(), String> {
     };
     let nvlink = match arg("--provider").as_deref() {
         None | Some("loopback") => None,
-        Some("nvlink") => {
-            let pm: Arc<dyn weft::PeerMemory> =
-                Arc::new(gpu.peer_memory().map_err(|e| e.to_string())?);
-            let config = weft::ProviderConfig::default()
-                .with_nics(2)
-                .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm));
-            Some(
-                weft::provider_with(&weft::ProviderSpec::Nvlink, &config)
-                    .map_err(|e| e.to_string())?,
-            )
-        }
+        Some("nvlink") => Some(ttft::nvlink(&gpu)?),
         Some(other) => return Err(format!("--provider {other}: loopback or nvlink")),
     };
     let mut fc = FabricConfig::ideal(1);
