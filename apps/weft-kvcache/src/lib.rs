@@ -30,7 +30,7 @@
 //! #      prefiller_addr: weft::GroupAddress, prompt_id: u64, kernel: &dyn Fn(*mut u64))
 //! #      -> Result<(), weft_kvcache::KvError> {
 //! // Decode rank: its own KV cache (host or GPU MemRegions), registered once.
-//! let dec = Decoder::new(engine.clone(), layout, cache, KvConfig::default())?;
+//! let dec = Decoder::new(engine.clone(), layout, cache.clone(), KvConfig::default())?;
 //! let p = dec.add_prefiller(prefiller_addr);          // heartbeats start
 //! let lease = dec.alloc(32)?;                         // 32 pages + a tail slot
 //! let h = dec.request(&Route::single(p, layout.kv_heads), &lease, &prompt_id.to_le_bytes())?;
