@@ -47,6 +47,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv::PyKvLayout>()?;
     m.add_class::<kv::PyKvDecoder>()?;
     m.add_class::<kv::PyKvPrefiller>()?;
+    m.add_function(wrap_pyfunction!(kv::tp_readers, m)?)?;
     m.add_class::<metrics::PyMetricsServer>()?;
     m.add_class::<rendezvous::PyStore>()?;
     m.add_class::<rendezvous::PySession>()?;

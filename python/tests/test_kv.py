@@ -250,3 +250,41 @@ def test_two_processes_over_libfabric(spec):
         assert "served [b'across'] []" in proc.stdout.readline()
     finally:
         proc.wait(60)
+
+
+def test_tp_mismatch_two_decode_ranks_read_one_prefill_rank():
+    """Prefill TP 1 holds both KV heads; decode TP 2 ranks hold one each:
+    the prefill rank's offer serves both decode ranks' requests."""
+    assert kv.tp_readers(kv_heads=2, prefill_tp=1, decode_tp=2, prefill_rank=0) == 2
+    assert kv.tp_readers(kv_heads=8, prefill_tp=4, decode_tp=8, prefill_rank=3) == 2
+    assert kv.tp_readers(kv_heads=8, prefill_tp=8, decode_tp=4, prefill_rank=5) == 1
+    with pytest.raises(weft.KvError):
+        kv.tp_readers(kv_heads=3, prefill_tp=2, decode_tp=1, prefill_rank=0)
+    backend = weft.provider("loopback")
+    pl = kv.KvLayout(layers=2, kv_heads=2, page_len=256, num_pages=8)
+    dl = kv.KvLayout(layers=2, kv_heads=1, page_len=256, num_pages=8)
+    pk = np.random.default_rng(9).integers(0, 256, pl.kv_bytes, dtype=np.uint8)
+    dks = [np.zeros(dl.kv_bytes, np.uint8) for _ in range(2)]
+    engines = [weft.TransferEngine(backend) for _ in range(3)]
+    try:
+        pre = kv.KvPrefiller(engines[0], pl, pk)
+        decs = [kv.KvDecoder(engines[1 + r], dl, dks[r]) for r in range(2)]
+        pre.offer(b"tp", [5, 6], requests=kv.tp_readers(2, 1, 2, 0))
+        rids = [
+            d.request_tp([0, 1], [d.add_prefiller(pre.address)], b"tp", kv_heads=2, prefill_tp=1, decode_tp=2, decode_rank=r)
+            for r, d in enumerate(decs)
+        ]
+        for d, rid in zip(decs, rids):
+            assert poll_until(d, 1) == ([rid], [])
+        assert poll_until(pre, 1) == ([b"tp"], [])
+        for r in range(2):
+            for layer in range(2):
+                src = layer * pl.layer_bytes + (r * 8 + 5) * 256  # prefill head r, pages 5..7
+                dst = layer * dl.layer_bytes
+                assert np.array_equal(dks[r][dst : dst + 512], pk[src : src + 512]), (r, layer)
+        for d in decs:
+            d.shutdown()
+        pre.shutdown()
+    finally:
+        for e in engines:
+            e.shutdown()

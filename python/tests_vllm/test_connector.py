@@ -272,7 +272,16 @@ def test_garbled_kv_transfer_params_fail_the_load_not_the_worker(pd):
     run_until(lambda: all(f"bad-{k}" in d.recved for k in bad), d)
     for k in bad:
         assert set(d.recv_meta[f"bad-{k}"].local_block_ids) <= d.invalid, k
+    # a key too long for a request frame fails its load, not the prefiller
+    d.sched.add_request(F.request("bad-key", [6000 + t for t in range(20)], max_tokens=2, params={**good, "remote_request_id": "k" * 70_000}))
+    run_until(lambda: "bad-key" in d.recved, d)
+    # remote-prefill parameters sent to a prefill instance are ignored: the
+    # request is computed there, not parked waiting for a load
+    p.sched.add_request(F.request("to-producer", [8000 + t for t in range(20)], max_tokens=1, params=dict(good)))
+    p.step()
+    assert "to-producer" not in p.sched.requests or p.sched.requests["to-producer"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    run_until(lambda: "to-producer" not in p.sched.requests, p)
     d.sched.add_request(F.request("d-ok", [4000 + t for t in range(33)], max_tokens=2, params=dict(good)))
     run_until(lambda: p.empty() and "d-ok" in d.checks, p, d)
     assert d.checks["d-ok"] is None, d.checks["d-ok"]
-    assert d.worker.call("stats")["loads_failed"] == len(bad)
+    assert d.worker.call("stats")["loads_failed"] == len(bad) + 1

@@ -38,9 +38,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ._errors import KvError
-from ._weft import KvDecoder, KvLayout, KvPrefiller
+from ._weft import KvDecoder, KvLayout, KvPrefiller, tp_readers
 
-__all__ = ["KvDecoder", "KvError", "KvLayout", "KvPrefiller", "layout_for"]
+__all__ = ["KvDecoder", "KvError", "KvLayout", "KvPrefiller", "layout_for", "tp_readers"]
 
 
 def _nbytes(t: Any) -> int:

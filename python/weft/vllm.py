@@ -70,6 +70,10 @@ log = logging.getLogger("weft.vllm")
 __all__ = ["WeftConnector", "WeftConnectorMetadata", "WeftHandshake", "WeftKVConnectorStats", "kv_layout"]
 
 
+#: Longest ``remote_request_id`` taken (vLLM's ids are tens of bytes).
+MAX_KEY = 1024
+
+
 @dataclasses.dataclass
 class WeftHandshake(KVConnectorHandshakeMetadata):
     """A worker's weft address (its prefiller's, on a producer)."""
@@ -270,6 +274,8 @@ class WeftConnector(KVConnectorBase_V1):
             if pid is None:
                 pid = self._prefillers[addr] = self.decoder.add_prefiller(addr)
             key = str(p["remote_request_id"]).encode()
+            if len(key) > MAX_KEY:
+                raise ValueError(f"remote_request_id of {len(key)} bytes (at most {MAX_KEY})")
             rid = self.decoder.request(r.local_block_ids, pid, key, first=r.first)
         except (weft.WeftError, KeyError, ValueError, IndexError, TypeError) as e:
             log.warning("weft connector: load of %s not started: %s", req_id, e)
@@ -390,8 +396,12 @@ class WeftConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """A decode request with remote KV: every prompt token not computed
-        locally, loaded asynchronously."""
+        locally, loaded asynchronously. Only a consumer instance loads: on a
+        producer such parameters are ignored (a load nothing would serve
+        would hold the request's blocks for good)."""
         p = request.kv_transfer_params
+        if not self.is_consumer:
+            return 0, False
         if p and p.get("do_remote_prefill") and p.get("remote_addresses") and p.get("remote_request_id"):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
@@ -401,7 +411,7 @@ class WeftConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         """Records the blocks a remote load fills (once per request)."""
         p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
+        if not p or not p.get("do_remote_prefill") or not self.is_consumer:
             return
         if num_external_tokens > 0:
             group = blocks.blocks[0]
@@ -436,9 +446,10 @@ class WeftConnector(KVConnectorBase_V1):
         rid = request.request_id
         if rid in self._loading:
             # vLLM frees the blocks when the worker reports the load ended,
-            # which it does once the cancel is confirmed.
+            # which it does once the cancel is confirmed. A load not yet
+            # handed to the worker stays in this step's metadata: the
+            # worker starts it and cancels it at once, and reports it.
             self._loading.discard(rid)
-            self._recv.pop(rid, None)
             self._cancel.add(rid)
             return False, None
         if not p.get("do_remote_decode"):

@@ -61,10 +61,42 @@ struct Offer {
     /// Steps computed so far (layers, then the tail).
     ready: u64,
     expires: Instant,
-    /// Whether a request took it.
-    taken: bool,
-    /// The serve, once accepted.
-    serve: Option<Serve>,
+    /// Requests it serves in all (1, or one per decode rank reading it).
+    total: u32,
+    /// Requests it may still take.
+    left: u32,
+    /// Requests taken and not yet accepted or refused.
+    accepting: u32,
+    /// Serves accepted and not yet ended.
+    running: u32,
+    /// The serves accepted (layer reports go to each).
+    serves: Vec<Serve>,
+    /// The first failure among its requests.
+    failure: Option<KvError>,
+}
+
+impl Offer {
+    /// Whether no request of it is being accepted or served.
+    fn idle(&self) -> bool {
+        self.accepting == 0 && self.running == 0
+    }
+
+    /// Whether it ended: every request it serves came and ended.
+    fn ended(&self) -> bool {
+        self.left == 0 && self.idle()
+    }
+}
+
+/// Ends `key`'s offer if it ended: removed, reported once.
+fn settle(b: &mut Book, key: &[u8]) {
+    if b.offers.get(key).is_some_and(Offer::ended) {
+        if let Some(o) = b.offers.remove(key) {
+            b.done.push(OfferDone {
+                key: key.to_vec(),
+                outcome: o.failure.map_or(Ok(()), Err),
+            });
+        }
+    }
 }
 
 struct Book {
@@ -137,9 +169,27 @@ impl Offers {
         ready: u64,
         ttl: Duration,
     ) -> Result<(), KvError> {
+        self.offer_to(key, pages, tail_slot, ready, ttl, 1)
+    }
+
+    /// [`Self::offer`] for `requests` requests (at least 1): one per decode
+    /// rank that reads this prefill rank's heads under a TP mismatch or
+    /// MLA ([`TpShape::plan`](crate::TpShape::plan)). It ends once all of
+    /// them were served (its outcome: the first failure, if any); expiry
+    /// ends it too when some never came.
+    pub fn offer_to(
+        &self,
+        key: Vec<u8>,
+        pages: Vec<u32>,
+        tail_slot: u32,
+        ready: u64,
+        ttl: Duration,
+        requests: u32,
+    ) -> Result<(), KvError> {
         if pages.is_empty() {
             return Err(KvError::NoPages { need: 0, free: 0 });
         }
+        let requests = requests.max(1);
         let mut b = self.book.lock();
         if b.offers.contains_key(&key) {
             return Err(KvError::InvalidRoute {
@@ -154,18 +204,30 @@ impl Offers {
                 tail_slot,
                 ready,
                 expires: now + ttl,
-                taken: false,
-                serve: None,
+                total: requests,
+                left: requests,
+                accepting: 0,
+                running: 0,
+                serves: Vec::new(),
+                failure: None,
             },
         );
-        // A request may have come first.
-        let first = b
-            .waiting
-            .iter()
-            .position(|(inc, _)| parse_meta(&inc.meta).is_some_and(|(_, k)| k == key))
-            .and_then(|i| b.waiting.remove(i));
+        // Requests may have come first.
+        let mut first = Vec::new();
+        while first.len() < requests as usize {
+            let Some(i) = b
+                .waiting
+                .iter()
+                .position(|(inc, _)| parse_meta(&inc.meta).is_some_and(|(_, k)| k == key))
+            else {
+                break;
+            };
+            if let Some((inc, _)) = b.waiting.remove(i) {
+                first.push(inc);
+            }
+        }
         drop(b);
-        if let Some((inc, _)) = first {
+        for inc in first {
             take(&self.pre, &self.book, inc);
         }
         Ok(())
@@ -181,12 +243,12 @@ impl Offers {
             });
         };
         o.ready = o.ready.max(steps);
-        let (serve, ready) = (o.serve.clone(), o.ready);
+        let (serves, ready) = (o.serves.clone(), o.ready);
         drop(b);
-        match serve {
-            Some(s) => s.ready(ready.min(u64::from(s.steps()))),
-            None => Ok(()),
+        for s in serves {
+            s.ready(ready.min(u64::from(s.steps())))?;
         }
+        Ok(())
     }
 
     /// Withdraws an offer no request took yet (its pages are the
@@ -195,7 +257,7 @@ impl Offers {
     pub fn withdraw(&self, key: &[u8]) -> bool {
         let mut b = self.book.lock();
         match b.offers.get(key) {
-            Some(o) if !o.taken => {
+            Some(o) if o.left == o.total && o.idle() => {
                 b.offers.remove(key);
                 true
             }
@@ -252,7 +314,7 @@ fn run(
                         continue;
                     };
                     let mut b = book.lock();
-                    if b.offers.get(key).is_some_and(|o| !o.taken) {
+                    if b.offers.get(key).is_some_and(|o| o.left > 0) {
                         drop(b);
                         take(pre, book, inc);
                     } else if b.waiting.len() >= b.max_waiting {
@@ -272,8 +334,8 @@ fn run(
 }
 
 /// Serves `inc` from the offer named by its key, if that offer is there
-/// and not taken. The book is not locked while the prefiller is called
-/// (its callbacks lock the book).
+/// and takes more requests. The book is not locked while the prefiller is
+/// called (its callbacks lock the book).
 fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
     let Some((first, key)) = parse_meta(&inc.meta) else {
         pre.reject(&inc, "request metadata is not an offer request");
@@ -283,8 +345,9 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
     let (pages, tail_slot) = {
         let mut b = book.lock();
         match b.offers.get_mut(&key) {
-            Some(o) if !o.taken => {
-                o.taken = true;
+            Some(o) if o.left > 0 => {
+                o.left -= 1;
+                o.accepting += 1;
                 (o.pages.clone(), o.tail_slot)
             }
             _ => {
@@ -296,35 +359,38 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
     };
     let n = inc.pages as usize;
     let accepted = match first.checked_add(n) {
-        Some(end) if n > 0 && end <= pages.len() => {
-            match pre.accept(&inc, &pages[first..end], tail_slot) {
-                Err(KvError::NotIncoming { request, .. }) => {
-                    // The request that claimed the offer ended before it
-                    // was served (its decoder cancelled it, or died): the
-                    // offer ends with it, and its pages are free at once.
-                    let mut b = book.lock();
-                    b.offers.remove(&key);
-                    b.done.push(OfferDone {
-                        key,
-                        outcome: Err(KvError::Cancelled { request }),
-                    });
-                    return;
-                }
-                r => r.map_err(|e| e.to_string()),
-            }
-        }
-        _ => Err(format!(
-            "pages {first}..{first}+{n} asked for, {} offered",
-            pages.len()
+        Some(end) if n > 0 && end <= pages.len() => pre
+            .accept(&inc, &pages[first..end], tail_slot)
+            .map_err(|e| (e.to_string(), Some(e))),
+        _ => Err((
+            format!(
+                "pages {first}..{first}+{n} asked for, {} offered",
+                pages.len()
+            ),
+            None,
         )),
     };
     let serve = match accepted {
         Ok(s) => s,
-        Err(why) => {
+        Err((_, Some(KvError::NotIncoming { request, .. }))) => {
+            // The request that claimed the offer ended before it was
+            // served (its decoder cancelled it, or died): it counts as
+            // served, failed; with no other request to come the offer ends
+            // at once and its pages are free.
+            let mut b = book.lock();
+            if let Some(o) = b.offers.get_mut(&key) {
+                o.accepting -= 1;
+                o.failure.get_or_insert(KvError::Cancelled { request });
+            }
+            settle(&mut b, &key);
+            return;
+        }
+        Err((why, _)) => {
             tracing::warn!("offers: cannot serve {}: {why}", show(&key));
             // The offer stays for a request that fits.
             if let Some(o) = book.lock().offers.get_mut(&key) {
-                o.taken = false;
+                o.accepting -= 1;
+                o.left += 1;
             }
             pre.reject(&inc, &why);
             return;
@@ -334,7 +400,9 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
         let mut b = book.lock();
         match b.offers.get_mut(&key) {
             Some(o) => {
-                o.serve = Some(serve.clone());
+                o.accepting -= 1;
+                o.running += 1;
+                o.serves.push(serve.clone());
                 o.ready
             }
             None => 0,
@@ -349,11 +417,13 @@ fn take(pre: &Arc<Prefiller>, book: &Arc<Mutex<Book>>, inc: Incoming) {
     serve.on_complete(move |r| {
         if let Some(book) = weak.upgrade() {
             let mut b = book.lock();
-            b.offers.remove(&key);
-            b.done.push(OfferDone {
-                key,
-                outcome: r.clone(),
-            });
+            if let Some(o) = b.offers.get_mut(&key) {
+                o.running -= 1;
+                if let Err(e) = r {
+                    o.failure.get_or_insert(e.clone());
+                }
+            }
+            settle(&mut b, &key);
         }
     });
 }
@@ -367,19 +437,25 @@ fn expire(pre: &Prefiller, book: &Mutex<Book>, now: Instant) {
                 refuse.push(inc);
             }
         }
+        // Offers still waiting for requests, with none in progress.
         let gone: Vec<Vec<u8>> = b
             .offers
             .iter()
-            .filter(|(_, o)| !o.taken && o.expires <= now)
+            .filter(|(_, o)| o.left > 0 && o.idle() && o.expires <= now)
             .map(|(k, _)| k.clone())
             .collect();
         for key in gone {
-            b.offers.remove(&key);
-            let what = format!("offer {} was not asked for in time", show(&key));
-            b.done.push(OfferDone {
-                key,
-                outcome: Err(KvError::Expired { what }),
-            });
+            if let Some(o) = b.offers.get_mut(&key) {
+                let what = format!(
+                    "offer {}: {} of {} requests did not come in time",
+                    show(&key),
+                    o.left,
+                    o.total
+                );
+                o.left = 0;
+                o.failure.get_or_insert(KvError::Expired { what });
+            }
+            settle(&mut b, &key);
         }
     }
     for inc in refuse {

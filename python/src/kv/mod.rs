@@ -123,6 +123,33 @@ impl PyKvLayout {
     }
 }
 
+/// How many decode ranks read prefill rank `prefill_rank` when the model's
+/// `kv_heads` are split over `prefill_tp` prefill and `decode_tp` decode
+/// ranks (MLA: `kv_heads=1`; `seed` as the decoders pass to `request_tp`):
+/// the `requests` a prefill rank's offer serves.
+#[pyfunction]
+#[pyo3(signature = (kv_heads, prefill_tp, decode_tp, prefill_rank, seed = 0))]
+pub fn tp_readers(
+    py: Python<'_>,
+    kv_heads: u32,
+    prefill_tp: u32,
+    decode_tp: u32,
+    prefill_rank: u32,
+    seed: u64,
+) -> PyResult<u32> {
+    let shape = weft_kvcache::TpShape {
+        kv_heads,
+        prefill_tp,
+        decode_tp,
+    };
+    let plan = shape.plan(seed).map_err(|e| kv_err(py, &e))?;
+    let n = plan
+        .iter()
+        .filter(|rank| rank.iter().any(|s| s.prefill_rank == prefill_rank))
+        .count();
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
 /// `weft.KvError` for a KvCache error; `kind` is the variant in snake_case
 /// (`"prefiller_dead"`, `"refused"`, `"cancelled"`, `"page_taken"`, ...).
 pub(crate) fn kv_err(py: Python<'_>, e: &KvError) -> PyErr {

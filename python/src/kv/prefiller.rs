@@ -98,8 +98,11 @@ impl PyKvPrefiller {
     /// with `ready()` for layer-wise transfer. A request for fewer blocks
     /// takes the first ones. Unless a request took it, it expires after
     /// `ttl` seconds. The blocks must stay untouched until `poll()` reports
-    /// the key.
-    #[pyo3(signature = (key, pages, tail_slot = 0, ready = None, ttl = 120.0))]
+    /// the key. `requests`: how many requests it serves (one per decode rank
+    /// that reads this rank under a TP mismatch or MLA: `tp_readers`); it
+    /// ends once all of them ended.
+    #[pyo3(signature = (key, pages, tail_slot = 0, ready = None, ttl = 120.0, requests = 1))]
+    #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
         py: Python<'_>,
@@ -108,13 +111,18 @@ impl PyKvPrefiller {
         tail_slot: u32,
         ready: Option<u64>,
         ttl: f64,
+        requests: u32,
     ) -> PyResult<()> {
         let ttl = secs(py, ttl, "ttl")?;
         let l = self.layout.inner;
         let all = u64::from(l.layers) + u64::from(l.tail_len > 0);
         let ready = ready.unwrap_or(all).min(all);
-        py.detach(|| self.offers.lock().offer(key, pages, tail_slot, ready, ttl))
-            .map_err(|e| kv_err(py, &e))
+        py.detach(|| {
+            self.offers
+                .lock()
+                .offer_to(key, pages, tail_slot, ready, ttl, requests)
+        })
+        .map_err(|e| kv_err(py, &e))
     }
 
     /// Steps `0..steps` of the offer `key` are computed (layers, then the

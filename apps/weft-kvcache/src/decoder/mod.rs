@@ -116,6 +116,11 @@ impl RequestHandle {
     }
 }
 
+/// Bytes of a request frame besides its pages, heads, metadata, address,
+/// layout and descriptors (version, auth, ids, message tags: well below
+/// this).
+const FRAME_OVERHEAD: usize = 256;
+
 /// A request's completion, its immediate count and the lease of its
 /// immediate value.
 type Pending = (Completion<Outcome>, u64, ImmLease);
@@ -127,6 +132,11 @@ struct Shared {
     /// its immediate value (returned when the request ends).
     handles: Mutex<BTreeMap<u64, Pending>>,
     counts: ImmCounts,
+    /// Receive buffer bytes: a request frame must fit the prefiller's
+    /// (both sides are meant to share a `KvConfig`).
+    recv_len: u64,
+    /// Bytes of a request frame besides its pages, heads and metadata.
+    frame_fixed: usize,
     mrs: Mutex<Vec<Registration>>,
     outcomes: crate::Outcomes,
 }
@@ -150,6 +160,10 @@ impl Decoder {
     ) -> Result<Self, KvError> {
         let regs = Registered::new(&engine, &layout, &regions)?;
         let (kv_desc, tail_desc) = regs.descs();
+        // What every request frame carries besides pages, heads and
+        // metadata: this decoder's address, layout and descriptors.
+        let fixed = postcard::to_stdvec(&(engine.main_address(), layout, &kv_desc, &tail_desc))
+            .map_or(usize::MAX, |b| b.len().saturating_add(FRAME_OVERHEAD));
         let mrs = regs.into_vec();
         let counts = engine
             .imm_counts(0)
@@ -166,6 +180,8 @@ impl Decoder {
             core: Mutex::new(core),
             handles: Mutex::new(BTreeMap::new()),
             counts,
+            recv_len: cfg.recv_len,
+            frame_fixed: fixed,
             mrs: Mutex::new(mrs),
             outcomes: crate::Outcomes::default(),
         });
@@ -286,6 +302,28 @@ impl Decoder {
         meta: &[u8],
     ) -> Result<RequestHandle, KvError> {
         let sh = &self.sh;
+        // A frame too long for the prefiller's receive buffers would fail
+        // its SEND, which counts as the prefiller's death: refuse it here.
+        // Upper bound: varints of at most 5 bytes per page, 10 per head.
+        let heads: usize = route
+            .sources
+            .iter()
+            .map(|s| s.heads.len())
+            .max()
+            .unwrap_or(0);
+        let frame =
+            (meta.len() + 5 * lease.pages().len() + 10 * heads).saturating_add(sh.frame_fixed);
+        if frame as u64 > sh.recv_len {
+            return Err(KvError::InvalidRoute {
+                what: format!(
+                    "a request of {} pages with {} bytes of metadata needs ~{frame} bytes, \
+                     receive buffers hold {}",
+                    lease.pages().len(),
+                    meta.len(),
+                    sh.recv_len
+                ),
+            });
+        }
         let imm_lease = sh
             .engine
             .lease_imm()

@@ -353,3 +353,72 @@ fn an_offer_whose_request_was_cancelled_first_ends_without_a_write() {
     p.dcache.check_filled(&[3, 4], 0xee).unwrap();
     p.teardown();
 }
+
+/// An offer for two requests (two decode ranks reading one prefill rank
+/// under a TP mismatch) serves both and ends once both ended; a third is
+/// refused.
+#[test]
+fn an_offer_for_several_requests_serves_each_and_ends_after_the_last() {
+    let seed = seeds_or([8])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "an_offer_for_several_requests_serves_each_and_ends_after_the_last",
+    );
+    let p = pair(seed, Duration::from_millis(300));
+    p.compute(&[6, 7], seed);
+    p.offers
+        .offer_to(
+            b"shared".to_vec(),
+            vec![6, 7],
+            0,
+            ALL,
+            Duration::from_secs(10),
+            2,
+        )
+        .unwrap();
+    let a = p.dec.alloc(2).unwrap();
+    p.ask(&a, &request_meta(b"shared", 0)).unwrap();
+    assert_eq!(p.offers.pending(), 1, "seed {seed}: ended after one of two");
+    assert!(p.offers.take_done().is_empty());
+    let b = p.dec.alloc(2).unwrap();
+    p.ask(&b, &request_meta(b"shared", 0)).unwrap();
+    for l in [&a, &b] {
+        check_request(&p.dcache, &[0, 1], l.pages(), l.tail_slot(), seed).unwrap();
+    }
+    assert_eq!(
+        p.done_keys(1),
+        vec![(b"shared".to_vec(), Ok(()))],
+        "seed {seed}"
+    );
+    let c = p.dec.alloc(2).unwrap();
+    let r = p.ask(&c, &request_meta(b"shared", 0));
+    assert!(
+        matches!(r, Err(KvError::Refused { .. })),
+        "seed {seed}: {r:?}"
+    );
+    p.teardown();
+}
+
+/// A request whose frame cannot fit the receive buffers is refused at the
+/// decoder, typed, and the prefiller stays alive for the next request
+/// (a SEND that fails would count as the prefiller's death).
+#[test]
+fn a_request_too_long_for_the_receive_buffers_is_refused_locally() {
+    let seed = seeds_or([9])[0];
+    let _g = SeedGuard::new(
+        seed,
+        "a_request_too_long_for_the_receive_buffers_is_refused_locally",
+    );
+    let p = pair(seed, Duration::from_millis(300));
+    let lease = p.dec.alloc(1).unwrap();
+    let huge = request_meta(&vec![b'k'; 70_000], 0);
+    let r = p.dec.request(&p.route, &lease, &huge);
+    assert!(matches!(r, Err(KvError::InvalidRoute { .. })), "{r:?}");
+    p.compute(&[1], seed);
+    p.offers
+        .offer(b"after".to_vec(), vec![1], 0, ALL, Duration::from_secs(10))
+        .unwrap();
+    p.ask(&lease, &request_meta(b"after", 0))
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    p.teardown();
+}
