@@ -2,11 +2,29 @@
 
 use crate::wire::KvRequest;
 use crate::{KvLayout, Refusal};
+use weft::Incarnation;
 
-/// Why a prefiller of cache `me` refuses `req`, if it does: layouts that
-/// do not fit, heads or pages out of range or without a page index, a
-/// decoder head written twice.
-pub(super) fn refusal(me: &KvLayout, req: &KvRequest) -> Option<Refusal> {
+/// Why a prefiller of cache `me` refuses `req` from the (authenticated)
+/// decoder of incarnation `from`, if it does: regions of another engine,
+/// layouts that do not fit, heads or pages out of range or without a page
+/// index, a decoder head written twice.
+pub(super) fn refusal(me: &KvLayout, req: &KvRequest, from: Incarnation) -> Option<Refusal> {
+    // The regions written must be the decoder's own: a decoder handing
+    // over another engine's descriptor would make this prefiller write a
+    // prompt into a third party's memory.
+    if let Some(d) = req
+        .kv
+        .iter()
+        .chain(&req.tail)
+        .find(|d| d.incarnation != from)
+    {
+        return Some(Refusal::BadPages {
+            what: format!(
+                "a region of incarnation {:?}, not the decoder's ({from:?})",
+                d.incarnation
+            ),
+        });
+    }
     let d = &req.layout;
     if d.layers != me.layers || d.page_len != me.page_len {
         return Some(Refusal::LayoutMismatch {

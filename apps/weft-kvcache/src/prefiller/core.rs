@@ -373,7 +373,7 @@ impl PrefillerCore {
                 max: self.max_pending as u64,
             })
         } else {
-            refusal(&self.layout, &req)
+            refusal(&self.layout, &req, from.incarnation)
         };
         if let Some(r) = refusal {
             tracing::warn!(id, "prefiller: refused: {r}");

@@ -7,7 +7,7 @@
 use crate::sans_io::*;
 use proptest::prelude::*;
 use std::time::Instant;
-use weft::GroupAddress;
+use weft::{GroupAddress, MrDesc};
 use weft_kvcache::wire::{self, Failure};
 use weft_kvcache::{
     Auth, DecoderCore, HeadMap, KvError, KvLayout, KvRequest, Msg, PreAction, PrefillerCore,
@@ -604,5 +604,46 @@ fn a_request_whose_regions_do_not_fit_its_layout_is_refused() {
         };
         assert!(ok, "request {id}: {out:?}");
     }
+    assert_eq!(pre.pending(), 0);
+}
+
+/// A decoder that hands over another engine's region (a descriptor of
+/// another incarnation) is refused: the prefiller never writes a prompt
+/// into a third party's memory on a decoder's word.
+#[test]
+fn a_request_naming_another_engines_region_is_refused() {
+    let t0 = Instant::now();
+    let mut pre = PrefillerCore::new(LAYOUT, HB).unwrap();
+    let auth = join(&mut pre, &addr(100), t0);
+    let foreign = MrDesc {
+        incarnation: weft::Incarnation(77),
+        ..desc()
+    };
+    let req = KvRequest {
+        id: 13,
+        layout: LAYOUT,
+        kv: vec![desc(), foreign],
+        tail: Some(desc()),
+        heads: vec![HeadMap { src: 0, dst: 0 }],
+        pages: vec![0],
+        tail_slot: None,
+        imm: 3,
+        meta: Vec::new(),
+    };
+    let out = pre.on_msg(&addr(100), auth, Msg::Request(req), t0);
+    let sent = pre_sends(&out);
+    assert!(
+        matches!(
+            &sent[..],
+            [(
+                _,
+                Msg::Failed {
+                    id: 13,
+                    failure: Failure::Refused(Refusal::BadPages { .. })
+                }
+            )]
+        ),
+        "{out:?}"
+    );
     assert_eq!(pre.pending(), 0);
 }
