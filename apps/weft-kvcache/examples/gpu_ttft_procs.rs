@@ -231,8 +231,8 @@ fn decode(
     );
     println!("mode   layer_ms  compute_ms  ttft_ms  overhead_%  host_us/layer(avg,max)");
     let mut seed = 1u64;
-    // The copy bandwidth of this run: a request whose layers are all ready
-    // at once (no compute), i.e. the transfer alone.
+    // The transfer alone: requests whose layers take no compute (`--ms 0`),
+    // request sent → decoder completion.
     let mut bare = Vec::new();
     for graph in [false, true] {
         for &m in ms {
@@ -249,14 +249,15 @@ fn decode(
                     .request(&route, &lease, &seed.to_le_bytes())
                     .map_err(s)?;
                 h.wait().map_err(s)?;
-                ttft.push(t0.elapsed().as_secs_f64());
+                let took = t0.elapsed().as_secs_f64();
+                ttft.push(took);
                 let served = peer.expect("served")?;
                 host.push(num(&served, 0)?);
                 host_max = host_max.max(num(&served, 1)?);
                 verify(&dst, &layout, seed)?;
                 dec.free(lease);
                 if layer_ns == 0 {
-                    bare.push(t0.elapsed().as_secs_f64());
+                    bare.push(took);
                 }
             }
             let (c, t, h) = (median(&mut comp), median(&mut ttft), median(&mut host));
