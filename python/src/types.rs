@@ -9,7 +9,7 @@ use std::hash::{Hash, Hasher};
 use crate::errors;
 
 /// Decodes a wire value; bad input raises `DescriptorError` naming `what`.
-fn from_wire<T: serde::de::DeserializeOwned>(
+pub(crate) fn from_wire<T: serde::de::DeserializeOwned>(
     py: Python<'_>,
     data: &[u8],
     what: &str,

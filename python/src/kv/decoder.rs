@@ -4,7 +4,6 @@
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -342,6 +341,5 @@ pub(crate) fn outcomes_dict<'py>(
         f.set_item(super::snake(k), v)?;
     }
     d.set_item("failed", f)?;
-    let _ = PyBytes::new(py, b"");
     Ok(d)
 }

@@ -180,14 +180,7 @@ pub(crate) fn address(py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<weft::Gr
     let b: Vec<u8> = a
         .extract()
         .map_err(|_| errors::invalid(py, "an address is a weft.PeerAddress or its bytes"))?;
-    weft::decode::<weft::GroupAddress>(&b).map_err(|e| {
-        errors::new_err(
-            py,
-            "DescriptorError",
-            "wire",
-            format!("bad PeerAddress: {e}"),
-        )
-    })
+    crate::types::from_wire(py, &b, "PeerAddress")
 }
 
 /// The cache's memory: `kv` one tensor/buffer (every layer) or a list of

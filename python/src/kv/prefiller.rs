@@ -114,8 +114,7 @@ impl PyKvPrefiller {
         requests: u32,
     ) -> PyResult<()> {
         let ttl = secs(py, ttl, "ttl")?;
-        let l = self.layout.inner;
-        let all = u64::from(l.layers) + u64::from(l.tail_len > 0);
+        let all = self.layout.steps();
         let ready = ready.unwrap_or(all).min(all);
         py.detach(|| {
             self.offers
