@@ -36,5 +36,7 @@ pub mod sim;
 pub mod summary;
 
 pub use error::RlError;
-pub use meta::{Box2, DType, InferTensor, Layout, ModelLayout, Quant, Rank, Segment, TrainParam};
+pub use meta::{
+    Box2, DType, InferTensor, Layout, ModelLayout, Placement, Quant, Rank, Segment, TrainParam,
+};
 pub use plan::{plan, Dest, Plan, PlanConfig, Run, Unit, Xfer};

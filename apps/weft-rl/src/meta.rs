@@ -58,6 +58,34 @@ pub enum Layout {
         /// Extent each holder has along `dim`.
         sizes: Vec<u64>,
     },
+    /// A torch DTensor's layout: the ranks form an N-D mesh of `shape`
+    /// (row-major: `ranks[i]` sits at the coordinates of index `i`), with
+    /// one placement per mesh dimension. `Shard(d)` splits tensor dimension
+    /// `d` (0: rows, 1: columns) the way `torch.chunk` does; when several
+    /// mesh dimensions shard one tensor dimension the outer one splits
+    /// first and the inner ones split its chunks. FSDP × TP (a 2-D grid of
+    /// boxes), HSDP (shards replicated over an outer mesh dimension) and
+    /// TP with replicated norms are all meshes. Ranks holding the same box
+    /// are replicas: the planner may pick any of them to write it.
+    Mesh {
+        /// Extent of each mesh dimension (product = `ranks.len()`).
+        shape: Vec<u32>,
+        /// The ranks, row-major over `shape`.
+        ranks: Vec<Rank>,
+        /// One per mesh dimension.
+        placements: Vec<Placement>,
+    },
+}
+
+/// How one mesh dimension places a tensor (torch DTensor placements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Placement {
+    /// Every coordinate along this mesh dimension holds the same part.
+    Replicate,
+    /// This mesh dimension splits tensor dimension `0` (rows) or `1`
+    /// (columns) as `torch.chunk`.
+    Shard(u8),
 }
 
 impl Layout {
@@ -84,9 +112,78 @@ impl Layout {
     /// Every rank that holds some of the tensor.
     pub fn ranks(&self) -> &[Rank] {
         match self {
-            Layout::Replicate { ranks } | Layout::Shard { ranks, .. } => ranks,
+            Layout::Replicate { ranks }
+            | Layout::Shard { ranks, .. }
+            | Layout::Mesh { ranks, .. } => ranks,
         }
     }
+
+    /// Checks a mesh's shape, ranks and placements (other layouts: `Ok`).
+    fn check_mesh(&self) -> Result<(), String> {
+        let Layout::Mesh {
+            shape,
+            ranks,
+            placements,
+        } = self
+        else {
+            return Ok(());
+        };
+        let n = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(u64::from(d)));
+        if shape.is_empty() || shape.contains(&0) || n != Some(ranks.len() as u64) {
+            return Err(format!(
+                "mesh shape {shape:?} does not cover its {} ranks",
+                ranks.len()
+            ));
+        }
+        if placements.len() != shape.len() {
+            return Err(format!(
+                "{} placements for a {}-D mesh",
+                placements.len(),
+                shape.len()
+            ));
+        }
+        if let Some(Placement::Shard(d)) = placements
+            .iter()
+            .find(|p| matches!(p, Placement::Shard(d) if *d > 1))
+        {
+            return Err(format!("Shard({d}) of a 2-D tensor"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(r) = ranks.iter().find(|&&r| !seen.insert(r)) {
+            return Err(format!("rank {r} twice in the mesh"));
+        }
+        Ok(())
+    }
+}
+
+/// `torch.chunk` of `range` into `n` parts: part `i` (empty past the end).
+fn chunk(range: &Range<u64>, n: u64, i: u64) -> Range<u64> {
+    let len = range.end - range.start;
+    let size = len.div_ceil(n.max(1));
+    let start = (range.start + i * size).min(range.end);
+    start..(start + size).min(range.end)
+}
+
+/// The box the rank at row-major mesh index `index` holds.
+fn mesh_box(shape: &[u32], placements: &[Placement], index: usize, whole: &Box2) -> Box2 {
+    // Coordinates, outermost first.
+    let mut coords = vec![0u64; shape.len()];
+    let mut rest = index as u64;
+    for (k, &d) in shape.iter().enumerate().rev() {
+        coords[k] = rest % u64::from(d);
+        rest /= u64::from(d);
+    }
+    let mut b = whole.clone();
+    for ((&d, p), &c) in shape.iter().zip(placements).zip(&coords) {
+        match p {
+            Placement::Shard(0) => b.rows = chunk(&b.rows, u64::from(d), c),
+            Placement::Shard(_) => b.cols = chunk(&b.cols, u64::from(d), c),
+            Placement::Replicate => {}
+        }
+    }
+    b
 }
 
 /// A training-side parameter.
@@ -212,6 +309,9 @@ impl ModelLayout {
                     p.name, self.trainers
                 ));
             }
+            if let Err(m) = p.layout.check_mesh() {
+                return bad(format!("{}: {m}", p.name));
+            }
             if let Layout::Shard { dim, ranks, sizes } = &p.layout {
                 let ext = if *dim == 0 { p.rows } else { p.cols };
                 if *dim > 1 || sizes.len() != ranks.len() || sizes.iter().sum::<u64>() != ext {
@@ -285,6 +385,35 @@ impl ModelLayout {
                         }
                     };
                     out.push((vec![*r], b));
+                }
+                out
+            }
+            Layout::Mesh {
+                shape,
+                ranks,
+                placements,
+            } => {
+                let whole = Box2 {
+                    rows: 0..q.rows,
+                    cols: 0..q.cols,
+                };
+                // Replicas grouped by box, boxes in the order of their
+                // first holder.
+                let mut out: Vec<(Vec<Rank>, Box2)> = Vec::new();
+                let mut at: std::collections::BTreeMap<_, usize> = Default::default();
+                for (i, &r) in ranks.iter().enumerate() {
+                    let b = mesh_box(shape, placements, i, &whole);
+                    if b.elems() == 0 {
+                        continue;
+                    }
+                    let key = (b.rows.start, b.rows.end, b.cols.start, b.cols.end);
+                    match at.get(&key) {
+                        Some(&k) => out[k].0.push(r),
+                        None => {
+                            at.insert(key, out.len());
+                            out.push((vec![r], b));
+                        }
+                    }
                 }
                 out
             }

@@ -29,7 +29,7 @@ use weft_cuda::{DeviceBuffer, Gpu, Stream};
 
 use super::kernels::{DevMat, RlKernels};
 use super::GpuError;
-use crate::meta::{Layout, ModelLayout, Quant};
+use crate::meta::{ModelLayout, Quant};
 use crate::plan::Plan;
 
 /// The provider a side's engine opens its NICs on, by role (`"trainer"`,
@@ -296,12 +296,21 @@ impl GpuUpdate {
         for (&p, &off) in &self.full_off {
             let param = &self.ml.params[p];
             let dst = DevMat::dense(&self.full, off as usize, param.rows, param.cols);
-            let dim = match &param.layout {
-                Layout::Shard { dim, .. } => *dim,
-                _ => 0,
+            let pieces = self.ml.pieces(p);
+            // The unshard kernel concatenates along one dimension: pieces
+            // all of full width (rows split) or all of full height.
+            let dim = if pieces.iter().all(|(_, b)| b.width() == param.cols) {
+                0
+            } else if pieces.iter().all(|(_, b)| b.height() == param.rows) {
+                1
+            } else {
+                return Err(GpuError::Invalid(format!(
+                    "{}: a 2-D grid of shards (unshard on the GPU takes one split dimension)",
+                    param.name
+                )));
             };
             let mut shards = Vec::new();
-            for (holders, b) in self.ml.pieces(p) {
+            for (holders, b) in pieces {
                 let &t = holders.first().ok_or_else(|| {
                     GpuError::Invalid(format!("{}: a piece without holder", param.name))
                 })?;

@@ -18,7 +18,7 @@ use weft::{
 
 use super::{eng, imm_count, pages, ImmPlan, StepConfig};
 use crate::fp8::quantize_block;
-use crate::meta::{Layout, ModelLayout, Quant, Rank};
+use crate::meta::{ModelLayout, Quant, Rank};
 use crate::plan::{box_run, Plan, Run, Xfer};
 use crate::RlError;
 
@@ -152,9 +152,11 @@ fn gathers_of(m: &ModelLayout, plan: &Plan, full: &[u64], r: Rank) -> Vec<Xfer> 
     plan.trainers[r as usize]
         .pieces
         .iter()
-        .filter(|(p, _, _)| match &m.params[*p].layout {
-            Layout::Replicate { ranks } => ranks.first() == Some(&r),
-            _ => true,
+        // One sender per box: its first holder (replicas stay silent).
+        .filter(|(p, b, _)| {
+            m.pieces(*p)
+                .iter()
+                .any(|(holders, x)| x == b && holders.first() == Some(&r))
         })
         .map(|(p, b, off)| {
             let q = &m.params[*p];

@@ -325,3 +325,100 @@ fn e4m3_conversion_matches_reference() {
         }
     }
 }
+
+fn mesh_param(
+    rows: u64,
+    cols: u64,
+    shape: Vec<u32>,
+    ranks: Vec<u32>,
+    placements: Vec<weft_rl::Placement>,
+) -> weft_rl::ModelLayout {
+    use weft_rl::meta::*;
+    ModelLayout {
+        trainers: ranks.iter().max().map_or(1, |m| m + 1),
+        params: vec![TrainParam {
+            name: "w".into(),
+            rows,
+            cols,
+            dtype: DType::Bf16,
+            mesh_group: 0,
+            layout: Layout::Mesh {
+                shape,
+                ranks,
+                placements,
+            },
+        }],
+        inference: vec![],
+    }
+}
+
+fn boxes(m: &weft_rl::ModelLayout) -> Vec<(Vec<u32>, (u64, u64), (u64, u64))> {
+    m.pieces(0)
+        .into_iter()
+        .map(|(h, b)| (h, (b.rows.start, b.rows.end), (b.cols.start, b.cols.end)))
+        .collect()
+}
+
+/// DTensor placements on 2-D meshes: FSDP × TP grids, nested shards of
+/// one dimension (outer mesh dimension first, `torch.chunk` sizes), HSDP
+/// replicas grouped as holders of one box.
+#[test]
+fn mesh_layouts_place_boxes_as_dtensor() {
+    use weft_rl::Placement::{Replicate, Shard};
+    // FSDP 2 (rows) × TP 2 (cols) of 5 × 3.
+    let m = mesh_param(5, 3, vec![2, 2], vec![0, 1, 2, 3], vec![Shard(0), Shard(1)]);
+    assert_eq!(
+        boxes(&m),
+        vec![
+            (vec![0], (0, 3), (0, 2)),
+            (vec![1], (0, 3), (2, 3)),
+            (vec![2], (3, 5), (0, 2)),
+            (vec![3], (3, 5), (2, 3)),
+        ]
+    );
+    // Rows 10 split over 2, each half over 3: chunk sizes 5 → 2, 2, 1.
+    let m = mesh_param(
+        10,
+        1,
+        vec![2, 3],
+        (0..6).collect(),
+        vec![Shard(0), Shard(0)],
+    );
+    let rows: Vec<(u64, u64)> = boxes(&m).into_iter().map(|b| b.1).collect();
+    assert_eq!(rows, vec![(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10)]);
+    // HSDP: replicas on the outer dimension hold the same shard.
+    let m = mesh_param(
+        4,
+        2,
+        vec![2, 2],
+        vec![5, 6, 7, 8],
+        vec![Replicate, Shard(0)],
+    );
+    assert_eq!(
+        boxes(&m),
+        vec![(vec![5, 7], (0, 2), (0, 2)), (vec![6, 8], (2, 4), (0, 2))]
+    );
+    // torch.chunk leaves trailing ranks empty: 2 rows over 4 → 1, 1, -, -.
+    let m = mesh_param(2, 2, vec![4], vec![0, 1, 2, 3], vec![Shard(0)]);
+    assert_eq!(boxes(&m).len(), 2);
+    assert!(m.validate(128).is_ok());
+}
+
+/// Meshes that do not describe a layout are typed errors, not panics.
+#[test]
+fn malformed_meshes_are_refused() {
+    use weft_rl::Placement::{Replicate, Shard};
+    for (shape, ranks, pl) in [
+        (vec![3], vec![0, 1], vec![Shard(0)]),
+        (vec![2, 0], vec![0, 1], vec![Shard(0), Replicate]),
+        (vec![2], vec![0, 1], vec![Shard(0), Replicate]),
+        (vec![2], vec![0, 0], vec![Shard(0)]),
+        (vec![2], vec![0, 1], vec![Shard(2)]),
+    ] {
+        let m = mesh_param(4, 4, shape.clone(), ranks, pl);
+        match m.validate(128) {
+            Err(weft_rl::RlError::Layout(_)) => {}
+            other => panic!("mesh {shape:?}: {other:?}"),
+        }
+    }
+}

@@ -2,7 +2,9 @@
 //! independent reference of what every inference tensor must hold.
 #![allow(dead_code)]
 
-use weft_rl::meta::{Box2, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
+use weft_rl::meta::{
+    Box2, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
+};
 use weft_rl::DType;
 
 /// A random layout with `block`-aligned fp8 segments.
@@ -21,9 +23,34 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
             ranks.swap(k, j);
         }
         ranks.truncate(g.range(1, trainers as u64) as usize);
-        let layout = match g.below(4) {
+        let layout = match g.below(5) {
             0 => Layout::Replicate { ranks },
             1 => Layout::fsdp(0, ranks, rows),
+            4 => {
+                // A DTensor mesh: 1-D or 2-D, any placements (FSDP x TP
+                // grids, HSDP replicas, nested shards of one dimension).
+                let n = ranks.len() as u64;
+                let divisors: Vec<u64> = (1..=n).filter(|d| n % d == 0).collect();
+                let a = divisors[g.below(divisors.len() as u64) as usize];
+                let shape: Vec<u32> = if g.below(3) == 0 {
+                    vec![n as u32]
+                } else {
+                    vec![a as u32, (n / a) as u32]
+                };
+                let placements = shape
+                    .iter()
+                    .map(|_| match g.below(3) {
+                        0 => Placement::Replicate,
+                        1 => Placement::Shard(0),
+                        _ => Placement::Shard(1),
+                    })
+                    .collect();
+                Layout::Mesh {
+                    shape,
+                    ranks,
+                    placements,
+                }
+            }
             _ => {
                 let dim = g.below(2) as u8;
                 let ext = if dim == 0 { rows } else { cols };
