@@ -352,7 +352,10 @@ fn mesh_param(
     }
 }
 
-fn boxes(m: &weft_rl::ModelLayout) -> Vec<(Vec<u32>, (u64, u64), (u64, u64))> {
+/// `(holders, rows, cols)` of a piece.
+type Piece = (Vec<u32>, (u64, u64), (u64, u64));
+
+fn boxes(m: &weft_rl::ModelLayout) -> Vec<Piece> {
     m.pieces(0)
         .into_iter()
         .map(|(h, b)| (h, (b.rows.start, b.rows.end), (b.cols.start, b.cols.end)))

@@ -30,7 +30,7 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
                 // A DTensor mesh: 1-D or 2-D, any placements (FSDP x TP
                 // grids, HSDP replicas, nested shards of one dimension).
                 let n = ranks.len() as u64;
-                let divisors: Vec<u64> = (1..=n).filter(|d| n % d == 0).collect();
+                let divisors: Vec<u64> = (1..=n).filter(|d| n.is_multiple_of(*d)).collect();
                 let a = divisors[g.below(divisors.len() as u64) as usize];
                 let shape: Vec<u32> = if g.below(3) == 0 {
                     vec![n as u32]
