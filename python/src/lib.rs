@@ -20,6 +20,7 @@ mod memory;
 mod metrics;
 mod provider;
 mod rendezvous;
+mod rl;
 mod transfer;
 mod types;
 mod watcher;
@@ -48,6 +49,10 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv::PyKvDecoder>()?;
     m.add_class::<kv::PyKvPrefiller>()?;
     m.add_function(wrap_pyfunction!(kv::tp_readers, m)?)?;
+    m.add_class::<rl::PyRlPlan>()?;
+    m.add_class::<rl::PyRlDirectory>()?;
+    m.add_class::<rl::PyRlTrainer>()?;
+    m.add_class::<rl::PyRlInference>()?;
     m.add_class::<metrics::PyMetricsServer>()?;
     m.add_class::<rendezvous::PyStore>()?;
     m.add_class::<rendezvous::PySession>()?;

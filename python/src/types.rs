@@ -38,7 +38,7 @@ fn to_wire<'py, T: serde::Serialize>(
 /// What a peer needs to write into a registered region: its address, length
 /// and one remote key per NIC. Send it to the peer with `to_bytes()` and
 /// rebuild it there with `MrDesc.from_bytes(b)`.
-#[pyclass(name = "MrDesc", module = "weft._weft", frozen)]
+#[pyclass(name = "MrDesc", module = "weft._weft", frozen, from_py_object)]
 #[derive(Clone)]
 pub struct PyMrDesc {
     pub(crate) inner: weft::MrDesc,

@@ -50,7 +50,7 @@ from ._weft import (
     serve_metrics,
 )
 
-from . import dist, kv, rendezvous  # noqa: E402  (submodules: weft.dist, weft.kv, weft.rendezvous)
+from . import dist, kv, rendezvous, rl  # noqa: E402  (submodules: weft.dist, weft.kv, weft.rendezvous, weft.rl)
 
 __version__: str = _weft.__version__
 
@@ -76,6 +76,7 @@ __all__ = [
     "dist",
     "kv",
     "rendezvous",
+    "rl",
     "__version__",
     *_errors_all,
 ]

@@ -208,4 +208,11 @@ class KvError(WeftError):
     ``expired``, ``layout``, ``invalid_route``, ``shut_down``, ..."""
 
 
+class RlError(WeftError):
+    """An RL weight update (``weft.rl``) was refused or failed. ``kind``:
+    ``layout`` (the parameter or target tables), ``plan``, ``config``,
+    ``engine`` (a WRITE or registration failed), ``timeout`` (a peer dead
+    or stalled past the step's deadline), ``unknown_rank``, ``buffer``."""
+
+
 __all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]

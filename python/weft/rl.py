@@ -1,0 +1,229 @@
+"""RL weight transfer: trainer processes write new weights straight into
+inference processes' memory with one-sided RDMA WRITEs, every trainer
+from the shards it holds (no gather to a rank 0), following one routing
+table every rank computes alike from the same description.
+
+The description is two tables. *Parameters*: what the trainers hold, each
+``(name, rows, cols, layout)`` with tensors seen as 2-D (``[d0, d1 * ...]``)
+and ``layout`` one of ``("replicate", ranks)``, ``("shard", dim, ranks,
+sizes)`` or ``("mesh", mesh_shape, ranks, placements)`` — a torch DTensor's
+device mesh with one placement per mesh dimension: ``None`` (Replicate) or
+the tensor dimension it shards (``Shard(d)``, ``torch.chunk`` sizes, outer
+mesh dimension first). *Targets*: per inference rank, the tensors it holds,
+each ``(name, segments, quant)``: boxes ``(param, r0, r1, c0, c1)`` of
+parameters stacked along rows (q/k/v into a fused qkv), ``quant`` ``"none"``
+(bf16 as trained) or ``"fp8"`` (e4m3 with one f32 scale per ``block x
+block`` tile, quantised by the trainers)::
+
+    import weft, weft.rl as rl
+
+    params = rl.params_from_module(model, trainers=world)   # DTensors or plain
+    targets = rl.whole_targets(params, inference_ranks=2)   # or your own tables
+    plan = rl.RlPlan(world, params, targets)
+    # trainer process `rank`
+    t = rl.RlTrainer(weft.TransferEngine("libfabric:tcp"), plan, rank)
+    # inference process `rank`
+    i = rl.RlInference(weft.TransferEngine("libfabric:tcp"), plan, rank)
+    # everyone: exchange endpoint() descriptors, then
+    d = rl.RlDirectory(plan, trainer_endpoints, inference_endpoints)
+    rl.load_local(t, model.named_parameters())   # each step, trainers
+    t.step(version, d)                           # trainers, all at once
+    i.step(version, d)                           # inference ranks, at once
+    w = rl.read_tensors(i, plan, rank)           # {name: tensor}
+
+Inference memory is double-buffered: version ``v`` lands in buffer ``v % 2``
+and becomes live only when every byte of it landed, so the live weights are
+never written and a failed step (a dead trainer: ``RlError``, kind
+``timeout`` or ``engine``) leaves them as they were; call ``recover()`` on
+every rank before retrying. Trainers hold bf16. For vLLM's pluggable weight
+transfer see :mod:`weft.vllm_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+from ._errors import RlError
+from ._weft import RlDirectory, RlInference, RlPlan, RlTrainer
+
+__all__ = [
+    "RlDirectory",
+    "RlError",
+    "RlInference",
+    "RlPlan",
+    "RlTrainer",
+    "as_2d",
+    "layout_of",
+    "load_local",
+    "param_of",
+    "params_from_module",
+    "read_tensor",
+    "read_tensors",
+    "whole_targets",
+]
+
+
+def _err(kind: str, message: str) -> RlError:
+    e = RlError(message)
+    e.kind = kind
+    return e
+
+
+def as_2d(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of a tensor of ``shape`` as the planner sees it:
+    ``[d0, d1 * d2 * ...]`` (a vector ``[n]`` is ``[n, 1]``)."""
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def layout_of(
+    name: str,
+    shape: Sequence[int],
+    owners: Sequence[int],
+    mesh_shape: Sequence[int] | None = None,
+    placements: Sequence[Any] | None = None,
+) -> tuple:
+    """The layout tuple of a parameter held by ``owners`` (row-major over
+    ``mesh_shape``, default 1-D) with one placement per mesh dimension:
+    ``None`` or an object with a ``dim`` (torch's or vLLM's ``Shard``) or an
+    int for Shard, anything else without ``dim`` (``Replicate``) for
+    replicated. ``placements=None``: every owner holds the whole tensor."""
+    owners = [int(r) for r in owners]
+    if placements is None:
+        return ("replicate", owners)
+    mesh_shape = [len(owners)] if mesh_shape is None else [int(d) for d in mesh_shape]
+    ndim = len(tuple(shape))
+    out: list[int | None] = []
+    for p in placements:
+        dim = p if isinstance(p, int) else getattr(p, "dim", None)
+        if dim is None:
+            out.append(None)
+            continue
+        dim = int(dim)
+        if dim < 0:
+            dim += ndim
+        if dim == 0 or (dim == 1 and ndim == 2):
+            out.append(dim)
+        else:
+            raise _err(
+                "layout",
+                f"{name}: Shard({dim}) of a {ndim}-D tensor is not a box of its 2-D view "
+                f"[d0, d1*...] (only Shard(0), or Shard(1) of a 2-D tensor)",
+            )
+    return ("mesh", mesh_shape, owners, out)
+
+
+def _dtensor_layout(t: Any) -> tuple[list[int], list[int], list[Any]] | None:
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return None
+    grid = mesh.mesh
+    placements = []
+    for p in t.placements:
+        kind = type(p).__name__
+        if kind == "Shard":
+            placements.append(int(p.dim))
+        elif kind == "Replicate":
+            placements.append(None)
+        else:
+            raise _err("layout", f"placement {p!r} (only Shard and Replicate)")
+    return [int(r) for r in grid.flatten().tolist()], list(grid.shape), placements
+
+
+def param_of(name: str, t: Any, trainers: int, mesh_group: int = 0) -> tuple:
+    """The parameter entry of tensor ``t`` (a torch DTensor: its mesh and
+    placements; a plain tensor: held whole by every one of ``trainers``).
+    Trainers hold bf16: anything else raises ``RlError`` (kind
+    ``layout``)."""
+    dtype = str(getattr(t, "dtype", ""))
+    if "bfloat16" not in dtype:
+        raise _err("layout", f"{name}: trainers hold bf16, not {dtype or type(t).__name__}")
+    shape = tuple(t.shape)
+    rows, cols = as_2d(shape)
+    d = _dtensor_layout(t)
+    if d is None:
+        layout = ("replicate", list(range(trainers)))
+    else:
+        owners, mesh_shape, placements = d
+        layout = layout_of(name, shape, owners, mesh_shape, placements)
+    return (name, rows, cols, layout, mesh_group)
+
+
+def params_from_module(module: Any, trainers: int) -> list[tuple]:
+    """Parameter entries of ``module.named_parameters()`` (see
+    :func:`param_of`), in its order."""
+    return [param_of(n, p, trainers) for n, p in module.named_parameters()]
+
+
+def whole_targets(
+    params: Sequence[tuple], inference_ranks: int, fp8: Iterable[str] = ()
+) -> list[list[tuple]]:
+    """Targets where every inference rank receives every parameter whole
+    (the checkpoint format a serving stack's own loader slices and fuses),
+    the names in ``fp8`` quantised."""
+    fp8 = set(fp8)
+    one = [
+        (p[0], [(p[0], 0, int(p[1]), 0, int(p[2]))], "fp8" if p[0] in fp8 else "none")
+        for p in params
+    ]
+    return [list(one) for _ in range(int(inference_ranks))]
+
+
+def _bytes_of(t: Any) -> Any:
+    """A C-contiguous byte view of a bf16 tensor or array (host)."""
+    if hasattr(t, "full_tensor") and hasattr(t, "to_local"):
+        t = t.to_local()
+    if hasattr(t, "detach"):  # torch
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        import torch
+
+        return t.contiguous().view(torch.uint8).numpy()
+    return t
+
+
+def load_local(trainer: RlTrainer, named: Iterable[tuple[str, Any]]) -> int:
+    """Copies each ``(name, tensor)`` this trainer holds a piece of into its
+    shard memory (a DTensor's local shard, or a plain tensor held whole);
+    names it holds nothing of are skipped. Returns the pieces loaded."""
+    held = {p[0] for p in trainer_pieces(trainer)}
+    n = 0
+    for name, t in named:
+        if name not in held:
+            continue
+        trainer.load(name, _bytes_of(t))
+        n += 1
+    return n
+
+
+def trainer_pieces(trainer: RlTrainer) -> list[tuple]:
+    """``(param, rows, cols)`` of the pieces ``trainer`` holds."""
+    return trainer.plan.pieces(trainer.rank)
+
+
+def read_tensor(inf: RlInference, index: int, shape: Sequence[int] | None = None) -> Any:
+    """Tensor ``index`` of the live version as torch tensors: bf16 (shaped
+    ``shape``, default ``[rows, cols]``), or for an fp8 target the pair
+    ``(float8_e4m3fn [rows, cols], float32 scales)``."""
+    import torch
+
+    name, rows, cols, quant = inf.plan.tensors(inf.rank)[index]
+    if quant == "fp8":
+        q = torch.frombuffer(bytearray(inf.read(index)), dtype=torch.uint8)
+        s = torch.frombuffer(bytearray(inf.read_scales(index)), dtype=torch.float32)
+        return q.view(torch.float8_e4m3fn).reshape(rows, cols), s
+    t = torch.frombuffer(bytearray(inf.read(index)), dtype=torch.bfloat16)
+    return t.reshape(tuple(shape) if shape is not None else (rows, cols))
+
+
+def read_tensors(inf: RlInference, shapes: dict[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    """Every tensor of the live version by name (see :func:`read_tensor`)."""
+    shapes = shapes or {}
+    out = {}
+    for i, (name, _, _, _) in enumerate(inf.plan.tensors(inf.rank)):
+        out[name] = read_tensor(inf, i, shapes.get(name))
+    return out
