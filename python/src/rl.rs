@@ -37,6 +37,9 @@ fn rl_err(py: Python<'_>, e: &RlError) -> PyErr {
     errors::new_err(py, "RlError", kind, e.to_string())
 }
 
+/// A target segment from Python: `(param, row_start, row_end, col_start, col_end)`.
+type SegmentArg = (String, u64, u64, u64, u64);
+
 fn layout_err(py: Python<'_>, m: impl Into<String>) -> PyErr {
     rl_err(py, &RlError::Layout(m.into()))
 }
@@ -140,8 +143,7 @@ impl PyRlPlan {
         for (i, rank) in inference.iter().enumerate() {
             let mut ts = Vec::new();
             for t in rank.cast::<PyList>()?.iter() {
-                let (name, segs, quant): (String, Vec<(String, u64, u64, u64, u64)>, String) =
-                    t.extract()?;
+                let (name, segs, quant): (String, Vec<SegmentArg>, String) = t.extract()?;
                 let quant = match quant.as_str() {
                     "none" => Quant::None,
                     "fp8" => Quant::Fp8Block,
