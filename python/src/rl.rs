@@ -217,6 +217,15 @@ impl PyRlPlan {
         self.model.inference.len()
     }
 
+    /// The parameters: `(name, rows, cols)` each, in the order given.
+    fn params(&self) -> Vec<(String, u64, u64)> {
+        self.model
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.rows, p.cols))
+            .collect()
+    }
+
     /// What trainer `rank` holds: `(param, (row_start, row_end), (col_start,
     /// col_end))` per piece, in the order `RlTrainer.load_piece` takes.
     fn pieces<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, PyList>> {

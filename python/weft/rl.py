@@ -57,6 +57,7 @@ __all__ = [
     "layout_of",
     "load_local",
     "param_of",
+    "params_from_metas",
     "params_from_module",
     "read_tensor",
     "read_tensors",
@@ -173,31 +174,70 @@ def whole_targets(
 
 
 def _bytes_of(t: Any) -> Any:
-    """A C-contiguous byte view of a bf16 tensor or array (host)."""
+    """The bytes of a bf16 tensor (torch, on any device) or array (numpy),
+    as a C-contiguous uint8 numpy array of its shape with the last
+    dimension in bytes; other buffers as they are."""
     if hasattr(t, "full_tensor") and hasattr(t, "to_local"):
         t = t.to_local()
     if hasattr(t, "detach"):  # torch
+        import torch
+
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        import torch
-
         return t.contiguous().view(torch.uint8).numpy()
+    if hasattr(t, "__array_interface__"):
+        import numpy as np
+
+        a = np.ascontiguousarray(t)
+        return a.view(np.uint8).reshape(*a.shape[:-1], -1) if a.ndim else a.view(np.uint8)
     return t
 
 
 def load_local(trainer: RlTrainer, named: Iterable[tuple[str, Any]]) -> int:
     """Copies each ``(name, tensor)`` this trainer holds a piece of into its
-    shard memory (a DTensor's local shard, or a plain tensor held whole);
-    names it holds nothing of are skipped. Returns the pieces loaded."""
-    held = {p[0] for p in trainer_pieces(trainer)}
+    shard memory: a DTensor's local shard, a tensor of exactly the piece's
+    size, or the whole parameter (the piece is cut out of it). Names it
+    holds nothing of are skipped. Returns the pieces loaded."""
+    pieces: dict[str, list[int]] = {}
+    for k, (name, _, _) in enumerate(trainer_pieces(trainer)):
+        pieces.setdefault(name, []).append(k)
+    full = {n: (r, c) for n, r, c in trainer.plan.params()}
+    mine = trainer_pieces(trainer)
     n = 0
     for name, t in named:
-        if name not in held:
-            continue
-        trainer.load(name, _bytes_of(t))
-        n += 1
+        for k in pieces.get(name, ()):
+            _, (r0, r1), (c0, c1) = mine[k]
+            data = _bytes_of(t)
+            rows, cols = full[name]
+            size = (r1 - r0) * (c1 - c0) * 2
+            nbytes = getattr(data, "nbytes", None)
+            if nbytes is not None and nbytes != size and nbytes == rows * cols * 2:
+                data = data.reshape(rows, cols * 2)[r0:r1, 2 * c0 : 2 * c1]
+                data = data.copy(order="C")
+            trainer.load_piece(k, data)
+            n += 1
     return n
+
+
+def params_from_metas(metas: Iterable[Any], trainers: int) -> list[tuple]:
+    """Parameter entries from vLLM-style ``ParamMeta`` records (``name``,
+    ``dtype``, ``shape``, ``owners``, ``mesh_shape``, ``placements``; or
+    lists in that order): owners ``None`` means every trainer, placements
+    ``None`` replicated over the owners."""
+    out = []
+    for m in metas:
+        if isinstance(m, (list, tuple)):
+            name, dtype, shape, owners, mesh_shape, placements = m
+        else:
+            name, dtype, shape = m.name, m.dtype, m.shape
+            owners, mesh_shape, placements = m.owners, m.mesh_shape, m.placements
+        if "bfloat16" not in str(dtype):
+            raise _err("layout", f"{name}: trainers hold bf16, not {dtype}")
+        rows, cols = as_2d(shape)
+        owners = list(range(trainers)) if owners is None else owners
+        out.append((name, rows, cols, layout_of(name, shape, owners, mesh_shape, placements)))
+    return out
 
 
 def trainer_pieces(trainer: RlTrainer) -> list[tuple]:

@@ -1,0 +1,237 @@
+"""Processes of the weight-transfer tests: vLLM workers (a toy model with a
+vLLM-style ``load_weights`` behind the ``"weft"`` engine vLLM's factory
+creates) and trainer ranks (DTensors over a gloo device mesh, vLLM's
+``ModuleSource``, the trainer factory)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+# Trainer parameters: name -> (shape, placement over the 1-D trainer mesh:
+# an int shards that dim, None replicates, "plain" is not a DTensor).
+PARAMS: dict[str, tuple[tuple[int, ...], Any]] = {
+    "layers.0.q": ((8, 16), 0),
+    "layers.0.k": ((4, 16), 0),
+    "layers.0.v": ((4, 16), 1),
+    "layers.0.o": ((16, 8), 1),
+    "layers.0.norm": ((16,), None),
+    "layers.0.bias": ((16,), "plain"),
+    "layers.0.w8": ((8, 12), 0),
+}
+FP8 = ["layers.0.w8"]
+BLOCK = 4
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """The full bf16 tensors of `version` (every process computes them alike)."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {n: (torch.randn(s, generator=g) * 2).to(torch.bfloat16) for n, (s, _) in PARAMS.items()}
+
+
+def ref_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one f32 scale per block x block tile: scale = amax / 448."""
+    x = x.float()
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    s = torch.empty(-(-rows // block), -(-cols // block), dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            t = x[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            amax = t.abs().max()
+            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            s[i, j] = scale
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (t / scale).to(torch.float8_e4m3fn)
+    return q, s
+
+
+class ToyModel(torch.nn.Module):
+    """The worker's model: q/k/v fused into one qkv tensor as vLLM does,
+    w8 stored as fp8 with its scales."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.qkv = z(16, 16)
+        self.o = z(16, 8)
+        self.norm = z(16)
+        self.bias = z(16)
+        self.w8 = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w8_scale_inv = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+
+    def load_weights(self, weights) -> set[str]:
+        rows = {"q": (0, 8), "k": (8, 12), "v": (12, 16)}
+        loaded = set()
+        for name, t in weights:
+            short = name.split(".")[-1]
+            with torch.no_grad():
+                if short in rows:
+                    a, b = rows[short]
+                    self.qkv[a:b].copy_(t)
+                else:
+                    getattr(self, short).copy_(t)
+            loaded.add(name)
+        return loaded
+
+    def matches(self, version: int) -> list[str]:
+        """Names that differ from `version` (empty: all bytes right)."""
+        w = weights(version)
+        want = {
+            "qkv": torch.cat([w["layers.0.q"], w["layers.0.k"], w["layers.0.v"]]),
+            "o": w["layers.0.o"],
+            "norm": w["layers.0.norm"],
+            "bias": w["layers.0.bias"],
+        }
+        q, s = ref_fp8(w["layers.0.w8"], BLOCK)
+        bad = [n for n, t in want.items() if not torch.equal(getattr(self, n).view(torch.int16), t.view(torch.int16))]
+        if not torch.equal(self.w8.view(torch.uint8), q.view(torch.uint8)):
+            bad.append("w8")
+        if not torch.equal(self.w8_scale_inv, s):
+            bad.append("w8_scale_inv")
+        return bad
+
+
+def serve_worker(ctl, rpc, root: str, rank: int) -> None:
+    """A vLLM worker: answers the trainer sender's RPCs on `rpc`; reports
+    after each finished update whether its model holds that version."""
+    try:
+        import weft.vllm_weights  # noqa: F401  (registers "weft")
+        from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from pathlib import Path
+
+        import vllm_fixtures as F
+
+        mc = ModelConfig(model=F.model_dir(Path(root)), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=256)
+        vc = VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"))
+        vc.parallel_config.rank = rank
+        model = ToyModel()
+        eng = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="weft"), vc, torch.device("cpu"), model
+        )
+        ctl.send(("ready", type(eng).__name__))
+        versions = []
+        while True:
+            try:
+                method, arg = rpc.recv()
+            except EOFError:
+                break
+            try:
+                if method == "init_weight_transfer_engine":
+                    eng.init_transfer_engine(eng.parse_init_info(arg))
+                elif method == "start_weight_update":
+                    eng.start_weight_update()
+                elif method == "update_weights":
+                    # update_weights would synchronize an accelerator this
+                    # CPU machine lacks; vLLM's base does exactly this first.
+                    eng.receive_weights(eng.parse_update_info(arg))
+                elif method == "finish_weight_update":
+                    eng.finish_weight_update()
+                    versions.append((int(arg), model.matches(int(arg))))
+                rpc.send(("ok", None))
+            except Exception:  # noqa: BLE001 - reported to the caller
+                rpc.send(("error", traceback.format_exc()))
+        eng.shutdown()
+        ctl.send(("done", versions))
+    except Exception:  # noqa: BLE001
+        ctl.send(("error", traceback.format_exc()))
+
+
+class PipeClient:
+    """VLLMWeightSyncClient over pipes to every worker: each call goes to
+    all workers at once and returns when all answered."""
+
+    def __init__(self, conns) -> None:
+        self.conns = conns
+
+    def _all(self, method: str, arg: Any = None) -> None:
+        for c in self.conns:
+            c.send((method, arg))
+        errs = [r[1] for r in (c.recv() for c in self.conns) if r[0] != "ok"]
+        if errs:
+            raise RuntimeError("worker: " + errs[0])
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self._all("finish_weight_update", weight_version)
+
+
+def serve_trainer(ctl, rank: int, world: int, port: int, conns, store: str, provider: str, versions: int) -> None:
+    """A trainer rank: DTensor shards over a gloo mesh, `versions` pushes."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from vllm.distributed.weight_transfer.base import ModuleSource, VLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from weft.vllm_weights import WeftTrainerInitInfo
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        module = torch.nn.Module()
+        w0 = weights(0)
+        for name, (_, pl) in PARAMS.items():
+            t = w0[name]
+            if pl != "plain":
+                t = distribute_tensor(t, mesh, [Replicate() if pl is None else Shard(pl)])
+            module.register_parameter(name.replace(".", "_"), torch.nn.Parameter(t, requires_grad=False))
+        source = ModuleSource(_Named(module))
+        client = PipeClient(conns) if rank == 0 else PipeClient([])
+        assert isinstance(client, VLLMWeightSyncClient)
+        info = WeftTrainerInitInfo(
+            store=store,
+            namespace="rl-test",
+            provider=provider,
+            inference_ranks=2,
+            trainers=world,
+            fp8=FP8,
+            plan={"block": BLOCK, "unit_bytes": 64, "align": 16, "min_direct_bytes": 16},
+            timeout=30.0,
+            layerwise_reload=False,
+            rank=rank,
+        )
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        for v in range(versions):
+            w = weights(v)
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    full = w[_unname(name)]
+                    if hasattr(p, "to_local"):
+                        p.to_local().copy_(distribute_tensor(full, mesh, p.placements).to_local())
+                    else:
+                        p.copy_(full)
+            eng.send_weights()
+        dist.barrier()
+        eng.shutdown()
+        dist.destroy_process_group()
+        ctl.send(("done", eng.version))
+    except Exception:  # noqa: BLE001
+        ctl.send(("error", traceback.format_exc()))
+
+
+def _unname(n: str) -> str:
+    return n.replace("layers_0_", "layers.0.")
+
+
+class _Named(torch.nn.Module):
+    """Presents the parameters under their dotted names."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def named_parameters(self, *a, **k):  # type: ignore[override]
+        for n, p in self.inner.named_parameters():
+            yield _unname(n), p

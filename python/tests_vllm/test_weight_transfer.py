@@ -1,0 +1,117 @@
+"""weft as vLLM's weight-transfer backend, against the real vLLM package:
+vLLM's factories create the ``"weft"`` worker engine (in two worker
+processes, each with a model behind a vLLM-style ``load_weights``) and the
+trainer engine (two trainer processes holding DTensor shards over a gloo
+mesh, read through vLLM's ``ModuleSource``); the trainer sender drives the
+workers through a ``VLLMWeightSyncClient``. Every byte of every version is
+checked on the workers, fp8 values and scales against torch's own e4m3."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+from vllm.distributed.weight_transfer.base import ModuleSource
+
+import rl_ranks
+import weft
+import weft.rl as rl
+import weft.vllm_weights as vw
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _recv(conn, what: str, timeout: float = 240):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"{what}: no answer in {timeout} s")
+    r = conn.recv()
+    if r[0] == "error":
+        raise AssertionError(f"{what} failed:\n{r[1]}")
+    return r
+
+
+@pytest.mark.parametrize("provider", ["libfabric:tcp", "libfabric:shm"])
+def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
+    status = {p.spec: p for p in weft.providers()}[provider]
+    if not status.available:
+        pytest.skip(f"{provider}: {status.reason}")
+    ctx = mp.get_context("spawn")
+    procs, ctls = [], []
+    client_ends = []
+    for r in range(2):
+        ctl, ctl_child = ctx.Pipe()
+        rpc, rpc_child = ctx.Pipe()
+        p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r), daemon=True)
+        p.start()
+        procs.append(p)
+        ctls.append(("worker", r, ctl))
+        client_ends.append(rpc)
+    try:
+        for _, r, c in ctls:
+            assert _recv(c, f"worker {r}")[1] == "WeftWeightTransferEngine"
+        port = _port()
+        store = f"dir:{tmp_path / 'store'}"
+        for r in range(2):
+            ctl, ctl_child = ctx.Pipe()
+            conns = client_ends if r == 0 else []
+            p = ctx.Process(
+                target=rl_ranks.serve_trainer,
+                args=(ctl_child, r, 2, port, conns, store, provider, 3),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+            ctls.append(("trainer", r, ctl))
+        for _, r, c in ctls[2:]:
+            assert _recv(c, f"trainer {r}") == ("done", 3)
+        for c in client_ends:
+            c.close()
+        for _, r, c in ctls[:2]:
+            _, versions = _recv(c, f"worker {r}")
+            assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_module_source_metadata_maps_to_the_plan():
+    """vLLM's ModuleSource of plain tensors: every trainer holds each one
+    whole; the plan gives every worker every parameter; non-bf16 is a
+    typed refusal."""
+    m = torch.nn.Module()
+    m.register_parameter("a", torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16)))
+    m.register_parameter("b", torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)))
+    table = vw._table(ModuleSource(m).metadata)
+    assert table[0][:3] == ["a", "torch.bfloat16", [4, 6]]
+    plan = vw._plan(table, 3, 2, ["a"], {"block": 4})
+    assert plan.params() == [("a", 4, 6), ("b", 5, 1)]
+    assert [t[0] for t in plan.tensors(1)] == ["a", "b"] and plan.tensors(1)[0][3] == "fp8"
+    assert {p[0] for p in plan.pieces(2)} == {"a", "b"}
+    m.register_parameter("c", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(rl.RlError) as e:
+        vw._plan(vw._table(ModuleSource(m).metadata), 3, 2, [], {})
+    assert e.value.kind == "layout"
+
+
+def test_backend_is_registered_with_both_factories():
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    assert WeightTransferEngineFactory._registry["weft"]() is vw.WeftWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["weft"]() is vw.WeftTrainerEngine
+    vw.register()  # idempotent
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("weft_weight_transfer") == "weft.vllm_weights:register"
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
