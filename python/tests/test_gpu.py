@@ -296,3 +296,14 @@ def test_kv_prompt_moves_between_processes_in_cuda_tensors(cuda, spec):
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+@pytest.mark.fabric
+def test_rl_cuda_tensors_across_processes(cuda, tmp_path):
+    """weft.rl with torch CUDA tensors: four trainer processes load whole
+    CUDA parameters (load_local cuts their DTensor-style pieces), two
+    inference processes read the versions back onto the GPU; every byte
+    checked, fp8 targets included (test_rl's processes, device "cuda")."""
+    import test_rl
+
+    test_rl.run_ranks(tmp_path, device="cuda")

@@ -283,7 +283,9 @@ import numpy as np, weft, weft.rl as rl
 sys.path.insert(0, sys.argv[4])
 import test_rl as T
 
-role, rank, store_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+role, rank, store_path, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[5]
+if device == "cuda":  # torch CUDA tensors in and out (the GPU machine)
+    import torch
 plan = rl.RlPlan(4, T.params(), T.targets(True), block=4, unit_bytes=48, align=8, min_direct_bytes=16)
 eng = weft.TransferEngine("libfabric:tcp", domain="same-machine")
 me = rl.RlTrainer(eng, plan, rank) if role == "trainer" else rl.RlInference(eng, plan, rank)
@@ -297,12 +299,23 @@ get = lambda who: (ns.wait_mr(who, "a", timeout=60), ns.wait_mr(who, "b", timeou
 d = rl.RlDirectory(plan, [get(f"trainer-{r}") for r in range(4)], [get(f"inference-{r}") for r in range(2)])
 for version in range(2):
     w = T.weights(500 + version)
-    if role == "trainer":
+    if role == "trainer" and device == "cuda":
+        # whole parameters as CUDA bf16 tensors: load_local cuts the pieces
+        full = {n: torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16).cuda() for n, a in w.items()}
+        assert rl.load_local(me, full.items()) == len(plan.pieces(rank))
+        me.step(version, d)
+    elif role == "trainer":
         for k, (name, r, c) in enumerate(plan.pieces(rank)):
             me.load_piece(k, np.ascontiguousarray(T.box(w[name], r, c)))
         me.step(version, d)
     else:
         me.step(version, d)
+        if device == "cuda":
+            got = rl.read_tensors(me)
+            for name, segs, quant in T.targets(True)[rank]:
+                if quant == "none":
+                    want = torch.from_numpy(T.expected(w, segs).astype(np.int16)).cuda()
+                    assert torch.equal(got[name].cuda().view(torch.int16), want), name
         for k, (name, segs, quant) in enumerate(T.targets(True)[rank]):
             want = T.expected(w, segs)
             got = np.frombuffer(me.read(k), np.uint8)
@@ -319,8 +332,7 @@ eng.shutdown()
 """
 
 
-@pytest.mark.fabric
-def test_trainer_and_inference_processes_over_tcp(tmp_path):
+def run_ranks(tmp_path, device: str = "cpu") -> None:
     """Four trainer and two inference processes over libfabric tcp, finding
     each other through a dir: store; two versions, fp8 targets included."""
     status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
@@ -332,7 +344,7 @@ def test_trainer_and_inference_processes_over_tcp(tmp_path):
     roles = [("trainer", r) for r in range(4)] + [("inference", r) for r in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), role, str(r), str(tmp_path / "store"), here],
+            [sys.executable, str(script), role, str(r), str(tmp_path / "store"), here, device],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -350,3 +362,8 @@ def test_trainer_and_inference_processes_over_tcp(tmp_path):
     for (role, r), p, (out, err) in zip(roles, procs, outs):
         assert p.returncode == 0, f"{role} {r}: {err[-3000:]}"
         assert out.strip() == f"{role} {r} ok"
+
+
+@pytest.mark.fabric
+def test_trainer_and_inference_processes_over_tcp(tmp_path):
+    run_ranks(tmp_path)
