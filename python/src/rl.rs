@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft_rl::exec::{Directory, InferEndpoint, Inference, StepConfig, Trainer, TrainerEndpoint};
 use weft_rl::meta::{
-    Box2, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
+    Box2, Fp8Fallback, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
 };
 use weft_rl::{plan, DType, Plan, PlanConfig, RlError};
 
@@ -39,6 +39,14 @@ fn rl_err(py: Python<'_>, e: &RlError) -> PyErr {
 
 /// A target segment from Python: `(param, row_start, row_end, col_start, col_end)`.
 type SegmentArg = (String, u64, u64, u64, u64);
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F8E4M3 => "fp8",
+        _ => "bf16",
+    }
+}
 
 fn layout_err(py: Python<'_>, m: impl Into<String>) -> PyErr {
     rl_err(py, &RlError::Layout(m.into()))
@@ -82,22 +90,27 @@ fn parse_layout(py: Python<'_>, name: &str, l: &Bound<'_, PyAny>) -> PyResult<La
 /// The routing table of one weight update, identical on every rank built
 /// from the same arguments.
 ///
-/// `params`: `(name, rows, cols, layout)` or `(name, rows, cols, layout,
-/// mesh_group)` per training parameter (bf16, seen as 2-D); `inference`:
+/// `params`: `(name, rows, cols, layout[, mesh_group[, dtype]])` per
+/// training parameter, seen as 2-D, `dtype` `"bf16"` (default) or `"f32"`;
+/// `inference`:
 /// per inference rank its tensors `(name, segments, quant)` with segments
 /// `(param_name, row_start, row_end, col_start, col_end)` stacked along
 /// rows and `quant` `"none"` or `"fp8"` (e4m3 with one f32 scale per
-/// `block × block` tile).
+/// `block × block` tile, from bf16 only). `fp8_fallback=True` keeps fp8
+/// targets that cannot be quantised as given (a fused segment that is not
+/// whole tiles, an f32 source) in the trainers' dtype, listed by
+/// `fallbacks()`; without it they are refused.
 #[pyclass(name = "RlPlan", module = "weft._weft", frozen)]
 pub struct PyRlPlan {
     plan: Arc<Plan>,
     model: Arc<ModelLayout>,
+    fallbacks: Vec<Fp8Fallback>,
 }
 
 #[pymethods]
 impl PyRlPlan {
     #[new]
-    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 8 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10))]
+    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 8 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10, fp8_fallback = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -109,23 +122,39 @@ impl PyRlPlan {
         align: u64,
         watermark: u64,
         min_direct_bytes: u64,
+        fp8_fallback: bool,
     ) -> PyResult<Self> {
         let mut ps = Vec::with_capacity(params.len());
         let mut index = BTreeMap::new();
         for p in params.iter() {
             let t = p.cast::<PyTuple>()?;
-            if !(4..=5).contains(&t.len()) {
+            if !(4..=6).contains(&t.len()) {
                 return Err(layout_err(
                     py,
-                    "a parameter is (name, rows, cols, layout[, mesh_group])",
+                    "a parameter is (name, rows, cols, layout[, mesh_group[, dtype]])",
                 ));
             }
             let name: String = t.get_item(0)?.extract()?;
             let layout = parse_layout(py, &name, &t.get_item(3)?)?;
-            let mesh_group = if t.len() == 5 {
+            let mesh_group = if t.len() >= 5 {
                 t.get_item(4)?.extract()?
             } else {
                 0
+            };
+            let dtype = if t.len() == 6 {
+                let d: String = t.get_item(5)?.extract()?;
+                match d.as_str() {
+                    "bf16" => DType::Bf16,
+                    "f32" => DType::F32,
+                    d => {
+                        return Err(layout_err(
+                            py,
+                            format!("{name}: dtype {d:?} (\"bf16\" or \"f32\")"),
+                        ))
+                    }
+                }
+            } else {
+                DType::Bf16
             };
             if index.insert(name.clone(), ps.len()).is_some() {
                 return Err(layout_err(py, format!("parameter {name} twice")));
@@ -134,7 +163,7 @@ impl PyRlPlan {
                 name,
                 rows: t.get_item(1)?.extract()?,
                 cols: t.get_item(2)?.extract()?,
-                dtype: DType::Bf16,
+                dtype,
                 mesh_group,
                 layout,
             });
@@ -184,10 +213,15 @@ impl PyRlPlan {
             }
             inf.push(ts);
         }
-        let model = ModelLayout {
+        let mut model = ModelLayout {
             trainers,
             params: ps,
             inference: inf,
+        };
+        let fallbacks = if fp8_fallback {
+            model.fp8_fallback(block)
+        } else {
+            Vec::new()
         };
         let cfg = PlanConfig {
             block,
@@ -202,6 +236,7 @@ impl PyRlPlan {
         Ok(Self {
             plan: Arc::new(p),
             model: Arc::new(model),
+            fallbacks,
         })
     }
 
@@ -217,12 +252,22 @@ impl PyRlPlan {
         self.model.inference.len()
     }
 
-    /// The parameters: `(name, rows, cols)` each, in the order given.
-    fn params(&self) -> Vec<(String, u64, u64)> {
+    /// The fp8 targets kept in the trainers' dtype (`fp8_fallback=True`):
+    /// `(inference_rank, tensor, reason)` each.
+    fn fallbacks(&self) -> Vec<(u32, String, String)> {
+        self.fallbacks
+            .iter()
+            .map(|f| (f.inference, f.tensor.clone(), f.reason.clone()))
+            .collect()
+    }
+
+    /// The parameters: `(name, rows, cols, dtype)` each, in the order
+    /// given.
+    fn params(&self) -> Vec<(String, u64, u64, &'static str)> {
         self.model
             .params
             .iter()
-            .map(|p| (p.name.clone(), p.rows, p.cols))
+            .map(|p| (p.name.clone(), p.rows, p.cols, dtype_name(p.dtype)))
             .collect()
     }
 
@@ -249,7 +294,8 @@ impl PyRlPlan {
     }
 
     /// The tensors inference rank `rank` receives: `(name, rows, cols,
-    /// quant)` in the order `RlInference.read` takes.
+    /// quant, dtype)` in the order `RlInference.read` takes; `dtype` is
+    /// how it is stored (`"bf16"`, `"f32"` or `"fp8"`).
     fn tensors<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, PyList>> {
         let r = self.plan.inference.get(rank as usize).ok_or_else(|| {
             rl_err(
@@ -260,13 +306,19 @@ impl PyRlPlan {
                 },
             )
         })?;
-        let items = r.tensors.iter().map(|t| {
-            let q = if t.quant == Quant::Fp8Block {
-                "fp8"
+        let tensors = self.model.inference.get(rank as usize);
+        let items = r.tensors.iter().enumerate().map(|(i, t)| {
+            let src = tensors
+                .and_then(|ts| ts.get(i))
+                .and_then(|x| x.segments.first())
+                .and_then(|sg| self.model.params.get(sg.param))
+                .map_or("bf16", |p| dtype_name(p.dtype));
+            let (q, d) = if t.quant == Quant::Fp8Block {
+                ("fp8", "fp8")
             } else {
-                "none"
+                ("none", src)
             };
-            (t.name.clone(), t.rows, t.cols, q)
+            (t.name.clone(), t.rows, t.cols, q, d)
         });
         PyList::new(py, items)
     }

@@ -159,7 +159,7 @@ class Cluster:
     def check(self, w, fp8=False, block=4):
         for i, inf in enumerate(self.inference):
             for k, (name, segs, quant) in enumerate(targets(fp8)[i]):
-                n, rows, cols, q = self.plan.tensors(i)[k]
+                n, rows, cols, q, _ = self.plan.tensors(i)[k]
                 assert (n, q) == (name, quant)
                 want = expected(w, segs)
                 assert (rows, cols) == want.shape
@@ -367,3 +367,43 @@ def run_ranks(tmp_path, device: str = "cpu") -> None:
 @pytest.mark.fabric
 def test_trainer_and_inference_processes_over_tcp(tmp_path):
     run_ranks(tmp_path)
+
+
+def test_f32_sources_and_the_explicit_fp8_fallback(engines):
+    """An f32 parameter arrives as f32; fp8 targets that cannot be quantised
+    as given (a fused segment of 5 rows with 4-row tiles; an f32 source)
+    are refused, or with fp8_fallback=True kept in the trainers' dtype and
+    listed."""
+    ps = params() + [("f", 6, 3, ("mesh", [2], [1, 2], [0]), 0, "f32")]
+    tgt = [
+        [
+            ("f", [("f", 0, 6, 0, 3)], "none"),
+            ("bad", [("w", 0, 5, 0, 6), ("e", 0, 9, 0, 6)], "fp8"),
+            ("f8", [("f", 1, 5, 0, 3)], "fp8"),
+            ("ok", [("w", 0, 8, 0, 6), ("e", 2, 9, 0, 6)], "fp8"),
+        ],
+        [("n", [("n", 0, 7, 0, 1)], "none")],
+    ]
+    kw = dict(block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    with pytest.raises(rl.RlError) as e:
+        rl.RlPlan(4, ps, tgt, **kw)
+    assert e.value.kind == "layout"
+    plan = rl.RlPlan(4, ps, tgt, fp8_fallback=True, **kw)
+    assert [(r, t) for r, t, _ in plan.fallbacks()] == [(0, "bad"), (0, "f8")]
+    assert [t[3:] for t in plan.tensors(0)] == [("none", "f32"), ("none", "bf16"), ("none", "f32"), ("fp8", "fp8")]
+    trainers = [rl.RlTrainer(engines[r], plan, r) for r in range(4)]
+    inference = [rl.RlInference(engines[4 + i], plan, i) for i in range(2)]
+    d = rl.RlDirectory(plan, [t.endpoint() for t in trainers], [i.endpoint() for i in inference])
+    w = weights(77)
+    f = np.random.default_rng(5).standard_normal((6, 3)).astype(np.float32)
+    for t in trainers:
+        for k, (name, r, c) in enumerate(plan.pieces(t.rank)):
+            src = f if name == "f" else w[name]
+            t.load_piece(k, np.ascontiguousarray(box(src, r, c)))
+    run_all([lambda t=t: t.step(0, d) for t in trainers] + [lambda i=i: i.step(0, d) for i in inference])
+    got = lambda k: np.frombuffer(inference[0].read(k), np.uint8)  # noqa: E731
+    assert np.array_equal(got(0).view(np.float32).reshape(6, 3), f)
+    assert np.array_equal(got(1).view(np.uint16).reshape(14, 6), expected(w, tgt[0][1][1]))
+    assert np.array_equal(got(2).view(np.float32).reshape(4, 3), f[1:5])
+    q, s = ref_fp8(expected(w, tgt[0][3][1]), 4)
+    assert np.array_equal(got(3).reshape(q.shape), q)

@@ -82,18 +82,18 @@ def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
 
 def test_module_source_metadata_maps_to_the_plan():
     """vLLM's ModuleSource of plain tensors: every trainer holds each one
-    whole; the plan gives every worker every parameter; non-bf16 is a
-    typed refusal."""
+    whole; the plan gives every worker every parameter; fp16 is a typed
+    refusal."""
     m = torch.nn.Module()
     m.register_parameter("a", torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16)))
     m.register_parameter("b", torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)))
     table = vw._table(ModuleSource(m).metadata)
     assert table[0][:3] == ["a", "torch.bfloat16", [4, 6]]
     plan = vw._plan(table, 3, 2, ["a"], {"block": 4})
-    assert plan.params() == [("a", 4, 6), ("b", 5, 1)]
+    assert plan.params() == [("a", 4, 6, "bf16"), ("b", 5, 1, "bf16")]
     assert [t[0] for t in plan.tensors(1)] == ["a", "b"] and plan.tensors(1)[0][3] == "fp8"
     assert {p[0] for p in plan.pieces(2)} == {"a", "b"}
-    m.register_parameter("c", torch.nn.Parameter(torch.zeros(2)))
+    m.register_parameter("c", torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)))
     with pytest.raises(rl.RlError) as e:
         vw._plan(vw._table(ModuleSource(m).metadata), 3, 2, [], {})
     assert e.value.kind == "layout"

@@ -4,7 +4,8 @@ from the shards it holds (no gather to a rank 0), following one routing
 table every rank computes alike from the same description.
 
 The description is two tables. *Parameters*: what the trainers hold, each
-``(name, rows, cols, layout)`` with tensors seen as 2-D (``[d0, d1 * ...]``)
+``(name, rows, cols, layout[, mesh_group[, dtype]])`` with tensors seen as
+2-D (``[d0, d1 * ...]``), ``dtype`` ``"bf16"`` (default) or ``"f32"``,
 and ``layout`` one of ``("replicate", ranks)``, ``("shard", dim, ranks,
 sizes)`` or ``("mesh", mesh_shape, ranks, placements)`` — a torch DTensor's
 device mesh with one placement per mesh dimension: ``None`` (Replicate) or
@@ -134,14 +135,22 @@ def _dtensor_layout(t: Any) -> tuple[list[int], list[int], list[Any]] | None:
     return [int(r) for r in grid.flatten().tolist()], list(grid.shape), placements
 
 
+def _dtype(name: str, dtype: Any) -> str:
+    """``"bf16"`` or ``"f32"`` for a torch/numpy dtype or its name."""
+    d = str(dtype)
+    if "bfloat16" in d:
+        return "bf16"
+    if "float32" in d:
+        return "f32"
+    raise _err("layout", f"{name}: trainers hold bf16 or f32, not {d}")
+
+
 def param_of(name: str, t: Any, trainers: int, mesh_group: int = 0) -> tuple:
     """The parameter entry of tensor ``t`` (a torch DTensor: its mesh and
     placements; a plain tensor: held whole by every one of ``trainers``).
-    Trainers hold bf16: anything else raises ``RlError`` (kind
+    Trainers hold bf16 or f32: anything else raises ``RlError`` (kind
     ``layout``)."""
-    dtype = str(getattr(t, "dtype", ""))
-    if "bfloat16" not in dtype:
-        raise _err("layout", f"{name}: trainers hold bf16, not {dtype or type(t).__name__}")
+    dtype = _dtype(name, getattr(t, "dtype", type(t).__name__))
     shape = tuple(t.shape)
     rows, cols = as_2d(shape)
     d = _dtensor_layout(t)
@@ -150,7 +159,7 @@ def param_of(name: str, t: Any, trainers: int, mesh_group: int = 0) -> tuple:
     else:
         owners, mesh_shape, placements = d
         layout = layout_of(name, shape, owners, mesh_shape, placements)
-    return (name, rows, cols, layout, mesh_group)
+    return (name, rows, cols, layout, mesh_group, dtype)
 
 
 def params_from_module(module: Any, trainers: int) -> list[tuple]:
@@ -202,18 +211,18 @@ def load_local(trainer: RlTrainer, named: Iterable[tuple[str, Any]]) -> int:
     pieces: dict[str, list[int]] = {}
     for k, (name, _, _) in enumerate(trainer_pieces(trainer)):
         pieces.setdefault(name, []).append(k)
-    full = {n: (r, c) for n, r, c in trainer.plan.params()}
+    full = {n: (r, c, 4 if d == "f32" else 2) for n, r, c, d in trainer.plan.params()}
     mine = trainer_pieces(trainer)
     n = 0
     for name, t in named:
         for k in pieces.get(name, ()):
             _, (r0, r1), (c0, c1) = mine[k]
             data = _bytes_of(t)
-            rows, cols = full[name]
-            size = (r1 - r0) * (c1 - c0) * 2
+            rows, cols, e = full[name]
+            size = (r1 - r0) * (c1 - c0) * e
             nbytes = getattr(data, "nbytes", None)
-            if nbytes is not None and nbytes != size and nbytes == rows * cols * 2:
-                data = data.reshape(rows, cols * 2)[r0:r1, 2 * c0 : 2 * c1]
+            if nbytes is not None and nbytes != size and nbytes == rows * cols * e:
+                data = data.reshape(rows, cols * e)[r0:r1, e * c0 : e * c1]
                 data = data.copy(order="C")
             trainer.load_piece(k, data)
             n += 1
@@ -232,11 +241,10 @@ def params_from_metas(metas: Iterable[Any], trainers: int) -> list[tuple]:
         else:
             name, dtype, shape = m.name, m.dtype, m.shape
             owners, mesh_shape, placements = m.owners, m.mesh_shape, m.placements
-        if "bfloat16" not in str(dtype):
-            raise _err("layout", f"{name}: trainers hold bf16, not {dtype}")
+        dt = _dtype(name, dtype)
         rows, cols = as_2d(shape)
         owners = list(range(trainers)) if owners is None else owners
-        out.append((name, rows, cols, layout_of(name, shape, owners, mesh_shape, placements)))
+        out.append((name, rows, cols, layout_of(name, shape, owners, mesh_shape, placements), 0, dt))
     return out
 
 
@@ -247,16 +255,17 @@ def trainer_pieces(trainer: RlTrainer) -> list[tuple]:
 
 def read_tensor(inf: RlInference, index: int, shape: Sequence[int] | None = None) -> Any:
     """Tensor ``index`` of the live version as torch tensors: bf16 (shaped
-    ``shape``, default ``[rows, cols]``), or for an fp8 target the pair
+    ``shape``, default ``[rows, cols]``; f32 for f32 sources), or for an fp8 target the pair
     ``(float8_e4m3fn [rows, cols], float32 scales)``."""
     import torch
 
-    name, rows, cols, quant = inf.plan.tensors(inf.rank)[index]
+    name, rows, cols, quant, dtype = inf.plan.tensors(inf.rank)[index]
     if quant == "fp8":
         q = torch.frombuffer(bytearray(inf.read(index)), dtype=torch.uint8)
         s = torch.frombuffer(bytearray(inf.read_scales(index)), dtype=torch.float32)
         return q.view(torch.float8_e4m3fn).reshape(rows, cols), s
-    t = torch.frombuffer(bytearray(inf.read(index)), dtype=torch.bfloat16)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    t = torch.frombuffer(bytearray(inf.read(index)), dtype=tdt)
     return t.reshape(tuple(shape) if shape is not None else (rows, cols))
 
 
@@ -264,6 +273,6 @@ def read_tensors(inf: RlInference, shapes: dict[str, Sequence[int]] | None = Non
     """Every tensor of the live version by name (see :func:`read_tensor`)."""
     shapes = shapes or {}
     out = {}
-    for i, (name, _, _, _) in enumerate(inf.plan.tensors(inf.rank)):
+    for i, (name, *_) in enumerate(inf.plan.tensors(inf.rank)):
         out[name] = read_tensor(inf, i, shapes.get(name))
     return out

@@ -233,7 +233,7 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
             inf.recover()
             raise
         weights = []
-        for i, (name, rows, cols, quant) in enumerate(inf.plan.tensors(inf.rank)):
+        for i, (name, rows, cols, quant, _) in enumerate(inf.plan.tensors(inf.rank)):
             if quant == "fp8":
                 q, s = rl.read_tensor(inf, i)
                 block = int(info.plan.get("block", 128))

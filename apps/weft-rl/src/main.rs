@@ -140,6 +140,9 @@ struct SimArgs {
     /// Fabric seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// As `plan --fp8-fallback`.
+    #[arg(long)]
+    fp8_fallback: bool,
 }
 
 #[derive(Args, Clone)]
@@ -183,6 +186,11 @@ struct LayoutArgs {
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]
     watermark_mib: u64,
+    /// Keep fp8 targets that cannot be quantised as given (fused segments
+    /// that are not whole 128-row tiles) in bf16 instead of refusing the
+    /// layout; the plan lists them.
+    #[arg(long)]
+    fp8_fallback: bool,
 }
 
 impl LayoutArgs {
@@ -228,7 +236,19 @@ impl LayoutArgs {
 
     fn build(&self) -> Result<(ModelConfig, TrainLayout, InferLayout, ModelLayout, Plan), String> {
         let (m, t, i, cfg) = self.resolve()?;
-        let ml = models::build(&m, t, i).map_err(|e| e.to_string())?;
+        let mut ml = models::build(&m, t, i).map_err(|e| e.to_string())?;
+        if self.fp8_fallback {
+            let fb = ml.fp8_fallback(cfg.block);
+            if let Some(f) = fb.first() {
+                println!(
+                    "fp8 fallback: {} tensors kept bf16 (e.g. inference {} {}: {})",
+                    fb.len(),
+                    f.inference,
+                    f.tensor,
+                    f.reason
+                );
+            }
+        }
         let p = plan(&ml, &cfg).map_err(|e| e.to_string())?;
         Ok((m, t, i, ml, p))
     }
@@ -306,6 +326,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             nics: a.nics as usize,
             unit_mib: a.unit_mib,
             watermark_mib: a.watermark_mib,
+            fp8_fallback: a.fp8_fallback,
         };
         let (m, t, i, ml, p) = la.build()?;
         let n = m.name.to_string();

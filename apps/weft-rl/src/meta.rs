@@ -280,6 +280,17 @@ impl InferTensor {
     }
 }
 
+/// An fp8 target [`ModelLayout::fp8_fallback`] kept unquantised.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Fp8Fallback {
+    /// The inference rank.
+    pub inference: u32,
+    /// The tensor's name.
+    pub tensor: String,
+    /// Why it could not be quantised.
+    pub reason: String,
+}
+
 /// The whole description a controller gathers once.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ModelLayout {
@@ -296,8 +307,8 @@ impl ModelLayout {
     pub fn validate(&self, block: u64) -> Result<(), RlError> {
         let bad = |m: String| Err(RlError::Layout(m));
         for p in &self.params {
-            if p.dtype != DType::Bf16 {
-                return bad(format!("{}: trainers hold bf16 only", p.name));
+            if !matches!(p.dtype, DType::Bf16 | DType::F32) {
+                return bad(format!("{}: trainers hold bf16 or f32", p.name));
             }
             let ranks = p.layout.ranks();
             if ranks.is_empty() {
@@ -326,10 +337,23 @@ impl ModelLayout {
                 if nseg == 0 || w == 0 {
                     return bad(format!("inference {i} {}: empty", t.name));
                 }
+                let dtype = self.params.get(t.segments[0].param).map(|p| p.dtype);
                 for (k, s) in t.segments.iter().enumerate() {
                     let Some(p) = self.params.get(s.param) else {
                         return bad(format!("inference {i} {}: no param {}", t.name, s.param));
                     };
+                    if Some(p.dtype) != dtype {
+                        return bad(format!(
+                            "inference {i} {}: segment {k} ({}) is {:?}, segment 0 {dtype:?}: one tensor, one dtype",
+                            t.name, p.name, p.dtype
+                        ));
+                    }
+                    if t.quant == Quant::Fp8Block && p.dtype != DType::Bf16 {
+                        return bad(format!(
+                            "inference {i} {}: fp8 from {} ({:?}): fp8 targets quantise bf16",
+                            t.name, p.name, p.dtype
+                        ));
+                    }
                     if s.src.rows.end > p.rows
                         || s.src.cols.end > p.cols
                         || s.src.height() == 0
@@ -351,6 +375,45 @@ impl ModelLayout {
             }
         }
         Ok(())
+    }
+
+    /// The explicit fp8 fallback: every fp8 target that cannot be
+    /// quantised as given — a segment other than the last that is not whole
+    /// `block`-row tiles (e.g. Qwen3's q/k/v at TP 3), or a source that is
+    /// not bf16 — is kept in the trainers' dtype instead (`Quant::None`).
+    /// Returns what it changed, for the plan summary; apply it before
+    /// [`crate::plan()`], and read each tensor's storage from the plan's
+    /// `TensorSlot::quant`.
+    pub fn fp8_fallback(&mut self, block: u64) -> Vec<Fp8Fallback> {
+        let mut out = Vec::new();
+        for (i, ts) in self.inference.iter_mut().enumerate() {
+            for t in ts.iter_mut().filter(|t| t.quant == Quant::Fp8Block) {
+                let n = t.segments.len();
+                let reason = t.segments.iter().enumerate().find_map(|(k, s)| {
+                    let p = self.params.get(s.param)?;
+                    if p.dtype != DType::Bf16 {
+                        Some(format!("{} is {:?}", p.name, p.dtype))
+                    } else if k + 1 < n && block > 0 && s.src.height() % block != 0 {
+                        Some(format!(
+                            "segment {k} ({}) has {} rows, not whole {block}-row tiles",
+                            p.name,
+                            s.src.height()
+                        ))
+                    } else {
+                        None
+                    }
+                });
+                if let Some(reason) = reason {
+                    t.quant = Quant::None;
+                    out.push(Fp8Fallback {
+                        inference: i as u32,
+                        tensor: t.name.clone(),
+                        reason,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// The pieces of parameter `p`: `(holders, box)`.

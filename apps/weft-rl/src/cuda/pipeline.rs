@@ -175,6 +175,12 @@ impl GpuUpdate {
                 let p = ml.params.get(s.param).ok_or_else(|| {
                     GpuError::Invalid(format!("{}: no parameter {}", t.name, s.param))
                 })?;
+                if p.dtype != crate::DType::Bf16 {
+                    return Err(GpuError::Invalid(format!(
+                        "{}: {:?} source (the GPU stages take bf16)",
+                        p.name, p.dtype
+                    )));
+                }
                 full_off.entry(s.param).or_insert_with(|| {
                     let o = at;
                     at = align(at + 2 * p.rows * p.cols, a);

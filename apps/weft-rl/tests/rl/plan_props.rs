@@ -425,3 +425,77 @@ fn malformed_meshes_are_refused() {
         }
     }
 }
+
+/// Source dtypes: f32 parameters plan with 4-byte elements; one fused
+/// tensor mixing dtypes, and fp8 from f32, are refused — or, for fp8,
+/// kept unquantised by the explicit fallback, which also catches fused
+/// segments that are not whole tiles; the plan's slots then say bf16/f32.
+#[test]
+fn f32_sources_and_the_fp8_fallback() {
+    use weft_rl::meta::*;
+    let p = |name: &str, rows, dtype| TrainParam {
+        name: name.into(),
+        rows,
+        cols: 8,
+        dtype,
+        mesh_group: 0,
+        layout: Layout::Replicate { ranks: vec![0] },
+    };
+    let seg = |param, rows: u64| Segment {
+        param,
+        src: Box2 {
+            rows: 0..rows,
+            cols: 0..8,
+        },
+    };
+    let t = |name: &str, segments, quant| InferTensor {
+        name: name.into(),
+        segments,
+        quant,
+    };
+    let base = |inference| ModelLayout {
+        trainers: 1,
+        params: vec![
+            p("a", 8, DType::Bf16),
+            p("b", 6, DType::Bf16),
+            p("f", 4, DType::F32),
+        ],
+        inference,
+    };
+    let cfg = PlanConfig {
+        block: 4,
+        ..PlanConfig::default()
+    };
+    // f32 straight through: 4 bytes an element.
+    let ok = plan(
+        &base(vec![vec![t("f", vec![seg(2, 4)], Quant::None)]]),
+        &cfg,
+    )
+    .unwrap();
+    assert_eq!(ok.inference[0].tensors[0].data.1, 4 * 8 * 4);
+    for bad in [
+        vec![t("mix", vec![seg(0, 8), seg(2, 4)], Quant::None)],
+        vec![t("f8", vec![seg(2, 4)], Quant::Fp8Block)],
+        vec![t("ragged", vec![seg(1, 6), seg(0, 8)], Quant::Fp8Block)],
+    ] {
+        let name = bad[0].name.clone();
+        match plan(&base(vec![bad]), &cfg) {
+            Err(weft_rl::RlError::Layout(_)) => {}
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    let mut m = base(vec![vec![
+        t("f8", vec![seg(2, 4)], Quant::Fp8Block),
+        t("ragged", vec![seg(1, 6), seg(0, 8)], Quant::Fp8Block),
+        t("tiles", vec![seg(0, 8), seg(1, 6)], Quant::Fp8Block),
+    ]]);
+    let fb = m.fp8_fallback(4);
+    let names: Vec<&str> = fb.iter().map(|f| f.tensor.as_str()).collect();
+    assert_eq!(names, ["f8", "ragged"]);
+    assert!(fb[1].reason.contains("6 rows"), "{}", fb[1].reason);
+    let p = plan(&m, &cfg).unwrap();
+    let q: Vec<Quant> = p.inference[0].tensors.iter().map(|s| s.quant).collect();
+    assert_eq!(q, [Quant::None, Quant::None, Quant::Fp8Block]);
+    // A second pass changes nothing.
+    assert!(m.fp8_fallback(4).is_empty());
+}
