@@ -41,7 +41,9 @@ def ref_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(s.shape[1]):
             t = x[i * block : (i + 1) * block, j * block : (j + 1) * block]
             amax = t.abs().max()
-            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            # IEEE division (a Python-float divisor may become a multiply
+            # by its reciprocal).
+            scale = amax / torch.tensor(448.0) if amax > 0 else torch.tensor(1.0)
             s[i, j] = scale
             q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (t / scale).to(torch.float8_e4m3fn)
     return q, s

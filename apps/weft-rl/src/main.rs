@@ -177,6 +177,9 @@ struct LayoutArgs {
     /// Inference attention TP.
     #[arg(long)]
     tp: Option<u32>,
+    /// Inference pipeline stages per instance.
+    #[arg(long)]
+    inference_pp: Option<u32>,
     /// NICs per trainer.
     #[arg(long, default_value_t = 1)]
     nics: usize,
@@ -216,7 +219,8 @@ impl LayoutArgs {
         // file's numbers stand as written (`build` refuses what does not fit).
         let fit = |v: u32, cap: u32| if from_file { v } else { v.min(cap) };
         i.instance = self.instance.unwrap_or(fit(i.instance, i.ranks));
-        i.attn_tp = self.tp.unwrap_or(fit(i.attn_tp, i.instance));
+        i.pp = self.inference_pp.unwrap_or(i.pp);
+        i.attn_tp = self.tp.unwrap_or(fit(i.attn_tp, i.instance / i.pp.max(1)));
         let mib = |field: &'static str, v: u64| {
             v.checked_mul(1 << 20)
                 .filter(|&b| b > 0)
@@ -259,7 +263,7 @@ fn cmd_plan(a: &LayoutArgs) -> Result<(), String> {
     let (m, t, i, ml, p) = a.build()?;
     let dt = t0.elapsed();
     println!(
-        "{} ({}): FSDP/PP/EP = {}/{}/{} on {} trainers -> {} inference ranks (instances of {}, attention TP {})",
+        "{} ({}): FSDP/PP/EP = {}/{}/{} on {} trainers -> {} inference ranks (instances of {}, attention TP {}, {} stages)",
         m.name,
         m.source,
         t.fsdp,
@@ -268,7 +272,8 @@ fn cmd_plan(a: &LayoutArgs) -> Result<(), String> {
         t.ranks(),
         i.ranks,
         i.instance,
-        i.attn_tp
+        i.attn_tp,
+        i.pp
     );
     println!("{}", Summary::of(&ml, &p, a.nics));
     println!("planned in {:.2} s", dt.as_secs_f64());
@@ -323,6 +328,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             inference: None,
             instance: None,
             tp: None,
+            inference_pp: None,
             nics: a.nics as usize,
             unit_mib: a.unit_mib,
             watermark_mib: a.watermark_mib,
@@ -333,8 +339,9 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         let planned = t0.elapsed();
         let r = simulate(&ml, &p, &cfg).map_err(|e| e.to_string())?;
         println!(
-            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
-            t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp, i.instance,
+            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
+            t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp,
+            if i.pp > 1 { format!(" PP{}", i.pp) } else { String::new() }, i.instance,
             weft_rl::summary::human(r.bytes as f64),
             r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.model.p2p_s, r.bound_s, r.rank0_s, paper(&n),
             r.wrs as f64 / 1e6, r.events as f64 / 1e6,
@@ -362,6 +369,7 @@ fn main() -> ExitCode {
                     ranks: a.inference,
                     instance: a.instance,
                     attn_tp: a.tp,
+                    pp: 1,
                 },
                 nics: a.nics,
                 unit_bytes: a.unit_kib << 10,

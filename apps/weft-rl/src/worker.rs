@@ -116,6 +116,7 @@ impl Spec {
                 ranks: small("inf")?,
                 instance: small("instance")?,
                 attn_tp: small("tp")?,
+                pp: 1,
             },
             nics: usize::try_from(small("nics")?).map_err(|_| "nics: too large".to_string())?,
             unit_bytes: num("unit")?,

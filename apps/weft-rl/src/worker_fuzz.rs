@@ -44,6 +44,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                     ranks,
                     instance,
                     attn_tp,
+                    pp: 1,
                 },
                 nics,
                 unit_bytes,

@@ -172,13 +172,23 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
         || inf.ranks == 0
         || inf.instance == 0
         || inf.attn_tp == 0
+        || inf.pp == 0
     {
         return Err(RlError::Layout("degrees must be > 0".into()));
     }
-    if !inf.ranks.is_multiple_of(inf.instance) || !inf.instance.is_multiple_of(inf.attn_tp) {
+    if !inf.ranks.is_multiple_of(inf.instance)
+        || !inf.instance.is_multiple_of(inf.pp)
+        || !(inf.instance / inf.pp).is_multiple_of(inf.attn_tp)
+    {
         return Err(RlError::Layout(format!(
-            "{} inference ranks do not split into instances of {} with TP {}",
-            inf.ranks, inf.instance, inf.attn_tp
+            "{} inference ranks do not split into instances of {} in {} stages with TP {}",
+            inf.ranks, inf.instance, inf.pp, inf.attn_tp
+        )));
+    }
+    if u64::from(inf.pp) > m.layers {
+        return Err(RlError::Layout(format!(
+            "{} inference stages for {} layers",
+            inf.pp, m.layers
         )));
     }
     check_scale(m, t, inf)?;
@@ -364,19 +374,31 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
     };
     let mut inference = Vec::with_capacity(inf.ranks as usize);
     let tp = u64::from(inf.attn_tp);
-    let per = m.experts.div_ceil(u64::from(inf.instance));
+    // An instance's GPUs split into `pp` stages; attention TP and the
+    // experts split over a stage's GPUs.
+    let stage_gpus = u64::from(inf.instance / inf.pp);
+    let ipp = u64::from(inf.pp);
+    let per = m.experts.div_ceil(stage_gpus);
+    let inf_stage = |l: u64| l * ipp / m.layers;
     for r in 0..inf.ranks {
-        let local = u64::from(r % inf.instance);
+        let in_instance = u64::from(r % inf.instance);
+        let stage = in_instance / stage_gpus;
+        let local = in_instance % stage_gpus;
         let k = local % tp;
         let mut ts = Vec::new();
         let rows_of = |p: usize| part(params[p].rows, tp, k);
         let cols_of = |p: usize| part(params[p].cols, tp, k);
-        ts.push(tensor(
-            "embed_tokens".into(),
-            vec![seg(embed, rows_of(embed), 0..h)],
-            Quant::None,
-        ));
+        if stage == 0 {
+            ts.push(tensor(
+                "embed_tokens".into(),
+                vec![seg(embed, rows_of(embed), 0..h)],
+                Quant::None,
+            ));
+        }
         for (l, ids) in layers.iter().enumerate() {
+            if inf_stage(l as u64) != stage {
+                continue;
+            }
             let p = format!("layers.{l}");
             let n = |x: &str| format!("{p}.{x}");
             match m.attn {
@@ -492,13 +514,18 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
                 }
             }
         }
-        ts.push(tensor("norm".into(), vec![whole(norm)], Quant::None));
-        if let Some(head) = head {
-            ts.push(tensor(
-                "lm_head".into(),
-                vec![seg(head, rows_of(head), 0..h)],
-                Quant::None,
-            ));
+        if stage + 1 == ipp {
+            ts.push(tensor("norm".into(), vec![whole(norm)], Quant::None));
+            // Tied embeddings: a last stage that does not hold the
+            // embedding holds it as its LM head.
+            let head = head.or((m.tied_embeddings && stage > 0).then_some(embed));
+            if let Some(head) = head {
+                ts.push(tensor(
+                    "lm_head".into(),
+                    vec![seg(head, rows_of(head), 0..h)],
+                    Quant::None,
+                ));
+            }
         }
         inference.push(ts);
     }

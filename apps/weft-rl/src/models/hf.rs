@@ -301,6 +301,9 @@ pub struct InferMesh {
     /// (default 1).
     #[serde(default = "one")]
     pub tp: u32,
+    /// Pipeline stages per instance (default 1).
+    #[serde(default = "one")]
+    pub pp: u32,
 }
 
 fn one() -> u32 {
@@ -343,6 +346,7 @@ impl LayoutFile {
                 ranks: self.inference.ranks,
                 instance: self.inference.instance.unwrap_or(self.inference.ranks),
                 attn_tp: self.inference.tp,
+                pp: self.inference.pp,
             },
         )
     }

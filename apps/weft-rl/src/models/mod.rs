@@ -325,6 +325,11 @@ pub struct InferLayout {
     pub instance: u32,
     /// Tensor-parallel degree of attention / dense / vocab.
     pub attn_tp: u32,
+    /// Pipeline stages per instance (1: none). An instance's GPUs split
+    /// into `pp` stages of `instance / pp`; stage `s` holds layers
+    /// `s·L/pp ..`, the first the embedding, the last the final norm and
+    /// the LM head; attention TP and the experts split over a stage's GPUs.
+    pub pp: u32,
 }
 
 /// The paper's setting, per model: FSDP/PP/EP = 16/2/8 on 256 trainers →
@@ -351,6 +356,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
                 ranks: 2,
                 instance: 2,
                 attn_tp: 2,
+                pp: 1,
             },
         );
     }
@@ -359,12 +365,14 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
             ranks: 128,
             instance: 8,
             attn_tp: 4,
+            pp: 1,
         }
     } else {
         InferLayout {
             ranks: 128,
             instance: 128,
             attn_tp: 8,
+            pp: 1,
         }
     };
     (t, i)

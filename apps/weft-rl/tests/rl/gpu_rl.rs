@@ -438,6 +438,7 @@ fn pipeline_tiny_models_bit_exact() {
                 ranks: 2,
                 instance: 2,
                 attn_tp: 2,
+                pp: 1,
             };
             let ml = models::build(&m, t, i).unwrap();
             assert!(ml.inference[0].iter().any(|t| t.quant == Quant::Fp8Block));

@@ -400,3 +400,66 @@ fn build_refuses_split_heads_and_overflowing_sizes() {
         Err(RlError::Layout(_))
     ));
 }
+
+/// Inference pipeline stages: each layer's tensors on the ranks of its
+/// stage only, the embedding on the first, the final norm and LM head on
+/// the last (the embedding as LM head when tied), experts over a stage's
+/// GPUs; planned and checked byte for byte, dense and MoE.
+#[test]
+fn inference_pipeline_stages() {
+    let moe = r#"{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 80,
+        "tie_word_embeddings": true}"#;
+    // Two instances of 4 GPUs: 2 stages of 2 GPUs, TP 2.
+    let ml = plan_and_check(
+        "qwen3-moe-pp",
+        moe,
+        r#"{"train": {"fsdp": 2, "ep": 2}, "inference": {"ranks": 8, "instance": 4, "tp": 2, "pp": 2}}"#,
+        16,
+    );
+    for (r, ts) in ml.inference.iter().enumerate() {
+        let stage = (r % 4) / 2;
+        let has = |n: &str| ts.iter().any(|t| t.name == n);
+        let layers: Vec<usize> = (0..4)
+            .filter(|l| has(&format!("layers.{l}.qkv_proj")))
+            .collect();
+        assert_eq!(layers, [stage * 2, stage * 2 + 1], "rank {r}");
+        assert_eq!(has("embed_tokens"), stage == 0, "rank {r}");
+        assert_eq!(has("norm") && has("lm_head"), stage == 1, "rank {r}");
+        // Four experts over a stage's two GPUs: two each.
+        let w2 = ts
+            .iter()
+            .find(|t| t.name == format!("layers.{}.experts.w2", stage * 2))
+            .unwrap();
+        assert_eq!(w2.segments.len(), 2, "rank {r}");
+    }
+    let dense = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100}"#;
+    let ml = plan_and_check(
+        "llama-pp3",
+        dense,
+        r#"{"train": {"fsdp": 2, "pp": 1}, "inference": {"ranks": 3, "pp": 3}}"#,
+        16,
+    );
+    assert_eq!(ml.inference.len(), 3);
+    assert!(ml.inference[2].iter().any(|t| t.name == "lm_head"));
+    assert!(!ml.inference[1]
+        .iter()
+        .any(|t| t.name == "lm_head" || t.name == "embed_tokens"));
+    // More stages than layers, or stages that do not divide an instance.
+    let m = ModelConfig::from_hf_config("llama", dense).unwrap();
+    for layout in [
+        r#"{"train": {"fsdp": 1}, "inference": {"ranks": 4, "pp": 4}}"#,
+        r#"{"train": {"fsdp": 1}, "inference": {"ranks": 4, "pp": 3}}"#,
+        r#"{"train": {"fsdp": 1}, "inference": {"ranks": 4, "pp": 2, "tp": 4}}"#,
+    ] {
+        let (t, i) = LayoutFile::parse(layout).unwrap().layouts();
+        assert!(
+            matches!(models::build(&m, t, i), Err(weft_rl::RlError::Layout(_))),
+            "{layout}"
+        );
+    }
+}

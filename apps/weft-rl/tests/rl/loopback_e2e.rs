@@ -313,6 +313,7 @@ fn four_trainers_to_two_inference_ranks() {
             ranks: 2,
             instance: 2,
             attn_tp: 2,
+            pp: 1,
         },
     );
 }
@@ -331,6 +332,7 @@ fn eight_trainers_to_four_inference_ranks_mla_two_stages() {
             ranks: 4,
             instance: 2,
             attn_tp: 2,
+            pp: 1,
         },
     );
 }
@@ -355,6 +357,7 @@ fn killed_trainer_fails_the_step_everywhere_and_old_weights_stay() {
                 ranks: 2,
                 instance: 2,
                 attn_tp: 2,
+                pp: 1,
             },
             cfg,
         );

@@ -100,6 +100,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 ranks: 2,
                 instance: 2,
                 attn_tp: 2,
+                pp: 1,
             },
         ),
         (
@@ -113,6 +114,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 ranks: 8,
                 instance: 2,
                 attn_tp: 2,
+                pp: 1,
             },
         ),
         (
@@ -126,6 +128,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 ranks: 16,
                 instance: 4,
                 attn_tp: 2,
+                pp: 1,
             },
         ),
     ]

@@ -59,6 +59,7 @@ fn available(provider: &str) -> bool {
                 ranks: 1,
                 instance: 1,
                 attn_tp: 1,
+                pp: 1,
             },
         )
     }) {
@@ -192,6 +193,7 @@ fn four_to_two(provider: &str) -> Spec {
             ranks: 2,
             instance: 2,
             attn_tp: 2,
+            pp: 1,
         },
     )
 }
@@ -224,6 +226,7 @@ fn shm_eight_trainers_to_four() {
             ranks: 4,
             instance: 2,
             attn_tp: 2,
+            pp: 1,
         },
     );
     run(&s, false);
