@@ -196,6 +196,10 @@ impl fmt::Display for Summary {
             "mesh groups         {} ({} waves)",
             self.groups.0, self.groups.1
         )?;
-        write!(f, "arena per trainer   {}", human(self.arena as f64))
+        write!(
+            f,
+            "arena per trainer   2 x {} (two halves: waves overlap)",
+            human(self.arena as f64)
+        )
     }
 }

@@ -6,11 +6,15 @@
 //!    the target buffer, with the count computed from the plan
 //!    ([`Inference::expected`], through the engine's `ImmCounts`).
 //! 2. Every trainer runs its mesh groups in plan order; per wave: a
-//!    barrier among the group's ranks (zero-length WRITEIMMs: "my arena is
-//!    free"), the gathers it sources (WRITEs into the writers' arenas),
-//!    its direct units (WRITEs from its shards into inference memory), then
-//!    — once its gather round is complete — quantisation and WRITEs of its
-//!    staged units; the wave ends when all its WRITEs completed.
+//!    barrier among the group's ranks (zero-length WRITEIMMs: "my arena
+//!    half is free"), the gathers it sources (WRITEs into the writers'
+//!    arenas), its direct units (WRITEs from its shards into inference
+//!    memory), then — once its gather round is complete — quantisation and
+//!    WRITEs of its staged units. Waves overlap: the arena has two halves,
+//!    wave `k` of a group stages in half `k % 2`, and a rank enters wave
+//!    `k + 1` as soon as wave `k` is posted and the wave that last used
+//!    half `(k + 1) % 2` completed, so one wave's WRITEs fly while the next
+//!    one barriers, gathers and quantises.
 //! 3. When its round fires, an inference rank makes the target buffer the
 //!    live one and acknowledges to every trainer (one zero-length WRITEIMM
 //!    each); a trainer's step succeeds once every inference rank acked.
@@ -89,7 +93,8 @@ impl Default for StepConfig {
 
 /// The reserved immediate values (from the top of `imm_capacity` down):
 /// weights buffer 0 and 1, the trainers' ack, then per mesh group a gather
-/// and a barrier value.
+/// value and two barrier values (even and odd waves: a peer's barrier of
+/// the next wave is never counted for this one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImmPlan {
     /// Immediate of writes into weight buffer 0 / 1.
@@ -98,8 +103,8 @@ pub struct ImmPlan {
     pub ack: Imm,
     /// Per group (plan order): gather writes into arenas.
     pub gather: Vec<Imm>,
-    /// Per group: wave barriers.
-    pub barrier: Vec<Imm>,
+    /// Per group: barriers of even and odd waves.
+    pub barrier: Vec<[Imm; 2]>,
 }
 
 impl ImmPlan {
@@ -108,9 +113,9 @@ impl ImmPlan {
         Self::below(plan, capacity, 0)
     }
 
-    /// Values per step: `3 + 2 * groups`.
+    /// Values per step: `3 + 3 * groups`.
     pub fn len(plan: &Plan) -> u64 {
-        3 + 2 * plan.groups.len() as u64
+        3 + 3 * plan.groups.len() as u64
     }
 
     /// The values below the `skip` topmost ones (a second protocol on the
@@ -127,8 +132,8 @@ impl ImmPlan {
         Ok(ImmPlan {
             weights: [top, top - 1],
             ack: top - 2,
-            gather: (0..g).map(|i| top - 3 - 2 * i).collect(),
-            barrier: (0..g).map(|i| top - 4 - 2 * i).collect(),
+            gather: (0..g).map(|i| top - 3 - 3 * i).collect(),
+            barrier: (0..g).map(|i| [top - 4 - 3 * i, top - 5 - 3 * i]).collect(),
         })
     }
 
@@ -136,7 +141,7 @@ impl ImmPlan {
     pub fn all(&self) -> Vec<Imm> {
         let mut v = vec![self.weights[0], self.weights[1], self.ack];
         v.extend(&self.gather);
-        v.extend(&self.barrier);
+        v.extend(self.barrier.iter().flatten());
         v
     }
 

@@ -346,7 +346,7 @@ impl Rank0Trainer {
                         &x,
                         img_mr,
                         &dir.staging,
-                        self.imms.barrier[0],
+                        self.imms.barrier[0][0],
                         &done,
                         T,
                         r,
@@ -550,7 +550,7 @@ impl Rank0Inference {
                 .sum();
             let (od, f) = OnDone::flag();
             self.engine
-                .expect_imm_count_with(self.imms.barrier[0], expect, od)
+                .expect_imm_count_with(self.imms.barrier[0][0], expect, od)
                 .map_err(eng(I, r, "arming link"))?;
             wait(&f, c, I, r, "link from trainer 0")?;
             let (offs, _) = image_layout(&self.plan);

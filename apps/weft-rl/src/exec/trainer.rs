@@ -68,7 +68,13 @@ impl Trainer {
                 .map_err(|e| RlError::Buffer(format!("trainer {rank} {what}: {e}")))
         };
         let shards = buf(region.len, "shards")?;
-        let arena = buf(plan.arena_len, "arena")?;
+        // Two halves: consecutive waves stage in alternate halves.
+        let arena = buf(
+            plan.arena_len
+                .checked_mul(2)
+                .ok_or_else(|| RlError::Buffer(format!("trainer {rank} arena: too large")))?,
+            "arena",
+        )?;
         let mut held = Resources::new();
         let (shards_mr, shards_desc) = held.register(&engine, shards.region()).map_err(eng(
             ROLE,
@@ -132,6 +138,37 @@ impl Trainer {
         let t = self.cfg.timeout;
         let mut st = StepStats::default();
         let ack = self.arm(self.imms.ack, dir.inference.len() as u64, "inference acks")?;
+        // Per arena half: the transfers of the last wave staged in it.
+        let mut inflight: [Option<Inflight>; 2] = [None, None];
+        let r = self.waves(dir, v, &mut inflight, &mut st);
+        // Failed or not, nothing may still be in flight when the step
+        // returns (a retry rewrites the same memory).
+        let drained = inflight
+            .iter_mut()
+            .map(|slot| self.drain(slot))
+            .collect::<Vec<_>>();
+        r?;
+        for d in drained {
+            d?;
+        }
+        match ack.wait_timeout(t) {
+            Some(Ok(())) => Ok(st),
+            Some(Err(e)) => Err(eng(ROLE, self.rank, "inference acks")(e)),
+            None => Err(self.timeout("inference acks")),
+        }
+    }
+
+    /// Every wave of every group this rank is in, overlapped: wave `k`
+    /// stages in arena half `k % 2` and starts once the last wave that
+    /// used that half completed (its writes out of the half, and the
+    /// gathers it sourced).
+    fn waves(
+        &self,
+        dir: &Directory,
+        v: usize,
+        inflight: &mut [Option<Inflight>; 2],
+        st: &mut StepStats,
+    ) -> Result<(), RlError> {
         for (gi, g) in self.plan.groups.iter().enumerate() {
             if g.ranks.binary_search(&self.rank).is_err() {
                 continue;
@@ -145,44 +182,58 @@ impl Trainer {
             for (k, wave) in g.waves.iter().enumerate() {
                 st.waves += 1;
                 let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
-                // Barrier: every arena of the group is free for this wave.
-                let bar = self.arm(self.imms.barrier[gi], peers.len() as u64, &phase("barrier"))?;
+                let half = k % 2;
+                self.drain(&mut inflight[half])?;
+                // Barrier: every arena half of the group is free for this
+                // wave (a value per wave parity: a peer already at the next
+                // wave is not counted here).
+                let imm = self.imms.barrier[gi][half];
+                let bar = self.arm(imm, peers.len() as u64, &phase("barrier"))?;
                 let sent = Arc::new(DoneCounter::new());
                 for &p in &peers {
                     let d = self.trainer(dir, p)?;
                     self.engine
                         .submit_single_write(
                             0,
-                            Some(self.imms.barrier[gi]),
+                            Some(imm),
                             (&self.arena_mr, 0),
                             (&d.arena, 0),
                             OnDone::counter(&sent),
                         )
                         .map_err(eng(ROLE, self.rank, phase("barrier")))?;
                 }
-                self.wait_flag(&bar, &phase("barrier"))?;
+                let barrier = self.wait_flag(&bar, &phase("barrier"));
+                let sent_ok = self.wait_counter(&sent, peers.len() as u64, &phase("barrier sends"));
+                barrier?;
+                sent_ok?;
                 let done = Arc::new(DoneCounter::new());
                 let mut posted = 0u64;
-                let r = self.wave(gi, k, wave, dir, v, &done, &mut posted, &mut st);
-                // Failed or not, nothing of this wave may still be in flight
-                // when the step returns (a retry rewrites the same memory).
-                let drained = self.wait_counter(&done, posted, &phase("writes"));
-                let sent_ok = self.wait_counter(&sent, peers.len() as u64, &phase("barrier sends"));
+                let base = half as u64 * self.plan.arena_len;
+                let r = self.wave(gi, k, wave, dir, v, base, &done, &mut posted, st);
+                inflight[half] = Some(Inflight {
+                    done,
+                    posted,
+                    phase: phase("writes"),
+                });
                 r?;
-                drained?;
-                sent_ok?;
             }
         }
-        match ack.wait_timeout(t) {
-            Some(Ok(())) => Ok(st),
-            Some(Err(e)) => Err(eng(ROLE, self.rank, "inference acks")(e)),
-            None => Err(self.timeout("inference acks")),
+        Ok(())
+    }
+
+    /// Waits for the transfers of the wave in `slot`, if any.
+    fn drain(&self, slot: &mut Option<Inflight>) -> Result<(), RlError> {
+        match slot.take() {
+            Some(w) => self.wait_counter(&w.done, w.posted, &w.phase),
+            None => Ok(()),
         }
     }
 
     /// One wave after its barrier: gathers out, direct writes, then (once
-    /// the gather round is complete) quantisation and staged writes. Every
-    /// transfer it posts is counted in `posted` and reports to `done`.
+    /// the gather round is complete) quantisation and staged writes, in
+    /// the arena half at `base` (the writers' halves of this wave are at
+    /// the same offset). Every transfer it posts is counted in `posted`
+    /// and reports to `done`.
     #[allow(clippy::too_many_arguments)]
     fn wave(
         &self,
@@ -191,6 +242,7 @@ impl Trainer {
         wave: &std::ops::Range<usize>,
         dir: &Directory,
         v: usize,
+        base: u64,
         done: &Arc<DoneCounter>,
         posted: &mut u64,
         st: &mut StepStats,
@@ -203,7 +255,7 @@ impl Trainer {
             for gth in u.gathers.iter().filter(|x| x.from == self.rank) {
                 let d = self.trainer(dir, u.writer)?;
                 self.post(
-                    &gth.xfer,
+                    &shifted(&gth.xfer, 0, base),
                     &self.shards_mr,
                     &d.arena,
                     self.imms.gather[gi],
@@ -248,20 +300,20 @@ impl Trainer {
             .collect();
         for u in &mine {
             for x in &u.local {
-                self.copy_local(x)?;
+                self.copy_local(&shifted(x, 0, base))?;
             }
         }
         self.wait_flag(&gathered, &phase("gather round"))?;
         for u in &mine {
             if u.quant == Quant::Fp8Block {
-                self.quantise(u)?;
+                self.quantise(u, base)?;
                 st.quantised += 1;
             }
             for d in &u.dests {
                 let w = &self.infer(dir, d.inf)?.weights[v];
                 for x in d.xfers() {
                     self.post(
-                        x,
+                        &shifted(x, base, 0),
                         &self.arena_mr,
                         w,
                         self.imms.weights[v],
@@ -383,8 +435,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// bf16 box → fp8 + scales, inside the arena.
-    fn quantise(&self, u: &Unit) -> Result<(), RlError> {
+    /// bf16 box → fp8 + scales, inside the arena half at `base`.
+    fn quantise(&self, u: &Unit, base: u64) -> Result<(), RlError> {
         let bad = || {
             RlError::Plan(format!(
                 "trainer {}: quantisation outside the arena",
@@ -392,6 +444,7 @@ impl Trainer {
             ))
         };
         let (off, _) = u.arena.ok_or_else(bad)?;
+        let off = off + base;
         let (h, w) = (u.src.height() as usize, u.src.width() as usize);
         let d0 = u.dests.first().ok_or_else(bad)?;
         let sc = d0.scales.as_ref().ok_or_else(bad)?;
@@ -401,13 +454,28 @@ impl Trainer {
         if !quantize_block(&src, h, w, self.plan.config.block as usize, &mut q, &mut s) {
             return Err(bad());
         }
-        if !self.arena.write(d0.data.src.offset as usize, &q)
-            || !self.arena.write(sc.src.offset as usize, &s)
+        if !self.arena.write((base + d0.data.src.offset) as usize, &q)
+            || !self.arena.write((base + sc.src.offset) as usize, &s)
         {
             return Err(bad());
         }
         Ok(())
     }
+}
+
+/// The transfers of one posted wave.
+struct Inflight {
+    done: Arc<DoneCounter>,
+    posted: u64,
+    phase: String,
+}
+
+/// `x` with its source moved by `src` and its destination by `dst` bytes.
+fn shifted(x: &Xfer, src: u64, dst: u64) -> Xfer {
+    let mut y = x.clone();
+    y.src.offset += src;
+    y.dst.offset += dst;
+    y
 }
 
 /// Immediates each (group, wave) gather round of `rank` receives.

@@ -257,7 +257,8 @@ pub struct Plan {
     pub units: Vec<Unit>,
     /// Mesh groups in execution order.
     pub groups: Vec<GroupPlan>,
-    /// Arena bytes each trainer registers (largest wave use, ≤ watermark).
+    /// Arena bytes of one wave (largest wave use, ≤ watermark); trainers
+    /// register two halves of it (consecutive waves overlap).
     pub arena_len: u64,
 }
 

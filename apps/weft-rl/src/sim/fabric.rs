@@ -65,6 +65,8 @@ struct Post {
     to: usize,
     dst_off: u64,
     imm: u32,
+    /// The arena half of its wave (the wave's index in its group, mod 2).
+    wave: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +99,8 @@ struct Actor {
     proxy_free: u64,
     scheduled: bool,
     outstanding: u64,
+    /// Outstanding WRs by arena half of their wave.
+    by_wave: BTreeMap<usize, u64>,
     /// Immediates received, by value.
     imms: BTreeMap<u32, u64>,
     /// Trainers: `(group, wave)` list in execution order.
@@ -134,6 +138,13 @@ struct Driver<'a> {
     /// Per trainer: round-robin NIC of its next single write.
     rr: Vec<usize>,
     shard: ShardConfig,
+    /// The wave of each outstanding WR.
+    wr_wave: BTreeMap<u64, usize>,
+    /// Waves overlap: wave k+1 starts once wave k is posted and wave k-1
+    /// completed (two arena halves).
+    pipelined: bool,
+    /// Per trainer: when its device (unshard, quantise) is free.
+    dev_free: Vec<u64>,
 }
 
 fn ns(us: f64) -> u64 {
@@ -197,7 +208,7 @@ impl<'a> Driver<'a> {
                             .map_err(fail(a, "shards"))?,
                     );
                     recv.push(
-                        d.register_virtual(plan.arena_len, Access::RemoteWrite)
+                        d.register_virtual(2 * plan.arena_len, Access::RemoteWrite)
                             .map_err(fail(a, "arena"))?,
                     );
                 } else {
@@ -229,6 +240,7 @@ impl<'a> Driver<'a> {
                 proxy_free: 0,
                 scheduled: false,
                 outstanding: 0,
+                by_wave: BTreeMap::new(),
                 imms: BTreeMap::new(),
                 waves,
                 pos: 0,
@@ -265,6 +277,9 @@ impl<'a> Driver<'a> {
                 .collect(),
             rr: vec![0; nt],
             shard,
+            wr_wave: BTreeMap::new(),
+            pipelined: cfg.pipelined,
+            dev_free: vec![0; nt],
         })
     }
 
@@ -354,6 +369,8 @@ impl<'a> Driver<'a> {
             },
             imm: Some(p.imm),
         };
+        self.wr_wave.insert(self.next_wr, p.wave);
+        *self.actors[a].by_wave.entry(p.wave).or_default() += 1;
         self.next_wr += 1;
         let n = self.actors[a].doms[nic]
             .post_writes(std::slice::from_ref(&wr))
@@ -368,7 +385,7 @@ impl<'a> Driver<'a> {
     /// Trainer `a` begins its `pos`-th wave (or waits for the acks).
     fn start_wave(&mut self, a: usize) -> Result<(), RlError> {
         let now = self.now();
-        let Some(&(gi, _)) = self.actors[a].waves.get(self.actors[a].pos) else {
+        let Some(&(gi, k)) = self.actors[a].waves.get(self.actors[a].pos) else {
             self.actors[a].phase = Phase::Final;
             return self.progress(a);
         };
@@ -391,6 +408,7 @@ impl<'a> Driver<'a> {
                     to: p,
                     dst_off: 0,
                     imm: IMM_BARRIER + gi as u32,
+                    wave: k % 2,
                 },
             );
         }
@@ -416,7 +434,17 @@ impl<'a> Driver<'a> {
                     self.wave_work(a, gi, k)?;
                 }
                 Phase::Work => {
-                    if !act.pending.is_empty() || act.outstanding > 0 {
+                    let next_half = act.waves.get(act.pos + 1).map(|&(_, k)| k % 2);
+                    let blocked = if self.pipelined {
+                        // Posted, and the arena half of the next wave free
+                        // (the last wave staged in it completed).
+                        !act.pending.is_empty()
+                            || next_half.is_some_and(|h| act.by_wave.contains_key(&h))
+                            || (next_half.is_none() && act.outstanding > 0)
+                    } else {
+                        !act.pending.is_empty() || act.outstanding > 0
+                    };
+                    if blocked {
                         return Ok(());
                     }
                     self.actors[a].pos += 1;
@@ -447,6 +475,7 @@ impl<'a> Driver<'a> {
                                 to: t,
                                 dst_off: 0,
                                 imm: IMM_ACK,
+                                wave: usize::MAX,
                             },
                         );
                     }
@@ -489,23 +518,29 @@ impl<'a> Driver<'a> {
         let units = &self.plan.units[self.plan.groups[gi].waves[k].clone()];
         let mine = |u: &&Unit| u.writer == r;
         for u in units.iter().filter(mine).filter(|u| u.arena.is_none()) {
-            self.queue_unit(a, u, now, Src::Shards);
+            self.queue_unit(a, u, now, Src::Shards, 0);
         }
+        // Staged units read the arena half of the wave's parity.
+        let base = (k % 2) as u64 * self.plan.arena_len;
         let q_bs = self.cfg.quant_gbs * 1e9;
-        let mut dev = now + gdone;
+        let mut dev = (now + gdone).max(self.dev_free[a]);
         for u in units.iter().filter(mine).filter(|u| u.arena.is_some()) {
             let bytes = u.src.elems() * self.m.params[u.param].dtype.size();
             let q = ns(self.cfg.kernel_us) + (bytes as f64 / q_bs * 1e9) as u64;
             dev += q;
             self.actors[a].parts[1] += q;
-            self.queue_unit(a, u, dev, Src::Arena);
+            self.queue_unit(a, u, dev, Src::Arena, base);
         }
+        self.dev_free[a] = dev;
         self.schedule(a);
         Ok(())
     }
 
-    /// Queues every WR of `u`'s destinations, ready at `ready`.
-    fn queue_unit(&mut self, a: usize, u: &Unit, ready: u64, src: Src) {
+    /// Queues every WR of `u`'s destinations, ready at `ready`, their
+    /// sources moved by `base`.
+    fn queue_unit(&mut self, a: usize, u: &Unit, ready: u64, src: Src, base: u64) {
+        let act = &self.actors[a];
+        let wave = act.waves.get(act.pos).map_or(0, |&(_, k)| k % 2);
         for d in &u.dests {
             let to = self.nt + d.inf as usize;
             for x in d.xfers() {
@@ -519,11 +554,12 @@ impl<'a> Driver<'a> {
                             ready,
                             nic: p.nic,
                             src,
-                            src_off: x.src.offset + p.offset,
+                            src_off: base + x.src.offset + p.offset,
                             len: p.len,
                             to,
                             dst_off: x.dst.offset + p.offset,
                             imm: IMM_WEIGHTS,
+                            wave,
                         });
                     }
                 } else {
@@ -532,11 +568,12 @@ impl<'a> Driver<'a> {
                             ready,
                             nic: (i as usize) % self.nics,
                             src,
-                            src_off: x.src.offset + i * x.src.stride,
+                            src_off: base + x.src.offset + i * x.src.stride,
                             len: x.dst.page_len,
                             to,
                             dst_off: x.dst.offset + i * x.dst.stride,
                             imm: IMM_WEIGHTS,
+                            wave,
                         });
                     }
                 }
@@ -618,6 +655,14 @@ impl<'a> Driver<'a> {
                                 sim_err(format!("actor {a}: WRITE {} failed", wr.0), Some(e))
                             })?;
                             act.outstanding -= 1;
+                            if let Some(w) = self.wr_wave.remove(&wr.0) {
+                                if let Some(c) = act.by_wave.get_mut(&w) {
+                                    *c -= 1;
+                                    if *c == 0 {
+                                        act.by_wave.remove(&w);
+                                    }
+                                }
+                            }
                         }
                         Completion::Imm { imm } => *act.imms.entry(imm).or_default() += 1,
                         other => {
@@ -637,6 +682,9 @@ impl<'a> Driver<'a> {
                 }
                 self.agenda.pop();
                 self.post_due(a)?;
+                if self.pipelined {
+                    self.progress(a)?;
+                }
             }
         }
         let stuck: Vec<usize> = (0..self.actors.len())

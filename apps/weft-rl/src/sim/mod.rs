@@ -12,8 +12,10 @@
 //!   posts exactly the plan's WRITEs (its units' runs, split across NICs as
 //!   the engine's sharding does, one WR per page for paged runs) in its
 //!   mesh groups' order, wave by wave, with the pipeline's barriers (zero-
-//!   length WRITEIMMs to every other rank of the group) between waves and
-//!   every wave ending when its WRITEs completed; inference ranks count
+//!   length WRITEIMMs to every other rank of the group) between waves;
+//!   waves overlap as the real pipeline runs them (two arena halves: a
+//!   trainer enters a wave once the previous one is posted and the last
+//!   wave staged in the same half completed); inference ranks count
 //!   their immediates (count computed from the plan) and then acknowledge
 //!   every trainer with a zero-length WRITEIMM, as the real protocol does;
 //!   the update time is when the last trainer has every acknowledgement.
@@ -48,7 +50,7 @@
 //! on 2 cores, and most of it goes over NVLink, which the fabric does not
 //! have. Its cross-node part therefore does not compete with the WRITEs on
 //! the NICs in this simulation (it is done before a wave's staged WRITEs
-//! start, so the overlap is with other groups' waves only).
+//! start; they overlap the previous wave's WRITEs and other groups').
 //!
 //! Model error to keep in mind: the NIC model is store-and-forward per
 //! WRITE (a WRITE is received only after it was fully sent), which adds
@@ -96,6 +98,10 @@ pub struct SimConfig {
     /// Extra delay per WRITE on the fabric, uniform in `[0, jitter_us]`
     /// from the seeded RNG (0: the plain NIC model).
     pub jitter_us: f64,
+    /// Waves overlap as the real pipeline runs them (two arena halves: a
+    /// trainer starts wave k+1 once wave k is posted and wave k-1's WRITEs
+    /// completed); `false` models one wave at a time, for comparison.
+    pub pipelined: bool,
 }
 
 impl SimConfig {
@@ -162,6 +168,7 @@ impl Default for SimConfig {
             barrier_us: 50.0,
             seed: 1,
             jitter_us: 0.0,
+            pipelined: true,
         }
     }
 }

@@ -14,10 +14,11 @@
 //!   order across all concurrently running waves (a per-rank "busy until"
 //!   clock), and a wave's writers finish when the inference ranks they
 //!   wrote to have drained the wave;
-//! - a rank's wave ends after `gather + quantise + write` (the real
-//!   pipeline waits for its writes before the next wave's barrier, so
-//!   stages of one rank do not overlap across waves; groups with disjoint
-//!   ranks run concurrently).
+//! - a rank's wave ends after `gather + quantise + write`: stages of one
+//!   rank do not overlap across waves here (the real pipeline overlaps a
+//!   wave's writes with the next wave's barrier, gathers and quantisation;
+//!   the fabric-driven simulation models that), so this is the serial
+//!   cross-check; groups with disjoint ranks run concurrently.
 //!
 //! Waves are list-scheduled: each rank runs its groups' waves in plan
 //! order, and of the waves at the head of all their ranks' queues the one
