@@ -472,7 +472,7 @@ struct Inflight {
 
 /// `x` with its source moved by `src` and its destination by `dst` bytes.
 fn shifted(x: &Xfer, src: u64, dst: u64) -> Xfer {
-    let mut y = x.clone();
+    let mut y = *x;
     y.src.offset += src;
     y.dst.offset += dst;
     y
