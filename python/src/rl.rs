@@ -407,6 +407,21 @@ impl PyRlDirectory {
     }
 }
 
+/// What a rank's constructor needs: its step settings, the engine and the
+/// plan.
+fn rank_setup(
+    py: Python<'_>,
+    engine: &Py<PyTransferEngine>,
+    plan: &Py<PyRlPlan>,
+    timeout: f64,
+) -> PyResult<(StepConfig, Arc<weft::TransferEngine>, Arc<Plan>)> {
+    Ok((
+        step_config(py, timeout)?,
+        Arc::new(engine.get().engine.clone()),
+        plan.get().plan.clone(),
+    ))
+}
+
 fn step_config(py: Python<'_>, timeout: f64) -> PyResult<StepConfig> {
     if timeout.is_finite() && timeout > 0.0 && timeout <= 1e6 {
         Ok(StepConfig {
@@ -444,19 +459,15 @@ impl PyRlTrainer {
         rank: u32,
         timeout: f64,
     ) -> PyResult<Self> {
-        let cfg = step_config(py, timeout)?;
-        let eng = Arc::new(engine.get().engine.clone());
-        let plan_obj = plan;
-        let plan = plan_obj.get();
-        let p = plan.plan.clone();
+        let (cfg, eng, p) = rank_setup(py, &engine, &plan, timeout)?;
         let t = py
-            .detach(|| Trainer::new(eng, rank, p, cfg))
+            .detach(|| Trainer::new(eng, rank, p.clone(), cfg))
             .map_err(|e| rl_err(py, &e))?;
         Ok(Self {
             t,
-            plan: plan.plan.clone(),
-            model: plan.model.clone(),
-            plan_obj: plan_obj.clone_ref(py),
+            plan: p,
+            model: plan.get().model.clone(),
+            plan_obj: plan,
             _engine: engine,
         })
     }
@@ -600,20 +611,16 @@ impl PyRlInference {
         rank: u32,
         timeout: f64,
     ) -> PyResult<Self> {
-        let cfg = step_config(py, timeout)?;
-        let eng = Arc::new(engine.get().engine.clone());
-        let plan_obj = plan;
-        let plan = plan_obj.get();
-        let p = plan.plan.clone();
+        let (cfg, eng, p) = rank_setup(py, &engine, &plan, timeout)?;
         let inf = py
-            .detach(|| Inference::new(eng, rank, p, cfg))
+            .detach(|| Inference::new(eng, rank, p.clone(), cfg))
             .map_err(|e| rl_err(py, &e))?;
         Ok(Self {
             inf,
             rank,
-            plan: plan.plan.clone(),
+            plan: p,
             armed: Mutex::new(BTreeMap::new()),
-            plan_obj: plan_obj.clone_ref(py),
+            plan_obj: plan,
             _engine: engine,
         })
     }
