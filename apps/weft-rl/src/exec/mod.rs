@@ -11,10 +11,11 @@
 //!    arenas), its direct units (WRITEs from its shards into inference
 //!    memory), then — once its gather round is complete — quantisation and
 //!    WRITEs of its staged units. Waves overlap: the arena has two halves,
-//!    wave `k` of a group stages in half `k % 2`, and a rank enters wave
-//!    `k + 1` as soon as wave `k` is posted and the wave that last used
-//!    half `(k + 1) % 2` completed, so one wave's WRITEs fly while the next
-//!    one barriers, gathers and quantises.
+//!    consecutive waves (numbered across groups, `Plan::arena_half`) stage
+//!    in alternate halves, and a rank enters a wave as soon as the previous
+//!    one is posted and the last wave that used the same half completed,
+//!    so one wave's WRITEs fly while the next one barriers, gathers and
+//!    quantises.
 //! 3. When its round fires, an inference rank makes the target buffer the
 //!    live one and acknowledges to every trainer (one zero-length WRITEIMM
 //!    each); a trainer's step succeeds once every inference rank acked.
@@ -93,8 +94,9 @@ impl Default for StepConfig {
 
 /// The reserved immediate values (from the top of `imm_capacity` down):
 /// weights buffer 0 and 1, the trainers' ack, then per mesh group a gather
-/// value and two barrier values (even and odd waves: a peer's barrier of
-/// the next wave is never counted for this one).
+/// value and two barrier values (one per arena half: consecutive waves of
+/// a group alternate, so a peer's barrier of the next wave is never
+/// counted for this one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImmPlan {
     /// Immediate of writes into weight buffer 0 / 1.

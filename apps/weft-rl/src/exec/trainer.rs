@@ -158,9 +158,9 @@ impl Trainer {
         }
     }
 
-    /// Every wave of every group this rank is in, overlapped: wave `k`
-    /// stages in arena half `k % 2` and starts once the last wave that
-    /// used that half completed (its writes out of the half, and the
+    /// Every wave of every group this rank is in, overlapped: each wave
+    /// stages in the arena half [`Plan::arena_half`] gives it and starts
+    /// once the last wave that used that half completed (its writes out of the half, and the
     /// gathers it sourced).
     fn waves(
         &self,
@@ -182,7 +182,7 @@ impl Trainer {
             for (k, wave) in g.waves.iter().enumerate() {
                 st.waves += 1;
                 let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
-                let half = k % 2;
+                let half = self.plan.arena_half(gi, k);
                 self.drain(&mut inflight[half])?;
                 // Barrier: every arena half of the group is free for this
                 // wave (a value per wave parity: a peer already at the next

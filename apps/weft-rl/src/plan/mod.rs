@@ -718,6 +718,15 @@ fn relocate(u: &mut Unit, off: u64) {
 }
 
 impl Plan {
+    /// The arena half wave `wave` of group `group` stages in: waves are
+    /// numbered across groups in plan order and alternate halves, so a
+    /// group's first wave does not share a half with the previous group's
+    /// last.
+    pub fn arena_half(&self, group: usize, wave: usize) -> usize {
+        let before: usize = self.groups.iter().take(group).map(|g| g.waves.len()).sum();
+        (before + wave) % 2
+    }
+
     /// Bytes each trainer writes into inference memory.
     pub fn trainer_load(&self) -> Vec<u64> {
         let mut l = vec![0; self.trainers.len()];

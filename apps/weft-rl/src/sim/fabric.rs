@@ -408,7 +408,7 @@ impl<'a> Driver<'a> {
                     to: p,
                     dst_off: 0,
                     imm: IMM_BARRIER + gi as u32,
-                    wave: k % 2,
+                    wave: self.plan.arena_half(gi, k),
                 },
             );
         }
@@ -434,7 +434,10 @@ impl<'a> Driver<'a> {
                     self.wave_work(a, gi, k)?;
                 }
                 Phase::Work => {
-                    let next_half = act.waves.get(act.pos + 1).map(|&(_, k)| k % 2);
+                    let next_half = act
+                        .waves
+                        .get(act.pos + 1)
+                        .map(|&(g, k)| self.plan.arena_half(g, k));
                     let blocked = if self.pipelined {
                         // Posted, and the arena half of the next wave free
                         // (the last wave staged in it completed).
@@ -521,7 +524,7 @@ impl<'a> Driver<'a> {
             self.queue_unit(a, u, now, Src::Shards, 0);
         }
         // Staged units read the arena half of the wave's parity.
-        let base = (k % 2) as u64 * self.plan.arena_len;
+        let base = self.plan.arena_half(gi, k) as u64 * self.plan.arena_len;
         let q_bs = self.cfg.quant_gbs * 1e9;
         let mut dev = (now + gdone).max(self.dev_free[a]);
         for u in units.iter().filter(mine).filter(|u| u.arena.is_some()) {
@@ -540,7 +543,10 @@ impl<'a> Driver<'a> {
     /// sources moved by `base`.
     fn queue_unit(&mut self, a: usize, u: &Unit, ready: u64, src: Src, base: u64) {
         let act = &self.actors[a];
-        let wave = act.waves.get(act.pos).map_or(0, |&(_, k)| k % 2);
+        let wave = act
+            .waves
+            .get(act.pos)
+            .map_or(0, |&(g, k)| self.plan.arena_half(g, k));
         for d in &u.dests {
             let to = self.nt + d.inf as usize;
             for x in d.xfers() {
