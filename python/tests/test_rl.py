@@ -407,3 +407,19 @@ def test_f32_sources_and_the_explicit_fp8_fallback(engines):
     assert np.array_equal(got(2).view(np.float32).reshape(4, 3), f[1:5])
     q, s = ref_fp8(expected(w, tgt[0][3][1]), 4)
     assert np.array_equal(got(3).reshape(q.shape), q)
+
+
+def test_a_directory_naming_the_wrong_memory_fails_the_step(engines):
+    """Descriptors arrive from other processes: a directory that names a
+    trainer's arena where an inference rank's weights should be (too small,
+    another role's memory) fails the step with a typed error; nothing
+    panics, and nothing lands outside the named regions."""
+    plan = rl.RlPlan(4, params(), targets(), block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    c = Cluster(engines, plan, timeout=2.0)
+    c.load(weights(1))
+    t0 = c.trainers[0].endpoint()
+    bad = rl.RlDirectory(plan, [t.endpoint() for t in c.trainers], [t0, c.inference[1].endpoint()])
+    with pytest.raises(rl.RlError) as e:
+        run_all([lambda t=t: t.step(0, bad) for t in c.trainers])
+    assert e.value.kind in ("engine", "timeout")
+    assert all(i.live is None for i in c.inference)
