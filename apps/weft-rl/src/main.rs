@@ -143,6 +143,10 @@ struct SimArgs {
     /// As `plan --fp8-fallback`.
     #[arg(long)]
     fp8_fallback: bool,
+    /// Model one wave at a time per trainer (the pipeline before waves
+    /// overlapped), for comparison.
+    #[arg(long)]
+    no_overlap: bool,
 }
 
 #[derive(Args, Clone)]
@@ -305,6 +309,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         nics: a.nics,
         nic_gbps: a.nic_gbps,
         seed: a.seed,
+        pipelined: !a.no_overlap,
         ..SimConfig::default()
     };
     cfg.validate().map_err(|e| e.to_string())?;
