@@ -172,6 +172,9 @@ struct LayoutArgs {
     /// Expert parallelism.
     #[arg(long)]
     ep: Option<u32>,
+    /// Training tensor parallelism.
+    #[arg(long)]
+    train_tp: Option<u32>,
     /// Inference ranks.
     #[arg(long)]
     inference: Option<u32>,
@@ -218,6 +221,7 @@ impl LayoutArgs {
         t.fsdp = self.fsdp.unwrap_or(t.fsdp);
         t.pp = self.pp.unwrap_or(t.pp);
         t.ep = self.ep.unwrap_or(t.ep);
+        t.tp = self.train_tp.unwrap_or(t.tp);
         i.ranks = self.inference.unwrap_or(i.ranks);
         // The paper's layout shrinks to fit a smaller --inference; a layout
         // file's numbers stand as written (`build` refuses what does not fit).
@@ -267,12 +271,13 @@ fn cmd_plan(a: &LayoutArgs) -> Result<(), String> {
     let (m, t, i, ml, p) = a.build()?;
     let dt = t0.elapsed();
     println!(
-        "{} ({}): FSDP/PP/EP = {}/{}/{} on {} trainers -> {} inference ranks (instances of {}, attention TP {}, {} stages)",
+        "{} ({}): FSDP/PP/EP/TP = {}/{}/{}/{} on {} trainers -> {} inference ranks (instances of {}, attention TP {}, {} stages)",
         m.name,
         m.source,
         t.fsdp,
         t.pp,
         t.ep,
+        t.tp,
         t.ranks(),
         i.ranks,
         i.instance,
@@ -330,6 +335,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             fsdp: None,
             pp: None,
             ep: None,
+            train_tp: None,
             inference: None,
             instance: None,
             tp: None,
@@ -344,8 +350,9 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         let planned = t0.elapsed();
         let r = simulate(&ml, &p, &cfg).map_err(|e| e.to_string())?;
         println!(
-            "| {n} | FSDP/PP/EP {}/{}/{} x{} -> {} (TP{}{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
-            t.fsdp, t.pp, t.ep, t.ranks(), i.ranks, i.attn_tp,
+            "| {n} | FSDP/PP/EP{} {}/{}/{}{} x{} -> {} (TP{}{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
+            if t.tp > 1 { "/TP" } else { "" }, t.fsdp, t.pp, t.ep,
+            if t.tp > 1 { format!("/{}", t.tp) } else { String::new() }, t.ranks(), i.ranks, i.attn_tp,
             if i.pp > 1 { format!(" PP{}", i.pp) } else { String::new() }, i.instance,
             weft_rl::summary::human(r.bytes as f64),
             r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.model.p2p_s, r.bound_s, r.rank0_s, paper(&n),
@@ -369,6 +376,7 @@ fn main() -> ExitCode {
                     fsdp: a.fsdp,
                     pp: a.pp,
                     ep: a.ep,
+                    tp: 1,
                 },
                 infer: InferLayout {
                     ranks: a.inference,

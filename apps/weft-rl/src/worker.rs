@@ -111,6 +111,7 @@ impl Spec {
                 fsdp: small("fsdp")?,
                 pp: small("pp")?,
                 ep: small("ep")?,
+                tp: 1,
             },
             infer: InferLayout {
                 ranks: small("inf")?,

@@ -39,7 +39,12 @@ fn spec() -> impl Strategy<Value = Spec> {
             )| Spec {
                 provider,
                 model,
-                train: TrainLayout { fsdp, pp, ep },
+                train: TrainLayout {
+                    fsdp,
+                    pp,
+                    ep,
+                    tp: 1,
+                },
                 infer: InferLayout {
                     ranks,
                     instance,

@@ -3,7 +3,7 @@
 
 use super::{Attn, InferLayout, ModelConfig, Naming, TrainLayout};
 use crate::meta::{
-    Box2, DType, InferTensor, Layout, ModelLayout, Quant, Rank, Segment, TrainParam,
+    Box2, DType, InferTensor, Layout, ModelLayout, Placement, Quant, Rank, Segment, TrainParam,
 };
 use crate::RlError;
 
@@ -13,34 +13,93 @@ struct Builder {
 }
 
 impl Builder {
+    fn tp(&self) -> u32 {
+        self.t.tp.max(1)
+    }
     fn stage_ranks(&self, s: u32) -> Vec<Rank> {
-        let n = self.t.fsdp * self.t.ep;
+        let n = self.t.fsdp * self.t.ep * self.tp();
         (s * n..(s + 1) * n).collect()
     }
+    /// FSDP over `ranks` (rows), and with training TP a `[.., tp]` mesh
+    /// splitting the weight as its name says (see [`tp_split`]).
+    fn layout(&self, name: &str, ranks: Vec<Rank>, rows: u64) -> Layout {
+        let tp = self.tp();
+        if tp == 1 {
+            return Layout::fsdp(0, ranks, rows);
+        }
+        let outer = ranks.len() as u32 / tp;
+        Layout::Mesh {
+            shape: vec![outer, tp],
+            ranks,
+            placements: vec![
+                Placement::Shard(0),
+                tp_split(name).map_or(Placement::Replicate, Placement::Shard),
+            ],
+        }
+    }
     fn dense(&mut self, name: String, rows: u64, cols: u64, stage: u32) -> usize {
-        let ranks = self.stage_ranks(stage);
+        let layout = self.layout(&name, self.stage_ranks(stage), rows);
         self.params.push(TrainParam {
             name,
             rows,
             cols,
             dtype: DType::Bf16,
             mesh_group: stage * (1 + self.t.ep),
-            layout: Layout::fsdp(0, ranks, rows),
+            layout,
         });
         self.params.len() - 1
     }
     fn expert(&mut self, name: String, rows: u64, cols: u64, stage: u32, e: u64) -> usize {
         let j = (e % u64::from(self.t.ep)) as u32;
-        let base = stage * self.t.fsdp * self.t.ep + j * self.t.fsdp;
+        let n = self.t.fsdp * self.tp();
+        let base = stage * n * self.t.ep + j * n;
+        let layout = self.layout(&name, (base..base + n).collect(), rows);
         self.params.push(TrainParam {
             name,
             rows,
             cols,
             dtype: DType::Bf16,
             mesh_group: stage * (1 + self.t.ep) + 1 + j,
-            layout: Layout::fsdp(0, (base..base + self.t.fsdp).collect(), rows),
+            layout,
         });
         self.params.len() - 1
+    }
+}
+
+/// How training TP splits a weight this builder names (Megatron's
+/// convention): column-parallel ones by rows (`Some(0)`), row-parallel
+/// ones by columns (`Some(1)`), the rest (norms, routers, MLA's low-rank
+/// down projections, row-parallel biases) replicated (`None`).
+fn tp_split(name: &str) -> Option<u8> {
+    const COLUMN: [&str; 11] = [
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "q_proj.bias",
+        "k_proj.bias",
+        "v_proj.bias",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "q_b_proj.weight",
+        "kv_b_proj.weight",
+        "embed_tokens.weight",
+    ];
+    const ROW: [&str; 2] = ["o_proj.weight", "down_proj.weight"];
+    let base = name.rsplit('.').take(2).collect::<Vec<_>>();
+    let tail = match base.as_slice() {
+        [last, prev] => format!("{prev}.{last}"),
+        _ => name.to_string(),
+    };
+    if COLUMN.contains(&tail.as_str())
+        || name == "lm_head.weight"
+        || tail == "w1.weight"
+        || tail == "w3.weight"
+    {
+        Some(0)
+    } else if ROW.contains(&tail.as_str()) || tail == "w2.weight" {
+        Some(1)
+    } else {
+        None
     }
 }
 
@@ -95,7 +154,7 @@ const MAX_ELEMS: u64 = 1 << 40;
 /// parallel degrees that do not split attention heads whole.
 fn check_scale(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<(), RlError> {
     let bad = |what: String| Err(RlError::Layout(what));
-    let trainers = u64::from(t.fsdp) * u64::from(t.pp) * u64::from(t.ep);
+    let trainers = u64::from(t.fsdp) * u64::from(t.pp) * u64::from(t.ep) * u64::from(t.tp);
     if trainers > MAX_RANKS || u64::from(inf.ranks) > MAX_RANKS {
         return bad(format!(
             "{trainers} trainers and {} inference ranks: at most {MAX_RANKS} each",
@@ -169,6 +228,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
     if t.fsdp == 0
         || t.pp == 0
         || t.ep == 0
+        || t.tp == 0
         || inf.ranks == 0
         || inf.instance == 0
         || inf.attn_tp == 0

@@ -287,6 +287,9 @@ pub struct TrainMesh {
     /// Expert parallelism (default 1).
     #[serde(default = "one")]
     pub ep: u32,
+    /// Tensor parallelism inside an FSDP shard (default 1).
+    #[serde(default = "one")]
+    pub tp: u32,
 }
 
 /// Inference parallelism as a layout file states it.
@@ -341,6 +344,7 @@ impl LayoutFile {
                 fsdp: self.train.fsdp,
                 pp: self.train.pp,
                 ep: self.train.ep,
+                tp: self.train.tp,
             },
             InferLayout {
                 ranks: self.inference.ranks,

@@ -307,12 +307,18 @@ pub struct TrainLayout {
     pub pp: u32,
     /// Expert-parallel degree.
     pub ep: u32,
+    /// Tensor-parallel degree inside an FSDP shard (1: none). With TP,
+    /// every weight is a DTensor on an `[fsdp, tp]` mesh (dense weights:
+    /// `[fsdp · ep, tp]`): rows FSDP-sharded, and column-parallel weights
+    /// (q/k/v, gate/up, embedding, LM head) split by rows, row-parallel
+    /// ones (o, down) by columns, norms and routers replicated over TP.
+    pub tp: u32,
 }
 
 impl TrainLayout {
-    /// Trainers: `fsdp * pp * ep`.
+    /// Trainers: `fsdp * tp * pp * ep`.
     pub fn ranks(&self) -> u32 {
-        self.fsdp * self.pp * self.ep
+        self.fsdp * self.tp.max(1) * self.pp * self.ep
     }
 }
 
@@ -344,6 +350,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
         fsdp: 16,
         pp: 2,
         ep: 8,
+        tp: 1,
     };
     if m.name == TINY_MOE.name || m.name == TINY_MLA.name {
         return (
@@ -351,6 +358,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
                 fsdp: 2,
                 pp: 1,
                 ep: 2,
+                tp: 1,
             },
             InferLayout {
                 ranks: 2,

@@ -433,7 +433,12 @@ fn pipeline_tiny_models_bit_exact() {
         let _g = SeedGuard::new(seed, "rl gpu pipeline tiny models");
         for (name, pp) in [("tiny-moe", 1), ("tiny-mla", 2)] {
             let m = models::model(name).unwrap();
-            let t = TrainLayout { fsdp: 2, pp, ep: 2 };
+            let t = TrainLayout {
+                fsdp: 2,
+                pp,
+                ep: 2,
+                tp: 1,
+            };
             let i = InferLayout {
                 ranks: 2,
                 instance: 2,

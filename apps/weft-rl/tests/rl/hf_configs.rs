@@ -279,7 +279,7 @@ fn refused_configs_name_the_field() {
         }
     }
     for bad in [
-        r#"{"train": {"fsdp": 2, "tp": 2}, "inference": {"ranks": 2}}"#,
+        r#"{"train": {"fsdp": 2, "cp": 2}, "inference": {"ranks": 2}}"#,
         r#"{"train": {"fsdp": 2}}"#,
         r#"{"train": {"fsdp": -1}, "inference": {"ranks": 2}}"#,
         r#"{"train": {"fsdp": 2}, "inference": {"ranks": 2}, "extra": 1}"#,
@@ -462,4 +462,50 @@ fn inference_pipeline_stages() {
             "{layout}"
         );
     }
+}
+
+/// Training TP (FSDP × TP meshes: column-parallel weights split by rows,
+/// row-parallel by columns, norms replicated over TP) into inference TP
+/// larger, equal and smaller than it; dense and MoE; byte-checked.
+#[test]
+fn training_tp_into_any_inference_tp() {
+    use weft_rl::meta::{Layout, Placement};
+    let dense = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 96}"#;
+    for itp in [1, 2, 4] {
+        let layout = format!(
+            r#"{{"train": {{"fsdp": 2, "tp": 2}}, "inference": {{"ranks": {itp}, "tp": {itp}}}}}"#
+        );
+        let ml = plan_and_check("llama-ttp", dense, &layout, 16);
+        assert_eq!(ml.trainers, 4);
+        let by = |n: &str| ml.params.iter().find(|p| p.name == n).unwrap();
+        let pl = |n: &str| match &by(n).layout {
+            Layout::Mesh { placements, .. } => placements.clone(),
+            other => panic!("{n}: {other:?}"),
+        };
+        assert_eq!(
+            pl("model.layers.0.self_attn.q_proj.weight"),
+            [Placement::Shard(0), Placement::Shard(0)]
+        );
+        assert_eq!(
+            pl("model.layers.0.mlp.down_proj.weight"),
+            [Placement::Shard(0), Placement::Shard(1)]
+        );
+        assert_eq!(
+            pl("model.layers.0.input_layernorm.weight"),
+            [Placement::Shard(0), Placement::Replicate]
+        );
+    }
+    let moe = r#"{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 80}"#;
+    let ml = plan_and_check(
+        "qwen3-moe-ttp",
+        moe,
+        r#"{"train": {"fsdp": 2, "ep": 2, "tp": 2}, "inference": {"ranks": 2, "tp": 1}}"#,
+        16,
+    );
+    assert_eq!(ml.trainers, 8);
 }

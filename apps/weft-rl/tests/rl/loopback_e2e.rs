@@ -308,6 +308,7 @@ fn four_trainers_to_two_inference_ranks() {
             fsdp: 2,
             pp: 1,
             ep: 2,
+            tp: 1,
         },
         InferLayout {
             ranks: 2,
@@ -327,6 +328,7 @@ fn eight_trainers_to_four_inference_ranks_mla_two_stages() {
             fsdp: 2,
             pp: 2,
             ep: 2,
+            tp: 1,
         },
         InferLayout {
             ranks: 4,
@@ -352,6 +354,7 @@ fn killed_trainer_fails_the_step_everywhere_and_old_weights_stay() {
                 fsdp: 2,
                 pp: 1,
                 ep: 2,
+                tp: 1,
             },
             InferLayout {
                 ranks: 2,

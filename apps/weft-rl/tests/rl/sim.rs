@@ -95,6 +95,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 fsdp: 2,
                 pp: 1,
                 ep: 2,
+                tp: 1,
             },
             InferLayout {
                 ranks: 2,
@@ -109,6 +110,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 fsdp: 4,
                 pp: 2,
                 ep: 2,
+                tp: 1,
             },
             InferLayout {
                 ranks: 8,
@@ -123,6 +125,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 fsdp: 8,
                 pp: 2,
                 ep: 4,
+                tp: 1,
             },
             InferLayout {
                 ranks: 16,

@@ -54,6 +54,7 @@ fn available(provider: &str) -> bool {
                 fsdp: 1,
                 pp: 1,
                 ep: 1,
+                tp: 1,
             },
             InferLayout {
                 ranks: 1,
@@ -188,6 +189,7 @@ fn four_to_two(provider: &str) -> Spec {
             fsdp: 2,
             pp: 1,
             ep: 2,
+            tp: 1,
         },
         InferLayout {
             ranks: 2,
@@ -221,6 +223,7 @@ fn shm_eight_trainers_to_four() {
             fsdp: 2,
             pp: 2,
             ep: 2,
+            tp: 1,
         },
         InferLayout {
             ranks: 4,
