@@ -175,6 +175,9 @@ struct LayoutArgs {
     /// Training tensor parallelism.
     #[arg(long)]
     train_tp: Option<u32>,
+    /// HSDP replicas of the training layout.
+    #[arg(long)]
+    replicas: Option<u32>,
     /// Inference ranks.
     #[arg(long)]
     inference: Option<u32>,
@@ -222,6 +225,7 @@ impl LayoutArgs {
         t.pp = self.pp.unwrap_or(t.pp);
         t.ep = self.ep.unwrap_or(t.ep);
         t.tp = self.train_tp.unwrap_or(t.tp);
+        t.replicas = self.replicas.unwrap_or(t.replicas);
         i.ranks = self.inference.unwrap_or(i.ranks);
         // The paper's layout shrinks to fit a smaller --inference; a layout
         // file's numbers stand as written (`build` refuses what does not fit).
@@ -336,6 +340,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             pp: None,
             ep: None,
             train_tp: None,
+            replicas: None,
             inference: None,
             instance: None,
             tp: None,
@@ -377,6 +382,7 @@ fn main() -> ExitCode {
                     pp: a.pp,
                     ep: a.ep,
                     tp: 1,
+                    replicas: 1,
                 },
                 infer: InferLayout {
                     ranks: a.inference,

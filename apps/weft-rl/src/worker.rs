@@ -112,6 +112,7 @@ impl Spec {
                 pp: small("pp")?,
                 ep: small("ep")?,
                 tp: 1,
+                replicas: 1,
             },
             infer: InferLayout {
                 ranks: small("inf")?,

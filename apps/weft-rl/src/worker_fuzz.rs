@@ -44,6 +44,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                     pp,
                     ep,
                     tp: 1,
+                    replicas: 1,
                 },
                 infer: InferLayout {
                     ranks,

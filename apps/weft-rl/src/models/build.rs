@@ -22,19 +22,30 @@ impl Builder {
     }
     /// FSDP over `ranks` (rows), and with training TP a `[.., tp]` mesh
     /// splitting the weight as its name says (see [`tp_split`]).
+    /// HSDP replicas included: `ranks` (of replica 0) repeated in every
+    /// replica, the replica the outermost (replicated) mesh dimension.
     fn layout(&self, name: &str, ranks: Vec<Rank>, rows: u64) -> Layout {
-        let tp = self.tp();
-        if tp == 1 {
+        let (tp, reps) = (self.tp(), self.t.replicas.max(1));
+        if tp == 1 && reps == 1 {
             return Layout::fsdp(0, ranks, rows);
         }
+        let n = self.t.replica_ranks();
         let outer = ranks.len() as u32 / tp;
+        let (mut shape, mut placements) = (vec![outer], vec![Placement::Shard(0)]);
+        if tp > 1 {
+            shape.push(tp);
+            placements.push(tp_split(name).map_or(Placement::Replicate, Placement::Shard));
+        }
+        if reps > 1 {
+            shape.insert(0, reps);
+            placements.insert(0, Placement::Replicate);
+        }
         Layout::Mesh {
-            shape: vec![outer, tp],
-            ranks,
-            placements: vec![
-                Placement::Shard(0),
-                tp_split(name).map_or(Placement::Replicate, Placement::Shard),
-            ],
+            shape,
+            ranks: (0..reps)
+                .flat_map(|r| ranks.iter().map(move |&x| r * n + x))
+                .collect(),
+            placements,
         }
     }
     fn dense(&mut self, name: String, rows: u64, cols: u64, stage: u32) -> usize {
@@ -154,7 +165,11 @@ const MAX_ELEMS: u64 = 1 << 40;
 /// parallel degrees that do not split attention heads whole.
 fn check_scale(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<(), RlError> {
     let bad = |what: String| Err(RlError::Layout(what));
-    let trainers = u64::from(t.fsdp) * u64::from(t.pp) * u64::from(t.ep) * u64::from(t.tp);
+    let trainers = u64::from(t.fsdp)
+        * u64::from(t.pp)
+        * u64::from(t.ep)
+        * u64::from(t.tp)
+        * u64::from(t.replicas);
     if trainers > MAX_RANKS || u64::from(inf.ranks) > MAX_RANKS {
         return bad(format!(
             "{trainers} trainers and {} inference ranks: at most {MAX_RANKS} each",
@@ -229,6 +244,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
         || t.pp == 0
         || t.ep == 0
         || t.tp == 0
+        || t.replicas == 0
         || inf.ranks == 0
         || inf.instance == 0
         || inf.attn_tp == 0

@@ -290,6 +290,9 @@ pub struct TrainMesh {
     /// Tensor parallelism inside an FSDP shard (default 1).
     #[serde(default = "one")]
     pub tp: u32,
+    /// HSDP replicas of the whole layout (default 1).
+    #[serde(default = "one")]
+    pub replicas: u32,
 }
 
 /// Inference parallelism as a layout file states it.
@@ -345,6 +348,7 @@ impl LayoutFile {
                 pp: self.train.pp,
                 ep: self.train.ep,
                 tp: self.train.tp,
+                replicas: self.train.replicas,
             },
             InferLayout {
                 ranks: self.inference.ranks,

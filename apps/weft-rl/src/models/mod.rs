@@ -313,12 +313,22 @@ pub struct TrainLayout {
     /// (q/k/v, gate/up, embedding, LM head) split by rows, row-parallel
     /// ones (o, down) by columns, norms and routers replicated over TP.
     pub tp: u32,
+    /// HSDP replicas (1: none): the whole layout above repeated this many
+    /// times, replica `r` on trainers `r · n ..` (`n` the ranks of one
+    /// replica); every weight is held by one rank of each replica, and the
+    /// planner may pick any of them to write it.
+    pub replicas: u32,
 }
 
 impl TrainLayout {
-    /// Trainers: `fsdp * tp * pp * ep`.
-    pub fn ranks(&self) -> u32 {
+    /// Trainers of one replica: `fsdp * tp * pp * ep`.
+    pub fn replica_ranks(&self) -> u32 {
         self.fsdp * self.tp.max(1) * self.pp * self.ep
+    }
+
+    /// Trainers: `replicas * fsdp * tp * pp * ep`.
+    pub fn ranks(&self) -> u32 {
+        self.replicas.max(1) * self.replica_ranks()
     }
 }
 
@@ -351,6 +361,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
         pp: 2,
         ep: 8,
         tp: 1,
+        replicas: 1,
     };
     if m.name == TINY_MOE.name || m.name == TINY_MLA.name {
         return (
@@ -359,6 +370,7 @@ pub fn paper_layout(m: &ModelConfig) -> (TrainLayout, InferLayout) {
                 pp: 1,
                 ep: 2,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 2,

@@ -438,6 +438,7 @@ fn pipeline_tiny_models_bit_exact() {
                 pp,
                 ep: 2,
                 tp: 1,
+                replicas: 1,
             };
             let i = InferLayout {
                 ranks: 2,

@@ -509,3 +509,44 @@ fn training_tp_into_any_inference_tp() {
     );
     assert_eq!(ml.trainers, 8);
 }
+
+/// HSDP: the whole training layout replicated; every weight has one holder
+/// per replica and the planner spreads the writing over all of them.
+#[test]
+fn hsdp_replicas_all_write() {
+    let dense = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 96}"#;
+    let ml = plan_and_check(
+        "llama-hsdp",
+        dense,
+        r#"{"train": {"fsdp": 2, "tp": 2, "replicas": 2}, "inference": {"ranks": 2, "tp": 2}}"#,
+        16,
+    );
+    assert_eq!(ml.trainers, 8);
+    for p in 0..ml.params.len() {
+        for (holders, _) in ml.pieces(p) {
+            // The same holders in each replica (norms: also every TP rank).
+            let (a, b): (Vec<u32>, Vec<u32>) = holders.iter().partition(|&&r| r < 4);
+            let shifted: Vec<u32> = a.iter().map(|r| r + 4).collect();
+            assert!(
+                !a.is_empty() && shifted == b,
+                "{}: {holders:?}",
+                ml.params[p].name
+            );
+        }
+    }
+    let cfg = PlanConfig {
+        block: 16,
+        unit_bytes: 2048,
+        align: 8,
+        watermark: 1 << 20,
+        min_direct_bytes: 64,
+    };
+    let p = weft_rl::plan(&ml, &cfg).unwrap();
+    let load = p.trainer_load();
+    assert!(
+        load.iter().all(|&b| b > 0),
+        "every trainer writes: {load:?}"
+    );
+}

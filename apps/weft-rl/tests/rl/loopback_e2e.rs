@@ -309,6 +309,7 @@ fn four_trainers_to_two_inference_ranks() {
             pp: 1,
             ep: 2,
             tp: 1,
+            replicas: 1,
         },
         InferLayout {
             ranks: 2,
@@ -329,6 +330,7 @@ fn eight_trainers_to_four_inference_ranks_mla_two_stages() {
             pp: 2,
             ep: 2,
             tp: 1,
+            replicas: 1,
         },
         InferLayout {
             ranks: 4,
@@ -355,6 +357,7 @@ fn killed_trainer_fails_the_step_everywhere_and_old_weights_stay() {
                 pp: 1,
                 ep: 2,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 2,

@@ -96,6 +96,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 pp: 1,
                 ep: 2,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 2,
@@ -111,6 +112,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 pp: 2,
                 ep: 2,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 8,
@@ -126,6 +128,7 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
                 pp: 2,
                 ep: 4,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 16,

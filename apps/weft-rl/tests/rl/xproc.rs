@@ -55,6 +55,7 @@ fn available(provider: &str) -> bool {
                 pp: 1,
                 ep: 1,
                 tp: 1,
+                replicas: 1,
             },
             InferLayout {
                 ranks: 1,
@@ -190,6 +191,7 @@ fn four_to_two(provider: &str) -> Spec {
             pp: 1,
             ep: 2,
             tp: 1,
+            replicas: 1,
         },
         InferLayout {
             ranks: 2,
@@ -224,6 +226,7 @@ fn shm_eight_trainers_to_four() {
             pp: 2,
             ep: 2,
             tp: 1,
+            replicas: 1,
         },
         InferLayout {
             ranks: 4,
