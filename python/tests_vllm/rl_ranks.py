@@ -5,8 +5,9 @@ creates) and trainer ranks (DTensors over a gloo device mesh, vLLM's
 
 from __future__ import annotations
 
+import os
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -133,6 +134,9 @@ def serve_worker(ctl, rpc, root: str, rank: int) -> None:
                 elif method == "finish_weight_update":
                     eng.finish_weight_update()
                     versions.append((int(arg), model.matches(int(arg))))
+                elif method == "check":
+                    rpc.send(("ok", model.matches(int(arg))))
+                    continue
                 rpc.send(("ok", None))
             except Exception:  # noqa: BLE001 - reported to the caller
                 rpc.send(("error", traceback.format_exc()))
@@ -168,9 +172,28 @@ class PipeClient:
     def finish_weight_update(self, weight_version=None) -> None:
         self._all("finish_weight_update", weight_version)
 
+    def check(self, version: int) -> list:
+        """Per worker: the names that differ from `version` (test only)."""
+        for c in self.conns:
+            c.send(("check", version))
+        return [c.recv()[1] for c in self.conns]
 
-def serve_trainer(ctl, rank: int, world: int, port: int, conns, store: str, provider: str, versions: int) -> None:
-    """A trainer rank: DTensor shards over a gloo mesh, `versions` pushes."""
+
+def serve_trainer(
+    ctl,
+    rank: int,
+    world: int,
+    port: int,
+    conns,
+    store: str,
+    provider: str,
+    versions: int,
+    die_at: Optional[int] = None,
+    timeout: float = 30.0,
+) -> None:
+    """A trainer rank: DTensor shards over a gloo mesh, `versions` pushes.
+    With `die_at`, rank 1 exits hard just before pushing that version and
+    rank 0 reports how its push failed and what the workers then hold."""
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -200,7 +223,7 @@ def serve_trainer(ctl, rank: int, world: int, port: int, conns, store: str, prov
             trainers=world,
             fp8=FP8,
             plan={"block": BLOCK, "unit_bytes": 64, "align": 16, "min_direct_bytes": 16},
-            timeout=30.0,
+            timeout=timeout,
             layerwise_reload=False,
             rank=rank,
         )
@@ -214,6 +237,17 @@ def serve_trainer(ctl, rank: int, world: int, port: int, conns, store: str, prov
                         p.to_local().copy_(distribute_tensor(full, mesh, p.placements).to_local())
                     else:
                         p.copy_(full)
+            if v == die_at and rank == 1:
+                os._exit(1)
+            if v == die_at:
+                try:
+                    eng.send_weights()
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    held = client.check(v - 1)
+                    ctl.send(("failed", (type(e).__name__, getattr(e, "kind", None), eng.version, held)))
+                    os._exit(0)  # the gloo group lost a rank: no orderly teardown
+                ctl.send(("error", f"version {v} succeeded without trainer 1"))
+                os._exit(0)
             eng.send_weights()
         dist.barrier()
         eng.shutdown()

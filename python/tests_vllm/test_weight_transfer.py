@@ -80,6 +80,52 @@ def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
             p.kill()
 
 
+def test_a_trainer_dying_fails_the_update_and_workers_keep_the_last_version(tmp_path):
+    """Trainer 1 exits hard before version 1: trainer 0's send_weights and
+    the workers' receive_weights fail with weft.RlError within the step
+    timeout (no hang), and both workers still hold version 0 byte for
+    byte."""
+    provider = "libfabric:tcp"
+    status = {p.spec: p for p in weft.providers()}[provider]
+    if not status.available:
+        pytest.skip(f"{provider}: {status.reason}")
+    ctx = mp.get_context("spawn")
+    procs, workers, client_ends = [], [], []
+    for r in range(2):
+        ctl, ctl_child = ctx.Pipe()
+        rpc, rpc_child = ctx.Pipe()
+        p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r), daemon=True)
+        p.start()
+        procs.append(p)
+        workers.append(ctl)
+        client_ends.append(rpc)
+    try:
+        for r, c in enumerate(workers):
+            _recv(c, f"worker {r}")
+        port, store = _port(), f"dir:{tmp_path / 'store'}"
+        trainers = []
+        for r in range(2):
+            ctl, ctl_child = ctx.Pipe()
+            p = ctx.Process(
+                target=rl_ranks.serve_trainer,
+                args=(ctl_child, r, 2, port, client_ends if r == 0 else [], store, provider, 2),
+                kwargs={"die_at": 1, "timeout": 3.0},
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+            trainers.append((p, ctl))
+        kind, rl_kind, version, held = _recv(trainers[0][1], "trainer 0", timeout=120)[1]
+        assert kind == "RlError" and rl_kind in ("timeout", "engine"), (kind, rl_kind)
+        assert version == 1, "the failed version is retried next"
+        assert held == [[], []], f"workers no longer hold version 0: {held}"
+        trainers[1][0].join(30)
+        assert trainers[1][0].exitcode == 1
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def test_module_source_metadata_maps_to_the_plan():
     """vLLM's ModuleSource of plain tensors: every trainer holds each one
     whole; the plan gives every worker every parameter; fp16 is a typed
