@@ -208,17 +208,19 @@ def load_local(trainer: RlTrainer, named: Iterable[tuple[str, Any]]) -> int:
     shard memory: a DTensor's local shard, a tensor of exactly the piece's
     size, or the whole parameter (the piece is cut out of it). Names it
     holds nothing of are skipped. Returns the pieces loaded."""
-    pieces: dict[str, list[int]] = {}
-    for k, (name, _, _) in enumerate(trainer_pieces(trainer)):
-        pieces.setdefault(name, []).append(k)
+    pieces: dict[str, list[tuple[int, tuple, tuple]]] = {}
+    for k, (name, r, c) in enumerate(trainer_pieces(trainer)):
+        pieces.setdefault(name, []).append((k, r, c))
     full = {n: (r, c, 4 if d == "f32" else 2) for n, r, c, d in trainer.plan.params()}
-    mine = trainer_pieces(trainer)
     n = 0
     for name, t in named:
-        for k in pieces.get(name, ()):
-            _, (r0, r1), (c0, c1) = mine[k]
-            data = _bytes_of(t)
-            rows, cols, e = full[name]
+        mine = pieces.get(name)
+        if not mine:
+            continue
+        whole = _bytes_of(t)  # once per tensor (a CUDA tensor: one copy to host)
+        rows, cols, e = full[name]
+        for k, (r0, r1), (c0, c1) in mine:
+            data = whole
             size = (r1 - r0) * (c1 - c0) * e
             nbytes = getattr(data, "nbytes", None)
             if nbytes is not None and nbytes != size and nbytes == rows * cols * e:
