@@ -78,35 +78,55 @@ def etcd(tmp_path):
         if os.environ.get("WEFT_REQUIRE_ETCD") == "1":
             pytest.fail("WEFT_REQUIRE_ETCD=1 but no etcd binary (install etcd-server)")
         pytest.skip("no etcd binary (install Debian's etcd-server, or set WEFT_ETCD)")
-    client, peer = _free_port(), _free_port()
-    url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    log = open(tmp_path / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--name=weft-test",
-            f"--data-dir={tmp_path / 'etcd-data'}",
-            f"--listen-client-urls={url}",
-            f"--advertise-client-urls={url}",
-            f"--listen-peer-urls={purl}",
-            f"--initial-advertise-peer-urls={purl}",
-            f"--initial-cluster=weft-test={purl}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
-    try:
+    def start(attempt: int):
+        # A port found free may be taken again before etcd binds it: then
+        # etcd exits at once and the next attempt picks other ports.
+        client, peer = _free_port(), _free_port()
+        url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+        log_path = tmp_path / f"etcd-{attempt}.log"
+        log = open(log_path, "wb")
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--name=weft-test",
+                f"--data-dir={tmp_path / f'etcd-data-{attempt}'}",
+                f"--listen-client-urls={url}",
+                f"--advertise-client-urls={url}",
+                f"--listen-peer-urls={purl}",
+                f"--initial-advertise-peer-urls={purl}",
+                f"--initial-cluster=weft-test={purl}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200 and b"true" in r.read():
-                        break
+                        return url, proc, log
             except OSError:
                 pass
-            assert proc.poll() is None, f"etcd exited: see {tmp_path / 'etcd.log'}"
-            assert time.monotonic() < deadline, "etcd not healthy after 30 s"
+            if proc.poll() is not None:
+                log.close()
+                if b"address already in use" in log_path.read_bytes() and attempt < 4:
+                    return None
+                pytest.fail(f"etcd exited: see {log_path}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                log.close()
+                pytest.fail("etcd not healthy after 30 s")
             time.sleep(0.05)
+
+    started = None
+    for attempt in range(5):
+        started = start(attempt)
+        if started is not None:
+            break
+    assert started is not None
+    url, proc, log = started
+    try:
         yield url
     finally:
         proc.kill()
