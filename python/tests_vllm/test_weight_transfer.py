@@ -36,43 +36,61 @@ def _recv(conn, what: str, timeout: float = 240):
     return r
 
 
-@pytest.mark.parametrize("provider", ["libfabric:tcp", "libfabric:shm"])
-def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
+def _require(provider: str) -> None:
     status = {p.spec: p for p in weft.providers()}[provider]
     if not status.available:
         pytest.skip(f"{provider}: {status.reason}")
-    ctx = mp.get_context("spawn")
-    procs, ctls = [], []
-    client_ends = []
+
+
+def _workers(ctx, tmp_path, procs: list) -> tuple[list, list]:
+    """Two vLLM worker processes, ready: their control pipes and the
+    client ends of their RPC pipes (for trainer 0's client)."""
+    ctls, client_ends = [], []
     for r in range(2):
         ctl, ctl_child = ctx.Pipe()
         rpc, rpc_child = ctx.Pipe()
         p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r), daemon=True)
         p.start()
         procs.append(p)
-        ctls.append(("worker", r, ctl))
+        ctls.append(ctl)
         client_ends.append(rpc)
+    for r, c in enumerate(ctls):
+        assert _recv(c, f"worker {r}")[1] == "WeftWeightTransferEngine"
+    return ctls, client_ends
+
+
+def _trainers(ctx, tmp_path, procs: list, client_ends: list, provider: str, versions: int, **kw) -> list:
+    """Two trainer processes on a fresh gloo port and store: (process,
+    control pipe) each; trainer 0 drives the workers."""
+    port, store = _port(), f"dir:{tmp_path / 'store'}"
+    out = []
+    for r in range(2):
+        ctl, ctl_child = ctx.Pipe()
+        p = ctx.Process(
+            target=rl_ranks.serve_trainer,
+            args=(ctl_child, r, 2, port, client_ends if r == 0 else [], store, provider, versions),
+            kwargs=kw,
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+        out.append((p, ctl))
+    return out
+
+
+@pytest.mark.parametrize("provider", ["libfabric:tcp", "libfabric:shm"])
+def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
+    _require(provider)
+    ctx = mp.get_context("spawn")
+    procs: list = []
     try:
-        for _, r, c in ctls:
-            assert _recv(c, f"worker {r}")[1] == "WeftWeightTransferEngine"
-        port = _port()
-        store = f"dir:{tmp_path / 'store'}"
-        for r in range(2):
-            ctl, ctl_child = ctx.Pipe()
-            conns = client_ends if r == 0 else []
-            p = ctx.Process(
-                target=rl_ranks.serve_trainer,
-                args=(ctl_child, r, 2, port, conns, store, provider, 3),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-            ctls.append(("trainer", r, ctl))
-        for _, r, c in ctls[2:]:
+        workers, client_ends = _workers(ctx, tmp_path, procs)
+        trainers = _trainers(ctx, tmp_path, procs, client_ends, provider, 3)
+        for r, (_, c) in enumerate(trainers):
             assert _recv(c, f"trainer {r}") == ("done", 3)
         for c in client_ends:
             c.close()
-        for _, r, c in ctls[:2]:
+        for r, c in enumerate(workers):
             _, versions = _recv(c, f"worker {r}")
             assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
     finally:
@@ -86,35 +104,12 @@ def test_a_trainer_dying_fails_the_update_and_workers_keep_the_last_version(tmp_
     timeout (no hang), and both workers still hold version 0 byte for
     byte."""
     provider = "libfabric:tcp"
-    status = {p.spec: p for p in weft.providers()}[provider]
-    if not status.available:
-        pytest.skip(f"{provider}: {status.reason}")
+    _require(provider)
     ctx = mp.get_context("spawn")
-    procs, workers, client_ends = [], [], []
-    for r in range(2):
-        ctl, ctl_child = ctx.Pipe()
-        rpc, rpc_child = ctx.Pipe()
-        p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r), daemon=True)
-        p.start()
-        procs.append(p)
-        workers.append(ctl)
-        client_ends.append(rpc)
+    procs: list = []
     try:
-        for r, c in enumerate(workers):
-            _recv(c, f"worker {r}")
-        port, store = _port(), f"dir:{tmp_path / 'store'}"
-        trainers = []
-        for r in range(2):
-            ctl, ctl_child = ctx.Pipe()
-            p = ctx.Process(
-                target=rl_ranks.serve_trainer,
-                args=(ctl_child, r, 2, port, client_ends if r == 0 else [], store, provider, 2),
-                kwargs={"die_at": 1, "timeout": 3.0},
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-            trainers.append((p, ctl))
+        _, client_ends = _workers(ctx, tmp_path, procs)
+        trainers = _trainers(ctx, tmp_path, procs, client_ends, provider, 2, die_at=1, timeout=3.0)
         kind, rl_kind, version, held = _recv(trainers[0][1], "trainer 0", timeout=120)[1]
         assert kind == "RlError" and rl_kind in ("timeout", "engine"), (kind, rl_kind)
         assert version == 1, "the failed version is retried next"

@@ -160,8 +160,8 @@ impl Trainer {
 
     /// Every wave of every group this rank is in, overlapped: each wave
     /// stages in the arena half [`Plan::arena_half`] gives it and starts
-    /// once the last wave that used that half completed (its writes out of the half, and the
-    /// gathers it sourced).
+    /// once the last wave that used that half completed (its writes out of
+    /// the half, and the gathers it sourced).
     fn waves(
         &self,
         dir: &Directory,
@@ -185,8 +185,8 @@ impl Trainer {
                 let half = self.plan.arena_half(gi, k);
                 self.drain(&mut inflight[half])?;
                 // Barrier: every arena half of the group is free for this
-                // wave (a value per wave parity: a peer already at the next
-                // wave is not counted here).
+                // wave (a value per half: consecutive waves alternate, so a
+                // peer already at the next wave is not counted here).
                 let imm = self.imms.barrier[gi][half];
                 let bar = self.arm(imm, peers.len() as u64, &phase("barrier"))?;
                 let sent = Arc::new(DoneCounter::new());

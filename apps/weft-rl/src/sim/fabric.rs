@@ -65,8 +65,8 @@ struct Post {
     to: usize,
     dst_off: u64,
     imm: u32,
-    /// The arena half of its wave (the wave's index in its group, mod 2).
-    wave: usize,
+    /// The arena half of its wave ([`Plan::arena_half`]).
+    half: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +100,7 @@ struct Actor {
     scheduled: bool,
     outstanding: u64,
     /// Outstanding WRs by arena half of their wave.
-    by_wave: BTreeMap<usize, u64>,
+    by_half: BTreeMap<usize, u64>,
     /// Immediates received, by value.
     imms: BTreeMap<u32, u64>,
     /// Trainers: `(group, wave)` list in execution order.
@@ -138,8 +138,8 @@ struct Driver<'a> {
     /// Per trainer: round-robin NIC of its next single write.
     rr: Vec<usize>,
     shard: ShardConfig,
-    /// The wave of each outstanding WR.
-    wr_wave: BTreeMap<u64, usize>,
+    /// The arena half of each outstanding WR.
+    wr_half: BTreeMap<u64, usize>,
     /// Waves overlap: wave k+1 starts once wave k is posted and wave k-1
     /// completed (two arena halves).
     pipelined: bool,
@@ -240,7 +240,7 @@ impl<'a> Driver<'a> {
                 proxy_free: 0,
                 scheduled: false,
                 outstanding: 0,
-                by_wave: BTreeMap::new(),
+                by_half: BTreeMap::new(),
                 imms: BTreeMap::new(),
                 waves,
                 pos: 0,
@@ -277,7 +277,7 @@ impl<'a> Driver<'a> {
                 .collect(),
             rr: vec![0; nt],
             shard,
-            wr_wave: BTreeMap::new(),
+            wr_half: BTreeMap::new(),
             pipelined: cfg.pipelined,
             dev_free: vec![0; nt],
         })
@@ -369,8 +369,8 @@ impl<'a> Driver<'a> {
             },
             imm: Some(p.imm),
         };
-        self.wr_wave.insert(self.next_wr, p.wave);
-        *self.actors[a].by_wave.entry(p.wave).or_default() += 1;
+        self.wr_half.insert(self.next_wr, p.half);
+        *self.actors[a].by_half.entry(p.half).or_default() += 1;
         self.next_wr += 1;
         let n = self.actors[a].doms[nic]
             .post_writes(std::slice::from_ref(&wr))
@@ -408,7 +408,7 @@ impl<'a> Driver<'a> {
                     to: p,
                     dst_off: 0,
                     imm: IMM_BARRIER + gi as u32,
-                    wave: self.plan.arena_half(gi, k),
+                    half: self.plan.arena_half(gi, k),
                 },
             );
         }
@@ -442,7 +442,7 @@ impl<'a> Driver<'a> {
                         // Posted, and the arena half of the next wave free
                         // (the last wave staged in it completed).
                         !act.pending.is_empty()
-                            || next_half.is_some_and(|h| act.by_wave.contains_key(&h))
+                            || next_half.is_some_and(|h| act.by_half.contains_key(&h))
                             || (next_half.is_none() && act.outstanding > 0)
                     } else {
                         !act.pending.is_empty() || act.outstanding > 0
@@ -478,7 +478,7 @@ impl<'a> Driver<'a> {
                                 to: t,
                                 dst_off: 0,
                                 imm: IMM_ACK,
-                                wave: usize::MAX,
+                                half: usize::MAX,
                             },
                         );
                     }
@@ -543,7 +543,7 @@ impl<'a> Driver<'a> {
     /// sources moved by `base`.
     fn queue_unit(&mut self, a: usize, u: &Unit, ready: u64, src: Src, base: u64) {
         let act = &self.actors[a];
-        let wave = act
+        let half = act
             .waves
             .get(act.pos)
             .map_or(0, |&(g, k)| self.plan.arena_half(g, k));
@@ -565,7 +565,7 @@ impl<'a> Driver<'a> {
                             to,
                             dst_off: x.dst.offset + p.offset,
                             imm: IMM_WEIGHTS,
-                            wave,
+                            half,
                         });
                     }
                 } else {
@@ -579,7 +579,7 @@ impl<'a> Driver<'a> {
                             to,
                             dst_off: x.dst.offset + i * x.dst.stride,
                             imm: IMM_WEIGHTS,
-                            wave,
+                            half,
                         });
                     }
                 }
@@ -661,11 +661,11 @@ impl<'a> Driver<'a> {
                                 sim_err(format!("actor {a}: WRITE {} failed", wr.0), Some(e))
                             })?;
                             act.outstanding -= 1;
-                            if let Some(w) = self.wr_wave.remove(&wr.0) {
-                                if let Some(c) = act.by_wave.get_mut(&w) {
+                            if let Some(w) = self.wr_half.remove(&wr.0) {
+                                if let Some(c) = act.by_half.get_mut(&w) {
                                     *c -= 1;
                                     if *c == 0 {
-                                        act.by_wave.remove(&w);
+                                        act.by_half.remove(&w);
                                     }
                                 }
                             }
