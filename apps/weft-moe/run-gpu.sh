@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # weft-moe's GPU path on a machine with an NVIDIA GPU (driver >= 580 /
-# CUDA 13.0, NVRTC): the bit-exact tests and the DeepSeek-V3 decode bench.
+# CUDA 13.0, NVRTC): the bit-exact tests (ranks as threads of one process
+# and as one process per rank) and the DeepSeek-V3 decode benches (in one
+# process, and one process per rank).
 #
 #   apps/weft-moe/run-gpu.sh --build DIR
 #       build machine (no GPU or toolkit needed): release builds of the test
-#       binary `gpu_moe` and the example `gpu_bench`, stripped, into DIR
+#       binary `gpu_moe` and the examples `gpu_bench` and `gpu_procs`,
+#       stripped, into DIR
 #       with this script and bench/torch_baseline.py (the torch baseline)
 #       (use a git-ignored folder such as gpu-bin/moe).
 #   apps/weft-moe/run-gpu.sh --prebuilt DIR [--tests-only|--bench-only] [BENCH ARGS...]
@@ -27,17 +30,17 @@ esac
 
 if [ "$mode" = build ]; then
   mkdir -p "$dir"
-  rm -f "$dir/gpu_moe" "$dir/gpu_bench"
+  rm -f "$dir/gpu_moe" "$dir/gpu_bench" "$dir/gpu_procs"
   exe=$(cargo test --release -p weft-moe --features cuda --test moe --no-run \
           --message-format=json 2>/dev/null |
         grep -o '"executable":"[^"]*"' | grep "/moe-" | tail -n1 | cut -d'"' -f4)
   [ -n "$exe" ] || { echo "gpu_moe test binary not found" >&2; exit 1; }
   cp "$exe" "$dir/gpu_moe"
-  cargo build --release -p weft-moe --features cuda --example gpu_bench
-  cp target/release/examples/gpu_bench "$dir/gpu_bench"
+  cargo build --release -p weft-moe --features cuda --example gpu_bench --example gpu_procs
+  cp target/release/examples/gpu_bench target/release/examples/gpu_procs "$dir/"
   cp "$0" "$dir/run-gpu.sh"
   cp apps/weft-moe/bench/torch_baseline.py "$dir/torch_baseline.py"
-  strip "$dir/gpu_moe" "$dir/gpu_bench" 2>/dev/null || true
+  strip "$dir/gpu_moe" "$dir/gpu_bench" "$dir/gpu_procs" 2>/dev/null || true
   ls -l "$dir"
   exit 0
 fi
@@ -56,6 +59,12 @@ if [ "$what" != bench ]; then
 fi
 if [ "$what" != tests ]; then
   "$dir/gpu_bench" "$@" 2>&1 | tee "$out/bench.txt" || rc=1
+  # One process per rank, over nvlink and (with a CUDA-enabled libfabric
+  # loaded through WEFT_LIBFABRIC_PATH) libfabric shm with FI_HMEM.
+  "$dir/gpu_procs" --iters "${1:-300}" 2>&1 | tee "$out/procs.txt" || rc=1
+  if [ -n "${WEFT_LIBFABRIC_PATH:-}" ]; then
+    "$dir/gpu_procs" --iters "${1:-300}" --provider libfabric:shm 2>&1 | tee "$out/procs_shm.txt" || rc=1
+  fi
   if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     python3 "$dir/torch_baseline.py" "$@" 2>&1 | tee "$out/torch_baseline.txt" || rc=1
   else

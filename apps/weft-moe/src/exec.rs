@@ -65,6 +65,32 @@ pub(crate) struct Peers {
     pub recv_targets: ScatterTargets,
 }
 
+impl Peers {
+    /// Adds `members` (checked infos, rotated order) as a peer group and
+    /// checks their route and receive buffers as scatter targets.
+    pub(crate) fn connect(
+        engine: &TransferEngine,
+        members: &[&RankInfo],
+    ) -> Result<Peers, MoeError> {
+        let addrs: Vec<GroupAddress> = members.iter().map(|i| i.addr.clone()).collect();
+        let group = engine.add_peer_group(&addrs).map_err(eng(Phase::Setup))?;
+        let route: Vec<MrDesc> = members.iter().map(|i| i.route.clone()).collect();
+        let recv: Vec<MrDesc> = members.iter().map(|i| i.recv.clone()).collect();
+        let route_targets = engine
+            .scatter_targets(&group, &route)
+            .map_err(eng(Phase::Setup))?;
+        let recv_targets = engine
+            .scatter_targets(&group, &recv)
+            .map_err(eng(Phase::Setup))?;
+        Ok(Peers {
+            group,
+            recv,
+            route_targets,
+            recv_targets,
+        })
+    }
+}
+
 pub(crate) struct Bufs {
     pub route: HostBuffer,
     pub send: HostBuffer,
@@ -129,6 +155,63 @@ fn fnv(h: u64, v: u64) -> u64 {
         .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
+/// Hash of the shape and the immediate values: equal on every rank of a
+/// group, whatever its data path (host or GPU buffers have one layout).
+pub(crate) fn config_hash(dims: &Dims, imms: &ImmValues) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in [
+        u64::from(dims.ranks),
+        u64::from(dims.experts),
+        u64::from(dims.topk),
+        u64::from(dims.max_tokens),
+        u64::from(dims.token_bytes),
+        u64::from(dims.hidden),
+        u64::from(dims.out_dtype.size()),
+        u64::from(dims.private),
+        u64::from(imms.route),
+    ] {
+        h = fnv(h, v);
+    }
+    h
+}
+
+/// Checks every rank's info (from a peer or a store: untrusted) against
+/// this rank's shape and `hash`; returns rank `rank`'s members in rotated
+/// order (member j is rank `member_rank(N, rank, j)`).
+pub(crate) fn check_infos<'a>(
+    dims: &Dims,
+    rank: u32,
+    hash: u64,
+    all: &'a [RankInfo],
+) -> Result<Vec<&'a RankInfo>, MoeError> {
+    let n = dims.ranks;
+    if all.len() != n as usize {
+        return Err(MoeError::Shape {
+            what: "rank infos",
+            got: all.len() as u64,
+            want: u64::from(n),
+        });
+    }
+    for (s, i) in all.iter().enumerate() {
+        let bad = |what: String| MoeError::PeerInfo {
+            rank: s as u32,
+            what,
+        };
+        if i.rank != s as u32 {
+            return Err(bad(format!("info at index {s} names rank {}", i.rank)));
+        }
+        if i.config_hash != hash {
+            return Err(bad("config hash differs (shape, P or immediates)".into()));
+        }
+        if i.recv.len < dims.recv_buf_len || i.route.len < dims.route_buf_len() {
+            return Err(bad("buffers shorter than the shape needs".into()));
+        }
+    }
+    Ok((0..n.saturating_sub(1) as usize)
+        .map(|j| &all[member_rank(n, rank, j) as usize])
+        .collect())
+}
+
 impl HostExec {
     /// Validates `cfg`, allocates and registers the buffers and reserves
     /// the five immediates.
@@ -170,26 +253,12 @@ impl HostExec {
             held.lease_imm_value(&engine, v)
                 .map_err(eng(Phase::Setup))?;
         }
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        for v in [
-            u64::from(cfg.ranks),
-            u64::from(cfg.experts),
-            u64::from(cfg.topk),
-            u64::from(cfg.max_tokens),
-            u64::from(cfg.token_bytes),
-            u64::from(cfg.hidden),
-            u64::from(cfg.out_dtype.size()),
-            u64::from(cfg.private()),
-            u64::from(imms.route),
-        ] {
-            h = fnv(h, v);
-        }
         let info = RankInfo {
             rank,
             addr: engine.main_address(),
             route: route_d,
             recv: recv_d,
-            config_hash: h,
+            config_hash: config_hash(&dims, &imms),
         };
         let exec = HostExec {
             engine,
@@ -217,53 +286,9 @@ impl HostExec {
     /// Checks every rank's info against `own` and adds the peer group in
     /// rotated order.
     pub fn connect(&mut self, own: &RankInfo, all: &[RankInfo]) -> Result<(), MoeError> {
-        let n = self.dims.ranks;
-        if all.len() != n as usize {
-            return Err(MoeError::Shape {
-                what: "rank infos",
-                got: all.len() as u64,
-                want: u64::from(n),
-            });
-        }
-        for (s, i) in all.iter().enumerate() {
-            let bad = |what: String| MoeError::PeerInfo {
-                rank: s as u32,
-                what,
-            };
-            if i.rank != s as u32 {
-                return Err(bad(format!("info at index {s} names rank {}", i.rank)));
-            }
-            if i.config_hash != own.config_hash {
-                return Err(bad("config hash differs (shape, P or immediates)".into()));
-            }
-            if i.recv.len < self.dims.recv_buf_len || i.route.len < self.dims.route_buf_len() {
-                return Err(bad("buffers shorter than the shape needs".into()));
-            }
-        }
-        let members: Vec<&RankInfo> = (0..n.saturating_sub(1) as usize)
-            .map(|j| &all[member_rank(n, self.rank, j) as usize])
-            .collect();
-        let addrs: Vec<GroupAddress> = members.iter().map(|i| i.addr.clone()).collect();
-        let group = self
-            .engine
-            .add_peer_group(&addrs)
-            .map_err(eng(Phase::Setup))?;
-        let route: Vec<MrDesc> = members.iter().map(|i| i.route.clone()).collect();
-        let recv: Vec<MrDesc> = members.iter().map(|i| i.recv.clone()).collect();
-        let route_targets = self
-            .engine
-            .scatter_targets(&group, &route)
-            .map_err(eng(Phase::Setup))?;
-        let recv_targets = self
-            .engine
-            .scatter_targets(&group, &recv)
-            .map_err(eng(Phase::Setup))?;
-        self.peers = Some(Peers {
-            group,
-            recv,
-            route_targets,
-            recv_targets,
-        });
+        let own = own.config_hash;
+        let members = check_infos(&self.dims, self.rank, own, all)?;
+        self.peers = Some(Peers::connect(&self.engine, &members)?);
         Ok(())
     }
 

@@ -33,8 +33,13 @@ impl ExpertTokens {
     }
 }
 
+/// The expert id of a (token, k) pair that goes to no expert (DeepEP's
+/// `-1`): the pair is neither sent nor summed.
+pub const NO_EXPERT: u32 = u32::MAX;
+
 /// One rank's inputs of a step: `T_r` tokens of `token_bytes` bytes, and
-/// `T_r · R` expert ids and weights, token-major.
+/// `T_r · R` expert ids and weights, token-major. An id of [`NO_EXPERT`]
+/// leaves that pair out.
 #[derive(Debug, Clone, Copy)]
 pub struct RankInput<'a> {
     /// Token rows, packed.
@@ -79,7 +84,11 @@ impl RankInput<'_> {
                 want: ids,
             });
         }
-        if let Some(i) = self.topk_ids.iter().position(|&id| id >= dims.experts) {
+        if let Some(i) = self
+            .topk_ids
+            .iter()
+            .position(|&id| id >= dims.experts && id != NO_EXPERT)
+        {
             return Err(MoeError::ExpertOutOfRange {
                 t: (i as u64 / r) as u32,
                 k: (i as u64 % r) as u32,

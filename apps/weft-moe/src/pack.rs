@@ -8,7 +8,7 @@
 
 use crate::config::Dims;
 use crate::error::MoeError;
-use crate::expert::{ExpertTokens, RankInput};
+use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
 use crate::num::{push_elem, read_elem};
 use crate::plan::{CombineSlot, SrcSlot, StepPlan};
 use crate::routes::CountedPairs;
@@ -56,6 +56,9 @@ pub fn pack_dispatch(
     let tb = u64::from(dims.token_bytes);
     let r = dims.topk as usize;
     for (i, &slot) in pairs.slots.iter().enumerate() {
+        if slot == NO_EXPERT {
+            continue;
+        }
         let t = (i / r) as u64;
         let src = slice(input.tokens, t * tb, tb, "tokens")?;
         slice_mut(send_buf, u64::from(slot) * dims.b_in, tb, "send buffer")?.copy_from_slice(src);
@@ -125,8 +128,8 @@ pub fn pack_combine(
 }
 
 /// The weighted sum of a rank's own tokens from its combine region:
-/// `out[t] = Σ_k w[t,k] · y(slot(t,k))`, f32 fused multiply-add in k order,
-/// converted to `out_dtype`. `slots` are the send-order slots of the
+/// `out[t] = Σ_k w[t,k] · y(slot(t,k))`, f32 fused multiply-add in k order
+/// over the pairs that have an expert, converted to `out_dtype`. `slots` are the send-order slots of the
 /// step's pairs ([`CountedPairs::slots`]).
 pub fn weighted_sum(
     dims: &Dims,
@@ -148,18 +151,17 @@ pub fn weighted_sum(
     let mut out = Vec::with_capacity(tokens * ob as usize);
     for t in 0..tokens {
         rows.clear();
-        for &s in &slots[t * r..(t + 1) * r] {
-            rows.push(slice(
-                recv_buf,
-                u64::from(s) * dims.b_out,
-                ob,
-                "receive buffer",
-            )?);
+        for (k, &s) in slots[t * r..(t + 1) * r].iter().enumerate() {
+            if s == NO_EXPERT {
+                continue;
+            }
+            let row = slice(recv_buf, u64::from(s) * dims.b_out, ob, "receive buffer")?;
+            rows.push((weights[t * r + k], row));
         }
         for h in 0..dims.hidden as usize {
             let mut acc = 0f32;
-            for (k, row) in rows.iter().enumerate() {
-                acc = weights[t * r + k].mul_add(read_elem(dims.out_dtype, row, h), acc);
+            for &(w, row) in &rows {
+                acc = w.mul_add(read_elem(dims.out_dtype, row, h), acc);
             }
             push_elem(dims.out_dtype, &mut out, acc);
         }

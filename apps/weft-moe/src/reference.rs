@@ -5,7 +5,7 @@
 
 use crate::config::Dims;
 use crate::error::MoeError;
-use crate::expert::{ExpertTokens, RankInput};
+use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
 use crate::num::{push_elem, read_elem};
 
 /// Dispatch: for every rank d, the rows of its local experts (expert
@@ -39,8 +39,8 @@ pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertToken
 /// Combine: `outputs[d]` holds rank d's expert outputs, one row of
 /// `hidden` elements of `out_dtype` per row of `dispatch`'s result for d.
 /// Returns, per source rank s, its `T_s` combined tokens:
-/// `Σ_k w[t,k] · y(t,k)`, accumulated in f32 with a fused multiply-add in
-/// k order, then converted to `out_dtype`.
+/// `Σ_k w[t,k] · y(t,k)` over the pairs with an expert, accumulated in f32
+/// with a fused multiply-add in k order, then converted to `out_dtype`.
 pub fn combine(
     dims: &Dims,
     inputs: &[RankInput<'_>],
@@ -87,6 +87,9 @@ pub fn combine(
             for h in 0..dims.hidden as usize {
                 let mut acc = 0f32;
                 for k in 0..r {
+                    if inp.topk_ids[t * r + k] == NO_EXPERT {
+                        continue;
+                    }
                     let (d, row) = at[s][t * r + k];
                     let v = read_elem(dims.out_dtype, &outputs[d][row * ob..(row + 1) * ob], h);
                     acc = inp.topk_weights[t * r + k].mul_add(v, acc);

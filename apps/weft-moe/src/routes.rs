@@ -4,6 +4,7 @@
 
 use crate::config::Dims;
 use crate::error::MoeError;
+use crate::expert::NO_EXPERT;
 
 /// The pairs of one rank's step, counted and placed: what the send side
 /// computes before anything goes on the wire.
@@ -15,12 +16,14 @@ pub struct CountedPairs {
     pub row: Vec<u32>,
     /// Send-order slot of pair (t, k) at index `t·R + k`. Send order is
     /// expert ascending (hence destination rank ascending), then t, then k.
+    /// A pair with no expert ([`NO_EXPERT`]) has slot [`NO_EXPERT`].
     pub slots: Vec<u32>,
 }
 
 /// Counts the (token, k) pairs of `topk_ids` (`T_r · R` ids, token-major)
 /// per expert and gives every pair its send-order slot. Deterministic: the
-/// slot of a pair depends only on the ids.
+/// slot of a pair depends only on the ids. Ids of [`NO_EXPERT`] are not
+/// counted.
 pub fn count_pairs(dims: &Dims, topk_ids: &[u32]) -> Result<CountedPairs, MoeError> {
     let r = dims.topk as usize;
     if !topk_ids.len().is_multiple_of(r) {
@@ -39,6 +42,9 @@ pub fn count_pairs(dims: &Dims, topk_ids: &[u32]) -> Result<CountedPairs, MoeErr
     }
     let mut row = vec![0u32; dims.experts as usize];
     for (i, &id) in topk_ids.iter().enumerate() {
+        if id == NO_EXPERT {
+            continue;
+        }
         let Some(c) = row.get_mut(id as usize) else {
             return Err(MoeError::ExpertOutOfRange {
                 t: (i / r) as u32,
@@ -56,6 +62,10 @@ pub fn count_pairs(dims: &Dims, topk_ids: &[u32]) -> Result<CountedPairs, MoeErr
     }
     let mut slots = Vec::with_capacity(topk_ids.len());
     for &id in topk_ids {
+        if id == NO_EXPERT {
+            slots.push(NO_EXPERT);
+            continue;
+        }
         let c = &mut cursor[id as usize]; // checked above
         slots.push(*c);
         *c += 1;

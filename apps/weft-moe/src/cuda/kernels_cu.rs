@@ -100,7 +100,10 @@ extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned
     unsigned n = (unsigned)ctl[MOE_CTL_TOKENS] * R;
     for (unsigned e = tid; e < E; e += bd) cnt[e] = 0;
     __syncthreads();
-    for (unsigned i = tid; i < n; i += bd) atomicAdd(&cnt[ids[i]], 1u);
+    // An id of 0xffffffff (no expert) is neither counted nor given a slot.
+    for (unsigned i = tid; i < n; i += bd) {
+        if (ids[i] != 0xffffffffu) atomicAdd(&cnt[ids[i]], 1u);
+    }
     __syncthreads();
     moe_block_scan(cnt, cur, E, part);
     for (unsigned e = tid; e < E; e += bd) { row_mapped[e] = cnt[e]; row_dev[e] = cnt[e]; }
@@ -118,9 +121,10 @@ extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned
         unsigned leader = __ffs(mask) - 1;
         for (unsigned w = 0; w < nwarps && base + w * 32 < n; w++) {
             if (warp == w) {
-                moe_u32 slot = i < n ? cur[id] + before : 0;
+                bool some = i < n && id != 0xffffffffu;
+                moe_u32 slot = some ? cur[id] + before : 0xffffffffu;
                 __syncwarp();
-                if (i < n && lane == leader) cur[id] += __popc(mask);
+                if (some && lane == leader) cur[id] += __popc(mask);
                 if (i < n) slots[i] = slot;
             }
             __syncthreads();
@@ -141,7 +145,8 @@ extern "C" __global__ void moe_pack(const unsigned char* tokens, weft_u64* ctl, 
     if (t < (unsigned)ctl[MOE_CTL_TOKENS]) {
         const unsigned char* src = tokens + (weft_u64)t * tb;
         for (unsigned k = 0; k < R; k++) {
-            moe_copy(send + (weft_u64)slots[t * R + k] * b_in, src, tb, threadIdx.x, blockDim.x);
+            moe_u32 s = slots[t * R + k];
+            if (s != 0xffffffffu) moe_copy(send + (weft_u64)s * b_in, src, tb, threadIdx.x, blockDim.x);
         }
     }
     moe_finish(&ctl[MOE_TICKET_PACK], sig, shadow);
@@ -324,25 +329,31 @@ extern "C" __global__ void moe_combine_sum(weft_u64* ctl, const moe_u32* slots,
     bool vec = R <= MOE_MAX_R && (hidden * esz) % 16 == 0 && b_out % 16 == 0;
     for (unsigned t = blockIdx.x; t < ntok; t += gridDim.x) {
         if (vec) {
+            // Pairs without an expert are skipped (not weighted by zero:
+            // 0 · NaN and -0 + 0 would change the sum's bits).
             const unsigned char* rows[MOE_MAX_R];
             float w[MOE_MAX_R];
+            unsigned m = 0;
             for (unsigned k = 0; k < R; k++) {
-                rows[k] = recv + (weft_u64)slots[t * R + k] * b_out;
-                w[k] = weights[t * R + k];
+                moe_u32 s = slots[t * R + k];
+                if (s == 0xffffffffu) continue;
+                rows[m] = recv + (weft_u64)s * b_out;
+                w[m] = weights[t * R + k];
+                m++;
             }
             unsigned nv = hidden / per;
             for (unsigned v = threadIdx.x; v < nv; v += blockDim.x) {
                 uint4 x[MOE_MAX_R];
 #pragma unroll
                 for (unsigned k = 0; k < MOE_MAX_R; k++) {
-                    if (k < R) x[k] = ((const uint4*)rows[k])[v];
+                    if (k < m) x[k] = ((const uint4*)rows[k])[v];
                 }
                 float acc[8];
 #pragma unroll
                 for (unsigned j = 0; j < 8; j++) acc[j] = 0.0f;
 #pragma unroll
                 for (unsigned k = 0; k < MOE_MAX_R; k++) {
-                    if (k < R) {
+                    if (k < m) {
                         const unsigned char* b = (const unsigned char*)&x[k];
 #pragma unroll
                         for (unsigned j = 0; j < 8; j++) {
@@ -364,7 +375,9 @@ extern "C" __global__ void moe_combine_sum(weft_u64* ctl, const moe_u32* slots,
             for (unsigned h = threadIdx.x; h < hidden; h += blockDim.x) {
                 float acc = 0.0f;
                 for (unsigned k = 0; k < R; k++) {
-                    const unsigned char* row = recv + (weft_u64)slots[t * R + k] * b_out;
+                    moe_u32 s = slots[t * R + k];
+                    if (s == 0xffffffffu) continue;
+                    const unsigned char* row = recv + (weft_u64)s * b_out;
                     acc = __fmaf_rn(weights[t * R + k], moe_elem(row, h, dtype), acc);
                 }
                 moe_store(out, (weft_u64)t * hidden + h, acc, dtype);

@@ -21,6 +21,7 @@
 //! The step number lives in device memory (the count kernel advances it),
 //! so the four launches of a step can be captured into a CUDA graph.
 
+mod engine;
 // Kernel launches pass raw parameter pointers to the driver.
 #[allow(unsafe_code)]
 mod kernels;
@@ -28,10 +29,10 @@ mod kernels_cu;
 mod local;
 mod proxy;
 
+pub use engine::{EngineGroup, EngineGroupConfig, EngineRank, HostFn};
 pub use kernels::MoeKernels;
 pub use kernels_cu::MOE_CU;
 pub use local::{LocalGroup, ProxyTimes};
-pub use proxy::{EngineGroup, EngineGroupConfig, HostFn};
 
 use crate::config::Dims;
 use crate::error::{MoeError, Phase};

@@ -1,9 +1,8 @@
-//! [`EngineGroup`]: N ranks on one GPU whose data moves over a real
-//! [`weft::TransferEngine`] per rank, each over the provider its
-//! configuration names for it ([`EngineGroupConfig::hosts`]): the
-//! same-host backend with the GPU's peer memory ([`EngineGroupConfig::nvlink`]),
-//! or any other backend that registers GPU memory (tests use the
-//! simulated fabric with a CUDA copier).
+//! The proxy of an [`EngineRank`](super::EngineRank): one rank whose data
+//! moves over a real [`weft::TransferEngine`], on any provider that
+//! registers GPU memory (the same-host backend `nvlink` with the GPU's peer
+//! memory, libfabric with FI_HMEM, or the simulated fabric with a CUDA
+//! copier in tests).
 //!
 //! Each rank's proxy thread runs the same [`RankCore`] as the CPU driver
 //! ([`crate::MoeRank`]) and the simulation ([`crate::sim`]); only the
@@ -37,302 +36,34 @@
 //! (dispatch-send, dispatch-recv, combine-send, combine-recv, ...), directly
 //! or as replayed CUDA graphs.
 
-use super::{GpuError, GpuRank, ProxyGroup, ProxyTimes};
+use super::{GpuError, GpuRank, ProxyTimes};
 use crate::config::Dims;
 use crate::core::{Action, Entry, Event, RankCore, Wait};
 use crate::error::{MoeError, Phase};
-use crate::imm::{ImmValues, COMBINE_MODE, DISPATCH_MODE};
-use crate::plan::member_rank;
+use crate::exec::Peers;
+use crate::imm::{COMBINE_MODE, DISPATCH_MODE};
 use crate::routes::RouteMatrix;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use weft::{
-    DomainGroupSpec, DoneCounter, DoneFlag, EngineConfig, Imm, MrDesc, MrHandle, OnDone,
-    PeerGroupHandle, Resources, ScatterMode, ScatterTargets, TransferEngine,
-};
-use weft_cuda::{Gpu, WatchWord};
+use weft::{DoneCounter, DoneFlag, Imm, MrHandle, OnDone, Resources, ScatterMode, TransferEngine};
+use weft_cuda::WatchWord;
 
-/// The provider rank `r`'s engine opens its NICs on.
-pub type HostFn =
-    Arc<dyn Fn(u32) -> Result<Arc<dyn weft::Provider>, weft::TransportError> + Send + Sync>;
-
-/// How an [`EngineGroup`] builds its engines.
-#[derive(Clone)]
-pub struct EngineGroupConfig {
-    /// The provider of each rank (called once per rank, in rank order).
-    pub hosts: HostFn,
-    /// NICs per rank's engine (indices `0..nics` of its provider).
-    pub nics: usize,
-    /// Every rank's engine configuration.
-    pub engine: EngineConfig,
-    /// How long a proxy waits for a kernel signal, a round or its own
-    /// submits before it stops with an error.
-    pub timeout: Duration,
+/// What a rank's proxy shares with its owner ([`super::EngineRank`]).
+pub(crate) struct RankShared {
+    pub(crate) dims: Dims,
+    pub(crate) rank: Arc<GpuRank>,
+    pub(crate) stop: AtomicBool,
+    pub(crate) timeout: Duration,
+    pub(crate) times: Mutex<Vec<ProxyTimes>>,
 }
 
-impl std::fmt::Debug for EngineGroupConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineGroupConfig")
-            .field("nics", &self.nics)
-            .field("engine", &self.engine)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl EngineGroupConfig {
-    /// One NIC per rank on the provider `hosts(rank)` gives, default
-    /// engines, `timeout`.
-    pub fn new(hosts: HostFn, timeout: Duration) -> EngineGroupConfig {
-        EngineGroupConfig {
-            hosts,
-            nics: 1,
-            engine: EngineConfig::default(),
-            timeout,
-        }
-    }
-
-    /// Every rank over the same-host backend (`nvlink`) with `gpu`'s peer
-    /// memory: WRITEs into another rank's GPU buffers are copies on the
-    /// GPU's copy engines (one-sided, no lock shared by the ranks).
-    pub fn nvlink(gpu: &Gpu, timeout: Duration) -> Result<EngineGroupConfig, GpuError> {
-        let pm: Arc<dyn weft::PeerMemory> = Arc::new(
-            gpu.peer_memory()
-                .map_err(GpuError::cuda(None, Phase::Setup))?,
-        );
-        let backend = weft::provider_with(
-            &weft::ProviderSpec::Nvlink,
-            &weft::ProviderConfig::default()
-                .with_nvlink(weft::NvlinkOptions::default().with_peer_memory(pm)),
-        )
-        .map_err(|e| GpuError::Proxy {
-            rank: 0,
-            what: format!("opening nvlink: {e}"),
-        })?;
-        let backend = Arc::new(backend);
-        Ok(Self::new(
-            Arc::new(move |_| {
-                backend.host().map_err(|e| weft::TransportError::Failed {
-                    nic: "nvlink".into(),
-                    wr: None,
-                    what: e.to_string(),
-                })
-            }),
-            timeout,
-        ))
-    }
-}
-
-struct Shared {
-    dims: Dims,
-    ranks: Vec<Arc<GpuRank>>,
-    stop: AtomicBool,
-    timeout: Duration,
-    times: Vec<Mutex<Vec<ProxyTimes>>>,
-}
-
-/// N ranks on one GPU, an engine and a proxy thread each (module docs).
-pub struct EngineGroup {
-    shared: Arc<Shared>,
-    threads: Vec<(u32, JoinHandle<Result<(), GpuError>>)>,
-    engines: Vec<Arc<TransferEngine>>,
-}
-
-impl std::fmt::Debug for EngineGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineGroup")
-            .field("ranks", &self.shared.dims.ranks)
-            .finish()
-    }
-}
-
-fn eng(rank: u32, phase: Phase) -> impl Fn(weft::EngineError) -> GpuError {
+pub(crate) fn eng(rank: u32, phase: Phase) -> impl Fn(weft::EngineError) -> GpuError {
     move |source| {
         tracing::debug!(rank, ?phase, %source, "engine call failed");
         GpuError::Moe(MoeError::Engine { phase, source })
-    }
-}
-
-/// Registers rank `r`'s route (host-mapped), send and receive buffers into
-/// `held`. Returns the handles (route, send, recv) and the descriptors of
-/// route and recv.
-#[allow(unsafe_code)]
-fn register(
-    engine: &TransferEngine,
-    r: &GpuRank,
-    held: &mut Resources,
-) -> Result<([MrHandle; 3], MrDesc, MrDesc), GpuError> {
-    let e = eng(r.rank, Phase::Setup);
-    // SAFETY: the buffers live in the group's `Shared`, which outlives every
-    // engine: the proxy deregisters them when it ends, and
-    // `EngineGroup::stop_all` shuts the engines down (dropping any
-    // registration left) before `Shared` can be dropped.
-    let (route, send, recv) = unsafe { (r.route.region(), r.send.region(), r.recv.region()) };
-    let (route_h, route_d) = held.register(engine, route).map_err(&e)?;
-    let (send_h, _) = held.register(engine, send).map_err(&e)?;
-    let (recv_h, recv_d) = held.register(engine, recv).map_err(&e)?;
-    Ok(([route_h, send_h, recv_h], route_d, recv_d))
-}
-
-impl EngineGroup {
-    /// Allocates `dims.ranks` ranks on `gpu`, builds one engine per rank on
-    /// its provider ([`EngineGroupConfig::hosts`]), registers the buffers,
-    /// connects every rank to the others and starts the proxies.
-    pub fn new(gpu: &Gpu, dims: &Dims, cfg: EngineGroupConfig) -> Result<EngineGroup, GpuError> {
-        let n = dims.ranks;
-        let ranks = (0..n)
-            .map(|r| GpuRank::new(gpu, dims, r).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()?;
-        let shared = Arc::new(Shared {
-            dims: dims.clone(),
-            times: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
-            ranks,
-            stop: AtomicBool::new(false),
-            timeout: cfg.timeout,
-        });
-        let mut group = EngineGroup {
-            shared: shared.clone(),
-            threads: Vec::new(),
-            engines: Vec::new(),
-        };
-        let mut nets = Vec::new();
-        let mut descs = Vec::new();
-        for r in 0..n {
-            let provider = (cfg.hosts)(r).map_err(|e| GpuError::Proxy {
-                rank: r,
-                what: format!("the rank's provider: {e}"),
-            })?;
-            let engine = TransferEngine::builder()
-                .group(
-                    DomainGroupSpec::new(provider, (0..cfg.nics.max(1)).collect::<Vec<_>>())
-                        .device(gpu.device()),
-                )
-                .config(cfg.engine.clone())
-                .build()
-                .map_err(eng(r, Phase::Setup))?;
-            let engine = Arc::new(engine);
-            group.engines.push(engine.clone());
-            let mut held = Resources::new();
-            let (h, route_d, recv_d) = register(&engine, &shared.ranks[r as usize], &mut held)?;
-            let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())
-                .map_err(|e| GpuError::Moe(MoeError::from(e)))?;
-            for v in imms.all() {
-                held.lease_imm_value(&engine, v)
-                    .map_err(eng(r, Phase::Setup))?;
-            }
-            let ic = engine.imm_counts(0).map_err(eng(r, Phase::Setup))?;
-            descs.push((engine.main_address(), route_d, recv_d));
-            nets.push((engine, h, held, imms, ic));
-        }
-        for (r, (engine, h, held, imms, ic)) in nets.into_iter().enumerate() {
-            let r = r as u32;
-            let members: Vec<usize> = (0..n.saturating_sub(1) as usize)
-                .map(|j| member_rank(n, r, j) as usize)
-                .collect();
-            let addrs: Vec<_> = members.iter().map(|&m| descs[m].0.clone()).collect();
-            let pg = engine
-                .add_peer_group(&addrs)
-                .map_err(eng(r, Phase::Setup))?;
-            let route: Vec<MrDesc> = members.iter().map(|&m| descs[m].1.clone()).collect();
-            let recv: Vec<MrDesc> = members.iter().map(|&m| descs[m].2.clone()).collect();
-            let route_targets = engine
-                .scatter_targets(&pg, &route)
-                .map_err(eng(r, Phase::Setup))?;
-            let recv_targets = engine
-                .scatter_targets(&pg, &recv)
-                .map_err(eng(r, Phase::Setup))?;
-            let net = Net {
-                engine,
-                rank: r,
-                handles: h,
-                held,
-                group: pg,
-                recv,
-                route_targets,
-                recv_targets,
-                done: Arc::new(DoneCounter::new()),
-                submitted: 0,
-                flags: Default::default(),
-                posted: false,
-            };
-            let proxy = Proxy {
-                core: RankCore::new(dims.clone(), r, imms, ic),
-                sh: shared.clone(),
-                r,
-                net,
-            };
-            let handle = std::thread::Builder::new()
-                .name(format!("moe-engine-proxy-{r}"))
-                .spawn(move || proxy.run())
-                .map_err(|e| GpuError::Proxy {
-                    rank: r,
-                    what: format!("spawning the proxy thread: {e}"),
-                })?;
-            group.threads.push((r, handle));
-        }
-        Ok(group)
-    }
-
-    /// Rank `r`'s engine.
-    pub fn engine(&self, r: u32) -> Option<&Arc<TransferEngine>> {
-        self.engines.get(r as usize)
-    }
-
-    fn stop_all(&mut self) -> Result<(), GpuError> {
-        self.shared.stop.store(true, Ordering::Release);
-        let mut first = Ok(());
-        for (r, h) in self.threads.drain(..) {
-            let res = h.join().unwrap_or_else(|_| {
-                Err(GpuError::Proxy {
-                    rank: r,
-                    what: "proxy thread panicked".into(),
-                })
-            });
-            if first.is_ok() {
-                first = res;
-            }
-        }
-        for e in self.engines.drain(..) {
-            e.shutdown();
-        }
-        first
-    }
-}
-
-impl ProxyGroup for EngineGroup {
-    fn rank(&self, r: u32) -> Option<&Arc<GpuRank>> {
-        self.shared.ranks.get(r as usize)
-    }
-
-    fn take_times(&self, r: u32) -> Vec<ProxyTimes> {
-        self.shared
-            .times
-            .get(r as usize)
-            .map(|m| std::mem::take(&mut *m.lock()))
-            .unwrap_or_default()
-    }
-
-    fn healthy(&self) -> bool {
-        self.threads.iter().all(|(_, h)| !h.is_finished())
-    }
-
-    /// Stops the proxies (each first waits for its last BAR_C round and its
-    /// own submits, so every rank should have run the same steps), shuts
-    /// the engines down and returns the first error a proxy hit.
-    fn shutdown(mut self: Box<Self>) -> Result<(), GpuError> {
-        self.stop_all()
-    }
-}
-
-impl Drop for EngineGroup {
-    fn drop(&mut self) {
-        if let Err(e) = self.stop_all() {
-            tracing::warn!(%e, "MoE engine proxy failed");
-        }
     }
 }
 
@@ -348,20 +79,15 @@ fn phase_index(p: Phase) -> usize {
 }
 
 /// One rank's engine side: handles, peers, own-submit counter, armed rounds.
-struct Net {
+pub(crate) struct Net {
     engine: Arc<TransferEngine>,
     rank: u32,
     /// route, send, recv.
     handles: [MrHandle; 3],
     /// The registrations behind `handles` and the reserved immediates.
     held: Resources,
-    group: PeerGroupHandle,
-    /// Per member: the receive descriptor (overflow writes, barriers).
-    recv: Vec<MrDesc>,
-    /// The members' route and receive buffers as scatter targets, checked
-    /// once at set-up.
-    route_targets: ScatterTargets,
-    recv_targets: ScatterTargets,
+    /// The members: peer group, receive descriptors, scatter targets.
+    peers: Peers,
     done: Arc<DoneCounter>,
     submitted: u64,
     flags: [Option<Arc<DoneFlag>>; 6],
@@ -370,6 +96,28 @@ struct Net {
 }
 
 impl Net {
+    /// Rank `rank`'s engine side after `connect`: its registrations and
+    /// immediates (`held`) and its checked members.
+    pub(crate) fn new(
+        engine: Arc<TransferEngine>,
+        rank: u32,
+        handles: [MrHandle; 3],
+        held: Resources,
+        peers: Peers,
+    ) -> Net {
+        Net {
+            engine,
+            rank,
+            handles,
+            held,
+            peers,
+            done: Arc::new(DoneCounter::new()),
+            submitted: 0,
+            flags: Default::default(),
+            posted: false,
+        }
+    }
+
     fn on_done(&mut self) -> OnDone {
         self.submitted += 1;
         self.posted = true;
@@ -387,9 +135,9 @@ impl Net {
         let slices = crate::exec::scatter_slices(entries)?;
         let od = self.on_done();
         let (targets, src) = if route {
-            (&self.route_targets, &self.handles[0])
+            (&self.peers.route_targets, &self.handles[0])
         } else {
-            (&self.recv_targets, &self.handles[1])
+            (&self.peers.recv_targets, &self.handles[1])
         };
         self.engine
             .submit_scatter_to_mode(targets, od, Some(imm), src, &slices, mode)
@@ -418,12 +166,13 @@ impl Net {
             }
             Action::OverflowWrite { imm, entry } => {
                 let dst = self
+                    .peers
                     .recv
                     .get(entry.member)
                     .ok_or(MoeError::Shape {
                         what: "overflow member",
                         got: entry.member as u64,
-                        want: self.recv.len() as u64,
+                        want: self.peers.recv.len() as u64,
                     })?
                     .clone();
                 let od = self.on_done();
@@ -440,7 +189,7 @@ impl Net {
             Action::Barrier { phase, imm } => {
                 let od = self.on_done();
                 self.engine
-                    .submit_barrier(&self.group, od, *imm, &self.recv)
+                    .submit_barrier(&self.peers.group, od, *imm, &self.peers.recv)
                     .map_err(eng(self.rank, *phase))?;
             }
             _ => {}
@@ -496,11 +245,12 @@ impl Net {
     }
 }
 
-struct Proxy {
-    core: RankCore,
-    sh: Arc<Shared>,
-    r: u32,
-    net: Net,
+/// One rank's proxy: runs its [`RankCore`] on its thread (module docs).
+pub(crate) struct Proxy {
+    pub(crate) core: RankCore,
+    pub(crate) sh: Arc<RankShared>,
+    pub(crate) r: u32,
+    pub(crate) net: Net,
 }
 
 /// Why a wait ended without its condition.
@@ -568,7 +318,7 @@ impl Proxy {
 
     /// Reads the peers' route rows out of the mapped route buffer.
     fn read_routes(&self) -> Result<Event, GpuError> {
-        let me = &self.sh.ranks[self.r as usize];
+        let me = &self.sh.rank;
         let d = &self.sh.dims;
         let mut all = vec![0u8; d.route_buf_len() as usize];
         me.route
@@ -587,7 +337,7 @@ impl Proxy {
         Ok(Event::Routes(m))
     }
 
-    fn run(mut self) -> Result<(), GpuError> {
+    pub(crate) fn run(mut self) -> Result<(), GpuError> {
         let res = self.steps();
         if let Err(e) = &res {
             tracing::error!(rank = self.r, %e, "MoE engine proxy stopped");
@@ -614,7 +364,7 @@ impl Proxy {
     }
 
     fn steps(&mut self) -> Result<(), GpuError> {
-        let me = self.sh.ranks[self.r as usize].clone();
+        let me = self.sh.rank.clone();
         let d = self.sh.dims.clone();
         let row_len = d.route_row_len() as usize;
         let mut row = vec![0u8; row_len];
@@ -648,7 +398,7 @@ impl Proxy {
                     }
                 }
             }
-            self.sh.times[self.r as usize].lock().push(t);
+            self.sh.times.lock().push(t);
         }
         Ok(())
     }
@@ -661,7 +411,7 @@ impl Proxy {
         t: &mut ProxyTimes,
         q: &mut VecDeque<Event>,
     ) -> Result<bool, GpuError> {
-        let me = self.sh.ranks[self.r as usize].clone();
+        let me = self.sh.rank.clone();
         match a {
             Action::Wait(w) => match self.wait(w, true)? {
                 Some(e) => q.push_back(e),

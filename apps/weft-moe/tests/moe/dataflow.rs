@@ -8,6 +8,7 @@ use crate::common::{expert_outputs, inputs, routings, Owned, Routing, DTYPES};
 use proptest::prelude::*;
 use weft_moe::{
     count_pairs, pack, reference, CombineSlot, Dims, MoeConfig, RouteMatrix, SrcSlot, StepPlan,
+    NO_EXPERT,
 };
 
 struct RankState {
@@ -108,7 +109,11 @@ fn step(d: &Dims, ranks: &mut [RankState], ins: &[Owned]) {
     let outs: Vec<Vec<u8>> = (0..n)
         .map(|r| expert_outputs(d, r as u32, &got[r]))
         .collect();
-    let mut cseen: Vec<Vec<bool>> = ranks.iter().map(|st| vec![false; st.slots.len()]).collect();
+    // One combine slot per pair with an expert.
+    let mut cseen: Vec<Vec<bool>> = ranks
+        .iter()
+        .map(|st| vec![false; st.slots.iter().filter(|&&s| s != NO_EXPERT).count()])
+        .collect();
     for (r, st) in ranks.iter_mut().enumerate() {
         let plan = st.plan.clone().unwrap();
         pack::pack_combine(d, &plan, &outs[r], &mut st.send, &mut st.recv).unwrap();

@@ -9,6 +9,7 @@ static ALLOC: weft_testkit::fuzz::TrackingAlloc = weft_testkit::fuzz::TrackingAl
 mod common;
 mod dataflow;
 mod gpu_moe;
+mod gpu_xproc;
 mod loopback;
 mod sim_adversarial;
 mod wire_fuzz;

@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use weft_moe::{num, Dims, ExpertTokens, OutDtype, RankInput};
+use weft_moe::{num, Dims, ExpertTokens, OutDtype, RankInput, NO_EXPERT};
 
 /// How the top-k ids are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +21,10 @@ pub enum Routing {
     SenderEmpty(u32),
     /// Most pairs to the first few experts.
     Skewed,
+    /// Random, but about a quarter of the pairs go to no expert
+    /// (`NO_EXPERT`, DeepEP's -1), and every pair of each rank's first
+    /// token.
+    SomeNone,
 }
 
 /// One rank's owned inputs.
@@ -58,6 +62,13 @@ pub fn inputs(d: &Dims, routing: Routing, seed: u64, ragged: bool) -> Vec<Owned>
                 for k in 0..r {
                     ids.push(match routing {
                         Routing::Random | Routing::SenderEmpty(_) => rng.gen_range(0..e),
+                        Routing::SomeNone => {
+                            if ids.len() < r || rng.gen_bool(0.25) {
+                                NO_EXPERT
+                            } else {
+                                rng.gen_range(0..e)
+                            }
+                        }
                         Routing::OneExpert(x) => x,
                         Routing::AllLocal => rank * l + rng.gen_range(0..l),
                         Routing::DupExperts => {
@@ -118,6 +129,7 @@ pub fn routings(d: &Dims) -> Vec<Routing> {
         Routing::DupExperts,
         Routing::SenderEmpty(d.ranks / 2),
         Routing::Skewed,
+        Routing::SomeNone,
     ]
 }
 
