@@ -205,8 +205,29 @@ impl MoeRank {
     }
 
     /// Sends the expert outputs (one `hidden`-element row per row of the
-    /// step's [`ExpertTokens`]) back and returns this rank's combined tokens.
+    /// step's [`ExpertTokens`]) back and returns this rank's combined tokens,
+    /// weighted with the `topk_weights` given to `dispatch`.
     pub fn combine(&mut self, expert_outputs: &[u8], layout: &Layout) -> Result<Vec<u8>, MoeError> {
+        let weights = layout.weights.clone();
+        self.combine_with_weights(expert_outputs, layout, &weights)
+    }
+
+    /// [`MoeRank::combine`] with the weights given now (`T_r · R`,
+    /// token-major; DeepEP's API passes them to combine, not to dispatch)
+    /// instead of those given to `dispatch`.
+    pub fn combine_with_weights(
+        &mut self,
+        expert_outputs: &[u8],
+        layout: &Layout,
+        weights: &[f32],
+    ) -> Result<Vec<u8>, MoeError> {
+        if weights.len() != layout.slots.len() {
+            return Err(MoeError::Shape {
+                what: "topk_weights",
+                got: weights.len() as u64,
+                want: layout.slots.len() as u64,
+            });
+        }
         if self.poisoned {
             return Err(MoeError::Poisoned);
         }
@@ -232,7 +253,7 @@ impl MoeRank {
         let mut io = CombineIo {
             outputs: expert_outputs,
             slots: &layout.slots,
-            weights: &layout.weights,
+            weights,
             out: None,
         };
         let r = drive(&mut self.core, &mut self.exec, Event::Combine, |x, a, c| {

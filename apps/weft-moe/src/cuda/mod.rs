@@ -283,6 +283,26 @@ impl GpuRank {
         Ok(t)
     }
 
+    /// Replaces the step's top-k weights (`T_r · R`, token-major, as given
+    /// to [`GpuRank::set_inputs`]) before the combine: DeepEP's API passes
+    /// them to combine. Synchronous; call it before launching the
+    /// combine-recv kernel.
+    pub fn set_weights(&self, weights: &[f32]) -> Result<(), GpuError> {
+        let mut b = [0u8; 8];
+        self.ctl.read(0, &mut b).map_err(self.cu(Phase::Combine))?;
+        let want = u64::from_le_bytes(b) * u64::from(self.dims.topk);
+        if weights.len() as u64 != want {
+            return Err(MoeError::Shape {
+                what: "topk_weights",
+                got: weights.len() as u64,
+                want,
+            }
+            .into());
+        }
+        let w: Vec<u8> = weights.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.weights.write(0, &w).map_err(self.cu(Phase::Combine))
+    }
+
     /// Rows received by the last unpack (the expert layout's length).
     pub fn received_rows(&self) -> Result<u32, GpuError> {
         let mut b = [0u8; 4];

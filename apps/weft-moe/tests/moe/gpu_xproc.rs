@@ -215,10 +215,26 @@ fn step(
         .collect();
     gr.set_expert_outputs(&outs[r as usize])
         .map_err(|e| e.to_string())?;
+    // The weights come again with the combine, different from dispatch's
+    // (DeepEP's order).
+    let late: Vec<Vec<f32>> = views
+        .iter()
+        .map(|v| v.topk_weights.iter().map(|w| 0.5 - w).collect())
+        .collect();
+    let views2: Vec<RankInput<'_>> = views
+        .iter()
+        .zip(&late)
+        .map(|(v, w)| RankInput {
+            topk_weights: w,
+            ..*v
+        })
+        .collect();
+    gr.set_weights(&late[r as usize])
+        .map_err(|e| e.to_string())?;
     l.combine(rank)
         .map_err(|e| format!("combine launch: {e}"))?;
     l.sync(rank).map_err(|e| format!("combine: {e:?}"))?;
-    let want = reference::combine(d, views, &outs).map_err(|e| e.to_string())?;
+    let want = reference::combine(d, &views2, &outs).map_err(|e| e.to_string())?;
     let got = gr.read_combined(t).map_err(|e| e.to_string())?;
     if got != want[r as usize] {
         return Err("combined tokens differ from the reference".into());

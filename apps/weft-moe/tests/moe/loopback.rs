@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_moe::{reference, MoeConfig, MoeError, MoeRank};
+use weft_moe::{reference, MoeConfig, MoeError, MoeRank, RankInput};
 use weft_testkit::seeds_or;
 
 const NICS: usize = 2;
@@ -69,8 +69,28 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
                             .enumerate()
                             .map(|(x, w)| expert_outputs(&d, x as u32, w))
                             .collect();
-                        let y = rank.combine(&outs[r], &layout).expect("combine");
-                        let want = reference::combine(&d, &views, &outs).unwrap();
+                        // Odd steps: the weights come with combine
+                        // (DeepEP's order), different from dispatch's.
+                        let late: Vec<Vec<f32>> = ins
+                            .iter()
+                            .map(|i| i.weights.iter().map(|w| 0.5 - w).collect())
+                            .collect();
+                        let views2: Vec<_> = views
+                            .iter()
+                            .zip(&late)
+                            .map(|(v, w)| RankInput {
+                                topk_weights: w,
+                                ..*v
+                            })
+                            .collect();
+                        let (y, want) = if k % 2 == 1 {
+                            let y = rank.combine_with_weights(&outs[r], &layout, &late[r]);
+                            (y, reference::combine(&d, &views2, &outs))
+                        } else {
+                            let y = rank.combine(&outs[r], &layout);
+                            (y, reference::combine(&d, &views, &outs))
+                        };
+                        let (y, want) = (y.expect("combine"), want.unwrap());
                         assert_eq!(y, want[r], "seed {seed} step {k} rank {r}: combine");
                     }
                     rank
