@@ -18,6 +18,7 @@ mod kv;
 mod live;
 mod memory;
 mod metrics;
+mod moe;
 mod provider;
 mod rendezvous;
 mod rl;
@@ -53,6 +54,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rl::PyRlDirectory>()?;
     m.add_class::<rl::PyRlTrainer>()?;
     m.add_class::<rl::PyRlInference>()?;
+    moe::register(m)?;
     m.add_class::<metrics::PyMetricsServer>()?;
     m.add_class::<rendezvous::PyStore>()?;
     m.add_class::<rendezvous::PySession>()?;

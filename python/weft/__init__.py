@@ -50,7 +50,7 @@ from ._weft import (
     serve_metrics,
 )
 
-from . import dist, kv, rendezvous, rl  # noqa: E402  (submodules: weft.dist, weft.kv, weft.rendezvous, weft.rl)
+from . import dist, kv, moe, rendezvous, rl  # noqa: E402  (submodules: weft.dist, weft.kv, weft.moe, weft.rendezvous, weft.rl)
 
 __version__: str = _weft.__version__
 
@@ -75,6 +75,7 @@ __all__ = [
     "serve_metrics",
     "dist",
     "kv",
+    "moe",
     "rendezvous",
     "rl",
     "__version__",

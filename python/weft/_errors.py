@@ -215,4 +215,13 @@ class RlError(WeftError):
     or stalled past the step's deadline), ``unknown_rank``, ``buffer``."""
 
 
+class MoeError(WeftError):
+    """MoE dispatch/combine (``weft.moe``) was refused or failed. ``kind``:
+    ``config``, ``shape``, ``too_many_tokens``, ``expert_out_of_range``,
+    ``bad_routes`` (a peer's route row), ``peer_info`` (a peer's
+    ``info()``), ``engine``, ``timeout`` (a peer dead or stalled past the
+    timeout), ``poisoned`` (an earlier step failed), ``not_connected``,
+    ``stale_layout``, ``out_of_order``."""
+
+
 __all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]

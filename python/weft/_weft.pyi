@@ -566,3 +566,50 @@ class RlInference:
     def read(self, index: int) -> bytes: ...
     def read_scales(self, index: int) -> bytes: ...
     def recover(self) -> None: ...
+
+class MoeLayout:
+    @property
+    def step(self) -> int: ...
+
+class MoeRank:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        rank: int,
+        ranks: int,
+        experts: int,
+        topk: int,
+        max_tokens: int,
+        token_bytes: int,
+        hidden: int,
+        *,
+        out_dtype: str = "bf16",
+        private_tokens: int | None = None,
+        instance: int = 0,
+        timeout: float = 10.0,
+    ) -> None: ...
+    def info(self) -> bytes: ...
+    def connect(self, infos: list[bytes]) -> None: ...
+    def dispatch(
+        self, tokens: Any, topk_ids: Any, topk_weights: Any | None = None
+    ) -> tuple[bytes, list[int], list[int], MoeLayout]: ...
+    def combine(self, outputs: Any, layout: MoeLayout, topk_weights: Any | None = None) -> bytes: ...
+    def shutdown(self) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]: ...
+    @staticmethod
+    def buffer_bytes(
+        ranks: int,
+        experts: int,
+        topk: int,
+        max_tokens: int,
+        token_bytes: int,
+        hidden: int,
+        *,
+        out_dtype: str = "bf16",
+        private_tokens: int | None = None,
+    ) -> int: ...
+    @property
+    def local_experts(self) -> int: ...

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence
 
 from ._weft import MrDesc, PeerAddress, TransferEngine
 
-__all__ = ["RankInfo", "exchange", "encode", "decode", "decode_error"]
+__all__ = ["RankInfo", "exchange", "all_gather_bytes", "encode", "decode", "decode_error"]
 
 _MAGIC = b"wfx1"
 #: The largest payload a rank may announce: every rank allocates the group
@@ -99,7 +99,20 @@ def exchange(engine: TransferEngine, *descs: MrDesc, group: Optional[Any] = None
     import torch
     import torch.distributed as dist
 
-    payload = encode(engine.address, descs)
+    rows = all_gather_bytes(encode(engine.address, descs), group=group)
+    return [decode(r, row) for r, row in enumerate(rows)]
+
+
+def all_gather_bytes(payload: bytes, group: Optional[Any] = None) -> List[bytes]:
+    """All-gathers one non-empty byte string per rank (at most 64 KiB) over
+    the ``torch.distributed`` process group `group` (default: the world):
+    a collective, every rank of the group must call it. Returns every
+    rank's bytes in rank order; what the others sent is untrusted (decode
+    it with its own checks). A rank announcing an empty or oversized
+    payload raises ``DescriptorError`` (kind ``bootstrap``) on every rank."""
+    import torch
+    import torch.distributed as dist
+
     world = dist.get_world_size(group)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
@@ -116,4 +129,4 @@ def exchange(engine: TransferEngine, *descs: MrDesc, group: Optional[Any] = None
     buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     rows = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(rows, buf, group=group)
-    return [decode(r, rows[r][: lens_l[r]].cpu().numpy().tobytes()) for r in range(world)]
+    return [rows[r][: lens_l[r]].cpu().numpy().tobytes() for r in range(world)]

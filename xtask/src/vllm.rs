@@ -1,5 +1,6 @@
 //! The vLLM connector's tests (`python/tests_vllm`) against the real vLLM
-//! package, in a virtualenv of their own (`target/venv-vllm`, or
+//! package, and the tests that need torch (`python/tests_torch`: the DeepEP
+//! shim), in a virtualenv of their own (`target/venv-vllm`, or
 //! `$WEFT_VLLM_VENV`): vLLM pinned to the release the connector is written
 //! for, pytest, and the weft wheel `python::test` built. vLLM is a large
 //! install (about 4.4 GB downloaded, 9.5 GB installed, a few minutes);
@@ -61,6 +62,8 @@ pub fn test(root: &Path) -> Result {
             "-m",
             "pytest",
             "python/tests_vllm",
+            // The DeepEP shim's tests need torch, which this venv has.
+            "python/tests_torch",
             "-q",
             "-rs",
             "-p",
