@@ -423,3 +423,33 @@ def test_a_directory_naming_the_wrong_memory_fails_the_step(engines):
         run_all([lambda t=t: t.step(0, bad) for t in c.trainers])
     assert e.value.kind in ("engine", "timeout")
     assert all(i.live is None for i in c.inference)
+
+
+def test_directory_from_endpoint_bytes_in_any_order(engines):
+    """What `bootstrap` all-gathers: every rank's `encode_endpoint` bytes,
+    in any order, build the directory; garbled, duplicated, missing or
+    foreign payloads raise typed errors (never anything else)."""
+    plan = rl.RlPlan(4, params(), targets(), block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    c = Cluster(engines, plan)
+    payloads = [rl.encode_endpoint(x) for x in c.trainers + c.inference]
+    assert rl.decode_endpoint(payloads[4])[:2] == ("inference", 0)
+    c.dir = rl.directory_of(plan, list(reversed(payloads)))
+    w = weights(31)
+    c.load(w)
+    c.step(0)
+    c.check(w)
+    for bad in [payloads[:-1], payloads + payloads[:1], payloads[:5] + [payloads[0]]]:
+        with pytest.raises(rl.RlError) as e:
+            rl.directory_of(plan, bad)
+        assert e.value.kind == "bootstrap"
+    p = payloads[2]
+    for junk in [b"", b"wrl1", b"wrl1x" + p[5:], p[:-1], p + b"\0"]:
+        with pytest.raises(rl.RlError) as e:
+            rl.decode_endpoint(junk)
+        assert e.value.kind == "bootstrap"
+    for i in range(len(p)):
+        flipped = p[:i] + bytes([p[i] ^ 0x5A]) + p[i + 1 :]
+        try:
+            rl.decode_endpoint(flipped)
+        except (rl.RlError, weft.DescriptorError):
+            pass

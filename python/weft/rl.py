@@ -27,6 +27,7 @@ block`` tile, quantised by the trainers)::
     i = rl.RlInference(weft.TransferEngine("libfabric:tcp"), plan, rank)
     # everyone: exchange endpoint() descriptors, then
     d = rl.RlDirectory(plan, trainer_endpoints, inference_endpoints)
+    # (or, all ranks in one torch.distributed group: d = rl.bootstrap(me))
     rl.load_local(t, model.named_parameters())   # each step, trainers
     t.step(version, d)                           # trainers, all at once
     i.step(version, d)                           # inference ranks, at once
@@ -43,10 +44,11 @@ transfer see :mod:`weft.vllm_weights`.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+import struct
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from ._errors import RlError
-from ._weft import RlDirectory, RlInference, RlPlan, RlTrainer
+from ._weft import MrDesc, RlDirectory, RlInference, RlPlan, RlTrainer
 
 __all__ = [
     "RlDirectory",
@@ -55,6 +57,10 @@ __all__ = [
     "RlPlan",
     "RlTrainer",
     "as_2d",
+    "bootstrap",
+    "decode_endpoint",
+    "directory_of",
+    "encode_endpoint",
     "layout_of",
     "load_local",
     "param_of",
@@ -278,3 +284,64 @@ def read_tensors(inf: RlInference, shapes: dict[str, Sequence[int]] | None = Non
     for i, (name, *_) in enumerate(inf.plan.tensors(inf.rank)):
         out[name] = read_tensor(inf, i, shapes.get(name))
     return out
+
+
+_EP_MAGIC = b"wrl1"
+_ROLES = {b"t": "trainer", b"i": "inference"}
+
+
+def encode_endpoint(me: Union[RlTrainer, RlInference]) -> bytes:
+    """`me`'s role, rank and ``endpoint()`` descriptors as bytes (for any
+    channel; `bootstrap` all-gathers them)."""
+    role = b"t" if isinstance(me, RlTrainer) else b"i"
+    a, b = me.endpoint()
+    da, db = a.to_bytes(), b.to_bytes()
+    return _EP_MAGIC + role + struct.pack("<III", me.rank, len(da), len(db)) + da + db
+
+
+def decode_endpoint(data: bytes) -> tuple:
+    """Parses `encode_endpoint`'s bytes (untrusted: anything else raises
+    ``RlError`` of kind ``bootstrap``, or ``DescriptorError`` from the
+    descriptors' own checks). Returns ``(role, rank, (desc_a, desc_b))``."""
+    head = 4 + 1 + 12
+    if len(data) < head or data[:4] != _EP_MAGIC or data[4:5] not in _ROLES:
+        raise _err("bootstrap", "not an RL endpoint")
+    rank, la, lb = struct.unpack_from("<III", data, 5)
+    if head + la + lb != len(data):
+        raise _err("bootstrap", f"an RL endpoint of {len(data)} bytes announces {head + la + lb}")
+    a = MrDesc.from_bytes(data[head : head + la])
+    b = MrDesc.from_bytes(data[head + la :])
+    return _ROLES[data[4:5]], rank, (a, b)
+
+
+def directory_of(plan: RlPlan, payloads: Iterable[bytes]) -> RlDirectory:
+    """The directory from every rank's `encode_endpoint` bytes: each
+    trainer ``0..plan.trainers`` and inference rank exactly once."""
+    seen: dict = {}
+    for data in payloads:
+        role, rank, descs = decode_endpoint(data)
+        if (role, rank) in seen:
+            raise _err("bootstrap", f"{role} {rank} announced twice")
+        seen[(role, rank)] = descs
+    want = [("trainer", r) for r in range(plan.trainers)] + [
+        ("inference", r) for r in range(plan.inference_ranks)
+    ]
+    missing = [w for w in want if w not in seen]
+    extra = [k for k in seen if k not in set(want)]
+    if missing or extra:
+        raise _err("bootstrap", f"the plan's ranks do not match the group: missing {missing}, unknown {extra}")
+    return RlDirectory(
+        plan,
+        [seen[("trainer", r)] for r in range(plan.trainers)],
+        [seen[("inference", r)] for r in range(plan.inference_ranks)],
+    )
+
+
+def bootstrap(me: Union[RlTrainer, RlInference], group: Optional[Any] = None) -> RlDirectory:
+    """Builds the `RlDirectory` over the ``torch.distributed`` process
+    group `group` (default: the world) whose members are exactly the plan's
+    trainers and inference ranks, in any order: all-gathers every rank's
+    `encode_endpoint`. A collective."""
+    from .dist import all_gather_bytes
+
+    return directory_of(me.plan, all_gather_bytes(encode_endpoint(me), group=group))

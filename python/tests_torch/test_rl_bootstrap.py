@@ -1,0 +1,80 @@
+"""weft.rl.bootstrap: four trainer and two inference processes in one
+``torch.distributed`` gloo group (ranks in a shuffled order) build their
+directory with one collective and push two versions over libfabric tcp,
+checked bit for bit by the inference processes (the tables and the
+reference are those of python/tests/test_rl.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+RANK = r"""
+import sys, time
+import numpy as np, torch.distributed as dist, weft, weft.rl as rl
+sys.path.insert(0, sys.argv[3])
+import test_rl as T
+g, tmp = int(sys.argv[1]), sys.argv[2]
+# Group rank g plays a shuffled role: the plan's ranks need not follow the group's.
+role, rank = [("inference", 1), ("trainer", 2), ("trainer", 0), ("inference", 0), ("trainer", 3), ("trainer", 1)][g]
+dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=g, world_size=6)
+plan = rl.RlPlan(4, T.params(), T.targets(True), block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+eng = weft.TransferEngine("libfabric:tcp", domain="same-machine")
+me = rl.RlTrainer(eng, plan, rank) if role == "trainer" else rl.RlInference(eng, plan, rank)
+d = rl.bootstrap(me)
+for version in range(2):
+    w = T.weights(700 + version)
+    if role == "trainer":
+        for k, (name, r, c) in enumerate(plan.pieces(rank)):
+            me.load_piece(k, np.ascontiguousarray(T.box(w[name], r, c)))
+    me.step(version, d)
+    if role == "inference":
+        for k, (name, segs, quant) in enumerate(T.targets(True)[rank]):
+            want = T.expected(w, segs)
+            got = np.frombuffer(me.read(k), np.uint8)
+            if quant == "none":
+                assert np.array_equal(got.view(np.uint16).reshape(want.shape), want), name
+            else:
+                q, s = T.ref_fp8(want, 4)
+                assert np.array_equal(got.reshape(want.shape), q), name
+dist.barrier()
+print("ok", flush=True)
+eng.shutdown()
+"""
+
+
+def test_bootstrap_over_a_gloo_group(tmp_path):
+    import weft
+
+    status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
+    if not status.available:
+        pytest.skip(f"libfabric:tcp: {status.reason}")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    tests = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(g), str(tmp_path), tests],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for g in range(6)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180))
+    finally:
+        for p in procs:
+            p.kill()
+    for g, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"group rank {g}: {err[-3000:]}"
+        assert out.strip() == "ok"
