@@ -4,14 +4,12 @@ where torch is not installed)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
 import weft
+from procs import run_ranks
 from weft import dist as wd
 
 
@@ -77,24 +75,7 @@ def test_exchange_over_gloo(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     world = 3
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), str(world), spec],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.strip() == "ok", err
+    outs = run_ranks(RANK, [[str(r), str(world), spec] for r in range(world)], env=env, timeout=120)
+    assert outs == ["ok"] * world

@@ -306,4 +306,4 @@ def test_rl_cuda_tensors_across_processes(cuda, tmp_path):
     checked, fp8 targets included (test_rl's processes, device "cuda")."""
     import test_rl
 
-    test_rl.run_ranks(tmp_path, device="cuda")
+    test_rl.run_rl_ranks(tmp_path, device="cuda")

@@ -7,7 +7,6 @@ refusals of bad shapes, ids and garbled peer infos, a dead rank."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ import pytest
 
 import weft
 import weft.moe as moe
+from procs import run_ranks
 
 N, E, K, T, TB, H = 4, 8, 3, 5, 24, 6
 
@@ -248,28 +248,9 @@ def test_ranks_as_processes_over_tcp(tmp_path):
     status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
     if not status.available:
         pytest.skip(f"libfabric:tcp: {status.reason}")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
     here = os.path.dirname(__file__)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(tmp_path), here],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(N)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}: {err[-3000:]}"
-        assert out.strip() == "ok"
+    outs = run_ranks(RANK, [[str(r), str(tmp_path), here] for r in range(N)], timeout=120)
+    assert outs == ["ok"] * N
 
 
 def test_deep_ep_module_imports_without_torch():

@@ -9,8 +9,6 @@ inference processes over libfabric tcp finding each other through a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 
 import weft
 import weft.rl as rl
+from procs import run_ranks
 
 # name -> (shape, layout); four trainers as a 2 x 2 mesh.
 PARAMS = {
@@ -332,41 +331,22 @@ eng.shutdown()
 """
 
 
-def run_ranks(tmp_path, device: str = "cpu") -> None:
+def run_rl_ranks(tmp_path, device: str = "cpu") -> None:
     """Four trainer and two inference processes over libfabric tcp, finding
     each other through a dir: store; two versions, fp8 targets included."""
     status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
     if not status.available:
         pytest.skip(f"libfabric:tcp: {status.reason}")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
     here = os.path.dirname(__file__)
     roles = [("trainer", r) for r in range(4)] + [("inference", r) for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), role, str(r), str(tmp_path / "store"), here, device],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for role, r in roles
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            p.kill()
-    for (role, r), p, (out, err) in zip(roles, procs, outs):
-        assert p.returncode == 0, f"{role} {r}: {err[-3000:]}"
-        assert out.strip() == f"{role} {r} ok"
+    argvs = [[role, str(r), str(tmp_path / "store"), here, device] for role, r in roles]
+    outs = run_ranks(RANK, argvs, cwd=str(tmp_path), timeout=180)
+    assert outs == [f"{role} {r} ok" for role, r in roles]
 
 
 @pytest.mark.fabric
 def test_trainer_and_inference_processes_over_tcp(tmp_path):
-    run_ranks(tmp_path)
+    run_rl_ranks(tmp_path)
 
 
 def test_f32_sources_and_the_explicit_fp8_fallback(engines):

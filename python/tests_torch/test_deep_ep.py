@@ -27,10 +27,12 @@ tensors (the shim's data path stays the host's).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from procs import run_ranks  # noqa: E402  (python/tests/procs.py)
 
 torch = pytest.importorskip("torch")
 
@@ -219,30 +221,9 @@ def run(tmp_path, n: int, case: str, device: str = "cpu"):
     status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
     if not status.available:
         pytest.skip(f"libfabric:tcp: {status.reason}")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
     here = os.path.dirname(__file__)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(n), str(tmp_path), case, here, device],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(n)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240))
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}: {err[-3000:]}"
-    return [o.strip() for o, _ in outs]
+    argvs = [[str(r), str(n), str(tmp_path), case, here, device] for r in range(n)]
+    return run_ranks(RANK, argvs, env=dict(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"), timeout=240)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -7,10 +7,13 @@ reference are those of python/tests/test_rl.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path.insert(0, TESTS)
+from procs import run_ranks  # noqa: E402  (python/tests/procs.py)
 
 pytest.importorskip("torch")
 
@@ -54,27 +57,6 @@ def test_bootstrap_over_a_gloo_group(tmp_path):
     status = {p.spec: p for p in weft.providers()}["libfabric:tcp"]
     if not status.available:
         pytest.skip(f"libfabric:tcp: {status.reason}")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    tests = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(g), str(tmp_path), tests],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for g in range(6)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            p.kill()
-    for g, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"group rank {g}: {err[-3000:]}"
-        assert out.strip() == "ok"
+    argvs = [[str(g), str(tmp_path), TESTS] for g in range(6)]
+    outs = run_ranks(RANK, argvs, env=dict(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"), timeout=180)
+    assert outs == ["ok"] * 6

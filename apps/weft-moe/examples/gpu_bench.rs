@@ -25,69 +25,18 @@
 //! comma list of `nvlink`, `loopback`, `local`; default all) picks the
 //! end-to-end groups.
 
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::time::{Duration, Instant};
 use weft::loopback::{Fabric, FabricConfig, FabricStats, NicModel};
 use weft::DeviceCopy;
 use weft_cuda::{Event, Gpu, Stream};
 use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
-use weft_moe::{count_pairs, row_to_le_bytes, Dims, MoeConfig, RankInput};
+use weft_moe::{count_pairs, row_to_le_bytes, Dims};
 
-const TOKEN_BYTES: u32 = 7168 + 56 * 4;
-const HIDDEN: u32 = 7168;
-
-struct Input {
-    tokens: Vec<u8>,
-    ids: Vec<u32>,
-    weights: Vec<f32>,
-}
-
-impl Input {
-    fn view(&self) -> RankInput<'_> {
-        RankInput {
-            tokens: &self.tokens,
-            topk_ids: &self.ids,
-            topk_weights: &self.weights,
-        }
-    }
-}
-
-fn dims(ranks: u32, p: u32) -> Dims {
-    let mut c = MoeConfig::new(ranks, 256, 8, 128, TOKEN_BYTES, HIDDEN);
-    c.private_tokens = Some(p);
-    c.max_buffer_bytes = 8 << 30;
-    c.validate().expect("DeepSeek-V3 shape")
-}
-
-/// Top-8 distinct experts per token, uniform (as a load-balanced router).
-fn input(d: &Dims, rng: &mut ChaCha8Rng) -> Input {
-    let experts: Vec<u32> = (0..d.experts).collect();
-    let t = d.max_tokens as usize;
-    let mut ids = Vec::with_capacity(t * d.topk as usize);
-    for _ in 0..t {
-        ids.extend(experts.choose_multiple(rng, d.topk as usize).copied());
-    }
-    Input {
-        tokens: (0..t * d.token_bytes as usize).map(|_| rng.gen()).collect(),
-        weights: (0..ids.len()).map(|_| rng.gen_range(0.0f32..1.0)).collect(),
-        ids,
-    }
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let i = ((v.len() - 1) as f64 * p).round() as usize;
-    v[i]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
+#[path = "common/dsv3.rs"]
+mod dsv3;
+use dsv3::{dims, input, pct, us, Input};
 
 fn line(name: &str, v: &mut [f64]) {
     let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));

@@ -15,8 +15,7 @@
 //! Usage: gpu_procs [--ranks N] [--iters I] [--provider nvlink|libfabric:shm]
 //! [--p P] (defaults 8, 300, nvlink, 32).
 
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -26,12 +25,13 @@ use weft::rendezvous::{self, Session};
 use weft::{DomainGroupSpec, EngineConfig, LibfabricOptions, ProviderConfig, TransferEngine};
 use weft_cuda::{Event, Gpu};
 use weft_moe::cuda::{EngineRank, MoeKernels};
-use weft_moe::{reference, Dims, MoeConfig, MoeRendezvous, RankInput};
+use weft_moe::{reference, Dims, MoeRendezvous, RankInput};
+
+#[path = "common/dsv3.rs"]
+mod dsv3;
+use dsv3::{dims, input, pct, us, Input};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
-
-const TOKEN_BYTES: u32 = 7168 + 56 * 4;
-const HIDDEN: u32 = 7168;
 
 fn arg(name: &str) -> Option<String> {
     let a: Vec<String> = std::env::args().collect();
@@ -44,48 +44,11 @@ fn num(name: &str, default: u64) -> u64 {
     arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn dims(ranks: u32, p: u32) -> Res<Dims> {
-    let mut c = MoeConfig::new(ranks, 256, 8, 128, TOKEN_BYTES, HIDDEN);
-    c.private_tokens = Some(p);
-    c.max_buffer_bytes = 8 << 30;
-    Ok(c.validate()?)
-}
-
-struct Input {
-    tokens: Vec<u8>,
-    ids: Vec<u32>,
-    weights: Vec<f32>,
-}
-
-impl Input {
-    fn view(&self) -> RankInput<'_> {
-        RankInput {
-            tokens: &self.tokens,
-            topk_ids: &self.ids,
-            topk_weights: &self.weights,
-        }
-    }
-}
-
 /// Every rank's inputs of step `step`: top-8 distinct experts per token,
 /// uniform (a load-balanced router), the same in every process.
 fn inputs(d: &Dims, step: u64) -> Vec<Input> {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0000 + step);
-    let experts: Vec<u32> = (0..d.experts).collect();
-    let t = d.max_tokens as usize;
-    (0..d.ranks)
-        .map(|_| {
-            let mut ids = Vec::with_capacity(t * d.topk as usize);
-            for _ in 0..t {
-                ids.extend(experts.choose_multiple(&mut rng, d.topk as usize).copied());
-            }
-            Input {
-                tokens: (0..t * d.token_bytes as usize).map(|_| rng.gen()).collect(),
-                weights: (0..ids.len()).map(|_| rng.gen_range(0.0f32..1.0)).collect(),
-                ids,
-            }
-        })
-        .collect()
+    (0..d.ranks).map(|_| input(d, &mut rng)).collect()
 }
 
 /// A deterministic expert: output element h of a row is a function of the
@@ -126,21 +89,9 @@ fn engine(gpu: &Gpu, prov: &str) -> Res<Arc<TransferEngine>> {
     Ok(Arc::new(e))
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
-
 /// One rank: prints `SAMPLES <kind> <µs,...>` lines and `DONE`.
 fn rank_main(r: u32, n: u32, iters: u64, prov: &str, store: &str, p: u32) -> Res<()> {
-    let d = dims(n, p)?;
+    let d = dims(n, p);
     let gpu = Gpu::open(0)?;
     let e = engine(&gpu, prov)?;
     let mut rank = EngineRank::new(&gpu, &d, r, e.clone(), Duration::from_secs(20))?;
