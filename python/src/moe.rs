@@ -137,6 +137,8 @@ pub struct PyMoeLayout {
     layout: Layout,
     /// T_r · R: the weights `combine` may be given.
     pairs: usize,
+    /// Whether dispatch was given weights (else combine must be).
+    weighted: bool,
 }
 
 #[pymethods]
@@ -289,6 +291,7 @@ impl PyMoeRank {
         topk_weights: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Dispatched<'py>> {
         let ids = read_ids(py, topk_ids)?;
+        let weighted = topk_weights.is_some();
         let weights = match topk_weights {
             Some(w) => read_weights(py, w)?,
             None => vec![0.0; ids.len()],
@@ -308,7 +311,11 @@ impl PyMoeRank {
             PyBytes::new(py, &x.data),
             x.expert_offsets,
             x.source_rank,
-            PyMoeLayout { layout, pairs },
+            PyMoeLayout {
+                layout,
+                pairs,
+                weighted,
+            },
         ))
     }
 
@@ -327,6 +334,12 @@ impl PyMoeRank {
         topk_weights: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let weights = topk_weights.map(|w| read_weights(py, w)).transpose()?;
+        if weights.is_none() && !layout.weighted {
+            return Err(errors::invalid(
+                py,
+                "combine: topk_weights were given neither to dispatch nor here",
+            ));
+        }
         if let Some(w) = &weights {
             if w.len() != layout.pairs {
                 return Err(shape_err(
@@ -338,8 +351,26 @@ impl PyMoeRank {
             }
         }
         let mut g = BufferGuard::acquire(outputs)?;
+        let fmt = g.format();
+        let fmt = fmt.trim_start_matches(['<', '=', '@']).to_string();
         let ys = g.as_slice().to_vec();
         g.release(py);
+        // Raw bytes, or elements of the rank's output type (bf16 has no
+        // buffer format: its 16-bit patterns).
+        let ok: &[&str] = match self.dims.out_dtype {
+            OutDtype::F32 => &["f", "B", "b"],
+            _ => &["H", "h", "B", "b"],
+        };
+        if !ok.contains(&fmt.as_str()) {
+            return Err(errors::refused(
+                py,
+                "unsupported_dtype",
+                format!(
+                    "outputs: buffer format {fmt:?} for {:?} outputs (expected one of {ok:?})",
+                    self.dims.out_dtype
+                ),
+            ));
+        }
         let l = &layout.layout;
         let out = self.with(py, |r| match &weights {
             Some(w) => r.combine_with_weights(&ys, l, w),
@@ -351,9 +382,11 @@ impl PyMoeRank {
     /// Waits for the last round, frees the immediates and unregisters the
     /// buffers. Later calls raise `ShutDownError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let r = self.rank.lock().take();
+        // The lock may be held by a step in flight: wait for it without
+        // the GIL.
+        let r = py.detach(|| self.rank.lock().take().map(MoeRank::shutdown));
         match r {
-            Some(r) => py.detach(|| r.shutdown()).map_err(|e| moe_err(py, &e)),
+            Some(r) => r.map_err(|e| moe_err(py, &e)),
             None => Ok(()),
         }
     }

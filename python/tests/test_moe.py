@@ -192,6 +192,28 @@ def test_refusals_are_typed(engines):
         r.shutdown()
 
 
+def test_combine_refuses_missing_weights_wrong_output_types_and_a_second_connect(engines):
+    rs = ranks_on(engines)
+    ins = inputs(3)
+    got = on_threads([lambda r=r: r.dispatch(ins[r.rank][0], ins[r.rank][1]) for r in rs])
+    outs = [outputs_of(g[0], g[1], r.rank) for r, g in zip(rs, got)]
+    with pytest.raises(weft.InvalidArgumentError):
+        rs[0].combine(outs[0], got[0][3])  # weights neither at dispatch nor here
+    with pytest.raises(weft.InvalidArgumentError) as e:
+        rs[0].combine(outs[0].view(np.float64), got[0][3], ins[0][2])  # right size, wrong type
+    assert e.value.kind == "unsupported_dtype"
+    with pytest.raises(moe.MoeError) as e:
+        rs[0].connect([r.info() for r in rs])
+    assert e.value.kind == "out_of_order"
+    # None of that disturbed the step.
+    ys = on_threads([lambda r=r, g=g: r.combine(outs[r.rank], g[3], ins[r.rank][2]) for r, g in zip(rs, got)])
+    want = ref_combine(ins, outs)
+    for r, y in zip(rs, ys):
+        assert np.array_equal(np.frombuffer(y, np.float32).reshape(-1, H), want[r.rank])
+    for r in rs:
+        r.shutdown()
+
+
 def test_a_dead_rank_times_out_the_others(engines):
     """Rank 3 never dispatches: the others raise MoeError (timeout) within
     their timeout and are poisoned afterwards."""

@@ -221,7 +221,9 @@ class MoeError(WeftError):
     ``bad_routes`` (a peer's route row), ``peer_info`` (a peer's
     ``info()``), ``engine``, ``timeout`` (a peer dead or stalled past the
     timeout), ``poisoned`` (an earlier step failed), ``not_connected``,
-    ``stale_layout``, ``out_of_order``."""
+    ``stale_layout``, ``out_of_order``, ``destroyed`` (a destroyed
+    ``Buffer``), ``moe`` (anything else: allocation, a rank number out of
+    range)."""
 
 
 __all__ = [name for name, v in list(globals().items()) if isinstance(v, type) and issubclass(v, WeftError)]

@@ -25,10 +25,13 @@ Two levels:
   reachable from Python yet, and neither CUDA graph capture nor more than
   one step in flight per shape is supported.
 
-fp8 (``use_fp8=True``): per token and 128 columns, ``amax = max(|x|,
-1e-4)``, ``scale = amax / 448`` (``round_scale``: rounded up to a power of
-two), ``x_fp8 = e4m3(clamp(x / scale, ±448))``; ``recv_x`` is
-``(x_fp8, scale)`` and ``x ≈ x_fp8 · scale``. Combine:
+fp8 (``use_fp8=True``), DeepEP's formulas in f32: per token and 128
+columns, ``amax = max(|x|, 1e-4)``; ``scale_inv = amax · f32(1/448)`` and
+``x_fp8 = e4m3(clamp(x · (448 / amax), ±448))``, or with ``round_scale``
+``scale_inv = 2^ceil(log2(amax · f32(1/448)))`` and ``x_fp8 = e4m3(clamp(x
+/ scale_inv, ±448))``; ``recv_x`` is ``(x_fp8, scale_inv)``, ``x ≈ x_fp8 ·
+scale_inv``. (Not checked bit for bit against DeepEP's kernels: DeepEP is
+not installed here.) Combine:
 ``out[t] = Σ_k w[t,k] · y(t,k)`` over the ``k`` whose ``topk_idx`` is not
 ``-1``, in f32 with fused multiply-adds in ``k`` order, rounded to bf16.
 """
@@ -49,6 +52,7 @@ __all__ = [
     "fp8_quantize",
     "Buffer",
     "EventOverlap",
+    "Handle",
 ]
 
 #: Bytes appended to every dispatched row: the token's index at its
@@ -76,16 +80,20 @@ def connect(rank: MoeRank, group: Optional[Any] = None) -> None:
 def fp8_quantize(x: Any, round_scale: bool = False) -> Tuple[Any, Any]:
     """Quantises ``x`` (``[T, H]``, ``H % 128 == 0``) to e4m3 with one f32
     scale per token and 128 columns (the module's fp8 rule). Returns
-    ``(x_fp8 [T, H], scale [T, H / 128])``."""
+    ``(x_fp8 [T, H], scale_inv [T, H / 128])``."""
     import torch
 
     t, h = x.shape
     xf = x.float().reshape(t, h // 128, 128)
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-4) / _FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp(min=1e-4)
+    scale_inv = amax * torch.tensor(1.0 / _FP8_MAX, dtype=torch.float32)
     if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xf / scale.unsqueeze(-1)).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(t, h), scale
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+        y = xf / scale_inv.unsqueeze(-1)  # exact: a power of two
+    else:
+        y = xf * (_FP8_MAX / amax).unsqueeze(-1)
+    q = y.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(t, h), scale_inv
 
 
 class EventOverlap:
@@ -128,12 +136,33 @@ def _no_hook() -> None:
 class _Step:
     """What a handle carries beyond DeepEP's five entries."""
 
-    def __init__(self, rank: MoeRank, layout: MoeLayout, offsets: List[int], topk_idx: Any, tokens: int) -> None:
+    def __init__(
+        self, key: tuple, rank: MoeRank, layout: MoeLayout, offsets: List[int], topk_idx: Any, tokens: int
+    ) -> None:
+        self.key = key
         self.rank = rank
         self.layout = layout
         self.offsets = offsets
         self.topk_idx = topk_idx
         self.tokens = tokens
+
+
+class Handle(tuple):
+    """DeepEP's low-latency handle, ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)`` (unpacks like
+    DeepEP's five-tuple), with weft's step as an attribute."""
+
+    step: _Step
+
+    def __new__(cls, items: tuple, step: _Step) -> "Handle":
+        h = super().__new__(cls, items)
+        h.step = step
+        return h
+
+
+#: The next MoE instance (immediate range) per engine: every Buffer on an
+#: engine, on every rank in the same order, takes the next one.
+_INSTANCES: Dict[int, int] = {}
 
 
 def _not_supported(call: str) -> NotImplementedError:
@@ -146,9 +175,12 @@ class Buffer:
     """DeepEP's ``deep_ep.Buffer``, low-latency mode, over weft (module
     docs). ``group`` is the ``torch.distributed`` process group of the
     expert-parallel ranks, one process each. ``num_nvl_bytes``,
-    ``num_rdma_bytes``, ``num_qps_per_rank`` and the NVLink flags are
-    accepted and ignored: buffers are sized per shape when a shape is first
-    used. Keyword-only extras: ``engine`` (a ``weft.TransferEngine`` to use),
+    ``num_rdma_bytes``, ``num_qps_per_rank``, the NVLink and fabric flags
+    and ``enable_shrink`` are accepted and ignored: buffers are sized per
+    shape when a shape is first used. A step that fails on any rank (a
+    refused argument, a dead or stalled peer) fails on every rank — the
+    others time out — and the shape's rank is rebuilt, on every rank, by
+    the next call. Keyword-only extras: ``engine`` (a ``weft.TransferEngine`` to use),
     else one is opened on ``provider`` (default ``$WEFT_MOE_PROVIDER`` or
     ``"libfabric:tcp"``) with ``domain``; ``timeout`` (seconds) bounds every
     round, so a dead rank surfaces as ``MoeError`` (kind ``timeout``) on the
@@ -166,7 +198,10 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        use_fabric: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Optional[Any] = None,
         *,
         engine: Optional[TransferEngine] = None,
         provider: Optional[str] = None,
@@ -175,6 +210,8 @@ class Buffer:
     ) -> None:
         import torch.distributed as dist
 
+        if group is None:
+            raise _not_supported("Buffer(comm=...) without a torch.distributed group")
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -235,10 +272,23 @@ class Buffer:
         except AttributeError:  # pragma: no cover - old torch
             pass
 
-    def _rank_for(self, tokens: int, hidden: int, experts: int, topk: int, fp8: bool) -> MoeRank:
-        key = (tokens, hidden, experts, topk, fp8)
+    def _forget(self, key: tuple) -> None:
+        """Drops the shape's rank after a failed step (every rank of the
+        group fails that step, so every rank rebuilds it on its next call)."""
+        r = self._ranks.pop(key, None)
+        if r is not None:
+            try:
+                r.shutdown()
+            except MoeError:
+                pass
+
+    def _rank_for(self, key: tuple) -> MoeRank:
+        tokens, hidden, experts, topk, fp8 = key
         r = self._ranks.get(key)
         if r is None:
+            eid = id(self.engine)
+            instance = _INSTANCES.get(eid, 0)
+            _INSTANCES[eid] = instance + 1
             row = (hidden + hidden // 32 if fp8 else 2 * hidden) + _INDEX_BYTES
             r = MoeRank(
                 self.engine,
@@ -250,7 +300,7 @@ class Buffer:
                 row,
                 hidden,
                 out_dtype="bf16",
-                instance=len(self._ranks),
+                instance=instance,
                 timeout=self._timeout,
             )
             connect(r, self.group)
@@ -279,10 +329,10 @@ class Buffer:
         column-major in the last two dimensions, as DeepEP's), else bf16
         ``[E_local, T_max·N, H]``; expert ``e``'s ``recv_count[e]`` rows
         come first, by source rank then source token. ``handle`` is
-        DeepEP's ``(src_info, layout_range, T_max, H, num_experts)`` plus
-        weft's step: ``src_info[e, i]`` is row i's token index at its
-        source, ``layout_range[e, s] = begin << 32 | count`` of source s's
-        rows."""
+        DeepEP's ``(src_info, layout_range, T_max, H, num_experts)`` (a
+        :class:`Handle`, carrying weft's step): ``src_info[e, i]`` is row
+        i's token index at its source, ``layout_range[e, s] = begin << 32
+        | count`` of source s's rows."""
         import torch
 
         self._check()
@@ -309,12 +359,14 @@ class Buffer:
             parts = [xc.view(torch.uint8)]
         idx = torch.arange(t, dtype=torch.int32).view(t, 1).view(torch.uint8)
         rows = torch.cat(parts + [idx], dim=1).contiguous()
-        topk = ids.shape[1]
-        r = self._rank_for(num_max_dispatch_tokens_per_rank, h, num_experts, topk, use_fp8)
-        data, offsets, src_rank, layout = r.dispatch(rows.numpy(), ids.numpy())
-        recv_x, recv_count, handle = self._unpack(
-            r, data, offsets, src_rank, layout, ids, t, h, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, x.device
-        )
+        key = (num_max_dispatch_tokens_per_rank, h, num_experts, ids.shape[1], use_fp8)
+        r = self._rank_for(key)
+        try:
+            data, offsets, src_rank, layout = r.dispatch(rows.numpy(), ids.numpy())
+            recv_x, recv_count, handle = self._unpack(key, r, data, offsets, src_rank, layout, ids, t, x.device)
+        except MoeError:
+            self._forget(key)
+            raise
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.device)
         event = _event(x.device) if async_finish else EventOverlap(None)
@@ -322,6 +374,7 @@ class Buffer:
 
     def _unpack(
         self,
+        key: tuple,
         r: MoeRank,
         data: bytes,
         offsets: List[int],
@@ -329,19 +382,24 @@ class Buffer:
         layout: MoeLayout,
         ids: Any,
         t: int,
-        h: int,
-        t_max: int,
-        experts: int,
-        fp8: bool,
         device: Any,
     ) -> Tuple[Any, Any, tuple]:
         import torch
 
+        t_max, h, experts, _, fp8 = key
         n, loc = self.group_size, r.local_experts
         width = h + h // 32 if fp8 else 2 * h
         tb = width + _INDEX_BYTES
-        got = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, tb) if data else torch.empty(0, tb, dtype=torch.uint8)
         cap = t_max * n
+        # What peers sent decides the counts: a rank naming one expert
+        # twice for a token (possible with MoeRank directly) would not fit
+        # DeepEP's layout.
+        if len(data) != offsets[-1] * tb:
+            raise _err("bad_routes", f"{len(data)} bytes for {offsets[-1]} rows of {tb}")
+        for e in range(loc):
+            if offsets[e + 1] - offsets[e] > cap:
+                raise _err("bad_routes", f"expert {e}: {offsets[e + 1] - offsets[e]} rows, DeepEP's layout holds {cap}")
+        got = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, tb) if data else torch.empty(0, tb, dtype=torch.uint8)
         recv = torch.zeros(loc, cap, h if fp8 else 2 * h, dtype=torch.uint8)
         scales = torch.zeros(loc, h // 128, cap, dtype=torch.float32).transpose(1, 2) if fp8 else None
         src_info = torch.full((loc, cap), -1, dtype=torch.int32)
@@ -365,8 +423,8 @@ class Buffer:
             recv_x: Any = (recv.view(torch.float8_e4m3fn).to(device), scales.to(device))
         else:
             recv_x = recv.view(torch.bfloat16).to(device)
-        step = _Step(r, layout, offsets, ids, t)
-        handle = (src_info.to(device), layout_range.to(device), t_max, h, experts, step)
+        step = _Step(key, r, layout, offsets, ids, t)
+        handle = Handle((src_info.to(device), layout_range.to(device), t_max, h, experts), step)
         return recv_x, recv_count.to(device), handle
 
     def low_latency_combine(
@@ -397,9 +455,10 @@ class Buffer:
             raise _not_supported("low_latency_combine(zero_copy=True)")
         if combine_wait_recv_cost_stats is not None:
             raise _not_supported("low_latency_combine(combine_wait_recv_cost_stats=...)")
-        if not isinstance(handle, tuple) or len(handle) != 6 or not isinstance(handle[5], _Step):
+        if not isinstance(handle, Handle):
             raise _err("stale_layout", "handle: not one low_latency_dispatch of this shim returned")
-        _, _, t_max, h, _, st = handle
+        _, _, t_max, h, _ = handle
+        st = handle.step
         loc = st.rank.local_experts
         if x.dim() != 3 or tuple(x.shape) != (loc, t_max * self.group_size, h) or x.dtype != torch.bfloat16:
             raise _err(
@@ -416,7 +475,11 @@ class Buffer:
         o = st.offsets
         parts = [xc[e, : o[e + 1] - o[e]] for e in range(loc)]
         rows = torch.cat(parts, dim=0).contiguous() if parts else torch.empty(0, h, dtype=torch.bfloat16)
-        y = st.rank.combine(rows.view(torch.uint8).numpy(), st.layout, w.numpy())
+        try:
+            y = st.rank.combine(rows.view(torch.uint8).numpy(), st.layout, w.numpy())
+        except MoeError:
+            self._forget(st.key)
+            raise
         comb = torch.frombuffer(bytearray(y), dtype=torch.bfloat16).view(st.tokens, h) if y else torch.empty(0, h, dtype=torch.bfloat16)
         if out is not None:
             out.copy_(comb)

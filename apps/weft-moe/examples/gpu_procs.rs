@@ -159,11 +159,20 @@ fn rank_main(r: u32, n: u32, iters: u64, prov: &str, store: &str, p: u32) -> Res
             }
             checked += 1;
         }
-        let times = rank.take_times();
+        // The proxy records a step after its weighted sum, which can be
+        // after the stream finished: wait (briefly) for this step's entry.
+        let waited = Instant::now();
+        let mut this = None;
+        while this.is_none() && waited.elapsed() < Duration::from_millis(200) {
+            this = rank.take_times().into_iter().find(|t| t.step == it + 1);
+            if this.is_none() {
+                std::thread::yield_now();
+            }
+        }
         if it >= warm && !check {
             disp.push(f64::from(ev[1].elapsed_ms_since(&ev[0])?) * 1e3);
             comb.push(f64::from(ev[2].elapsed_ms_since(&ev[1])?) * 1e3);
-            if let Some(pt) = times.last() {
+            if let Some(pt) = this {
                 l2w.push(us(pt.first_write.duration_since(launched)));
             }
         }

@@ -204,7 +204,7 @@ pub enum MoeError {
         /// What is wrong.
         what: String,
     },
-    /// `combine` with a layout of another step or rank.
+    /// `combine` with a layout of another step, rank or `MoeRank`.
     #[error("MoE combine: layout of step {layout_step}, this rank is at step {step}")]
     StaleLayout {
         /// The step of the layout.

@@ -26,6 +26,8 @@ use weft::TransferEngine;
 pub struct Layout {
     step: u64,
     rank: u32,
+    /// The [`MoeRank`] that made it (process-unique).
+    owner: u64,
     plan: Arc<StepPlan>,
     slots: Vec<u32>,
     weights: Vec<f32>,
@@ -53,6 +55,8 @@ impl Layout {
 /// are allocated and registered once ([`MoeRank::prepare`]); every MoE
 /// layer then calls [`MoeRank::dispatch`] and [`MoeRank::combine`].
 pub struct MoeRank {
+    /// Process-unique: a layout is accepted only by the rank that made it.
+    id: u64,
     core: RankCore,
     exec: HostExec,
     poisoned: bool,
@@ -110,7 +114,9 @@ impl MoeRank {
     ) -> Result<(MoeRank, RankInfo), MoeError> {
         let (exec, info, ic) = HostExec::prepare(engine, cfg, rank)?;
         let core = RankCore::new(exec.dims.clone(), rank, exec.imms, ic);
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let me = MoeRank {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             core,
             exec,
             poisoned: false,
@@ -121,8 +127,14 @@ impl MoeRank {
     }
 
     /// Connects to every rank (`all[s]` is rank s's info, self included):
-    /// checks the infos and adds the peer group in rotated order.
+    /// checks the infos and adds the peer group in rotated order. Once
+    /// only: a second call is [`MoeError::OutOfOrder`].
     pub fn connect(&mut self, all: &[RankInfo]) -> Result<(), MoeError> {
+        if self.exec.peers.is_some() {
+            return Err(MoeError::OutOfOrder {
+                expected: "one connect per rank",
+            });
+        }
         self.exec.connect(&self.info, all)
     }
 
@@ -196,6 +208,7 @@ impl MoeRank {
         let layout = Layout {
             step: self.core.step(),
             rank: self.core.rank(),
+            owner: self.id,
             plan,
             slots: pairs.slots,
             weights: input.topk_weights.to_vec(),
@@ -236,7 +249,10 @@ impl MoeRank {
                 expected: "dispatch",
             });
         }
-        if layout.step != self.core.step() || layout.rank != self.core.rank() {
+        if layout.step != self.core.step()
+            || layout.rank != self.core.rank()
+            || layout.owner != self.id
+        {
             return Err(MoeError::StaleLayout {
                 layout_step: layout.step,
                 step: self.core.step(),

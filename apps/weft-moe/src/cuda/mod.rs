@@ -285,8 +285,9 @@ impl GpuRank {
 
     /// Replaces the step's top-k weights (`T_r · R`, token-major, as given
     /// to [`GpuRank::set_inputs`]) before the combine: DeepEP's API passes
-    /// them to combine. Synchronous; call it before launching the
-    /// combine-recv kernel.
+    /// them to combine. Synchronous, and not ordered with the rank's
+    /// stream: call it while no kernel of this rank runs (as
+    /// [`GpuRank::set_inputs`]), after the dispatch and before the combine.
     pub fn set_weights(&self, weights: &[f32]) -> Result<(), GpuError> {
         let mut b = [0u8; 8];
         self.ctl.read(0, &mut b).map_err(self.cu(Phase::Combine))?;

@@ -51,6 +51,9 @@ use std::time::{Duration, Instant};
 use weft::{DoneCounter, DoneFlag, Imm, MrHandle, OnDone, Resources, ScatterMode, TransferEngine};
 use weft_cuda::WatchWord;
 
+/// Per-step timestamps a proxy keeps until its owner takes them.
+const MAX_TIMES: usize = 4096;
+
 /// What a rank's proxy shares with its owner ([`super::EngineRank`]).
 pub(crate) struct RankShared {
     pub(crate) dims: Dims,
@@ -398,7 +401,13 @@ impl Proxy {
                     }
                 }
             }
-            self.sh.times.lock().push(t);
+            let mut times = self.sh.times.lock();
+            // Bounded: a long-running rank whose owner never takes them
+            // keeps the latest steps only.
+            if times.len() >= MAX_TIMES {
+                times.drain(..MAX_TIMES / 2);
+            }
+            times.push(t);
         }
         Ok(())
     }

@@ -226,6 +226,10 @@ fn misuse_is_typed_and_harmless() {
         Err(MoeError::PeerInfo { .. })
     ));
     a.connect(&[ia.clone(), ib.clone()]).unwrap();
+    assert!(matches!(
+        a.connect(&[ia.clone(), ib.clone()]),
+        Err(MoeError::OutOfOrder { .. })
+    ));
     b.connect(&[ia, ib]).unwrap();
     let mut bad = ins[0].clone();
     bad.ids[0] = d.experts;
@@ -281,6 +285,56 @@ fn misuse_is_typed_and_harmless() {
     b.shutdown().unwrap();
     for e in &engines {
         assert_eq!(e.stats().imm_excess, 0);
+        e.shutdown();
+    }
+}
+
+/// A layout is accepted only by the rank that made it: another group's
+/// rank on the same engines, at the same step and rank number, refuses it.
+#[test]
+fn a_layout_of_another_group_is_refused() {
+    let c0 = cfg(2, 2, 2, 4, 2);
+    let mut c1 = c0.clone();
+    c1.instance = 1;
+    let d = c0.validate().unwrap();
+    let fabric = Fabric::new_realtime(FabricConfig::adversarial(9));
+    let engines: Vec<_> = (0..2).map(|_| engine(&fabric)).collect();
+    let group = |c: &MoeConfig| {
+        let (mut a, ia) = MoeRank::prepare(engines[0].clone(), c, 0).unwrap();
+        let (mut b, ib) = MoeRank::prepare(engines[1].clone(), c, 1).unwrap();
+        a.connect(&[ia.clone(), ib.clone()]).unwrap();
+        b.connect(&[ia, ib]).unwrap();
+        [a, b]
+    };
+    let (g0, g1) = (group(&c0), group(&c1));
+    let ins = inputs(&d, Routing::Random, 5, false);
+    std::thread::scope(|sc| {
+        for (r, (mut x, mut y)) in g0.into_iter().zip(g1).enumerate() {
+            let (ins, d) = (&ins, &d);
+            sc.spawn(move || {
+                let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
+                let want = reference::dispatch(d, &views).unwrap();
+                let outs: Vec<Vec<u8>> = want
+                    .iter()
+                    .enumerate()
+                    .map(|(k, w)| expert_outputs(d, k as u32, w))
+                    .collect();
+                let (_, lx) = x.dispatch(&views[r]).unwrap();
+                let (_, ly) = y.dispatch(&views[r]).unwrap();
+                assert_eq!((lx.step(), ly.step()), (ly.step(), lx.step()));
+                assert!(matches!(
+                    y.combine(&outs[r], &lx),
+                    Err(MoeError::StaleLayout { .. })
+                ));
+                let want = reference::combine(d, &views, &outs).unwrap();
+                assert_eq!(x.combine(&outs[r], &lx).unwrap(), want[r]);
+                assert_eq!(y.combine(&outs[r], &ly).unwrap(), want[r]);
+                x.shutdown().unwrap();
+                y.shutdown().unwrap();
+            });
+        }
+    });
+    for e in &engines {
         e.shutdown();
     }
 }
