@@ -40,8 +40,9 @@ pub struct EngineGroupConfig {
     pub nics: usize,
     /// Every rank's engine configuration.
     pub engine: EngineConfig,
-    /// How long a proxy waits for a kernel signal, a round or its own
-    /// submits before it stops with an error.
+    /// How long a proxy waits for a peer's round, its own submits or its
+    /// own kernel within a step before it stops with an error (waits for
+    /// the caller have no bound: [`EngineRank::new`]).
     pub timeout: Duration,
 }
 
@@ -154,9 +155,12 @@ impl EngineRank {
     /// Allocates rank `rank`'s buffers on `gpu`, registers them with
     /// `engine` (whose domain group must name `gpu`'s device, on a provider
     /// that registers GPU memory) and reserves the group's immediates on it.
-    /// `timeout` bounds every wait of the proxy (a kernel signal, a round,
-    /// its own submits): a peer that dies or stalls ends the proxy with an
-    /// error within it.
+    /// `timeout` bounds the proxy's waits on peers and on the rank's own
+    /// kernels (a round, its own submits, a kernel's signal within a
+    /// step): a peer that dies or stalls ends the proxy with an error
+    /// within it. Waits for the caller (the next step's launch, the
+    /// combine's launch after the experts) have no bound: an idle rank
+    /// naps 50 µs between checks after 10 ms.
     pub fn new(
         gpu: &Gpu,
         dims: &Dims,

@@ -51,6 +51,11 @@ use std::time::{Duration, Instant};
 use weft::{DoneCounter, DoneFlag, Imm, MrHandle, OnDone, Resources, ScatterMode, TransferEngine};
 use weft_cuda::WatchWord;
 
+/// How long a wait for the caller spins before it naps between checks.
+const IDLE_AFTER: Duration = Duration::from_millis(10);
+/// The nap (the latency an idle rank's next step may pay).
+const IDLE_NAP: Duration = Duration::from_micros(50);
+
 /// Per-step timestamps a proxy keeps until its owner takes them.
 const MAX_TIMES: usize = 4096;
 
@@ -267,7 +272,17 @@ enum Stop {
 impl Proxy {
     /// Spins until `ready()` returns a value (yielding the core now and
     /// then: a GPU host runs a proxy and engine workers per rank).
-    fn spin<T>(&self, stoppable: bool, mut ready: impl FnMut() -> Option<T>) -> Result<T, Stop> {
+    /// `bounded` waits (peers' rounds, the rank's own kernels) end with
+    /// `TimedOut` after the group's timeout; the others wait for the
+    /// caller as long as it takes (the next step's launch, the combine's
+    /// launch after the experts ran), sleeping [`IDLE_NAP`] between checks
+    /// once they have waited [`IDLE_AFTER`].
+    fn spin<T>(
+        &self,
+        stoppable: bool,
+        bounded: bool,
+        mut ready: impl FnMut() -> Option<T>,
+    ) -> Result<T, Stop> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -277,28 +292,34 @@ impl Proxy {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) {
-                std::thread::yield_now();
                 if stoppable && self.sh.stop.load(Ordering::Acquire) {
                     return Err(Stop::Stopped);
                 }
-                if start.elapsed() > self.sh.timeout {
+                let waited = start.elapsed();
+                if bounded && waited > self.sh.timeout {
                     return Err(Stop::TimedOut);
+                }
+                if !bounded && waited > IDLE_AFTER {
+                    std::thread::sleep(IDLE_NAP);
+                } else {
+                    std::thread::yield_now();
                 }
             }
         }
     }
 
-    /// Waits for a kernel's signal word to reach `k`; `Ok(false)` when the
-    /// group is stopping.
+    /// Waits for a kernel's signal word to reach `k` (`bounded`: see
+    /// [`Proxy::spin`]); `Ok(false)` when the group is stopping.
     fn signal(
         &self,
         word: &WatchWord,
         phase: Phase,
         what: &'static str,
         k: u64,
+        bounded: bool,
     ) -> Result<bool, GpuError> {
         let start = Instant::now();
-        match self.spin(true, || (word.value() >= k).then_some(())) {
+        match self.spin(true, bounded, || (word.value() >= k).then_some(())) {
             Ok(()) => Ok(true),
             Err(Stop::Stopped) => Ok(false),
             Err(Stop::TimedOut) => Err(GpuError::Timeout {
@@ -312,7 +333,7 @@ impl Proxy {
 
     /// Waits for a core wait; `Ok(None)` when the group is stopping.
     fn wait(&self, w: &Wait, stoppable: bool) -> Result<Option<Event>, GpuError> {
-        match self.spin(stoppable, || self.net.poll(w)) {
+        match self.spin(stoppable, true, || self.net.poll(w)) {
             Ok(r) => r.map(Some),
             Err(Stop::Stopped) => Ok(None),
             Err(Stop::TimedOut) => Err(self.net.timeout_error(w)),
@@ -372,7 +393,8 @@ impl Proxy {
         let row_len = d.route_row_len() as usize;
         let mut row = vec![0u8; row_len];
         for k in 1u64.. {
-            if !self.signal(&me.sig_counted, Phase::Route, "counted signal", k)? {
+            // The next step comes when the caller launches it: no bound.
+            if !self.signal(&me.sig_counted, Phase::Route, "counted signal", k, false)? {
                 return Ok(());
             }
             let counted_seen = Instant::now();
@@ -428,7 +450,7 @@ impl Proxy {
             },
             Action::WriteRouteRow { .. } => {}
             Action::PackDispatch => {
-                let ok = self.signal(&me.sig_packed, Phase::Dispatch, "packed signal", k)?;
+                let ok = self.signal(&me.sig_packed, Phase::Dispatch, "packed signal", k, true)?;
                 t.packed_seen = Instant::now();
                 return Ok(ok);
             }
@@ -439,13 +461,20 @@ impl Proxy {
                 }
                 me.dispatch_ready.raise(k);
                 t.dispatch_ready = Instant::now();
-                return self.signal(&me.sig_unpacked, Phase::BarrierD, "unpacked signal", k);
+                return self.signal(
+                    &me.sig_unpacked,
+                    Phase::BarrierD,
+                    "unpacked signal",
+                    k,
+                    true,
+                );
             }
             Action::Finished(Phase::Dispatch) => q.push_back(Event::Combine),
             Action::Finished(_) => {}
             Action::PackCombine => {
                 let ok =
-                    self.signal(&me.sig_cpacked, Phase::Combine, "combine-packed signal", k)?;
+                    // After the experts: the caller decides when.
+                    self.signal(&me.sig_cpacked, Phase::Combine, "combine-packed signal", k, false)?;
                 t.combine_packed_seen = Instant::now();
                 return Ok(ok);
             }
@@ -455,7 +484,7 @@ impl Proxy {
                 }
                 me.combine_ready.raise(k);
                 t.combine_ready = Instant::now();
-                return self.signal(&me.sig_summed, Phase::BarrierC, "summed signal", k);
+                return self.signal(&me.sig_summed, Phase::BarrierC, "summed signal", k, true);
             }
             _ => {
                 let first = !self.net.posted;
