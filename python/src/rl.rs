@@ -173,13 +173,19 @@ impl PyRlPlan {
             let mut ts = Vec::new();
             for t in rank.cast::<PyList>()?.iter() {
                 let (name, segs, quant): (String, Vec<SegmentArg>, String) = t.extract()?;
-                let quant = match quant.as_str() {
-                    "none" => Quant::None,
-                    "fp8" => Quant::Fp8Block,
-                    q => {
+                // "fp8:<block>": this tensor's own tile edge.
+                let (quant, own_block) = match quant.split_once(':') {
+                    None if quant == "none" => (Quant::None, None),
+                    None if quant == "fp8" => (Quant::Fp8Block, None),
+                    Some(("fp8", b)) if b.parse::<u64>().is_ok() => {
+                        (Quant::Fp8Block, b.parse::<u64>().ok())
+                    }
+                    _ => {
                         return Err(layout_err(
                             py,
-                            format!("inference {i} {name}: quant {q:?} (\"none\" or \"fp8\")"),
+                            format!(
+                                "inference {i} {name}: quant {quant:?} (\"none\", \"fp8\" or \"fp8:<block>\")"
+                            ),
                         ))
                     }
                 };
@@ -209,6 +215,7 @@ impl PyRlPlan {
                     name,
                     segments,
                     quant,
+                    block: own_block,
                 });
             }
             inf.push(ts);
@@ -684,7 +691,7 @@ impl PyRlInference {
     }
 
     /// The f32 tile scales of fp8 tensor `index` in the live version,
-    /// row-major `[ceil(rows/block), ceil(cols/block)]`.
+    /// row-major `[ceil(rows/block), ceil(cols/block)]` (the tensor's block).
     fn read_scales<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
         self.read_part(py, index, true)
     }

@@ -433,3 +433,32 @@ def test_directory_from_endpoint_bytes_in_any_order(engines):
             rl.decode_endpoint(flipped)
         except (rl.RlError, weft.DescriptorError):
             pass
+
+
+def test_a_target_with_its_own_fp8_block(engines):
+    """"fp8:<n>" gives one tensor its own n x n tiles (the plan's block is
+    4; "we" uses 2, with its fused segment boundary at row 8, whole tiles
+    of either): data and scales match the reference at each block; a bad
+    block is a typed layout error."""
+    tgt = targets(True)
+    tgt[0][4] = ("we", tgt[0][4][1], "fp8:2")
+    kw = dict(block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    plan = rl.RlPlan(4, params(), tgt, **kw)
+    c = Cluster(engines, plan)
+    w = weights(55)
+    c.load(w)
+    c.step(0)
+    for i, (name, segs, quant, block) in [(0, (*tgt[0][4], 2)), (1, (*tgt[1][1], 4))]:
+        k = [t[0] for t in tgt[i]].index(name)
+        want = expected(w, segs)
+        q, s = ref_fp8(want, block)
+        got = np.frombuffer(c.inference[i].read(k), np.uint8).reshape(want.shape)
+        assert np.array_equal(got, q), name
+        sc = np.frombuffer(c.inference[i].read_scales(k), np.float32).reshape(s.shape)
+        assert np.array_equal(sc, s), name
+    for bad in ["fp8:0", "fp8:x", "fp8:9999", "int4"]:
+        t2 = targets(True)
+        t2[0][4] = ("we", t2[0][4][1], bad)
+        with pytest.raises(rl.RlError) as e:
+            rl.RlPlan(4, params(), t2, **kw)
+        assert e.value.kind == "layout", bad

@@ -13,8 +13,9 @@ the tensor dimension it shards (``Shard(d)``, ``torch.chunk`` sizes, outer
 mesh dimension first). *Targets*: per inference rank, the tensors it holds,
 each ``(name, segments, quant)``: boxes ``(param, r0, r1, c0, c1)`` of
 parameters stacked along rows (q/k/v into a fused qkv), ``quant`` ``"none"``
-(bf16 as trained) or ``"fp8"`` (e4m3 with one f32 scale per ``block x
-block`` tile, quantised by the trainers)::
+(bf16 as trained), ``"fp8"`` (e4m3 with one f32 scale per ``block x
+block`` tile, quantised by the trainers) or ``"fp8:<n>"`` (the same with
+this tensor's own ``n x n`` tiles)::
 
     import weft, weft.rl as rl
 

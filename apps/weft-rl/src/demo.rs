@@ -89,9 +89,9 @@ pub fn reference_region(
     step: u64,
 ) -> Vec<Option<u8>> {
     let reg = &plan.inference[i];
-    let block = plan.config.block;
     let mut out = vec![None; reg.len as usize];
     for (t, slot) in m.inference[i].iter().zip(&reg.tensors) {
+        let block = slot.block;
         let (rows, cols) = (t.rows(), t.cols());
         let mut vals = Vec::with_capacity((rows * cols) as usize);
         for s in &t.segments {

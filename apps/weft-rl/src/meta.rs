@@ -267,9 +267,16 @@ pub struct InferTensor {
     pub segments: Vec<Segment>,
     /// Storage.
     pub quant: Quant,
+    /// fp8: the tile edge of this tensor's scales (`None`: the plan's
+    /// `block`); 1..=4096.
+    pub block: Option<u64>,
 }
 
 impl InferTensor {
+    /// The fp8 tile edge in effect: `block`, else the plan's.
+    pub fn tile(&self, plan_block: u64) -> u64 {
+        self.block.unwrap_or(plan_block)
+    }
     /// Rows (sum of the segments').
     pub fn rows(&self) -> u64 {
         self.segments.iter().map(|s| s.src.height()).sum()
@@ -337,6 +344,13 @@ impl ModelLayout {
                 if nseg == 0 || w == 0 {
                     return bad(format!("inference {i} {}: empty", t.name));
                 }
+                let block = t.tile(block);
+                if !(1..=4096).contains(&block) {
+                    return bad(format!(
+                        "inference {i} {}: fp8 block {block}, expected 1..=4096",
+                        t.name
+                    ));
+                }
                 let dtype = self.params.get(t.segments[0].param).map(|p| p.dtype);
                 for (k, s) in t.segments.iter().enumerate() {
                     let Some(p) = self.params.get(s.param) else {
@@ -379,7 +393,7 @@ impl ModelLayout {
 
     /// The explicit fp8 fallback: every fp8 target that cannot be
     /// quantised as given — a segment other than the last that is not whole
-    /// `block`-row tiles (e.g. Qwen3's q/k/v at TP 3), or a source that is
+    /// tiles (the tensor's block, else `block`) (e.g. Qwen3's q/k/v at TP 3), or a source that is
     /// not bf16 — is kept in the trainers' dtype instead (`Quant::None`).
     /// Returns what it changed, for the plan summary; apply it before
     /// [`crate::plan()`], and read each tensor's storage from the plan's
@@ -389,6 +403,7 @@ impl ModelLayout {
         for (i, ts) in self.inference.iter_mut().enumerate() {
             for t in ts.iter_mut().filter(|t| t.quant == Quant::Fp8Block) {
                 let n = t.segments.len();
+                let block = t.tile(block);
                 let reason = t.segments.iter().enumerate().find_map(|(k, s)| {
                     let p = self.params.get(s.param)?;
                     if p.dtype != DType::Bf16 {

@@ -344,7 +344,6 @@ impl GpuUpdate {
             k.unshard(s, dim, &shards, &dst)?;
         }
         let inf = self.cfg.inference_rank as usize;
-        let block = self.plan.config.block;
         for (t, slot) in self.ml.inference[inf]
             .iter()
             .zip(&self.plan.inference[inf].tensors)
@@ -369,7 +368,7 @@ impl GpuUpdate {
                     k.quantize(
                         s,
                         &fused,
-                        block,
+                        slot.block,
                         (&self.image, slot.data.0 as usize),
                         (&self.image, so as usize),
                     )?;

@@ -399,7 +399,7 @@ impl Rank0Trainer {
                     &boxb,
                     h,
                     w,
-                    self.plan.config.block as usize,
+                    self.plan.unit_block(u) as usize,
                     &mut qd,
                     &mut sd,
                 ) {

@@ -451,7 +451,8 @@ impl Trainer {
         let src = self.arena.read(off as usize, h * w * 2).ok_or_else(bad)?;
         let mut q = vec![0u8; h * w];
         let mut s = vec![0u8; sc.src.bytes() as usize];
-        if !quantize_block(&src, h, w, self.plan.config.block as usize, &mut q, &mut s) {
+        let block = self.plan.unit_block(u) as usize;
+        if !quantize_block(&src, h, w, block, &mut q, &mut s) {
             return Err(bad());
         }
         if !self.arena.write((base + d0.data.src.offset) as usize, &q)

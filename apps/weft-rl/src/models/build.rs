@@ -447,6 +447,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
         name,
         segments,
         quant,
+        block: None,
     };
     let mut inference = Vec::with_capacity(inf.ranks as usize);
     let tp = u64::from(inf.attn_tp);

@@ -196,6 +196,8 @@ pub struct TensorSlot {
     pub data: (u64, u64),
     /// Scale bytes (fp8): `[ceil(rows/block), ceil(cols/block)]` f32.
     pub scales: Option<(u64, u64)>,
+    /// fp8 tile edge (the tensor's block, else the plan's).
+    pub block: u64,
 }
 
 /// An inference rank's weight region.
@@ -263,7 +265,8 @@ pub struct Plan {
 }
 
 /// Identity of a unit across replicas: parameter, box, fp8, staged.
-type UnitKey = (usize, u64, u64, u64, u64, bool, bool);
+/// (param, box, fp8, staged, fp8 block): what makes units one.
+type UnitKey = (usize, u64, u64, u64, u64, bool, bool, u64);
 
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a.max(1)) * a.max(1)
@@ -281,8 +284,9 @@ fn infer_region(m: &ModelLayout, ts: &[crate::meta::InferTensor], cfg: &PlanConf
         };
         let data = (at, rows * cols * elem);
         at = align_up(at + data.1, cfg.align);
+        let block = t.tile(cfg.block);
         let scales = (t.quant == Quant::Fp8Block).then(|| {
-            let s = (at, rows.div_ceil(cfg.block) * cols.div_ceil(cfg.block) * 4);
+            let s = (at, rows.div_ceil(block) * cols.div_ceil(block) * 4);
             at = align_up(at + s.1, cfg.align);
             s
         });
@@ -293,6 +297,7 @@ fn infer_region(m: &ModelLayout, ts: &[crate::meta::InferTensor], cfg: &PlanConf
             quant: t.quant,
             data,
             scales,
+            block,
         });
     }
     InferRegion {
@@ -359,7 +364,6 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                         eligible,
                         slot,
                         seg,
-                        cfg,
                         p.mesh_group,
                         elem,
                     );
@@ -397,7 +401,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                     }
                     _ => {
                         let fp8 = t.quant == Quant::Fp8Block;
-                        let tile = if fp8 { cfg.block } else { 1 };
+                        let tile = if fp8 { t.tile(cfg.block) } else { 1 };
                         let tiles = (cfg.unit_bytes / (w * elem * tile)).max(1);
                         let band = tiles * tile;
                         let mut r = seg.src.rows.start;
@@ -424,18 +428,26 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         }
     }
 
-    // One unit per (parameter box, storage): replicas become destinations.
+    // One unit per (parameter box, storage, fp8 block): replicas become
+    // destinations.
     let mut merged: Vec<Unit> = Vec::with_capacity(units.len());
     let mut seen: BTreeMap<UnitKey, usize> = BTreeMap::new();
     for u in units {
+        let fp8 = u.quant == Quant::Fp8Block;
+        let block = u
+            .dests
+            .first()
+            .filter(|_| fp8)
+            .map_or(0, |d| inference[d.inf as usize].tensors[d.tensor].block);
         let key = (
             u.param,
             u.src.rows.start,
             u.src.rows.end,
             u.src.cols.start,
             u.src.cols.end,
-            u.quant == Quant::Fp8Block,
+            fp8,
             u.arena.is_some(),
+            block,
         );
         match seen.get(&key) {
             Some(&k) => merged[k].dests.extend(u.dests),
@@ -446,7 +458,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         }
     }
     let mut units = merged;
-    order::canonical(m, &mut units);
+    order::canonical(m, cfg.block, &mut units);
 
     // Balance within each mesh group.
     let groups_meta = m.mesh_groups();
@@ -571,7 +583,6 @@ fn new_unit(
     eligible: Vec<Rank>,
     slot: &TensorSlot,
     seg: &crate::meta::Segment,
-    cfg: &PlanConfig,
     mesh_group: u32,
     elem: u64,
 ) -> Unit {
@@ -585,9 +596,9 @@ fn new_unit(
     };
     let dst = box_run(slot.data.0, w, dst_elem, 0, 0, &dbox);
     let scales = slot.scales.map(|(off, _)| {
-        let sw = w.div_ceil(cfg.block);
-        let r0 = dest_row / cfg.block;
-        let r1 = (dest_row + b.height()).div_ceil(cfg.block);
+        let sw = w.div_ceil(slot.block);
+        let r0 = dest_row / slot.block;
+        let r1 = (dest_row + b.height()).div_ceil(slot.block);
         let d = Run::contiguous(off + r0 * sw * 4, (r1 - r0) * sw * 4);
         Xfer { src: d, dst: d }
     });
@@ -718,6 +729,15 @@ fn relocate(u: &mut Unit, off: u64) {
 }
 
 impl Plan {
+    /// The fp8 tile edge of unit `u`'s target (every destination of a
+    /// unit is one tensor's box, replicated: same block).
+    pub fn unit_block(&self, u: &Unit) -> u64 {
+        u.dests
+            .first()
+            .and_then(|d| self.inference.get(d.inf as usize)?.tensors.get(d.tensor))
+            .map_or(self.config.block, |t| t.block)
+    }
+
     /// The arena half wave `wave` of group `group` stages in: waves are
     /// numbered across groups in plan order and alternate halves, so a
     /// group's first wave does not share a half with the previous group's

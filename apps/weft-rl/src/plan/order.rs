@@ -10,8 +10,16 @@ use std::collections::BTreeMap;
 /// Sorts `units` by parameter name and box, and each unit's destinations
 /// by rank, tensor name and row: nothing then depends on where the model
 /// lists its parameters or an inference rank its tensors.
-pub(super) fn canonical(m: &ModelLayout, units: &mut [Unit]) {
+pub(super) fn canonical(m: &ModelLayout, plan_block: u64, units: &mut [Unit]) {
     let name = |u: &Unit| m.params[u.param].name.as_str();
+    // A unit's fp8 block in effect (units of one box and storage differ
+    // by it; all of a unit's destinations share it).
+    let block = |u: &Unit| {
+        u.dests
+            .first()
+            .filter(|_| u.quant == Quant::Fp8Block)
+            .map(|d| m.inference[d.inf as usize][d.tensor].tile(plan_block))
+    };
     units.sort_by(|a, b| {
         let key = |u: &Unit| {
             (
@@ -21,6 +29,7 @@ pub(super) fn canonical(m: &ModelLayout, units: &mut [Unit]) {
                 u.src.cols.end,
                 u.quant == Quant::Fp8Block,
                 u.arena.is_some(),
+                block(u),
             )
         };
         name(a).cmp(name(b)).then_with(|| key(a).cmp(&key(b)))

@@ -339,6 +339,7 @@ fn uneven_layout() -> ModelLayout {
         name: name.into(),
         segments,
         quant,
+        block: None,
     };
     ModelLayout {
         trainers: 3,

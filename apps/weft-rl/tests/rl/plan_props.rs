@@ -77,7 +77,7 @@ fn execute(p: &Plan, step: u64) -> Vec<Vec<u8>> {
                         &src,
                         h,
                         wd,
-                        p.config.block as usize,
+                        p.unit_block(u) as usize,
                         &mut q,
                         &mut sc
                     )
@@ -287,6 +287,7 @@ fn replicated_params_spread_evenly() {
                 },
             }],
             quant: Quant::None,
+            block: None,
         })
         .collect()];
     let m = ModelLayout {
@@ -452,6 +453,7 @@ fn f32_sources_and_the_fp8_fallback() {
         name: name.into(),
         segments,
         quant,
+        block: None,
     };
     let base = |inference| ModelLayout {
         trainers: 1,

@@ -30,6 +30,7 @@ fn one_to_one(rows: u64) -> ModelLayout {
                 },
             }],
             quant: Quant::None,
+            block: None,
         }]],
     }
 }

@@ -7,7 +7,8 @@ use weft_rl::meta::{
 };
 use weft_rl::DType;
 
-/// A random layout with `block`-aligned fp8 segments.
+/// A random layout with `block`-aligned fp8 segments (a third of the fp8
+/// tensors with a smaller block of their own).
 pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
     let mut g = Rng(seed);
     let trainers = g.range(1, 6) as u32;
@@ -77,6 +78,9 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
         let mut ts = Vec::new();
         for k in 0..g.range(1, 3) {
             let fp8 = g.below(2) == 0;
+            // A third of the fp8 tensors have their own (smaller) block.
+            let own = (fp8 && g.below(3) == 0).then(|| g.range(1, block.max(2) - 1));
+            let block = own.unwrap_or(block);
             let first = g.below(nparams as u64) as usize;
             let width = g.range(1, params[first].cols);
             let mut segs = Vec::new();
@@ -113,6 +117,7 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
                 name: format!("i{i}.t{k}"),
                 segments: segs,
                 quant: if fp8 { Quant::Fp8Block } else { Quant::None },
+                block: own,
             });
         }
         // replicas: the same tensor on several ranks (TP groups, instances)
