@@ -113,6 +113,20 @@ def ref_fp8(bits: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scales
 
 
+def check_live(inf, w, tgt, block: int = 4) -> None:
+    """Inference rank `inf`'s live tensors (targets `tgt`) against the
+    reference of weights `w`: bf16 bytes, or fp8 bytes and scales."""
+    for k, (name, segs, quant) in enumerate(tgt):
+        want = expected(w, segs)
+        got = np.frombuffer(inf.read(k), np.uint8)
+        if quant == "none":
+            assert np.array_equal(got.view(np.uint16).reshape(want.shape), want), name
+        else:
+            q, s = ref_fp8(want, block)
+            assert np.array_equal(got.reshape(want.shape), q), name
+            assert np.array_equal(np.frombuffer(inf.read_scales(k), np.float32).reshape(s.shape), s), name
+
+
 def run_all(fns):
     """Runs every callable on its own thread; returns results or raises the first error."""
     out, errs = [None] * len(fns), []
@@ -315,15 +329,7 @@ for version in range(2):
                 if quant == "none":
                     want = torch.from_numpy(T.expected(w, segs).astype(np.int16)).cuda()
                     assert torch.equal(got[name].cuda().view(torch.int16), want), name
-        for k, (name, segs, quant) in enumerate(T.targets(True)[rank]):
-            want = T.expected(w, segs)
-            got = np.frombuffer(me.read(k), np.uint8)
-            if quant == "none":
-                assert np.array_equal(got.view(np.uint16).reshape(want.shape), want), name
-            else:
-                q, s = T.ref_fp8(want, 4)
-                assert np.array_equal(got.reshape(want.shape), q), name
-                assert np.array_equal(np.frombuffer(me.read_scales(k), np.float32).reshape(s.shape), s), name
+        T.check_live(me, w, T.targets(True)[rank])
 print(role, rank, "ok", flush=True)
 time.sleep(1.0)  # the last acks reach the trainers before the engine goes
 session.close()
