@@ -29,7 +29,11 @@ use weft_moe::{reference, Dims, MoeRendezvous, RankInput};
 
 #[path = "common/dsv3.rs"]
 mod dsv3;
+// The tests' deterministic expert (outputs every process computes alike).
+#[path = "../tests/moe/common/mod.rs"]
+mod tests_common;
 use dsv3::{dims, input, pct, us, Input};
+use tests_common::expert_outputs;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -49,23 +53,6 @@ fn num(name: &str, default: u64) -> u64 {
 fn inputs(d: &Dims, step: u64) -> Vec<Input> {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0000 + step);
     (0..d.ranks).map(|_| input(d, &mut rng)).collect()
-}
-
-/// A deterministic expert: output element h of a row is a function of the
-/// row's bytes and the expert (every process computes the same).
-fn expert_outputs(d: &Dims, rank: u32, x: &weft_moe::ExpertTokens) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (le, w) in x.expert_offsets.windows(2).enumerate() {
-        let e = rank * d.local + le as u32;
-        for row in w[0]..w[1] {
-            let bytes = x.row(row as usize);
-            for h in 0..d.hidden as usize {
-                let v = f32::from(bytes[h % bytes.len()]) * (e + 1) as f32 / 7.0;
-                weft_moe::num::push_elem(d.out_dtype, &mut out, v);
-            }
-        }
-    }
-    out
 }
 
 fn engine(gpu: &Gpu, prov: &str) -> Res<Arc<TransferEngine>> {
