@@ -38,9 +38,9 @@ if [ "$mode" = build ]; then
   export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-1}"
   mkdir -p "$dir"
   rm -f "$dir/gpu_rl" "$dir/gpu_quant_bench"
-  exe=$(cargo test --release -p weft-rl --features cuda --test gpu_rl --no-run \
+  exe=$(cargo test --release -p weft-rl --features cuda --test rl --no-run \
           --message-format=json 2>/dev/null |
-        grep -o '"executable":"[^"]*"' | grep gpu_rl | tail -n1 | cut -d'"' -f4)
+        grep -o '"executable":"[^"]*"' | grep "/rl-" | tail -n1 | cut -d'"' -f4)
   [ -n "$exe" ] || { echo "gpu_rl test binary not found" >&2; exit 1; }
   cp "$exe" "$dir/gpu_rl"
   cargo build --release -p weft-rl --features cuda --example gpu_quant_bench
@@ -63,7 +63,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 rc=0
 if [ "$what" != bench ]; then
-  "$dir/gpu_rl" --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" || rc=1
+  "$dir/gpu_rl" gpu_rl:: --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" || rc=1
   if grep -q 'SKIP ' "$out/tests.txt"; then echo "a GPU test skipped on the GPU machine" >&2; rc=1; fi
 fi
 if [ "$what" != tests ]; then

@@ -12,6 +12,7 @@ use crate::errors;
 use crate::imm::PyImm;
 use crate::memory::{self, PyRegistration, RegKeep};
 use crate::provider::{self, PyBackend};
+use crate::recvq::PyRecvQueue;
 use crate::transfer::{self, BindingStats, PyTransfer};
 use crate::types::{
     self, PyImmCounts, PyMrDesc, PyPeerAddress, PyPeerGroup, PyScatterDst, PyScatterTargets,
@@ -354,6 +355,18 @@ impl PyTransferEngine {
         self.live(py)?;
         let cb = watcher::recv_callback(on_message, on_error, &self.stats)?;
         py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
+            .map_err(|e| self.err(py, e))
+    }
+
+    /// Posts `count` receive buffers of `nbytes` bytes whose messages the
+    /// caller takes from the returned `RecvQueue` (`try_recv()`,
+    /// `recv(timeout)`) instead of a callback: no Python call per message
+    /// on weft's threads. Messages held in the queue count against the
+    /// engine's receive backlog bound, past which peers' SENDs wait.
+    fn recv_queue(&self, py: Python<'_>, nbytes: u64, count: u32) -> PyResult<PyRecvQueue> {
+        self.live(py)?;
+        py.detach(|| self.engine.recv_queue(nbytes, count))
+            .map(PyRecvQueue::new)
             .map_err(|e| self.err(py, e))
     }
 

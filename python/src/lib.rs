@@ -20,6 +20,7 @@ mod memory;
 mod metrics;
 mod moe;
 mod provider;
+mod recvq;
 mod rendezvous;
 mod rl;
 mod transfer;
@@ -46,6 +47,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::PyScatterDst>()?;
     m.add_class::<types::PyScatterTargets>()?;
     m.add_class::<watcher::PyUvmWatcher>()?;
+    m.add_class::<recvq::PyRecvQueue>()?;
     m.add_class::<kv::PyKvLayout>()?;
     m.add_class::<kv::PyKvDecoder>()?;
     m.add_class::<kv::PyKvPrefiller>()?;

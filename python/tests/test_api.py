@@ -53,6 +53,50 @@ def test_send_and_recvs(pair):
         b.submit_recvs(16, 1, "not callable")
 
 
+def test_recv_queue(pair):
+    a, b = pair
+    q = b.recv_queue(256, 8)
+    assert q.max_message == 256 and len(q) == 0 and not q.closed
+    assert q.try_recv() is None
+    assert q.recv(timeout=0.01) is None
+    msgs = [bytes([i]) * (i + 1) for i in range(20)]
+    for m in msgs:
+        a.submit_send(b.address, m).wait(timeout=60)
+    got = [q.recv(timeout=60) for _ in msgs]
+    assert all(isinstance(m, bytes) for m in got)
+    assert sorted(got) == sorted(msgs)  # delivery order is not guaranteed
+    assert q.try_recv() is None
+    # A receiver waiting in another thread (GIL released) gets a late
+    # message, and is woken by close().
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(q.recv(timeout=60)))
+    t.start()
+    a.submit_send(b.address, b"late").wait(timeout=60)
+    t.join(60)
+    assert out == [b"late"]
+
+    def waiting() -> None:
+        try:
+            q.recv(timeout=60)
+        except ValueError as e:
+            out.append(str(e))
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    q.close()
+    t.join(60)
+    assert not t.is_alive() and "closed" in out[-1]
+    assert q.closed
+    with pytest.raises(ValueError):
+        q.try_recv()
+    # Messages to a closed queue are discarded; the sender still completes.
+    a.submit_send(b.address, b"dropped").wait(timeout=60)
+    with pytest.raises(ValueError):
+        a.recv_queue(8, 1).recv(timeout=-1)
+    with pytest.raises(weft.InvalidArgumentError):
+        b.recv_queue(0, 1)
+
+
 @pytest.mark.parametrize("kind", ["list", "numpy", "numpy-u32"])
 def test_paged_writes(pair, kind):
     a, b = pair

@@ -32,6 +32,7 @@ AFTER_SHUTDOWN = {
     "submit_single_write": lambda a, b, s, d, g, t: a.submit_single_write(8, s, d.desc),
     "submit_send": lambda a, b, s, d, g, t: a.submit_send(b.address, b"x"),
     "submit_recvs": lambda a, b, s, d, g, t: a.submit_recvs(8, 1, print),
+    "recv_queue": lambda a, b, s, d, g, t: a.recv_queue(8, 1),
     "submit_paged_writes": lambda a, b, s, d, g, t: a.submit_paged_writes(8, s, [0], d.desc, [0]),
     "remove_peer": lambda a, b, s, d, g, t: a.remove_peer(b.address),
     "add_peer_group": lambda a, b, s, d, g, t: a.add_peer_group([b.address]),

@@ -47,7 +47,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 use weft::{
     DomainGroupSpec, DoneCounter, GroupAddress, HostBuffer, MrDesc, MrHandle, OnDone, Provider,
-    TransferEngine,
+    RecvQueue, TransferEngine,
 };
 
 const BENCH: &str = "pingpong";
@@ -111,6 +111,9 @@ impl PingArgs {
 pub enum Op {
     /// `submit_send` → receive callback, both ways.
     SendRecv,
+    /// `submit_send` → `RecvQueue::try_recv` polled by the caller, both
+    /// ways (a second engine per side, whose pool is polled).
+    SendQueue,
     /// `submit_single_write` with an immediate → `expect_imm_count`, both ways.
     WriteImm,
     /// One-way WRITEs with a window (CPU cost); the server only idles.
@@ -121,17 +124,23 @@ impl Op {
     fn case(self) -> &'static str {
         match self {
             Op::SendRecv => "send_recv",
+            Op::SendQueue => "send_recv_polled",
             Op::WriteImm => "write_imm",
             Op::Stream => "stream",
         }
     }
 }
 
+/// The ping-pong kinds, in table order.
+const PING_OPS: [Op; 3] = [Op::SendRecv, Op::SendQueue, Op::WriteImm];
+
 /// Control messages between the two sides (one JSON object per line).
 #[derive(Debug, Serialize, Deserialize)]
 enum Msg {
     Hello {
         addr: GroupAddress,
+        /// The polled engine's address.
+        qaddr: GroupAddress,
         desc: MrDesc,
         imm: u32,
     },
@@ -236,6 +245,11 @@ impl Drop for PeerProc {
 /// immediate value it expects and a receive pool that counts messages.
 struct Side {
     eng: Shutdown,
+    /// A second engine whose receive pool is a `RecvQueue` (an engine's
+    /// SENDs land in whichever of its pools' buffers is posted next, so
+    /// the two receive styles need an engine each).
+    qeng: Shutdown,
+    queue: RecvQueue,
     src: MrHandle,
     desc: MrDesc,
     imm: u32,
@@ -252,7 +266,7 @@ fn e2s(e: impl std::fmt::Display) -> String {
 impl Side {
     fn new(host: Arc<dyn Provider>) -> Result<Side, String> {
         let eng = TransferEngine::builder()
-            .group(DomainGroupSpec::new(host, vec![0]))
+            .group(DomainGroupSpec::new(Arc::clone(&host), vec![0]))
             .config(bench_config())
             .build()
             .map_err(e2s)?;
@@ -272,8 +286,17 @@ impl Side {
             };
         })
         .map_err(e2s)?;
+        let qeng = TransferEngine::builder()
+            .group(DomainGroupSpec::new(host, vec![0]))
+            .config(bench_config())
+            .build()
+            .map_err(e2s)?;
+        let qeng = Shutdown(qeng);
+        let queue = qeng.recv_queue(MAX_MSG, RECV_BUFS).map_err(e2s)?;
         Ok(Side {
             eng,
+            qeng,
+            queue,
             src,
             desc,
             imm,
@@ -287,6 +310,7 @@ impl Side {
     fn hello(&self) -> Msg {
         Msg::Hello {
             addr: self.eng.main_address(),
+            qaddr: self.qeng.main_address(),
             desc: self.desc.clone(),
             imm: self.imm,
         }
@@ -300,6 +324,27 @@ impl Side {
             return Err("a receive failed".into());
         }
         Ok(())
+    }
+
+    /// Takes the next message from the polled pool.
+    fn take_queued(&self) -> Result<(), String> {
+        let mut r = None;
+        wait_until(|| {
+            r = self.queue.try_recv();
+            r.is_some()
+        })?;
+        match r {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(format!("a receive failed: {e}")),
+            None => Err("no message".into()),
+        }
+    }
+
+    fn send_queued(&self, peer: &Peer, size: u64) -> Result<(), String> {
+        self.qeng
+            .submit_send(&peer.qaddr, &self.msg[..size as usize], OnDone::Ignore)
+            .map(|_| ())
+            .map_err(e2s)
     }
 
     fn arm(&self, size: u64) -> Result<Arc<weft::DoneFlag>, String> {
@@ -353,6 +398,13 @@ impl Side {
                     self.send(peer, size)
                 })
             }
+            Op::SendQueue => {
+                ctl.send(&Msg::Ready)?;
+                (1..=iters).try_for_each(|_| {
+                    self.take_queued()?;
+                    self.send_queued(peer, size)
+                })
+            }
             Op::WriteImm => {
                 let mut flag = self.arm(size)?;
                 ctl.send(&Msg::Ready)?;
@@ -384,13 +436,24 @@ impl Side {
 /// What a side knows of the other.
 struct Peer {
     addr: GroupAddress,
+    qaddr: GroupAddress,
     desc: MrDesc,
     imm: u32,
 }
 
 fn peer_from(m: Msg) -> Result<Peer, String> {
     match m {
-        Msg::Hello { addr, desc, imm } => Ok(Peer { addr, desc, imm }),
+        Msg::Hello {
+            addr,
+            qaddr,
+            desc,
+            imm,
+        } => Ok(Peer {
+            addr,
+            qaddr,
+            desc,
+            imm,
+        }),
         m => Err(format!("expected Hello, got {m:?}")),
     }
 }
@@ -542,6 +605,14 @@ impl Session {
                     s.wait_recv(base + i)
                 })
             }
+            Op::SendQueue => (1..=warm + iters).try_for_each(|i| {
+                if i == warm + 1 {
+                    cpu = Some(CpuSample::now());
+                    t0 = Instant::now();
+                }
+                s.send_queued(p, size)?;
+                s.take_queued()
+            }),
             Op::WriteImm => (1..=warm + iters).try_for_each(|i| {
                 if i == warm + 1 {
                     cpu = Some(CpuSample::now());
@@ -626,14 +697,14 @@ pub fn run(cfg: &Config, args: &PingArgs, kind: &BackendKind, progress: &mut Pro
         progress.step(&format!("pingpong {backend} {size} B"));
         let iters = args.iters(size, cfg.quick);
         let warm = (iters / 100).max(1);
-        let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-        let mut cpu: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let mut lat: [Vec<f64>; 3] = Default::default();
+        let mut cpu: [Vec<f64>; 3] = Default::default();
         let mut fi_lat = Vec::new();
         let mut fi_mb = Vec::new();
-        let mut err: [Option<String>; 2] = [None, None];
+        let mut err: [Option<String>; 3] = Default::default();
         let mut fi_err = None;
         for _ in 0..cfg.rounds() {
-            for (k, op) in [Op::SendRecv, Op::WriteImm].into_iter().enumerate() {
+            for (k, op) in PING_OPS.into_iter().enumerate() {
                 if err[k].is_some() {
                     continue;
                 }
@@ -661,7 +732,7 @@ pub fn run(cfg: &Config, args: &PingArgs, kind: &BackendKind, progress: &mut Pro
         }
         let base = (!fi_lat.is_empty()).then(|| median(&mut fi_lat));
         let base_mb = (!fi_mb.is_empty()).then(|| median(&mut fi_mb));
-        for (k, op) in [Op::SendRecv, Op::WriteImm].into_iter().enumerate() {
+        for (k, op) in PING_OPS.into_iter().enumerate() {
             if let Some(e) = err[k].take() {
                 rows.push(Row::failed(BENCH, op.case(), &backend, 1, e));
                 continue;

@@ -47,7 +47,8 @@ pub enum PollPolicy {
     /// Spin [`EngineConfig::idle_spins`] polls, yield
     /// [`EngineConfig::idle_yields`] polls, then park for
     /// [`EngineConfig::idle_sleep`] at a time (or keep yielding when that is
-    /// `None`). The default.
+    /// `None`). The callback thread polls its queue (yielding) for 50 µs
+    /// after each message, then blocks on it. The default.
     #[default]
     Adaptive,
     /// Poll without ever yielding or parking: the lowest latency, one full

@@ -47,6 +47,7 @@ mod mem;
 pub mod metrics;
 mod ondone;
 pub mod probe;
+mod recvq;
 mod request;
 pub mod shard;
 mod stats;
@@ -65,6 +66,7 @@ pub use engine::{
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
+pub use recvq::{RecvMsg, RecvQueue};
 pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
 pub use stats::{EngineStats, GroupStats, NicStats, PeerStats};

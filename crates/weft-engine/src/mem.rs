@@ -4,6 +4,7 @@
 use crate::driver::GroupShared;
 use crate::error::EngineError;
 use crate::frame::{self, Rejected, HEADER_LEN};
+use crate::recvq::QueueSink;
 use crossbeam_queue::ArrayQueue;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
@@ -212,6 +213,14 @@ pub(crate) enum NotCopied {
 /// Receive callback: the filled bytes, or why the buffer came back empty.
 pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
 
+/// Where a receive pool's messages go.
+pub(crate) enum RecvSink {
+    /// To a callback on the callback thread (`submit_recvs`).
+    Callback(parking_lot::Mutex<RecvCallback>),
+    /// Into a queue the caller polls (`recv_queue`).
+    Queue(Box<QueueSink>),
+}
+
 /// A rotating pool of receive buffers on NIC 0 of a group. Each buffer
 /// holds one frame: a header ([`HEADER_LEN`] bytes) and a message of up to
 /// `len` bytes; only accepted frames' messages reach the callback.
@@ -232,7 +241,7 @@ pub(crate) struct RecvPool {
     /// header.
     pub(crate) stride: u64,
     pub(crate) count: u32,
-    pub(crate) cb: parking_lot::Mutex<RecvCallback>,
+    pub(crate) sink: RecvSink,
     /// Owned message buffers whose callbacks have returned.
     spare: ArrayQueue<Vec<u8>>,
     /// Messages copied out whose callback has not returned yet.
@@ -262,7 +271,7 @@ impl RecvPool {
         buf: RawBuf,
         len: u64,
         count: u32,
-        cb: RecvCallback,
+        sink: RecvSink,
         backlog_bytes: u64,
         group: Arc<GroupShared>,
     ) -> Self {
@@ -272,12 +281,30 @@ impl RecvPool {
             buf,
             stride: len.saturating_add(HEADER_LEN as u64),
             count,
-            cb: parking_lot::Mutex::new(cb),
+            sink,
             spare: ArrayQueue::new(count.max(1) as usize),
             out: AtomicU32::new(0),
             max_out: u32::try_from(max_out).unwrap_or(u32::MAX),
             group,
         }
+    }
+
+    /// The queue of a polled pool (`None`: a callback pool).
+    pub(crate) fn queue(&self) -> Option<&QueueSink> {
+        match &self.sink {
+            RecvSink::Queue(q) => Some(q),
+            RecvSink::Callback(_) => None,
+        }
+    }
+
+    /// Whether the pool's group is shutting down.
+    pub(crate) fn group_closing(&self) -> bool {
+        self.group.closing.load(Ordering::SeqCst)
+    }
+
+    /// The largest message a buffer holds, in bytes.
+    pub(crate) fn max_message(&self) -> u64 {
+        self.stride.saturating_sub(HEADER_LEN as u64)
     }
 
     /// Counts a message just copied out; whether the pool is now at its

@@ -5,6 +5,7 @@
 use super::CbMsg;
 use crate::config::{ExcessHandler, Idle, IdleState, PollPolicy};
 use crate::core::Event;
+use crate::mem::RecvSink;
 use crossbeam_channel::{Receiver, TryRecvError};
 use std::cell::Cell;
 
@@ -30,9 +31,15 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
                 // Kept outside the closure before the call, so a panicking
                 // callback's message is recycled too.
                 let (pool, m) = spent.insert((pool, m));
-                (pool.cb.lock())(Ok(m))
+                if let RecvSink::Callback(cb) = &pool.sink {
+                    (cb.lock())(Ok(m))
+                }
             }
-            Err(e) => (pool.cb.lock())(Err(e)),
+            Err(e) => {
+                if let RecvSink::Callback(cb) = &pool.sink {
+                    (cb.lock())(Err(e))
+                }
+            }
         },
         CbMsg::Excess(imm, n) => excess(imm, n),
         CbMsg::Stop => {}
@@ -46,18 +53,47 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
     }
 }
 
+/// How long the callback thread keeps polling (yielding) for the next
+/// message after one ran, under [`PollPolicy::Adaptive`], before it blocks.
+const LINGER: std::time::Duration = std::time::Duration::from_micros(LINGER_US);
+const LINGER_US: u64 = 50;
+
+/// The next message, blocking on `rx` only once [`LINGER`] passed since
+/// the last one (`last`); `None` when the channel is closed.
+fn next_adaptive(rx: &Receiver<CbMsg>, last: &mut Option<std::time::Instant>) -> Option<CbMsg> {
+    if let Some(since) = *last {
+        loop {
+            match rx.try_recv() {
+                Ok(m) => {
+                    *last = Some(std::time::Instant::now());
+                    return Some(m);
+                }
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) if since.elapsed() >= LINGER => break,
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
+            }
+        }
+    }
+    let m = rx.recv().ok()?;
+    *last = Some(std::time::Instant::now());
+    Some(m)
+}
+
 /// The callback thread's main loop: until `Stop`, then what is queued.
-/// Under [`PollPolicy::Adaptive`] it blocks on the channel as soon as it is
-/// empty (a callback after idleness pays one thread wake-up); under `Busy`
+/// Under [`PollPolicy::Adaptive`] it keeps polling (yielding) for
+/// [`LINGER`] after each message and then blocks on the channel (a callback
+/// after idleness pays one thread wake-up; one soon after the last does
+/// not); under `Busy`
 /// it polls the channel without ever blocking, and under `SpinThenPark` it
 /// polls for the policy's `spin` after the last message, then blocks.
 pub(crate) fn callback_main(excess: &ExcessHandler, rx: &Receiver<CbMsg>, idle: Idle) {
     let mut st = IdleState::default();
+    let mut last = None;
     loop {
         let msg = if idle.poll == PollPolicy::Adaptive {
-            match rx.recv() {
-                Ok(m) => m,
-                Err(_) => break,
+            match next_adaptive(rx, &mut last) {
+                Some(m) => m,
+                None => break,
             }
         } else {
             match rx.try_recv() {

@@ -256,7 +256,17 @@ impl Worker {
     pub(crate) fn flush(&mut self) {
         self.core.take_events(&mut self.events);
         for e in self.events.drain(..) {
-            let _ = self.cb_tx.send(CbMsg::Event(e));
+            match e {
+                // A polled pool's messages skip the callback thread.
+                Event::Recv { pool, result } if pool.queue().is_some() => {
+                    if let Some(q) = pool.queue() {
+                        q.deliver(&pool, result);
+                    }
+                }
+                e => {
+                    let _ = self.cb_tx.send(CbMsg::Event(e));
+                }
+            }
         }
     }
 

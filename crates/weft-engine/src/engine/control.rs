@@ -6,7 +6,8 @@ use super::{PeerGroupHandle, TransferEngine};
 use crate::core::Control;
 use crate::driver::GroupShared;
 use crate::error::EngineError;
-use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvPool};
+use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvPool, RecvSink};
+use crate::recvq::RecvQueue;
 use crate::request::GroupAddress;
 use crossbeam_channel::Sender;
 use std::ptr::NonNull;
@@ -226,6 +227,33 @@ impl TransferEngine {
         count: u32,
         cb: impl FnMut(Result<&[u8], EngineError>) + Send + 'static,
     ) -> Result<(), EngineError> {
+        let cb = Box::new(cb) as RecvCallback;
+        self.post_pool(len, count, RecvSink::Callback(parking_lot::Mutex::new(cb)))
+            .map(drop)
+    }
+
+    /// Posts a rotating pool of `count` receive buffers for messages of up
+    /// to `len` bytes on NIC 0 of group 0, like
+    /// [`submit_recvs`](Self::submit_recvs), whose messages the caller
+    /// takes from the returned [`RecvQueue`] on its own thread
+    /// ([`RecvQueue::try_recv`], [`RecvQueue::recv_timeout`]) instead of in
+    /// a callback: no callback-thread wake-up per message. The same
+    /// incarnation check, counters and backlog bound apply; a message held
+    /// (queued, or a [`RecvMsg`](crate::RecvMsg) not yet dropped) counts
+    /// against the bound.
+    pub fn recv_queue(&self, len: u64, count: u32) -> Result<RecvQueue, EngineError> {
+        let pool = self.post_pool(len, count, RecvSink::Queue(Box::default()))?;
+        Ok(RecvQueue { pool })
+    }
+
+    /// Makes a receive pool delivering to `sink` and has group 0's worker
+    /// post it.
+    fn post_pool(
+        &self,
+        len: u64,
+        count: u32,
+        sink: RecvSink,
+    ) -> Result<Arc<RecvPool>, EngineError> {
         if len == 0 || count == 0 {
             return Err(EngineError::InvalidArgument {
                 what: "receive pool needs len > 0 and count > 0".into(),
@@ -250,10 +278,15 @@ impl TransferEngine {
             RawBuf::new(total)?,
             len,
             count,
-            Box::new(cb) as RecvCallback,
+            sink,
             self.inner.config.recv_backlog_bytes,
             Arc::clone(gs),
         ));
-        self.control(gs, |reply| Control::RecvPool { pool, reply })
+        let posted = Arc::clone(&pool);
+        self.control(gs, |reply| Control::RecvPool {
+            pool: posted,
+            reply,
+        })?;
+        Ok(pool)
     }
 }

@@ -14,6 +14,7 @@ mod observability;
 mod owned;
 mod paged_windows;
 mod peer_lifecycle;
+mod recv_queue;
 mod regressions_faults_and_refusals;
 mod scatter_targets;
 mod step;

@@ -1,0 +1,115 @@
+//! `RecvQueue`: a receive pool the caller polls (`TransferEngine.recv_queue`),
+//! so a serving loop takes messages on its own thread, without a Python
+//! callback per message.
+
+use crate::errors;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::time::Duration;
+
+/// Messages received into a polled pool, oldest first
+/// (`TransferEngine.recv_queue(nbytes, count)`). `try_recv()` returns the
+/// next message as `bytes` or `None`; `recv(timeout)` waits for one with
+/// the GIL released. A receive error is raised (as the engine's exception)
+/// in the message's place. `close()` (or dropping the queue) discards what
+/// it holds and every later message; peers' SENDs still complete. Safe to
+/// use from several threads.
+#[pyclass(name = "RecvQueue", module = "weft._weft", frozen)]
+pub struct PyRecvQueue {
+    inner: weft::RecvQueue,
+}
+
+impl PyRecvQueue {
+    pub(crate) fn new(q: weft::RecvQueue) -> Self {
+        Self { inner: q }
+    }
+
+    fn open(&self) -> PyResult<&weft::RecvQueue> {
+        if self.inner.is_closed() {
+            Err(closed())
+        } else {
+            Ok(&self.inner)
+        }
+    }
+}
+
+/// The message as `bytes`, or the receive error raised.
+fn deliver(
+    py: Python<'_>,
+    r: Option<Result<weft::RecvMsg, weft::EngineError>>,
+) -> PyResult<Option<Py<PyBytes>>> {
+    match r {
+        None => Ok(None),
+        Some(Ok(m)) => Ok(Some(PyBytes::new(py, &m).unbind())),
+        Some(Err(e)) => Err(errors::engine_err(py, &e)),
+    }
+}
+
+#[pymethods]
+impl PyRecvQueue {
+    /// The next message, or `None` when none is waiting.
+    fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
+        deliver(py, self.open()?.try_recv())
+    }
+
+    /// The next message, waiting up to `timeout` seconds (`None`: without
+    /// bound) with the GIL released; `None` when none came in time.
+    /// Raises `ShutDownError` once the engine is shut down and nothing is
+    /// left.
+    #[pyo3(signature = (timeout=None))]
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
+        let t = match timeout {
+            None => Duration::from_secs(u64::from(u32::MAX)),
+            Some(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s.min(4e9)),
+            Some(s) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "timeout must be a finite number of seconds >= 0, got {s}"
+                )))
+            }
+        };
+        let q = self.open()?;
+        let r = py.detach(|| q.recv_timeout(t));
+        if r.is_none() && q.is_closed() {
+            return Err(closed());
+        }
+        deliver(py, r)
+    }
+
+    /// Messages (and errors) waiting now.
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// The largest message the pool's buffers hold, in bytes.
+    #[getter]
+    fn max_message(&self) -> PyResult<u64> {
+        Ok(self.inner.max_message())
+    }
+
+    /// Discards what is queued and every later message; a `recv` waiting
+    /// in another thread raises. Idempotent.
+    fn close(&self) {
+        self.inner.close();
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    fn __repr__(&self) -> String {
+        if self.inner.is_closed() {
+            return "RecvQueue(closed)".into();
+        }
+        format!(
+            "RecvQueue(queued={}, max_message={})",
+            self.inner.len(),
+            self.inner.max_message()
+        )
+    }
+}
+
+fn closed() -> PyErr {
+    pyo3::exceptions::PyValueError::new_err("this RecvQueue is closed")
+}
