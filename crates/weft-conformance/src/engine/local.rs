@@ -8,7 +8,7 @@ use crate::HarnessError;
 use crate::TestMemory;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use weft_engine::{GroupAddress, Imm, MrDesc, TransferEngine};
+use weft_engine::{GroupAddress, Imm, MrDesc, RecvQueue, TransferEngine};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -27,6 +27,8 @@ pub struct LocalPeer {
     imms: Vec<Imm>,
     rounds: Rounds,
     received: Received,
+    /// The polled receive pool, when one was posted.
+    queue: Option<RecvQueue>,
     /// Called with `(tag, result)` as each round fires (after recording).
     on_round: Option<RoundHook>,
 }
@@ -54,6 +56,7 @@ impl LocalPeer {
             imms,
             rounds: Arc::default(),
             received: Arc::default(),
+            queue: None,
             on_round: None,
         })
     }
@@ -129,7 +132,15 @@ impl EnginePeer for LocalPeer {
         std::mem::take(&mut *lock(&self.rounds))
     }
 
-    fn post_recvs(&mut self, len: u64, count: u32) -> Result<(), HarnessError> {
+    fn post_recvs(&mut self, len: u64, count: u32, polled: bool) -> Result<(), HarnessError> {
+        if polled {
+            let q = self
+                .engine
+                .recv_queue(len, count)
+                .map_err(|e| HarnessError::Failed(format!("recv_queue: {e}")))?;
+            self.queue = Some(q);
+            return Ok(());
+        }
         let got = Arc::clone(&self.received);
         self.engine
             .submit_recvs(len, count, move |r| {
@@ -139,7 +150,13 @@ impl EnginePeer for LocalPeer {
     }
 
     fn take_received(&mut self) -> Vec<Result<Vec<u8>, String>> {
-        std::mem::take(&mut *lock(&self.received))
+        let mut got = std::mem::take(&mut *lock(&self.received));
+        if let Some(q) = &self.queue {
+            while let Some(r) = q.try_recv() {
+                got.push(r.map(|m| m.to_vec()).map_err(|e| e.to_string()));
+            }
+        }
+        got
     }
 
     fn shutdown(&mut self) -> Result<(), HarnessError> {

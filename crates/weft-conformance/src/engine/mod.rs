@@ -30,6 +30,7 @@
 //! | `paged_writes` | odd page length, scattered source and destination pages, a different permutation per peer; every page at imm time |
 //! | `scatter_and_barrier` | scatter to 3 peers in both modes (one imm value shared by fresh engines), each followed by a barrier; bytes and counts per peer |
 //! | `send_recv_pools` | a pool of 4 receive buffers re-posted while 12 messages (1 B .. 8000 B) arrive from the initiator; each message once, intact |
+//! | `send_recv_polled` | the same with a polled pool (`recv_queue`) drained by the peer |
 //! | `imm_early_arrival` | rounds whose immediates arrive (all, or some) before `expect_imm_count` is armed: each fires exactly once, with every byte in place |
 //! | `peer_death` | writes pending to a peer whose host dies: each resolves once, with success or `PeerUnreachable` (all fail when the harness can stop the peer first); later writes to it fail; writes to the survivor complete byte-exact, before and after |
 //! | `peer_restart` | a peer killed with writes in flight, removed (`remove_peer`) and restarted (at a new address or, where the backend reuses one, the same), 20 times, a survivor alongside: every incarnation differs; each incarnation's round fires once with every byte; pending writes resolve once (ok, `PeerUnreachable` or `PeerRemoved`); the old descriptor fails `PeerRemoved`; resolved peer count back to baseline |
@@ -155,8 +156,10 @@ pub trait EnginePeer {
     /// order, removed from the peer. A round that fires twice shows twice.
     fn take_rounds(&mut self) -> Vec<(u64, Result<(), String>)>;
     /// Posts a pool of `count` receive buffers of `len` bytes (re-posted by
-    /// the engine after each message).
-    fn post_recvs(&mut self, len: u64, count: u32) -> Result<(), HarnessError>;
+    /// the engine after each message): a callback pool (`submit_recvs`), or
+    /// when `polled` a queue the peer drains in
+    /// [`take_received`](EnginePeer::take_received) (`recv_queue`).
+    fn post_recvs(&mut self, len: u64, count: u32, polled: bool) -> Result<(), HarnessError>;
     /// Messages (or receive errors) received so far, removed from the peer.
     fn take_received(&mut self) -> Vec<Result<Vec<u8>, String>>;
     /// Shuts the peer's engine down (armed rounds then resolve with an
@@ -246,6 +249,7 @@ macro_rules! __weft_engine_scenarios {
             paged_writes,
             scatter_and_barrier,
             send_recv_pools,
+            send_recv_polled,
             imm_early_arrival,
             peer_death,
             shutdown_in_flight,

@@ -219,11 +219,22 @@ pub(crate) fn scatter_and_barrier(h: &mut dyn EngineHarness) -> Result<(), CaseF
 
 /// A pool of 4 receive buffers, re-posted while 12 messages arrive.
 pub(crate) fn send_recv_pools(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
+    send_recv(h, false)
+}
+
+/// [`send_recv_pools`] with a polled pool.
+pub(crate) fn send_recv_polled(h: &mut dyn EngineHarness) -> Result<(), CaseFailure> {
+    send_recv(h, true)
+}
+
+fn send_recv(h: &mut dyn EngineHarness, polled: bool) -> Result<(), CaseFailure> {
     const POOL: u32 = 4;
     let mut r = Run::new(h, 4096)?;
     let peers = r.add_peers(1, 4096)?;
     let p = peers[0];
-    r.h.peer(p).post_recvs(8192, POOL).map_err(harness)?;
+    r.h.peer(p)
+        .post_recvs(8192, POOL, polled)
+        .map_err(harness)?;
     let addr = r.h.peer(p).address();
     let sizes = [1usize, 100, 4096, 8000, 33, 8192, 0, 10, 5000, 4097, 7, 2];
     let seed = r.seed;

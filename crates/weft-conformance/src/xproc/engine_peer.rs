@@ -23,8 +23,9 @@ enum ToPeer {
         kinds: Vec<Kind>,
         regions: Vec<Region>,
     },
-    /// Post a receive pool; reply `Posted`.
-    Recvs { len: u64, count: u32 },
+    /// Post a receive pool (a polled one: `TransferEngine::recv_queue`);
+    /// reply `Posted`.
+    Recvs { len: u64, count: u32, polled: bool },
     /// Reply `Received` with the messages received since the last one.
     TakeReceived,
     /// Shut the engine down and exit.
@@ -106,8 +107,10 @@ pub(crate) fn run_peer<B: XprocBackend>(backend: &B) -> Result<(), String> {
                     .map_err(|e| e.to_string());
                 say(&FromPeer::Armed { tag, result });
             }
-            ToPeer::Recvs { len, count } => {
-                let r = peer.post_recvs(len, count).map_err(|e| e.to_string());
+            ToPeer::Recvs { len, count, polled } => {
+                let r = peer
+                    .post_recvs(len, count, polled)
+                    .map_err(|e| e.to_string());
                 say(&FromPeer::Posted(r));
             }
             ToPeer::TakeReceived => say(&FromPeer::Received(peer.take_received())),
@@ -334,8 +337,8 @@ impl EnginePeer for ProcPeer {
         std::mem::take(&mut self.rounds)
     }
 
-    fn post_recvs(&mut self, len: u64, count: u32) -> Result<(), HarnessError> {
-        self.send(&ToPeer::Recvs { len, count })?;
+    fn post_recvs(&mut self, len: u64, count: u32, polled: bool) -> Result<(), HarnessError> {
+        self.send(&ToPeer::Recvs { len, count, polled })?;
         match self.recv("posted")? {
             FromPeer::Posted(r) => r.map_err(HarnessError::Failed),
             m => Err(self.fail(format!("expected posted, got {m:?}"))),
