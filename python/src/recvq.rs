@@ -3,6 +3,7 @@
 //! callback per message.
 
 use crate::errors;
+use crate::types::PyPeerAddress;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::time::Duration;
@@ -33,6 +34,22 @@ impl PyRecvQueue {
     }
 }
 
+/// Which of `peers` sent `m` (the first that matches), if any.
+fn sender_index(m: &weft::RecvMsg, peers: &[PyRef<'_, PyPeerAddress>]) -> Option<usize> {
+    peers.iter().position(|p| m.is_from(&p.inner))
+}
+
+/// The seconds of a `timeout` argument (`None`: without bound).
+fn timeout_of(timeout: Option<f64>) -> PyResult<Duration> {
+    match timeout {
+        None => Ok(Duration::from_secs(u64::from(u32::MAX))),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s.min(4e9))),
+        Some(s) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "timeout must be a finite number of seconds >= 0, got {s}"
+        ))),
+    }
+}
+
 /// The message as `bytes`, or the receive error raised.
 fn deliver(
     py: Python<'_>,
@@ -58,21 +75,57 @@ impl PyRecvQueue {
     /// left.
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
-        let t = match timeout {
-            None => Duration::from_secs(u64::from(u32::MAX)),
-            Some(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s.min(4e9)),
-            Some(s) => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "timeout must be a finite number of seconds >= 0, got {s}"
-                )))
-            }
-        };
+        let t = timeout_of(timeout)?;
         let q = self.open()?;
         let r = py.detach(|| q.recv_timeout(t));
         if r.is_none() && q.is_closed() {
             return Err(closed());
         }
         deliver(py, r)
+    }
+
+    /// `recv`, also saying who sent the message: `(bytes, i)` where `i`
+    /// is the index in `peers` (a list of `PeerAddress`) of the engine the
+    /// message came from, or `None` when it is none of them. The sender is
+    /// the NIC the fabric attributes the message to plus the incarnation
+    /// its frame names (docs/engine.md: how far that can be trusted).
+    #[pyo3(signature = (peers, timeout=None))]
+    fn recv_from(
+        &self,
+        py: Python<'_>,
+        peers: Vec<PyRef<'_, PyPeerAddress>>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
+        let t = timeout_of(timeout)?;
+        let q = self.open()?;
+        let r = py.detach(|| q.recv_timeout(t));
+        if r.is_none() && q.is_closed() {
+            return Err(closed());
+        }
+        match r {
+            None => Ok(None),
+            Some(Ok(m)) => Ok(Some((
+                PyBytes::new(py, &m).unbind(),
+                sender_index(&m, &peers),
+            ))),
+            Some(Err(e)) => Err(errors::engine_err(py, &e)),
+        }
+    }
+
+    /// `try_recv` with the sender, as `recv_from` gives it.
+    fn try_recv_from(
+        &self,
+        py: Python<'_>,
+        peers: Vec<PyRef<'_, PyPeerAddress>>,
+    ) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
+        match self.open()?.try_recv() {
+            None => Ok(None),
+            Some(Ok(m)) => Ok(Some((
+                PyBytes::new(py, &m).unbind(),
+                sender_index(&m, &peers),
+            ))),
+            Some(Err(e)) => Err(errors::engine_err(py, &e)),
+        }
     }
 
     /// Messages (and errors) waiting now.

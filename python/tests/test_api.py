@@ -97,6 +97,20 @@ def test_recv_queue(pair):
         b.recv_queue(0, 1)
 
 
+def test_recv_queue_names_the_sender(loopback_trio):
+    a, b, c = loopback_trio
+    q = c.recv_queue(64, 8)
+    peers = [a.address, b.address]
+    for i in range(6):
+        (a if i % 2 == 0 else b).submit_send(c.address, bytes([i])).wait(timeout=60)
+    got = [q.recv_from(peers, timeout=60) for _ in range(6)]
+    assert sorted(got) == sorted((bytes([i]), i % 2) for i in range(6))
+    c.submit_send(c.address, b"self").wait(timeout=60)
+    assert q.recv_from(peers, timeout=60) == (b"self", None)
+    assert q.try_recv_from(peers) is None
+    assert q.recv_from([], timeout=0) is None
+
+
 @pytest.mark.parametrize("kind", ["list", "numpy", "numpy-u32"])
 def test_paged_writes(pair, kind):
     a, b = pair

@@ -42,7 +42,13 @@ pub(crate) struct OutConn {
 impl OutConn {
     /// Connects to `to` and sends the hello; the error says why nobody
     /// answers there.
-    pub(crate) fn connect(to: &Addr, ring: usize, my_bell: RawFd) -> Result<OutConn, String> {
+    /// `me` is the connecting domain's number (its address's `index`).
+    pub(crate) fn connect(
+        to: &Addr,
+        me: u32,
+        ring: usize,
+        my_bell: RawFd,
+    ) -> Result<OutConn, String> {
         let sock = sys::connect(&to.socket_name()).map_err(|e| format!("nobody listens ({e})"))?;
         let len = proto::channel_len(ring as u64, BACK_RING as u64);
         let map =
@@ -56,7 +62,7 @@ impl OutConn {
                 std::ptr::write(map.base().add(8 * i) as *mut u64, *w)
             };
         }
-        let hello = proto::hello(std::process::id(), ring as u64, BACK_RING as u64);
+        let hello = proto::hello(std::process::id(), me, ring as u64, BACK_RING as u64);
         sys::send_fds(sock.as_raw_fd(), &hello, &[map.fd(), my_bell])
             .map_err(|e| format!("hello: {e}"))?;
         let (tx, rx) = rings(&map, ring);
@@ -119,14 +125,24 @@ impl InConn {
         sock: &OwnedFd,
         my_bell: RawFd,
         table: RawFd,
-    ) -> Result<Option<(Mapping, OwnedFd, usize)>, String> {
+    ) -> Result<Option<(Mapping, OwnedFd, proto::Hello)>, String> {
         let (b, mut fds) = match sys::recv_fds(sock.as_raw_fd()) {
             Ok(Packet::Empty) => return Ok(None),
             Ok(Packet::Closed) => return Err("closed before its hello".into()),
             Err(e) => return Err(e.to_string()),
             Ok(Packet::Data(b, fds)) => (b, fds),
         };
-        let (_pid, fwd, back) = proto::parse_hello(&b).ok_or("not a hello")?;
+        let h = proto::parse_hello(&b).ok_or("not a hello")?;
+        let (fwd, back) = (h.fwd, h.back);
+        // The pid names the initiator (its address); the kernel says who
+        // is really at the other end of the socket.
+        let real = sys::peer_pid(sock.as_raw_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+        if real != h.pid {
+            return Err(format!(
+                "hello names pid {}, the socket's peer is pid {real}",
+                h.pid
+            ));
+        }
         if fds.len() != 2 || !proto::valid_cap(fwd) || back != BACK_RING as u64 {
             return Err(format!(
                 "hello with {} descriptors, rings {fwd}/{back}",
@@ -153,16 +169,24 @@ impl InConn {
             &[my_bell, table],
         )
         .map_err(|e| format!("answer: {e}"))?;
-        Ok(Some((map, bell, fwd as usize)))
+        Ok(Some((map, bell, h)))
     }
 
-    pub(crate) fn new(sock: OwnedFd, map: Mapping, bell: OwnedFd, fwd: usize) -> InConn {
+    /// `from`: the initiator's address (what its messages say they came
+    /// from).
+    pub(crate) fn new(
+        sock: OwnedFd,
+        map: Mapping,
+        bell: OwnedFd,
+        fwd: usize,
+        from: weft_transport::NetAddr,
+    ) -> InConn {
         let (rx, tx) = rings(&map, fwd);
         InConn {
             sock,
             _map: map,
             bell,
-            core: Inbound::new(rx, tx),
+            core: Inbound::new(rx, tx, from),
         }
     }
 

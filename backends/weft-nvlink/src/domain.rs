@@ -319,8 +319,15 @@ impl NvlinkDomain {
                 Ok(None) => {
                     self.greeting.insert(tag, sock);
                 }
-                Ok(Some((map, bell, fwd))) => {
-                    self.inbound.insert(tag, InConn::new(sock, map, bell, fwd));
+                Ok(Some((map, bell, h))) => {
+                    let from = Addr {
+                        host: self.host,
+                        pid: h.pid,
+                        index: h.index,
+                    }
+                    .encode();
+                    let c = InConn::new(sock, map, bell, h.fwd as usize, from);
+                    self.inbound.insert(tag, c);
                 }
                 Err(e) => {
                     tracing::warn!(nic = %self.info.name, %e, "nvlink: refused a connection");
@@ -505,7 +512,8 @@ impl weft_transport::Domain for NvlinkDomain {
         let state = if to.host != self.host {
             PeerState::Dead("on another host".into())
         } else {
-            match OutConn::connect(&to, self.config.ring_bytes, self.bell.as_raw_fd()) {
+            let me = Addr::parse(&self.info.addr).map_or(0, |a| a.index);
+            match OutConn::connect(&to, me, self.config.ring_bytes, self.bell.as_raw_fd()) {
                 Ok(c) => match sys::epoll_add(
                     self.ep.as_raw_fd(),
                     c.sock.as_raw_fd(),

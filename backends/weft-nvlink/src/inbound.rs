@@ -62,6 +62,8 @@ pub(crate) struct Inbound {
     cur: Option<Cur>,
     pending_ack: Option<(u64, Status)>,
     blocked_since: Option<Instant>,
+    /// The initiator's address: where its messages came from.
+    from: weft_transport::NetAddr,
 }
 
 /// Frames handled per connection per poll, so one busy initiator cannot
@@ -69,13 +71,14 @@ pub(crate) struct Inbound {
 const BUDGET: usize = 64;
 
 impl Inbound {
-    pub(crate) fn new(rx: Ring, tx: Ring) -> Inbound {
+    pub(crate) fn new(rx: Ring, tx: Ring, from: weft_transport::NetAddr) -> Inbound {
         Inbound {
             rx,
             tx,
             cur: None,
             pending_ack: None,
             blocked_since: None,
+            from,
         }
     }
 
@@ -262,6 +265,7 @@ impl Inbound {
                             len: total,
                             capacity: b.len,
                         }),
+                        from: None,
                     });
                     (None, Some(Status::TooLong { capacity: b.len }))
                 }
@@ -309,6 +313,7 @@ impl Inbound {
         let (dst, err) = (*dst, *err);
         self.cur = None;
         if let Some(b) = dst {
+            let from = err.is_none().then(|| self.from.clone());
             let result = match err {
                 None => Ok(total),
                 Some(_) => Err(TransportError::Failed {
@@ -317,7 +322,11 @@ impl Inbound {
                     what: "the message could not be copied into the buffer".into(),
                 }),
             };
-            t.out.push(Completion::Recv { wr: b.wr, result });
+            t.out.push(Completion::Recv {
+                wr: b.wr,
+                result,
+                from,
+            });
         }
         Ok(Some(Some((op, err.unwrap_or(Status::Ok)))))
     }
@@ -395,7 +404,7 @@ mod tests {
             _mem: mem,
             fwd: f1,
             back: b2,
-            inb: Inbound::new(f2, b1),
+            inb: Inbound::new(f2, b1, weft_transport::NetAddr(b"peer".to_vec())),
             keys: Keys::new(Mapping::create("t", TABLE_BYTES).unwrap(), 99),
             recvs: VecDeque::new(),
             out: Vec::new(),
@@ -660,14 +669,16 @@ mod tests {
             r.out[0],
             Completion::Recv {
                 wr: WrId(1),
-                result: Err(_)
+                result: Err(_),
+                from: None
             }
         ));
         assert_eq!(
             r.out[1],
             Completion::Recv {
                 wr: WrId(2),
-                result: Ok(4)
+                result: Ok(4),
+                from: Some(weft_transport::NetAddr(b"peer".to_vec()))
             }
         );
         assert_eq!(&r.mem[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5, 5]);

@@ -11,7 +11,7 @@ use weft_transport::RemoteAccessReason;
 
 pub(crate) const HELLO: [u8; 4] = *b"WNVH";
 pub(crate) const HELLO_ACK: [u8; 4] = *b"WNVA";
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 pub(crate) const CHANNEL_MAGIC: u64 = u64::from_le_bytes(*b"WEFTNVL1");
 /// Bytes before the first ring of a channel file.
 pub(crate) const CHANNEL_HEADER: usize = 64;
@@ -84,25 +84,39 @@ pub(crate) fn need(f: &Frame, n: usize) -> Option<()> {
     (f.hlen >= n * 8).then_some(())
 }
 
-/// `HELLO`: version, initiator pid, forward and back ring capacities.
-pub(crate) fn hello(pid: u32, fwd: u64, back: u64) -> Vec<u8> {
+/// `HELLO`: version, initiator pid and domain number (its address is
+/// then known: the target checks the pid against the socket's peer),
+/// forward and back ring capacities.
+pub(crate) fn hello(pid: u32, index: u32, fwd: u64, back: u64) -> Vec<u8> {
     let mut v = HELLO.to_vec();
     v.extend_from_slice(&VERSION.to_le_bytes());
     v.extend_from_slice(&pid.to_le_bytes());
+    v.extend_from_slice(&index.to_le_bytes());
     v.extend_from_slice(&fwd.to_le_bytes());
     v.extend_from_slice(&back.to_le_bytes());
     v
 }
 
-/// Parses a `HELLO`: `(pid, fwd, back)`.
-pub(crate) fn parse_hello(b: &[u8]) -> Option<(u32, u64, u64)> {
-    if b.len() != 28 || b[..4] != HELLO || u32::from_le_bytes(b[4..8].try_into().ok()?) != VERSION {
+/// A parsed `HELLO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) pid: u32,
+    pub(crate) index: u32,
+    pub(crate) fwd: u64,
+    pub(crate) back: u64,
+}
+
+/// Parses a `HELLO`.
+pub(crate) fn parse_hello(b: &[u8]) -> Option<Hello> {
+    if b.len() != 32 || b[..4] != HELLO || u32::from_le_bytes(b[4..8].try_into().ok()?) != VERSION {
         return None;
     }
-    let pid = u32::from_le_bytes(b[8..12].try_into().ok()?);
-    let fwd = u64::from_le_bytes(b[12..20].try_into().ok()?);
-    let back = u64::from_le_bytes(b[20..28].try_into().ok()?);
-    Some((pid, fwd, back))
+    Some(Hello {
+        pid: u32::from_le_bytes(b[8..12].try_into().ok()?),
+        index: u32::from_le_bytes(b[12..16].try_into().ok()?),
+        fwd: u64::from_le_bytes(b[16..24].try_into().ok()?),
+        back: u64::from_le_bytes(b[24..32].try_into().ok()?),
+    })
 }
 
 /// `HELLO_ACK`: the target's pid.
@@ -148,9 +162,17 @@ mod tests {
 
     #[test]
     fn hello_parsing_refuses_garbage() {
-        let h = hello(7, 1 << 20, 1 << 16);
-        assert_eq!(parse_hello(&h), Some((7, 1 << 20, 1 << 16)));
-        assert_eq!(parse_hello(&h[..27]), None);
+        let h = hello(7, 3, 1 << 20, 1 << 16);
+        assert_eq!(
+            parse_hello(&h),
+            Some(Hello {
+                pid: 7,
+                index: 3,
+                fwd: 1 << 20,
+                back: 1 << 16
+            })
+        );
+        assert_eq!(parse_hello(&h[..31]), None);
         let mut bad = h.clone();
         bad[4] = 9;
         assert_eq!(parse_hello(&bad), None);

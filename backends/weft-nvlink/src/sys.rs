@@ -340,6 +340,29 @@ pub(crate) fn epoll_ready(ep: RawFd, out: &mut Vec<u64>) {
     }
 }
 
+/// The pid of the process at the other end of a Unix socket, as the kernel
+/// recorded it when the connection was made (`SO_PEERCRED`).
+pub(crate) fn peer_pid(sock: RawFd) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a writable ucred of `len` bytes; the result is
+    // checked.
+    cvt(unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    u32::try_from(cred.pid).map_err(|_| io::Error::other("SO_PEERCRED gave no pid"))
+}
+
 /// This host's identity: the kernel's boot id (16 bytes), shared by every
 /// process of one boot of one machine (read once).
 pub(crate) fn host_id() -> [u8; 16] {

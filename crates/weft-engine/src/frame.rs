@@ -114,6 +114,15 @@ pub(crate) fn accept(frame: &[u8], own: Incarnation) -> Result<&[u8], Rejected> 
     Ok(msg)
 }
 
+/// The sender incarnation a frame [`accept`] took names (0 when it is
+/// too short to hold one).
+pub(crate) fn sender(frame: &[u8]) -> Incarnation {
+    frame
+        .get(12..20)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(Incarnation(0), |b| Incarnation(u64::from_le_bytes(b)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,6 +143,8 @@ mod tests {
     fn accepts_own_and_wildcard_frames_only() {
         let f = frame(OWN, Incarnation(7), b"hello");
         assert_eq!(accept(&f, OWN), Ok(&b"hello"[..]));
+        assert_eq!(sender(&f), Incarnation(7));
+        assert_eq!(sender(&f[..19]), Incarnation(0));
         let any = frame(Incarnation(0), Incarnation(7), b"");
         assert_eq!(accept(&any, OWN), Ok(&[][..]));
         for to in [OWN.0 - 1, OWN.0 + 1, u64::MAX, 1] {

@@ -66,7 +66,7 @@ pub use engine::{
 pub use error::{EngineError, TransferId};
 pub use mem::{MrHandle, RecvCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
-pub use recvq::{RecvMsg, RecvQueue};
+pub use recvq::{MessageSender, RecvMsg, RecvQueue};
 pub use request::GroupAddress;
 pub use shard::{Piece, ScatterMode, ShardConfig};
 pub use stats::{EngineStats, GroupStats, NicStats, PeerStats};

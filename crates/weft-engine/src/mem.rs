@@ -319,7 +319,8 @@ impl RecvPool {
     }
 
     /// The message of the frame in the first `n` bytes of buffer `idx`,
-    /// copied into an owned message (a recycled one when there is one), if
+    /// copied into an owned message (a recycled one when there is one),
+    /// with the incarnation the frame names as its sender's, if
     /// a receiver of incarnation `own` accepts the frame
     /// ([`crate::frame::accept`]).
     ///
@@ -332,7 +333,7 @@ impl RecvPool {
         idx: u32,
         n: u64,
         own: Incarnation,
-    ) -> Result<Vec<u8>, NotCopied> {
+    ) -> Result<(Vec<u8>, Incarnation), NotCopied> {
         if idx >= self.count || n > self.stride {
             return Err(NotCopied::OutOfRange);
         }
@@ -348,7 +349,7 @@ impl RecvPool {
         let mut msg = self.spare.pop().unwrap_or_default();
         msg.clear();
         msg.extend_from_slice(body);
-        Ok(msg)
+        Ok((msg, frame::sender(bytes)))
     }
 
     /// Returns a message whose callback has returned, for reuse; wakes the

@@ -13,11 +13,13 @@
 
 use crate::error::EngineError;
 use crate::mem::RecvPool;
+use crate::request::GroupAddress;
 use crossbeam_queue::SegQueue;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weft_transport::{Incarnation, NetAddr};
 
 /// How long [`RecvQueue::recv_timeout`] polls before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
@@ -25,11 +27,14 @@ const SPIN: Duration = Duration::from_micros(50);
 /// engine's shutdown between sleeps.
 const NAP: Duration = Duration::from_millis(10);
 
+/// A queued message and its sender, or a receive error.
+type Queued = Result<(Vec<u8>, Option<MessageSender>), EngineError>;
+
 /// The queue side of a polled receive pool: what the worker delivers and
 /// the receiver takes. Owned by the pool ([`RecvPool`]).
 #[derive(Default)]
 pub(crate) struct QueueSink {
-    q: SegQueue<Result<Vec<u8>, EngineError>>,
+    q: SegQueue<Queued>,
     /// Receivers sleeping (or about to) in `recv_timeout`.
     waiters: AtomicU32,
     lock: parking_lot::Mutex<()>,
@@ -42,14 +47,19 @@ impl QueueSink {
     /// Called by the worker: queues `result` (or discards it once the
     /// queue is gone, returning the message's buffer to `pool`) and wakes a
     /// sleeping receiver.
-    pub(crate) fn deliver(&self, pool: &RecvPool, result: Result<Vec<u8>, EngineError>) {
+    pub(crate) fn deliver(
+        &self,
+        pool: &RecvPool,
+        result: Result<Vec<u8>, EngineError>,
+        from: Option<MessageSender>,
+    ) {
         if self.closed.load(Ordering::SeqCst) {
             if let Ok(m) = result {
                 pool.recycle(m);
             }
             return;
         }
-        self.q.push(result);
+        self.q.push(result.map(|m| (m, from)));
         // Pairs with the receiver raising `waiters` under `lock` before its
         // last look at the queue: either it sees this message, or this
         // sees it waiting and notifies under the lock it waits with.
@@ -64,7 +74,7 @@ impl QueueSink {
     fn close(&self, pool: &RecvPool) {
         self.closed.store(true, Ordering::SeqCst);
         while let Some(r) = self.q.pop() {
-            if let Ok(m) = r {
+            if let Ok((m, _)) = r {
                 pool.recycle(m);
             }
         }
@@ -108,8 +118,9 @@ impl RecvQueue {
     /// arrived yet).
     pub fn try_recv(&self) -> Option<Result<RecvMsg, EngineError>> {
         self.sink().q.pop().map(|r| {
-            r.map(|bytes| RecvMsg {
+            r.map(|(bytes, from)| RecvMsg {
                 bytes,
+                from,
                 pool: Arc::clone(&self.pool),
             })
         })
@@ -192,7 +203,52 @@ impl Drop for RecvQueue {
 /// why holding many stalls peers).
 pub struct RecvMsg {
     bytes: Vec<u8>,
+    from: Option<MessageSender>,
     pool: Arc<RecvPool>,
+}
+
+impl RecvMsg {
+    /// Who sent the message, when the NIC it arrived on says (every
+    /// backend in this repository does); see [`MessageSender`] for how far
+    /// that can be trusted.
+    pub fn sender(&self) -> Option<&MessageSender> {
+        self.from.as_ref()
+    }
+
+    /// Whether the message came from `peer`: one of its NICs, and (when
+    /// `peer` names one) its incarnation. `false` when the sender is not
+    /// known.
+    pub fn is_from(&self, peer: &GroupAddress) -> bool {
+        self.from.as_ref().is_some_and(|s| s.is(peer))
+    }
+}
+
+/// Who sent a received message.
+///
+/// `nic` is the sending NIC's address as the receiving NIC's fabric
+/// attributes the message: on verbs (RC) and nvlink the connection it came
+/// over, on the loopback fabric the sending endpoint, on libfabric the
+/// endpoint its message layer answers (the sender names itself in the
+/// layer's header; a sender naming another endpoint never gets its answer,
+/// so its SEND fails, but the message is delivered). `incarnation` is the
+/// one the sender's frame names as its own, as written by the sender.
+/// Use it to tell peers apart and to route replies, not as
+/// authentication against a hostile peer on a shared libfabric endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MessageSender {
+    /// Address of the NIC the message came from.
+    pub nic: NetAddr,
+    /// The sending engine's incarnation, as its frame names it.
+    pub incarnation: Incarnation,
+}
+
+impl MessageSender {
+    /// Whether this is `peer`: its NIC is one of `peer`'s, and its
+    /// incarnation matches `peer`'s unless `peer` names none (0).
+    pub fn is(&self, peer: &GroupAddress) -> bool {
+        peer.nics.contains(&self.nic)
+            && (peer.incarnation == Incarnation(0) || peer.incarnation == self.incarnation)
+    }
 }
 
 impl Deref for RecvMsg {

@@ -254,6 +254,13 @@ pub enum Completion {
         wr: WrId,
         /// Received length, or why the buffer came back empty.
         result: Result<u64, TransportError>,
+        /// The address of the NIC the message came from, as this domain
+        /// attributes it (`None` for a flushed or failed buffer): the
+        /// connection it arrived over where the fabric has connections
+        /// (verbs RC, nvlink), the sending endpoint where the fabric
+        /// reports it (loopback), the endpoint the message layer answers
+        /// where the sender names itself (libfabric; see docs/backends.md).
+        from: Option<NetAddr>,
     },
     /// A WRITE finished (payload in target memory) or failed.
     Write {

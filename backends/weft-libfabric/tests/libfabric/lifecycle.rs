@@ -192,7 +192,7 @@ fn tcp_passive_peers_are_bounded() {
             "message {k}: {oa:?}"
         );
         assert!(
-            matches!(ob[k as usize], Completion::Recv { wr, result: Ok(64) } if wr == WrId(100 + k)),
+            matches!(ob[k as usize], Completion::Recv { wr, result: Ok(64), .. } if wr == WrId(100 + k)),
             "message {k}: {ob:?}"
         );
         assert_eq!(

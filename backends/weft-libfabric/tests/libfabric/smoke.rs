@@ -195,7 +195,8 @@ fn basic(name: &str) {
     assert!(
         out.contains(&Completion::Recv {
             wr: WrId(10),
-            result: Ok(5)
+            result: Ok(5),
+            from: Some(t.a.local_addr().clone()),
         }),
         "{out:?}"
     );
@@ -492,7 +493,8 @@ fn held_message_delivered(name: &str) {
     assert!(
         out.contains(&Completion::Recv {
             wr: WrId(2),
-            result: Ok(50)
+            result: Ok(50),
+            from: Some(a.local_addr().clone()),
         }),
         "{out:?}"
     );

@@ -335,6 +335,7 @@ impl State {
             n.cq.push(Completion::Recv {
                 wr: recv.wr,
                 result: Ok(len),
+                from: Some(addr::encode(src.0, src.1)),
             });
         }
         self.mark_ready(dst);

@@ -341,6 +341,7 @@ impl State {
                             nic: nic_name(loc),
                             what: format!("receive buffer's key {} deregistered", key.0),
                         }),
+                        from: None,
                     });
                 }
             } else {

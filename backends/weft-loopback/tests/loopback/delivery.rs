@@ -321,7 +321,8 @@ fn null_mode_copies_nothing_but_completes_at_next_poll() {
         assert_eq!(im, (100..108).collect::<Vec<_>>());
         assert!(cb.contains(&Completion::Recv {
             wr: WrId(50),
-            result: Ok(100)
+            result: Ok(100),
+            from: Some(a.local_addr().clone()),
         }));
         assert!(
             dst.snapshot().iter().all(|&x| x == 0xee),
@@ -421,6 +422,7 @@ fn send_recv_pool_any_order() {
                 Completion::Recv {
                     wr,
                     result: Ok(1000),
+                    ..
                 } => wr.0,
                 other => panic!("seed {seed}: {other:?}"),
             })

@@ -618,7 +618,8 @@ fn rnr_wait_then_deliver_timeout_and_too_long() {
             poll_all(&mut b),
             vec![Completion::Recv {
                 wr: WrId(2),
-                result: Ok(100)
+                result: Ok(100),
+                from: Some(a.local_addr().clone()),
             }]
         );
         assert_eq!(rb.snapshot()[..100], src.snapshot()[..100], "seed {seed}");
@@ -666,7 +667,8 @@ fn rnr_wait_then_deliver_timeout_and_too_long() {
             poll_all(&mut b),
             vec![Completion::Recv {
                 wr: WrId(4),
-                result: Ok(50)
+                result: Ok(50),
+                from: Some(a.local_addr().clone()),
             }]
         );
         // Deregistration flushes posted buffers.
@@ -678,7 +680,8 @@ fn rnr_wait_then_deliver_timeout_and_too_long() {
                 c[..],
                 [Completion::Recv {
                     wr: WrId(7),
-                    result: Err(TransportError::LocalAccess { .. })
+                    result: Err(TransportError::LocalAccess { .. }),
+                    from: None,
                 }]
             ),
             "{c:?}"

@@ -269,7 +269,21 @@ impl<O: VerbsOps> VerbsDomain<O> {
                     }),
                 };
                 let failed = result.is_err();
-                self.out_q.push_back(Completion::Recv { wr: user, result });
+                // The SRQ names the local QP it filled; that QP is one
+                // peer's connection.
+                let from = if failed {
+                    None
+                } else {
+                    self.qpn_peer
+                        .get(&wc.qp_num)
+                        .and_then(|p| self.peers.get(p.0 as usize))
+                        .map(|p| p.addr.clone())
+                };
+                self.out_q.push_back(Completion::Recv {
+                    wr: user,
+                    result,
+                    from,
+                });
                 if failed {
                     self.on_responder_error(wc);
                 }

@@ -468,7 +468,8 @@ fn rnr_then_receiver_not_ready_and_recovery() {
             out[1],
             vec![Completion::Recv {
                 wr: WrId(9),
-                result: Ok(4)
+                result: Ok(4),
+                from: Some(s.hosts[0].local_addr().clone()),
             }]
         );
         assert_eq!(rbuf.bytes(0, 4), b"ping");
@@ -512,7 +513,8 @@ fn recv_and_writeimm_never_steal_each_others_receives() {
         assert!(
             out[1].contains(&Completion::Recv {
                 wr: WrId(50),
-                result: Ok(8)
+                result: Ok(8),
+                from: Some(s.hosts[0].local_addr().clone()),
             }),
             "seed {seed}: {:?}",
             out[1]
@@ -721,7 +723,8 @@ fn send_longer_than_receive_buffer_fails_both_sides() {
                 out[1][0],
                 Completion::Recv {
                     wr: WrId(5),
-                    result: Err(TransportError::MessageTooLong { capacity: 16, .. })
+                    result: Err(TransportError::MessageTooLong { capacity: 16, .. }),
+                    from: None,
                 }
             ),
             "seed {seed}: {out:?}"

@@ -263,6 +263,7 @@ pub(crate) fn recv_buffer_pool(h: &mut dyn Harness) -> Result<(), CaseFailure> {
         let r = ctx.recv(bn, local(&pmr, (slot * SLOT) as u64, SLOT as u64)?)?;
         slot_of.insert(r, slot);
     }
+    let sender_addrs = [ctx.addr(senders[0]), ctx.addr(senders[1])];
     let mut next = [0usize; 2];
     let mut in_flight = [0usize; 2];
     let mut sends_ok = 0usize;
@@ -273,7 +274,7 @@ pub(crate) fn recv_buffer_pool(h: &mut dyn Harness) -> Result<(), CaseFailure> {
     ctx.wait_until("every message through the receive pool", |c, events| {
         for ev in events {
             match &ev.completion {
-                Completion::Recv { wr, result } if ev.nic == bn => {
+                Completion::Recv { wr, result, from } if ev.nic == bn => {
                     let Some(slot) = slot_of.remove(wr) else {
                         bail!("RECV completion for {wr:?}, which is not a posted pool buffer")
                     };
@@ -302,6 +303,13 @@ pub(crate) fn recv_buffer_pool(h: &mut dyn Harness) -> Result<(), CaseFailure> {
                         &got,
                         &msgs[i],
                     )?;
+                    // Message i came from sender i % 2: the completion
+                    // names that NIC.
+                    let want = &sender_addrs[i % senders.len()];
+                    ensure!(
+                        from.as_ref() == Some(want),
+                        "message {i} says it came from {from:?}, it came from {want:?}"
+                    );
                     received[i] = true;
                     n_received += 1;
                     uses[slot] += 1;

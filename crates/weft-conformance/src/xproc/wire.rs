@@ -330,7 +330,7 @@ impl From<WriteW> for WriteWr {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) enum CompW {
     Send(u64, Result<(), ErrW>),
-    Recv(u64, Result<u64, ErrW>),
+    Recv(u64, Result<u64, ErrW>, Option<Vec<u8>>),
     Write(u64, Result<(), ErrW>),
     Imm(u32),
 }
@@ -341,9 +341,11 @@ impl From<&Completion> for CompW {
             Completion::Send { wr, result } => {
                 CompW::Send(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from))
             }
-            Completion::Recv { wr, result } => {
-                CompW::Recv(wr.0, result.as_ref().map(|n| *n).map_err(ErrW::from))
-            }
+            Completion::Recv { wr, result, from } => CompW::Recv(
+                wr.0,
+                result.as_ref().map(|n| *n).map_err(ErrW::from),
+                from.as_ref().map(|a| a.0.clone()),
+            ),
             Completion::Write { wr, result } => {
                 CompW::Write(wr.0, result.as_ref().map(|_| ()).map_err(ErrW::from))
             }
@@ -358,9 +360,10 @@ impl From<CompW> for Completion {
                 wr: WrId(wr),
                 result: r.map_err(Into::into),
             },
-            CompW::Recv(wr, r) => Completion::Recv {
+            CompW::Recv(wr, r, from) => Completion::Recv {
                 wr: WrId(wr),
                 result: r.map_err(Into::into),
+                from: from.map(NetAddr),
             },
             CompW::Write(wr, r) => Completion::Write {
                 wr: WrId(wr),

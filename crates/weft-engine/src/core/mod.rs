@@ -70,6 +70,8 @@ pub(crate) enum Event {
     Recv {
         pool: Arc<RecvPool>,
         result: Result<Vec<u8>, EngineError>,
+        /// Who sent it, when the NIC says (see [`crate::MessageSender`]).
+        from: Option<crate::MessageSender>,
     },
 }
 

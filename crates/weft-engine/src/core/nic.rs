@@ -451,7 +451,7 @@ impl WorkerCore {
                 }
                 self.completed_run(nic, wr, 1);
             }
-            Completion::Recv { wr, result } => {
+            Completion::Recv { wr, result, from } => {
                 let Decoded::Recv { pool, idx } = decode(wr) else {
                     tracing::warn!(
                         group = self.group,
@@ -491,11 +491,15 @@ impl WorkerCore {
                     return;
                 }
                 let own = self.incarnation;
+                let mut sender = None;
                 let result = match result {
                     // SAFETY: buffer `idx` just completed and is re-posted
                     // only below, after its bytes were copied out.
                     Ok(n) => match unsafe { pool_ref.copy_out(idx, n, own) } {
-                        Ok(msg) => Ok(msg),
+                        Ok((msg, incarnation)) => {
+                            sender = from.map(|nic| crate::MessageSender { nic, incarnation });
+                            Ok(msg)
+                        }
                         Err(NotCopied::Rejected(why)) => {
                             // Not for this engine: dropped and counted, the
                             // buffer serves the next SEND at once.
@@ -520,6 +524,7 @@ impl WorkerCore {
                 self.events.push(Event::Recv {
                     pool: pool_ref,
                     result,
+                    from: sender,
                 });
             }
             Completion::Imm { imm } => {

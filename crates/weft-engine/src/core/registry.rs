@@ -336,6 +336,7 @@ impl WorkerCore {
                 self.events.push(Event::Recv {
                     pool: Arc::clone(&ps.pool),
                     result: Err(err),
+                    from: None,
                 });
             }
         }

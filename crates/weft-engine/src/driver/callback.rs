@@ -26,7 +26,7 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
             cb(r);
             drop(round);
         }
-        CbMsg::Event(Event::Recv { pool, result }) => match result {
+        CbMsg::Event(Event::Recv { pool, result, .. }) => match result {
             Ok(m) => {
                 // Kept outside the closure before the call, so a panicking
                 // callback's message is recycled too.

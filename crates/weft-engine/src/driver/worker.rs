@@ -258,9 +258,9 @@ impl Worker {
         for e in self.events.drain(..) {
             match e {
                 // A polled pool's messages skip the callback thread.
-                Event::Recv { pool, result } if pool.queue().is_some() => {
+                Event::Recv { pool, result, from } if pool.queue().is_some() => {
                     if let Some(q) = pool.queue() {
-                        q.deliver(&pool, result);
+                        q.deliver(&pool, result, from);
                     }
                 }
                 e => {

@@ -2,7 +2,7 @@
 //! intact, from several senders over the adversarial fabric; the backlog
 //! bound with messages held by the caller; a dropped queue that keeps
 //! peers' SENDs completing; a sleeping receiver woken by a late message and
-//! by shutdown.
+//! by shutdown. Each message names the engine that sent it.
 
 use crate::common::*;
 use std::collections::BTreeSet;
@@ -38,7 +38,12 @@ fn polled_messages_arrive_once_and_intact_from_several_senders() {
             seed,
             "polled_messages_arrive_once_and_intact_from_several_senders",
         );
-        let fabric = Fabric::new_realtime(FabricConfig::adversarial(seed));
+        // 600 SENDs at once into 16 buffers: senders wait for buffers
+        // longer than the adversarial profile's RNR timeout would allow.
+        let fabric = Fabric::new_realtime(FabricConfig {
+            rnr_timeout: Duration::from_secs(60),
+            ..FabricConfig::adversarial(seed)
+        });
         let rx = engine(&fabric, fabric.add_host(1), 1, test_config(), false);
         let q = rx.recv_queue(2048, 16).unwrap();
         assert_eq!(q.max_message(), 2048);
@@ -57,15 +62,32 @@ fn polled_messages_arrive_once_and_intact_from_several_senders() {
             }
         }
         let total = 3 * per as usize;
+        let addrs: Vec<_> = senders.iter().map(|e| e.main_address()).collect();
         let mut got = BTreeSet::new();
         while got.len() < total {
             match q.recv_timeout(HANG) {
                 Some(Ok(m)) => {
                     let key = check(&m).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+                    // The message names its sender, and only that one.
+                    let from = m.sender().expect("a sender");
+                    assert_eq!(from.incarnation, addrs[key.0 as usize].incarnation);
+                    for (s, a) in addrs.iter().enumerate() {
+                        assert_eq!(
+                            m.is_from(a),
+                            s == key.0 as usize,
+                            "seed {seed}: message {key:?} is_from sender {s}"
+                        );
+                    }
                     assert!(got.insert(key), "seed {seed}: duplicate message {key:?}");
                 }
                 Some(Err(e)) => panic!("seed {seed}: receive error {e}"),
-                None => panic!("seed {seed}: {} of {total} messages arrived", got.len()),
+                None => panic!(
+                    "seed {seed}: {} of {total} messages arrived; sends: {} done, {} failed ({:?})",
+                    got.len(),
+                    sent.total(),
+                    sent.failed(),
+                    sent.first_error()
+                ),
             }
         }
         wait_until("sends complete", HANG, || sent.total() == total as u64);

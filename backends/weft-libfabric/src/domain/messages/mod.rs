@@ -242,6 +242,7 @@ impl LibfabricDomain {
                     out.push(Completion::Recv {
                         wr: r.wr,
                         result: Ok(m.payload.len() as u64),
+                        from: Some(self.peer_addr(m.from)),
                     });
                     self.msgs
                         .acks_out
@@ -260,6 +261,7 @@ impl LibfabricDomain {
                                 r.addr, r.len, r.mr.0
                             ),
                         }),
+                        from: None,
                     });
                 }
             }
