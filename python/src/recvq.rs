@@ -3,10 +3,11 @@
 //! callback per message.
 
 use crate::errors;
+use crate::transfer::SIGNAL_SLICE;
 use crate::types::PyPeerAddress;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Messages received into a polled pool, oldest first
 /// (`TransferEngine.recv_queue(nbytes, count)`). `try_recv()` returns the
@@ -23,6 +24,34 @@ pub struct PyRecvQueue {
 impl PyRecvQueue {
     pub(crate) fn new(q: weft::RecvQueue) -> Self {
         Self { inner: q }
+    }
+
+    /// The next message, waiting up to `timeout` with the GIL released,
+    /// in slices between which Python's signal handlers run (Ctrl-C
+    /// interrupts the wait).
+    fn wait(
+        &self,
+        py: Python<'_>,
+        timeout: Duration,
+    ) -> PyResult<Option<Result<weft::RecvMsg, weft::EngineError>>> {
+        let q = self.open()?;
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let now = Instant::now();
+            let slice = deadline.map_or(SIGNAL_SLICE, |d| {
+                d.saturating_duration_since(now).min(SIGNAL_SLICE)
+            });
+            if let Some(r) = py.detach(|| q.recv_timeout(slice)) {
+                return Ok(Some(r));
+            }
+            if q.is_closed() {
+                return Err(closed());
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(None);
+            }
+        }
     }
 
     fn open(&self) -> PyResult<&weft::RecvQueue> {
@@ -75,12 +104,7 @@ impl PyRecvQueue {
     /// left.
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
-        let t = timeout_of(timeout)?;
-        let q = self.open()?;
-        let r = py.detach(|| q.recv_timeout(t));
-        if r.is_none() && q.is_closed() {
-            return Err(closed());
-        }
+        let r = self.wait(py, timeout_of(timeout)?)?;
         deliver(py, r)
     }
 
@@ -96,13 +120,7 @@ impl PyRecvQueue {
         peers: Vec<PyRef<'_, PyPeerAddress>>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
-        let t = timeout_of(timeout)?;
-        let q = self.open()?;
-        let r = py.detach(|| q.recv_timeout(t));
-        if r.is_none() && q.is_closed() {
-            return Err(closed());
-        }
-        match r {
+        match self.wait(py, timeout_of(timeout)?)? {
             None => Ok(None),
             Some(Ok(m)) => Ok(Some((
                 PyBytes::new(py, &m).unbind(),

@@ -16,7 +16,7 @@ use crate::memory::RegKeep;
 
 /// How long a wait sleeps with the GIL released before it checks for
 /// signals (Ctrl-C), so `KeyboardInterrupt` arrives within this bound.
-const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+pub(crate) const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 thread_local! {
     /// Set while Python code runs from a weft callback (on the engine's

@@ -76,6 +76,52 @@ def test_sigint_interrupts_wait(spec):
     assert out.split() == ["interrupted", "shut", "down"]
 
 
+RECV_CHILD = textwrap.dedent(
+    """
+    import sys, threading, time, weft
+    eng = weft.TransferEngine("loopback")
+    q = eng.recv_queue(64, 1)
+    main = threading.main_thread().ident
+
+    def announce():
+        while sys._current_frames()[main].f_lineno != WAIT:
+            time.sleep(0.01)
+        print("ready", flush=True)
+
+    WAIT = sys._getframe().f_lineno + 3
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        q.recv()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    eng.shutdown()
+    try:
+        q.recv(timeout=10)
+    except weft.ShutDownError:
+        print("shut down", flush=True)
+    """
+)
+
+
+def test_sigint_interrupts_a_waiting_recv_queue():
+    p = subprocess.Popen(
+        [sys.executable, "-c", RECV_CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGINT)
+        # A hang bound, not a timing assertion.
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert out.split() == ["interrupted", "shut", "down"]
+
+
 TERM_CHILD = textwrap.dedent(
     """
     import os, signal, sys, weft
