@@ -98,7 +98,7 @@ for r in q(bench="pingpong"):
     if r["case"].startswith("cpu"):
         print(f"{r['case']} ({r['backend']}) | {float(r['weft']):.3g} {r['unit']}")
 for be in ["libfabric:tcp", "libfabric:shm"]:
-    for c in ["write_imm", "send_recv"]:
+    for c in ["write_imm", "send_recv", "send_recv_polled"]:
         rs = q(bench="pingpong", case=c, backend=be)
         if rs:
             print(f"pingpong {c} / fi_pingpong ({be}) | " + ", ".join(
