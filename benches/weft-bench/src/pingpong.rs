@@ -264,9 +264,11 @@ fn e2s(e: impl std::fmt::Display) -> String {
 }
 
 impl Side {
-    fn new(host: Arc<dyn Provider>) -> Result<Side, String> {
+    /// `host` serves the main engine, `qhost` the polled one (a host of
+    /// its own: the simulated fabric opens a NIC once).
+    fn new(host: Arc<dyn Provider>, qhost: Arc<dyn Provider>) -> Result<Side, String> {
         let eng = TransferEngine::builder()
-            .group(DomainGroupSpec::new(Arc::clone(&host), vec![0]))
+            .group(DomainGroupSpec::new(host, vec![0]))
             .config(bench_config())
             .build()
             .map_err(e2s)?;
@@ -287,7 +289,7 @@ impl Side {
         })
         .map_err(e2s)?;
         let qeng = TransferEngine::builder()
-            .group(DomainGroupSpec::new(host, vec![0]))
+            .group(DomainGroupSpec::new(qhost, vec![0]))
             .config(bench_config())
             .build()
             .map_err(e2s)?;
@@ -475,7 +477,7 @@ fn serve(side: &Side, ctl: &mut dyn Ctl) -> Result<(), String> {
 /// child process, on stdin/stdout.
 pub fn peer_main(kind: &BackendKind) -> Result<(), String> {
     let tb = Testbed::new(kind, 1)?;
-    let side = Side::new(tb.host()?)?;
+    let side = Side::new(tb.host()?, tb.host()?)?;
     let mut ctl = StdioCtl {
         r: std::io::stdin().lock(),
         w: std::io::stdout().lock(),
@@ -536,7 +538,7 @@ impl Session {
                 },
             };
             let peer = peer_from(pp.recv()?)?;
-            let side = Side::new(tb.host()?)?;
+            let side = Side::new(tb.host()?, tb.host()?)?;
             pp.send(&side.hello())?;
             return Ok(Session {
                 side,
@@ -546,13 +548,13 @@ impl Session {
                 where_: "two processes",
             });
         }
-        let host = tb.host()?;
+        let (host, qhost) = (tb.host()?, tb.host()?);
         let (atx, brx) = mpsc::channel();
         let (btx, arx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("pingpong-peer".into())
             .spawn(move || {
-                let side = Side::new(host)?;
+                let side = Side::new(host, qhost)?;
                 let mut ctl = ChanCtl { tx: btx, rx: brx };
                 serve(&side, &mut ctl)
             })
@@ -567,7 +569,7 @@ impl Session {
                 })
             }
         };
-        let side = Side::new(tb.host()?)?;
+        let side = Side::new(tb.host()?, tb.host()?)?;
         ctl.send(&side.hello())?;
         Ok(Session {
             side,

@@ -286,14 +286,14 @@ fn p2p_cases_select_rows() {
 }
 
 #[test]
-fn quick_pingpong_on_loopback_has_both_ops_and_cpu_rows() {
+fn quick_pingpong_on_loopback_has_every_op_and_cpu_rows() {
     let mut cfg = Config::new(Suite::Pingpong, true);
     cfg.backends = vec![BackendKind::Loopback];
     cfg.rounds = Some(1);
     let rep = weft_bench::run(&cfg);
     let bad: Vec<_> = rep.rows.iter().filter(|r| r.status != Status::Ok).collect();
     assert!(bad.is_empty(), "{bad:#?}");
-    for case in ["send_recv", "write_imm"] {
+    for case in ["send_recv", "send_recv_polled", "write_imm"] {
         let n = rep
             .rows
             .iter()
