@@ -15,14 +15,19 @@ import pytest
 CHILD = textwrap.dedent(
     """
     import sys, threading, time, weft
-    spec = sys.argv[1]
+    spec, what = sys.argv[1], sys.argv[2]
     kw = {} if spec == "loopback" else {"domain": "same-machine"}
     eng = weft.TransferEngine(spec, **kw)
-    t = eng.expect_imm_count(eng.alloc_imm(), 1)  # never fires
+    if what == "recv":
+        q = eng.recv_queue(64, 1)  # nothing is ever sent
+        wait, wait_after = q.recv, lambda: q.recv(timeout=10)
+    else:
+        t = eng.expect_imm_count(eng.alloc_imm(), 1)  # never fires
+        wait, wait_after = t.wait, lambda: t.wait(timeout=10)
     main = threading.main_thread().ident
 
     def announce():
-        # "ready" once the main thread is inside t.wait() (its frame sits
+        # "ready" once the main thread is inside wait() (its frame sits
         # on the WAIT line), so the signal cannot land before the wait.
         while sys._current_frames()[main].f_lineno != WAIT:
             time.sleep(0.01)
@@ -31,12 +36,12 @@ CHILD = textwrap.dedent(
     WAIT = sys._getframe().f_lineno + 3
     threading.Thread(target=announce, daemon=True).start()
     try:
-        t.wait()
+        wait()
     except KeyboardInterrupt:
         print("interrupted", flush=True)
     eng.shutdown()
     try:
-        t.wait(timeout=10)
+        wait_after()
     except weft.ShutDownError:
         print("shut down", flush=True)
     """
@@ -54,58 +59,15 @@ def available(spec: str) -> bool:
     return any(p.spec == spec and p.available for p in weft.providers())
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_sigint_interrupts_wait(spec):
+@pytest.mark.parametrize(
+    "spec,what", [(s, "transfer") for s in SPECS] + [("loopback", "recv")]
+)
+def test_sigint_interrupts_wait(spec, what):
+    """`Transfer.wait()` and `RecvQueue.recv()` alike."""
     if not available(spec):
         pytest.skip(f"{spec} unavailable here")
     p = subprocess.Popen(
-        [sys.executable, "-c", CHILD, spec],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline().strip() == "ready"
-        p.send_signal(signal.SIGINT)
-        # A hang bound, not a timing assertion.
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == 0, err
-    assert out.split() == ["interrupted", "shut", "down"]
-
-
-RECV_CHILD = textwrap.dedent(
-    """
-    import sys, threading, time, weft
-    eng = weft.TransferEngine("loopback")
-    q = eng.recv_queue(64, 1)
-    main = threading.main_thread().ident
-
-    def announce():
-        while sys._current_frames()[main].f_lineno != WAIT:
-            time.sleep(0.01)
-        print("ready", flush=True)
-
-    WAIT = sys._getframe().f_lineno + 3
-    threading.Thread(target=announce, daemon=True).start()
-    try:
-        q.recv()
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
-    eng.shutdown()
-    try:
-        q.recv(timeout=10)
-    except weft.ShutDownError:
-        print("shut down", flush=True)
-    """
-)
-
-
-def test_sigint_interrupts_a_waiting_recv_queue():
-    p = subprocess.Popen(
-        [sys.executable, "-c", RECV_CHILD],
+        [sys.executable, "-c", CHILD, spec, what],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
