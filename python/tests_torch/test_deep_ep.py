@@ -153,10 +153,16 @@ dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world
 import weft.deep_ep
 weft.deep_ep.install()
 import deep_ep
+dev = torch.device(device)
+if dev.type == "cuda":
+    # CUDA contexts of several processes on one GPU take seconds to make:
+    # every rank makes its own before the first step's 3 s rounds start.
+    torch.zeros(1, device=dev)
+    torch.cuda.synchronize(dev)
+    dist.barrier()
 hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T.TM, T.H, n, T.E)
 buf = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True,
                      provider="libfabric:tcp", domain="same-machine", timeout=3.0)
-dev = torch.device(device)
 if case == "dies":
     ins = T.make(5, n, "random")
     x, idx, w = ins[rank]
