@@ -62,7 +62,11 @@ impl QueueSink {
         self.q.push(result.map(|m| (m, from)));
         // Pairs with the receiver raising `waiters` under `lock` before its
         // last look at the queue: either it sees this message, or this
-        // sees it waiting and notifies under the lock it waits with.
+        // sees it waiting and notifies under the lock it waits with. The
+        // fence orders the push before the load (the queue's own stores
+        // are release stores only); a receiver that still missed it would
+        // only sleep until its next nap ends.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.waiters.load(Ordering::SeqCst) > 0 {
             let _g = self.lock.lock();
             self.cv.notify_all();
