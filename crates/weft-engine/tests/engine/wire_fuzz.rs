@@ -178,8 +178,8 @@ proptest! {
     }
 }
 
-/// Two manual engines A and B and B's descriptor, kept across the cases of
-/// the end-to-end property (one set per test thread).
+/// Two manual engines A and B, B live at A, and B's descriptor, kept
+/// across the cases of the end-to-end property (one set per test thread).
 struct E2e {
     fabric: Fabric,
     ea: weft_engine::TransferEngine,
@@ -199,6 +199,19 @@ impl E2e {
         let dst = mem::zeroed(4096);
         let (sh, _) = ea.reg_mr(src.region()).unwrap();
         let (_, bdesc) = eb.reg_mr(dst.region()).unwrap();
+        // B is live at A before any damaged descriptor: one write with the
+        // real one first. (Without it, a damaged descriptor that names B's
+        // NIC with another incarnation could be A's first contact with that
+        // address and be bound there; docs/engine.md, "Known limits".)
+        let (od, f) = OnDone::flag();
+        ea.submit_single_write(64, None, (&sh, 0), (&bdesc, 0), od)
+            .unwrap();
+        drive(&fabric, &[ea.clone(), eb.clone()], || f.is_done());
+        assert_eq!(
+            f.result(),
+            Some(Ok(())),
+            "seed {seed}: the first real write"
+        );
         E2e {
             fabric,
             ea,
