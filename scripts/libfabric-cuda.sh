@@ -47,5 +47,7 @@ make -j"$(nproc)" > "$work/make.log" 2>&1 || { tail -20 "$work/make.log"; exit 1
 make install > "$work/install.log" 2>&1
 cp -L "$work/prefix/lib/libfabric.so.1" "$out/libfabric.so.1"
 strip "$out/libfabric.so.1" 2>/dev/null || true
+# libfabric's own ping-pong, the baseline of `weft-bench pingpong --fi-pingpong`.
+[ -x "$work/prefix/bin/fi_pingpong" ] && cp "$work/prefix/bin/fi_pingpong" "$out/" && strip "$out/fi_pingpong" 2>/dev/null || true
 LD_LIBRARY_PATH="$work/prefix/lib" "$work/prefix/bin/fi_info" --version | tee "$out/VERSION"
 ls -la "$out"

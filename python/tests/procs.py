@@ -40,6 +40,10 @@ def run_ranks(
     finally:
         for p in procs:
             p.kill()
-    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} ({list(argvs[i])}) exited {p.returncode}: {err[-3000:]}"
+    # On a failure, every process's exit status and stderr: what the
+    # others did at the time often says why one failed.
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"process {i} ({list(argvs[i])}) exited {p.returncode}: {err[-3000:]}"
+        for i, (p, (_, err)) in enumerate(zip(procs, outs))
+    )
     return [out.strip() for out, _ in outs]

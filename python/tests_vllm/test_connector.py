@@ -24,10 +24,10 @@ PROVIDERS = ["libfabric:tcp", "libfabric:shm"]
 class Worker:
     """A worker process and its pipe."""
 
-    def __init__(self, root: Path, role: str, provider: str, **extra: Any) -> None:
+    def __init__(self, root: Path, role: str, provider: str, shape: F.Shape, rank: int, extra: dict) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=pd_worker.serve, args=(child, str(root), role, provider, extra), daemon=True)
+        self.proc = ctx.Process(target=pd_worker.serve, args=(child, str(root), role, provider, extra, shape, rank), daemon=True)
         self.proc.start()
         self.handshake = self.recv(timeout=180)[1]
 
@@ -59,15 +59,20 @@ class Worker:
 
 
 class Instance:
-    """One vLLM instance: its real Scheduler here, its worker elsewhere."""
+    """One vLLM instance: its real Scheduler here, its TP workers each in a
+    process of its own."""
 
-    def __init__(self, root: Path, role: str, provider: str, **extra: Any) -> None:
+    def __init__(self, root: Path, role: str, provider: str, shape: F.Shape = F.Shape(), **extra: Any) -> None:
         # A decode instance's forward computes only the tokens after the
         # prompt: no fake KV is written into loaded blocks.
         self.computes = role == "kv_producer"
-        self.vc = F.vllm_config(root, role, provider, **extra)
-        self.sched = F.scheduler(self.vc)
-        self.worker = Worker(root, role, provider, **extra)
+        self.vc = F.vllm_config(root, role, provider, tp=shape.tp, **extra)
+        self.sched = F.scheduler(self.vc, shape)
+        self.workers = [Worker(root, role, provider, shape, r, extra) for r in range(shape.tp)]
+        self.worker = self.workers[0]
+        # what some but not yet all workers reported (vLLM's aggregator
+        # reports a transfer once every worker has)
+        self._partial: dict[tuple[str, str], int] = {}
         self.finished: dict[str, dict] = {}
         self.recv_meta: dict[str, Any] = {}
         self.new_blocks: dict[str, list[int]] = {}
@@ -88,20 +93,43 @@ class Instance:
         for nr in out.scheduled_new_reqs:
             self.new_blocks[nr.req_id] = list(nr.block_ids[0])
             if self.computes:
-                self.worker.call("compute", self.sched.requests[nr.req_id].prompt_token_ids, list(nr.block_ids[0]))
-        sending, recving, invalid = self.worker.call("step", meta, out.finished_req_ids)
+                for w in self.workers:
+                    w.call("compute", self.sched.requests[nr.req_id].prompt_token_ids, list(nr.block_ids[0]))
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for w in self.workers:
+            s, r, inv = w.call("step", meta, out.finished_req_ids)
+            sending |= self._all_reported("send", s)
+            recving |= self._all_reported("recv", r)
+            invalid |= inv
         self.recved |= recving
         self.invalid |= invalid
         for rid in recving:
             r = self.recv_meta.get(rid)
             if r is not None and rid in self.sched.requests:
                 prompt = self.sched.requests[rid].prompt_token_ids
-                self.checks[rid] = self.worker.call("check", prompt, r.local_block_ids, r.first)
+                bad = [w.call("check", prompt, r.local_block_ids, r.first) for w in self.workers]
+                self.checks[rid] = next((b for b in bad if b is not None), None)
         ids = [nr.req_id for nr in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
         reqs = [self.sched.requests[i] for i in ids]
         eo = self.sched.update_from_output(out, F.runner_output(reqs, sending, recving, invalid))
         self.finished.update(F.kv_transfer_params(eo))
         return ids
+
+    def _all_reported(self, what: str, ids: set[str]) -> set[str]:
+        done = set()
+        for rid in ids:
+            k = (what, rid)
+            self._partial[k] = self._partial.get(k, 0) + 1
+            if self._partial[k] == len(self.workers):
+                del self._partial[k]
+                done.add(rid)
+        return done
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
 
     def empty(self) -> bool:
         pool = self.sched.kv_cache_manager.block_pool
@@ -123,10 +151,10 @@ def pd(tmp_path, request):
     provider, extra = request.param
     p = Instance(tmp_path, "kv_producer", provider, **extra)
     d = Instance(tmp_path, "kv_consumer", provider, **extra)
-    p.sched.connector.set_xfer_handshake_metadata({0: p.worker.handshake})
+    p.sched.connector.set_xfer_handshake_metadata({r: w.handshake for r, w in enumerate(p.workers)})
     yield p, d
-    d.worker.stop()
-    p.worker.stop()
+    d.stop()
+    p.stop()
 
 
 def prefill(p: Instance, req_id: str, prompt: list[int]) -> dict:
@@ -234,6 +262,7 @@ def test_a_prefill_killed_during_the_load_fails_the_blocks_and_nothing_lands_aft
     assert d.worker.call("holds", blocks, 0x5A)
     s = d.worker.call("stats")
     assert s["loads_failed"] == 1, s
+    assert s["prefillers"] == 0, "the dead prefill worker is still remembered"
 
 
 @pytest.mark.parametrize("pd", [("libfabric:tcp", FAST)], indirect=True, ids=["tcp"])
@@ -285,3 +314,56 @@ def test_garbled_kv_transfer_params_fail_the_load_not_the_worker(pd):
     run_until(lambda: p.empty() and "d-ok" in d.checks, p, d)
     assert d.checks["d-ok"] is None, d.checks["d-ok"]
     assert d.worker.call("stats")["loads_failed"] == len(bad) + 1
+
+
+@pytest.mark.parametrize(
+    "ptp,dtp",
+    [(2, 1), (1, 2), (2, 4)],
+    ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2", "prefill-tp2-decode-tp4"],
+)
+def test_prefill_and_decode_with_different_tp_sizes_move_every_head(tmp_path, ptp, dtp):
+    """HND caches: each decode rank gets its heads of every block from the
+    prefill ranks holding them (at TP 4 the model's 2 KV heads are
+    replicated, as vLLM does), byte for byte; each prefill rank's offer ends
+    once every decode rank that reads it has."""
+    extra = {**FAST, "decode_tp": dtp}
+    p = Instance(tmp_path, "kv_producer", "libfabric:tcp", F.Shape(tp=ptp, layout="HND"), **extra)
+    d = Instance(tmp_path, "kv_consumer", "libfabric:tcp", F.Shape(tp=dtp, layout="HND"), **extra)
+    try:
+        p.sched.connector.set_xfer_handshake_metadata({r: w.handshake for r, w in enumerate(p.workers)})
+        lens = {"a": 5, "b": 48, "c": 300}
+        prompts = {k: [100 * i + 3 + t for t in range(n)] for i, (k, n) in enumerate(lens.items())}
+        params = {k: prefill(p, k, prompts[k]) for k in lens}
+        for k in lens:
+            assert params[k]["tp_size"] == ptp and len(params[k]["remote_addresses"]) == ptp
+            d.sched.add_request(F.request(f"d-{k}", prompts[k], max_tokens=2, params=dict(params[k])))
+        run_until(lambda: p.empty() and not d.sched.requests, p, d, timeout=60)
+        assert d.invalid == set()
+        for k in lens:
+            assert d.checks[f"d-{k}"] is None, f"{k}: {d.checks[f'd-{k}']}"
+        for w in d.workers:
+            s = w.call("stats")
+            assert s["loads"] == len(lens) and s["loads_failed"] == 0 and s["prefillers"] == ptp, s
+        for w in p.workers:
+            s = w.call("stats")
+            assert s["offers"] == len(lens) and s["offers_failed"] == 0 and s["prefiller"]["pending"] == 0, s
+    finally:
+        d.stop()
+        p.stop()
+
+
+def test_a_tp_mismatch_on_nhd_caches_fails_the_load_naming_the_layout(tmp_path):
+    """NHD interleaves a block's heads token by token: a load across TP
+    sizes is a load error (blocks reported), not wrong bytes."""
+    p = Instance(tmp_path, "kv_producer", "libfabric:tcp", F.Shape(tp=2), **FAST)
+    d = Instance(tmp_path, "kv_consumer", "libfabric:tcp", F.Shape(tp=1), **FAST)
+    try:
+        p.sched.connector.set_xfer_handshake_metadata({r: w.handshake for r, w in enumerate(p.workers)})
+        prompt = [11 + t for t in range(40)]
+        d.sched.add_request(F.request("d-x", prompt, max_tokens=2, params=dict(prefill(p, "x", prompt))))
+        run_until(lambda: "d-x" in d.recved, d)
+        assert set(d.recv_meta["d-x"].local_block_ids) <= d.invalid
+        assert d.worker.call("stats")["loads_failed"] == 1
+    finally:
+        d.stop()
+        p.stop()

@@ -6,6 +6,7 @@ types."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -49,6 +50,26 @@ TINY_LLAMA = {
 _hash_ready = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An instance's tensor-parallel size and its workers' KV cache layout:
+    ``"NHD"`` (memory ``[2, blocks, block, heads, head_dim]``, vLLM's
+    default) or ``"HND"`` (memory ``[2, blocks, heads, block, head_dim]``,
+    handed to the connector as vLLM does: the NHD shape, permuted)."""
+
+    tp: int = 1
+    layout: str = "NHD"
+
+    def heads(self, rank: int) -> list[int]:
+        """The model's KV heads TP rank ``rank`` holds (vLLM's split: a
+        contiguous share, or one head replicated over ``tp / KV_HEADS``
+        ranks)."""
+        if KV_HEADS >= self.tp:
+            n = KV_HEADS // self.tp
+            return list(range(rank * n, (rank + 1) * n))
+        return [rank // (self.tp // KV_HEADS)]
+
+
 def model_dir(root: Path) -> str:
     d = root / "tiny-llama"
     d.mkdir(parents=True, exist_ok=True)
@@ -56,8 +77,9 @@ def model_dir(root: Path) -> str:
     return str(d)
 
 
-def vllm_config(root: Path, role: str, provider: str, **extra: Any) -> VllmConfig:
-    """A VllmConfig on vLLM's CPU device config with WeftConnector."""
+def vllm_config(root: Path, role: str, provider: str, tp: int = 1, **extra: Any) -> VllmConfig:
+    """A VllmConfig on vLLM's CPU device config with WeftConnector; ``tp``
+    is set after vLLM's checks (no process group is made here)."""
     mc = ModelConfig(model=model_dir(root), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
@@ -68,21 +90,23 @@ def vllm_config(root: Path, role: str, provider: str, **extra: Any) -> VllmConfi
         engine_id=f"{role}-engine",
         kv_connector_extra_config={"provider": provider, **extra},
     )
-    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
+    vc.parallel_config.tensor_parallel_size = tp
+    return vc
 
 
-def kv_cache_config() -> KVCacheConfig:
+def kv_cache_config(shape: Shape = Shape()) -> KVCacheConfig:
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=len(shape.heads(0)), head_size=HEAD_DIM, dtype=torch.float16)
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
-def scheduler(vc: VllmConfig) -> Scheduler:
+def scheduler(vc: VllmConfig, shape: Shape = Shape()) -> Scheduler:
     """vLLM's own v1 Scheduler; it loads the connector from the config."""
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(
         vllm_config=vc,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache_config(shape),
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vc),
         block_size=BLOCK,
@@ -145,10 +169,11 @@ def prompt_blocks(prompt_len: int) -> int:
 
 
 def pattern(prompt: list[int], layer: int, kv: int, j: int) -> torch.Tensor:
-    """The bytes of block ``j`` (K or V) of ``layer`` for a prompt: what
-    the fake prefill forward writes and the decode side checks. Like real
-    KV, they depend on the tokens up to the block's end only, so blocks
-    shared through a prefix cache hold the same bytes for every prompt."""
+    """The bytes of block ``j`` (K or V) of ``layer`` for a prompt, every
+    head of the model: what the fake prefill forward writes and the decode
+    side checks. Like real KV, they depend on the tokens up to the block's
+    end only, so blocks shared through a prefix cache hold the same bytes
+    for every prompt. A rank's share under HND: ``rank_pattern``."""
     nbytes = BLOCK * KV_HEADS * HEAD_DIM * 2
     upto = ",".join(map(str, prompt[: (j + 1) * BLOCK]))
     g = torch.Generator().manual_seed(zlib.crc32(f"{upto}/{layer}/{kv}".encode()))
@@ -159,3 +184,14 @@ def env_ok() -> None:
     # vLLM picks its "unspecified" platform when VLLM_TARGET_DEVICE is unset;
     # =cpu would demand triton-cpu.
     os.environ.pop("VLLM_TARGET_DEVICE", None)
+
+
+def rank_pattern(prompt: list[int], layer: int, kv: int, j: int, shape: Shape, rank: int) -> torch.Tensor:
+    """What TP rank ``rank`` of ``shape`` holds of ``pattern``: its heads,
+    in order — the pattern read as ``[heads, block, head_dim]`` under HND,
+    as ``[block, heads, head_dim]`` under NHD."""
+    full = pattern(prompt, layer, kv, j)
+    heads = shape.heads(rank)
+    if shape.layout == "HND":
+        return full.view(KV_HEADS, -1)[heads].reshape(-1)
+    return full.view(BLOCK, KV_HEADS, -1)[:, heads].reshape(-1)

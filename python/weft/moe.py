@@ -164,6 +164,17 @@ class Handle(tuple):
 #: engine, on every rank in the same order, takes the next one.
 _INSTANCES: Dict[int, int] = {}
 
+#: Ranks of failed steps a Buffer keeps registered at most (the oldest is
+#: shut down first; a dispatch that succeeds shuts them all down).
+_MAX_RETIRED = 4
+
+
+def _shutdown(r: MoeRank) -> None:
+    try:
+        r.shutdown()
+    except MoeError:
+        pass
+
 
 def _not_supported(call: str) -> NotImplementedError:
     return NotImplementedError(
@@ -226,6 +237,7 @@ class Buffer:
         self.engine = engine
         self._timeout = timeout
         self._ranks: Dict[tuple, MoeRank] = {}
+        self._retired: List[MoeRank] = []
         self._destroyed = False
 
     # ---- sizes ----
@@ -274,13 +286,22 @@ class Buffer:
 
     def _forget(self, key: tuple) -> None:
         """Drops the shape's rank after a failed step (every rank of the
-        group fails that step, so every rank rebuilds it on its next call)."""
+        group fails that step, so every rank rebuilds it on its next call).
+        Its memory stays registered until the next dispatch succeeds
+        (`_bury`): peers may still be writing the failed step's rows into
+        it, and over tcp a WRITE into memory deregistered under it resets
+        the connection, which ends that peer for this engine."""
         r = self._ranks.pop(key, None)
         if r is not None:
-            try:
-                r.shutdown()
-            except MoeError:
-                pass
+            self._retired.append(r)
+            while len(self._retired) > _MAX_RETIRED:
+                _shutdown(self._retired.pop(0))
+
+    def _bury(self) -> None:
+        """Shuts down the ranks of failed steps once a dispatch succeeded:
+        every peer has left those steps (it took part in this one)."""
+        while self._retired:
+            _shutdown(self._retired.pop())
 
     def _rank_for(self, key: tuple) -> MoeRank:
         tokens, hidden, experts, topk, fp8 = key
@@ -367,6 +388,7 @@ class Buffer:
         except MoeError:
             self._forget(key)
             raise
+        self._bury()
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.device)
         event = _event(x.device) if async_finish else EventOverlap(None)
@@ -507,6 +529,7 @@ class Buffer:
         for r in self._ranks.values():
             r.shutdown()
         self._ranks.clear()
+        self._bury()
         if self._own_engine:
             self.engine.shutdown()
 

@@ -25,24 +25,39 @@ completed (or the offer expired unused after ``offer_ttl`` seconds).
 ``kv_connector_extra_config`` keys: ``provider`` (a weft provider spec,
 default ``"libfabric:tcp"``), ``nics`` (default 1), ``offer_ttl`` (seconds,
 default 120), ``hold`` (seconds a decoder's request waits for its offer,
-default 30), ``heartbeat_timeout`` (seconds, default 10).
+default 30), ``heartbeat_timeout`` (seconds, default 10), ``decode_tp``
+(prefill side: the decode instances' TP size, default the prefill's own).
 
 Supported: one KV cache group (full attention, or MLA's one latent);
 per-layer KV tensors whose block dimension is known (``[2, num_blocks, ...]``
-K/V first, or ``[num_blocks, ...]``) and contiguous; host or CUDA memory
-(CUDA needs a provider that registers GPU memory); prefill and decode with
-the same tensor-parallel size (decode TP rank ``r`` loads from prefill TP
-rank ``r``); decode-side prefix-cache hits (only the missing blocks move);
-aborts during a load (the load is cancelled, and vLLM frees the blocks only
-once no write can land); failed loads reported through
-``get_block_ids_with_load_errors``. Not supported: hybrid (HMA) groups,
-layer-wise pipelining of the transfer with the prefill forward, and
-different TP sizes between prefill and decode.
+K/V first, or ``[num_blocks, ...]``) and dense in some dimension order;
+host or CUDA memory (CUDA needs a provider that registers GPU memory);
+decode-side prefix-cache hits (only the missing blocks move); aborts during
+a load (the load is cancelled, and vLLM frees the blocks only once no write
+can land); failed loads reported through ``get_block_ids_with_load_errors``.
+
+Tensor parallelism: with equal TP sizes, decode TP rank ``r`` loads from
+prefill TP rank ``r``, in any KV cache layout. Different TP sizes (either
+way, and KV heads fewer than the TP size, which vLLM replicates) need the
+heads of a block to sit apart in memory: vLLM's HND cache layout (memory
+``[2, num_blocks, heads, block, head_dim]``), or MLA, whose one latent every
+rank holds. Each decode rank then loads its heads from every prefill rank
+that holds some of them, one paged write per (layer, K or V) from each;
+under MLA the decode ranks spread their reads over the prefill ranks. The
+prefill side must be told the decode TP size (``decode_tp``): an offer ends
+once every decode rank that reads it has. The NHD layout keeps a block's
+heads interleaved token by token, so it refuses a TP mismatch with a load
+error naming the layout (as vLLM's NIXL connector does).
+
+Not supported: hybrid (HMA) groups and layer-wise pipelining of the
+transfer with the prefill forward.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import zlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -137,29 +152,88 @@ class WeftConnectorMetadata(KVConnectorMetadata):
         self.reqs_to_cancel: set[str] = set()
 
 
-def kv_layout(kv_caches: dict[str, Any], num_blocks: int) -> tuple[wkv.KvLayout, list[Any]]:
+def _physical(name: str, t: Any) -> tuple[Any, list[int]]:
+    """``t`` with its dimensions in memory order (outermost first), as a
+    contiguous view, and that order (indices into ``t``'s dimensions).
+    vLLM hands a backend's logical shape, permuted from the memory layout
+    when the cache layout is HND."""
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+    p = t.permute(*order)
+    if not p.is_contiguous():
+        raise weft.KvError(f"layer {name}: KV tensor is not dense (shape {tuple(t.shape)}, strides {strides})")
+    return p, order
+
+
+def kv_layout(
+    kv_caches: dict[str, Any], num_blocks: int, split_heads: Optional[int] = None
+) -> tuple[wkv.KvLayout, list[Any]]:
     """The ``weft.kv`` layout of vLLM's per-layer KV tensors (in the dict's
-    order) and the tensors: the dimension of size ``num_blocks`` is the
-    page index, the dimensions before it are "heads" (K and V), those after
+    order) and the regions to register, read in memory order.
+
+    The dimension of size ``num_blocks`` is the page index. With
+    ``split_heads`` (the layer's KV heads) and a tensor whose memory holds
+    K and V outermost and each block's heads before its tokens (vLLM's
+    FlashAttention shape ``[2, num_blocks, block, heads, head_dim]`` in the
+    HND cache layout), K and V are registered as layers of their own,
+    ``split_heads`` heads of one block each, pages before heads: heads can
+    then move between different tensor-parallel sizes. Otherwise the
+    dimensions before the page index are "heads" (K and V) and those after
     it one page."""
-    layers = list(kv_caches.values())
-    if not layers:
+    items = list(kv_caches.items())
+    if not items:
         raise weft.KvError("no KV cache tensors")
-    t = layers[0]
-    shape = tuple(t.shape)
+    shape0, dtype0 = tuple(items[0][1].shape), items[0][1].dtype
+    phys: list[Any] = []
+    order0: Optional[list[int]] = None
+    for name, x in items:
+        if tuple(x.shape) != shape0 or x.dtype != dtype0:
+            raise weft.KvError(f"layer {name}: {tuple(x.shape)} {x.dtype}, layer 0: {shape0} {dtype0}")
+        p, order = _physical(name, x)
+        if order0 is None:
+            order0 = order
+        elif order != order0:
+            raise weft.KvError(f"layer {name}: memory order {order}, layer 0: {order0}")
+        phys.append(p)
+    assert order0 is not None
     try:
-        dim = shape.index(num_blocks)
+        ldim = shape0.index(num_blocks)
     except ValueError:
-        raise weft.KvError(f"KV tensors {shape} have no dimension of {num_blocks} blocks") from None
+        raise weft.KvError(f"KV tensors {shape0} have no dimension of {num_blocks} blocks") from None
+    pdim = order0.index(ldim)
+    pshape = tuple(phys[0].shape)
+    if split_heads is not None and splits_heads(shape0, order0, ldim, split_heads):
+        # memory [2, num_blocks, heads, block, head_dim]: K and V each a layer
+        regions = [half for p in phys for half in (p[0], p[1])]
+        page = int(regions[0][0][0].numel()) * int(regions[0].element_size())
+        return wkv.KvLayout(
+            layers=len(regions), kv_heads=split_heads, page_len=page, num_pages=num_blocks, order="pages_before_heads"
+        ), regions
     heads = 1
-    for d in shape[:dim]:
+    for d in pshape[:pdim]:
         heads *= d
-    for name, x in kv_caches.items():
-        if tuple(x.shape) != shape or x.dtype != t.dtype:
-            raise weft.KvError(f"layer {name}: {tuple(x.shape)} {x.dtype}, layer 0: {shape} {t.dtype}")
-        if not x.is_contiguous():
-            raise weft.KvError(f"layer {name}: KV tensor is not contiguous (strides {x.stride()})")
-    return wkv.layout_for(layers, kv_heads=heads, num_pages=num_blocks), layers
+    return wkv.layout_for(phys, kv_heads=heads, num_pages=num_blocks), phys
+
+
+def splits_heads(shape: tuple[int, ...], order: list[int], ldim: int, heads: int) -> bool:
+    """Whether a KV tensor of logical ``shape`` (FlashAttention's ``[2,
+    num_blocks, block, heads, head_dim]``, blocks at ``ldim``) whose memory
+    order is ``order`` keeps K and V outermost and each block's heads
+    before its tokens (HND)."""
+    return (
+        len(shape) == 5
+        and ldim == 1
+        and shape[0] == 2
+        and shape[3] == heads
+        and order[:2] == [0, 1]
+        and order.index(3) < order.index(2)
+    )
+
+
+def _seed(request_id: str) -> int:
+    """The seed every rank of a request uses for its TP route (it spreads
+    an MLA latent's readers over the prefill ranks)."""
+    return zlib.crc32(request_id.encode())
 
 
 class WeftConnector(KVConnectorBase_V1):
@@ -185,6 +259,23 @@ class WeftConnector(KVConnectorBase_V1):
         self.is_producer: bool = kt.is_kv_producer
         self.is_consumer: bool = kt.is_kv_consumer
         self.num_blocks: Optional[int] = getattr(kv_cache_config, "num_blocks", None)
+        mc = vllm_config.model_config
+        #: MLA: one latent per token, the same on every TP rank.
+        self.use_mla: bool = bool(getattr(mc, "use_mla", False))
+        #: The model's KV heads (1 for MLA), what TP splits.
+        self.total_kv_heads: int = 1 if self.use_mla else int(mc.get_total_num_kv_heads())
+        #: The decode instances' TP size, which a prefill worker needs to
+        #: know how many decode ranks read each of its offers.
+        self.decode_tp: int = int(extra.get("decode_tp", self.tp_size))
+        if self.decode_tp < 1:
+            raise ValueError(f"decode_tp must be >= 1, not {self.decode_tp}")
+        self._local_heads: Optional[int] = None
+        for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+            self._local_heads = getattr(g.kv_cache_spec, "num_kv_heads", None)
+            break
+        #: Whether heads are registered one by one (HND), so that prefill
+        #: and decode may differ in TP size.
+        self._split = False
         # scheduler side
         self._addresses: dict[int, bytes] = {}
         self._recv: dict[str, RecvReq] = {}
@@ -195,8 +286,10 @@ class WeftConnector(KVConnectorBase_V1):
         self._engines: list[weft.TransferEngine] = []
         self.decoder: Optional[wkv.KvDecoder] = None
         self.prefiller: Optional[wkv.KvPrefiller] = None
+        # prefill worker address -> id (a dead one is forgotten)
         self._prefillers: dict[bytes, int] = {}
-        self._by_rid: dict[int, tuple[str, list[int]]] = {}
+        self._busy: collections.Counter[bytes] = collections.Counter()
+        self._by_rid: dict[int, tuple[str, list[int], list[bytes]]] = {}
         self._rid_of: dict[str, int] = {}
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
@@ -222,7 +315,9 @@ class WeftConnector(KVConnectorBase_V1):
         decoder on consumers (each with an engine of its own)."""
         if self.num_blocks is None:
             raise weft.KvError("WeftConnector needs kv_cache_config.num_blocks")
-        layout, layers = kv_layout(kv_caches, self.num_blocks)
+        split = None if self.use_mla else self._local_heads
+        layout, layers = kv_layout(kv_caches, self.num_blocks, split_heads=split)
+        self._split = split is not None and layout.layers == 2 * len(kv_caches)
         self._block_bytes = layout.layers * layout.kv_heads * layout.page_len
         hb = dict(heartbeat_interval=min(1.0, self.heartbeat_timeout / 10), heartbeat_timeout=self.heartbeat_timeout)
         if self.is_producer:
@@ -248,7 +343,12 @@ class WeftConnector(KVConnectorBase_V1):
         if self.prefiller is not None:
             for req_id, blocks in meta.reqs_to_offer.items():
                 try:
-                    self.prefiller.offer(req_id.encode(), blocks, ttl=self.offer_ttl)
+                    readers = 1
+                    if self.decode_tp != self.tp_size:
+                        readers = wkv.tp_readers(
+                            self.total_kv_heads, self.tp_size, self.decode_tp, self._tp_rank(), seed=_seed(req_id)
+                        )
+                    self.prefiller.offer(req_id.encode(), blocks, ttl=self.offer_ttl, requests=readers)
                     self._offered.add(req_id)
                     self._count("offers")
                 except weft.KvError as e:
@@ -262,28 +362,66 @@ class WeftConnector(KVConnectorBase_V1):
                 if rid is not None:
                     self.decoder.cancel(rid)
 
+    def _prefiller_id(self, addr: bytes) -> int:
+        """The decoder's id of a prefill worker, added (and heartbeated) on
+        first use. Forgetting a live one is not offered: a prefill worker
+        whose decoder stops heartbeating retires that decoder for good."""
+        assert self.decoder is not None
+        pid = self._prefillers.get(addr)
+        if pid is None:
+            pid = self._prefillers[addr] = self.decoder.add_prefiller(addr)
+        return pid
+
+    def _forget(self, addr: bytes) -> None:
+        """Drops a dead prefill worker (a restarted one has a new address)."""
+        assert self.decoder is not None
+        self._prefillers.pop(addr, None)
+        self._busy.pop(addr, None)
+        self.decoder.remove_prefiller(addr)
+
     def _start_load(self, req_id: str, r: RecvReq) -> None:
         assert self.decoder is not None
         p = r.params
+        addrs: list[bytes] = []
         try:
-            if int(p.get("tp_size", 1)) != self.tp_size:
-                raise weft.KvError(f"prefill TP {p.get('tp_size')} != decode TP {self.tp_size}: not supported")
-            addrs = p["remote_addresses"]
-            addr = bytes.fromhex(addrs[self._tp_rank()])
-            pid = self._prefillers.get(addr)
-            if pid is None:
-                pid = self._prefillers[addr] = self.decoder.add_prefiller(addr)
+            ptp = int(p.get("tp_size", 1))
+            hexes = p["remote_addresses"]
+            if ptp < 1 or len(hexes) != ptp:
+                raise ValueError(f"{len(hexes)} remote addresses for prefill TP {ptp}")
             key = str(p["remote_request_id"]).encode()
             if len(key) > MAX_KEY:
                 raise ValueError(f"remote_request_id of {len(key)} bytes (at most {MAX_KEY})")
-            rid = self.decoder.request(r.local_block_ids, pid, key, first=r.first)
+            if ptp == self.tp_size:
+                addrs = [bytes.fromhex(hexes[self._tp_rank()])]
+                pid = self._prefiller_id(addrs[0])
+                rid = self.decoder.request(r.local_block_ids, pid, key, first=r.first)
+            else:
+                if not (self._split or self.use_mla):
+                    raise weft.KvError(
+                        f"prefill TP {ptp} != decode TP {self.tp_size} needs the HND KV cache layout "
+                        "(K and V outermost, heads before tokens) or MLA"
+                    )
+                addrs = [bytes.fromhex(h) for h in hexes]
+                pids = [self._prefiller_id(a) for a in addrs]
+                rid = self.decoder.request_tp(
+                    r.local_block_ids,
+                    pids,
+                    key,
+                    kv_heads=self.total_kv_heads,
+                    prefill_tp=ptp,
+                    decode_tp=self.tp_size,
+                    decode_rank=self._tp_rank(),
+                    first=r.first,
+                    seed=_seed(str(p["remote_request_id"])),
+                )
         except (weft.WeftError, KeyError, ValueError, IndexError, TypeError) as e:
             log.warning("weft connector: load of %s not started: %s", req_id, e)
             self._load_errors.update(r.local_block_ids)
             self._recv_done.add(req_id)
             self._count("loads_failed")
             return
-        self._by_rid[rid] = (req_id, r.local_block_ids)
+        self._busy.update(addrs)
+        self._by_rid[rid] = (req_id, r.local_block_ids, addrs)
         self._rid_of[req_id] = rid
         self._started[rid] = time.perf_counter()
         self._count("loads")
@@ -306,13 +444,20 @@ class WeftConnector(KVConnectorBase_V1):
             done, failed = self.decoder.poll()
             now = time.perf_counter()
             for rid in done:
-                req_id, blocks = self._by_rid.pop(rid)
+                req_id, blocks, addrs = self._by_rid.pop(rid)
+                self._busy.subtract(addrs)
                 self._rid_of.pop(req_id, None)
                 self._recv_done.add(req_id)
                 self._interval.data["load_seconds"].append(now - self._started.pop(rid, now))
                 self._count("load_bytes", len(blocks) * self._block_bytes)
             for rid, kind, msg in failed:
-                req_id, blocks = self._by_rid.pop(rid)
+                req_id, blocks, addrs = self._by_rid.pop(rid)
+                self._busy.subtract(addrs)
+                # A load from one prefill worker names the dead one (with
+                # several sources the failure does not say which).
+                if kind == "prefiller_dead" and len(addrs) == 1:
+                    if addrs[0] in self._prefillers and not self._busy[addrs[0]]:
+                        self._forget(addrs[0])
                 self._rid_of.pop(req_id, None)
                 self._started.pop(rid, None)
                 self._recv_done.add(req_id)
@@ -370,6 +515,7 @@ class WeftConnector(KVConnectorBase_V1):
         decoder's and prefiller's own counters (``requests``: taken,
         completed, failed by kind) and what is in flight."""
         s: dict[str, Any] = dict(self._stats)
+        s["prefillers"] = len(self._prefillers)
         if self.decoder is not None:
             s["decoder"] = {**self.decoder.stats(), "pending": self.decoder.pending}
         if self.prefiller is not None:

@@ -261,6 +261,13 @@ fn moe_gpu_rank_entry() {
     let (ci, r, prov): (usize, u32, &str) = (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2]);
     let c = case(ci).expect("case");
     let d = &c.dims;
+    if std::env::var_os("RUST_LOG").is_some() {
+        // Logs of the engine and the proxy on this child's stderr.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let gpu = Gpu::open(0).expect("GPU (the parent found one)");
     let e = match engine(&gpu, prov) {
         Ok(e) => e,
@@ -311,7 +318,11 @@ fn moe_gpu_rank_entry() {
             let start = Instant::now();
             if let Err(what) = step(&l, &rank, d, &views, r, victim) {
                 if c.kill.is_none() {
-                    panic!("rank {r} step {i} ({rt:?}, seed {seed}, {prov}): {what}");
+                    // What the proxy saw says which round stalled.
+                    let proxy = rank.shutdown().err();
+                    panic!(
+                        "rank {r} step {i} ({rt:?}, seed {seed}, {prov}): {what}; proxy: {proxy:?}"
+                    );
                 }
                 // A survivor of the killed rank: the proxy must have
                 // stopped with a typed error too.
@@ -455,7 +466,7 @@ fn gpu_xproc_shm_hmem_ep4_ep8() {
     if !have_gpu("gpu_xproc_shm_hmem_ep4_ep8") {
         return;
     }
-    for ci in [1, 2, 5] {
+    for ci in [0, 1, 2, 5] {
         if !cluster(ci, "libfabric:shm") {
             return;
         }

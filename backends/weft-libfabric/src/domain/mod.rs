@@ -131,6 +131,10 @@ pub struct LibfabricDomain {
     /// a provider that copies with CUDA itself, immediates are reported only
     /// after its copies completed (`ffi::CudaFence`).
     cuda_targets: BTreeMap<u32, usize>,
+    /// Every CUDA registration per device: while any exist, the threads
+    /// that post and poll get the lowest device's context made current
+    /// (`ffi::CudaFence::bind`).
+    cuda_mrs: BTreeMap<u32, usize>,
     /// The provider reports socket errnos as `prov_errno` (tcp, shm; not
     /// EFA, whose provider errnos are its own status codes).
     prov_errno_is_errno: bool,
@@ -283,6 +287,7 @@ impl LibfabricDomain {
             ring_cursor: 0,
             asleep: false,
             cuda_targets: BTreeMap::new(),
+            cuda_mrs: BTreeMap::new(),
             lib,
             hmem: caps.device_memory,
             is_shm: info.prov_name == "shm",
@@ -405,6 +410,23 @@ impl LibfabricDomain {
         }
     }
 
+    /// With CUDA registrations: makes the lowest such device's context
+    /// current on this thread before libfabric is called (once per thread).
+    fn bind_cuda(&self) {
+        let Some(&dev) = self.cuda_mrs.keys().next() else {
+            return;
+        };
+        let Some(fence) = ffi::CudaFence::get() else {
+            return;
+        };
+        if let Err(code) = fence.bind(dev) {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(nic = %self.nic.name, device = dev, code, "cudaSetDevice failed: libfabric's CUDA calls on this thread have no context")
+            });
+        }
+    }
+
     /// The next requested key for a registration (never 0).
     fn alloc_key(&mut self) -> u64 {
         let k = self.next_key;
@@ -523,6 +545,9 @@ impl Domain for LibfabricDomain {
             )
             .map_err(|e| self.hmem_refused(cuda, e))?;
         let rkey = if self.prov_key { mr.key } else { requested };
+        if let Some(dev) = cuda {
+            *self.cuda_mrs.entry(dev).or_default() += 1;
+        }
         if access == Access::RemoteWrite {
             self.publish_key(rkey, region.addr(), region.len() as u64);
             if let Some(dev) = cuda {
@@ -558,12 +583,10 @@ impl Domain for LibfabricDomain {
             .ok_or_else(|| self.invalid(format!("deregister: unknown local key {}", mr.0)))?;
         // Peers stop using the key before the provider forgets it.
         self.withdraw_key(if self.prov_key { e.mr.key } else { mr.0 });
-        if let (Device::Cuda(dev), true) = (e.device, e.remote) {
-            if let Some(n) = self.cuda_targets.get_mut(&dev) {
-                *n -= 1;
-                if *n == 0 {
-                    self.cuda_targets.remove(&dev);
-                }
+        if let Device::Cuda(dev) = e.device {
+            uncount(&mut self.cuda_mrs, dev);
+            if e.remote {
+                uncount(&mut self.cuda_targets, dev);
             }
         }
         self.res.mr_close(e.mr)
@@ -582,6 +605,7 @@ impl Domain for LibfabricDomain {
     }
 
     fn post_send(&mut self, wr: WrId, peer: PeerId, src: LocalSlice) -> Result<(), TransportError> {
+        self.bind_cuda();
         self.send(wr, peer, src, &mut Clock::system())
     }
 
@@ -593,12 +617,14 @@ impl Domain for LibfabricDomain {
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, PostError> {
+        self.bind_cuda();
         self.writes(wrs, &mut Clock::system())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
         let clock = &mut Clock::system();
         let before = out.len();
+        self.bind_cuda();
         self.wake_from_bell();
         out.append(&mut self.cq.stash);
         self.cq.stashed_tx = 0;
@@ -678,6 +704,16 @@ impl Drop for LibfabricDomain {
             if let Some(name) = shm::region_name(&p.addr.0) {
                 shm::unwatch_region(&name);
             }
+        }
+    }
+}
+
+/// One registration of `dev` fewer in a per-device count.
+fn uncount(map: &mut BTreeMap<u32, usize>, dev: u32) {
+    if let Some(n) = map.get_mut(&dev) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&dev);
         }
     }
 }

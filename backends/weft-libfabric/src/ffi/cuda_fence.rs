@@ -11,6 +11,7 @@
 //! The CUDA runtime is the one libfabric loaded (`libcudart.so`, found with
 //! `RTLD_NOLOAD`): weft itself does not link CUDA.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
@@ -58,17 +59,39 @@ impl CudaFence {
             .as_ref()
     }
 
+    /// Makes `device`'s primary context current on the calling thread
+    /// (`cudaSetDevice`), once per thread and device. libfabric's CUDA
+    /// support calls the driver on the thread that posts and progresses
+    /// (`cuMemGetAddressRange` before it hands a peer a CUDA IPC handle);
+    /// without a current context that call fails and shm falls back to
+    /// copying through host memory, where every copy ends in a
+    /// `cudaDeviceSynchronize`, which never returns while a kernel waits on
+    /// the device for the very bytes being copied.
+    pub(crate) fn bind(&self, device: u32) -> Result<(), i32> {
+        thread_local! {
+            static BOUND: Cell<Option<u32>> = const { Cell::new(None) };
+        }
+        if BOUND.get() == Some(device) {
+            return Ok(());
+        }
+        let dev = c_int::try_from(device).map_err(|_| -1)?;
+        // SAFETY: a plain runtime call with an integer; it only changes the
+        // calling thread's current context.
+        let rc = unsafe { (self.set_device)(dev) };
+        if rc != 0 {
+            BOUND.set(None);
+            return Err(rc);
+        }
+        BOUND.set(Some(device));
+        Ok(())
+    }
+
     /// Waits until every copy issued on `device`'s legacy default stream
     /// has completed. Returns the CUDA error code on failure.
     pub(crate) fn wait(&self, device: u32) -> Result<(), i32> {
-        let dev = c_int::try_from(device).map_err(|_| -1)?;
-        // SAFETY: plain runtime calls with an integer and the legacy stream
-        // handle; they only block the calling thread.
-        let rc = unsafe { (self.set_device)(dev) };
-        if rc != 0 {
-            return Err(rc);
-        }
-        // SAFETY: as above.
+        self.bind(device)?;
+        // SAFETY: a plain runtime call with the legacy stream handle; it
+        // only blocks the calling thread.
         let rc = unsafe { (self.stream_sync)(STREAM_LEGACY as *mut c_void) };
         if rc != 0 {
             return Err(rc);
