@@ -22,7 +22,7 @@ mod table;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use weft::{decode, encode, Device, DeviceCopy, MrDesc, OnDone, Pages, TransferEngine};
+use weft::{decode, encode, MrDesc, TransferEngine};
 use weft_cuda::Gpu;
 
 const MAX: usize = 1 << 30;
@@ -54,7 +54,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let desc: MrDesc = decode(&table::read_hex(&mut out)?)?;
     let mut stdin = child.stdin.take().ok_or("target stdin")?;
     let copy = gpu.copy_engine()?;
-    let dev = Device::Cuda(0);
     println!(
         "engine WRITE over nvlink (CUDA IPC, copy engine) to another process vs cuMemcpyDtoD in \
          one process, {}, {reps} reps per size",
@@ -76,44 +75,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         table::row(size, batch * size, &mut times);
         size *= 4;
     }
-    println!(
-        "paged WRITEs (256 shuffled pages per request) vs in-process copies of the same pages"
-    );
-    table::header("engine", "in-process");
-    for page in [4usize << 10, 16 << 10, 64 << 10] {
-        let n = 256u32;
-        let order: Vec<u32> = (0..n).map(|j| (j * 97 + 31) % n).collect();
-        let mut times = [Vec::new(), Vec::new()];
-        for _ in 0..reps + 1 {
-            let sp = Pages {
-                indices: order.clone(),
-                stride: page as u64,
-                offset: 0,
-            };
-            let dp = Pages {
-                indices: (0..n).collect(),
-                stride: page as u64,
-                offset: 0,
-            };
-            let t = Instant::now();
-            let (od, f) = OnDone::flag();
-            e.submit_paged_writes(page as u64, None, (&h, &sp), (&desc, &dp), od)?;
-            shared::wait_all(&[f], "paged WRITEs")?;
-            times[0].push(t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            for (j, &s) in order.iter().enumerate() {
-                copy.copy(
-                    scratch.device_ptr() + (j * page) as u64,
-                    dev,
-                    src.device_ptr() + s as u64 * page as u64,
-                    dev,
-                    page as u64,
-                )?;
-            }
-            times[1].push(t.elapsed().as_secs_f64());
-        }
-        table::row(page, n as usize * page, &mut times);
-    }
+    shared::paged_rows(
+        &e,
+        &h,
+        &desc,
+        &copy,
+        src.device_ptr(),
+        scratch.device_ptr(),
+        reps,
+        || Ok(()),
+    )?;
     writeln!(stdin, "done")?;
     child.wait()?;
     drop(e);

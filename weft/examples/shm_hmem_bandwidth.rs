@@ -12,7 +12,9 @@
 //! over a pipe to synchronise its GPU context and waits for the answer.
 //! A sample is 8 such WRITEs (all completed) then one synchronisation; the
 //! baseline sample is 8 copies of that size between two buffers of this
-//! process, then the same pipe round trip; alternating.
+//! process, then the same pipe round trip; alternating. Then 4–64 KiB pages
+//! of a KV-cache shape: 256 paged WRITEs in a shuffled order, one request,
+//! then the synchronisation (and the same for the in-process copies).
 //!
 //! Usage: `WEFT_LIBFABRIC_PATH=/path/to/cuda/libfabric.so.1 shm_hmem_bandwidth
 //! [--ipc] [--reps N]` (default 7 repetitions per size; `--ipc`: CUDA IPC
@@ -91,6 +93,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         table::row(size, BATCH * size, &mut times);
         size *= 4;
     }
+    shared::paged_rows(
+        &e,
+        &h,
+        &desc,
+        &copy,
+        src.device_ptr(),
+        scratch.device_ptr(),
+        reps,
+        || sync(&mut stdin, &mut out),
+    )?;
     writeln!(stdin, "done")?;
     child.wait()?;
     drop(e);

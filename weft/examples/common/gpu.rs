@@ -1,6 +1,6 @@
 //! What the GPU examples share: an engine with one group on cuda:0 over a
-//! backend, the nvlink backend with a GPU's peer memory, and waiting for a
-//! batch of WRITEs.
+//! backend, the nvlink backend with a GPU's peer memory, waiting for a
+//! batch of WRITEs, and the paged-WRITE rows of KV-cache shapes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -92,6 +92,68 @@ pub fn wait_all(flags: &[Arc<DoneFlag>], what: &str) -> Result<(), Box<dyn std::
         if let Some(Err(err)) = f.result() {
             return Err(format!("{what}: {err}").into());
         }
+    }
+    Ok(())
+}
+
+/// The paged rows of a KV-cache shape: per page size (4, 16, 64 KiB), one
+/// request of 256 pages in a shuffled order from `h` into `desc`, against
+/// the same 256 copies between two buffers of this process (`src` →
+/// `scratch`), alternating, `reps` + 1 samples each (the first dropped by
+/// the table). `settle` runs after each request and each baseline (the
+/// shm example synchronises the target's copies there).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_rows(
+    e: &TransferEngine,
+    h: &weft::MrHandle,
+    desc: &weft::MrDesc,
+    copy: &weft_cuda::CudaCopy,
+    src: u64,
+    scratch: u64,
+    reps: usize,
+    mut settle: impl FnMut() -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use weft::{DeviceCopy, OnDone, Pages};
+    let dev = Device::Cuda(0);
+    println!(
+        "paged WRITEs (256 shuffled pages per request) vs in-process copies of the same pages"
+    );
+    super::table::header("engine", "in-process");
+    for page in [4usize << 10, 16 << 10, 64 << 10] {
+        let n = 256u32;
+        let order: Vec<u32> = (0..n).map(|j| (j * 97 + 31) % n).collect();
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..reps + 1 {
+            let sp = Pages {
+                indices: order.clone(),
+                stride: page as u64,
+                offset: 0,
+            };
+            let dp = Pages {
+                indices: (0..n).collect(),
+                stride: page as u64,
+                offset: 0,
+            };
+            let t = Instant::now();
+            let (od, f) = OnDone::flag();
+            e.submit_paged_writes(page as u64, None, (h, &sp), (desc, &dp), od)?;
+            wait_all(&[f], "paged WRITEs")?;
+            settle()?;
+            times[0].push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for (j, &s) in order.iter().enumerate() {
+                copy.copy(
+                    scratch + (j * page) as u64,
+                    dev,
+                    src + s as u64 * page as u64,
+                    dev,
+                    page as u64,
+                )?;
+            }
+            settle()?;
+            times[1].push(t.elapsed().as_secs_f64());
+        }
+        super::table::row(page, n as usize * page, &mut times);
     }
     Ok(())
 }
