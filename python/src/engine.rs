@@ -339,11 +339,13 @@ impl PyTransferEngine {
 
     /// Posts `count` receive buffers of `nbytes` bytes; `on_message(data:
     /// bytes)` runs on weft's callback thread for each message received
-    /// (order across senders is not guaranteed). `on_error(exc)` gets
-    /// receive errors (without it they go to `sys.unraisablehook`). An
-    /// exception raised by either goes to `sys.unraisablehook`; the engine
-    /// goes on.
-    #[pyo3(signature = (nbytes, count, on_message, *, on_error=None))]
+    /// (order across senders is not guaranteed). With `peers` (a list of
+    /// `PeerAddress`) it is `on_message(data, i)`, `i` the index in `peers`
+    /// of the engine the message came from or `None` (the sender as
+    /// `RecvQueue.recv_from` gives it). `on_error(exc)` gets receive errors
+    /// (without it they go to `sys.unraisablehook`). An exception raised by
+    /// either goes to `sys.unraisablehook`; the engine goes on.
+    #[pyo3(signature = (nbytes, count, on_message, *, on_error=None, peers=None))]
     fn submit_recvs(
         &self,
         py: Python<'_>,
@@ -351,10 +353,12 @@ impl PyTransferEngine {
         count: u32,
         on_message: &Bound<'_, PyAny>,
         on_error: Option<&Bound<'_, PyAny>>,
+        peers: Option<Vec<PyRef<'_, PyPeerAddress>>>,
     ) -> PyResult<()> {
         self.live(py)?;
-        let cb = watcher::recv_callback(on_message, on_error, &self.stats)?;
-        py.detach(|| self.engine.submit_recvs(nbytes, count, cb))
+        let peers = peers.map(|ps| ps.iter().map(|p| p.inner.clone()).collect());
+        let cb = watcher::recv_callback(on_message, on_error, peers, &self.stats)?;
+        py.detach(|| self.engine.submit_recvs_from(nbytes, count, cb))
             .map_err(|e| self.err(py, e))
     }
 

@@ -91,6 +91,22 @@ fn deliver(
     }
 }
 
+/// [`deliver`] with the sender's index in `peers`.
+fn deliver_from(
+    py: Python<'_>,
+    r: Option<Result<weft::RecvMsg, weft::EngineError>>,
+    peers: &[PyRef<'_, PyPeerAddress>],
+) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
+    match r {
+        None => Ok(None),
+        Some(Ok(m)) => Ok(Some((
+            PyBytes::new(py, &m).unbind(),
+            sender_index(&m, peers),
+        ))),
+        Some(Err(e)) => Err(errors::engine_err(py, &e)),
+    }
+}
+
 #[pymethods]
 impl PyRecvQueue {
     /// The next message, or `None` when none is waiting.
@@ -120,14 +136,8 @@ impl PyRecvQueue {
         peers: Vec<PyRef<'_, PyPeerAddress>>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
-        match self.wait(py, timeout_of(timeout)?)? {
-            None => Ok(None),
-            Some(Ok(m)) => Ok(Some((
-                PyBytes::new(py, &m).unbind(),
-                sender_index(&m, &peers),
-            ))),
-            Some(Err(e)) => Err(errors::engine_err(py, &e)),
-        }
+        let r = self.wait(py, timeout_of(timeout)?)?;
+        deliver_from(py, r, &peers)
     }
 
     /// `try_recv` with the sender, as `recv_from` gives it.
@@ -136,14 +146,7 @@ impl PyRecvQueue {
         py: Python<'_>,
         peers: Vec<PyRef<'_, PyPeerAddress>>,
     ) -> PyResult<Option<(Py<PyBytes>, Option<usize>)>> {
-        match self.open()?.try_recv() {
-            None => Ok(None),
-            Some(Ok(m)) => Ok(Some((
-                PyBytes::new(py, &m).unbind(),
-                sender_index(&m, &peers),
-            ))),
-            Some(Err(e)) => Err(errors::engine_err(py, &e)),
-        }
+        deliver_from(py, self.open()?.try_recv(), &peers)
     }
 
     /// Messages (and errors) waiting now.

@@ -25,11 +25,15 @@ fn check_callable(f: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
 
 /// The receive callback for `submit_recvs`: `on_message(bytes)` and
 /// `on_error(exc)` under the GIL on the callback thread.
+#[allow(clippy::type_complexity)]
 pub(crate) fn recv_callback(
     on_message: &Bound<'_, PyAny>,
     on_error: Option<&Bound<'_, PyAny>>,
+    peers: Option<Vec<weft::GroupAddress>>,
     stats: &Arc<BindingStats>,
-) -> PyResult<impl FnMut(Result<&[u8], weft::EngineError>) + Send + 'static> {
+) -> PyResult<
+    impl FnMut(Result<(&[u8], Option<&weft::MessageSender>), weft::EngineError>) + Send + 'static,
+> {
     check_callable(on_message, "on_message")?;
     if let Some(f) = on_error {
         check_callable(f, "on_error")?;
@@ -37,30 +41,40 @@ pub(crate) fn recv_callback(
     let on_message = on_message.clone().unbind();
     let on_error = on_error.map(|f| f.clone().unbind());
     let stats = Arc::clone(stats);
-    Ok(move |r: Result<&[u8], weft::EngineError>| {
-        let _ = transfer::engine_attach(|py| {
-            transfer::as_callback(|| match r {
-                Ok(msg) => {
-                    let cb = on_message.bind(py);
-                    if let Err(e) = cb.call1((PyBytes::new(py, msg),)) {
-                        transfer::report(py, &stats, e, cb);
-                    }
-                }
-                Err(err) => {
-                    let exc = errors::engine_err(py, &err);
-                    match &on_error {
-                        Some(f) => {
-                            let f = f.bind(py);
-                            if let Err(e) = f.call1((exc.into_value(py),)) {
-                                transfer::report(py, &stats, e, f);
+    Ok(
+        move |r: Result<(&[u8], Option<&weft::MessageSender>), weft::EngineError>| {
+            let _ = transfer::engine_attach(|py| {
+                transfer::as_callback(|| match r {
+                    Ok((msg, from)) => {
+                        let cb = on_message.bind(py);
+                        let data = PyBytes::new(py, msg);
+                        let called = match &peers {
+                            None => cb.call1((data,)),
+                            Some(peers) => {
+                                let i = from.and_then(|f| peers.iter().position(|p| f.is(p)));
+                                cb.call1((data, i))
                             }
+                        };
+                        if let Err(e) = called {
+                            transfer::report(py, &stats, e, cb);
                         }
-                        None => exc.write_unraisable(py, Some(on_message.bind(py))),
                     }
-                }
-            })
-        });
-    })
+                    Err(err) => {
+                        let exc = errors::engine_err(py, &err);
+                        match &on_error {
+                            Some(f) => {
+                                let f = f.bind(py);
+                                if let Err(e) = f.call1((exc.into_value(py),)) {
+                                    transfer::report(py, &stats, e, f);
+                                }
+                            }
+                            None => exc.write_unraisable(py, Some(on_message.bind(py))),
+                        }
+                    }
+                })
+            });
+        },
+    )
 }
 
 /// A watched word (`TransferEngine.alloc_uvm_watcher`). `addr` is the

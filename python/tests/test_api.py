@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import numpy as np
+
 import pytest
 
 import weft
@@ -109,6 +111,17 @@ def test_recv_queue_names_the_sender(loopback_trio):
     assert q.recv_from(peers, timeout=60) == (b"self", None)
     assert q.try_recv_from(peers) is None
     assert q.recv_from([], timeout=0) is None
+
+
+def test_receive_callback_names_the_sender(loopback_trio):
+    a, b, c = loopback_trio
+    got: "queue.Queue[tuple]" = queue.Queue()
+    c.submit_recvs(64, 8, lambda data, i: got.put((data, i)), peers=[a.address, b.address])
+    for i in range(6):
+        (a if i % 2 == 0 else b).submit_send(c.address, bytes([i])).wait(timeout=60)
+    c.submit_send(c.address, b"self").wait(timeout=60)
+    msgs = [got.get(timeout=60) for _ in range(7)]
+    assert sorted(msgs, key=repr) == sorted([(bytes([i]), i % 2) for i in range(6)] + [(b"self", None)], key=repr)
 
 
 @pytest.mark.parametrize("kind", ["list", "numpy", "numpy-u32"])

@@ -268,9 +268,10 @@ class TransferEngine:
         self,
         nbytes: int,
         count: int,
-        on_message: Callable[[bytes], Any],
+        on_message: Callable[..., Any],
         *,
         on_error: Optional[Callable[[BaseException], Any]] = None,
+        peers: Optional[Sequence[PeerAddress]] = None,
     ) -> None: ...
     def recv_queue(self, nbytes: int, count: int) -> RecvQueue: ...
     def remove_peer(self, peer: PeerAddress) -> None: ...

@@ -64,7 +64,7 @@ pub use engine::{
     Resources, ScatterSlice, ScatterTargets, TransferEngine,
 };
 pub use error::{EngineError, TransferId};
-pub use mem::{MrHandle, RecvCallback};
+pub use mem::{MrHandle, RecvCallback, RecvFromCallback};
 pub use ondone::{DoneCallback, DoneCounter, DoneFlag, DoneFuture, DoneResult, OnDone};
 pub use recvq::{MessageSender, RecvMsg, RecvQueue};
 pub use request::GroupAddress;

@@ -213,10 +213,19 @@ pub(crate) enum NotCopied {
 /// Receive callback: the filled bytes, or why the buffer came back empty.
 pub type RecvCallback = Box<dyn FnMut(Result<&[u8], EngineError>) + Send + 'static>;
 
+/// Receive callback told the sender as well: the filled bytes and who sent
+/// them (`None` where the NIC does not say; see
+/// [`MessageSender`](crate::MessageSender)), or why the buffer came back
+/// empty.
+pub type RecvFromCallback =
+    Box<dyn FnMut(Result<(&[u8], Option<&crate::MessageSender>), EngineError>) + Send + 'static>;
+
 /// Where a receive pool's messages go.
 pub(crate) enum RecvSink {
     /// To a callback on the callback thread (`submit_recvs`).
     Callback(parking_lot::Mutex<RecvCallback>),
+    /// To a callback given the sender too (`submit_recvs_from`).
+    CallbackFrom(parking_lot::Mutex<RecvFromCallback>),
     /// Into a queue the caller polls (`recv_queue`).
     Queue(Box<QueueSink>),
 }
@@ -293,7 +302,7 @@ impl RecvPool {
     pub(crate) fn queue(&self) -> Option<&QueueSink> {
         match &self.sink {
             RecvSink::Queue(q) => Some(q),
-            RecvSink::Callback(_) => None,
+            RecvSink::Callback(_) | RecvSink::CallbackFrom(_) => None,
         }
     }
 

@@ -26,20 +26,22 @@ pub(crate) fn run_msg(excess: &ExcessHandler, msg: CbMsg) {
             cb(r);
             drop(round);
         }
-        CbMsg::Event(Event::Recv { pool, result, .. }) => match result {
+        CbMsg::Event(Event::Recv { pool, result, from }) => match result {
             Ok(m) => {
                 // Kept outside the closure before the call, so a panicking
                 // callback's message is recycled too.
                 let (pool, m) = spent.insert((pool, m));
-                if let RecvSink::Callback(cb) = &pool.sink {
-                    (cb.lock())(Ok(m))
+                match &pool.sink {
+                    RecvSink::Callback(cb) => (cb.lock())(Ok(m)),
+                    RecvSink::CallbackFrom(cb) => (cb.lock())(Ok((m, from.as_ref()))),
+                    RecvSink::Queue(_) => {}
                 }
             }
-            Err(e) => {
-                if let RecvSink::Callback(cb) = &pool.sink {
-                    (cb.lock())(Err(e))
-                }
-            }
+            Err(e) => match &pool.sink {
+                RecvSink::Callback(cb) => (cb.lock())(Err(e)),
+                RecvSink::CallbackFrom(cb) => (cb.lock())(Err(e)),
+                RecvSink::Queue(_) => {}
+            },
         },
         CbMsg::Excess(imm, n) => excess(imm, n),
         CbMsg::Stop => {}

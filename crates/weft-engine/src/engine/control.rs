@@ -6,7 +6,7 @@ use super::{PeerGroupHandle, TransferEngine};
 use crate::core::Control;
 use crate::driver::GroupShared;
 use crate::error::EngineError;
-use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvPool, RecvSink};
+use crate::mem::{MrHandle, RawBuf, RecvCallback, RecvFromCallback, RecvPool, RecvSink};
 use crate::recvq::RecvQueue;
 use crate::request::GroupAddress;
 use crossbeam_channel::Sender;
@@ -230,6 +230,26 @@ impl TransferEngine {
         let cb = Box::new(cb) as RecvCallback;
         self.post_pool(len, count, RecvSink::Callback(parking_lot::Mutex::new(cb)))
             .map(drop)
+    }
+
+    /// [`submit_recvs`](Self::submit_recvs) whose callback is also told who
+    /// sent each message: the sending NIC and the incarnation its frame
+    /// names ([`MessageSender`](crate::MessageSender), with the same trust
+    /// as [`RecvMsg::sender`](crate::RecvMsg::sender); `None` where the NIC
+    /// does not say).
+    pub fn submit_recvs_from(
+        &self,
+        len: u64,
+        count: u32,
+        cb: impl FnMut(Result<(&[u8], Option<&crate::MessageSender>), EngineError>) + Send + 'static,
+    ) -> Result<(), EngineError> {
+        let cb = Box::new(cb) as RecvFromCallback;
+        self.post_pool(
+            len,
+            count,
+            RecvSink::CallbackFrom(parking_lot::Mutex::new(cb)),
+        )
+        .map(drop)
     }
 
     /// Posts a rotating pool of `count` receive buffers for messages of up

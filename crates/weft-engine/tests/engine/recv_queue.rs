@@ -2,7 +2,8 @@
 //! intact, from several senders over the adversarial fabric; the backlog
 //! bound with messages held by the caller; a dropped queue that keeps
 //! peers' SENDs completing; a sleeping receiver woken by a late message and
-//! by shutdown. Each message names the engine that sent it.
+//! by shutdown. Each message names the engine that sent it, to a polled
+//! queue and to a receive callback (`submit_recvs_from`).
 
 use crate::common::*;
 use std::collections::BTreeSet;
@@ -213,4 +214,65 @@ fn recv_timeout_wakes_for_a_late_message_and_for_shutdown() {
         "a sleeping receiver learns of the shutdown"
     );
     tx.shutdown();
+}
+
+/// A receive callback registered with `submit_recvs_from` is told who sent
+/// each message: every message from two senders over the adversarial
+/// fabric names its own sender, and only that one.
+#[test]
+fn receive_callbacks_are_told_the_sender() {
+    for seed in seeds_or([8, 9]) {
+        let _g = SeedGuard::new(seed, "receive_callbacks_are_told_the_sender");
+        let fabric = Fabric::new_realtime(FabricConfig {
+            rnr_timeout: Duration::from_secs(60),
+            ..FabricConfig::adversarial(seed)
+        });
+        let rx = engine(&fabric, fabric.add_host(1), 1, test_config(), false);
+        let senders: Vec<_> = (0..2)
+            .map(|_| engine(&fabric, fabric.add_host(1), 1, test_config(), false))
+            .collect();
+        let addrs: Vec<_> = senders.iter().map(|e| e.main_address()).collect();
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let (s2, a2) = (seen.clone(), addrs.clone());
+        rx.submit_recvs_from(256, 8, move |r| {
+            let entry = match r {
+                Ok((m, from)) => check(m).map(|key| {
+                    let named: Vec<bool> =
+                        a2.iter().map(|a| from.is_some_and(|f| f.is(a))).collect();
+                    (key, named)
+                }),
+                Err(e) => Err(e.to_string()),
+            };
+            s2.lock().push(entry);
+        })
+        .unwrap();
+        let to = rx.main_address();
+        let sent = Arc::new(DoneCounter::new());
+        let per = 50u32;
+        for seq in 0..per {
+            for (s, e) in senders.iter().enumerate() {
+                e.submit_send(&to, &message(s as u8, seq, 64), OnDone::counter(&sent))
+                    .unwrap();
+            }
+        }
+        let total = 2 * per as usize;
+        wait_until("messages arrive", HANG, || seen.lock().len() >= total);
+        let mut got = BTreeSet::new();
+        for entry in seen.lock().drain(..) {
+            let (key, named) = entry.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            let want: Vec<bool> = (0..2).map(|s| s == key.0 as usize).collect();
+            assert_eq!(
+                named, want,
+                "seed {seed}: message {key:?} names its sender only"
+            );
+            assert!(got.insert(key), "seed {seed}: duplicate message {key:?}");
+        }
+        assert_eq!(got.len(), total, "seed {seed}");
+        wait_until("sends complete", HANG, || sent.total() == total as u64);
+        assert_eq!(sent.failed(), 0, "seed {seed}: {:?}", sent.first_error());
+        for e in senders {
+            e.shutdown();
+        }
+        rx.shutdown();
+    }
 }
