@@ -114,19 +114,23 @@ fn phase_index(p: Phase) -> usize {
     }
 }
 
-/// The data of one dispatch on the host.
+/// The data of one dispatch on the host: the rows land in `tokens`
+/// (refilled in place), `unpacked` says they did.
 pub(crate) struct DispatchIo<'a> {
     pub input: RankInput<'a>,
     pub pairs: &'a CountedPairs,
-    pub tokens: Option<ExpertTokens>,
+    pub tokens: &'a mut ExpertTokens,
+    pub unpacked: bool,
 }
 
-/// The data of one combine on the host.
+/// The data of one combine on the host: the combined tokens land in `out`
+/// (exactly their size for the weighted sum), `summed` says they did.
 pub(crate) struct CombineIo<'a> {
     pub outputs: &'a [u8],
     pub slots: &'a [u32],
     pub weights: &'a [f32],
-    pub out: Option<Vec<u8>>,
+    pub out: &'a mut [u8],
+    pub summed: bool,
 }
 
 /// Engine, buffers and peers of one rank, and the flags of its armed
@@ -433,7 +437,8 @@ impl HostExec {
                 let plan = core.plan().ok_or(MoeError::OutOfOrder {
                     expected: "routes before unpack",
                 })?;
-                io.tokens = Some(pack::unpack(d, plan, send.as_slice(), recv.as_slice())?);
+                pack::unpack_into(d, plan, send.as_slice(), recv.as_slice(), io.tokens)?;
+                io.unpacked = true;
             }
             _ => {}
         }
@@ -480,12 +485,8 @@ impl HostExec {
                 }
             }
             Action::WeightedSum => {
-                io.out = Some(pack::weighted_sum(
-                    d,
-                    io.slots,
-                    io.weights,
-                    recv.as_slice(),
-                )?);
+                pack::weighted_sum_into(d, io.slots, io.weights, recv.as_slice(), io.out)?;
+                io.summed = true;
             }
             _ => {}
         }

@@ -32,6 +32,15 @@ pub fn read_elem(dtype: OutDtype, row: &[u8], h: usize) -> f32 {
     }
 }
 
+/// Writes `x` as one `dtype` element (little-endian) into `out`, which is
+/// exactly one element long.
+pub fn put_elem(dtype: OutDtype, out: &mut [u8], x: f32) {
+    match dtype {
+        OutDtype::F32 => out.copy_from_slice(&x.to_le_bytes()),
+        OutDtype::Bf16 => out.copy_from_slice(&f32_to_bf16(x).to_le_bytes()),
+    }
+}
+
 /// Appends `x` as one `dtype` element (little-endian).
 pub fn push_elem(dtype: OutDtype, out: &mut Vec<u8>, x: f32) {
     match dtype {

@@ -9,7 +9,7 @@
 use crate::config::Dims;
 use crate::error::MoeError;
 use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
-use crate::num::{push_elem, read_elem};
+use crate::num::{put_elem, read_elem};
 use crate::plan::{CombineSlot, SrcSlot, StepPlan};
 use crate::routes::CountedPairs;
 
@@ -74,8 +74,24 @@ pub fn unpack(
     send_buf: &[u8],
     recv_buf: &[u8],
 ) -> Result<ExpertTokens, MoeError> {
+    let mut out = ExpertTokens::default();
+    unpack_into(dims, plan, send_buf, recv_buf, &mut out)?;
+    Ok(out)
+}
+
+/// [`unpack`] into `out`, whose vectors are cleared and refilled (their
+/// capacity reused: no allocation once they are large enough).
+pub fn unpack_into(
+    dims: &Dims,
+    plan: &StepPlan,
+    send_buf: &[u8],
+    recv_buf: &[u8],
+    out: &mut ExpertTokens,
+) -> Result<(), MoeError> {
     let tb = u64::from(dims.token_bytes);
-    let mut data = Vec::with_capacity(plan.unpack().len() * tb as usize);
+    let data = &mut out.data;
+    data.clear();
+    data.reserve(plan.unpack().len() * tb as usize);
     for src in plan.unpack() {
         let row = match *src {
             SrcSlot::Local(s) => slice(send_buf, u64::from(s) * dims.b_in, tb, "send buffer")?,
@@ -89,12 +105,12 @@ pub fn unpack(
         };
         data.extend_from_slice(row);
     }
-    Ok(ExpertTokens {
-        data,
-        token_bytes: dims.token_bytes,
-        expert_offsets: plan.expert_offsets().to_vec(),
-        source_rank: plan.source_rank().to_vec(),
-    })
+    out.token_bytes = dims.token_bytes;
+    out.expert_offsets.clear();
+    out.expert_offsets.extend_from_slice(plan.expert_offsets());
+    out.source_rank.clear();
+    out.source_rank.extend_from_slice(plan.source_rank());
+    Ok(())
 }
 
 /// Places the expert outputs (one `hidden`-element row per expert-layout
@@ -137,6 +153,33 @@ pub fn weighted_sum(
     weights: &[f32],
     recv_buf: &[u8],
 ) -> Result<Vec<u8>, MoeError> {
+    let mut out = vec![0u8; combined_len(dims, slots.len())];
+    weighted_sum_into(dims, slots, weights, recv_buf, &mut out)?;
+    Ok(out)
+}
+
+/// Bytes of the combined tokens of a step with `pairs` (token, k) pairs.
+pub fn combined_len(dims: &Dims, pairs: usize) -> usize {
+    pairs / (dims.topk as usize).max(1) * dims.out_row_bytes() as usize
+}
+
+/// [`weighted_sum`] into `out`, which must be exactly
+/// [`combined_len`] bytes.
+pub fn weighted_sum_into(
+    dims: &Dims,
+    slots: &[u32],
+    weights: &[f32],
+    recv_buf: &[u8],
+    out: &mut [u8],
+) -> Result<(), MoeError> {
+    let want = combined_len(dims, slots.len());
+    if out.len() != want {
+        return Err(MoeError::Shape {
+            what: "combine output",
+            got: out.len() as u64,
+            want: want as u64,
+        });
+    }
     if slots.len() != weights.len() {
         return Err(MoeError::Shape {
             what: "topk_weights",
@@ -148,7 +191,8 @@ pub fn weighted_sum(
     let ob = dims.out_row_bytes();
     let tokens = slots.len() / r;
     let mut rows = Vec::with_capacity(r);
-    let mut out = Vec::with_capacity(tokens * ob as usize);
+    let size = dims.out_dtype.size() as usize;
+    let mut at = 0;
     for t in 0..tokens {
         rows.clear();
         for (k, &s) in slots[t * r..(t + 1) * r].iter().enumerate() {
@@ -163,8 +207,9 @@ pub fn weighted_sum(
             for &(w, row) in &rows {
                 acc = w.mul_add(read_elem(dims.out_dtype, row, h), acc);
             }
-            push_elem(dims.out_dtype, &mut out, acc);
+            put_elem(dims.out_dtype, &mut out[at..at + size], acc);
+            at += size;
         }
     }
-    Ok(out)
+    Ok(())
 }

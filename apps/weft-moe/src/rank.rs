@@ -172,6 +172,21 @@ impl MoeRank {
     /// Dispatches this rank's tokens; returns the rows for the local experts
     /// and the layout `combine` needs.
     pub fn dispatch(&mut self, input: &RankInput<'_>) -> Result<(ExpertTokens, Layout), MoeError> {
+        let mut tokens = ExpertTokens::default();
+        let layout = self.dispatch_into(input, &mut tokens)?;
+        Ok((tokens, layout))
+    }
+
+    /// [`MoeRank::dispatch`] into the caller's `tokens`: its vectors are
+    /// cleared and refilled, their capacity reused, so a caller that keeps
+    /// one `ExpertTokens` across steps allocates nothing once it is large
+    /// enough. Returns the layout `combine` needs. On an error `tokens`
+    /// holds nothing meaningful.
+    pub fn dispatch_into(
+        &mut self,
+        input: &RankInput<'_>,
+        tokens: &mut ExpertTokens,
+    ) -> Result<Layout, MoeError> {
         if self.poisoned {
             return Err(MoeError::Poisoned);
         }
@@ -188,7 +203,8 @@ impl MoeRank {
         let mut io = DispatchIo {
             input: *input,
             pairs: &pairs,
-            tokens: None,
+            tokens,
+            unpacked: false,
         };
         let ev = Event::Dispatch {
             row: pairs.row.clone(),
@@ -197,8 +213,8 @@ impl MoeRank {
             x.data_dispatch(a, c, &mut io)
         });
         self.poison(r)?;
-        let (Some(tokens), Some(plan), Some(counts)) =
-            (io.tokens, self.core.plan().cloned(), self.core.counts())
+        let (true, Some(plan), Some(counts)) =
+            (io.unpacked, self.core.plan().cloned(), self.core.counts())
         else {
             self.poisoned = true;
             return Err(MoeError::OutOfOrder {
@@ -214,7 +230,7 @@ impl MoeRank {
             weights: input.topk_weights.to_vec(),
             counts,
         };
-        Ok((tokens, layout))
+        Ok(layout)
     }
 
     /// Sends the expert outputs (one `hidden`-element row per row of the
@@ -234,6 +250,36 @@ impl MoeRank {
         layout: &Layout,
         weights: &[f32],
     ) -> Result<Vec<u8>, MoeError> {
+        let mut out = vec![0; self.combined_len(layout)];
+        self.combine_into(expert_outputs, layout, weights, &mut out)?;
+        Ok(out)
+    }
+
+    /// Bytes of the combined tokens of `layout`'s step (`T_r` rows of
+    /// `hidden` elements of the output type): the size `combine_into`
+    /// wants.
+    pub fn combined_len(&self, layout: &Layout) -> usize {
+        crate::pack::combined_len(&self.exec.dims, layout.slots.len())
+    }
+
+    /// [`MoeRank::combine_with_weights`] into the caller's `out`, exactly
+    /// [`MoeRank::combined_len`] bytes (else `Shape`, checked before
+    /// anything is sent): no allocation for the result.
+    pub fn combine_into(
+        &mut self,
+        expert_outputs: &[u8],
+        layout: &Layout,
+        weights: &[f32],
+        out: &mut [u8],
+    ) -> Result<(), MoeError> {
+        let want = self.combined_len(layout);
+        if out.len() != want {
+            return Err(MoeError::Shape {
+                what: "combine output",
+                got: out.len() as u64,
+                want: want as u64,
+            });
+        }
         if weights.len() != layout.slots.len() {
             return Err(MoeError::Shape {
                 what: "topk_weights",
@@ -270,19 +316,20 @@ impl MoeRank {
             outputs: expert_outputs,
             slots: &layout.slots,
             weights,
-            out: None,
+            out,
+            summed: false,
         };
         let r = drive(&mut self.core, &mut self.exec, Event::Combine, |x, a, c| {
             x.data_combine(a, c, &mut io)
         });
         self.poison(r)?;
-        let Some(out) = io.out else {
+        if !io.summed {
             self.poisoned = true;
             return Err(MoeError::OutOfOrder {
                 expected: "a finished combine",
             });
-        };
-        Ok(out)
+        }
+        Ok(())
     }
 
     /// Waits for the last BAR_C round and the own submits, then frees the

@@ -521,6 +521,7 @@ impl SimCluster {
                         expected: "a dispatch",
                     });
                 };
+                let mut tokens = ExpertTokens::default();
                 let mut io = DispatchIo {
                     input: RankInput {
                         tokens: &rank.input.tokens,
@@ -528,11 +529,12 @@ impl SimCluster {
                         topk_weights: &rank.input.weights,
                     },
                     pairs,
-                    tokens: None,
+                    tokens: &mut tokens,
+                    unpacked: false,
                 };
                 let res = rank.exec.data_dispatch(a, &rank.core, &mut io);
-                if io.tokens.is_some() {
-                    rank.tokens = io.tokens;
+                if io.unpacked {
+                    rank.tokens = Some(tokens);
                     rank.times.unpacked = now;
                 }
                 res?;
@@ -543,15 +545,22 @@ impl SimCluster {
                         expected: "a dispatch",
                     });
                 };
+                let mut out = match a {
+                    Action::WeightedSum => {
+                        vec![0; crate::pack::combined_len(&rank.exec.dims, pairs.slots.len())]
+                    }
+                    _ => Vec::new(),
+                };
                 let mut io = CombineIo {
                     outputs: &rank.outputs,
                     slots: &pairs.slots,
                     weights: &rank.input.weights,
-                    out: None,
+                    out: &mut out,
+                    summed: false,
                 };
                 rank.exec.data_combine(a, &rank.core, &mut io)?;
-                if io.out.is_some() {
-                    rank.combined = io.out;
+                if io.summed {
+                    rank.combined = Some(out);
                     rank.times.summed = now;
                 }
             }

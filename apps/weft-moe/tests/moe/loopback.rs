@@ -2,14 +2,16 @@
 //! fabric (realtime: real worker threads, chunks reordered within and across
 //! writes, drops and retransmits), one engine and one thread per rank, in
 //! one process; several consecutive steps (buffer reuse and barriers),
-//! checked byte for byte against the naive reference.
+//! checked byte for byte against the naive reference. Steps 2 and 3 of
+//! every four go through the caller-buffer calls (`dispatch_into`,
+//! `combine_into`) with buffers kept across steps.
 
 use crate::common::{expert_outputs, inputs, Routing};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_moe::{reference, MoeConfig, MoeError, MoeRank, RankInput};
+use weft_moe::{reference, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput};
 use weft_testkit::seeds_or;
 
 const NICS: usize = 2;
@@ -58,11 +60,21 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
             .map(|(r, mut rank)| {
                 let d = d.clone();
                 sc.spawn(move || {
+                    // Kept across steps by the caller-buffer calls.
+                    let mut kept = ExpertTokens::default();
+                    let mut kept_out = Vec::new();
                     for k in 0..steps {
+                        let into = k % 4 >= 2;
                         let ins = inputs(&d, routing, seed * 1000 + k, k % 2 == 1);
                         let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
                         let want = reference::dispatch(&d, &views).unwrap();
-                        let (got, layout) = rank.dispatch(&views[r]).expect("dispatch");
+                        let (got, layout) = if into {
+                            let layout =
+                                rank.dispatch_into(&views[r], &mut kept).expect("dispatch");
+                            (kept.clone(), layout)
+                        } else {
+                            rank.dispatch(&views[r]).expect("dispatch")
+                        };
                         assert_eq!(got, want[r], "seed {seed} step {k} rank {r}: dispatch");
                         let outs: Vec<Vec<u8>> = want
                             .iter()
@@ -83,7 +95,29 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
                                 ..*v
                             })
                             .collect();
-                        let (y, want) = if k % 2 == 1 {
+                        let (y, want) = if into {
+                            let w = if k % 2 == 1 {
+                                &late[r]
+                            } else {
+                                &ins[r].weights
+                            };
+                            // A wrong-sized output is refused before
+                            // anything is sent, and harms nothing.
+                            let mut short = [0u8; 1];
+                            assert!(matches!(
+                                rank.combine_into(&outs[r], &layout, w, &mut short),
+                                Err(MoeError::Shape {
+                                    what: "combine output",
+                                    ..
+                                })
+                            ));
+                            kept_out.resize(rank.combined_len(&layout), 0xee);
+                            let y = rank
+                                .combine_into(&outs[r], &layout, w, &mut kept_out)
+                                .map(|()| kept_out.clone());
+                            let v = if k % 2 == 1 { &views2 } else { &views };
+                            (y, reference::combine(&d, v, &outs))
+                        } else if k % 2 == 1 {
                             let y = rank.combine_with_weights(&outs[r], &layout, &late[r]);
                             (y, reference::combine(&d, &views2, &outs))
                         } else {
@@ -125,7 +159,7 @@ fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
 fn ep2_to_8_random() {
     for seed in seeds_or(0..12) {
         for n in [2, 3, 4, 8] {
-            run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 3, 1 << 40);
+            run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 4, 1 << 40);
         }
     }
 }
