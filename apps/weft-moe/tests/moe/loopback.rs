@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_moe::{reference, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput};
+use weft_moe::{reference, Dims, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput};
 use weft_testkit::seeds_or;
 
 const NICS: usize = 2;
@@ -53,21 +53,45 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
     for rank in &mut ranks {
         rank.connect(&infos).expect("connect");
     }
-    let ranks: Vec<MoeRank> = std::thread::scope(|sc| {
+    let ranks = run_steps(ranks, &d, routing, seed, steps);
+    let imms = ranks[0].imms();
+    for rank in ranks {
+        rank.shutdown().expect("shutdown");
+    }
+    for e in &engines {
+        for v in imms.all() {
+            assert_eq!(e.imm_pending(v), 0);
+        }
+        assert_eq!(e.stats().imm_excess, 0, "seed {seed}: excess immediates");
+        e.shutdown();
+    }
+}
+
+/// Runs `steps` steps on every rank (one thread each) and checks each
+/// rank's expert tokens and combined tokens against the reference; steps
+/// 2 and 3 of every four go through the caller-buffer calls. Returns the
+/// ranks.
+fn run_steps(
+    ranks: Vec<MoeRank>,
+    d: &Dims,
+    routing: Routing,
+    seed: u64,
+    steps: u64,
+) -> Vec<MoeRank> {
+    std::thread::scope(|sc| {
         let hs: Vec<_> = ranks
             .into_iter()
             .enumerate()
             .map(|(r, mut rank)| {
-                let d = d.clone();
                 sc.spawn(move || {
                     // Kept across steps by the caller-buffer calls.
                     let mut kept = ExpertTokens::default();
                     let mut kept_out = Vec::new();
                     for k in 0..steps {
                         let into = k % 4 >= 2;
-                        let ins = inputs(&d, routing, seed * 1000 + k, k % 2 == 1);
+                        let ins = inputs(d, routing, seed * 1000 + k, k % 2 == 1);
                         let views: Vec<_> = ins.iter().map(|i| i.input()).collect();
-                        let want = reference::dispatch(&d, &views).unwrap();
+                        let want = reference::dispatch(d, &views).unwrap();
                         let (got, layout) = if into {
                             let layout =
                                 rank.dispatch_into(&views[r], &mut kept).expect("dispatch");
@@ -79,7 +103,7 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
                         let outs: Vec<Vec<u8>> = want
                             .iter()
                             .enumerate()
-                            .map(|(x, w)| expert_outputs(&d, x as u32, w))
+                            .map(|(x, w)| expert_outputs(d, x as u32, w))
                             .collect();
                         // Odd steps: the weights come with combine
                         // (DeepEP's order), different from dispatch's.
@@ -116,13 +140,13 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
                                 .combine_into(&outs[r], &layout, w, &mut kept_out)
                                 .map(|()| kept_out.clone());
                             let v = if k % 2 == 1 { &views2 } else { &views };
-                            (y, reference::combine(&d, v, &outs))
+                            (y, reference::combine(d, v, &outs))
                         } else if k % 2 == 1 {
                             let y = rank.combine_with_weights(&outs[r], &layout, &late[r]);
-                            (y, reference::combine(&d, &views2, &outs))
+                            (y, reference::combine(d, &views2, &outs))
                         } else {
                             let y = rank.combine(&outs[r], &layout);
-                            (y, reference::combine(&d, &views, &outs))
+                            (y, reference::combine(d, &views, &outs))
                         };
                         let (y, want) = (y.expect("combine"), want.unwrap());
                         assert_eq!(y, want[r], "seed {seed} step {k} rank {r}: combine");
@@ -134,18 +158,7 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
         hs.into_iter()
             .map(|h| h.join().expect("rank thread"))
             .collect()
-    });
-    let imms = ranks[0].imms();
-    for rank in ranks {
-        rank.shutdown().expect("shutdown");
-    }
-    for e in &engines {
-        for v in imms.all() {
-            assert_eq!(e.imm_pending(v), 0);
-        }
-        assert_eq!(e.stats().imm_excess, 0, "seed {seed}: excess immediates");
-        e.shutdown();
-    }
+    })
 }
 
 fn cfg(n: u32, l: u32, r: u32, t: u32, p: u32) -> MoeConfig {
@@ -184,9 +197,10 @@ fn small_max_write_len_and_single_rank() {
 }
 
 /// A rank whose host dies before the step: the others get a typed error
-/// (after `step_timeout` at the latest), never a hang, and are poisoned.
+/// (after `step_timeout` at the latest), never a hang, and are poisoned;
+/// then a replacement rank joins and the group runs on, bit-exact.
 #[test]
-fn dead_peer_gives_typed_error_and_poisons() {
+fn dead_peer_gives_typed_error_and_poisons_then_a_replacement_continues() {
     let mut c = cfg(4, 2, 3, 6, 2);
     c.step_timeout = Duration::from_secs(2);
     let d = c.validate().unwrap();
@@ -224,9 +238,31 @@ fn dead_peer_gives_typed_error_and_poisons() {
     for rank in ranks {
         let _ = rank.shutdown();
     }
-    for e in &engines {
+    // The group continues with a replacement for rank 3: a process (here
+    // a host) of its own, and a new group on the survivors' engines under
+    // the next instance (fresh immediates: nothing of the failed step can
+    // count in it). Every byte checked, as in `run`.
+    let mut c2 = c.clone();
+    c2.instance = 1;
+    let mut engines2: Vec<_> = engines[..3].to_vec();
+    engines2.push(engine_on(&fabric, fabric.add_host(NICS)));
+    let mut ranks = Vec::new();
+    let mut infos = Vec::new();
+    for (r, e) in engines2.iter().enumerate() {
+        let (rank, info) = MoeRank::prepare(e.clone(), &c2, r as u32).expect("prepare");
+        ranks.push(rank);
+        infos.push(info);
+    }
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect the replacement group");
+    }
+    for rank in run_steps(ranks, &d, Routing::Random, 12, 4) {
+        rank.shutdown().expect("shutdown");
+    }
+    for e in &engines2 {
         e.shutdown();
     }
+    engines[3].shutdown();
 }
 
 /// Misuse is a typed error that does not poison the rank: bad inputs,
