@@ -354,9 +354,12 @@ def test_prefill_and_decode_with_different_tp_sizes_move_every_head(tmp_path, pt
 
 def test_a_tp_mismatch_on_nhd_caches_fails_the_load_naming_the_layout(tmp_path):
     """NHD interleaves a block's heads token by token: a load across TP
-    sizes is a load error (blocks reported), not wrong bytes."""
-    p = Instance(tmp_path, "kv_producer", "libfabric:tcp", F.Shape(tp=2), **FAST)
-    d = Instance(tmp_path, "kv_consumer", "libfabric:tcp", F.Shape(tp=1), **FAST)
+    sizes is a load error (blocks reported), not wrong bytes, and the
+    prefill side, told the decode TP size, frees its blocks at once
+    instead of holding them for the offer's time to live."""
+    extra = {**FAST, "decode_tp": 1}
+    p = Instance(tmp_path, "kv_producer", "libfabric:tcp", F.Shape(tp=2), **extra)
+    d = Instance(tmp_path, "kv_consumer", "libfabric:tcp", F.Shape(tp=1), **extra)
     try:
         p.sched.connector.set_xfer_handshake_metadata({r: w.handshake for r, w in enumerate(p.workers)})
         prompt = [11 + t for t in range(40)]
@@ -364,6 +367,7 @@ def test_a_tp_mismatch_on_nhd_caches_fails_the_load_naming_the_layout(tmp_path):
         run_until(lambda: "d-x" in d.recved, d)
         assert set(d.recv_meta["d-x"].local_block_ids) <= d.invalid
         assert d.worker.call("stats")["loads_failed"] == 1
+        run_until(lambda: p.empty(), p, timeout=20)  # the offer TTL is 120 s
     finally:
         d.stop()
         p.stop()

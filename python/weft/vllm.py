@@ -345,6 +345,9 @@ class WeftConnector(KVConnectorBase_V1):
                 try:
                     readers = 1
                     if self.decode_tp != self.tp_size:
+                        if not (self._split or self.use_mla):
+                            # the decode ranks' loads fail: free the blocks now
+                            raise weft.KvError(f"decode TP {self.decode_tp} != prefill TP {self.tp_size} needs HND caches or MLA")
                         readers = wkv.tp_readers(
                             self.total_kv_heads, self.tp_size, self.decode_tp, self._tp_rank(), seed=_seed(req_id)
                         )
