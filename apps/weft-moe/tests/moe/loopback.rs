@@ -43,17 +43,7 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
         ..FabricConfig::adversarial(seed)
     });
     let engines: Vec<_> = (0..d.ranks).map(|_| engine(&fabric)).collect();
-    let mut ranks = Vec::new();
-    let mut infos = Vec::new();
-    for (r, e) in engines.iter().enumerate() {
-        let (rank, info) = MoeRank::prepare(e.clone(), c, r as u32).expect("prepare");
-        ranks.push(rank);
-        infos.push(info);
-    }
-    for rank in &mut ranks {
-        rank.connect(&infos).expect("connect");
-    }
-    let ranks = run_steps(ranks, &d, routing, seed, steps);
+    let ranks = run_steps(group(&engines, c), &d, routing, seed, steps);
     let imms = ranks[0].imms();
     for rank in ranks {
         rank.shutdown().expect("shutdown");
@@ -65,6 +55,20 @@ fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u6
         assert_eq!(e.stats().imm_excess, 0, "seed {seed}: excess immediates");
         e.shutdown();
     }
+}
+
+/// One MoE group, rank `r` on `engines[r]`: prepared, then connected to
+/// every rank's info.
+fn group(engines: &[Arc<TransferEngine>], c: &MoeConfig) -> Vec<MoeRank> {
+    let (mut ranks, infos): (Vec<_>, Vec<_>) = engines
+        .iter()
+        .enumerate()
+        .map(|(r, e)| MoeRank::prepare(e.clone(), c, r as u32).expect("prepare"))
+        .unzip();
+    for rank in &mut ranks {
+        rank.connect(&infos).expect("connect");
+    }
+    ranks
 }
 
 /// Runs `steps` steps on every rank (one thread each) and checks each
@@ -207,16 +211,7 @@ fn dead_peer_gives_typed_error_and_poisons_then_a_replacement_continues() {
     let fabric = Fabric::new_realtime(FabricConfig::adversarial(11));
     let hosts: Vec<HostId> = (0..d.ranks).map(|_| fabric.add_host(NICS)).collect();
     let engines: Vec<_> = hosts.iter().map(|&h| engine_on(&fabric, h)).collect();
-    let mut ranks = Vec::new();
-    let mut infos = Vec::new();
-    for (r, e) in engines.iter().enumerate() {
-        let (rank, info) = MoeRank::prepare(e.clone(), &c, r as u32).expect("prepare");
-        ranks.push(rank);
-        infos.push(info);
-    }
-    for rank in &mut ranks {
-        rank.connect(&infos).expect("connect");
-    }
+    let mut ranks = group(&engines, &c);
     let dead = ranks.pop().expect("four ranks");
     fabric.kill_host(hosts[3]);
     let ins = inputs(&d, Routing::Random, 11, false);
@@ -246,17 +241,7 @@ fn dead_peer_gives_typed_error_and_poisons_then_a_replacement_continues() {
     c2.instance = 1;
     let mut engines2: Vec<_> = engines[..3].to_vec();
     engines2.push(engine_on(&fabric, fabric.add_host(NICS)));
-    let mut ranks = Vec::new();
-    let mut infos = Vec::new();
-    for (r, e) in engines2.iter().enumerate() {
-        let (rank, info) = MoeRank::prepare(e.clone(), &c2, r as u32).expect("prepare");
-        ranks.push(rank);
-        infos.push(info);
-    }
-    for rank in &mut ranks {
-        rank.connect(&infos).expect("connect the replacement group");
-    }
-    for rank in run_steps(ranks, &d, Routing::Random, 12, 4) {
+    for rank in run_steps(group(&engines2, &c2), &d, Routing::Random, 12, 4) {
         rank.shutdown().expect("shutdown");
     }
     for e in &engines2 {
