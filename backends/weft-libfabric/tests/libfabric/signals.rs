@@ -102,6 +102,11 @@ fn signals_entry() {
             std::process::exit(0);
         }
         "wait" => {
+            // The application's disposition is the default one, whatever
+            // this process inherited (a shell starting a job in the
+            // background without job control ignores SIGINT for it).
+            // SAFETY: restores the default disposition; no handler runs.
+            unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
             let Some(_engines) = open_and_write() else {
                 child::send_line("skip").unwrap();
                 std::process::exit(0);
