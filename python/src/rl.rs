@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft_rl::exec::{Directory, InferEndpoint, Inference, StepConfig, Trainer, TrainerEndpoint};
 use weft_rl::meta::{
-    Box2, Fp8Fallback, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
+    Box2, Concat, Fp8Fallback, InferTensor, Layout, ModelLayout, Placement, Quant, Segment,
+    TrainParam,
 };
 use weft_rl::{plan, DType, Plan, PlanConfig, RlError};
 
@@ -93,9 +94,10 @@ fn parse_layout(py: Python<'_>, name: &str, l: &Bound<'_, PyAny>) -> PyResult<La
 /// `params`: `(name, rows, cols, layout[, mesh_group[, dtype]])` per
 /// training parameter, seen as 2-D, `dtype` `"bf16"` (default) or `"f32"`;
 /// `inference`:
-/// per inference rank its tensors `(name, segments, quant)` with segments
-/// `(param_name, row_start, row_end, col_start, col_end)` stacked along
-/// rows and `quant` `"none"` or `"fp8"` (e4m3 with one f32 scale per
+/// per inference rank its tensors `(name, segments, quant[, concat])` with
+/// segments `(param_name, row_start, row_end, col_start, col_end)` stacked
+/// along rows (`concat` `"rows"`, the default) or side by side (`"cols"`),
+/// and `quant` `"none"` or `"fp8"` (e4m3 with one f32 scale per
 /// `block × block` tile, from bf16 only). `fp8_fallback=True` keeps fp8
 /// targets that cannot be quantised as given (a fused segment that is not
 /// whole tiles, an f32 source) in the trainers' dtype, listed by
@@ -172,7 +174,30 @@ impl PyRlPlan {
         for (i, rank) in inference.iter().enumerate() {
             let mut ts = Vec::new();
             for t in rank.cast::<PyList>()?.iter() {
-                let (name, segs, quant): (String, Vec<SegmentArg>, String) = t.extract()?;
+                let t = t.cast::<PyTuple>()?;
+                if !(3..=4).contains(&t.len()) {
+                    return Err(layout_err(
+                        py,
+                        format!("inference {i}: a tensor is (name, segments, quant[, concat])"),
+                    ));
+                }
+                let name: String = t.get_item(0)?.extract()?;
+                let segs: Vec<SegmentArg> = t.get_item(1)?.extract()?;
+                let quant: String = t.get_item(2)?.extract()?;
+                let concat = match t.get_item(3).ok().map(|c| c.extract::<String>()) {
+                    None => Concat::Rows,
+                    Some(Ok(c)) if c == "rows" => Concat::Rows,
+                    Some(Ok(c)) if c == "cols" => Concat::Cols,
+                    Some(c) => {
+                        return Err(layout_err(
+                            py,
+                            format!(
+                                "inference {i} {name}: concat {:?} (\"rows\" or \"cols\")",
+                                c.unwrap_or_default()
+                            ),
+                        ))
+                    }
+                };
                 // "fp8:<block>": this tensor's own tile edge.
                 let (quant, own_block) = match quant.split_once(':') {
                     None if quant == "none" => (Quant::None, None),
@@ -214,6 +239,7 @@ impl PyRlPlan {
                 ts.push(InferTensor {
                     name,
                     segments,
+                    concat,
                     quant,
                     block: own_block,
                 });

@@ -468,3 +468,28 @@ def test_a_target_with_its_own_fp8_block(engines):
         with pytest.raises(rl.RlError) as e:
             rl.RlPlan(4, params(), t2, **kw)
         assert e.value.kind == "layout", bad
+
+
+def test_targets_joined_side_by_side(engines):
+    """A target's segments joined along columns ("cols", torch.cat(dim=1)):
+    w's columns 0..4 beside u's rows 0..10 (4 and 3 wide), bf16 and fp8
+    (4-wide tiles: the first segment is whole tiles), against numpy's
+    concatenation and the e4m3 reference; an unknown concat is a typed
+    layout error."""
+    segs = [("w", 0, 10, 0, 4), ("u", 0, 10, 0, 3)]
+    tgt = [[("side", segs, "none", "cols"), ("side.fp8", segs, "fp8", "cols")], [("n", [("n", 0, 7, 0, 1)], "none")]]
+    kw = dict(block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    plan = rl.RlPlan(4, params(), tgt, **kw)
+    c = Cluster(engines, plan)
+    w = weights(91)
+    c.load(w)
+    c.step(0)
+    want = np.concatenate([box(w[p], (r0, r1), (c0, c1)) for p, r0, r1, c0, c1 in segs], axis=1)
+    got = np.frombuffer(c.inference[0].read(0), np.uint16).reshape(want.shape)
+    assert np.array_equal(got, want)
+    q, s = ref_fp8(want, 4)
+    assert np.array_equal(np.frombuffer(c.inference[0].read(1), np.uint8).reshape(q.shape), q)
+    assert np.array_equal(np.frombuffer(c.inference[0].read_scales(1), np.float32).reshape(s.shape), s)
+    with pytest.raises(rl.RlError) as e:
+        rl.RlPlan(4, params(), [[("side", segs, "none", "diagonal")], []], **kw)
+    assert e.value.kind == "layout"

@@ -11,8 +11,9 @@ sizes)`` or ``("mesh", mesh_shape, ranks, placements)`` — a torch DTensor's
 device mesh with one placement per mesh dimension: ``None`` (Replicate) or
 the tensor dimension it shards (``Shard(d)``, ``torch.chunk`` sizes, outer
 mesh dimension first). *Targets*: per inference rank, the tensors it holds,
-each ``(name, segments, quant)``: boxes ``(param, r0, r1, c0, c1)`` of
-parameters stacked along rows (q/k/v into a fused qkv), ``quant`` ``"none"``
+each ``(name, segments, quant[, concat])``: boxes ``(param, r0, r1, c0,
+c1)`` of parameters stacked along rows (``concat`` ``"rows"``, the default:
+q/k/v into a fused qkv) or side by side (``"cols"``), ``quant`` ``"none"``
 (bf16 as trained), ``"fp8"`` (e4m3 with one f32 scale per ``block x
 block`` tile, quantised by the trainers) or ``"fp8:<n>"`` (the same with
 this tensor's own ``n x n`` tiles)::

@@ -93,11 +93,12 @@ pub fn reference_region(
     for (t, slot) in m.inference[i].iter().zip(&reg.tensors) {
         let block = slot.block;
         let (rows, cols) = (t.rows(), t.cols());
-        let mut vals = Vec::with_capacity((rows * cols) as usize);
-        for s in &t.segments {
-            for r in s.src.rows.clone() {
-                for c in s.src.cols.clone() {
-                    vals.push(weight(step, s.param, r, c));
+        let mut vals = vec![0u16; (rows * cols) as usize];
+        for (s, (r0, c0)) in t.segments.iter().zip(t.offsets()) {
+            for (i, r) in s.src.rows.clone().enumerate() {
+                for (j, c) in s.src.cols.clone().enumerate() {
+                    vals[((r0 + i as u64) * cols + c0 + j as u64) as usize] =
+                        weight(step, s.param, r, c);
                 }
             }
         }

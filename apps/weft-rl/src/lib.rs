@@ -37,7 +37,7 @@ pub mod summary;
 
 pub use error::RlError;
 pub use meta::{
-    Box2, DType, Fp8Fallback, InferTensor, Layout, ModelLayout, Placement, Quant, Rank, Segment,
-    TrainParam,
+    Box2, Concat, DType, Fp8Fallback, InferTensor, Layout, ModelLayout, Placement, Quant, Rank,
+    Segment, TrainParam,
 };
 pub use plan::{plan, Dest, Plan, PlanConfig, Run, Unit, Xfer};

@@ -234,9 +234,9 @@ impl Box2 {
 }
 
 /// One part of an inference tensor: a box of a training parameter, placed
-/// below the previous segments (inference tensors concatenate their
-/// segments along rows: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`,
-/// experts into a stacked `w13`).
+/// below the previous segments ([`Concat::Rows`]: q/k/v into `qkv_proj`,
+/// gate/up into `gate_up_proj`, experts into a stacked `w13`) or to their
+/// right ([`Concat::Cols`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Segment {
     /// Index into the model's parameters.
@@ -258,13 +258,29 @@ pub enum Quant {
     Fp8Block,
 }
 
+/// Along which dimension an inference tensor joins its segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Concat {
+    /// Stacked top to bottom (torch `cat(dim=0)`); all segments of one
+    /// width. Fused projections and stacked experts.
+    #[default]
+    Rows,
+    /// Side by side, left to right (torch `cat(dim=1)`); all segments of
+    /// one height. An fp8 target needs every segment but the last to be
+    /// whole tiles wide.
+    Cols,
+}
+
 /// A tensor an inference rank holds.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct InferTensor {
     /// Name on the inference side.
     pub name: String,
-    /// Its parts, top to bottom; all of one width.
+    /// Its parts, in order along `concat`.
     pub segments: Vec<Segment>,
+    /// How the segments are joined.
+    pub concat: Concat,
     /// Storage.
     pub quant: Quant,
     /// fp8: the tile edge of this tensor's scales (`None`: the plan's
@@ -277,13 +293,47 @@ impl InferTensor {
     pub fn tile(&self, plan_block: u64) -> u64 {
         self.block.unwrap_or(plan_block)
     }
-    /// Rows (sum of the segments').
+    /// Rows (stacked: the sum of the segments').
     pub fn rows(&self) -> u64 {
-        self.segments.iter().map(|s| s.src.height()).sum()
+        match self.concat {
+            Concat::Rows => self.segments.iter().map(|s| s.src.height()).sum(),
+            Concat::Cols => self.segments.first().map_or(0, |s| s.src.height()),
+        }
     }
-    /// Columns.
+    /// Columns (side by side: the sum of the segments').
     pub fn cols(&self) -> u64 {
-        self.segments.first().map_or(0, |s| s.src.width())
+        match self.concat {
+            Concat::Rows => self.segments.first().map_or(0, |s| s.src.width()),
+            Concat::Cols => self.segments.iter().map(|s| s.src.width()).sum(),
+        }
+    }
+    /// Where each segment's top-left corner sits in the tensor:
+    /// `(row, col)`, one per segment.
+    pub fn offsets(&self) -> Vec<(u64, u64)> {
+        let mut at = 0;
+        self.segments
+            .iter()
+            .map(|s| {
+                let o = match self.concat {
+                    Concat::Rows => (at, 0),
+                    Concat::Cols => (0, at),
+                };
+                at += match self.concat {
+                    Concat::Rows => s.src.height(),
+                    Concat::Cols => s.src.width(),
+                };
+                o
+            })
+            .collect()
+    }
+    /// A segment's extent along `concat` (what must be whole fp8 tiles
+    /// for every segment but the last) and across it (what all segments
+    /// share).
+    fn extents(&self, s: &Segment) -> (u64, u64) {
+        match self.concat {
+            Concat::Rows => (s.src.height(), s.src.width()),
+            Concat::Cols => (s.src.width(), s.src.height()),
+        }
     }
 }
 
@@ -339,9 +389,9 @@ impl ModelLayout {
         }
         for (i, ts) in self.inference.iter().enumerate() {
             for t in ts {
-                let w = t.cols();
                 let nseg = t.segments.len();
-                if nseg == 0 || w == 0 {
+                let across = t.segments.first().map_or(0, |s| t.extents(s).1);
+                if nseg == 0 || across == 0 {
                     return bad(format!("inference {i} {}: empty", t.name));
                 }
                 let block = t.tile(block);
@@ -368,21 +418,30 @@ impl ModelLayout {
                             t.name, p.name, p.dtype
                         ));
                     }
+                    let (along, across_k) = t.extents(s);
                     if s.src.rows.end > p.rows
                         || s.src.cols.end > p.cols
-                        || s.src.height() == 0
-                        || s.src.width() != w
+                        || along == 0
+                        || across_k != across
                     {
+                        let what = match t.concat {
+                            Concat::Rows => "width",
+                            Concat::Cols => "height",
+                        };
                         return bad(format!(
-                            "inference {i} {}: segment {k} outside {} or of another width",
+                            "inference {i} {}: segment {k} outside {} or of another {what}",
                             t.name, p.name
                         ));
                     }
-                    if t.quant == Quant::Fp8Block && k + 1 < nseg && s.src.height() % block != 0 {
+                    if t.quant == Quant::Fp8Block && k + 1 < nseg && along % block != 0 {
+                        let what = match t.concat {
+                            Concat::Rows => "rows",
+                            Concat::Cols => "columns",
+                        };
                         return bad(format!(
-                            "inference {i} {}: fp8 segment {k} has {} rows, not a multiple of the {block}-row block",
+                            "inference {i} {}: fp8 segment {k} has {along} {what}, not a multiple of the {block}-{} block",
                             t.name,
-                            s.src.height()
+                            &what[..what.len() - 1],
                         ));
                     }
                 }
@@ -393,7 +452,8 @@ impl ModelLayout {
 
     /// The explicit fp8 fallback: every fp8 target that cannot be
     /// quantised as given — a segment other than the last that is not whole
-    /// tiles (the tensor's block, else `block`) (e.g. Qwen3's q/k/v at TP 3), or a source that is
+    /// tiles along `concat` (the tensor's block, else `block`) (e.g. Qwen3's
+    /// q/k/v at TP 3), or a source that is
     /// not bf16 — is kept in the trainers' dtype instead (`Quant::None`).
     /// Returns what it changed, for the plan summary; apply it before
     /// [`crate::plan()`], and read each tensor's storage from the plan's
@@ -406,13 +466,17 @@ impl ModelLayout {
                 let block = t.tile(block);
                 let reason = t.segments.iter().enumerate().find_map(|(k, s)| {
                     let p = self.params.get(s.param)?;
+                    let along = t.extents(s).0;
+                    let what = match t.concat {
+                        Concat::Rows => ("rows", "row"),
+                        Concat::Cols => ("columns", "column"),
+                    };
                     if p.dtype != DType::Bf16 {
                         Some(format!("{} is {:?}", p.name, p.dtype))
-                    } else if k + 1 < n && block > 0 && s.src.height() % block != 0 {
+                    } else if k + 1 < n && block > 0 && along % block != 0 {
                         Some(format!(
-                            "segment {k} ({}) has {} rows, not whole {block}-row tiles",
-                            p.name,
-                            s.src.height()
+                            "segment {k} ({}) has {along} {}, not whole {block}-{} tiles",
+                            p.name, what.0, what.1
                         ))
                     } else {
                         None

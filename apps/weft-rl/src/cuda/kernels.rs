@@ -261,6 +261,30 @@ impl RlKernels {
         self.copy_boxes(stream, &boxes)
     }
 
+    /// Copies each segment to its `(row, col)` corner of `dst` in one
+    /// launch: an inference tensor's segments joined along either
+    /// dimension ([`crate::meta::InferTensor::offsets`]). The segments must
+    /// fill `dst`.
+    pub fn fuse_at(
+        &self,
+        stream: &Stream,
+        segments: &[(DevMat<'_>, (u64, u64))],
+        dst: &DevMat<'_>,
+    ) -> Result<(), GpuError> {
+        let boxes = segments
+            .iter()
+            .map(|(s, (r0, c0))| Ok((*s, dst.sub(*r0, *c0, s.rows, s.cols)?)))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let filled: u64 = segments.iter().map(|(s, _)| s.rows * s.cols).sum();
+        if filled != dst.rows * dst.cols {
+            return Err(GpuError::Invalid(format!(
+                "segments fill {filled} of {}x{} elements",
+                dst.rows, dst.cols
+            )));
+        }
+        self.copy_boxes(stream, &boxes)
+    }
+
     /// Quantises the dense bf16 matrix `src` (`ld == cols`) into `q`
     /// (`rows*cols` e4m3 bytes at byte offset `q.1`) and `scales`
     /// (`ceil(rows/block) * ceil(cols/block)` f32, row-major, at byte

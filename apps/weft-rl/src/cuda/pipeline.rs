@@ -361,10 +361,11 @@ impl GpuUpdate {
                 )?);
             }
             let (rows, cols) = (t.rows(), t.cols());
+            let segs: Vec<_> = segs.into_iter().zip(t.offsets()).collect();
             match (t.quant, slot.scales) {
                 (Quant::Fp8Block, Some((so, _))) => {
                     let fused = DevMat::dense(&self.fused, 0, rows, cols);
-                    k.fuse(s, &segs, &fused)?;
+                    k.fuse_at(s, &segs, &fused)?;
                     k.quantize(
                         s,
                         &fused,
@@ -375,7 +376,7 @@ impl GpuUpdate {
                 }
                 (Quant::None, _) => {
                     let dst = DevMat::dense(&self.image, slot.data.0 as usize, rows, cols);
-                    k.fuse(s, &segs, &dst)?;
+                    k.fuse_at(s, &segs, &dst)?;
                 }
                 _ => {
                     return Err(GpuError::Invalid(format!(

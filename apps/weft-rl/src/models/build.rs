@@ -3,7 +3,8 @@
 
 use super::{Attn, InferLayout, ModelConfig, Naming, TrainLayout};
 use crate::meta::{
-    Box2, DType, InferTensor, Layout, ModelLayout, Placement, Quant, Rank, Segment, TrainParam,
+    Box2, Concat, DType, InferTensor, Layout, ModelLayout, Placement, Quant, Rank, Segment,
+    TrainParam,
 };
 use crate::RlError;
 
@@ -447,6 +448,7 @@ pub fn build(m: &ModelConfig, t: TrainLayout, inf: InferLayout) -> Result<ModelL
         name,
         segments,
         quant,
+        concat: Concat::Rows,
         block: None,
     };
     let mut inference = Vec::with_capacity(inf.ranks as usize);

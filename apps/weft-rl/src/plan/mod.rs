@@ -156,6 +156,8 @@ pub struct Dest {
     pub tensor: usize,
     /// First row of the unit in the inference tensor.
     pub dest_row: u64,
+    /// First column of the unit in the inference tensor.
+    pub dest_col: u64,
     /// Unstaged: `src` in the writer's trainer region. Staged: `src` in the
     /// arena (the quantised bytes).
     pub data: Xfer,
@@ -347,19 +349,16 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
     for (i, ts) in m.inference.iter().enumerate() {
         for (ti, t) in ts.iter().enumerate() {
             let slot = &inference[i].tensors[ti];
-            let mut dest_row = 0;
-            for seg in &t.segments {
+            for (seg, &at) in t.segments.iter().zip(&t.offsets()) {
                 let p = &m.params[seg.param];
                 let elem = p.dtype.size();
                 let w = seg.src.width();
                 let mut push = |b: Box2, eligible: Vec<Rank>, staged: bool| {
-                    let drow = dest_row + (b.rows.start - seg.src.rows.start);
                     let mut u = new_unit(
                         seg.param,
                         b,
-                        i as u32,
-                        ti,
-                        drow,
+                        (i as u32, ti),
+                        at,
                         t.quant,
                         eligible,
                         slot,
@@ -423,7 +422,6 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
                         }
                     }
                 }
-                dest_row += seg.src.height();
             }
         }
     }
@@ -572,13 +570,14 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
     })
 }
 
+/// A unit for box `b` of segment `seg`, whose top-left corner sits at
+/// `at` (row, column) in tensor `tensor` of inference rank `inf`.
 #[allow(clippy::too_many_arguments)]
 fn new_unit(
     param: usize,
     b: Box2,
-    inf: u32,
-    tensor: usize,
-    dest_row: u64,
+    (inf, tensor): (u32, usize),
+    at: (u64, u64),
     quant: Quant,
     eligible: Vec<Rank>,
     slot: &TensorSlot,
@@ -588,18 +587,23 @@ fn new_unit(
 ) -> Unit {
     let w = slot.cols;
     let dst_elem = if quant == Quant::Fp8Block { 1 } else { elem };
-    // Unit box in dest coordinates: rows start at dest_row, cols relative
-    // to the segment's first column.
+    // Unit box in dest coordinates: the segment's corner plus the box's
+    // place in the segment.
+    let dest_row = at.0 + (b.rows.start - seg.src.rows.start);
+    let dest_col = at.1 + (b.cols.start - seg.src.cols.start);
     let dbox = Box2 {
         rows: dest_row..dest_row + b.height(),
-        cols: (b.cols.start - seg.src.cols.start)..(b.cols.end - seg.src.cols.start),
+        cols: dest_col..dest_col + b.width(),
     };
     let dst = box_run(slot.data.0, w, dst_elem, 0, 0, &dbox);
     let scales = slot.scales.map(|(off, _)| {
-        let sw = w.div_ceil(slot.block);
-        let r0 = dest_row / slot.block;
-        let r1 = (dest_row + b.height()).div_ceil(slot.block);
-        let d = Run::contiguous(off + r0 * sw * 4, (r1 - r0) * sw * 4);
+        // The box's tiles: rows and columns of the scale matrix (a staged
+        // box starts on a tile corner; validation sees to it).
+        let tiles = Box2 {
+            rows: dest_row / slot.block..(dest_row + b.height()).div_ceil(slot.block),
+            cols: dest_col / slot.block..(dest_col + b.width()).div_ceil(slot.block),
+        };
+        let d = box_run(off, w.div_ceil(slot.block), 4, 0, 0, &tiles);
         Xfer { src: d, dst: d }
     });
     Unit {
@@ -612,6 +616,7 @@ fn new_unit(
             inf,
             tensor,
             dest_row,
+            dest_col,
             data: Xfer { src: dst, dst },
             scales,
         }],
@@ -664,7 +669,10 @@ fn fill_sources(
             for d in &mut u.dests {
                 d.data = pair(out, d.data.dst);
                 if let Some(s) = &mut d.scales {
-                    s.src = Run::contiguous(box_bytes + q_bytes, s_bytes);
+                    // The quantiser writes the box's scales row-major,
+                    // contiguous; the target's may be strided (a segment
+                    // beside others).
+                    *s = pair(Run::contiguous(box_bytes + q_bytes, s_bytes), s.dst);
                 }
             }
             for (holders, pb) in pieces {

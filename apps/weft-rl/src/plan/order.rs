@@ -37,7 +37,7 @@ pub(super) fn canonical(m: &ModelLayout, plan_block: u64, units: &mut [Unit]) {
     for u in units.iter_mut() {
         u.dests.sort_by(|a, b| {
             let t = |d: &Dest| m.inference[d.inf as usize][d.tensor].name.as_str();
-            (a.inf, t(a), a.dest_row).cmp(&(b.inf, t(b), b.dest_row))
+            (a.inf, t(a), a.dest_row, a.dest_col).cmp(&(b.inf, t(b), b.dest_row, b.dest_col))
         });
     }
 }

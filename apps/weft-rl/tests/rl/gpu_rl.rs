@@ -15,7 +15,7 @@ use weft::loopback::{Fabric, FabricConfig};
 use weft_cuda::{Gpu, Stream};
 use weft_rl::cuda::{DevMat, GpuUpdate, GpuUpdateConfig, RlKernels};
 use weft_rl::fp8::quantize_block;
-use weft_rl::meta::{Box2, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
+use weft_rl::meta::{Box2, Concat, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
 use weft_rl::models::{self, InferLayout, TrainLayout};
 use weft_rl::{plan, DType, PlanConfig};
 use weft_testkit::{seeds_or, SeedGuard};
@@ -339,6 +339,7 @@ fn uneven_layout() -> ModelLayout {
         name: name.into(),
         segments,
         quant,
+        concat: Concat::Rows,
         block: None,
     };
     ModelLayout {

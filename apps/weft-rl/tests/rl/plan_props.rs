@@ -286,6 +286,7 @@ fn replicated_params_spread_evenly() {
                     cols: 0..64,
                 },
             }],
+            concat: weft_rl::meta::Concat::Rows,
             quant: Quant::None,
             block: None,
         })
@@ -453,6 +454,7 @@ fn f32_sources_and_the_fp8_fallback() {
         name: name.into(),
         segments,
         quant,
+        concat: weft_rl::meta::Concat::Rows,
         block: None,
     };
     let base = |inference| ModelLayout {
@@ -500,4 +502,119 @@ fn f32_sources_and_the_fp8_fallback() {
     assert_eq!(q, [Quant::None, Quant::None, Quant::Fp8Block]);
     // A second pass changes nothing.
     assert!(m.fp8_fallback(4).is_empty());
+}
+
+/// Inference tensors joined side by side (`Concat::Cols`): a row-parallel
+/// weight at inference TP 2 assembled from training TP 4's four column
+/// shards, each its own parameter (as per-rank checkpoint tensors are),
+/// stored bf16 and fp8; every byte and scale against the reference; a
+/// segment that is not whole tiles wide is refused for fp8 or, with the
+/// fallback, kept bf16; segments of different heights are refused.
+#[test]
+fn column_joined_tensors_land_beside_each_other() {
+    use weft_rl::meta::*;
+    // Four column shards of an 12 x 40 weight: 8, 12, 12 and 8 columns.
+    let widths = [8u64, 12, 12, 8];
+    let params: Vec<TrainParam> = widths
+        .iter()
+        .enumerate()
+        .map(|(r, &w)| TrainParam {
+            name: format!("o_proj.tp{r}"),
+            rows: 12,
+            cols: w,
+            dtype: DType::Bf16,
+            mesh_group: 0,
+            layout: Layout::fsdp(0, vec![2 * r as u32, 2 * r as u32 + 1], 12),
+        })
+        .collect();
+    let seg = |param: usize, rows: std::ops::Range<u64>| Segment {
+        param,
+        src: Box2 {
+            rows,
+            cols: 0..widths[param],
+        },
+    };
+    let t = |name: &str, segments, quant| InferTensor {
+        name: name.into(),
+        segments,
+        concat: Concat::Cols,
+        quant,
+        block: None,
+    };
+    let m = |inference| ModelLayout {
+        trainers: 8,
+        params: params.clone(),
+        inference,
+    };
+    let cfg = PlanConfig {
+        block: 4,
+        unit_bytes: 64,
+        align: 8,
+        ..PlanConfig::default()
+    };
+    // Inference rank i holds shards 2i and 2i+1 side by side, bf16 and
+    // fp8 (4-wide tiles: 8 and 12 are whole tiles).
+    let good = m((0..2)
+        .map(|i| {
+            vec![
+                t(
+                    "o",
+                    vec![seg(2 * i, 0..12), seg(2 * i + 1, 0..12)],
+                    Quant::None,
+                ),
+                t(
+                    "o.fp8",
+                    vec![seg(2 * i, 0..12), seg(2 * i + 1, 0..12)],
+                    Quant::Fp8Block,
+                ),
+            ]
+        })
+        .collect());
+    let p = plan(&good, &cfg).unwrap();
+    assert_eq!(
+        (
+            p.inference[0].tensors[0].rows,
+            p.inference[0].tensors[0].cols
+        ),
+        (12, 20)
+    );
+    check_model(&good, &cfg, 0).unwrap();
+    // fp8 with a first segment 6 wide (not whole 4-wide tiles).
+    let ragged = |quant| {
+        m(vec![vec![t(
+            "r",
+            vec![
+                Segment {
+                    param: 1,
+                    src: Box2 {
+                        rows: 0..12,
+                        cols: 0..6,
+                    },
+                },
+                seg(0, 0..12),
+            ],
+            quant,
+        )]])
+    };
+    match plan(&ragged(Quant::Fp8Block), &cfg) {
+        Err(weft_rl::RlError::Layout(msg)) => assert!(msg.contains("6 columns"), "{msg}"),
+        other => panic!("ragged fp8: {other:?}"),
+    }
+    let mut fb = ragged(Quant::Fp8Block);
+    let f = fb.fp8_fallback(4);
+    assert!(f.len() == 1 && f[0].reason.contains("6 columns"), "{f:?}");
+    check_model(&fb, &cfg, 0).unwrap();
+    check_model(&ragged(Quant::None), &cfg, 0).unwrap();
+    // Side by side, the segments share one height.
+    match plan(
+        &m(vec![vec![t(
+            "h",
+            vec![seg(0, 0..12), seg(1, 0..8)],
+            Quant::None,
+        )]]),
+        &cfg,
+    ) {
+        Err(weft_rl::RlError::Layout(msg)) => assert!(msg.contains("another height"), "{msg}"),
+        other => panic!("uneven heights: {other:?}"),
+    }
 }

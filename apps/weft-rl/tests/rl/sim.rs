@@ -2,7 +2,9 @@
 //! hand-computed time for one trainer and one inference rank, never below
 //! the bandwidth bound, deterministic per seed, Rank0 slower than P2P.
 
-use weft_rl::meta::{Box2, DType, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
+use weft_rl::meta::{
+    Box2, Concat, DType, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam,
+};
 use weft_rl::models::{self, InferLayout, TrainLayout};
 use weft_rl::sim::{simulate, SimConfig};
 use weft_rl::{plan, PlanConfig};
@@ -29,6 +31,7 @@ fn one_to_one(rows: u64) -> ModelLayout {
                     cols: 0..1024,
                 },
             }],
+            concat: Concat::Rows,
             quant: Quant::None,
             block: None,
         }]],

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use weft_rl::meta::{
-    Box2, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
+    Box2, Concat, InferTensor, Layout, ModelLayout, Placement, Quant, Segment, TrainParam,
 };
 use weft_rl::DType;
 
@@ -82,32 +82,45 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
             let own = (fp8 && g.below(3) == 0).then(|| g.range(1, block.max(2) - 1));
             let block = own.unwrap_or(block);
             let first = g.below(nparams as u64) as usize;
-            let width = g.range(1, params[first].cols);
+            // A third are joined side by side: the roles of rows and
+            // columns swap (one height, fp8 widths whole tiles).
+            let cols_joined = g.below(3) == 0;
+            let extent = |p: usize, across: bool| {
+                if across != cols_joined {
+                    params[p].cols
+                } else {
+                    params[p].rows
+                }
+            };
+            let width = g.range(1, extent(first, true));
             let mut segs = Vec::new();
             let nseg = g.range(1, 3);
             for s in 0..nseg {
-                let cands: Vec<usize> = (0..nparams).filter(|&p| params[p].cols >= width).collect();
+                let cands: Vec<usize> =
+                    (0..nparams).filter(|&p| extent(p, true) >= width).collect();
                 let p = if s == 0 {
                     first
                 } else {
                     cands[g.below(cands.len() as u64) as usize]
                 };
-                let rows = params[p].rows;
+                let rows = extent(p, false);
                 // fp8: every segment but the last is whole tiles
                 let last = s + 1 == nseg || (fp8 && rows < block);
-                let c0 = g.range(0, params[p].cols - width);
+                let c0 = g.range(0, extent(p, true) - width);
                 let h = if fp8 && !last {
                     g.range(1, rows / block) * block
                 } else {
                     g.range(1, rows)
                 };
                 let r0 = g.range(0, rows - h);
+                let (rows, cols) = if cols_joined {
+                    (c0..c0 + width, r0..r0 + h)
+                } else {
+                    (r0..r0 + h, c0..c0 + width)
+                };
                 segs.push(Segment {
                     param: p,
-                    src: Box2 {
-                        rows: r0..r0 + h,
-                        cols: c0..c0 + width,
-                    },
+                    src: Box2 { rows, cols },
                 });
                 if last {
                     break;
@@ -116,6 +129,11 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
             ts.push(InferTensor {
                 name: format!("i{i}.t{k}"),
                 segments: segs,
+                concat: if cols_joined {
+                    Concat::Cols
+                } else {
+                    Concat::Rows
+                },
                 quant: if fp8 { Quant::Fp8Block } else { Quant::None },
                 block: own,
             });
