@@ -19,6 +19,7 @@ use weft::loopback::{Fabric, FabricConfig, LoopbackDomain, NicModel};
 use weft::shard::{plan_single_write, ShardConfig};
 use weft::{Access, Completion, Domain, LocalMr, PeerId, RemoteSlice, WrId, WriteWr};
 
+use super::gather::{self, WaveGather};
 use super::SimConfig;
 use crate::meta::ModelLayout;
 use crate::plan::{Plan, Unit, Xfer};
@@ -110,14 +111,22 @@ struct Actor {
     /// Unshard, quantise, (unused), barrier wait (ns).
     parts: [u64; 4],
     done_at: u64,
+    /// Staged units waiting for cross-node gathers.
+    staged_wait: Option<StagedWait>,
 }
 
-/// Per wave: for each writer, when its gathers are in (ns after the
-/// barrier); for each source, how many gather submits it posts.
-#[derive(Default)]
-struct WaveGather {
-    done: BTreeMap<u32, u64>,
-    submits: BTreeMap<u32, u64>,
+/// A writer's staged units of one wave, waiting for the gathers that
+/// cross nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StagedWait {
+    gi: usize,
+    k: usize,
+    /// When its barrier passed.
+    from: u64,
+    /// When its NVLink gathers are in.
+    nvlink_ready: u64,
+    /// Cross-node gather WRITEs it needs (counted by their immediate).
+    expect: u64,
 }
 
 struct Driver<'a> {
@@ -247,6 +256,7 @@ impl<'a> Driver<'a> {
                 phase: if a < nt { Phase::Work } else { Phase::Final },
                 parts: [0; 4],
                 done_at: 0,
+                staged_wait: None,
             });
         }
         let shard = ShardConfig::default();
@@ -434,6 +444,16 @@ impl<'a> Driver<'a> {
                     self.wave_work(a, gi, k)?;
                 }
                 Phase::Work => {
+                    if let Some(w) = act.staged_wait {
+                        let seen = act.imms.get(&gather::imm(w.gi, w.k)).copied();
+                        if seen.unwrap_or(0) < w.expect {
+                            return Ok(());
+                        }
+                        self.actors[a].staged_wait = None;
+                        self.stage(a, w);
+                        self.schedule(a);
+                        continue;
+                    }
                     let next_half = act
                         .waves
                         .get(act.pos + 1)
@@ -496,38 +516,80 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// After the barrier of wave `k` of group `gi`: the modelled unshard,
-    /// then direct WRITEs at once and staged ones after their quantisation.
+    /// After the barrier of wave `k` of group `gi`: the gathers it sources
+    /// (cross-node ones posted, NVLink ones modelled), its direct WRITEs at
+    /// once, and its staged ones after the gathers into it and their
+    /// quantisation.
     fn wave_work(&mut self, a: usize, gi: usize, k: usize) -> Result<(), RlError> {
         let now = self.now();
         let r = a as u32;
         if self.gathers[gi][k].is_none() {
-            self.gathers[gi][k] = Some(self.wave_gather(gi, k));
+            self.gathers[gi][k] = Some(WaveGather::new(self.plan, &self.cfg, gi, k));
         }
-        let (gdone, gsub) = self.gathers[gi][k].as_ref().map_or((0, 0), |g| {
-            (
-                g.done.get(&r).copied().unwrap_or(0),
-                g.submits.get(&r).copied().unwrap_or(0),
-            )
-        });
-        let submit = ns(self.cfg.submit_us);
+        let g = self.gathers[gi][k].as_ref();
+        let nvl = g.and_then(|g| g.nvlink_done.get(&r)).copied().unwrap_or(0);
+        let gsub = g.and_then(|g| g.submits.get(&r)).copied().unwrap_or(0);
+        let expect = g.and_then(|g| g.cross_in.get(&r)).copied().unwrap_or(0);
+        let cross = g.and_then(|g| g.cross.get(&r)).cloned().unwrap_or_default();
+        let half = self.plan.arena_half(gi, k);
+        // The planned gather transfers are submitted first (host cost), then
+        // the cross-node bytes go out on the fabric.
         {
             let act = &mut self.actors[a];
-            // The gathers it sources are submitted first (their transfer is
-            // modelled, not posted).
-            act.proxy_free = act.proxy_free.max(now) + gsub * submit;
-            act.parts[0] += gdone;
+            act.proxy_free = act.proxy_free.max(now) + gsub * ns(self.cfg.submit_us);
+        }
+        for (w, bytes, chunk) in cross {
+            let mut left = bytes;
+            while left > 0 {
+                let len = left.min(chunk);
+                left -= len;
+                let nic = self.rr[a] % self.nics;
+                self.rr[a] += 1;
+                self.actors[a].pending.push_back(Post {
+                    ready: now,
+                    nic,
+                    src: Src::Shards,
+                    src_off: 0,
+                    len,
+                    to: w as usize,
+                    dst_off: half as u64 * self.plan.arena_len,
+                    imm: gather::imm(gi, k),
+                    half,
+                });
+            }
         }
         let units = &self.plan.units[self.plan.groups[gi].waves[k].clone()];
-        let mine = |u: &&Unit| u.writer == r;
-        for u in units.iter().filter(mine).filter(|u| u.arena.is_none()) {
+        for u in units.iter().filter(|u| u.writer == r && u.arena.is_none()) {
             self.queue_unit(a, u, now, Src::Shards, 0);
         }
+        let wait = StagedWait {
+            gi,
+            k,
+            from: now,
+            nvlink_ready: now + nvl,
+            expect,
+        };
+        if expect > 0 {
+            self.actors[a].staged_wait = Some(wait);
+        } else {
+            self.stage(a, wait);
+        }
+        self.schedule(a);
+        Ok(())
+    }
+
+    /// `a`'s gathers of wave `w` are in: quantisation (on its device, in
+    /// order) and the staged WRITEs.
+    fn stage(&mut self, a: usize, w: StagedWait) {
+        let ready = w.nvlink_ready.max(self.now());
+        self.actors[a].parts[0] += ready - w.from;
+        let units = &self.plan.units[self.plan.groups[w.gi].waves[w.k].clone()];
         // Staged units read the arena half of the wave's parity.
-        let base = self.plan.arena_half(gi, k) as u64 * self.plan.arena_len;
+        let base = self.plan.arena_half(w.gi, w.k) as u64 * self.plan.arena_len;
         let q_bs = self.cfg.quant_gbs * 1e9;
-        let mut dev = (now + gdone).max(self.dev_free[a]);
-        for u in units.iter().filter(mine).filter(|u| u.arena.is_some()) {
+        let mut dev = ready.max(self.dev_free[a]);
+        let r = a as u32;
+        for u in units.iter().filter(|u| u.writer == r && u.arena.is_some()) {
             let bytes = u.src.elems() * self.m.params[u.param].dtype.size();
             let q = ns(self.cfg.kernel_us) + (bytes as f64 / q_bs * 1e9) as u64;
             dev += q;
@@ -535,8 +597,6 @@ impl<'a> Driver<'a> {
             self.queue_unit(a, u, dev, Src::Arena, base);
         }
         self.dev_free[a] = dev;
-        self.schedule(a);
-        Ok(())
     }
 
     /// Queues every WR of `u`'s destinations, ready at `ready`, their
@@ -585,48 +645,6 @@ impl<'a> Driver<'a> {
                 }
             }
         }
-    }
-
-    /// The modelled unshard of one wave: per rank, bytes in and out over
-    /// NVLink (same node) and the NICs (other nodes); a writer has its
-    /// gathers when it has received its bytes and every source has sent
-    /// (submits, then bytes at its link rate), plus one latency.
-    fn wave_gather(&self, gi: usize, k: usize) -> WaveGather {
-        let node = |r: u32| r / self.cfg.gpus_per_node.max(1);
-        let nic_bs = self.cfg.nic_gbps * 1e9 / 8.0 * self.nics as f64;
-        let nvl_bs = self.cfg.nvlink_gbs * 1e9;
-        // (in nic, in nvl, out nic, out nvl, submits)
-        let mut io: BTreeMap<u32, [u64; 5]> = BTreeMap::new();
-        let mut sources: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-        for u in &self.plan.units[self.plan.groups[gi].waves[k].clone()] {
-            for g in &u.gathers {
-                let b = g.xfer.src.bytes();
-                let nvl = usize::from(node(g.from) == node(u.writer));
-                io.entry(u.writer).or_default()[nvl] += b;
-                let s = io.entry(g.from).or_default();
-                s[2 + nvl] += b;
-                s[4] += 1;
-                sources.entry(u.writer).or_default().push(g.from);
-            }
-        }
-        let t = |b: u64, bs: f64| (b as f64 / bs * 1e9) as u64;
-        let submit = ns(self.cfg.submit_us);
-        let sent = |s: u32| {
-            io.get(&s)
-                .map_or(0, |v| v[4] * submit + t(v[2], nic_bs).max(t(v[3], nvl_bs)))
-        };
-        let mut out = WaveGather::default();
-        for (w, srcs) in &sources {
-            let v = io.get(w).copied().unwrap_or_default();
-            let recv = t(v[0], nic_bs).max(t(v[1], nvl_bs));
-            let send = srcs.iter().map(|&s| sent(s)).max().unwrap_or(0);
-            out.done
-                .insert(*w, recv.max(send) + ns(self.cfg.latency_us));
-        }
-        for (r, v) in &io {
-            out.submits.insert(*r, v[4]);
-        }
-        out
     }
 
     fn main_loop(&mut self) -> Result<(), RlError> {

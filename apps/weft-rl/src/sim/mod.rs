@@ -19,11 +19,13 @@
 //!   their immediates (count computed from the plan) and then acknowledge
 //!   every trainer with a zero-length WRITEIMM, as the real protocol does;
 //!   the update time is when the last trainer has every acknowledgement.
-//!   The compute stages are charged as modelled durations between the
-//!   posts (like weft-moe's `HostModel`): the unshard (the plan's gather
-//!   bytes per rank over NVLink inside a node, over the NICs between
-//!   nodes), quantisation / fusion per staged unit, and `submit_us` of host
-//!   time per submit (one proxy lane per rank).
+//!   The unshard's gathers between nodes are WRITEs on the fabric too
+//!   (module `gather`): they share the NICs with the weight WRITEs, and a
+//!   writer quantises a wave's staged units only once they arrived. The
+//!   rest is charged as modelled durations between the posts (like
+//!   weft-moe's `HostModel`): the gathers inside a node (NVLink, which the
+//!   fabric does not have), quantisation / fusion per staged unit, and
+//!   `submit_us` of host time per submit (one proxy lane per rank).
 //! - **The event-level cost model** ([`cost_model`]) as a cross-check: the
 //!   same plan costed wave by wave from byte counts (see its docs).
 //!
@@ -45,12 +47,11 @@
 //! are scaled too, and the plan's offsets and page lengths do not divide
 //! evenly (rounding changes the WRITE sizes).
 //!
-//! The unshard is *not* posted on the fabric: it is 1.1 M transfers of
-//! ~7.9 M pages for Kimi-K2 (strided boxes), too many events for seconds
-//! on 2 cores, and most of it goes over NVLink, which the fabric does not
-//! have. Its cross-node part therefore does not compete with the WRITEs on
-//! the NICs in this simulation (it is done before a wave's staged WRITEs
-//! start; they overlap the previous wave's WRITEs and other groups').
+//! The plan's gathers are strided boxes (Kimi-K2: 1.1 M transfers of
+//! ~7.9 M pages), too many events to post one by one: a source's
+//! cross-node gathers into one writer in one wave go out as WRITEs of their
+//! summed bytes (at most 8 MiB each); the per-transfer host cost is
+//! charged as submits.
 //!
 //! Model error to keep in mind: the NIC model is store-and-forward per
 //! WRITE (a WRITE is received only after it was fully sent), which adds
@@ -63,6 +64,7 @@
 //! quantises alone, one link into inference rank 0, which scatters).
 
 mod fabric;
+mod gather;
 mod model;
 
 pub use model::{cost_model, ModelReport};

@@ -173,6 +173,61 @@ fn prediction_respects_the_bound_and_is_deterministic_per_seed() {
     }
 }
 
+/// The unshard's cross-node gathers are WRITEs on the fabric: with one GPU
+/// per node every gather crosses nodes, and the run posts exactly the
+/// gather WRITEs more than with every trainer on one node (NVLink,
+/// modelled): per source, writer and wave its summed bytes in chunks of at
+/// most 8 MiB, its shards' length and the arena. Their bytes share the
+/// NICs with the weights, so the update is not faster.
+#[test]
+fn cross_node_gathers_are_posted_on_the_fabric() {
+    for (name, t, i) in small_layouts() {
+        let m = models::model(name).unwrap();
+        let ml = models::build(&m, t, i).unwrap();
+        let cfg = PlanConfig {
+            unit_bytes: 32 << 10,
+            watermark: 256 << 10,
+            ..PlanConfig::default()
+        };
+        let p = plan(&ml, &cfg).unwrap();
+        let mut pairs: std::collections::BTreeMap<(u32, u32, usize, usize), u64> =
+            Default::default();
+        for (gi, g) in p.groups.iter().enumerate() {
+            for (k, w) in g.waves.iter().enumerate() {
+                for u in &p.units[w.clone()] {
+                    for x in &u.gathers {
+                        *pairs.entry((x.from, u.writer, gi, k)).or_default() += x.xfer.src.bytes();
+                    }
+                }
+            }
+        }
+        let chunks: u64 = pairs
+            .iter()
+            .map(|(&(from, _, _, _), &b)| {
+                let chunk = (8u64 << 20)
+                    .min(p.trainers[from as usize].len)
+                    .min(p.arena_len);
+                b.div_ceil(chunk)
+            })
+            .sum();
+        let ctx = format!("{name} {t:?} -> {i:?}");
+        assert!(chunks > 0, "{ctx}: no gathers to test");
+        let run = |gpus_per_node| {
+            let sc = SimConfig {
+                gpus_per_node,
+                ..SimConfig::default()
+            };
+            simulate(&ml, &p, &sc).unwrap()
+        };
+        let (cross, nvlink) = (run(1), run(1 << 20));
+        assert_eq!(cross.wrs, nvlink.wrs + chunks, "{ctx}");
+        assert!(
+            cross.p2p_s >= nvlink.p2p_s,
+            "{ctx}: {cross:?} vs {nvlink:?}"
+        );
+    }
+}
+
 /// DeepSeek-V3's shapes, 4 layers, at the paper's 256 -> 128 layout: the
 /// single-link Rank0 path is far slower than P2P over the fabric, which
 /// stays above the bound and within a small factor of the cost model.
