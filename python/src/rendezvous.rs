@@ -10,7 +10,10 @@ use pyo3::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use weft::rendezvous::{self, Namespace, PeerEvent, PeerRecord, Session, Store, StoreError};
+use pyo3::types::PyBytes;
+use weft::rendezvous::{
+    self, Namespace, PeerEvent, PeerRecord, Records, Session, Store, StoreError,
+};
 
 use crate::engine::PyTransferEngine;
 use crate::errors::new_err;
@@ -384,6 +387,53 @@ impl PyNamespace {
         let t = seconds(py, "timeout", timeout)?;
         py.detach(|| self.inner.wait_mr(name, mr, t))
             .map(|r| PyMrDesc { inner: r.desc })
+            .map_err(|e| store_err(py, &e))
+    }
+
+    /// Publishes `data` as record `name` of kind `kind` (an application's
+    /// own bytes: a plan input, a role) under `session`'s lease; it
+    /// disappears when the session closes or its lease runs out. Readers
+    /// must treat the bytes as untrusted.
+    fn publish_record(
+        &self,
+        py: Python<'_>,
+        session: &PySession,
+        kind: &str,
+        name: &str,
+        data: Vec<u8>,
+    ) -> PyResult<()> {
+        let s = session.get(py)?;
+        let records: Records<Vec<u8>> = Records::new(&self.inner, kind);
+        py.detach(|| records.publish(s, name, &data))
+            .map_err(|e| store_err(py, &e))
+    }
+
+    /// Record `name` of kind `kind`, or `None`.
+    fn record<'py>(
+        &self,
+        py: Python<'py>,
+        kind: &str,
+        name: &str,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let records: Records<Vec<u8>> = Records::new(&self.inner, kind);
+        py.detach(|| records.get(name))
+            .map(|r| r.map(|b| PyBytes::new(py, &b)))
+            .map_err(|e| store_err(py, &e))
+    }
+
+    /// Waits up to `timeout` seconds for record `name` of kind `kind`.
+    #[pyo3(signature = (kind, name, timeout=30.0))]
+    fn wait_record<'py>(
+        &self,
+        py: Python<'py>,
+        kind: &str,
+        name: &str,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let t = seconds(py, "timeout", timeout)?;
+        let records: Records<Vec<u8>> = Records::new(&self.inner, kind);
+        py.detach(|| records.wait(name, t))
+            .map(|b| PyBytes::new(py, &b))
             .map_err(|e| store_err(py, &e))
     }
 

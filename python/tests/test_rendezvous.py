@@ -211,3 +211,22 @@ def test_etcd_lease_ends_with_its_process(etcd, loopback_pair):
     finally:
         child.kill()
         child.wait()
+
+
+def test_application_records_bytes(tmp_path):
+    """An application's own records: bytes under (kind, name), waited for,
+    gone when the session closes; a key with a '/' is refused; a waiter
+    times out with the typed error."""
+    store = rv.open_store(f"dir:{tmp_path}")
+    ns = rv.Namespace(store, "app")
+    assert ns.record("targets", "inference-0") is None
+    with rv.Session(store, ttl=10) as s:
+        ns.publish_record(s, "targets", "inference-0", b"\x00[1, 2]\xff")
+        assert ns.wait_record("targets", "inference-0", timeout=5) == b"\x00[1, 2]\xff"
+        assert rv.Namespace(store, "app").record("targets", "inference-0") == b"\x00[1, 2]\xff"
+        assert ns.record("other", "inference-0") is None
+        with pytest.raises(weft.InvalidRendezvousArgumentError):
+            ns.publish_record(s, "a/b", "x", b"")
+    assert ns.record("targets", "inference-0") is None
+    with pytest.raises(weft.RendezvousTimeoutError):
+        ns.wait_record("targets", "inference-0", timeout=0.2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import types
 from typing import Any, Optional
 
 import torch
@@ -17,8 +18,9 @@ PARAMS: dict[str, tuple[tuple[int, ...], Any]] = {
     "layers.0.q": ((8, 16), 0),
     "layers.0.k": ((4, 16), 0),
     "layers.0.v": ((4, 16), 1),
-    "layers.0.o": ((16, 8), 1),
-    "layers.0.norm": ((16,), None),
+    "layers.0.o_proj.weight": ((16, 8), 1),
+    "layers.0.up_proj.weight": ((8, 16), 0),
+    "layers.0.norm.weight": ((16,), None),
     "layers.0.bias": ((16,), "plain"),
     "layers.0.w8": ((8, 12), 0),
 }
@@ -50,55 +52,90 @@ def ref_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-class ToyModel(torch.nn.Module):
-    """The worker's model: q/k/v fused into one qkv tensor as vLLM does,
-    w8 stored as fp8 with its scales."""
-
-    def __init__(self) -> None:
+class _Layer(torch.nn.Module):
+    def __init__(self, tp: int, rank: int) -> None:
         super().__init__()
         z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
         self.qkv = z(16, 16)
-        self.o = z(16, 8)
-        self.norm = z(16)
         self.bias = z(16)
         self.w8 = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.w8_scale_inv = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+        self.o_proj, self.up_proj, self.norm = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+        self.o_proj.weight = z(16, 8 // tp)
+        self.up_proj.weight = z(8 // tp, 16)
+        self.norm.weight = z(16)
+        if tp > 1:
+            # vLLM's own loaders, bound to a layer of TP rank `rank`: a
+            # row-parallel o_proj, a column-parallel up_proj, a norm.
+            from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            owner = types.SimpleNamespace(tp_rank=rank, tp_size=tp)
+            self.o_proj.weight.input_dim = 1
+            self.o_proj.weight.weight_loader = types.MethodType(RowParallelLinear.weight_loader, owner)
+            self.up_proj.weight.output_dim = 0
+            self.up_proj.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+            self.norm.weight.weight_loader = default_weight_loader
+
+
+class ToyModel(torch.nn.Module):
+    """The worker's model: q/k/v fused into one qkv tensor as vLLM does,
+    w8 stored as fp8 with its scales; with ``tp`` 2, o_proj, up_proj and
+    the norm carry vLLM's row-parallel, column-parallel and default
+    loaders of TP rank ``rank`` (their parameters this rank's shards)."""
+
+    def __init__(self, tp: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(tp, rank)])
 
     def load_weights(self, weights) -> set[str]:
         rows = {"q": (0, 8), "k": (8, 12), "v": (12, 16)}
+        layer = self.layers[0]
         loaded = set()
         for name, t in weights:
-            short = name.split(".")[-1]
+            short = name.removeprefix("layers.0.")
             with torch.no_grad():
                 if short in rows:
                     a, b = rows[short]
-                    self.qkv[a:b].copy_(t)
+                    layer.qkv[a:b].copy_(t)
                 else:
-                    getattr(self, short).copy_(t)
+                    layer.get_parameter(short).copy_(t)
             loaded.add(name)
         return loaded
 
     def matches(self, version: int) -> list[str]:
-        """Names that differ from `version` (empty: all bytes right)."""
+        """Names that differ from `version` (empty: all bytes right). A
+        parameter with a vLLM loader must hold what that loader makes of
+        the whole tensor."""
         w = weights(version)
-        want = {
-            "qkv": torch.cat([w["layers.0.q"], w["layers.0.k"], w["layers.0.v"]]),
-            "o": w["layers.0.o"],
-            "norm": w["layers.0.norm"],
-            "bias": w["layers.0.bias"],
-        }
+        layer = self.layers[0]
+        want = {"qkv": torch.cat([w["layers.0.q"], w["layers.0.k"], w["layers.0.v"]]), "bias": w["layers.0.bias"]}
+        for short in ("o_proj.weight", "up_proj.weight", "norm.weight"):
+            p = layer.get_parameter(short)
+            full = w["layers.0." + short]
+            if hasattr(p, "weight_loader"):
+                ref = torch.nn.Parameter(torch.zeros_like(p), requires_grad=False)
+                for attr in ("input_dim", "output_dim"):
+                    if hasattr(p, attr):
+                        setattr(ref, attr, getattr(p, attr))
+                p.weight_loader(ref, full)
+                full = ref.data
+            want[short] = full
         q, s = ref_fp8(w["layers.0.w8"], BLOCK)
-        bad = [n for n, t in want.items() if not torch.equal(getattr(self, n).view(torch.int16), t.view(torch.int16))]
-        if not torch.equal(self.w8.view(torch.uint8), q.view(torch.uint8)):
+        bad = [
+            n for n, t in want.items() if not torch.equal(layer.get_parameter(n).view(torch.int16), t.view(torch.int16))
+        ]
+        if not torch.equal(layer.w8.view(torch.uint8), q.view(torch.uint8)):
             bad.append("w8")
-        if not torch.equal(self.w8_scale_inv, s):
+        if not torch.equal(layer.w8_scale_inv, s):
             bad.append("w8_scale_inv")
         return bad
 
 
-def serve_worker(ctl, rpc, root: str, rank: int) -> None:
+def serve_worker(ctl, rpc, root: str, rank: int, tp: int = 1) -> None:
     """A vLLM worker: answers the trainer sender's RPCs on `rpc`; reports
-    after each finished update whether its model holds that version."""
+    after each finished update whether its model holds that version, and
+    at the end which parameters it took straight into the model."""
     try:
         import weft.vllm_weights  # noqa: F401  (registers "weft")
         from vllm.config import DeviceConfig, ModelConfig, VllmConfig
@@ -111,7 +148,7 @@ def serve_worker(ctl, rpc, root: str, rank: int) -> None:
         mc = ModelConfig(model=F.model_dir(Path(root)), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=256)
         vc = VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"))
         vc.parallel_config.rank = rank
-        model = ToyModel()
+        model = ToyModel(tp, rank)
         eng = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend="weft"), vc, torch.device("cpu"), model
         )
@@ -140,8 +177,9 @@ def serve_worker(ctl, rpc, root: str, rank: int) -> None:
                 rpc.send(("ok", None))
             except Exception:  # noqa: BLE001 - reported to the caller
                 rpc.send(("error", traceback.format_exc()))
+        direct = eng.direct
         eng.shutdown()
-        ctl.send(("done", versions))
+        ctl.send(("done", versions, direct))
     except Exception:  # noqa: BLE001
         ctl.send(("error", traceback.format_exc()))
 
@@ -258,7 +296,7 @@ def serve_trainer(
 
 
 def _unname(n: str) -> str:
-    return n.replace("layers_0_", "layers.0.")
+    return {k.replace(".", "_"): k for k in PARAMS}[n]
 
 
 class _Named(torch.nn.Module):

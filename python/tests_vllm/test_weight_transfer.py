@@ -42,14 +42,15 @@ def _require(provider: str) -> None:
         pytest.skip(f"{provider}: {status.reason}")
 
 
-def _workers(ctx, tmp_path, procs: list) -> tuple[list, list]:
-    """Two vLLM worker processes, ready: their control pipes and the
-    client ends of their RPC pipes (for trainer 0's client)."""
+def _workers(ctx, tmp_path, procs: list, tp: int = 1) -> tuple[list, list]:
+    """Two vLLM worker processes (with ``tp`` 2: the two TP ranks of one
+    model), ready: their control pipes and the client ends of their RPC
+    pipes (for trainer 0's client)."""
     ctls, client_ends = [], []
     for r in range(2):
         ctl, ctl_child = ctx.Pipe()
         rpc, rpc_child = ctx.Pipe()
-        p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r), daemon=True)
+        p = ctx.Process(target=rl_ranks.serve_worker, args=(ctl_child, rpc_child, str(tmp_path), r, tp), daemon=True)
         p.start()
         procs.append(p)
         ctls.append(ctl)
@@ -91,8 +92,37 @@ def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
         for c in client_ends:
             c.close()
         for r, c in enumerate(workers):
-            _, versions = _recv(c, f"worker {r}")
+            _, versions, direct = _recv(c, f"worker {r}")
             assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
+            assert direct == [], "no vLLM loaders: every parameter through load_weights"
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
+    """Two workers as the TP ranks of one model whose o_proj, up_proj and
+    norm carry vLLM's row-parallel, column-parallel and default loaders:
+    each worker receives only its own shard of those (half of o_proj's
+    columns, half of up_proj's rows) and copies it into the parameter,
+    holding exactly what vLLM's loader makes of the whole tensor; the
+    fused q/k/v, the fp8 tensor and the loader-less bias still go through
+    load_weights. Three versions over tcp."""
+    provider = "libfabric:tcp"
+    _require(provider)
+    ctx = mp.get_context("spawn")
+    procs: list = []
+    try:
+        workers, client_ends = _workers(ctx, tmp_path, procs, tp=2)
+        trainers = _trainers(ctx, tmp_path, procs, client_ends, provider, 3)
+        for r, (_, c) in enumerate(trainers):
+            assert _recv(c, f"trainer {r}") == ("done", 3)
+        for c in client_ends:
+            c.close()
+        for r, c in enumerate(workers):
+            _, versions, direct = _recv(c, f"worker {r}")
+            assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
+            assert direct == ["layers.0.norm.weight", "layers.0.o_proj.weight", "layers.0.up_proj.weight"], direct
     finally:
         for p in procs:
             p.kill()
@@ -130,13 +160,16 @@ def test_module_source_metadata_maps_to_the_plan():
     m.register_parameter("b", torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)))
     table = vw._table(ModuleSource(m).metadata)
     assert table[0][:3] == ["a", "torch.bfloat16", [4, 6]]
-    plan = vw._plan(table, 3, 2, ["a"], {"block": 4})
+    whole = vw._targets(m, table, ["a"], True, False)
+    assert whole == [["a", 0, 4, 0, 6, False], ["b", 0, 5, 0, 1, False]], "no vLLM loaders: whole tensors"
+    plan = vw._plan(table, 3, [whole, whole], ["a"], {"block": 4})
     assert plan.params() == [("a", 4, 6, "bf16"), ("b", 5, 1, "bf16")]
     assert [t[0] for t in plan.tensors(1)] == ["a", "b"] and plan.tensors(1)[0][3] == "fp8"
     assert {p[0] for p in plan.pieces(2)} == {"a", "b"}
     m.register_parameter("c", torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)))
     with pytest.raises(rl.RlError) as e:
-        vw._plan(vw._table(ModuleSource(m).metadata), 3, 2, [], {})
+        t = vw._table(ModuleSource(m).metadata)
+        vw._plan(t, 3, [vw._targets(m, t, [], True, False)] * 2, [], {})
     assert e.value.kind == "layout"
 
 
@@ -156,3 +189,95 @@ def test_backend_is_registered_with_both_factories():
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+
+
+def test_targets_follow_vllm_loaders_and_refuse_the_rest():
+    """Which part of each parameter a worker takes: its TP shard for vLLM's
+    row- and column-parallel loaders (columns of a 2-D weight, rows of a
+    1-D bias), the whole tensor for the default loader and for anything
+    else (no loader, a wrapped loader, packed, a shape that is not the
+    checkpoint's split, an fp8 name); with whole modules, a module with one
+    parameter through load_weights takes all through it. Records read back
+    from the store are checked: wrong names, lengths, types or ranges are
+    typed layout errors."""
+    import functools
+    import types
+
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    owner = types.SimpleNamespace(tp_rank=1, tp_size=2)
+    z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+    m = torch.nn.Module()
+    for name in ["row", "col", "norm", "plain", "wrapped", "packed", "odd", "f8"]:
+        m.add_module(name, torch.nn.Module())
+    m.row.weight, m.row.bias = z(6, 4), z(6)
+    m.row.weight.input_dim = 1
+    m.row.weight.weight_loader = types.MethodType(RowParallelLinear.weight_loader, owner)
+    m.col.weight, m.col.bias = z(3, 8), z(3)
+    m.col.weight.output_dim = 0
+    m.col.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    m.col.bias.output_dim = 0
+    m.col.bias.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    m.norm.weight = z(8)
+    m.norm.weight.weight_loader = default_weight_loader
+    m.plain.weight = z(4, 4)
+    m.wrapped.weight = z(3, 8)
+    m.wrapped.weight.output_dim = 0
+    m.wrapped.weight.weight_loader = functools.partial(ColumnParallelLinear.weight_loader, owner)
+    m.packed.weight = z(3, 8)
+    m.packed.weight.output_dim, m.packed.weight.packed_dim = 0, 0
+    m.packed.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    m.odd.weight = z(4, 8)
+    m.odd.weight.output_dim = 0
+    m.odd.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    m.f8.weight = z(3, 8)
+    m.f8.weight.output_dim = 0
+    m.f8.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    full = {
+        "row.weight": (6, 8),
+        "row.bias": (6,),
+        "col.weight": (6, 8),
+        "col.bias": (6,),
+        "norm.weight": (8,),
+        "plain.weight": (4, 4),
+        "wrapped.weight": (6, 8),
+        "packed.weight": (6, 8),
+        "odd.weight": (6, 8),
+        "f8.weight": (6, 8),
+    }
+    table = [[n, "torch.bfloat16", list(s), None, None, None] for n, s in full.items()]
+    got = {t[0]: t[1:] for t in vw._targets(m, table, ["f8.weight"], True, False)}
+    assert got == {
+        "row.weight": [0, 6, 4, 8, True],
+        "row.bias": [0, 6, 0, 1, False],
+        "col.weight": [3, 6, 0, 8, True],
+        "col.bias": [3, 6, 0, 1, True],
+        "norm.weight": [0, 8, 0, 1, True],
+        "plain.weight": [0, 4, 0, 4, False],
+        "wrapped.weight": [0, 6, 0, 8, False],
+        "packed.weight": [0, 6, 0, 8, False],
+        "odd.weight": [0, 6, 0, 8, False],
+        "f8.weight": [0, 6, 0, 8, False],
+    }
+    # Whole modules: row.bias goes through load_weights, so row.weight does.
+    got = {t[0]: t[5] for t in vw._targets(m, table, ["f8.weight"], True, True)}
+    assert not got["row.weight"] and got["col.weight"] and got["norm.weight"]
+    # No straight copies asked for (quantised, PP): everything whole.
+    assert not any(t[5] for t in vw._targets(m, table, [], False, False))
+    good = vw._targets(m, table, [], True, False)
+    assert vw._check_targets(table, 0, good) == good
+    bad = [
+        None,
+        good[:-1],
+        [["x", *good[0][1:]]] + good[1:],
+        [[good[0][0], 0, 7, 0, 8, True]] + good[1:],
+        [[good[0][0], 0, 6, 4, 4, True]] + good[1:],
+        [[good[0][0], 0.0, 6, 4, 8, True]] + good[1:],
+        [[good[0][0], 0, 6, 4, 8, 1]] + good[1:],
+        [[good[0][0], False, 6, 4, 8, True]] + good[1:],
+    ]
+    for b in bad:
+        with pytest.raises(rl.RlError) as e:
+            vw._check_targets(table, 3, b)
+        assert e.value.kind == "layout", b
