@@ -15,15 +15,18 @@ import torch
 # Trainer parameters: name -> (shape, placement over the 1-D trainer mesh:
 # an int shards that dim, None replicates, "plain" is not a DTensor).
 PARAMS: dict[str, tuple[tuple[int, ...], Any]] = {
-    "layers.0.q": ((8, 16), 0),
-    "layers.0.k": ((4, 16), 0),
-    "layers.0.v": ((4, 16), 1),
+    "layers.0.q_proj.weight": ((8, 16), 0),
+    "layers.0.k_proj.weight": ((4, 16), 0),
+    "layers.0.v_proj.weight": ((4, 16), 1),
+    "layers.0.gate_proj.weight": ((8, 16), 0),
+    "layers.0.up_proj.weight": ((8, 16), 1),
     "layers.0.o_proj.weight": ((16, 8), 1),
-    "layers.0.up_proj.weight": ((8, 16), 0),
     "layers.0.norm.weight": ((16,), None),
     "layers.0.bias": ((16,), "plain"),
     "layers.0.w8": ((8, 12), 0),
 }
+#: The worker's fused parameters and their checkpoint parts, in order.
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 FP8 = ["layers.0.w8"]
 BLOCK = 4
 
@@ -52,52 +55,89 @@ def ref_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def vllm_owner(cls: type, **attrs: Any) -> Any:
+    """A vLLM layer of class `cls` with just the attributes its loader
+    reads (no process group needed)."""
+    o = cls.__new__(cls)
+    for k, v in attrs.items():
+        object.__setattr__(o, k, v)
+    return o
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, tp: int, rank: int) -> None:
         super().__init__()
         z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
-        self.qkv = z(16, 16)
         self.bias = z(16)
         self.w8 = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.w8_scale_inv = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
-        self.o_proj, self.up_proj, self.norm = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+        for m in ("qkv_proj", "gate_up_proj", "o_proj", "norm"):
+            self.add_module(m, torch.nn.Module())
+        self.qkv_proj.weight = z(16 // tp, 16)
+        self.gate_up_proj.weight = z(16 // tp, 16)
         self.o_proj.weight = z(16, 8 // tp)
-        self.up_proj.weight = z(8 // tp, 16)
         self.norm.weight = z(16)
         if tp > 1:
-            # vLLM's own loaders, bound to a layer of TP rank `rank`: a
-            # row-parallel o_proj, a column-parallel up_proj, a norm.
-            from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+            # vLLM's own loaders, bound to layers of TP rank `rank`: fused
+            # q/k/v (4 heads of 2, 2 key/value heads), fused gate/up, a
+            # row-parallel o_proj, a norm.
+            from vllm.model_executor.layers.linear import (
+                MergedColumnParallelLinear,
+                QKVParallelLinear,
+                RowParallelLinear,
+            )
             from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-            owner = types.SimpleNamespace(tp_rank=rank, tp_size=tp)
+            tp_attrs = dict(tp_rank=rank, tp_size=tp)
+            qkv = vllm_owner(
+                QKVParallelLinear,
+                num_heads=4 // tp,
+                num_kv_heads=2 // tp,
+                num_kv_head_replicas=1,
+                head_size=2,
+                v_head_size=2,
+                total_num_heads=4,
+                total_num_kv_heads=2,
+                **tp_attrs,
+            )
+            merged = vllm_owner(MergedColumnParallelLinear, output_sizes=[8, 8], **tp_attrs)
+            row = vllm_owner(RowParallelLinear, **tp_attrs)
+            for m, owner, cls in [(self.qkv_proj, qkv, QKVParallelLinear), (self.gate_up_proj, merged, MergedColumnParallelLinear)]:
+                m.weight.output_dim = 0
+                m.weight.weight_loader = types.MethodType(cls.weight_loader, owner)
             self.o_proj.weight.input_dim = 1
-            self.o_proj.weight.weight_loader = types.MethodType(RowParallelLinear.weight_loader, owner)
-            self.up_proj.weight.output_dim = 0
-            self.up_proj.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+            self.o_proj.weight.weight_loader = types.MethodType(RowParallelLinear.weight_loader, row)
             self.norm.weight.weight_loader = default_weight_loader
 
 
 class ToyModel(torch.nn.Module):
-    """The worker's model: q/k/v fused into one qkv tensor as vLLM does,
-    w8 stored as fp8 with its scales; with ``tp`` 2, o_proj, up_proj and
-    the norm carry vLLM's row-parallel, column-parallel and default
+    """The worker's model: q/k/v fused into qkv_proj and gate/up into
+    gate_up_proj as vLLM does, w8 stored as fp8 with its scales; with
+    ``tp`` 2, the fused projections, o_proj and the norm carry vLLM's
     loaders of TP rank ``rank`` (their parameters this rank's shards)."""
+
+    packed_modules_mapping = FUSED
 
     def __init__(self, tp: int = 1, rank: int = 0) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList([_Layer(tp, rank)])
 
     def load_weights(self, weights) -> set[str]:
-        rows = {"q": (0, 8), "k": (8, 12), "v": (12, 16)}
         layer = self.layers[0]
+        rows = {}
+        for fused, parts in FUSED.items():
+            at = 0
+            for part in parts:
+                n = PARAMS[f"layers.0.{part}.weight"][0][0]
+                rows[f"{part}.weight"] = (fused, at, at + n)
+                at += n
         loaded = set()
         for name, t in weights:
             short = name.removeprefix("layers.0.")
             with torch.no_grad():
                 if short in rows:
-                    a, b = rows[short]
-                    layer.qkv[a:b].copy_(t)
+                    fused, a, b = rows[short]
+                    layer.get_parameter(f"{fused}.weight")[a:b].copy_(t)
                 else:
                     layer.get_parameter(short).copy_(t)
             loaded.add(name)
@@ -106,21 +146,28 @@ class ToyModel(torch.nn.Module):
     def matches(self, version: int) -> list[str]:
         """Names that differ from `version` (empty: all bytes right). A
         parameter with a vLLM loader must hold what that loader makes of
-        the whole tensor."""
+        the whole checkpoint tensors."""
         w = weights(version)
         layer = self.layers[0]
-        want = {"qkv": torch.cat([w["layers.0.q"], w["layers.0.k"], w["layers.0.v"]]), "bias": w["layers.0.bias"]}
-        for short in ("o_proj.weight", "up_proj.weight", "norm.weight"):
+        want = {"bias": w["layers.0.bias"]}
+        parts = {f"{f}.weight": [f"{p}.weight" for p in ps] for f, ps in FUSED.items()}
+        for short in ["qkv_proj.weight", "gate_up_proj.weight", "o_proj.weight", "norm.weight"]:
             p = layer.get_parameter(short)
-            full = w["layers.0." + short]
-            if hasattr(p, "weight_loader"):
-                ref = torch.nn.Parameter(torch.zeros_like(p), requires_grad=False)
-                for attr in ("input_dim", "output_dim"):
-                    if hasattr(p, attr):
-                        setattr(ref, attr, getattr(p, attr))
-                p.weight_loader(ref, full)
-                full = ref.data
-            want[short] = full
+            fulls = [w["layers.0." + n] for n in parts.get(short, [short])]
+            if not hasattr(p, "weight_loader"):
+                want[short] = torch.cat(fulls)
+                continue
+            ref = torch.nn.Parameter(torch.zeros_like(p), requires_grad=False)
+            for attr in ("input_dim", "output_dim"):
+                if hasattr(p, attr):
+                    setattr(ref, attr, getattr(p, attr))
+            if short in parts:
+                ids = ["q", "k", "v"] if short.startswith("qkv") else list(range(len(fulls)))
+                for shard_id, full in zip(ids, fulls):
+                    p.weight_loader(ref, full, shard_id)
+            else:
+                p.weight_loader(ref, fulls[0])
+            want[short] = ref.data
         q, s = ref_fp8(w["layers.0.w8"], BLOCK)
         bad = [
             n for n, t in want.items() if not torch.equal(layer.get_parameter(n).view(torch.int16), t.view(torch.int16))

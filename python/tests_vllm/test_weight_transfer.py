@@ -101,13 +101,14 @@ def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
 
 
 def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
-    """Two workers as the TP ranks of one model whose o_proj, up_proj and
-    norm carry vLLM's row-parallel, column-parallel and default loaders:
-    each worker receives only its own shard of those (half of o_proj's
-    columns, half of up_proj's rows) and copies it into the parameter,
-    holding exactly what vLLM's loader makes of the whole tensor; the
-    fused q/k/v, the fp8 tensor and the loader-less bias still go through
-    load_weights. Three versions over tcp."""
+    """Two workers as the TP ranks of one model whose fused qkv_proj and
+    gate_up_proj, o_proj and norm carry vLLM's QKV, merged-column,
+    row-parallel and default loaders: each worker receives only its own
+    shards (its heads of q, k and v stacked, its halves of gate and up, half
+    of o_proj's columns) and copies them into the parameters, holding
+    exactly what vLLM's loaders make of the whole checkpoint tensors; the
+    fp8 tensor and the loader-less bias still go through load_weights.
+    Three versions over tcp."""
     provider = "libfabric:tcp"
     _require(provider)
     ctx = mp.get_context("spawn")
@@ -122,7 +123,7 @@ def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
         for r, c in enumerate(workers):
             _, versions, direct = _recv(c, f"worker {r}")
             assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
-            assert direct == ["layers.0.norm.weight", "layers.0.o_proj.weight", "layers.0.up_proj.weight"], direct
+            assert direct == [f"layers.0.{m}.weight" for m in ["gate_up_proj", "norm", "o_proj", "qkv_proj"]], direct
     finally:
         for p in procs:
             p.kill()
@@ -161,7 +162,7 @@ def test_module_source_metadata_maps_to_the_plan():
     table = vw._table(ModuleSource(m).metadata)
     assert table[0][:3] == ["a", "torch.bfloat16", [4, 6]]
     whole = vw._targets(m, table, ["a"], True, False)
-    assert whole == [["a", 0, 4, 0, 6, False], ["b", 0, 5, 0, 1, False]], "no vLLM loaders: whole tensors"
+    assert whole == [["a", [["a", 0, 4, 0, 6]], False], ["b", [["b", 0, 5, 0, 1]], False]], "no loaders: whole"
     plan = vw._plan(table, 3, [whole, whole], ["a"], {"block": 4})
     assert plan.params() == [("a", 4, 6, "bf16"), ("b", 5, 1, "bf16")]
     assert [t[0] for t in plan.tensors(1)] == ["a", "b"] and plan.tensors(1)[0][3] == "fp8"
@@ -194,46 +195,65 @@ def test_backend_is_registered_with_both_factories():
 def test_targets_follow_vllm_loaders_and_refuse_the_rest():
     """Which part of each parameter a worker takes: its TP shard for vLLM's
     row- and column-parallel loaders (columns of a 2-D weight, rows of a
-    1-D bias), the whole tensor for the default loader and for anything
-    else (no loader, a wrapped loader, packed, a shape that is not the
-    checkpoint's split, an fp8 name); with whole modules, a module with one
-    parameter through load_weights takes all through it. Records read back
-    from the store are checked: wrong names, lengths, types or ranges are
-    typed layout errors."""
+    1-D bias), its heads of q, k and v for a fused QKV loader (key/value
+    heads replicated over 4 ranks: rank 3 takes head 1), its parts of a
+    merged gate/up, the whole tensor for the default loader; anything else
+    arrives whole for load_weights (no loader, a wrapped loader, packed, a
+    shape that is not the checkpoint's split, an fp8 name, a fused part
+    missing). With whole modules, a module with one parameter through
+    load_weights takes all through it. Records read back from the store
+    are checked: wrong names, lengths, types or ranges are typed layout
+    errors."""
     import functools
     import types
 
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    owner = types.SimpleNamespace(tp_rank=1, tp_size=2)
+    from rl_ranks import vllm_owner
+
+    tp = dict(tp_rank=1, tp_size=2)
     z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+
+    def put(m, path, t, cls=None, owner=None, **attrs):
+        mod = m
+        for part in path.split(".")[:-1]:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        setattr(mod, path.split(".")[-1], t)
+        for k, v in attrs.items():
+            setattr(t, k, v)
+        if cls is not None:
+            t.weight_loader = types.MethodType(cls.weight_loader, owner or vllm_owner(cls, **tp))
+
     m = torch.nn.Module()
-    for name in ["row", "col", "norm", "plain", "wrapped", "packed", "odd", "f8"]:
-        m.add_module(name, torch.nn.Module())
-    m.row.weight, m.row.bias = z(6, 4), z(6)
-    m.row.weight.input_dim = 1
-    m.row.weight.weight_loader = types.MethodType(RowParallelLinear.weight_loader, owner)
-    m.col.weight, m.col.bias = z(3, 8), z(3)
-    m.col.weight.output_dim = 0
-    m.col.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
-    m.col.bias.output_dim = 0
-    m.col.bias.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
-    m.norm.weight = z(8)
+    m.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    put(m, "row.weight", z(6, 4), RowParallelLinear, input_dim=1)
+    put(m, "row.bias", z(6))
+    put(m, "col.weight", z(3, 8), ColumnParallelLinear, output_dim=0)
+    put(m, "col.bias", z(3), ColumnParallelLinear, output_dim=0)
+    put(m, "norm.weight", z(8))
     m.norm.weight.weight_loader = default_weight_loader
-    m.plain.weight = z(4, 4)
-    m.wrapped.weight = z(3, 8)
-    m.wrapped.weight.output_dim = 0
-    m.wrapped.weight.weight_loader = functools.partial(ColumnParallelLinear.weight_loader, owner)
-    m.packed.weight = z(3, 8)
-    m.packed.weight.output_dim, m.packed.weight.packed_dim = 0, 0
-    m.packed.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
-    m.odd.weight = z(4, 8)
-    m.odd.weight.output_dim = 0
-    m.odd.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
-    m.f8.weight = z(3, 8)
-    m.f8.weight.output_dim = 0
-    m.f8.weight.weight_loader = types.MethodType(ColumnParallelLinear.weight_loader, owner)
+    put(m, "plain.weight", z(4, 4))
+    put(m, "wrapped.weight", z(3, 8), output_dim=0)
+    m.wrapped.weight.weight_loader = functools.partial(ColumnParallelLinear.weight_loader, vllm_owner(ColumnParallelLinear, **tp))
+    put(m, "packed.weight", z(3, 8), ColumnParallelLinear, output_dim=0, packed_dim=0)
+    put(m, "odd.weight", z(4, 8), ColumnParallelLinear, output_dim=0)
+    put(m, "f8.weight", z(3, 8), ColumnParallelLinear, output_dim=0)
+    # q: 4 heads of 2 over TP 4 (1 each); k, v: 2 heads over TP 4 (replicated twice).
+    qkv = vllm_owner(
+        QKVParallelLinear, num_heads=1, num_kv_heads=1, num_kv_head_replicas=2, head_size=2, v_head_size=2, tp_rank=3, tp_size=4
+    )
+    put(m, "attn.qkv_proj.weight", z(6, 8), QKVParallelLinear, qkv, output_dim=0)
+    put(m, "mlp.gate_up_proj.weight", z(6, 8), MergedColumnParallelLinear, vllm_owner(MergedColumnParallelLinear, output_sizes=[6, 6], **tp), output_dim=0)
+    # A fused parameter whose parts are not all in the checkpoint.
+    put(m, "lone.gate_up_proj.weight", z(6, 8), MergedColumnParallelLinear, vllm_owner(MergedColumnParallelLinear, output_sizes=[6, 6], **tp), output_dim=0)
     full = {
         "row.weight": (6, 8),
         "row.bias": (6,),
@@ -245,37 +265,57 @@ def test_targets_follow_vllm_loaders_and_refuse_the_rest():
         "packed.weight": (6, 8),
         "odd.weight": (6, 8),
         "f8.weight": (6, 8),
+        "attn.q_proj.weight": (8, 8),
+        "attn.k_proj.weight": (4, 8),
+        "attn.v_proj.weight": (4, 8),
+        "mlp.gate_proj.weight": (6, 8),
+        "mlp.up_proj.weight": (6, 8),
+        "lone.gate_proj.weight": (6, 8),
     }
     table = [[n, "torch.bfloat16", list(s), None, None, None] for n, s in full.items()]
-    got = {t[0]: t[1:] for t in vw._targets(m, table, ["f8.weight"], True, False)}
+    got = {t[0]: (t[1], t[2]) for t in vw._targets(m, table, ["f8.weight"], True, False)}
+    whole = lambda n: ([[n, 0, *rl.as_2d(full[n])[:1], 0, rl.as_2d(full[n])[1]]], False)  # noqa: E731
     assert got == {
-        "row.weight": [0, 6, 4, 8, True],
-        "row.bias": [0, 6, 0, 1, False],
-        "col.weight": [3, 6, 0, 8, True],
-        "col.bias": [3, 6, 0, 1, True],
-        "norm.weight": [0, 8, 0, 1, True],
-        "plain.weight": [0, 4, 0, 4, False],
-        "wrapped.weight": [0, 6, 0, 8, False],
-        "packed.weight": [0, 6, 0, 8, False],
-        "odd.weight": [0, 6, 0, 8, False],
-        "f8.weight": [0, 6, 0, 8, False],
+        "row.weight": ([["row.weight", 0, 6, 4, 8]], True),
+        "col.weight": ([["col.weight", 3, 6, 0, 8]], True),
+        "col.bias": ([["col.bias", 3, 6, 0, 1]], True),
+        "norm.weight": ([["norm.weight", 0, 8, 0, 1]], True),
+        "attn.qkv_proj.weight": (
+            [["attn.q_proj.weight", 6, 8, 0, 8], ["attn.k_proj.weight", 2, 4, 0, 8], ["attn.v_proj.weight", 2, 4, 0, 8]],
+            True,
+        ),
+        "mlp.gate_up_proj.weight": ([["mlp.gate_proj.weight", 3, 6, 0, 8], ["mlp.up_proj.weight", 3, 6, 0, 8]], True),
+        **{
+            n: whole(n)
+            for n in [
+                "row.bias",
+                "plain.weight",
+                "wrapped.weight",
+                "packed.weight",
+                "odd.weight",
+                "f8.weight",
+                "lone.gate_proj.weight",
+            ]
+        },
     }
     # Whole modules: row.bias goes through load_weights, so row.weight does.
-    got = {t[0]: t[5] for t in vw._targets(m, table, ["f8.weight"], True, True)}
-    assert not got["row.weight"] and got["col.weight"] and got["norm.weight"]
+    got = {t[0]: t[2] for t in vw._targets(m, table, ["f8.weight"], True, True)}
+    assert got["row.weight"] is False and got["col.weight"] and got["attn.qkv_proj.weight"]
     # No straight copies asked for (quantised, PP): everything whole.
-    assert not any(t[5] for t in vw._targets(m, table, [], False, False))
+    assert not any(t[2] for t in vw._targets(m, table, [], False, False))
     good = vw._targets(m, table, [], True, False)
     assert vw._check_targets(table, 0, good) == good
+    first = good[0]
     bad = [
         None,
-        good[:-1],
-        [["x", *good[0][1:]]] + good[1:],
-        [[good[0][0], 0, 7, 0, 8, True]] + good[1:],
-        [[good[0][0], 0, 6, 4, 4, True]] + good[1:],
-        [[good[0][0], 0.0, 6, 4, 8, True]] + good[1:],
-        [[good[0][0], 0, 6, 4, 8, 1]] + good[1:],
-        [[good[0][0], False, 6, 4, 8, True]] + good[1:],
+        [["x", [["x", 0, 1, 0, 1]], True]],
+        [[first[0], [[first[1][0][0], 0, 99, 0, 1]], True]],
+        [[first[0], [[first[1][0][0], 0.0, 1, 0, 1]], True]],
+        [[first[0], [[first[1][0][0], 0, 1, 0, 1]], 1]],
+        [[first[0], [[first[1][0][0], False, 1, 0, 1]], True]],
+        [[first[0], [], True]],
+        [first, first],
+        [["plain.weight", [["plain.weight", 0, 2, 0, 4]], False]],
     ]
     for b in bad:
         with pytest.raises(rl.RlError) as e:

@@ -2,11 +2,11 @@
 new weights into vLLM workers with one-sided WRITEs, every trainer rank
 from the shards it holds (FSDP/TP DTensors included: no gather to a rank
 0), into double-buffered host memory on each worker that becomes live only
-when every byte landed. A parameter whose checkpoint name is a vLLM
-parameter with a plain loader (replicated, column- or row-parallel; not
-fused, packed, quantised or under pipeline parallelism) arrives as this
-worker's own tensor-parallel shard and is copied straight into the model;
-every other one arrives whole and goes through the model's own
+when every byte landed. A vLLM parameter filled by a plain loader
+(replicated, column- or row-parallel) or a fused one (q/k/v, gate/up)
+arrives as this worker's own tensor-parallel shard, assembled from the
+checkpoint parts, and is copied straight into the model; every other
+parameter arrives whole and goes through the model's own
 ``load_weights`` (checkpoint format: vLLM slices and fuses as it does for a
 checkpoint). Workers publish which they take in the rendezvous store, and
 every rank plans from all of them. See :mod:`weft.rl` for the transfer
@@ -147,12 +147,12 @@ def _table(metas: list) -> list:
 
 
 def _plan(table: list, trainers: int, targets: list, fp8: list, knobs: dict) -> rl.RlPlan:
-    """The plan every rank builds alike: per inference rank, each parameter
-    as the box it takes (its shard, or the whole tensor)."""
+    """The plan every rank builds alike from every worker's targets
+    (:func:`_targets`)."""
     params = rl.params_from_metas(table, trainers)
     fp8 = set(fp8)
     inference = [
-        [(name, [(name, r0, r1, c0, c1)], "fp8" if name in fp8 else "none") for name, r0, r1, c0, c1, _ in rank]
+        [(name, [tuple(seg) for seg in segs], "fp8" if name in fp8 else "none") for name, segs, _ in rank]
         for rank in targets
     ]
     return rl.RlPlan(trainers, params, inference, **knobs)
@@ -161,95 +161,175 @@ def _plan(table: list, trainers: int, targets: list, fp8: list, knobs: dict) -> 
 #: Record kind of the workers' targets in the rendezvous store.
 _TARGETS = "vllm-weights-targets"
 
+#: Attributes of a parameter whose loader packs, transposes or expects
+#: pre-sharded storage: such a parameter goes through ``load_weights``.
+_PACKED = ("packed_dim", "packed_factor", "marlin_tile_size")
+_FLAGS = ("needs_scalar_to_array", "is_sharded_weight", "is_transposed")
 
-def _tp_shard(param: Any) -> tuple[int, int, int] | None:
-    """``(dim, tp_rank, tp_size)`` of a parameter whose loader only copies
-    this rank's slice of one dimension (``dim`` -1: the whole tensor), or
-    ``None`` for anything else: a missing, wrapped or unknown loader (a
-    model's ``load_weights`` may transform what reaches it), packing,
-    transposition, pre-sharded storage."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+def _loader(param: Any) -> tuple[Any, Any] | None:
+    """``(function, owner)`` of a parameter's plain weight loader, or
+    ``None`` (missing or wrapped: a model's ``load_weights`` may transform
+    what reaches it; packed or flagged storage)."""
     loader = getattr(param, "weight_loader", None)
     if loader is None or isinstance(loader, partial):
         return None
-    for attr in ("packed_dim", "packed_factor", "marlin_tile_size"):
-        if getattr(param, attr, None) is not None:
-            return None
-    for attr in ("needs_scalar_to_array", "is_sharded_weight", "is_transposed"):
-        if getattr(param, attr, False):
-            return None
-    fn = loader.__func__ if inspect.ismethod(loader) else loader
+    if any(getattr(param, a, None) is not None for a in _PACKED) or any(getattr(param, a, False) for a in _FLAGS):
+        return None
+    if inspect.ismethod(loader):
+        return loader.__func__, loader.__self__
+    return loader, None
+
+
+def _ints(*xs: Any) -> bool:
+    return all(type(x) is int for x in xs)
+
+
+def _shard(param: Any, shape: tuple) -> list | None:
+    """The box ``[r0, r1, c0, c1]`` of a checkpoint tensor of ``shape`` that
+    ``param``'s loader copies (vLLM's default, replicated, column- or
+    row-parallel loader), or ``None``."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    got = _loader(param)
+    if got is None:
+        return None
+    fn, owner = got
+    rows, cols = rl.as_2d(shape)
+    local = tuple(param.shape)
     if fn in (default_weight_loader, ReplicatedLinear.weight_loader):
-        return (-1, 0, 1)
+        return [0, rows, 0, cols] if local == tuple(shape) else None
     column = fn in (ColumnParallelLinear.weight_loader, ColumnParallelLinear.weight_loader_v2)
     row = fn in (RowParallelLinear.weight_loader, RowParallelLinear.weight_loader_v2)
-    owner = loader.__self__ if inspect.ismethod(loader) else None
     if not (column or row) or owner is None:
         return None
     dim = getattr(param, "output_dim" if column else "input_dim", None)
     size, rank = getattr(owner, "tp_size", None), getattr(owner, "tp_rank", None)
-    if not all(isinstance(x, int) for x in (dim, size, rank)) or not 0 <= rank < size:
+    if not _ints(dim, size, rank) or not 0 <= rank < size or len(local) != len(shape):
         return None
-    return (dim, rank, size)
+    if not (dim == 0 or (dim == 1 and len(shape) == 2)):
+        return None
+    if local != tuple(d // size if k == dim else d for k, d in enumerate(shape)) or shape[dim] != local[dim] * size:
+        return None
+    n = local[dim]
+    return [rank * n, (rank + 1) * n, 0, cols] if dim == 0 else [0, rows, rank * n, (rank + 1) * n]
+
+
+def _fused(param: Any, parts: list, shapes: dict) -> list | None:
+    """The segments ``[[part, r0, r1, 0, cols], ...]`` a fused vLLM
+    parameter (``QKVParallelLinear``: q, k, v; ``MergedColumnParallelLinear``:
+    gate, up, ...) takes from its checkpoint ``parts``, stacked as its loader
+    stacks them for this TP rank, or ``None``."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    got = _loader(param)
+    if got is None or got[1] is None or getattr(param, "output_dim", None) != 0:
+        return None
+    fn, o = got
+    size, rank = getattr(o, "tp_size", None), getattr(o, "tp_rank", None)
+    if not _ints(size, rank) or not 0 <= rank < size:
+        return None
+    if fn is QKVParallelLinear.weight_loader and len(parts) == 3:
+        hq, hk, hv = (getattr(o, a, None) for a in ("num_heads", "num_kv_heads", "num_kv_head_replicas"))
+        d, dv = getattr(o, "head_size", None), getattr(o, "v_head_size", None)
+        if not _ints(hq, hk, hv, d, dv) or hv < 1:
+            return None
+        # (rows this rank takes, its shard index, rows in the checkpoint)
+        cuts = [(hq * d, rank, hq * d * size), (hk * d, rank // hv, hk * d * size // hv)]
+        cuts.append((hk * dv, rank // hv, hk * dv * size // hv))
+    elif fn is MergedColumnParallelLinear.weight_loader:
+        sizes = getattr(o, "output_sizes", None)
+        if not isinstance(sizes, list) or len(sizes) != len(parts) or not _ints(*sizes):
+            return None
+        if any(n % size for n in sizes):
+            return None
+        cuts = [(n // size, rank, n) for n in sizes]
+    else:
+        return None
+    cols = {rl.as_2d(shapes[p])[1] for p in parts}
+    local_rows, local_cols = rl.as_2d(tuple(param.shape))
+    if len(cols) != 1 or cols != {local_cols} or sum(c[0] for c in cuts) != local_rows:
+        return None
+    segs = []
+    for part, (n, k, total) in zip(parts, cuts):
+        if rl.as_2d(shapes[part])[0] != total or (k + 1) * n > total:
+            return None
+        segs.append([part, k * n, (k + 1) * n, 0, local_cols])
+    return segs
 
 
 def _targets(model: torch.nn.Module, table: list, fp8: list, direct: bool, whole_modules: bool) -> list:
-    """This worker's targets: per parameter of ``table``, ``[name, r0, r1,
-    c0, c1, direct]`` (rows and columns of the planner's 2-D view). With
-    ``whole_modules`` (vLLM's layerwise reload), a module with a parameter
-    that goes through ``load_weights`` takes all of its parameters that
-    way."""
-    params = dict(model.named_parameters()) if direct else {}
+    """This worker's targets, ``[name, segments, direct]`` each, segments
+    ``[param, r0, r1, c0, c1]`` of the planner's 2-D view: a vLLM parameter
+    its plain or fused loader fills (named after it, ``direct``: copied
+    straight into the model), and every other parameter of ``table`` whole
+    (named after itself, through ``load_weights``). With ``whole_modules``
+    (vLLM's layerwise reload), a module with a parameter that goes through
+    ``load_weights`` takes all of its parameters that way."""
+    shapes = {t[0]: tuple(t[2]) for t in table}
+    dtypes = {t[0]: t[1] for t in table}
     fp8 = set(fp8)
-    out = []
-    for name, dtype, shape, *_ in table:
-        rows, cols = rl.as_2d(shape)
-        box = [name, 0, rows, 0, cols, False]
-        p = params.get(name)
-        shard = None
-        if p is not None and name not in fp8 and str(p.dtype) == dtype and p.data.is_contiguous():
-            shard = _tp_shard(p)
-        if shard is not None:
-            dim, rank, size = shard
-            local = tuple(p.shape)
-            if dim == -1 and local == tuple(shape):
-                box[5] = True
-            elif 0 <= dim < len(shape) and len(local) == len(shape) and (dim == 0 or len(shape) == 2):
-                want = tuple(d // size if k == dim else d for k, d in enumerate(shape))
-                if local == want and shape[dim] == local[dim] * size:
-                    n = local[dim]
-                    if dim == 0:
-                        box[1:3] = [rank * n, (rank + 1) * n]
-                    else:
-                        box[3:5] = [rank * n, (rank + 1) * n]
-                    box[5] = True
-        out.append(box)
+    params = dict(model.named_parameters()) if direct else {}
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+
+    def plain(p: Any, names: list) -> bool:
+        return p.data.is_contiguous() and all(n not in fp8 and dtypes.get(n) == str(p.dtype) for n in names)
+
+    def whole(n: str) -> list:
+        rows, cols = rl.as_2d(shapes[n])
+        return [n, [[n, 0, rows, 0, cols]], False]
+
+    out, taken = [], set()
+    for name, p in params.items():
+        module, _, attr = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        parts = packed.get(leaf)
+        if name in shapes and plain(p, [name]):
+            box = _shard(p, shapes[name])
+            if box is not None:
+                out.append([name, [[name, *box]], True])
+                taken.add(name)
+        elif isinstance(parts, (list, tuple)) and parts:
+            names = [".".join(x for x in (prefix, part, attr) if x) for part in parts]
+            if all(n in shapes and n not in taken for n in names) and plain(p, names):
+                segs = _fused(p, names, shapes)
+                if segs is not None:
+                    out.append([name, segs, True])
+                    taken.update(names)
     if whole_modules:
-        mixed = {b[0].rpartition(".")[0] for b in out if not b[5] and b[0] in params}
-        for b in out:
-            if b[5] and b[0].rpartition(".")[0] in mixed:
-                rows, cols = rl.as_2d(next(t[2] for t in table if t[0] == b[0]))
-                b[1:6] = [0, rows, 0, cols, False]
+        mixed = {n.rpartition(".")[0] for n in shapes if n in params and n not in taken}
+        for t in [t for t in out if t[0].rpartition(".")[0] in mixed]:
+            out.remove(t)
+            taken.difference_update(seg[0] for seg in t[1])
+    out.extend(whole(n) for n, *_ in table if n not in taken)
     return out
 
 
 def _check_targets(table: list, rank: int, got: Any) -> list:
-    """Worker ``rank``'s targets as read from the store (untrusted): one
-    ``[name, r0, r1, c0, c1, direct]`` per parameter, in ``table``'s order,
-    inside the parameter."""
+    """Worker ``rank``'s targets as read from the store (untrusted): entries
+    ``[name, segments, direct]`` with distinct names; segments of known
+    parameters inside them; a parameter through ``load_weights`` whole."""
     bad = rl._err("layout", f"weft: inference rank {rank} published malformed targets")
-    if not isinstance(got, list) or len(got) != len(table):
+    shapes = {t[0]: rl.as_2d(t[2]) for t in table}
+    if not isinstance(got, list):
         raise bad
-    for t, entry in zip(table, got):
-        rows, cols = rl.as_2d(t[2])
-        if not (isinstance(entry, list) and len(entry) == 6 and entry[0] == t[0]):
+    names = set()
+    for entry in got:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             raise bad
-        r0, r1, c0, c1, direct = entry[1:]
-        if not all(type(x) is int for x in (r0, r1, c0, c1)) or type(direct) is not bool:
+        name, segs, direct = entry
+        if name in names or type(direct) is not bool or not isinstance(segs, list) or not segs:
             raise bad
-        if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols):
+        names.add(name)
+        for seg in segs:
+            if not (isinstance(seg, list) and len(seg) == 5 and seg[0] in shapes and _ints(*seg[1:])):
+                raise bad
+            rows, cols = shapes[seg[0]]
+            r0, r1, c0, c1 = seg[1:]
+            if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols):
+                raise bad
+        if not direct and segs != [[name, 0, shapes.get(name, (0, 0))[0], 0, shapes.get(name, (0, 0))[1]]]:
             raise bad
     return got
 
@@ -313,6 +393,7 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
         self._rv: _Rendezvous | None = None
         self._shapes: dict[str, tuple] = {}
         self._direct: dict[str, torch.Tensor] = {}
+        self._loads = True
 
     def rank(self) -> int:
         """This worker's inference rank."""
@@ -344,7 +425,8 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
         self._inf = rl.RlInference(self._engine, plan, rank, timeout=info.timeout)
         rv.publish(f"inference-{rank}", self._inf.endpoint())
         params = dict(self.model.named_parameters())
-        self._direct = {t[0]: params[t[0]].data for t in mine if t[5]}
+        self._direct = {t[0]: params[t[0]].data for t in mine if t[2]}
+        self._loads = any(not t[2] for t in mine)
         self._shapes = {p[0]: tuple(p[2]) for p in info.params}
         self._info = info
 
@@ -357,7 +439,7 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
         """Whether vLLM's layerwise reload runs around an update: asked
         for, and some parameter goes through ``load_weights``."""
         info, _, _ = self._ready()
-        return info.layerwise_reload and len(self._direct) < len(self._shapes)
+        return info.layerwise_reload and self._loads
 
     def start_weight_update(self) -> None:
         if self._reloads():
