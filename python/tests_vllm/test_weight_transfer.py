@@ -79,25 +79,35 @@ def _trainers(ctx, tmp_path, procs: list, client_ends: list, provider: str, vers
     return out
 
 
-@pytest.mark.parametrize("provider", ["libfabric:tcp", "libfabric:shm"])
-def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
+def _push_three_versions(tmp_path, provider: str, tp: int) -> list:
+    """Two trainers push three versions into two workers (``tp`` 2: the TP
+    ranks of one model); every worker holds each version byte for byte.
+    Returns what each worker took straight into its model."""
     _require(provider)
     ctx = mp.get_context("spawn")
     procs: list = []
     try:
-        workers, client_ends = _workers(ctx, tmp_path, procs)
+        workers, client_ends = _workers(ctx, tmp_path, procs, tp=tp)
         trainers = _trainers(ctx, tmp_path, procs, client_ends, provider, 3)
         for r, (_, c) in enumerate(trainers):
             assert _recv(c, f"trainer {r}") == ("done", 3)
         for c in client_ends:
             c.close()
+        out = []
         for r, c in enumerate(workers):
             _, versions, direct = _recv(c, f"worker {r}")
             assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
-            assert direct == [], "no vLLM loaders: every parameter through load_weights"
+            out.append(direct)
+        return out
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.parametrize("provider", ["libfabric:tcp", "libfabric:shm"])
+def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
+    direct = _push_three_versions(tmp_path, provider, tp=1)
+    assert direct == [[], []], "no vLLM loaders: every parameter through load_weights"
 
 
 def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
@@ -109,24 +119,9 @@ def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
     exactly what vLLM's loaders make of the whole checkpoint tensors; the
     fp8 tensor and the loader-less bias still go through load_weights.
     Three versions over tcp."""
-    provider = "libfabric:tcp"
-    _require(provider)
-    ctx = mp.get_context("spawn")
-    procs: list = []
-    try:
-        workers, client_ends = _workers(ctx, tmp_path, procs, tp=2)
-        trainers = _trainers(ctx, tmp_path, procs, client_ends, provider, 3)
-        for r, (_, c) in enumerate(trainers):
-            assert _recv(c, f"trainer {r}") == ("done", 3)
-        for c in client_ends:
-            c.close()
-        for r, c in enumerate(workers):
-            _, versions, direct = _recv(c, f"worker {r}")
-            assert versions == [(v, []) for v in range(3)], f"worker {r}: {versions}"
-            assert direct == [f"layers.0.{m}.weight" for m in ["gate_up_proj", "norm", "o_proj", "qkv_proj"]], direct
-    finally:
-        for p in procs:
-            p.kill()
+    direct = _push_three_versions(tmp_path, "libfabric:tcp", tp=2)
+    want = [f"layers.0.{m}.weight" for m in ["gate_up_proj", "norm", "o_proj", "qkv_proj"]]
+    assert direct == [want, want], direct
 
 
 def test_a_trainer_dying_fails_the_update_and_workers_keep_the_last_version(tmp_path):

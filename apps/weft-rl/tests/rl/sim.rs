@@ -144,17 +144,23 @@ fn small_layouts() -> Vec<(&'static str, TrainLayout, InferLayout)> {
     ]
 }
 
+/// A small layout's model and its plan in 32 KiB units, 256 KiB of staging.
+fn small_plan(name: &str, t: TrainLayout, i: InferLayout) -> (ModelLayout, weft_rl::Plan) {
+    let m = models::model(name).unwrap();
+    let ml = models::build(&m, t, i).unwrap();
+    let cfg = PlanConfig {
+        unit_bytes: 32 << 10,
+        watermark: 256 << 10,
+        ..PlanConfig::default()
+    };
+    let p = plan(&ml, &cfg).unwrap();
+    (ml, p)
+}
+
 #[test]
 fn prediction_respects_the_bound_and_is_deterministic_per_seed() {
     for (name, t, i) in small_layouts() {
-        let m = models::model(name).unwrap();
-        let ml = models::build(&m, t, i).unwrap();
-        let cfg = PlanConfig {
-            unit_bytes: 32 << 10,
-            watermark: 256 << 10,
-            ..PlanConfig::default()
-        };
-        let p = plan(&ml, &cfg).unwrap();
+        let (ml, p) = small_plan(name, t, i);
         for seed in [1u64, 2, 3] {
             for jitter_us in [0.0, 20.0] {
                 let sc = SimConfig {
@@ -182,14 +188,7 @@ fn prediction_respects_the_bound_and_is_deterministic_per_seed() {
 #[test]
 fn cross_node_gathers_are_posted_on_the_fabric() {
     for (name, t, i) in small_layouts() {
-        let m = models::model(name).unwrap();
-        let ml = models::build(&m, t, i).unwrap();
-        let cfg = PlanConfig {
-            unit_bytes: 32 << 10,
-            watermark: 256 << 10,
-            ..PlanConfig::default()
-        };
-        let p = plan(&ml, &cfg).unwrap();
+        let (ml, p) = small_plan(name, t, i);
         let mut pairs: std::collections::BTreeMap<(u32, u32, usize, usize), u64> =
             Default::default();
         for (gi, g) in p.groups.iter().enumerate() {
