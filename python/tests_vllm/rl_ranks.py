@@ -24,6 +24,7 @@ PARAMS: dict[str, tuple[tuple[int, ...], Any]] = {
     "layers.0.norm.weight": ((16,), None),
     "layers.0.bias": ((16,), "plain"),
     "layers.0.w8": ((8, 12), 0),
+    "embed.weight": ((10, 16), 0),
 }
 #: The worker's fused parameters and their checkpoint parts, in order.
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -112,34 +113,43 @@ class _Layer(torch.nn.Module):
 
 class ToyModel(torch.nn.Module):
     """The worker's model: q/k/v fused into qkv_proj and gate/up into
-    gate_up_proj as vLLM does, w8 stored as fp8 with its scales; with
-    ``tp`` 2, the fused projections, o_proj and the norm carry vLLM's
-    loaders of TP rank ``rank`` (their parameters this rank's shards)."""
+    gate_up_proj as vLLM does, w8 stored as fp8 with its scales, a
+    10-token embedding; with ``tp`` 2, the fused projections, o_proj, the
+    norm and the embedding (5 rows of each rank's 8, the rest padding)
+    carry vLLM's loaders of TP rank ``rank``."""
 
     packed_modules_mapping = FUSED
 
     def __init__(self, tp: int = 1, rank: int = 0) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList([_Layer(tp, rank)])
+        self.embed = torch.nn.Module()
+        # Not zeros: the padding rows must be cleared as vLLM's loader does.
+        self.embed.weight = torch.nn.Parameter(torch.ones(10 if tp == 1 else 8, 16, dtype=torch.bfloat16), requires_grad=False)
+        if tp > 1:
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            idx = types.SimpleNamespace(org_vocab_start_index=5 * rank, org_vocab_end_index=5 * rank + 5)
+            owner = vllm_owner(VocabParallelEmbedding, shard_indices=idx, org_vocab_size=10)
+            self.embed.weight.output_dim = 0
+            self.embed.weight.weight_loader = types.MethodType(VocabParallelEmbedding.weight_loader, owner)
 
     def load_weights(self, weights) -> set[str]:
-        layer = self.layers[0]
         rows = {}
         for fused, parts in FUSED.items():
             at = 0
             for part in parts:
                 n = PARAMS[f"layers.0.{part}.weight"][0][0]
-                rows[f"{part}.weight"] = (fused, at, at + n)
+                rows[f"layers.0.{part}.weight"] = (f"layers.0.{fused}.weight", at, at + n)
                 at += n
         loaded = set()
         for name, t in weights:
-            short = name.removeprefix("layers.0.")
             with torch.no_grad():
-                if short in rows:
-                    fused, a, b = rows[short]
-                    layer.get_parameter(f"{fused}.weight")[a:b].copy_(t)
+                if name in rows:
+                    fused, a, b = rows[name]
+                    self.get_parameter(fused)[a:b].copy_(t)
                 else:
-                    layer.get_parameter(short).copy_(t)
+                    self.get_parameter(name).copy_(t)
             loaded.add(name)
         return loaded
 
@@ -148,30 +158,28 @@ class ToyModel(torch.nn.Module):
         parameter with a vLLM loader must hold what that loader makes of
         the whole checkpoint tensors."""
         w = weights(version)
-        layer = self.layers[0]
-        want = {"bias": w["layers.0.bias"]}
-        parts = {f"{f}.weight": [f"{p}.weight" for p in ps] for f, ps in FUSED.items()}
-        for short in ["qkv_proj.weight", "gate_up_proj.weight", "o_proj.weight", "norm.weight"]:
-            p = layer.get_parameter(short)
-            fulls = [w["layers.0." + n] for n in parts.get(short, [short])]
+        want = {"layers.0.bias": w["layers.0.bias"]}
+        parts = {f"layers.0.{f}.weight": [f"layers.0.{p}.weight" for p in ps] for f, ps in FUSED.items()}
+        for name in [*parts, "layers.0.o_proj.weight", "layers.0.norm.weight", "embed.weight"]:
+            p = self.get_parameter(name)
+            fulls = [w[n] for n in parts.get(name, [name])]
             if not hasattr(p, "weight_loader"):
-                want[short] = torch.cat(fulls)
+                want[name] = torch.cat(fulls)
                 continue
             ref = torch.nn.Parameter(torch.zeros_like(p), requires_grad=False)
             for attr in ("input_dim", "output_dim"):
                 if hasattr(p, attr):
                     setattr(ref, attr, getattr(p, attr))
-            if short in parts:
-                ids = ["q", "k", "v"] if short.startswith("qkv") else list(range(len(fulls)))
+            if name in parts:
+                ids = ["q", "k", "v"] if "qkv" in name else list(range(len(fulls)))
                 for shard_id, full in zip(ids, fulls):
                     p.weight_loader(ref, full, shard_id)
             else:
                 p.weight_loader(ref, fulls[0])
-            want[short] = ref.data
+            want[name] = ref.data
+        layer = self.layers[0]
         q, s = ref_fp8(w["layers.0.w8"], BLOCK)
-        bad = [
-            n for n, t in want.items() if not torch.equal(layer.get_parameter(n).view(torch.int16), t.view(torch.int16))
-        ]
+        bad = [n for n, t in want.items() if not torch.equal(self.get_parameter(n).view(torch.int16), t.view(torch.int16))]
         if not torch.equal(layer.w8.view(torch.uint8), q.view(torch.uint8)):
             bad.append("w8")
         if not torch.equal(layer.w8_scale_inv, s):

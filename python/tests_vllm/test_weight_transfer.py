@@ -112,15 +112,17 @@ def test_trainers_push_versions_into_vllm_workers(provider, tmp_path):
 
 def test_tp_workers_take_their_shards_straight_into_the_model(tmp_path):
     """Two workers as the TP ranks of one model whose fused qkv_proj and
-    gate_up_proj, o_proj and norm carry vLLM's QKV, merged-column,
-    row-parallel and default loaders: each worker receives only its own
+    gate_up_proj, o_proj, norm and embedding carry vLLM's QKV,
+    merged-column, row-parallel, default and vocabulary-parallel loaders:
+    each worker receives only its own
     shards (its heads of q, k and v stacked, its halves of gate and up, half
-    of o_proj's columns) and copies them into the parameters, holding
+    of o_proj's columns, its 5 of the embedding's 10 rows into 8 padded
+    ones) and copies them into the parameters, holding
     exactly what vLLM's loaders make of the whole checkpoint tensors; the
     fp8 tensor and the loader-less bias still go through load_weights.
     Three versions over tcp."""
     direct = _push_three_versions(tmp_path, "libfabric:tcp", tp=2)
-    want = [f"layers.0.{m}.weight" for m in ["gate_up_proj", "norm", "o_proj", "qkv_proj"]]
+    want = ["embed.weight"] + [f"layers.0.{m}.weight" for m in ["gate_up_proj", "norm", "o_proj", "qkv_proj"]]
     assert direct == [want, want], direct
 
 
@@ -192,7 +194,8 @@ def test_targets_follow_vllm_loaders_and_refuse_the_rest():
     row- and column-parallel loaders (columns of a 2-D weight, rows of a
     1-D bias), its heads of q, k and v for a fused QKV loader (key/value
     heads replicated over 4 ranks: rank 3 takes head 1), its parts of a
-    merged gate/up, the whole tensor for the default loader; anything else
+    merged gate/up, its vocabulary rows of an embedding, the whole tensor
+    for the default loader; anything else
     arrives whole for load_weights (no loader, a wrapped loader, packed, a
     shape that is not the checkpoint's split, an fp8 name, a fused part
     missing). With whole modules, a module with one parameter through
@@ -247,6 +250,10 @@ def test_targets_follow_vllm_loaders_and_refuse_the_rest():
     )
     put(m, "attn.qkv_proj.weight", z(6, 8), QKVParallelLinear, qkv, output_dim=0)
     put(m, "mlp.gate_up_proj.weight", z(6, 8), MergedColumnParallelLinear, vllm_owner(MergedColumnParallelLinear, output_sizes=[6, 6], **tp), output_dim=0)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    idx = types.SimpleNamespace(org_vocab_start_index=5, org_vocab_end_index=10)
+    put(m, "embed.weight", z(8, 4), VocabParallelEmbedding, vllm_owner(VocabParallelEmbedding, shard_indices=idx, org_vocab_size=10), output_dim=0)
     # A fused parameter whose parts are not all in the checkpoint.
     put(m, "lone.gate_up_proj.weight", z(6, 8), MergedColumnParallelLinear, vllm_owner(MergedColumnParallelLinear, output_sizes=[6, 6], **tp), output_dim=0)
     full = {
@@ -266,6 +273,7 @@ def test_targets_follow_vllm_loaders_and_refuse_the_rest():
         "mlp.gate_proj.weight": (6, 8),
         "mlp.up_proj.weight": (6, 8),
         "lone.gate_proj.weight": (6, 8),
+        "embed.weight": (10, 4),
     }
     table = [[n, "torch.bfloat16", list(s), None, None, None] for n, s in full.items()]
     got = {t[0]: (t[1], t[2]) for t in vw._targets(m, table, ["f8.weight"], True, False)}
@@ -280,6 +288,7 @@ def test_targets_follow_vllm_loaders_and_refuse_the_rest():
             True,
         ),
         "mlp.gate_up_proj.weight": ([["mlp.gate_proj.weight", 3, 6, 0, 8], ["mlp.up_proj.weight", 3, 6, 0, 8]], True),
+        "embed.weight": ([["embed.weight", 5, 10, 0, 4]], True),
         **{
             n: whole(n)
             for n in [

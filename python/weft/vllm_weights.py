@@ -3,7 +3,8 @@ new weights into vLLM workers with one-sided WRITEs, every trainer rank
 from the shards it holds (FSDP/TP DTensors included: no gather to a rank
 0), into double-buffered host memory on each worker that becomes live only
 when every byte landed. A vLLM parameter filled by a plain loader
-(replicated, column- or row-parallel) or a fused one (q/k/v, gate/up)
+(replicated, column- or row-parallel, a vocabulary-parallel embedding or
+LM head) or a fused one (q/k/v, gate/up)
 arrives as this worker's own tensor-parallel shard, assembled from the
 checkpoint parts, and is copied straight into the model; every other
 parameter arrives whole and goes through the model's own
@@ -188,8 +189,10 @@ def _ints(*xs: Any) -> bool:
 def _shard(param: Any, shape: tuple) -> list | None:
     """The box ``[r0, r1, c0, c1]`` of a checkpoint tensor of ``shape`` that
     ``param``'s loader copies (vLLM's default, replicated, column- or
-    row-parallel loader), or ``None``."""
+    row-parallel loader; a vocabulary-parallel embedding or LM head, whose
+    rows past the box are padding), or ``None``."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     got = _loader(param)
@@ -200,6 +203,13 @@ def _shard(param: Any, shape: tuple) -> list | None:
     local = tuple(param.shape)
     if fn in (default_weight_loader, ReplicatedLinear.weight_loader):
         return [0, rows, 0, cols] if local == tuple(shape) else None
+    if fn is VocabParallelEmbedding.weight_loader:
+        idx = getattr(owner, "shard_indices", None)
+        r0, r1 = getattr(idx, "org_vocab_start_index", None), getattr(idx, "org_vocab_end_index", None)
+        ok = getattr(param, "output_dim", None) == 0 and getattr(owner, "org_vocab_size", None) == rows
+        if not (ok and _ints(r0, r1) and len(local) == len(shape) == 2 and 0 <= r0 < r1 <= rows):
+            return None
+        return [r0, r1, 0, cols] if local[1] == cols and r1 - r0 <= local[0] else None
     column = fn in (ColumnParallelLinear.weight_loader, ColumnParallelLinear.weight_loader_v2)
     row = fn in (RowParallelLinear.weight_loader, RowParallelLinear.weight_loader_v2)
     if not (column or row) or owner is None:
@@ -274,7 +284,8 @@ def _targets(model: torch.nn.Module, table: list, fp8: list, direct: bool, whole
     packed = getattr(model, "packed_modules_mapping", None) or {}
 
     def plain(p: Any, names: list) -> bool:
-        return p.data.is_contiguous() and all(n not in fp8 and dtypes.get(n) == str(p.dtype) for n in names)
+        ok = p.dim() > 0 and p.data.is_contiguous()
+        return ok and all(n not in fp8 and dtypes.get(n) == str(p.dtype) for n in names)
 
     def whole(n: str) -> list:
         rows, cols = rl.as_2d(shapes[n])
@@ -470,8 +481,12 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
         for i, (name, rows, cols, quant, _) in enumerate(inf.plan.tensors(inf.rank)):
             dst = self._direct.get(name)
             if dst is not None:
+                # A vocabulary shard fills the leading rows; the rest is
+                # padding, zeroed as vLLM's loader does.
+                shape = (rows, *dst.shape[1:]) if rows < dst.shape[0] else tuple(dst.shape)
                 with torch.no_grad():
-                    dst.copy_(rl.read_tensor(inf, i, tuple(dst.shape)))
+                    dst[: shape[0]].copy_(rl.read_tensor(inf, i, shape))
+                    dst[shape[0] :].zero_()
             elif quant == "fp8":
                 q, s = rl.read_tensor(inf, i)
                 block = int(info.plan.get("block", 128))
