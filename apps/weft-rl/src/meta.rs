@@ -272,6 +272,17 @@ pub enum Concat {
     Cols,
 }
 
+impl Concat {
+    /// How messages name it: the unit along it (plural, singular), and the
+    /// extent all segments share.
+    fn words(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Concat::Rows => ("rows", "row", "width"),
+            Concat::Cols => ("columns", "column", "height"),
+        }
+    }
+}
+
 /// A tensor an inference rank holds.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct InferTensor {
@@ -318,10 +329,7 @@ impl InferTensor {
                     Concat::Rows => (at, 0),
                     Concat::Cols => (0, at),
                 };
-                at += match self.concat {
-                    Concat::Rows => s.src.height(),
-                    Concat::Cols => s.src.width(),
-                };
+                at += self.extents(s).0;
                 o
             })
             .collect()
@@ -424,24 +432,18 @@ impl ModelLayout {
                         || along == 0
                         || across_k != across
                     {
-                        let what = match t.concat {
-                            Concat::Rows => "width",
-                            Concat::Cols => "height",
-                        };
                         return bad(format!(
-                            "inference {i} {}: segment {k} outside {} or of another {what}",
-                            t.name, p.name
+                            "inference {i} {}: segment {k} outside {} or of another {}",
+                            t.name,
+                            p.name,
+                            t.concat.words().2
                         ));
                     }
                     if t.quant == Quant::Fp8Block && k + 1 < nseg && along % block != 0 {
-                        let what = match t.concat {
-                            Concat::Rows => "rows",
-                            Concat::Cols => "columns",
-                        };
+                        let (many, one, _) = t.concat.words();
                         return bad(format!(
-                            "inference {i} {}: fp8 segment {k} has {along} {what}, not a multiple of the {block}-{} block",
+                            "inference {i} {}: fp8 segment {k} has {along} {many}, not a multiple of the {block}-{one} block",
                             t.name,
-                            &what[..what.len() - 1],
                         ));
                     }
                 }
@@ -467,16 +469,13 @@ impl ModelLayout {
                 let reason = t.segments.iter().enumerate().find_map(|(k, s)| {
                     let p = self.params.get(s.param)?;
                     let along = t.extents(s).0;
-                    let what = match t.concat {
-                        Concat::Rows => ("rows", "row"),
-                        Concat::Cols => ("columns", "column"),
-                    };
+                    let (many, one, _) = t.concat.words();
                     if p.dtype != DType::Bf16 {
                         Some(format!("{} is {:?}", p.name, p.dtype))
                     } else if k + 1 < n && block > 0 && along % block != 0 {
                         Some(format!(
-                            "segment {k} ({}) has {along} {}, not whole {block}-{} tiles",
-                            p.name, what.0, what.1
+                            "segment {k} ({}) has {along} {many}, not whole {block}-{one} tiles",
+                            p.name
                         ))
                     } else {
                         None

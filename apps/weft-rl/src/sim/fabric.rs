@@ -125,8 +125,9 @@ struct StagedWait {
     from: u64,
     /// When its NVLink gathers are in.
     nvlink_ready: u64,
-    /// Cross-node gather WRITEs it needs (counted by their immediate).
+    /// Cross-node gather WRITEs it needs, counted by their immediate.
     expect: u64,
+    imm: u32,
 }
 
 struct Driver<'a> {
@@ -445,7 +446,7 @@ impl<'a> Driver<'a> {
                 }
                 Phase::Work => {
                     if let Some(w) = act.staged_wait {
-                        let seen = act.imms.get(&gather::imm(w.gi, w.k)).copied();
+                        let seen = act.imms.get(&w.imm).copied();
                         if seen.unwrap_or(0) < w.expect {
                             return Ok(());
                         }
@@ -532,6 +533,7 @@ impl<'a> Driver<'a> {
         let expect = g.and_then(|g| g.cross_in.get(&r)).copied().unwrap_or(0);
         let cross = g.and_then(|g| g.cross.get(&r)).cloned().unwrap_or_default();
         let half = self.plan.arena_half(gi, k);
+        let imm = gather::imm(self.plan, gi, k);
         // The planned gather transfers are submitted first (host cost), then
         // the cross-node bytes go out on the fabric.
         {
@@ -553,7 +555,7 @@ impl<'a> Driver<'a> {
                     len,
                     to: w as usize,
                     dst_off: half as u64 * self.plan.arena_len,
-                    imm: gather::imm(gi, k),
+                    imm,
                     half,
                 });
             }
@@ -568,6 +570,7 @@ impl<'a> Driver<'a> {
             from: now,
             nvlink_ready: now + nvl,
             expect,
+            imm,
         };
         if expect > 0 {
             self.actors[a].staged_wait = Some(wait);

@@ -18,9 +18,13 @@ use crate::plan::Plan;
 /// Largest gather WRITE the simulation posts.
 pub(super) const CHUNK: u64 = 8 << 20;
 
-/// Immediate of the cross-node gathers of wave `k` of group `gi`.
-pub(super) fn imm(gi: usize, k: usize) -> u32 {
-    (1 << 31) | ((gi as u32 & 0x7fff) << 16) | (k as u32 & 0xffff)
+/// Immediate of the cross-node gathers of wave `k` of group `gi`: the
+/// wave's number across groups with the top bit set (apart from the
+/// barrier and acknowledgement immediates; a plan has far fewer than 2^31
+/// waves).
+pub(super) fn imm(plan: &Plan, gi: usize, k: usize) -> u32 {
+    let before: usize = plan.groups.iter().take(gi).map(|g| g.waves.len()).sum();
+    (1 << 31) | ((before + k) as u32 & 0x7fff_ffff)
 }
 
 /// One wave's unshard.
