@@ -203,6 +203,8 @@ struct Client {
     ledger: Arc<Mutex<BTreeMap<u64, Entry>>>,
     done_by: Arc<Mutex<BTreeMap<String, u64>>>,
     issued: Arc<AtomicU64>,
+    /// Turns of the client's loop (each reads `pause` once).
+    laps: Arc<AtomicU64>,
 }
 
 struct InFlight {
@@ -225,11 +227,13 @@ impl Client {
         let ledger: Arc<Mutex<BTreeMap<u64, Entry>>> = Arc::default();
         let done_by: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
         let issued = Arc::new(AtomicU64::new(0));
-        let (s2, l2, d2, i2) = (
+        let laps = Arc::new(AtomicU64::new(0));
+        let (s2, l2, d2, i2, laps2) = (
             stop.clone(),
             ledger.clone(),
             done_by.clone(),
             issued.clone(),
+            laps.clone(),
         );
         let thread = std::thread::spawn(move || {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -247,6 +251,7 @@ impl Client {
                 f.proc_.dec.free(f.lease);
             };
             loop {
+                laps2.fetch_add(1, Ordering::SeqCst);
                 // Collect what ended.
                 let mut k = 0;
                 while k < flying.len() {
@@ -334,7 +339,26 @@ impl Client {
             ledger,
             done_by,
             issued,
+            laps,
         }
+    }
+
+    /// Stops issuing and waits until every request issued before has
+    /// ended, except those of `except` (a decoder that may never answer).
+    fn pause_and_drain(&self, except: &str) {
+        self.pause.store(true, Ordering::SeqCst);
+        // A lap that read `pause` before the store ends before lap + 2
+        // starts: what it issued is in the ledger by then.
+        let lap = self.laps.load(Ordering::SeqCst);
+        wait_for("two turns of the client", || {
+            self.laps.load(Ordering::SeqCst) >= lap + 2
+        });
+        wait_for("the requests issued before the pause", || {
+            self.ledger
+                .lock()
+                .values()
+                .all(|e| e.result.is_some() || e.decoder == except)
+        });
     }
 
     fn done_by(&self, name: &str) -> u64 {
@@ -588,8 +612,9 @@ fn pool_run(seed: u64) {
         }
     }
     // Reporting more of them writes nothing to the departed decoder (the
-    // client pauses so that nothing else is written meanwhile).
-    client.pause.store(true, Ordering::SeqCst);
+    // client pauses and its requests end, so that nothing else is written
+    // meanwhile).
+    client.pause_and_drain("decode-1");
     wait_for("the prefiller idle", || pre.pending() == 0);
     let steps_before = pre.stats().steps.load(Ordering::SeqCst);
     for s in &parked {
