@@ -101,7 +101,9 @@ fn parse_layout(py: Python<'_>, name: &str, l: &Bound<'_, PyAny>) -> PyResult<La
 /// `block × block` tile, from bf16 only). `fp8_fallback=True` keeps fp8
 /// targets that cannot be quantised as given (a fused segment that is not
 /// whole tiles, an f32 source) in the trainers' dtype, listed by
-/// `fallbacks()`; without it they are refused.
+/// `fallbacks()`; without it they are refused. `ramp`: how many of each
+/// mesh group's first waves are cut smaller (a quarter, a half, … of
+/// `watermark`), so the first writes start sooner.
 #[pyclass(name = "RlPlan", module = "weft._weft", frozen)]
 pub struct PyRlPlan {
     plan: Arc<Plan>,
@@ -112,7 +114,7 @@ pub struct PyRlPlan {
 #[pymethods]
 impl PyRlPlan {
     #[new]
-    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 8 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10, fp8_fallback = false))]
+    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 8 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10, fp8_fallback = false, ramp = 2))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -125,6 +127,7 @@ impl PyRlPlan {
         watermark: u64,
         min_direct_bytes: u64,
         fp8_fallback: bool,
+        ramp: u32,
     ) -> PyResult<Self> {
         let mut ps = Vec::with_capacity(params.len());
         let mut index = BTreeMap::new();
@@ -261,6 +264,7 @@ impl PyRlPlan {
             unit_bytes,
             align,
             watermark,
+            ramp,
             min_direct_bytes,
         };
         let p = py

@@ -538,6 +538,7 @@ class RlPlan:
         watermark: int = ...,
         min_direct_bytes: int = ...,
         fp8_fallback: bool = False,
+        ramp: int = 2,
     ) -> None: ...
     @property
     def trainers(self) -> int: ...

@@ -137,6 +137,10 @@ struct SimArgs {
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]
     watermark_mib: u64,
+    /// Ramp-up waves per mesh group (a quarter, a half, ... of the
+    /// watermark); 0 for none.
+    #[arg(long, default_value_t = 2)]
+    ramp: u32,
     /// Fabric seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -199,6 +203,10 @@ struct LayoutArgs {
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]
     watermark_mib: u64,
+    /// Ramp-up waves per mesh group (a quarter, a half, ... of the
+    /// watermark); 0 for none.
+    #[arg(long, default_value_t = 2)]
+    ramp: u32,
     /// Keep fp8 targets that cannot be quantised as given (fused segments
     /// that are not whole 128-row tiles) in bf16 instead of refusing the
     /// layout; the plan lists them.
@@ -244,6 +252,7 @@ impl LayoutArgs {
         let cfg = PlanConfig {
             unit_bytes: mib("unit-mib", self.unit_mib)?,
             watermark: mib("watermark-mib", self.watermark_mib)?,
+            ramp: self.ramp,
             ..PlanConfig::default()
         };
         cfg.validate().map_err(|e| e.to_string())?;
@@ -348,6 +357,7 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
             nics: a.nics as usize,
             unit_mib: a.unit_mib,
             watermark_mib: a.watermark_mib,
+            ramp: a.ramp,
             fp8_fallback: a.fp8_fallback,
         };
         let (m, t, i, ml, p) = la.build()?;

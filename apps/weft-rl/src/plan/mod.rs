@@ -34,7 +34,9 @@
 //! group is free again). Before the cut, the group's units are interleaved
 //! writer by writer, the writer with the fewest bytes so far first, so each
 //! wave gives every writer about the same share (a writer that got a whole
-//! wave's worth alone would hold the others at the next barrier).
+//! wave's worth alone would hold the others at the next barrier). A
+//! group's first waves are smaller (`ramp`: a quarter, then a half of the
+//! watermark) so its first WRITEs wait for a short unshard only.
 
 use std::collections::BTreeMap;
 
@@ -59,6 +61,12 @@ pub struct PlanConfig {
     pub align: u64,
     /// Bytes of staging (arena) one trainer may hold at a time.
     pub watermark: u64,
+    /// Ramp-up: the first `ramp` waves of each mesh group hold a
+    /// quarter, a half, … of the watermark (wave `i < ramp` gets
+    /// `watermark >> (ramp - i)`), so a group's first WRITEs start after a
+    /// small unshard instead of a whole watermark's worth (the pipeline
+    /// fills sooner). 0 cuts every wave at the watermark.
+    pub ramp: u32,
     /// A bf16 target is written straight from the trainers' shards only
     /// when every shard's part of it is at least this long (or one shard
     /// holds all of it); otherwise it is unsharded into one writer's arena
@@ -90,7 +98,17 @@ impl PlanConfig {
             "a power of two",
         )?;
         RlError::check(self.watermark > 0, "watermark", self.watermark, "above 0")?;
+        RlError::check(self.ramp <= 16, "ramp", self.ramp, "0 to 16 waves")?;
         Ok(())
+    }
+
+    /// Bytes wave `wave` of a mesh group may stage per writer: the
+    /// watermark, halved per ramp-up wave still ahead (see
+    /// [`PlanConfig::ramp`]). A unit larger than that still gets a wave of
+    /// its own.
+    pub fn wave_budget(&self, wave: usize) -> u64 {
+        let ahead = (self.ramp as usize).saturating_sub(wave);
+        (self.watermark >> ahead.min(63)).max(1)
     }
 }
 
@@ -101,6 +119,7 @@ impl Default for PlanConfig {
             unit_bytes: 8 << 20,
             align: 256,
             watermark: 512 << 20,
+            ramp: 2,
             min_direct_bytes: 256 << 10,
         }
     }
@@ -514,52 +533,7 @@ pub fn plan(m: &ModelLayout, cfg: &PlanConfig) -> Result<Plan, RlError> {
         .collect();
     order::by_group(m, &gpos, &mut units);
     order::interleave_writers(&mut units);
-    let mut groups = Vec::new();
-    let mut arena_len = 0;
-    let mut k = 0;
-    for (gid, ranks) in groups_meta {
-        let start = k;
-        while k < units.len() && units[k].mesh_group == gid {
-            k += 1;
-        }
-        let mut waves = Vec::new();
-        let mut used: BTreeMap<Rank, u64> = BTreeMap::new();
-        let mut wstart = start;
-        #[allow(clippy::needless_range_loop)] // `j` also cuts the wave ranges
-        for j in start..k {
-            let need = units[j].arena.map_or(0, |a| a.1);
-            if need > cfg.watermark {
-                return Err(RlError::Plan(format!(
-                    "a unit of {} needs {need} B of staging, over the {} B watermark",
-                    m.params[units[j].param].name, cfg.watermark
-                )));
-            }
-            let wr = units[j].writer;
-            let cur = used.get(&wr).copied().unwrap_or(0);
-            if need > 0 && cur + need > cfg.watermark {
-                waves.push(wstart..j);
-                wstart = j;
-                used.clear();
-            }
-            let off = used.get(&wr).copied().unwrap_or(0);
-            if need > 0 {
-                let u = &mut units[j];
-                relocate(u, off);
-                let e = off + need;
-                arena_len = arena_len.max(e);
-                used.insert(wr, e);
-            }
-            units[j].wave = waves.len() as u32;
-        }
-        if wstart < k || waves.is_empty() {
-            waves.push(wstart..k);
-        }
-        groups.push(GroupPlan {
-            id: gid,
-            ranks,
-            waves,
-        });
-    }
+    let (groups, arena_len) = order::cut_waves(m, cfg, groups_meta, &mut units)?;
     Ok(Plan {
         config: *cfg,
         trainers,
@@ -718,7 +692,7 @@ fn fill_sources(
 }
 
 /// Moves a staged unit's arena use to `off`.
-fn relocate(u: &mut Unit, off: u64) {
+pub(super) fn relocate(u: &mut Unit, off: u64) {
     if let Some(a) = &mut u.arena {
         a.0 = off;
     }

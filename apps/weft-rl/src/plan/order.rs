@@ -3,8 +3,9 @@
 //! by mesh group for cutting waves, and interleaved by writer within each
 //! group.
 
-use super::{Dest, Unit};
+use super::{relocate, Dest, GroupPlan, PlanConfig, Unit};
 use crate::meta::{ModelLayout, Quant, Rank};
+use crate::RlError;
 use std::collections::BTreeMap;
 
 /// Sorts `units` by parameter name and box, and each unit's destinations
@@ -91,4 +92,64 @@ pub(super) fn interleave_writers(units: &mut Vec<Unit>) {
         }
     }
     *units = out;
+}
+
+/// Cuts each mesh group's units (already grouped and interleaved) into
+/// waves: a writer's arena use within a wave stays under
+/// [`PlanConfig::wave_budget`]; each unit's arena slot is placed at its
+/// writer's offset in the wave. Returns the groups and the arena length
+/// (the largest wave use).
+pub(super) fn cut_waves(
+    m: &ModelLayout,
+    cfg: &PlanConfig,
+    groups_meta: Vec<(u32, Vec<Rank>)>,
+    units: &mut [Unit],
+) -> Result<(Vec<GroupPlan>, u64), RlError> {
+    let mut groups = Vec::new();
+    let mut arena_len = 0;
+    let mut k = 0;
+    for (gid, ranks) in groups_meta {
+        let start = k;
+        while k < units.len() && units[k].mesh_group == gid {
+            k += 1;
+        }
+        let mut waves = Vec::new();
+        let mut used: BTreeMap<Rank, u64> = BTreeMap::new();
+        let mut wstart = start;
+        #[allow(clippy::needless_range_loop)] // `j` also cuts the wave ranges
+        for j in start..k {
+            let need = units[j].arena.map_or(0, |a| a.1);
+            if need > cfg.watermark {
+                return Err(RlError::Plan(format!(
+                    "a unit of {} needs {need} B of staging, over the {} B watermark",
+                    m.params[units[j].param].name, cfg.watermark
+                )));
+            }
+            let wr = units[j].writer;
+            let cur = used.get(&wr).copied().unwrap_or(0);
+            if need > 0 && cur + need > cfg.wave_budget(waves.len()).max(need) {
+                waves.push(wstart..j);
+                wstart = j;
+                used.clear();
+            }
+            let off = used.get(&wr).copied().unwrap_or(0);
+            if need > 0 {
+                let u = &mut units[j];
+                relocate(u, off);
+                let e = off + need;
+                arena_len = arena_len.max(e);
+                used.insert(wr, e);
+            }
+            units[j].wave = waves.len() as u32;
+        }
+        if wstart < k || waves.is_empty() {
+            waves.push(wstart..k);
+        }
+        groups.push(GroupPlan {
+            id: gid,
+            ranks,
+            waves,
+        });
+    }
+    Ok((groups, arena_len))
 }

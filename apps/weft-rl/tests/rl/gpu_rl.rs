@@ -469,6 +469,7 @@ fn pipeline_random_layouts_bit_exact() {
             unit_bytes: 96,
             align: 8,
             watermark: 4096,
+            ramp: 2,
             min_direct_bytes: 24,
         };
         let p = plan(&ml, &pc).unwrap();

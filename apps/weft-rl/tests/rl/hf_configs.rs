@@ -71,6 +71,7 @@ fn plan_and_check(name: &str, json: &str, layout: &str, block: u64) -> weft_rl::
         align: 8,
         watermark: 1 << 20,
         min_direct_bytes: 64,
+        ramp: 2,
     };
     if let Err(e) = check_model(&ml, &cfg, 3) {
         panic!("{name}: {e}");
@@ -542,6 +543,7 @@ fn hsdp_replicas_all_write() {
         align: 8,
         watermark: 1 << 20,
         min_direct_bytes: 64,
+        ramp: 2,
     };
     let p = weft_rl::plan(&ml, &cfg).unwrap();
     let load = p.trainer_load();

@@ -435,6 +435,7 @@ fn random_layouts_over_real_engines() {
             unit_bytes: 96,
             align: 8,
             watermark: 4096,
+            ramp: 2,
             min_direct_bytes: 24,
         };
         let p = plan(&ml, &pc).unwrap();

@@ -102,6 +102,7 @@ fn check(
     unit_bytes: u64,
     watermark: u64,
     min_direct_bytes: u64,
+    ramp: u32,
 ) -> Result<(), TestCaseError> {
     let block = 4;
     let m = random_layout(seed, block);
@@ -110,6 +111,7 @@ fn check(
         unit_bytes,
         align: 8,
         watermark,
+        ramp,
         min_direct_bytes,
     };
     check_model(&m, &cfg, seed)
@@ -202,11 +204,22 @@ pub(crate) fn check_model(
             }
         }
     }
-    for v in wave_use.values_mut() {
+    for ((_, wave, _), v) in wave_use.iter_mut() {
         v.sort_unstable();
         for w in v.windows(2) {
             prop_assert!(w[0].1 <= w[1].0, "arena slots overlap in a wave");
         }
+        // Within the wave's budget (ramp-up waves smaller), unless one
+        // unit alone is over it.
+        let used = v.last().map_or(0, |s| s.1);
+        let budget = cfg.wave_budget(*wave as usize);
+        prop_assert!(
+            used <= budget || v.len() == 1,
+            "wave {} uses {} B of a {} B budget",
+            wave,
+            used,
+            budget
+        );
     }
 
     // Balance certificate (per mesh group): a rank's load minus its last
@@ -255,8 +268,8 @@ pub(crate) fn check_model(
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
     #[test]
-    fn plan_covers_every_byte_once(seed in any::<u64>(), unit in 2u64..400, wm in 64u64..8192, direct in 0u64..64) {
-        check(seed, unit, wm, direct)?;
+    fn plan_covers_every_byte_once(seed in any::<u64>(), unit in 2u64..400, wm in 64u64..8192, direct in 0u64..64, ramp in 0u32..4) {
+        check(seed, unit, wm, direct, ramp)?;
     }
 }
 

@@ -391,6 +391,13 @@ fn out_of_range_configs_are_typed_errors() {
                 ..PlanConfig::default()
             },
         ),
+        (
+            "ramp",
+            PlanConfig {
+                ramp: 17,
+                ..PlanConfig::default()
+            },
+        ),
     ];
     for (want, cfg) in plans {
         assert_eq!(field(cfg.validate()), want, "{cfg:?}");
