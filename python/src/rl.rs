@@ -191,14 +191,15 @@ impl PyRlPlan {
                     None => Concat::Rows,
                     Some(Ok(c)) if c == "rows" => Concat::Rows,
                     Some(Ok(c)) if c == "cols" => Concat::Cols,
-                    Some(c) => {
+                    Some(_) => {
+                        let shown = t
+                            .get_item(3)
+                            .and_then(|c| c.repr())
+                            .map_or_else(|_| "?".to_string(), |r| r.to_string());
                         return Err(layout_err(
                             py,
-                            format!(
-                                "inference {i} {name}: concat {:?} (\"rows\" or \"cols\")",
-                                c.unwrap_or_default()
-                            ),
-                        ))
+                            format!("inference {i} {name}: concat {shown} (\"rows\" or \"cols\")"),
+                        ));
                     }
                 };
                 // "fp8:<block>": this tensor's own tile edge.

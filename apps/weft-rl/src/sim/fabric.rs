@@ -20,7 +20,7 @@ use weft::shard::{plan_single_write, ShardConfig};
 use weft::{Access, Completion, Domain, LocalMr, PeerId, RemoteSlice, WrId, WriteWr};
 
 use super::gather::{self, WaveGather};
-use super::SimConfig;
+use super::{ns, SimConfig};
 use crate::meta::ModelLayout;
 use crate::plan::{Plan, Unit, Xfer};
 use crate::RlError;
@@ -155,10 +155,6 @@ struct Driver<'a> {
     pipelined: bool,
     /// Per trainer: when its device (unshard, quantise) is free.
     dev_free: Vec<u64>,
-}
-
-fn ns(us: f64) -> u64 {
-    (us * 1000.0).max(0.0) as u64
 }
 
 fn sim_err(what: String, source: Option<weft::TransportError>) -> RlError {

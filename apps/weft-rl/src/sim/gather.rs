@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use super::SimConfig;
+use super::{ns, SimConfig};
 use crate::plan::Plan;
 
 /// Largest gather WRITE the simulation posts.
@@ -65,7 +65,6 @@ impl WaveGather {
             }
         }
         let t = |b: u64| (b as f64 / nvl_bs * 1e9) as u64;
-        let ns = |us: f64| (us * 1000.0).max(0.0) as u64;
         // A source sends once it submitted its gathers, then at its rate.
         let sent = |s: &u32| {
             out.submits.get(s).copied().unwrap_or(0) * ns(cfg.submit_us)

@@ -73,6 +73,11 @@ use crate::meta::ModelLayout;
 use crate::plan::Plan;
 use crate::RlError;
 
+/// Microseconds as whole simulated nanoseconds (negative: 0).
+fn ns(us: f64) -> u64 {
+    (us * 1000.0).max(0.0) as u64
+}
+
 /// Hardware and software costs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimConfig {
