@@ -493,3 +493,10 @@ def test_targets_joined_side_by_side(engines):
     with pytest.raises(rl.RlError) as e:
         rl.RlPlan(4, params(), [[("side", segs, "none", "diagonal")], []], **kw)
     assert e.value.kind == "layout"
+    assert "diagonal" in str(e.value)
+    with pytest.raises(rl.RlError) as e:
+        rl.RlPlan(4, params(), [[("side", segs, "none", 7)], []], **kw)
+    assert e.value.kind == "layout" and "concat 7 " in str(e.value)
+    with pytest.raises(rl.RlError) as e:
+        rl.RlPlan(4, params(), tgt, ramp=17, **kw)
+    assert e.value.kind == "config"

@@ -98,3 +98,64 @@ impl RankInput<'_> {
         Ok(t as u32)
     }
 }
+
+/// A step's top-k weights as the caller holds them (`T_r · R`,
+/// token-major): f32, or bf16 bits (what a torch `bfloat16` tensor holds).
+/// bf16 → f32 is exact, so both give the same combine, bit for bit, as the
+/// f32 values of the bf16 weights. `&[f32]` and `&Vec<f32>` convert into
+/// it, so the f32 calls read as before.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum TopkWeights<'a> {
+    /// f32 weights.
+    F32(&'a [f32]),
+    /// bf16 weights, as their bits.
+    Bf16(&'a [u16]),
+}
+
+impl TopkWeights<'_> {
+    /// Number of weights.
+    pub fn len(&self) -> usize {
+        match self {
+            TopkWeights::F32(w) => w.len(),
+            TopkWeights::Bf16(w) => w.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The weights as f32: borrowed as they are, or converted (exactly)
+    /// into `scratch`, which is reused.
+    pub fn as_f32<'s>(&'s self, scratch: &'s mut Vec<f32>) -> &'s [f32] {
+        match self {
+            TopkWeights::F32(w) => w,
+            TopkWeights::Bf16(w) => {
+                scratch.clear();
+                scratch.extend(w.iter().map(|&b| crate::num::bf16_to_f32(b)));
+                scratch
+            }
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for TopkWeights<'a> {
+    fn from(w: &'a [f32]) -> Self {
+        TopkWeights::F32(w)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for TopkWeights<'a> {
+    fn from(w: &'a Vec<f32>) -> Self {
+        TopkWeights::F32(w)
+    }
+}
+
+impl<'a> From<&'a [u16]> for TopkWeights<'a> {
+    /// bf16 bits.
+    fn from(w: &'a [u16]) -> Self {
+        TopkWeights::Bf16(w)
+    }
+}

@@ -51,7 +51,7 @@ pub use config::{Dims, MoeConfig, OutDtype};
 pub use core::{Action, Entry, Event, RankCore, Wait};
 pub use error::{ConfigError, MoeError, Phase};
 pub use exec::RankInfo;
-pub use expert::{ExpertTokens, RankInput, NO_EXPERT};
+pub use expert::{ExpertTokens, RankInput, TopkWeights, NO_EXPERT};
 pub use imm::{ExpectedCounts, ImmValues, COMBINE_MODE, DISPATCH_MODE};
 pub use plan::{
     member_index, member_rank, n_to_rank, CombineSend, CombineSlot, DispatchDest, Overflow,

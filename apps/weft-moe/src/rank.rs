@@ -13,7 +13,7 @@ use crate::config::{Dims, MoeConfig};
 use crate::core::{Action, Event, RankCore};
 use crate::error::{MoeError, Phase};
 use crate::exec::{CombineIo, DispatchIo, HostExec, RankInfo};
-use crate::expert::{ExpertTokens, RankInput};
+use crate::expert::{ExpertTokens, RankInput, TopkWeights};
 use crate::imm::{ExpectedCounts, ImmValues};
 use crate::plan::StepPlan;
 use crate::routes::count_pairs;
@@ -62,6 +62,8 @@ pub struct MoeRank {
     poisoned: bool,
     info: RankInfo,
     released: bool,
+    /// bf16 weights converted for the combine (reused across steps).
+    weights_f32: Vec<f32>,
 }
 
 impl std::fmt::Debug for MoeRank {
@@ -122,6 +124,7 @@ impl MoeRank {
             poisoned: false,
             info: info.clone(),
             released: false,
+            weights_f32: Vec::new(),
         };
         Ok((me, info))
     }
@@ -237,18 +240,17 @@ impl MoeRank {
     /// step's [`ExpertTokens`]) back and returns this rank's combined tokens,
     /// weighted with the `topk_weights` given to `dispatch`.
     pub fn combine(&mut self, expert_outputs: &[u8], layout: &Layout) -> Result<Vec<u8>, MoeError> {
-        let weights = layout.weights.clone();
-        self.combine_with_weights(expert_outputs, layout, &weights)
+        self.combine_with_weights(expert_outputs, layout, &layout.weights)
     }
 
     /// [`MoeRank::combine`] with the weights given now (`T_r · R`,
-    /// token-major; DeepEP's API passes them to combine, not to dispatch)
-    /// instead of those given to `dispatch`.
-    pub fn combine_with_weights(
+    /// token-major, f32 or bf16: [`TopkWeights`]; DeepEP's API passes them
+    /// to combine, not to dispatch) instead of those given to `dispatch`.
+    pub fn combine_with_weights<'w>(
         &mut self,
         expert_outputs: &[u8],
         layout: &Layout,
-        weights: &[f32],
+        weights: impl Into<TopkWeights<'w>>,
     ) -> Result<Vec<u8>, MoeError> {
         let mut out = vec![0; self.combined_len(layout)];
         self.combine_into(expert_outputs, layout, weights, &mut out)?;
@@ -265,7 +267,22 @@ impl MoeRank {
     /// [`MoeRank::combine_with_weights`] into the caller's `out`, exactly
     /// [`MoeRank::combined_len`] bytes (else `Shape`, checked before
     /// anything is sent): no allocation for the result.
-    pub fn combine_into(
+    pub fn combine_into<'w>(
+        &mut self,
+        expert_outputs: &[u8],
+        layout: &Layout,
+        weights: impl Into<TopkWeights<'w>>,
+        out: &mut [u8],
+    ) -> Result<(), MoeError> {
+        let weights = weights.into();
+        let mut scratch = std::mem::take(&mut self.weights_f32);
+        let r = self.combine_f32(expert_outputs, layout, weights.as_f32(&mut scratch), out);
+        self.weights_f32 = scratch;
+        r
+    }
+
+    /// [`MoeRank::combine_into`] with f32 weights.
+    fn combine_f32(
         &mut self,
         expert_outputs: &[u8],
         layout: &Layout,

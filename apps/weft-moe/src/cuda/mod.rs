@@ -36,7 +36,7 @@ pub use local::{LocalGroup, ProxyTimes};
 
 use crate::config::Dims;
 use crate::error::{MoeError, Phase};
-use crate::expert::{ExpertTokens, RankInput};
+use crate::expert::{ExpertTokens, RankInput, TopkWeights};
 use std::sync::Arc;
 use std::time::Duration;
 use weft_cuda::{CudaError, DeviceBuffer, Gpu, HostFlag, MappedBuffer, Stream, WatchWord};
@@ -288,7 +288,12 @@ impl GpuRank {
     /// them to combine. Synchronous, and not ordered with the rank's
     /// stream: call it while no kernel of this rank runs (as
     /// [`GpuRank::set_inputs`]), after the dispatch and before the combine.
-    pub fn set_weights(&self, weights: &[f32]) -> Result<(), GpuError> {
+    /// f32 or bf16 ([`TopkWeights`]: bf16 is widened exactly to the f32 the
+    /// kernels sum with).
+    pub fn set_weights<'w>(&self, weights: impl Into<TopkWeights<'w>>) -> Result<(), GpuError> {
+        let weights = weights.into();
+        let mut scratch = Vec::new();
+        let weights = weights.as_f32(&mut scratch);
         let mut b = [0u8; 8];
         self.ctl.read(0, &mut b).map_err(self.cu(Phase::Combine))?;
         let want = u64::from_le_bytes(b) * u64::from(self.dims.topk);

@@ -11,7 +11,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
-use weft_moe::{reference, Dims, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput};
+use weft_moe::num::{bf16_to_f32, f32_to_bf16};
+use weft_moe::{
+    reference, Dims, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput, TopkWeights,
+};
 use weft_testkit::seeds_or;
 
 const NICS: usize = 2;
@@ -110,10 +113,16 @@ fn run_steps(
                             .map(|(x, w)| expert_outputs(d, x as u32, w))
                             .collect();
                         // Odd steps: the weights come with combine
-                        // (DeepEP's order), different from dispatch's.
-                        let late: Vec<Vec<f32>> = ins
+                        // (DeepEP's order), different from dispatch's, and
+                        // bf16 values (given as bf16 bits to
+                        // `combine_into`, as f32 to `combine_with_weights`).
+                        let late_bf16: Vec<Vec<u16>> = ins
                             .iter()
-                            .map(|i| i.weights.iter().map(|w| 0.5 - w).collect())
+                            .map(|i| i.weights.iter().map(|w| f32_to_bf16(0.5 - w)).collect())
+                            .collect();
+                        let late: Vec<Vec<f32>> = late_bf16
+                            .iter()
+                            .map(|w| w.iter().map(|&b| bf16_to_f32(b)).collect())
                             .collect();
                         let views2: Vec<_> = views
                             .iter()
@@ -125,9 +134,9 @@ fn run_steps(
                             .collect();
                         let (y, want) = if into {
                             let w = if k % 2 == 1 {
-                                &late[r]
+                                TopkWeights::Bf16(&late_bf16[r])
                             } else {
-                                &ins[r].weights
+                                TopkWeights::F32(&ins[r].weights)
                             };
                             // A wrong-sized output is refused before
                             // anything is sent, and harms nothing.
