@@ -57,9 +57,7 @@ def rank_main(role: str, rank: int, args, store_dir: str, barrier, results) -> N
     store = weft.rendezvous.open_store("dir:" + store_dir)
     session = weft.rendezvous.Session(store, ttl=30)
     ns = weft.rendezvous.Namespace(store, "bench")
-    a, b = me.endpoint()
-    ns.publish_mr(session, f"{role}-{rank}", "a", a)
-    ns.publish_mr(session, f"{role}-{rank}", "b", b)
+    rl.publish_endpoint(ns, session, me)
     # The raw baseline: trainer t writes its share to inference t % I.
     share = 0
     if role == "trainer":
@@ -75,12 +73,7 @@ def rank_main(role: str, rank: int, args, store_dir: str, barrier, results) -> N
         mine = [t for t in range(args.trainers) if t % args.inference == rank]
         raw = eng.reg_mr(np.zeros(max(sum(shares[t] for t in mine), 1), np.uint8))
         ns.publish_mr(session, f"inference-{rank}", "raw", raw.desc)
-    get = lambda who: (ns.wait_mr(who, "a", timeout=120), ns.wait_mr(who, "b", timeout=120))  # noqa: E731
-    d = rl.RlDirectory(
-        plan,
-        [get(f"trainer-{r}") for r in range(args.trainers)],
-        [get(f"inference-{r}") for r in range(args.inference)],
-    )
+    d = rl.wait_directory(ns, plan, timeout=120)
     if role == "trainer":
         i = rank % args.inference
         dst = ns.wait_mr(f"inference-{i}", "raw", timeout=120)

@@ -305,11 +305,8 @@ me = rl.RlTrainer(eng, plan, rank) if role == "trainer" else rl.RlInference(eng,
 store = weft.rendezvous.open_store("dir:" + store_path)
 session = weft.rendezvous.Session(store, ttl=30)
 ns = weft.rendezvous.Namespace(store, "rl")
-a, b = me.endpoint()
-ns.publish_mr(session, f"{role}-{rank}", "a", a)
-ns.publish_mr(session, f"{role}-{rank}", "b", b)
-get = lambda who: (ns.wait_mr(who, "a", timeout=60), ns.wait_mr(who, "b", timeout=60))
-d = rl.RlDirectory(plan, [get(f"trainer-{r}") for r in range(4)], [get(f"inference-{r}") for r in range(2)])
+rl.publish_endpoint(ns, session, me)
+d = rl.wait_directory(ns, plan, timeout=60)
 for version in range(2):
     w = T.weights(500 + version)
     if role == "trainer" and device == "cuda":
@@ -409,6 +406,37 @@ def test_a_directory_naming_the_wrong_memory_fails_the_step(engines):
         run_all([lambda t=t: t.step(0, bad) for t in c.trainers])
     assert e.value.kind in ("engine", "timeout")
     assert all(i.live is None for i in c.inference)
+
+
+def test_directory_through_a_rendezvous_store(engines, tmp_path):
+    """`publish_endpoint` / `wait_directory`: every rank's endpoint as a
+    record of a rendezvous namespace builds the directory; a record holding
+    another rank's endpoint (forged or misfiled) is a typed ``bootstrap``
+    error, and a missing one times out."""
+    plan = rl.RlPlan(4, params(), targets(), block=4, unit_bytes=48, align=8, min_direct_bytes=16)
+    c = Cluster(engines, plan)
+    store = weft.rendezvous.open_store(f"dir:{tmp_path}/s")
+    session = weft.rendezvous.Session(store, ttl=30)
+    ns = weft.rendezvous.Namespace(store, "rl")
+    for x in c.trainers + c.inference:
+        rl.publish_endpoint(ns, session, x)
+    c.dir = rl.wait_directory(ns, plan, timeout=5)
+    w = weights(37)
+    c.load(w)
+    c.step(0)
+    c.check(w)
+    forged = weft.rendezvous.Namespace(store, "forged")
+    for x in c.trainers + c.inference:
+        rl.publish_endpoint(forged, session, x)
+    # inference-1's record now holds trainer 0's endpoint.
+    forged.publish_record(session, rl.ENDPOINT_RECORD, "inference-1", rl.encode_endpoint(c.trainers[0]))
+    with pytest.raises(rl.RlError) as e:
+        rl.wait_directory(forged, plan, timeout=5)
+    assert e.value.kind == "bootstrap"
+    with pytest.raises(weft.RendezvousTimeoutError) as e:
+        rl.wait_directory(weft.rendezvous.Namespace(store, "empty"), plan, timeout=0.2)
+    assert "trainer-0" in str(e.value)
+    session.close()
 
 
 def test_directory_from_endpoint_bytes_in_any_order(engines):

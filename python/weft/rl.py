@@ -68,8 +68,10 @@ __all__ = [
     "param_of",
     "params_from_metas",
     "params_from_module",
+    "publish_endpoint",
     "read_tensor",
     "read_tensors",
+    "wait_directory",
     "whole_targets",
 ]
 
@@ -337,6 +339,40 @@ def directory_of(plan: RlPlan, payloads: Iterable[bytes]) -> RlDirectory:
         [seen[("trainer", r)] for r in range(plan.trainers)],
         [seen[("inference", r)] for r in range(plan.inference_ranks)],
     )
+
+
+#: Record kind under which `publish_endpoint` stores a rank's endpoint.
+ENDPOINT_RECORD = "rl-endpoint"
+
+
+def _who(role: str, rank: int) -> str:
+    return f"{role}-{rank}"
+
+
+def publish_endpoint(ns: Any, session: Any, me: Union[RlTrainer, RlInference]) -> None:
+    """Publishes `me`'s `encode_endpoint` bytes in rendezvous namespace `ns`
+    (a :class:`weft.rendezvous.Namespace`), as record ``rl-endpoint`` /
+    ``trainer-<rank>`` or ``inference-<rank>``, owned by `session` (gone
+    when it ends). `wait_directory` on every rank reads them back."""
+    role = "trainer" if isinstance(me, RlTrainer) else "inference"
+    ns.publish_record(session, ENDPOINT_RECORD, _who(role, me.rank), encode_endpoint(me))
+
+
+def wait_directory(ns: Any, plan: RlPlan, timeout: float = 60.0) -> RlDirectory:
+    """Waits up to `timeout` seconds per rank for every trainer's and
+    inference rank's `publish_endpoint` record in `ns` and builds the
+    directory from them. The records are untrusted: `directory_of` checks
+    them (a record under another rank's name is refused as ``bootstrap``)."""
+    keys = [_who("trainer", r) for r in range(plan.trainers)]
+    keys += [_who("inference", r) for r in range(plan.inference_ranks)]
+    payloads = []
+    for k in keys:
+        data = ns.wait_record(ENDPOINT_RECORD, k, timeout=timeout)
+        role, rank, _ = decode_endpoint(data)
+        if _who(role, rank) != k:
+            raise _err("bootstrap", f"record {k!r} holds the endpoint of {role} {rank}")
+        payloads.append(data)
+    return directory_of(plan, payloads)
 
 
 def bootstrap(me: Union[RlTrainer, RlInference], group: Optional[Any] = None) -> RlDirectory:

@@ -354,9 +354,8 @@ class _Rendezvous:
         self.ns = rendezvous.Namespace(self.store, namespace)
         self.directory: rl.RlDirectory | None = None
 
-    def publish(self, me: str, endpoint: tuple) -> None:
-        self.ns.publish_mr(self.session, me, "a", endpoint[0])
-        self.ns.publish_mr(self.session, me, "b", endpoint[1])
+    def publish(self, me: Any) -> None:
+        rl.publish_endpoint(self.ns, self.session, me)
 
     def publish_targets(self, rank: int, targets: list) -> None:
         self.ns.publish_record(self.session, _TARGETS, f"inference-{rank}", json.dumps(targets).encode())
@@ -375,15 +374,7 @@ class _Rendezvous:
 
     def wait(self, plan: rl.RlPlan, timeout: float) -> rl.RlDirectory:
         if self.directory is None:
-
-            def get(who: str) -> tuple:
-                return (self.ns.wait_mr(who, "a", timeout=timeout), self.ns.wait_mr(who, "b", timeout=timeout))
-
-            self.directory = rl.RlDirectory(
-                plan,
-                [get(f"trainer-{r}") for r in range(plan.trainers)],
-                [get(f"inference-{r}") for r in range(plan.inference_ranks)],
-            )
+            self.directory = rl.wait_directory(self.ns, plan, timeout)
         return self.directory
 
     def close(self) -> None:
@@ -434,7 +425,7 @@ class WeftWeightTransferEngine(WeightTransferEngine[WeftInitInfo, WeftUpdateInfo
         plan = _plan(info.params, info.trainers, targets, info.fp8, info.plan)
         self._engine = TransferEngine(info.provider)
         self._inf = rl.RlInference(self._engine, plan, rank, timeout=info.timeout)
-        rv.publish(f"inference-{rank}", self._inf.endpoint())
+        rv.publish(self._inf)
         params = dict(self.model.named_parameters())
         self._direct = {t[0]: params[t[0]].data for t in mine if t[2]}
         self._loads = any(not t[2] for t in mine)
@@ -545,7 +536,7 @@ class WeftTrainerEngine(TrainerWeightTransferEngine[WeftTrainerInitInfo]):
         self._plan = _plan(table, info.trainers, targets, info.fp8, info.plan)
         self._engine = TransferEngine(info.provider)
         self._trainer = rl.RlTrainer(self._engine, self._plan, info.rank, timeout=info.timeout)
-        self._rv.publish(f"trainer-{info.rank}", self._trainer.endpoint())
+        self._rv.publish(self._trainer)
         return self
 
     @property
