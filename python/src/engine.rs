@@ -22,7 +22,7 @@ use crate::watcher::{self, PyUvmWatcher};
 /// A weft transfer engine over one backend: register memory, write into
 /// peers' memory, count immediates. Shut it down with `shutdown()` or by
 /// using it as a context manager.
-#[pyclass(name = "TransferEngine", module = "weft._weft", frozen)]
+#[pyclass(name = "TransferEngine", module = "weft._weft", frozen, weakref)]
 pub struct PyTransferEngine {
     pub(crate) engine: weft::TransferEngine,
     backend: Arc<weft::Backend>,

@@ -39,6 +39,7 @@ not installed here.) Combine:
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._errors import MoeError
@@ -161,8 +162,10 @@ class Handle(tuple):
 
 
 #: The next MoE instance (immediate range) per engine: every Buffer on an
-#: engine, on every rank in the same order, takes the next one.
-_INSTANCES: Dict[int, int] = {}
+#: engine, on every rank in the same order, takes the next one. Held
+#: weakly: an engine's count goes with it (a later engine at the same
+#: address starts at 0, as its peers' do).
+_INSTANCES: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 #: Ranks of failed steps a Buffer keeps registered at most (the oldest is
 #: shut down first; a dispatch that succeeds shuts them all down).
@@ -307,9 +310,8 @@ class Buffer:
         tokens, hidden, experts, topk, fp8 = key
         r = self._ranks.get(key)
         if r is None:
-            eid = id(self.engine)
-            instance = _INSTANCES.get(eid, 0)
-            _INSTANCES[eid] = instance + 1
+            instance = _INSTANCES.get(self.engine, 0)
+            _INSTANCES[self.engine] = instance + 1
             row = (hidden + hidden // 32 if fp8 else 2 * hidden) + _INDEX_BYTES
             r = MoeRank(
                 self.engine,
