@@ -49,7 +49,7 @@ use self::messages::Messages;
 use self::peer_eps::PeerEps;
 use self::peers::Peers;
 use self::slots::Slots;
-use crate::ffi::{self, CtlBuf, Desc, HostWindow, Info, Lib, Mr, Resources};
+use crate::ffi::{self, CtlBuf, Desc, Info, Lib, Mr, MrWindow, Resources};
 
 /// Options fixed when a domain is opened (derived from the provider config).
 #[derive(Debug, Clone)]
@@ -92,8 +92,9 @@ struct MrEntry {
     device: Device,
     /// Registered for remote writes.
     remote: bool,
-    /// Where received messages are copied (host memory only).
-    window: Option<HostWindow>,
+    /// Where received messages are copied and device SENDs staged from
+    /// (host memory, or device memory with a CUDA runtime loaded).
+    window: Option<MrWindow>,
 }
 
 /// One NIC driven through libfabric. Created by
@@ -170,6 +171,11 @@ impl std::fmt::Debug for LibfabricDomain {
     }
 }
 
+/// Staging buffers (each `max_send_len`) of a domain opened with hmem: how
+/// many SENDs from device memory may be in flight at once (more wait as
+/// `QueueFull`).
+const STAGING_BUFFERS: u16 = 16;
+
 const LOCAL_ACCESS: u64 = ffi::FI_SEND | ffi::FI_RECV | ffi::FI_WRITE | ffi::FI_READ;
 
 impl LibfabricDomain {
@@ -211,9 +217,15 @@ impl LibfabricDomain {
         let max_send_len = opts.max_send_len.max(1);
         let bounce_len = (msg::HDR_MAX + usize::try_from(max_send_len).unwrap_or(usize::MAX))
             .next_multiple_of(64);
-        // Header areas of the TX slots and of the ACK slots, then bounces.
+        // Header areas of the TX slots and of the ACK slots, then bounces,
+        // then (with hmem) the staging buffers of SENDs from device memory.
         let bounce_off = (opts.max_inflight + opts.acks) * msg::HDR_MAX;
-        let ctl_len = bounce_off + opts.bounces * bounce_len;
+        let stage_off = bounce_off + opts.bounces * bounce_len;
+        let stage_len = usize::try_from(max_send_len)
+            .unwrap_or(usize::MAX)
+            .next_multiple_of(64);
+        let stages = if opts.hmem { STAGING_BUFFERS } else { 0 };
+        let ctl_len = stage_off + usize::from(stages) * stage_len;
         let ctl = CtlBuf::new(ctl_len).ok_or_else(|| TransportError::InvalidArgument {
             nic: name.clone(),
             what: format!("cannot allocate {ctl_len} bytes of message buffers"),
@@ -303,12 +315,14 @@ impl LibfabricDomain {
             peers: Peers::default(),
             passive: passive::Passive::default(),
             sweeper: Sweeper::new(clock.now()),
-            slots: Slots::new(opts.max_inflight, opts.bounces, opts.acks),
+            slots: Slots::new(opts.max_inflight, opts.bounces, opts.acks, stages),
             msgs: Messages {
                 ctl,
                 ctl_desc: Desc::null(),
                 bounce_off,
                 bounce_len,
+                stage_off,
+                stage_len,
                 acks_out: VecDeque::new(),
                 user_recvs: VecDeque::new(),
                 held: VecDeque::new(),
@@ -570,7 +584,7 @@ impl Domain for LibfabricDomain {
                 len: local.len,
                 device: local.device,
                 remote: access == Access::RemoteWrite,
-                window: HostWindow::of(region),
+                window: MrWindow::of(region),
             },
         );
         Ok(local)

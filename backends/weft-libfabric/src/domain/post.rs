@@ -206,24 +206,25 @@ impl LibfabricDomain {
             )));
         }
         let len = usize::try_from(src.len).map_err(|_| self.invalid("SEND too long"))?;
-        let payload = if src.len == 0 {
+        let desc = if src.len == 0 {
             None
         } else {
-            Some((src.addr, len, self.local(&src, "SEND source")?))
+            Some(self.local(&src, "SEND source")?)
         };
-        // Messages go through the receiver's host bounce buffers, and
         // libfabric 1.17's shm crashed the sending process on a SEND of
-        // staged CUDA memory that waited for a receive buffer: refused, as
-        // RECV into device memory is.
-        if payload.is_some()
-            && !self
+        // CUDA memory: a SEND from device memory is copied into one of the
+        // domain's staging buffers first, and sent from there.
+        let device = desc.is_some()
+            && self
                 .mrs
                 .get(&src.mr)
-                .is_some_and(|e| e.device == Device::Host)
-        {
+                .is_some_and(|e| e.device != Device::Host);
+        if device && (self.msgs.stage_len == 0 || ffi::CudaFence::get().is_none()) {
             return Err(TransportError::Unsupported {
                 nic: self.nic_name(),
-                what: "SEND from device memory (messages go through host bounce buffers)".into(),
+                what: "SEND from device memory without hmem or a CUDA runtime loaded by \
+                       libfabric (it is staged through host memory)"
+                    .into(),
             });
         }
         if self.slots.free_tx.len() <= self.cq.stashed_tx {
@@ -235,6 +236,30 @@ impl LibfabricDomain {
             return Err(TransportError::QueueFull {
                 nic: self.nic_name(),
             });
+        };
+        let payload = match desc {
+            None => None,
+            Some(_) if device => {
+                let Some(s) = self.slots.take_stage(i) else {
+                    self.slots.free(i);
+                    return Err(TransportError::QueueFull {
+                        nic: self.nic_name(),
+                    });
+                };
+                let off = self.msgs.stage_off + usize::from(s) * self.msgs.stage_len;
+                if !self.stage_send(off, &src, len) {
+                    self.slots.free(i);
+                    return Err(TransportError::LocalAccess {
+                        nic: self.nic_name(),
+                        what: format!(
+                            "SEND source [{:#x}, +{}): copying it from device memory failed",
+                            src.addr, src.len
+                        ),
+                    });
+                }
+                Some((self.msgs.ctl.addr() + off as u64, len, self.msgs.ctl_desc))
+            }
+            Some(d) => Some((src.addr, len, d)),
         };
         self.msgs.send_gen = self.msgs.send_gen.wrapping_add(1);
         let seq = u64::from(self.msgs.send_gen) << 32 | i as u64;
@@ -337,5 +362,26 @@ impl LibfabricDomain {
             self.submit(i, slot, native, more, clock).map_err(fail)?;
         }
         Ok(n)
+    }
+}
+
+impl LibfabricDomain {
+    /// Copies SEND source `src` (`len` bytes, device memory) into the
+    /// staging buffer at `off` of the message buffers.
+    fn stage_send(&mut self, off: usize, src: &LocalSlice, len: usize) -> bool {
+        let Some(e) = self.mrs.get(&src.mr) else {
+            return false;
+        };
+        let Some(w) = e.window.as_ref() else {
+            return false;
+        };
+        let Some(src_off) = src
+            .addr
+            .checked_sub(e.addr)
+            .and_then(|o| usize::try_from(o).ok())
+        else {
+            return false;
+        };
+        self.msgs.ctl.fill_from(off, w, src_off, len)
     }
 }

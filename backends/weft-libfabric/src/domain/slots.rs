@@ -60,11 +60,17 @@ pub(super) struct Slots {
     tx: usize,
     /// First ACK slot (bounce slots lie between `tx` and it).
     pub(super) ack_base: usize,
+    /// The staging buffer each TX slot holds (a SEND from device memory),
+    /// returned with the slot.
+    stage: Vec<Option<u16>>,
+    /// Free staging buffers.
+    free_stage: Vec<u16>,
 }
 
 impl Slots {
-    /// `tx` TX slots, `bounces` bounce slots and `acks` ACK slots, all free.
-    pub(super) fn new(tx: usize, bounces: usize, acks: usize) -> Slots {
+    /// `tx` TX slots, `bounces` bounce slots, `acks` ACK slots and
+    /// `stages` staging buffers, all free.
+    pub(super) fn new(tx: usize, bounces: usize, acks: usize, stages: u16) -> Slots {
         let ack_base = tx + bounces;
         let n = ack_base + acks;
         Slots {
@@ -73,13 +79,31 @@ impl Slots {
             free_ack: (ack_base..n).rev().collect(),
             tx,
             ack_base,
+            stage: vec![None; tx],
+            free_stage: (0..stages).rev().collect(),
         }
     }
 
+    /// Gives TX slot `i` a free staging buffer, which comes back when the
+    /// slot is freed (the provider is done with the operation); `None` when
+    /// none is free.
+    pub(super) fn take_stage(&mut self, i: usize) -> Option<u16> {
+        let st = self.stage.get_mut(i)?;
+        if st.is_some() {
+            return *st;
+        }
+        let s = self.free_stage.pop()?;
+        *st = Some(s);
+        Some(s)
+    }
+
     /// Puts TX or ACK slot `i` back on its free list (bounce slots have none:
-    /// they are re-posted).
+    /// they are re-posted), with its staging buffer.
     pub(super) fn free(&mut self, i: usize) {
         if i < self.tx {
+            if let Some(s) = self.stage[i].take() {
+                self.free_stage.push(s);
+            }
             self.free_tx.push(i);
         } else if i >= self.ack_base {
             self.free_ack.push(i);
@@ -155,5 +179,48 @@ impl LibfabricDomain {
             }),
             SlotUse::Free | SlotUse::Zombie | SlotUse::Bounce { .. } | SlotUse::Ack { .. } => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Slots;
+
+    /// A staging buffer belongs to one TX slot at a time and comes back
+    /// only with that slot; when none is free the caller gets `None`.
+    #[test]
+    fn staging_buffers_follow_their_slots() {
+        let mut s = Slots::new(4, 1, 1, 2);
+        let a = s.free_tx.pop().unwrap();
+        let b = s.free_tx.pop().unwrap();
+        let c = s.free_tx.pop().unwrap();
+        let sa = s.take_stage(a).unwrap();
+        assert_eq!(s.take_stage(a), Some(sa), "a slot keeps its buffer");
+        let sb = s.take_stage(b).unwrap();
+        assert_ne!(sa, sb);
+        assert_eq!(s.take_stage(c), None, "both buffers are taken");
+        s.free(a);
+        assert_eq!(
+            s.take_stage(c),
+            Some(sa),
+            "freeing the slot returned its buffer"
+        );
+        s.free(b);
+        s.free(c);
+        let d = s.free_tx.pop().unwrap();
+        assert!(s.take_stage(d).is_some());
+        // ACK slots never hold one.
+        let ack = s.free_ack.pop().unwrap();
+        assert_eq!(s.take_stage(ack), None);
+        s.free(ack);
+        assert_eq!(s.free_ack.len(), 1);
+    }
+
+    /// Without staging buffers (no hmem) nothing is handed out.
+    #[test]
+    fn no_staging_without_hmem() {
+        let mut s = Slots::new(2, 1, 1, 0);
+        let a = s.free_tx.pop().unwrap();
+        assert_eq!(s.take_stage(a), None);
     }
 }

@@ -8,15 +8,34 @@
 //! immediate is reported, so a domain holding remotely writable CUDA
 //! registrations synchronises that stream before it reports immediates.
 //!
+//! The same runtime copies messages between device memory and the message
+//! layer's host buffers ([`CudaFence::copy`]): a SEND from device memory is
+//! staged into a host buffer first, a message for a RECV buffer in device
+//! memory is copied up from its bounce buffer.
+//!
 //! The CUDA runtime is the one libfabric loaded (`libcudart.so`, found with
 //! `RTLD_NOLOAD`): weft itself does not link CUDA.
 
-use std::cell::Cell;
-use std::ffi::{c_int, c_void};
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 type StreamSync = unsafe extern "C" fn(stream: *mut c_void) -> c_int;
 type SetDevice = unsafe extern "C" fn(device: c_int) -> c_int;
+type StreamCreate = unsafe extern "C" fn(stream: *mut *mut c_void, flags: c_uint) -> c_int;
+type MemcpyAsync = unsafe extern "C" fn(
+    dst: *mut c_void,
+    src: *const c_void,
+    count: usize,
+    kind: c_int,
+    stream: *mut c_void,
+) -> c_int;
+
+/// `cudaStreamNonBlocking`: a stream that does not wait for the legacy
+/// default stream (where kernels may spin on the very message).
+const STREAM_NON_BLOCKING: c_uint = 0x1;
+/// `cudaMemcpyDefault`: direction from the pointers (unified addressing).
+const MEMCPY_DEFAULT: c_int = 4;
 
 /// `cudaStreamLegacy`: the legacy default stream, whatever the default
 /// stream mode of the code that issued the copies.
@@ -26,6 +45,8 @@ const STREAM_LEGACY: usize = 0x1;
 pub(crate) struct CudaFence {
     stream_sync: StreamSync,
     set_device: SetDevice,
+    stream_create: StreamCreate,
+    memcpy_async: MemcpyAsync,
 }
 
 impl CudaFence {
@@ -51,6 +72,10 @@ impl CudaFence {
                     CudaFence {
                         stream_sync: *lib.get::<StreamSync>(b"cudaStreamSynchronize\0").ok()?,
                         set_device: *lib.get::<SetDevice>(b"cudaSetDevice\0").ok()?,
+                        stream_create: *lib
+                            .get::<StreamCreate>(b"cudaStreamCreateWithFlags\0")
+                            .ok()?,
+                        memcpy_async: *lib.get::<MemcpyAsync>(b"cudaMemcpyAsync\0").ok()?,
                     }
                 };
                 std::mem::forget(lib);
@@ -93,6 +118,59 @@ impl CudaFence {
         // SAFETY: a plain runtime call with the legacy stream handle; it
         // only blocks the calling thread.
         let rc = unsafe { (self.stream_sync)(STREAM_LEGACY as *mut c_void) };
+        if rc != 0 {
+            return Err(rc);
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` to `dst`, either of which may be memory
+    /// of `device`, on this thread's own non-blocking stream for `device`,
+    /// and waits until the copy has completed. Returns the CUDA error code
+    /// on failure.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes and `src` for reads of `len` bytes
+    /// (host memory, or `device`'s memory at unified addresses), and
+    /// nothing else may write `dst` until this returns.
+    pub(crate) unsafe fn copy(
+        &self,
+        device: u32,
+        dst: *mut u8,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), i32> {
+        thread_local! {
+            /// This thread's copy stream per device (never destroyed: one
+            /// per thread and device).
+            static STREAMS: RefCell<Vec<(u32, usize)>> = const { RefCell::new(Vec::new()) };
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind(device)?;
+        let stream = match STREAMS.with_borrow(|v| v.iter().find(|s| s.0 == device).map(|s| s.1)) {
+            Some(s) => s as *mut c_void,
+            None => {
+                let mut s: *mut c_void = std::ptr::null_mut();
+                // SAFETY: the runtime writes one stream handle into `s`.
+                let rc = unsafe { (self.stream_create)(&mut s, STREAM_NON_BLOCKING) };
+                if rc != 0 {
+                    return Err(rc);
+                }
+                STREAMS.with_borrow_mut(|v| v.push((device, s as usize)));
+                s
+            }
+        };
+        // SAFETY: the caller vouches for both ranges; the stream belongs to
+        // this thread and `device`, whose context is current (bound above).
+        let rc =
+            unsafe { (self.memcpy_async)(dst.cast(), src.cast(), len, MEMCPY_DEFAULT, stream) };
+        if rc != 0 {
+            return Err(rc);
+        }
+        // SAFETY: a plain runtime call with a live stream handle.
+        let rc = unsafe { (self.stream_sync)(stream) };
         if rc != 0 {
             return Err(rc);
         }

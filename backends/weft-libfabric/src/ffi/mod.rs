@@ -631,4 +631,4 @@ pub(crate) use resources::{
 pub(crate) use shm_region::{free_dead_owner_lock, LockState};
 pub(crate) use signals::keep_signals;
 pub use signals::{restored_dispositions, KEPT as KEPT_SIGNALS, SA_RESTORER};
-pub(crate) use window::{CtlBuf, HostWindow};
+pub(crate) use window::{CtlBuf, MrWindow};

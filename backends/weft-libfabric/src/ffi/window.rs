@@ -84,33 +84,43 @@ impl Drop for CtlBuf {
     }
 }
 
-/// Host memory of one live registration: where the message layer copies a
-/// received message into the user's receive buffer. Held only while the
-/// region is registered with the domain (dropped on deregistration).
-pub(crate) struct HostWindow {
+/// The memory of one live registration, as the message layer reaches it:
+/// where a received message is copied into the user's receive buffer, and
+/// where a SEND from device memory is staged from. Host memory is copied
+/// directly; CUDA memory through the CUDA runtime libfabric loaded
+/// ([`CudaFence::copy`]). Held only while the region is registered with
+/// the domain (dropped on deregistration).
+pub(crate) struct MrWindow {
     ptr: ptr::NonNull<u8>,
     len: usize,
+    /// The CUDA device of device memory; `None` for host memory.
+    cuda: Option<u32>,
 }
 
 // SAFETY: a window onto memory the registrant promised (MemRegion::new) to
 // keep valid for reads and writes while registered, from any thread.
-unsafe impl Send for HostWindow {}
+unsafe impl Send for MrWindow {}
 
-impl HostWindow {
-    /// The window of host region `region`; `None` for device memory (which
-    /// plain copies cannot reach).
-    pub(crate) fn of(region: &weft_transport::MemRegion) -> Option<HostWindow> {
-        match region.device() {
-            weft_transport::Device::Host => Some(HostWindow {
-                ptr: region.ptr(),
-                len: region.len(),
-            }),
-            weft_transport::Device::Cuda(_) => None,
-        }
+impl MrWindow {
+    /// The window of `region`; `None` for device memory when no CUDA
+    /// runtime is loaded (nothing could copy it).
+    pub(crate) fn of(region: &weft_transport::MemRegion) -> Option<MrWindow> {
+        let cuda = match region.device() {
+            weft_transport::Device::Host => None,
+            weft_transport::Device::Cuda(d) => {
+                CudaFence::get()?;
+                Some(d)
+            }
+        };
+        Some(MrWindow {
+            ptr: region.ptr(),
+            len: region.len(),
+            cuda,
+        })
     }
 
-    /// Copies `src` to `off` within the region; false (nothing written) when
-    /// out of range.
+    /// Copies `src` to `off` within the region; false (nothing written,
+    /// or a failed CUDA copy, logged) when out of range.
     pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
         if !fits(off, src.len(), self.len) {
             return false;
@@ -120,9 +130,63 @@ impl HostWindow {
         // while it is registered; this window exists only while it is. The
         // contract also lets the NIC and peers write it concurrently, so no
         // reference to it is formed.
-        unsafe {
-            ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len());
+        let dst = unsafe { self.ptr.as_ptr().add(off) };
+        match self.cuda {
+            None => {
+                // SAFETY: as above; `src` is a separate slice.
+                unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+                true
+            }
+            // SAFETY: `dst` as above (device memory of `d`), `src` a host
+            // slice of that length.
+            Some(d) => cuda_copy(d, dst, src.as_ptr(), src.len()),
         }
-        true
+    }
+}
+
+impl CtlBuf {
+    /// Copies `len` bytes at `src_off` of registration `src` to `off`;
+    /// false (nothing copied, or a failed CUDA copy, logged) when either
+    /// range is out of bounds.
+    pub(crate) fn fill_from(
+        &mut self,
+        off: usize,
+        src: &MrWindow,
+        src_off: usize,
+        len: usize,
+    ) -> bool {
+        if !fits(off, len, self.len()) || !fits(src_off, len, src.len) {
+            return false;
+        }
+        // SAFETY: both ranges lie inside their allocations (checked above):
+        // this buffer, owned here and not in use by a posted operation at
+        // `off` (the caller's staging slot), and the registered region,
+        // valid for reads while registered (`MemRegion::new`).
+        let (dst, s) = unsafe { (self.ptr.as_ptr().add(off), src.ptr.as_ptr().add(src_off)) };
+        match src.cuda {
+            None => {
+                // SAFETY: as above; the two allocations are distinct.
+                unsafe { ptr::copy_nonoverlapping(s, dst, len) };
+                true
+            }
+            Some(d) => cuda_copy(d, dst, s, len),
+        }
+    }
+}
+
+/// [`CudaFence::copy`] for ranges the callers checked; false (logged) when
+/// it fails.
+fn cuda_copy(device: u32, dst: *mut u8, src: *const u8, len: usize) -> bool {
+    let Some(fence) = CudaFence::get() else {
+        return false;
+    };
+    // SAFETY: the callers checked both ranges against live allocations
+    // (a registered region and a host buffer they own).
+    match unsafe { fence.copy(device, dst, src, len) } {
+        Ok(()) => true,
+        Err(code) => {
+            tracing::warn!(device, code, len, "CUDA copy of a message failed");
+            false
+        }
     }
 }

@@ -205,9 +205,10 @@ mod nvlink {
     }
 }
 
-/// libfabric shm on GPU memory: the WRITE cases. Its message layer copies
-/// through host bounce buffers and refuses SEND/RECV of device memory
-/// (`Unsupported`), so the SEND/RECV cases are known failures here.
+/// libfabric shm on GPU memory: every case. WRITEs go through the
+/// provider's FI_HMEM copies; the message layer stages a SEND from device
+/// memory through a host buffer and copies a message up into a RECV buffer
+/// in device memory (CUDA runtime copies on a stream of its own).
 mod shm {
     fn run(case: &str) {
         weft_conformance::run_case_for_seeds(
@@ -217,18 +218,11 @@ mod shm {
         );
     }
     macro_rules! cases {
-        (pass: $($name:ident),*; known_failures: $($kname:ident),*) => {
+        ($($name:ident),*) => {
             $(#[test] fn $name() { run(stringify!($name)); })*
-            mod known_failures {
-                $(
-                    #[test]
-                    #[ignore = "SEND/RECV of device memory is refused by the libfabric backend"]
-                    fn $kname() { super::run(stringify!($kname)); }
-                )*
-            }
             #[test]
             fn every_case_listed() {
-                let mut listed = vec![$(stringify!($name),)* $(stringify!($kname),)*];
+                let mut listed = vec![$(stringify!($name),)*];
                 listed.sort_unstable();
                 let mut all: Vec<&str> = weft_conformance::cases().iter().map(|c| c.name).collect();
                 all.sort_unstable();
@@ -237,11 +231,26 @@ mod shm {
         };
     }
     cases!(
-        pass: capabilities_sane, write_sizes, write_large, imm_only_writes, batch_writes_queue_full,
-            imm_exactly_once, payload_visible_at_imm, concurrent_writes, remote_access_violations,
-            deregistered_memory, unknown_peer, peer_removal;
-        known_failures: send_recv_sizes, recv_buffer_pool, message_too_long, receiver_not_ready,
-            multi_nic, local_access_errors, usable_after_remote_error, peer_death
+        capabilities_sane,
+        write_sizes,
+        write_large,
+        imm_only_writes,
+        batch_writes_queue_full,
+        imm_exactly_once,
+        payload_visible_at_imm,
+        concurrent_writes,
+        remote_access_violations,
+        deregistered_memory,
+        unknown_peer,
+        peer_removal,
+        send_recv_sizes,
+        recv_buffer_pool,
+        message_too_long,
+        receiver_not_ready,
+        multi_nic,
+        local_access_errors,
+        usable_after_remote_error,
+        peer_death
     );
     mod engine {
         weft_conformance::engine_scenarios!(

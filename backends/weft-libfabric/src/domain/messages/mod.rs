@@ -84,6 +84,10 @@ pub(super) struct Messages {
     /// Start of the bounce buffers in `ctl`, and the size of each.
     pub(super) bounce_off: usize,
     pub(super) bounce_len: usize,
+    /// Start of the staging buffers in `ctl` (SENDs from device memory are
+    /// copied there first), and the size of each (`max_send_len`).
+    pub(super) stage_off: usize,
+    pub(super) stage_len: usize,
     /// ACKs waiting for a free ACK slot.
     pub(super) acks_out: VecDeque<(PeerId, u64, AckStatus)>,
     /// Posted user receive buffers, filled in order.
@@ -233,12 +237,23 @@ impl LibfabricDomain {
                 return None;
             }
             self.msgs.user_recvs.pop_front();
-            let placed = self.mrs.get(&r.mr).and_then(|e| {
-                let off = usize::try_from(r.addr.checked_sub(e.addr)?).ok()?;
-                e.window.as_ref()?.write(off, &m.payload).then_some(())
-            });
+            // Err: why the buffer cannot take it (gone, or a failed CUDA
+            // copy into device memory).
+            let placed = match self.mrs.get(&r.mr) {
+                None => Err("is gone"),
+                Some(e) => {
+                    let off = r
+                        .addr
+                        .checked_sub(e.addr)
+                        .and_then(|o| usize::try_from(o).ok());
+                    match (off, e.window.as_ref()) {
+                        (Some(off), Some(w)) if w.write(off, &m.payload) => Ok(()),
+                        _ => Err("could not be written (a failed copy into device memory)"),
+                    }
+                }
+            };
             match placed {
-                Some(()) => {
+                Ok(()) => {
                     out.push(Completion::Recv {
                         wr: r.wr,
                         result: Ok(m.payload.len() as u64),
@@ -249,15 +264,15 @@ impl LibfabricDomain {
                         .push_back((m.from, m.seq, AckStatus::Delivered));
                     return None;
                 }
-                None => {
-                    // Deregistered while posted: that buffer fails, the
-                    // message tries the next one.
+                Err(why) => {
+                    // Deregistered while posted (or its copy failed): that
+                    // buffer fails, the message tries the next one.
                     out.push(Completion::Recv {
                         wr: r.wr,
                         result: Err(TransportError::LocalAccess {
                             nic: self.nic_name(),
                             what: format!(
-                                "RECV buffer [{:#x}, +{}): registration {} is gone",
+                                "RECV buffer [{:#x}, +{}): registration {} {why}",
                                 r.addr, r.len, r.mr.0
                             ),
                         }),
@@ -359,15 +374,17 @@ impl LibfabricDomain {
 
 impl LibfabricDomain {
     /// Queues `buf` for the next incoming message. The message layer copies
-    /// messages into it, so it must be host memory (CUDA buffers are
-    /// rejected with `Unsupported`).
+    /// messages into it: host memory directly, CUDA memory through the CUDA
+    /// runtime libfabric loaded (without one, `Unsupported`).
     pub(super) fn recv(&mut self, wr: WrId, buf: LocalSlice) -> Result<(), TransportError> {
         self.local(&buf, "RECV buffer")?;
-        let host = self.mrs.get(&buf.mr).is_some_and(|e| e.window.is_some());
-        if !host {
+        let reachable = self.mrs.get(&buf.mr).is_some_and(|e| e.window.is_some());
+        if !reachable {
             return Err(TransportError::Unsupported {
                 nic: self.nic_name(),
-                what: "RECV into device memory (messages are copied from bounce buffers)".into(),
+                what: "RECV into device memory without a CUDA runtime loaded by libfabric \
+                       (messages are copied from host bounce buffers)"
+                    .into(),
             });
         }
         if self.msgs.user_recvs.len() >= self.caps.max_recvs {
