@@ -125,20 +125,21 @@ impl MrWindow {
         if !fits(off, src.len(), self.len) {
             return false;
         }
-        // SAFETY: the range lies inside the registered region (checked
-        // above), which `MemRegion::new`'s contract keeps valid for writes
-        // while it is registered; this window exists only while it is. The
-        // contract also lets the NIC and peers write it concurrently, so no
-        // reference to it is formed.
-        let dst = unsafe { self.ptr.as_ptr().add(off) };
+        // Address arithmetic only (device memory is no Rust allocation).
+        let dst = self.ptr.as_ptr().wrapping_add(off);
         match self.cuda {
             None => {
-                // SAFETY: as above; `src` is a separate slice.
+                // SAFETY: the range lies inside the registered region
+                // (checked above), which `MemRegion::new`'s contract keeps
+                // valid for writes while it is registered; this window
+                // exists only while it is. The contract also lets the NIC
+                // and peers write it concurrently, so no reference to it is
+                // formed; `src` is a separate slice.
                 unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
                 true
             }
-            // SAFETY: `dst` as above (device memory of `d`), `src` a host
-            // slice of that length.
+            // `dst..+len` is device memory of `d` inside the registration
+            // (checked above), `src` a host slice of that length.
             Some(d) => cuda_copy(d, dst, src.as_ptr(), src.len()),
         }
     }
@@ -158,17 +159,20 @@ impl CtlBuf {
         if !fits(off, len, self.len()) || !fits(src_off, len, src.len) {
             return false;
         }
-        // SAFETY: both ranges lie inside their allocations (checked above):
-        // this buffer, owned here and not in use by a posted operation at
-        // `off` (the caller's staging slot), and the registered region,
-        // valid for reads while registered (`MemRegion::new`).
-        let (dst, s) = unsafe { (self.ptr.as_ptr().add(off), src.ptr.as_ptr().add(src_off)) };
+        // Address arithmetic only (the source may be device memory).
+        let dst = self.ptr.as_ptr().wrapping_add(off);
+        let s = src.ptr.as_ptr().wrapping_add(src_off);
         match src.cuda {
             None => {
-                // SAFETY: as above; the two allocations are distinct.
+                // SAFETY: both ranges lie inside their allocations (checked
+                // above): this buffer, owned here and not in use by a posted
+                // operation at `off` (the caller's staging slot), and the
+                // registered region, valid for reads while registered
+                // (`MemRegion::new`); the two are distinct.
                 unsafe { ptr::copy_nonoverlapping(s, dst, len) };
                 true
             }
+            // As above, the source being device memory of `d`.
             Some(d) => cuda_copy(d, dst, s, len),
         }
     }
