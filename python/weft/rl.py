@@ -321,9 +321,13 @@ def decode_endpoint(data: bytes) -> tuple:
 def directory_of(plan: RlPlan, payloads: Iterable[bytes]) -> RlDirectory:
     """The directory from every rank's `encode_endpoint` bytes: each
     trainer ``0..plan.trainers`` and inference rank exactly once."""
+    return _directory(plan, (decode_endpoint(data) for data in payloads))
+
+
+def _directory(plan: RlPlan, endpoints: Iterable[tuple]) -> RlDirectory:
+    """`directory_of` from decoded ``(role, rank, descs)`` endpoints."""
     seen: dict = {}
-    for data in payloads:
-        role, rank, descs = decode_endpoint(data)
+    for role, rank, descs in endpoints:
         if (role, rank) in seen:
             raise _err("bootstrap", f"{role} {rank} announced twice")
         seen[(role, rank)] = descs
@@ -365,14 +369,13 @@ def wait_directory(ns: Any, plan: RlPlan, timeout: float = 60.0) -> RlDirectory:
     them (a record under another rank's name is refused as ``bootstrap``)."""
     keys = [_who("trainer", r) for r in range(plan.trainers)]
     keys += [_who("inference", r) for r in range(plan.inference_ranks)]
-    payloads = []
+    endpoints = []
     for k in keys:
-        data = ns.wait_record(ENDPOINT_RECORD, k, timeout=timeout)
-        role, rank, _ = decode_endpoint(data)
+        role, rank, descs = decode_endpoint(ns.wait_record(ENDPOINT_RECORD, k, timeout=timeout))
         if _who(role, rank) != k:
             raise _err("bootstrap", f"record {k!r} holds the endpoint of {role} {rank}")
-        payloads.append(data)
-    return directory_of(plan, payloads)
+        endpoints.append((role, rank, descs))
+    return _directory(plan, endpoints)
 
 
 def bootstrap(me: Union[RlTrainer, RlInference], group: Optional[Any] = None) -> RlDirectory:
