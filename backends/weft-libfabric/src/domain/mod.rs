@@ -97,6 +97,14 @@ struct MrEntry {
     window: Option<MrWindow>,
 }
 
+impl MrEntry {
+    /// Offset of address `addr` in the registration (not checked against
+    /// its length); `None` below its start.
+    fn offset(&self, addr: u64) -> Option<u64> {
+        addr.checked_sub(self.addr)
+    }
+}
+
 /// One NIC driven through libfabric. Created by
 /// [`crate::LibfabricProvider`]'s `open`.
 ///
@@ -221,10 +229,14 @@ impl LibfabricDomain {
         // then (with hmem) the staging buffers of SENDs from device memory.
         let bounce_off = (opts.max_inflight + opts.acks) * msg::HDR_MAX;
         let stage_off = bounce_off + opts.bounces * bounce_len;
-        let stage_len = usize::try_from(max_send_len)
-            .unwrap_or(usize::MAX)
-            .next_multiple_of(64);
         let stages = if opts.hmem { STAGING_BUFFERS } else { 0 };
+        let stage_len = if stages == 0 {
+            0
+        } else {
+            usize::try_from(max_send_len)
+                .unwrap_or(usize::MAX)
+                .next_multiple_of(64)
+        };
         let ctl_len = stage_off + usize::from(stages) * stage_len;
         let ctl = CtlBuf::new(ctl_len).ok_or_else(|| TransportError::InvalidArgument {
             nic: name.clone(),
@@ -471,9 +483,8 @@ impl LibfabricDomain {
                 nic: self.nic_name(),
                 what: format!("{what}: unknown or deregistered local key {}", s.mr.0),
             })?;
-        let inside = s
-            .addr
-            .checked_sub(e.addr)
+        let inside = e
+            .offset(s.addr)
             .and_then(|off| off.checked_add(s.len))
             .is_some_and(|end| end <= e.len);
         if !inside {

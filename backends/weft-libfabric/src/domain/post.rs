@@ -375,11 +375,7 @@ impl LibfabricDomain {
         let Some(w) = e.window.as_ref() else {
             return false;
         };
-        let Some(src_off) = src
-            .addr
-            .checked_sub(e.addr)
-            .and_then(|o| usize::try_from(o).ok())
-        else {
+        let Some(src_off) = e.offset(src.addr).and_then(|o| usize::try_from(o).ok()) else {
             return false;
         };
         self.msgs.ctl.fill_from(off, w, src_off, len)

@@ -85,7 +85,8 @@ pub(super) struct Messages {
     pub(super) bounce_off: usize,
     pub(super) bounce_len: usize,
     /// Start of the staging buffers in `ctl` (SENDs from device memory are
-    /// copied there first), and the size of each (`max_send_len`).
+    /// copied there first), and the size of each (`max_send_len`; 0: the
+    /// domain has none, not opened with hmem).
     pub(super) stage_off: usize,
     pub(super) stage_len: usize,
     /// ACKs waiting for a free ACK slot.
@@ -242,10 +243,7 @@ impl LibfabricDomain {
             let placed = match self.mrs.get(&r.mr) {
                 None => Err("is gone"),
                 Some(e) => {
-                    let off = r
-                        .addr
-                        .checked_sub(e.addr)
-                        .and_then(|o| usize::try_from(o).ok());
+                    let off = e.offset(r.addr).and_then(|o| usize::try_from(o).ok());
                     match (off, e.window.as_ref()) {
                         (Some(off), Some(w)) if w.write(off, &m.payload) => Ok(()),
                         _ => Err("could not be written (a failed copy into device memory)"),
