@@ -24,7 +24,9 @@ fn moe_err(py: Python<'_>, e: &MoeError) -> PyErr {
         MoeError::Shape { .. } => "shape",
         MoeError::TooManyTokens { .. } => "too_many_tokens",
         MoeError::ExpertOutOfRange { .. } => "expert_out_of_range",
-        MoeError::BadRoutes { .. } | MoeError::RecvOverflow { .. } => "bad_routes",
+        MoeError::BadRoutes { .. } | MoeError::RecvOverflow { .. } | MoeError::BadOrigin { .. } => {
+            "bad_routes"
+        }
         MoeError::Engine { .. } => "engine",
         MoeError::Timeout { .. } | MoeError::SubmitTimeout { .. } => "timeout",
         MoeError::Poisoned => "poisoned",
@@ -129,7 +131,13 @@ fn read_weights(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
 
 /// What `MoeRank.dispatch` returns: rows, expert offsets, source ranks,
 /// layout.
-type Dispatched<'py> = (Bound<'py, PyBytes>, Vec<u32>, Vec<u32>, PyMoeLayout);
+type Dispatched<'py> = (
+    Bound<'py, PyBytes>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    PyMoeLayout,
+);
 
 /// What `combine` needs of a step: opaque; from `MoeRank.dispatch`.
 #[pyclass(name = "MoeLayout", module = "weft._weft", frozen)]
@@ -277,11 +285,12 @@ impl PyMoeRank {
     /// bytes (any C-contiguous buffer), `topk_ids` `T·topk` ids (int64,
     /// int32 or uint32; `-1` = no expert), `topk_weights` `T·topk` float32
     /// (the combine's weights unless `combine` is given others). Returns
-    /// `(rows, expert_offsets, source_rank, layout)`: the received rows
-    /// (bytes, `token_bytes` each), expert-major (local expert `e` owns rows
-    /// `expert_offsets[e]..expert_offsets[e+1]`, by source rank, then the
-    /// source's token order), each row's source rank, and the layout for
-    /// `combine`.
+    /// `(rows, expert_offsets, source_rank, source_pair, layout)`: the
+    /// received rows (bytes, `token_bytes` each), expert-major (local expert
+    /// `e` owns rows `expert_offsets[e]..expert_offsets[e+1]`, by source
+    /// rank, then the source's token order), each row's source rank, each
+    /// row's pair index at its source (`token · topk + k`, checked to be
+    /// below `max_tokens · topk`), and the layout for `combine`.
     #[pyo3(signature = (tokens, topk_ids, topk_weights = None))]
     fn dispatch<'py>(
         &self,
@@ -311,6 +320,7 @@ impl PyMoeRank {
             PyBytes::new(py, &x.data),
             x.expert_offsets,
             x.source_rank,
+            x.source_pair,
             PyMoeLayout {
                 layout,
                 pairs,

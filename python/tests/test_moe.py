@@ -38,17 +38,19 @@ def inputs(seed: int, n: int = N, t: int = T, none_share: float = 0.25):
 
 def ref_dispatch(ins, rank: int, n: int = N):
     """Rows of `rank`'s local experts: expert ascending, then source rank,
-    then the source's (t, k) order; with offsets and source ranks."""
+    then the source's (t, k) order; with offsets, source ranks and pair
+    indices t·K + k at the source."""
     loc = E // n
-    rows, offs, src = [], [0], []
+    rows, offs, src, pair = [], [0], [], []
     for e in range(rank * loc, (rank + 1) * loc):
         for s, (toks, ids, _) in enumerate(ins):
             for t, k in zip(*np.nonzero(ids == e)):
                 rows.append(toks[t])
                 src.append(s)
+                pair.append(int(t) * ids.shape[1] + int(k))
         offs.append(len(rows))
     data = np.stack(rows).tobytes() if rows else b""
-    return data, offs, src
+    return data, offs, src, pair
 
 
 def expert(rows: np.ndarray, e: int) -> np.ndarray:
@@ -129,15 +131,15 @@ def test_steps_match_the_reference_with_no_expert_ids_and_late_weights(engines):
         ins = inputs(100 + step)
         got = on_threads([lambda r=r: r.dispatch(*ins[r.rank]) for r in rs])
         outs = []
-        for r, (data, offs, src, layout) in zip(rs, got):
+        for r, (data, offs, src, pair, layout) in zip(rs, got):
             want = ref_dispatch(ins, r.rank)
-            assert (data, offs, src) == want, f"step {step} rank {r.rank}"
+            assert (data, offs, src, pair) == want, f"step {step} rank {r.rank}"
             outs.append(outputs_of(data, offs, r.rank))
         # Odd steps: the combine's weights differ from the dispatch's.
         late = [(-w + 0.5).astype(np.float32) for _, _, w in ins] if step % 2 else None
         ys = on_threads(
             [
-                lambda r=r, g=g: r.combine(outs[r.rank], g[3], None if late is None else late[r.rank])
+                lambda r=r, g=g: r.combine(outs[r.rank], g[4], None if late is None else late[r.rank])
                 for r, g in zip(rs, got)
             ]
         )
@@ -198,15 +200,15 @@ def test_combine_refuses_missing_weights_wrong_output_types_and_a_second_connect
     got = on_threads([lambda r=r: r.dispatch(ins[r.rank][0], ins[r.rank][1]) for r in rs])
     outs = [outputs_of(g[0], g[1], r.rank) for r, g in zip(rs, got)]
     with pytest.raises(weft.InvalidArgumentError):
-        rs[0].combine(outs[0], got[0][3])  # weights neither at dispatch nor here
+        rs[0].combine(outs[0], got[0][4])  # weights neither at dispatch nor here
     with pytest.raises(weft.InvalidArgumentError) as e:
-        rs[0].combine(outs[0].view(np.float64), got[0][3], ins[0][2])  # right size, wrong type
+        rs[0].combine(outs[0].view(np.float64), got[0][4], ins[0][2])  # right size, wrong type
     assert e.value.kind == "unsupported_dtype"
     with pytest.raises(moe.MoeError) as e:
         rs[0].connect([r.info() for r in rs])
     assert e.value.kind == "out_of_order"
     # None of that disturbed the step.
-    ys = on_threads([lambda r=r, g=g: r.combine(outs[r.rank], g[3], ins[r.rank][2]) for r, g in zip(rs, got)])
+    ys = on_threads([lambda r=r, g=g: r.combine(outs[r.rank], g[4], ins[r.rank][2]) for r, g in zip(rs, got)])
     want = ref_combine(ins, outs)
     for r, y in zip(rs, ys):
         assert np.array_equal(np.frombuffer(y, np.float32).reshape(-1, H), want[r.rank])
@@ -253,8 +255,8 @@ while not all(os.path.exists(p) for p in paths):
 r.connect([open(p, "rb").read() for p in paths])
 for step in range(3):
     ins = T.inputs(900 + step)
-    data, offs, src, layout = r.dispatch(*ins[rank])
-    assert (data, offs, src) == T.ref_dispatch(ins, rank), step
+    data, offs, src, pair, layout = r.dispatch(*ins[rank])
+    assert (data, offs, src, pair) == T.ref_dispatch(ins, rank), step
     outs = [T.outputs_of(*T.ref_dispatch(ins, x)[:2], x) for x in range(T.N)]
     y = np.frombuffer(r.combine(outs[rank], layout), np.float32).reshape(-1, T.H)
     assert np.array_equal(y, T.ref_combine(ins, outs)[rank]), step

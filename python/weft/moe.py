@@ -10,9 +10,10 @@ Two levels:
       import weft, weft.moe as moe
       eng = weft.TransferEngine("libfabric:tcp")
       r = moe.MoeRank(eng, rank, ranks, experts=256, topk=8, max_tokens=128,
-                      token_bytes=7168 + 56 * 4 + 4, hidden=7168)
+                      token_bytes=7168 + 56 * 4, hidden=7168)
       moe.connect(r)                      # all-gather over torch.distributed
-      rows, offsets, src, layout = r.dispatch(tokens, topk_ids, topk_weights)
+      rows, offsets, src, pair, layout = r.dispatch(tokens, topk_ids, topk_weights)
+      # row i: token pair[i] // topk, choice pair[i] % topk of rank src[i]
       y = r.combine(expert_outputs, layout)
 
 - :class:`Buffer`: DeepEP's low-latency API (``low_latency_dispatch`` /
@@ -56,9 +57,6 @@ __all__ = [
     "Handle",
 ]
 
-#: Bytes appended to every dispatched row: the token's index at its
-#: source (int32), which the handle gives back as DeepEP's ``src_info``.
-_INDEX_BYTES = 4
 _FP8_MAX = 448.0
 
 
@@ -256,7 +254,7 @@ class Buffer:
             num_experts,
             min(num_experts, 32),
             num_max_dispatch_tokens_per_rank,
-            2 * hidden + _INDEX_BYTES,
+            2 * hidden,
             hidden,
         )
 
@@ -312,7 +310,7 @@ class Buffer:
         if r is None:
             instance = _INSTANCES.get(self.engine, 0)
             _INSTANCES[self.engine] = instance + 1
-            row = (hidden + hidden // 32 if fp8 else 2 * hidden) + _INDEX_BYTES
+            row = hidden + hidden // 32 if fp8 else 2 * hidden
             r = MoeRank(
                 self.engine,
                 self.rank,
@@ -380,13 +378,12 @@ class Buffer:
             parts = [q.view(torch.uint8), s.contiguous().view(torch.uint8)]
         else:
             parts = [xc.view(torch.uint8)]
-        idx = torch.arange(t, dtype=torch.int32).view(t, 1).view(torch.uint8)
-        rows = torch.cat(parts + [idx], dim=1).contiguous()
+        rows = torch.cat(parts, dim=1).contiguous()
         key = (num_max_dispatch_tokens_per_rank, h, num_experts, ids.shape[1], use_fp8)
         r = self._rank_for(key)
         try:
-            data, offsets, src_rank, layout = r.dispatch(rows.numpy(), ids.numpy())
-            recv_x, recv_count, handle = self._unpack(key, r, data, offsets, src_rank, layout, ids, t, x.device)
+            data, offsets, src_rank, src_pair, layout = r.dispatch(rows.numpy(), ids.numpy())
+            recv_x, recv_count, handle = self._unpack(key, r, data, offsets, src_rank, src_pair, layout, ids, t, x.device)
         except MoeError:
             self._forget(key)
             raise
@@ -403,6 +400,7 @@ class Buffer:
         data: bytes,
         offsets: List[int],
         src_rank: List[int],
+        src_pair: List[int],
         layout: MoeLayout,
         ids: Any,
         t: int,
@@ -410,10 +408,10 @@ class Buffer:
     ) -> Tuple[Any, Any, tuple]:
         import torch
 
-        t_max, h, experts, _, fp8 = key
+        t_max, h, experts, topk, fp8 = key
         n, loc = self.group_size, r.local_experts
         width = h + h // 32 if fp8 else 2 * h
-        tb = width + _INDEX_BYTES
+        tb = width
         cap = t_max * n
         # What peers sent decides the counts: a rank naming one expert
         # twice for a token (possible with MoeRank directly) would not fit
@@ -430,6 +428,8 @@ class Buffer:
         layout_range = torch.zeros(loc, n, dtype=torch.int64)
         counts = []
         srcs = torch.tensor(src_rank, dtype=torch.int64)
+        # weft checked every pair index against max_tokens·topk.
+        tokens = torch.tensor(src_pair, dtype=torch.int64) // topk
         for e in range(loc):
             a, b = offsets[e], offsets[e + 1]
             counts.append(b - a)
@@ -438,7 +438,7 @@ class Buffer:
                 recv[e, : b - a] = blk[:, : (h if fp8 else 2 * h)]
                 if fp8:
                     scales[e, : b - a] = blk[:, h:width].contiguous().view(torch.float32)
-                src_info[e, : b - a] = blk[:, width:].contiguous().view(torch.int32).view(-1)
+                src_info[e, : b - a] = tokens[a:b].to(torch.int32)
                 per = torch.bincount(srcs[a:b], minlength=n)
                 begin = torch.cumsum(per, 0) - per
                 layout_range[e] = (begin << 32) | per

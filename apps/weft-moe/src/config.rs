@@ -125,7 +125,7 @@ impl MoeConfig {
                 max: max_pairs,
             });
         }
-        let b_in = round16(u64::from(self.token_bytes));
+        let b_in = round16(u64::from(self.token_bytes) + ORIGIN_BYTES);
         let b_out = round16(u64::from(self.hidden) * u64::from(self.out_dtype.size()));
         // The paper's receive bound: N·T·max(R, E/N) slots.
         let contig = mul(&[n, t, r.max(u64::from(local))], "contiguous region")?;
@@ -170,6 +170,11 @@ impl MoeConfig {
     }
 }
 
+/// Bytes after the token in every dispatch slot: the pair index
+/// `t · topk + k` at the source, a little-endian `u32`, which gives each
+/// received row its (token, k) origin ([`crate::ExpertTokens::origin`]).
+pub const ORIGIN_BYTES: u64 = 4;
+
 fn round16(v: u64) -> u64 {
     v.div_ceil(16) * 16
 }
@@ -208,7 +213,9 @@ pub struct Dims {
     pub hidden: u32,
     /// Output element type.
     pub out_dtype: OutDtype,
-    /// Dispatch slot bytes (B_in): `token_bytes` rounded up to 16.
+    /// Dispatch slot bytes (B_in): the token, then its pair index at the
+    /// source (`t · topk + k`, [`ORIGIN_BYTES`] little-endian bytes at
+    /// offset `token_bytes`), rounded up to 16.
     pub b_in: u64,
     /// Combine slot bytes (B_out): `hidden · size(out_dtype)` rounded up to 16.
     pub b_out: u64,
@@ -271,12 +278,12 @@ mod tests {
     fn deepseek_ep64_numbers() {
         let d = deepseek(64).validate().unwrap();
         assert_eq!(d.local, 4);
-        assert_eq!(d.b_in, 7392);
+        assert_eq!(d.b_in, 7408);
         assert_eq!(d.b_out, 14336);
         assert_eq!(d.contig_slots, 65_536);
-        assert_eq!(d.recv_buf_len, (64 * 32 + 65_536) * 7392);
+        assert_eq!(d.recv_buf_len, (64 * 32 + 65_536) * 7408);
         assert_eq!(d.send_buf_len, 65_536 * 14336);
-        assert_eq!(d.contig_offset(), 64 * 32 * 7392);
+        assert_eq!(d.contig_offset(), 64 * 32 * 7408);
     }
 
     #[test]
@@ -352,6 +359,10 @@ mod tests {
         c.out_dtype = OutDtype::F32;
         let d = c.validate().unwrap();
         assert_eq!(d.b_in, 16);
+        c.token_bytes = 12;
+        assert_eq!(c.validate().unwrap().b_in, 16);
+        c.token_bytes = 13;
+        assert_eq!(c.validate().unwrap().b_in, 32);
         assert_eq!(d.b_out, 16);
         assert_eq!(d.out_row_bytes(), 12);
     }

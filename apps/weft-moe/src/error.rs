@@ -117,6 +117,20 @@ pub enum MoeError {
         /// What is wrong with it.
         what: String,
     },
+    /// A received row names an origin no honest source can write: its pair
+    /// index (`t · topk + k`, carried in the row's slot) is at or beyond
+    /// `max_tokens · topk`.
+    #[error("MoE dispatch: row {row} from rank {rank} claims pair {pair}, beyond the {max} a rank sends")]
+    BadOrigin {
+        /// The source rank of the row.
+        rank: u32,
+        /// The row in the expert layout.
+        row: u32,
+        /// The pair index it carried.
+        pair: u32,
+        /// `max_tokens · topk`.
+        max: u64,
+    },
     /// The receive side would need more contiguous slots than the buffer
     /// has (only reachable with peer rows that passed no validation).
     #[error("MoE routes: rank {rank} would receive {need} overflow slots, the buffer has {cap}")]

@@ -18,12 +18,44 @@ pub struct ExpertTokens {
     pub expert_offsets: Vec<u32>,
     /// Source rank of every row.
     pub source_rank: Vec<u32>,
+    /// Pair index `t · topk + k` of every row at its source rank, as the
+    /// source wrote it into the row's slot: [`ExpertTokens::origin`]
+    /// decodes and checks it.
+    pub source_pair: Vec<u32>,
+    /// Experts per token (`topk`) of the step's configuration.
+    pub topk: u32,
+    /// Tokens per rank at most (`max_tokens`) of the step's configuration.
+    pub max_tokens: u32,
+}
+
+/// Where one received row came from: the `k`-th expert choice of token
+/// `token` of rank `rank`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowOrigin {
+    /// The source rank.
+    pub rank: u32,
+    /// The token's index in the source's input.
+    pub token: u32,
+    /// The position of this expert in the token's top-k list.
+    pub k: u32,
 }
 
 impl ExpertTokens {
     /// Number of rows.
     pub fn rows(&self) -> usize {
         self.source_rank.len()
+    }
+
+    /// Row `i`'s origin. `None` when `i` is out of range, or when the pair
+    /// index its source wrote names a token at or beyond `max_tokens` (the
+    /// index travels with the row: a faulty or hostile peer can write any
+    /// value, so it is checked here before anyone uses it).
+    pub fn origin(&self, i: usize) -> Option<RowOrigin> {
+        let rank = *self.source_rank.get(i)?;
+        let pair = *self.source_pair.get(i)?;
+        let k = pair.checked_rem(self.topk)?;
+        let token = pair / self.topk;
+        (token < self.max_tokens).then_some(RowOrigin { rank, token, k })
     }
 
     /// Row `i` (empty when out of range).
@@ -157,5 +189,47 @@ impl<'a> From<&'a [u16]> for TopkWeights<'a> {
     /// bf16 bits.
     fn from(w: &'a [u16]) -> Self {
         TopkWeights::Bf16(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(pairs: &[u32]) -> ExpertTokens {
+        ExpertTokens {
+            source_rank: vec![3; pairs.len()],
+            source_pair: pairs.to_vec(),
+            topk: 4,
+            max_tokens: 10,
+            ..ExpertTokens::default()
+        }
+    }
+
+    #[test]
+    fn origin_decodes_the_pair_index() {
+        let x = tokens(&[0, 5, 39]);
+        let o = |rank, token, k| Some(RowOrigin { rank, token, k });
+        assert_eq!(x.origin(0), o(3, 0, 0));
+        assert_eq!(x.origin(1), o(3, 1, 1));
+        assert_eq!(x.origin(2), o(3, 9, 3));
+        assert_eq!(x.origin(3), None);
+    }
+
+    #[test]
+    fn origin_refuses_what_an_honest_peer_cannot_write() {
+        // Token 10 of at most 10, and the largest u32.
+        let x = tokens(&[40, u32::MAX]);
+        assert_eq!(x.origin(0), None);
+        assert_eq!(x.origin(1), None);
+        // A default (never filled) value has no origins and does not
+        // divide by zero.
+        let mut y = tokens(&[1]);
+        y.topk = 0;
+        assert_eq!(y.origin(0), None);
+        // Vectors of different lengths (a caller's edit): no panic.
+        let mut z = tokens(&[1, 2]);
+        z.source_rank.truncate(1);
+        assert_eq!(z.origin(1), None);
     }
 }

@@ -47,11 +47,11 @@ pub mod rendezvous;
 mod routes;
 pub mod sim;
 
-pub use config::{Dims, MoeConfig, OutDtype};
+pub use config::{Dims, MoeConfig, OutDtype, ORIGIN_BYTES};
 pub use core::{Action, Entry, Event, RankCore, Wait};
 pub use error::{ConfigError, MoeError, Phase};
 pub use exec::RankInfo;
-pub use expert::{ExpertTokens, RankInput, TopkWeights, NO_EXPERT};
+pub use expert::{ExpertTokens, RankInput, RowOrigin, TopkWeights, NO_EXPERT};
 pub use imm::{ExpectedCounts, ImmValues, COMBINE_MODE, DISPATCH_MODE};
 pub use plan::{
     member_index, member_rank, n_to_rank, CombineSend, CombineSlot, DispatchDest, Overflow,

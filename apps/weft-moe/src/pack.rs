@@ -6,7 +6,7 @@
 //! Every access is bounds-checked: a buffer that is too short is a
 //! [`MoeError::Shape`], never a panic.
 
-use crate::config::Dims;
+use crate::config::{Dims, ORIGIN_BYTES};
 use crate::error::MoeError;
 use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
 use crate::num::{put_elem, read_elem};
@@ -61,7 +61,16 @@ pub fn pack_dispatch(
         }
         let t = (i / r) as u64;
         let src = slice(input.tokens, t * tb, tb, "tokens")?;
-        slice_mut(send_buf, u64::from(slot) * dims.b_in, tb, "send buffer")?.copy_from_slice(src);
+        let dst = slice_mut(
+            send_buf,
+            u64::from(slot) * dims.b_in,
+            tb + ORIGIN_BYTES,
+            "send buffer",
+        )?;
+        let (row, origin) = dst.split_at_mut(tb as usize);
+        row.copy_from_slice(src);
+        // i < T·R < 2^32 (Dims::validate)
+        origin.copy_from_slice(&(i as u32).to_le_bytes());
     }
     Ok(())
 }
@@ -80,7 +89,9 @@ pub fn unpack(
 }
 
 /// [`unpack`] into `out`, whose vectors are cleared and refilled (their
-/// capacity reused: no allocation once they are large enough).
+/// capacity reused: no allocation once they are large enough). A row whose
+/// slot carries a pair index no source can send is a
+/// [`MoeError::BadOrigin`].
 pub fn unpack_into(
     dims: &Dims,
     plan: &StepPlan,
@@ -89,23 +100,41 @@ pub fn unpack_into(
     out: &mut ExpertTokens,
 ) -> Result<(), MoeError> {
     let tb = u64::from(dims.token_bytes);
+    let slot = tb + ORIGIN_BYTES;
     let data = &mut out.data;
     data.clear();
     data.reserve(plan.unpack().len() * tb as usize);
-    for src in plan.unpack() {
+    out.source_pair.clear();
+    let max = dims.max_pairs();
+    for (i, (src, &rank)) in plan.unpack().iter().zip(plan.source_rank()).enumerate() {
         let row = match *src {
-            SrcSlot::Local(s) => slice(send_buf, u64::from(s) * dims.b_in, tb, "send buffer")?,
-            SrcSlot::Private(s) => slice(recv_buf, u64::from(s) * dims.b_in, tb, "receive buffer")?,
+            SrcSlot::Local(s) => slice(send_buf, u64::from(s) * dims.b_in, slot, "send buffer")?,
+            SrcSlot::Private(s) => {
+                slice(recv_buf, u64::from(s) * dims.b_in, slot, "receive buffer")?
+            }
             SrcSlot::Contig(s) => slice(
                 recv_buf,
                 dims.contig_offset() + u64::from(s) * dims.b_in,
-                tb,
+                slot,
                 "receive buffer",
             )?,
         };
-        data.extend_from_slice(row);
+        let (token, origin) = row.split_at(tb as usize);
+        let pair = u32::from_le_bytes([origin[0], origin[1], origin[2], origin[3]]);
+        if u64::from(pair) >= max {
+            return Err(MoeError::BadOrigin {
+                rank,
+                row: i as u32,
+                pair,
+                max,
+            });
+        }
+        data.extend_from_slice(token);
+        out.source_pair.push(pair);
     }
     out.token_bytes = dims.token_bytes;
+    out.topk = dims.topk;
+    out.max_tokens = dims.max_tokens;
     out.expert_offsets.clear();
     out.expert_offsets.extend_from_slice(plan.expert_offsets());
     out.source_rank.clear();
@@ -212,4 +241,61 @@ pub fn weighted_sum_into(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::MoeConfig;
+    use crate::routes::{count_pairs, RouteMatrix};
+
+    /// One rank, two experts, top-2, two tokens of 3 bytes: every pair
+    /// routed to itself, so unpack reads the rows from the send buffer.
+    fn packed() -> (Dims, StepPlan, Vec<u8>) {
+        let d = MoeConfig::new(1, 2, 2, 2, 3, 1).validate().unwrap();
+        let ids = [1, 0, 0, 1];
+        let tokens = [10, 11, 12, 20, 21, 22];
+        let pairs = count_pairs(&d, &ids).unwrap();
+        let mut send = vec![0u8; d.send_buf_len as usize];
+        let input = RankInput {
+            tokens: &tokens,
+            topk_ids: &ids,
+            topk_weights: &[0.0; 4],
+        };
+        pack_dispatch(&d, &input, &pairs, &mut send).unwrap();
+        let m = RouteMatrix::from_rows(&d, &[pairs.row]).unwrap();
+        (d.clone(), StepPlan::new(&d, 0, &m).unwrap(), send)
+    }
+
+    #[test]
+    fn rows_carry_their_origin() {
+        let (d, plan, send) = packed();
+        let x = unpack(&d, &plan, &send, &[]).unwrap();
+        // Expert 0: (t0, k1), (t1, k0); expert 1: (t0, k0), (t1, k1).
+        assert_eq!(x.source_pair, [1, 2, 0, 3]);
+        assert_eq!(x.data, [10, 11, 12, 20, 21, 22, 10, 11, 12, 20, 21, 22]);
+        let o = x.origin(1).unwrap();
+        assert_eq!((o.rank, o.token, o.k), (0, 1, 0));
+    }
+
+    #[test]
+    fn a_forged_origin_is_a_typed_error() {
+        let (d, plan, mut send) = packed();
+        // Slot 1 (expert 0's second row): pair index 4 = T·R.
+        let at = d.b_in as usize + d.token_bytes as usize;
+        send[at..at + 4].copy_from_slice(&4u32.to_le_bytes());
+        let e = unpack(&d, &plan, &send, &[]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                MoeError::BadOrigin {
+                    rank: 0,
+                    row: 1,
+                    pair: 4,
+                    max: 4
+                }
+            ),
+            "{e:?}"
+        );
+    }
 }

@@ -18,6 +18,8 @@ pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertToken
     for d in 0..dims.ranks {
         let mut x = ExpertTokens {
             token_bytes: dims.token_bytes,
+            topk: dims.topk,
+            max_tokens: dims.max_tokens,
             expert_offsets: vec![0],
             ..ExpertTokens::default()
         };
@@ -27,6 +29,7 @@ pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertToken
                     let t = i / r;
                     x.data.extend_from_slice(&inp.tokens[t * tb..(t + 1) * tb]);
                     x.source_rank.push(s as u32);
+                    x.source_pair.push(i as u32);
                 }
             }
             x.expert_offsets.push(x.source_rank.len() as u32);

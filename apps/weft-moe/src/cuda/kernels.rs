@@ -230,12 +230,13 @@ impl MoeKernels {
             )?
         };
         let (tb, b_in, coff) = (u64::from(d.token_bytes), d.b_in, d.contig_offset());
-        let (send, recv, out, offs, src) = (
+        let (send, recv, out, offs, src, pair) = (
             r.send.device_ptr(),
             r.recv.device_ptr(),
             r.out_tokens.device_ptr(),
             r.offsets.device_ptr(),
             r.src_rank.device_ptr(),
+            r.src_pair.device_ptr(),
         );
         let (w, s) = (
             r.sig_unpacked.device_ptr(),
@@ -257,6 +258,7 @@ impl MoeKernels {
             arg(&out),
             arg(&offs),
             arg(&src),
+            arg(&pair),
             arg(&w),
             arg(&s),
         ];

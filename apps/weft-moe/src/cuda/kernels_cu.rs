@@ -137,7 +137,9 @@ extern "C" __global__ void moe_count(const moe_u32* ids, weft_u64* ctl, unsigned
 }
 
 // dispatch-send, part 2 (grid: one block per token slot 0..T): copies token
-// t into the send-order slots of its R pairs; the last block signals.
+// t into the send-order slots of its R pairs, each followed by its pair
+// index t·R + k (little-endian u32, the row's origin); the last block
+// signals.
 extern "C" __global__ void moe_pack(const unsigned char* tokens, weft_u64* ctl, const moe_u32* slots,
                                     unsigned R, weft_u64 tb, weft_u64 b_in, unsigned char* send,
                                     weft_u64* sig, weft_u64* shadow) {
@@ -146,7 +148,10 @@ extern "C" __global__ void moe_pack(const unsigned char* tokens, weft_u64* ctl, 
         const unsigned char* src = tokens + (weft_u64)t * tb;
         for (unsigned k = 0; k < R; k++) {
             moe_u32 s = slots[t * R + k];
-            if (s != 0xffffffffu) moe_copy(send + (weft_u64)s * b_in, src, tb, threadIdx.x, blockDim.x);
+            if (s == 0xffffffffu) continue;
+            unsigned char* dst = send + (weft_u64)s * b_in;
+            moe_copy(dst, src, tb, threadIdx.x, blockDim.x);
+            if (threadIdx.x < 4) dst[tb + threadIdx.x] = (unsigned char)((t * R + k) >> (8 * threadIdx.x));
         }
     }
     moe_finish(&ctl[MOE_TICKET_PACK], sig, shadow);
@@ -244,13 +249,13 @@ extern "C" __global__ void moe_wait(const weft_u64* flag, weft_u64* ctl, weft_u6
 
 // dispatch-recv (after moe_wait_routes): gathers every received row into
 // the expert layout (out, token_bytes per row), writes the expert offsets
-// (L + 1) and source ranks, signals.
+// (L + 1), source ranks and source pair indices, signals.
 extern "C" __global__ void moe_unpack(weft_u64* ctl, const moe_u32* cnt_dev, const moe_u32* row_dev,
                                       unsigned N, unsigned E, unsigned rank, unsigned P,
                                       weft_u64 tb, weft_u64 b_in, weft_u64 contig_off,
                                       const unsigned char* send, const unsigned char* recv,
                                       unsigned char* out, moe_u32* offsets, moe_u32* src_rank,
-                                      weft_u64* sig, weft_u64* shadow) {
+                                      moe_u32* src_pair, weft_u64* sig, weft_u64* shadow) {
     extern __shared__ moe_u32 sh[];
     unsigned L = E / N;
     MoePlan p = moe_plan(sh, cnt_dev, L, row_dev, N, E, L, rank, P);
@@ -268,7 +273,11 @@ extern "C" __global__ void moe_unpack(weft_u64* ctl, const moe_u32* cnt_dev, con
         else if (i < P) src = recv + (weft_u64)(s * P + i) * b_in;
         else src = recv + contig_off + (weft_u64)(p.offs[s] + i - P) * b_in;
         moe_copy(out + (weft_u64)o * tb, src, tb, lane, 32);
-        if (lane == 0) src_rank[o] = s;
+        if (lane == 0) {
+            src_rank[o] = s;
+            src_pair[o] = (moe_u32)src[tb] | ((moe_u32)src[tb + 1] << 8) |
+                          ((moe_u32)src[tb + 2] << 16) | ((moe_u32)src[tb + 3] << 24);
+        }
     }
     moe_finish(&ctl[MOE_TICKET_UNPACK], sig, shadow);
 }

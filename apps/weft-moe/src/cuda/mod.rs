@@ -134,6 +134,7 @@ pub struct GpuRank {
     pub(crate) out_tokens: DeviceBuffer,
     pub(crate) offsets: DeviceBuffer,
     pub(crate) src_rank: DeviceBuffer,
+    pub(crate) src_pair: DeviceBuffer,
     pub(crate) expert_outputs: DeviceBuffer,
     pub(crate) combined: DeviceBuffer,
     pub(crate) route: MappedBuffer,
@@ -208,6 +209,7 @@ impl GpuRank {
             out_tokens: alloc(rows * tb)?,
             offsets: alloc((u64::from(dims.local) + 1) * 4)?,
             src_rank: alloc(rows * 4)?,
+            src_pair: alloc(rows * 4)?,
             expert_outputs: alloc(rows * dims.out_row_bytes())?,
             combined: alloc(u64::from(dims.max_tokens) * dims.out_row_bytes())?,
             route: MappedBuffer::new(gpu, usz(dims.route_buf_len(), rank)?).map_err(cu)?,
@@ -349,16 +351,22 @@ impl GpuRank {
         let rows = expert_offsets.last().copied().unwrap_or(0) as usize;
         let mut data = vec![0u8; rows * self.dims.token_bytes as usize];
         self.out_tokens.read(0, &mut data).map_err(self.cu(ph))?;
-        let mut sb = vec![0u8; rows * 4];
-        self.src_rank.read(0, &mut sb).map_err(self.cu(ph))?;
+        let read_u32s = |b: &DeviceBuffer| -> Result<Vec<u32>, GpuError> {
+            let mut raw = vec![0u8; rows * 4];
+            b.read(0, &mut raw).map_err(self.cu(ph))?;
+            Ok(raw
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        };
         Ok(ExpertTokens {
             data,
             token_bytes: self.dims.token_bytes,
             expert_offsets,
-            source_rank: sb
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
+            source_rank: read_u32s(&self.src_rank)?,
+            source_pair: read_u32s(&self.src_pair)?,
+            topk: self.dims.topk,
+            max_tokens: self.dims.max_tokens,
         })
     }
 
@@ -425,6 +433,7 @@ impl GpuRank {
             &self.out_tokens,
             &self.offsets,
             &self.src_rank,
+            &self.src_pair,
             &self.expert_outputs,
             &self.combined,
         ] {

@@ -6,7 +6,7 @@
 //! every four go through the caller-buffer calls (`dispatch_into`,
 //! `combine_into`) with buffers kept across steps.
 
-use crate::common::{expert_outputs, inputs, Routing};
+use crate::common::{check_origins, expert_outputs, inputs, Routing};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
@@ -107,6 +107,7 @@ fn run_steps(
                             rank.dispatch(&views[r]).expect("dispatch")
                         };
                         assert_eq!(got, want[r], "seed {seed} step {k} rank {r}: dispatch");
+                        check_origins(d, r as u32, &got, &views);
                         let outs: Vec<Vec<u8>> = want
                             .iter()
                             .enumerate()

@@ -120,6 +120,33 @@ pub fn expert_outputs(d: &Dims, rank: u32, x: &ExpertTokens) -> Vec<u8> {
     out
 }
 
+/// Checks every received row of `rank` against its origin: the source's
+/// token bytes, and the source naming this row's expert at that (t, k).
+/// Independent of the reference: it reads only the inputs.
+pub fn check_origins(d: &Dims, rank: u32, x: &ExpertTokens, views: &[RankInput<'_>]) {
+    let tb = d.token_bytes as usize;
+    for (le, w) in x.expert_offsets.windows(2).enumerate() {
+        let e = rank * d.local + le as u32;
+        for row in w[0] as usize..w[1] as usize {
+            let o = x
+                .origin(row)
+                .unwrap_or_else(|| panic!("rank {rank} row {row}: no origin"));
+            let src = &views[o.rank as usize];
+            let pair = (o.token * d.topk + o.k) as usize;
+            assert_eq!(
+                src.topk_ids[pair], e,
+                "rank {rank} row {row}: origin {o:?} names another expert"
+            );
+            let t = o.token as usize;
+            assert_eq!(
+                x.row(row),
+                &src.tokens[t * tb..(t + 1) * tb],
+                "rank {rank} row {row}: bytes of another token than {o:?}"
+            );
+        }
+    }
+}
+
 /// Every routing for `d`.
 pub fn routings(d: &Dims) -> Vec<Routing> {
     vec![
