@@ -11,7 +11,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::Arc;
 use std::time::Duration;
-use weft_moe::{Dims, Layout, MoeConfig, MoeError, MoeRank, OutDtype, RankInfo, NO_EXPERT};
+use weft_moe::{
+    Dims, DispatchFormat, Layout, MoeConfig, MoeError, MoeRank, OutDtype, RankInfo, NO_EXPERT,
+};
 
 use crate::buffer_ffi::BufferGuard;
 use crate::engine::PyTransferEngine;
@@ -123,6 +125,18 @@ fn out_dtype_of(py: Python<'_>, name: &str) -> PyResult<OutDtype> {
     }
 }
 
+fn dispatch_of(py: Python<'_>, name: &str) -> PyResult<DispatchFormat> {
+    match name {
+        "raw" => Ok(DispatchFormat::Raw),
+        "fp8" => Ok(DispatchFormat::Fp8 { round_scale: false }),
+        "fp8_round_scale" => Ok(DispatchFormat::Fp8 { round_scale: true }),
+        other => Err(errors::invalid(
+            py,
+            format!("dispatch {other:?}: \"raw\", \"fp8\" or \"fp8_round_scale\""),
+        )),
+    }
+}
+
 fn read_weights(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
     read_items(py, obj, "topk_weights", &[("f", 4)], |c| {
         Some(f32::from_le_bytes(c.try_into().ok()?))
@@ -208,9 +222,14 @@ impl PyMoeRank {
     /// (`"bf16"` or `"f32"`); `private_tokens` speculative slots per peer
     /// (default `min(32, max_tokens·topk)`); `instance` picks the reserved
     /// immediates (one per MoE group on an engine); `timeout` (seconds)
-    /// bounds every round.
+    /// bounds every round. `dispatch`: `"raw"` sends the `token_bytes`
+    /// as given; `"fp8"` / `"fp8_round_scale"` take bf16 tokens of
+    /// `hidden` elements and send them as e4m3 with one f32 scale per 128
+    /// columns (`token_bytes` must be `hidden + hidden // 32`: the row the
+    /// experts receive), DeepEP's low-latency rule, the second with scales
+    /// rounded up to powers of two.
     #[new]
-    #[pyo3(signature = (engine, rank, ranks, experts, topk, max_tokens, token_bytes, hidden, *, out_dtype = "bf16", private_tokens = None, instance = 0, timeout = 10.0))]
+    #[pyo3(signature = (engine, rank, ranks, experts, topk, max_tokens, token_bytes, hidden, *, out_dtype = "bf16", private_tokens = None, instance = 0, timeout = 10.0, dispatch = "raw"))]
     // One parameter per Python argument.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -227,9 +246,11 @@ impl PyMoeRank {
         private_tokens: Option<u32>,
         instance: u32,
         timeout: f64,
+        dispatch: &str,
     ) -> PyResult<Self> {
         let mut cfg = MoeConfig::new(ranks, experts, topk, max_tokens, token_bytes, hidden);
         cfg.out_dtype = out_dtype_of(py, out_dtype)?;
+        cfg.dispatch = dispatch_of(py, dispatch)?;
         cfg.private_tokens = private_tokens;
         cfg.instance = instance;
         if !(timeout.is_finite() && timeout > 0.0 && timeout <= 1e6) {
@@ -282,7 +303,8 @@ impl PyMoeRank {
     }
 
     /// Dispatches this rank's tokens: `tokens` is `T` rows of `token_bytes`
-    /// bytes (any C-contiguous buffer), `topk_ids` `T·topk` ids (int64,
+    /// bytes, or of `hidden` bf16 values with fp8 dispatch (any
+    /// C-contiguous buffer), `topk_ids` `T·topk` ids (int64,
     /// int32 or uint32; `-1` = no expert), `topk_weights` `T·topk` float32
     /// (the combine's weights unless `combine` is given others). Returns
     /// `(rows, expert_offsets, source_rank, source_pair, layout)`: the

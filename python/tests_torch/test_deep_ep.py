@@ -74,7 +74,9 @@ def ref_quant(x, round_scale: bool):
         inv = torch.exp2(torch.ceil(torch.log2(inv)))
         y = xf / inv[..., None]
     else:
-        y = xf * (448.0 / amax)[..., None]
+        # A tensor division: torch's `448.0 / amax` is a reciprocal times
+        # 448, which can differ from the quotient in the last bit.
+        y = xf * (torch.full_like(amax, 448.0) / amax)[..., None]
     q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(t, H), inv
 

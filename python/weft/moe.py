@@ -26,10 +26,11 @@ Two levels:
   reachable from Python yet, and neither CUDA graph capture nor more than
   one step in flight per shape is supported.
 
-fp8 (``use_fp8=True``), DeepEP's formulas in f32: per token and 128
-columns, ``amax = max(|x|, 1e-4)``; ``scale_inv = amax · f32(1/448)`` and
+fp8 (``use_fp8=True``; weft quantises as it packs the rows, the
+``MoeRank`` option ``dispatch="fp8"``), DeepEP's formulas in f32: per
+token and 128 columns, ``amax = max(|x|, 1e-4)``; ``scale_inv = amax · f32(1/448)`` and
 ``x_fp8 = e4m3(clamp(x · (448 / amax), ±448))``, or with ``round_scale``
-``scale_inv = 2^ceil(log2(amax · f32(1/448)))`` and ``x_fp8 = e4m3(clamp(x
+``scale_inv = 2^ceil(log2(amax · f32(1/448)))`` (exact, from the bits) and ``x_fp8 = e4m3(clamp(x
 / scale_inv, ±448))``; ``recv_x`` is ``(x_fp8, scale_inv)``, ``x ≈ x_fp8 ·
 scale_inv``. (Not checked bit for bit against DeepEP's kernels: DeepEP is
 not installed here.) Combine:
@@ -51,13 +52,11 @@ __all__ = [
     "MoeLayout",
     "MoeError",
     "connect",
-    "fp8_quantize",
     "Buffer",
     "EventOverlap",
     "Handle",
 ]
 
-_FP8_MAX = 448.0
 
 
 def _err(kind: str, message: str) -> MoeError:
@@ -74,25 +73,6 @@ def connect(rank: MoeRank, group: Optional[Any] = None) -> None:
     from .dist import all_gather_bytes
 
     rank.connect(all_gather_bytes(rank.info(), group=group))
-
-
-def fp8_quantize(x: Any, round_scale: bool = False) -> Tuple[Any, Any]:
-    """Quantises ``x`` (``[T, H]``, ``H % 128 == 0``) to e4m3 with one f32
-    scale per token and 128 columns (the module's fp8 rule). Returns
-    ``(x_fp8 [T, H], scale_inv [T, H / 128])``."""
-    import torch
-
-    t, h = x.shape
-    xf = x.float().reshape(t, h // 128, 128)
-    amax = xf.abs().amax(dim=-1).clamp(min=1e-4)
-    scale_inv = amax * torch.tensor(1.0 / _FP8_MAX, dtype=torch.float32)
-    if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-        y = xf / scale_inv.unsqueeze(-1)  # exact: a power of two
-    else:
-        y = xf * (_FP8_MAX / amax).unsqueeze(-1)
-    q = y.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(t, h), scale_inv
 
 
 class EventOverlap:
@@ -321,6 +301,7 @@ class Buffer:
                 row,
                 hidden,
                 out_dtype="bf16",
+                dispatch=("raw", "fp8", "fp8_round_scale")[fp8],
                 instance=instance,
                 timeout=self._timeout,
             )
@@ -372,14 +353,11 @@ class Buffer:
         srt = ids.sort(dim=1).values
         if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
             raise _err("shape", "topk_idx names an expert twice for one token")
-        xc = x.detach().to("cpu").contiguous()
-        if use_fp8:
-            q, s = fp8_quantize(xc, round_scale)
-            parts = [q.view(torch.uint8), s.contiguous().view(torch.uint8)]
-        else:
-            parts = [xc.view(torch.uint8)]
-        rows = torch.cat(parts, dim=1).contiguous()
-        key = (num_max_dispatch_tokens_per_rank, h, num_experts, ids.shape[1], use_fp8)
+        # bf16 rows as they are: with fp8, weft quantises them when it
+        # packs them (the rule above).
+        rows = x.detach().to("cpu").contiguous().view(torch.uint8)
+        fmt = (2 if round_scale else 1) if use_fp8 else 0
+        key = (num_max_dispatch_tokens_per_rank, h, num_experts, ids.shape[1], fmt)
         r = self._rank_for(key)
         try:
             data, offsets, src_rank, src_pair, layout = r.dispatch(rows.numpy(), ids.numpy())

@@ -42,6 +42,7 @@
 mod backend;
 mod builtin;
 mod config;
+pub mod dtype;
 mod error;
 mod registry;
 pub mod rendezvous;

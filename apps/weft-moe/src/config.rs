@@ -14,6 +14,36 @@ pub enum OutDtype {
     Bf16,
 }
 
+/// What dispatch does to a token on its way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum DispatchFormat {
+    /// The caller's `token_bytes` bytes go as they are.
+    #[default]
+    Raw,
+    /// DeepEP's low-latency fp8: the caller passes bf16 tokens of `hidden`
+    /// elements (`2 · hidden` bytes each, `hidden % 128 == 0`); the sender
+    /// quantises each to e4m3 with one f32 scale per 128 columns
+    /// ([`crate::quant`]), and the experts receive `hidden` e4m3 bytes
+    /// followed by `hidden / 128` little-endian f32 scales (`token_bytes`
+    /// must be `hidden + hidden / 32`).
+    Fp8 {
+        /// Round each scale up to a power of two (DeepEP's `round_scale`).
+        round_scale: bool,
+    },
+}
+
+impl DispatchFormat {
+    /// A small number naming the format, for the group's config hash.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            DispatchFormat::Raw => 0,
+            DispatchFormat::Fp8 { round_scale: false } => 1,
+            DispatchFormat::Fp8 { round_scale: true } => 2,
+        }
+    }
+}
+
 impl OutDtype {
     /// Bytes per element.
     pub fn size(self) -> u32 {
@@ -42,6 +72,8 @@ pub struct MoeConfig {
     pub hidden: u32,
     /// Element type of expert outputs and combined tokens.
     pub out_dtype: OutDtype,
+    /// What dispatch does to a token ([`DispatchFormat::Raw`] by default).
+    pub dispatch: DispatchFormat,
     /// Speculative private slots per (source, destination) (P), at most
     /// `max_tokens · topk`; `Some(0)` turns speculation off. `None` (the
     /// default): `min(32, max_tokens · topk)`, derived when the config is
@@ -76,6 +108,7 @@ impl MoeConfig {
             token_bytes,
             hidden,
             out_dtype: OutDtype::Bf16,
+            dispatch: DispatchFormat::Raw,
             private_tokens: None,
             instance: 0,
             step_timeout: Duration::from_secs(10),
@@ -125,6 +158,15 @@ impl MoeConfig {
                 max: max_pairs,
             });
         }
+        if let DispatchFormat::Fp8 { .. } = self.dispatch {
+            let h = u64::from(self.hidden);
+            if !h.is_multiple_of(128) || u64::from(self.token_bytes) != h + h / 32 {
+                return Err(ConfigError::Fp8Shape {
+                    hidden: self.hidden,
+                    token_bytes: self.token_bytes,
+                });
+            }
+        }
         let b_in = round16(u64::from(self.token_bytes) + ORIGIN_BYTES);
         let b_out = round16(u64::from(self.hidden) * u64::from(self.out_dtype.size()));
         // The paper's receive bound: N·T·max(R, E/N) slots.
@@ -160,6 +202,7 @@ impl MoeConfig {
             token_bytes: self.token_bytes,
             hidden: self.hidden,
             out_dtype: self.out_dtype,
+            dispatch: self.dispatch,
             b_in,
             b_out,
             contig_slots: contig,
@@ -213,6 +256,8 @@ pub struct Dims {
     pub hidden: u32,
     /// Output element type.
     pub out_dtype: OutDtype,
+    /// What dispatch does to a token.
+    pub dispatch: DispatchFormat,
     /// Dispatch slot bytes (B_in): the token, then its pair index at the
     /// source (`t · topk + k`, [`ORIGIN_BYTES`] little-endian bytes at
     /// offset `token_bytes`), rounded up to 16.
@@ -243,6 +288,15 @@ impl Dims {
     /// Bytes of one output row as the caller sees it (`hidden · size`).
     pub fn out_row_bytes(&self) -> u64 {
         u64::from(self.hidden) * u64::from(self.out_dtype.size())
+    }
+
+    /// Bytes of one token as the caller passes it to dispatch:
+    /// `token_bytes`, or `2 · hidden` (bf16) with fp8 dispatch.
+    pub fn in_row_bytes(&self) -> u64 {
+        match self.dispatch {
+            DispatchFormat::Raw => u64::from(self.token_bytes),
+            DispatchFormat::Fp8 { .. } => 2 * u64::from(self.hidden),
+        }
     }
 
     /// Byte offset of source `s`'s private region in the receive buffer.

@@ -38,6 +38,15 @@ pub enum ConfigError {
         /// The limit (`max_buffer_bytes`, or the addressable maximum).
         max: u64,
     },
+    /// fp8 dispatch needs `hidden % 128 == 0` and `token_bytes ==
+    /// hidden + hidden / 32` (the e4m3 bytes and one f32 scale per 128).
+    #[error("MoE config: fp8 dispatch of hidden {hidden} needs hidden % 128 == 0 and token_bytes = hidden + hidden/32, not {token_bytes}")]
+    Fp8Shape {
+        /// `hidden`.
+        hidden: u32,
+        /// `token_bytes`.
+        token_bytes: u32,
+    },
     /// Slot indices would not fit in a `u32`.
     #[error("MoE config: {slots} receive slots do not fit in 32-bit slot indices")]
     TooManySlots {

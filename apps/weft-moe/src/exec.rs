@@ -173,6 +173,7 @@ pub(crate) fn config_hash(dims: &Dims, imms: &ImmValues) -> u64 {
         u64::from(dims.out_dtype.size()),
         u64::from(dims.private),
         u64::from(imms.route),
+        dims.dispatch.code(),
     ] {
         h = fnv(h, v);
     }

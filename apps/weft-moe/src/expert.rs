@@ -69,7 +69,9 @@ impl ExpertTokens {
 /// `-1`): the pair is neither sent nor summed.
 pub const NO_EXPERT: u32 = u32::MAX;
 
-/// One rank's inputs of a step: `T_r` tokens of `token_bytes` bytes, and
+/// One rank's inputs of a step: `T_r` tokens of
+/// [`Dims::in_row_bytes`] bytes (`token_bytes`, or bf16 of `hidden` with
+/// fp8 dispatch), and
 /// `T_r · R` expert ids and weights, token-major. An id of [`NO_EXPERT`]
 /// leaves that pair out.
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +103,7 @@ impl RankInput<'_> {
                 max: dims.max_tokens,
             });
         }
-        let want = t * u64::from(dims.token_bytes);
+        let want = t * dims.in_row_bytes();
         if self.tokens.len() as u64 != want {
             return Err(MoeError::Shape {
                 what: "tokens",

@@ -41,13 +41,14 @@ mod imm;
 pub mod num;
 pub mod pack;
 mod plan;
+pub mod quant;
 mod rank;
 pub mod reference;
 pub mod rendezvous;
 mod routes;
 pub mod sim;
 
-pub use config::{Dims, MoeConfig, OutDtype, ORIGIN_BYTES};
+pub use config::{Dims, DispatchFormat, MoeConfig, OutDtype, ORIGIN_BYTES};
 pub use core::{Action, Entry, Event, RankCore, Wait};
 pub use error::{ConfigError, MoeError, Phase};
 pub use exec::RankInfo;

@@ -6,11 +6,12 @@
 //! Every access is bounds-checked: a buffer that is too short is a
 //! [`MoeError::Shape`], never a panic.
 
-use crate::config::{Dims, ORIGIN_BYTES};
+use crate::config::{Dims, DispatchFormat, ORIGIN_BYTES};
 use crate::error::MoeError;
 use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
 use crate::num::{put_elem, read_elem};
 use crate::plan::{CombineSlot, SrcSlot, StepPlan};
+use crate::quant;
 use crate::routes::CountedPairs;
 
 fn slice<'a>(buf: &'a [u8], off: u64, len: u64, what: &'static str) -> Result<&'a [u8], MoeError> {
@@ -46,7 +47,9 @@ fn slice_mut<'a>(
 }
 
 /// Copies every pair's token into its send-order slot of `send_buf`
-/// (`pairs` from [`count_pairs`](crate::count_pairs) of the same ids).
+/// (`pairs` from [`count_pairs`](crate::count_pairs) of the same ids),
+/// quantised once per token with fp8 dispatch, followed by the pair's
+/// index (its origin).
 pub fn pack_dispatch(
     dims: &Dims,
     input: &RankInput<'_>,
@@ -54,21 +57,43 @@ pub fn pack_dispatch(
     send_buf: &mut [u8],
 ) -> Result<(), MoeError> {
     let tb = u64::from(dims.token_bytes);
+    let ib = dims.in_row_bytes();
     let r = dims.topk as usize;
+    // The token's first slot, once written: later pairs of the same token
+    // copy it (fp8 quantises each token once).
+    let mut first: Option<(u64, u64)> = None;
     for (i, &slot) in pairs.slots.iter().enumerate() {
         if slot == NO_EXPERT {
             continue;
         }
         let t = (i / r) as u64;
-        let src = slice(input.tokens, t * tb, tb, "tokens")?;
-        let dst = slice_mut(
-            send_buf,
-            u64::from(slot) * dims.b_in,
-            tb + ORIGIN_BYTES,
-            "send buffer",
-        )?;
-        let (row, origin) = dst.split_at_mut(tb as usize);
-        row.copy_from_slice(src);
+        let at = u64::from(slot) * dims.b_in;
+        match first {
+            Some((ft, from)) if ft == t => {
+                // Both ranges checked: `from` when it was written.
+                slice(send_buf, at, tb, "send buffer")?;
+                let (from, to) = (from as usize, at as usize);
+                send_buf.copy_within(from..from + tb as usize, to);
+            }
+            _ => {
+                let src = slice(input.tokens, t * ib, ib, "tokens")?;
+                let row = slice_mut(send_buf, at, tb, "send buffer")?;
+                match dims.dispatch {
+                    DispatchFormat::Raw => row.copy_from_slice(src),
+                    DispatchFormat::Fp8 { round_scale } => {
+                        if !quant::quantize_token(src, round_scale, row) {
+                            return Err(MoeError::Shape {
+                                what: "fp8 token",
+                                got: tb,
+                                want: u64::from(dims.hidden) + u64::from(dims.hidden) / 32,
+                            });
+                        }
+                    }
+                }
+                first = Some((t, at));
+            }
+        }
+        let origin = slice_mut(send_buf, at + tb, ORIGIN_BYTES, "send buffer")?;
         // i < T·R < 2^32 (Dims::validate)
         origin.copy_from_slice(&(i as u32).to_le_bytes());
     }

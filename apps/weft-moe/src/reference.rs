@@ -3,16 +3,19 @@
 //! buffers, slots or counts. It defines the layout the protocol must
 //! produce, and serves as the baseline a benchmark compares against.
 
-use crate::config::Dims;
+use crate::config::{Dims, DispatchFormat};
 use crate::error::MoeError;
 use crate::expert::{ExpertTokens, RankInput, NO_EXPERT};
 use crate::num::{push_elem, read_elem};
+use crate::quant;
 
 /// Dispatch: for every rank d, the rows of its local experts (expert
-/// ascending, then source rank, then the source's (t, k) order).
+/// ascending, then source rank, then the source's (t, k) order), quantised
+/// by [`crate::quant`] with fp8 dispatch.
 pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertTokens>, MoeError> {
     check_all(dims, inputs)?;
     let tb = dims.token_bytes as usize;
+    let ib = dims.in_row_bytes() as usize;
     let r = dims.topk as usize;
     let mut out = Vec::with_capacity(inputs.len());
     for d in 0..dims.ranks {
@@ -27,7 +30,16 @@ pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertToken
             for (s, inp) in inputs.iter().enumerate() {
                 for (i, _) in inp.topk_ids.iter().enumerate().filter(|&(_, &id)| id == e) {
                     let t = i / r;
-                    x.data.extend_from_slice(&inp.tokens[t * tb..(t + 1) * tb]);
+                    let at = x.data.len();
+                    x.data.resize(at + tb, 0);
+                    let row = &inp.tokens[t * ib..(t + 1) * ib];
+                    match dims.dispatch {
+                        DispatchFormat::Raw => x.data[at..].copy_from_slice(row),
+                        DispatchFormat::Fp8 { round_scale } => {
+                            // Sizes checked by check_all and Dims::validate.
+                            quant::quantize_token(row, round_scale, &mut x.data[at..]);
+                        }
+                    }
                     x.source_rank.push(s as u32);
                     x.source_pair.push(i as u32);
                 }

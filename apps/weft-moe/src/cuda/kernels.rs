@@ -4,7 +4,7 @@
 
 use super::kernels_cu::MOE_CU;
 use super::{GpuError, GpuRank};
-use crate::config::OutDtype;
+use crate::config::{DispatchFormat, OutDtype};
 use crate::error::Phase;
 use std::ffi::c_void;
 use weft_cuda::{Function, Gpu, Module, Stream, KERNELS_CU};
@@ -20,6 +20,7 @@ pub struct MoeKernels {
     module: Module,
     count: Function,
     pack: Function,
+    pack_fp8: Function,
     unpack: Function,
     cpack: Function,
     sum: Function,
@@ -45,6 +46,7 @@ impl MoeKernels {
         let names = [
             "moe_count",
             "moe_pack",
+            "moe_pack_fp8",
             "moe_unpack",
             "moe_combine_pack",
             "moe_combine_sum",
@@ -61,6 +63,7 @@ impl MoeKernels {
         Ok(MoeKernels {
             count: f("moe_count")?,
             pack: f("moe_pack")?,
+            pack_fp8: f("moe_pack_fp8")?,
             unpack: f("moe_unpack")?,
             cpack: f("moe_combine_pack")?,
             sum: f("moe_combine_sum")?,
@@ -154,13 +157,46 @@ impl MoeKernels {
         }
     }
 
-    /// The second half of dispatch-send: pack the tokens, `SIG_PACKED`.
+    /// The second half of dispatch-send: pack the tokens (quantised with
+    /// fp8 dispatch), `SIG_PACKED`.
     pub fn dispatch_pack(&self, stream: &Stream, r: &GpuRank) -> Result<(), GpuError> {
         let d = &r.dims;
         let (ctl, slots, rr) = (r.ctl.device_ptr(), r.slots.device_ptr(), d.topk);
         let (tok, send) = (r.tokens.device_ptr(), r.send.device_ptr());
         let (tb, b_in) = (u64::from(d.token_bytes), d.b_in);
         let (w, s) = (r.sig_packed.device_ptr(), r.sig_packed.shadow_device_ptr());
+        let blocks = d.max_tokens.max(1);
+        if let DispatchFormat::Fp8 { round_scale } = d.dispatch {
+            let (h, rs) = (d.hidden, u32::from(round_scale));
+            let mut p = [
+                arg(&tok),
+                arg(&ctl),
+                arg(&slots),
+                arg(&rr),
+                arg(&h),
+                arg(&rs),
+                arg(&b_in),
+                arg(&send),
+                arg(&w),
+                arg(&s),
+            ];
+            // SAFETY: matches `moe_pack_fp8(const u8*, u64*, const u32*,
+            // u32, u32, u32, u64, u8*, u64*, u64*)`; the tokens buffer holds
+            // T rows of 2·H bytes and slots < T·R of B_in ≥ H + H/32 + 4
+            // bytes fit in the send buffer (Dims::validate checked H).
+            return unsafe {
+                self.go(
+                    self.pack_fp8,
+                    r,
+                    stream,
+                    Phase::Dispatch,
+                    blocks,
+                    THREADS,
+                    0,
+                    &mut p,
+                )
+            };
+        }
         let mut p = [
             arg(&tok),
             arg(&ctl),
@@ -180,7 +216,7 @@ impl MoeKernels {
                 r,
                 stream,
                 Phase::Dispatch,
-                d.max_tokens.max(1),
+                blocks,
                 THREADS,
                 0,
                 &mut p,

@@ -157,6 +157,109 @@ extern "C" __global__ void moe_pack(const unsigned char* tokens, weft_u64* ctl, 
     moe_finish(&ctl[MOE_TICKET_PACK], sig, shadow);
 }
 
+// quant.rs's arithmetic, operation for operation (no contraction: the
+// __f*_rn intrinsics), for fp8 dispatch.
+__device__ __forceinline__ float moe_nanmax(float a, float b) {
+    return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
+// quant::pow2_ceil.
+__device__ __forceinline__ float moe_pow2_ceil(float s) {
+    if (!(s > 0.0f) || isinf(s)) return s;
+    const unsigned b = __float_as_uint(s), e = (b >> 23) & 0xff, m = b & 0x7fffff;
+    if (e == 0) {
+        unsigned p = 1;
+        while (p < m) p <<= 1;
+        return __uint_as_float(p);
+    }
+    if (m == 0) return s;
+    if (e >= 254) return __int_as_float(0x7f800000);
+    return __uint_as_float((e + 1) << 23);
+}
+
+// f32::clamp(-448, 448): NaN stays NaN.
+__device__ __forceinline__ float moe_clamp448(float y) {
+    return y != y ? y : (y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y));
+}
+
+// weft::dtype::f32_to_e4m3, line for line.
+__device__ __forceinline__ unsigned char moe_e4m3(float x) {
+    if (x != x) return 0x7F;
+    const unsigned char sign = (__float_as_uint(x) >> 31) ? 0x80 : 0;
+    const float a = fabsf(x);
+    if (a >= 448.0f) return sign | 0x7E;
+    const unsigned bits = __float_as_uint(a);
+    const int exp = (int)(bits >> 23) - 127;
+    if (exp < -6) {
+        const unsigned q = (unsigned)rintf(__fmul_rn(a, 512.0f));
+        return sign | (unsigned char)(q < 8 ? q : 8);
+    }
+    unsigned e = (unsigned)(exp + 7);
+    const unsigned m = bits & 0x7FFFFF;
+    unsigned r = m >> 20;
+    const unsigned rem = m & 0xFFFFF;
+    if (rem > 0x80000 || (rem == 0x80000 && (r & 1))) r += 1;
+    if (r == 8) { r = 0; e += 1; }
+    if (e > 15 || (e == 15 && r == 7)) return sign | 0x7E;
+    return sign | (unsigned char)(e << 3) | (unsigned char)r;
+}
+
+// fp8 dispatch-send, part 2 (grid: one block per token slot 0..T, whole
+// warps): quantises bf16 token t (H = 128·G values) per 128 columns, one
+// warp per group, and writes the H e4m3 bytes and G f32 scales into the
+// send-order slots of its R pairs, each followed by its pair index; the
+// last block signals.
+extern "C" __global__ void moe_pack_fp8(const unsigned char* tokens, weft_u64* ctl,
+                                        const moe_u32* slots, unsigned R, unsigned H,
+                                        unsigned round_scale, weft_u64 b_in, unsigned char* send,
+                                        weft_u64* sig, weft_u64* shadow) {
+    unsigned t = blockIdx.x;
+    if (t < (unsigned)ctl[MOE_CTL_TOKENS]) {
+        const unsigned short* x = (const unsigned short*)(tokens + (weft_u64)t * 2 * H);
+        const unsigned lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+        const float inv448 = (float)(1.0 / 448.0);
+        for (unsigned g = threadIdx.x >> 5; g < H / 128; g += warps) {
+            float v[4];
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                v[j] = __uint_as_float(((unsigned)x[g * 128 + lane + 32 * j]) << 16);
+                amax = moe_nanmax(amax, fabsf(v[j]));
+            }
+            for (int o = 16; o > 0; o >>= 1)
+                amax = moe_nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            if (!(amax != amax) && amax < 1e-4f) amax = 1e-4f;
+            float scale = __fmul_rn(amax, inv448);
+            unsigned char q[4];
+            if (round_scale) {
+                scale = moe_pow2_ceil(scale);
+#pragma unroll
+                for (int j = 0; j < 4; j++) q[j] = moe_e4m3(moe_clamp448(__fdiv_rn(v[j], scale)));
+            } else {
+                const float mul = __fdiv_rn(448.0f, amax);
+#pragma unroll
+                for (int j = 0; j < 4; j++) q[j] = moe_e4m3(moe_clamp448(__fmul_rn(v[j], mul)));
+            }
+            for (unsigned k = 0; k < R; k++) {
+                moe_u32 s = slots[t * R + k];
+                if (s == 0xffffffffu) continue;
+                unsigned char* dst = send + (weft_u64)s * b_in;
+#pragma unroll
+                for (int j = 0; j < 4; j++) dst[g * 128 + lane + 32 * j] = q[j];
+                if (lane == 0) *(float*)(dst + H + 4 * g) = scale;
+            }
+        }
+        const weft_u64 tb = (weft_u64)H + H / 32;
+        for (unsigned k = 0; k < R; k++) {
+            moe_u32 s = slots[t * R + k];
+            if (s == 0xffffffffu) continue;
+            unsigned char* dst = send + (weft_u64)s * b_in;
+            if (threadIdx.x < 4) dst[tb + threadIdx.x] = (unsigned char)((t * R + k) >> (8 * threadIdx.x));
+        }
+    }
+    moe_finish(&ctl[MOE_TICKET_PACK], sig, shadow);
+}
+
 // The receive-side plan of rank r in shared memory, from the N×L counts of
 // its local experts (cnt[s·L + l] = n(s → r·L + l)) and its own route row:
 // run[l·N + s] = first output row of (expert l, source s) (E + 1 entries),

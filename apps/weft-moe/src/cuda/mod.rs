@@ -197,7 +197,7 @@ impl GpuRank {
                 .map_err(GpuError::cuda(Some(rank), Phase::Setup))
         };
         Ok(GpuRank {
-            tokens: alloc(u64::from(dims.max_tokens) * tb)?,
+            tokens: alloc(u64::from(dims.max_tokens) * dims.in_row_bytes())?,
             ids: alloc(pairs * 4)?,
             weights: alloc(pairs * 4)?,
             ctl: alloc(CTL_BYTES as u64)?,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig};
 use weft_cuda::{Gpu, Graph, Stream};
 use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
-use weft_moe::{reference, Dims, MoeConfig, OutDtype, RankInput, NO_EXPERT};
+use weft_moe::{reference, Dims, DispatchFormat, MoeConfig, OutDtype, RankInput, NO_EXPERT};
 
 fn required() -> bool {
     std::env::var_os("WEFT_CUDA_REQUIRE_GPU").is_some_and(|v| v == "1")
@@ -372,11 +372,40 @@ fn gpu_deepseek_shape_ep8_bit_exact() {
     let Some((gpu, k)) = setup("gpu_deepseek_shape_ep8_bit_exact") else {
         return;
     };
-    // H = 7168 fp8 + 56 f32 scales, top-8 of 256 experts, 128 tokens, EP8.
+    // H = 7168 fp8 + 56 f32 scales, top-8 of 256 experts, 128 tokens, EP8:
+    // bytes as given, then bf16 tokens quantised by the send kernel.
     let mut c = MoeConfig::new(8, 256, 8, 128, 7168 + 56 * 4, 7168);
     c.private_tokens = Some(32);
     let d = c.validate().unwrap();
     run(&gpu, &k, &d, &[Routing::Random], 5, 2, false);
+    c.dispatch = DispatchFormat::Fp8 { round_scale: false };
+    let d = c.validate().unwrap();
+    run(&gpu, &k, &d, &[Routing::Random], 6, 2, false);
+}
+
+#[test]
+fn gpu_fp8_dispatch_bit_exact() {
+    let Some((gpu, k)) = setup("gpu_fp8_dispatch_bit_exact") else {
+        return;
+    };
+    // The send kernel's quantisation against quant.rs, both scale rules.
+    for (n, seed) in [(1u32, 11u64), (2, 12), (4, 13)] {
+        for round_scale in [false, true] {
+            let mut c = MoeConfig::new(n, n * 4, 4, 24, 256 + 8, 256);
+            c.private_tokens = Some(3);
+            c.dispatch = DispatchFormat::Fp8 { round_scale };
+            let d = c.validate().unwrap();
+            run(
+                &gpu,
+                &k,
+                &d,
+                &[Routing::Random, Routing::SomeNone, Routing::DupExperts],
+                seed,
+                2,
+                false,
+            );
+        }
+    }
 }
 
 // ---- The engine-driven path (EngineGroup) ----

@@ -13,7 +13,8 @@ use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
 use weft_moe::num::{bf16_to_f32, f32_to_bf16};
 use weft_moe::{
-    reference, Dims, ExpertTokens, MoeConfig, MoeError, MoeRank, RankInput, TopkWeights,
+    reference, ConfigError, Dims, DispatchFormat, ExpertTokens, MoeConfig, MoeError, MoeRank,
+    RankInput, TopkWeights,
 };
 use weft_testkit::seeds_or;
 
@@ -189,6 +190,41 @@ fn ep2_to_8_random() {
             run(&cfg(n, 2, 3, 6, 2), Routing::Random, seed, 4, 1 << 40);
         }
     }
+}
+
+#[test]
+fn fp8_dispatch_ep4() {
+    // bf16 tokens of 256 values in, e4m3 + 2 scales out, both scale rules.
+    for seed in seeds_or(0..2) {
+        for round_scale in [false, true] {
+            let mut c = MoeConfig::new(4, 8, 3, 6, 256 + 8, 256);
+            c.private_tokens = Some(2);
+            c.step_timeout = Duration::from_secs(30);
+            c.dispatch = DispatchFormat::Fp8 { round_scale };
+            let d = c.validate().unwrap();
+            for routing in [Routing::Random, Routing::DupExperts, Routing::SomeNone] {
+                run(&c, routing, seed, 4, 1 << 40);
+            }
+            assert_eq!(d.in_row_bytes(), 512);
+        }
+    }
+}
+
+#[test]
+fn fp8_dispatch_refuses_shapes_it_cannot_carry() {
+    let mut c = MoeConfig::new(4, 8, 3, 6, 256 + 8, 256);
+    c.dispatch = DispatchFormat::Fp8 { round_scale: false };
+    c.token_bytes = 256;
+    assert!(matches!(
+        c.validate(),
+        Err(ConfigError::Fp8Shape {
+            hidden: 256,
+            token_bytes: 256
+        })
+    ));
+    c.hidden = 200;
+    c.token_bytes = 200 + 200 / 32;
+    assert!(matches!(c.validate(), Err(ConfigError::Fp8Shape { .. })));
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use weft_moe::{num, Dims, ExpertTokens, OutDtype, RankInput, NO_EXPERT};
+use weft_moe::{num, quant, Dims, DispatchFormat, ExpertTokens, OutDtype, RankInput, NO_EXPERT};
 
 /// How the top-k ids are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,9 +88,22 @@ pub fn inputs(d: &Dims, routing: Routing, seed: u64, ragged: bool) -> Vec<Owned>
                     });
                 }
             }
-            let tokens = (0..t as usize * d.token_bytes as usize)
-                .map(|_| rng.gen())
-                .collect();
+            let tokens = match d.dispatch {
+                // bf16 values of many magnitudes, some zero.
+                DispatchFormat::Fp8 { .. } => (0..t as usize * d.hidden as usize)
+                    .flat_map(|_| {
+                        let v = if rng.gen_bool(0.05) {
+                            0.0
+                        } else {
+                            rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-20..8))
+                        };
+                        num::f32_to_bf16(v).to_le_bytes()
+                    })
+                    .collect(),
+                _ => (0..t as usize * d.token_bytes as usize)
+                    .map(|_| rng.gen())
+                    .collect(),
+            };
             let weights = (0..ids.len())
                 .map(|_| rng.gen_range(-1.0f32..1.0))
                 .collect();
@@ -138,9 +151,19 @@ pub fn check_origins(d: &Dims, rank: u32, x: &ExpertTokens, views: &[RankInput<'
                 "rank {rank} row {row}: origin {o:?} names another expert"
             );
             let t = o.token as usize;
+            let ib = d.in_row_bytes() as usize;
+            let input = &src.tokens[t * ib..(t + 1) * ib];
+            let want = match d.dispatch {
+                DispatchFormat::Fp8 { round_scale } => {
+                    let mut q = vec![0u8; tb];
+                    assert!(quant::quantize_token(input, round_scale, &mut q));
+                    q
+                }
+                _ => input.to_vec(),
+            };
             assert_eq!(
                 x.row(row),
-                &src.tokens[t * tb..(t + 1) * tb],
+                &want[..],
                 "rank {rank} row {row}: bytes of another token than {o:?}"
             );
         }
