@@ -98,7 +98,7 @@ mod cuda;
 pub use cuda::{
     probe, probe_nvrtc, CudaCopy, CudaPeerMemory, DeviceBuffer, Event, Exported, Function, Gpu,
     Graph, HostFlag, ImportCache, Imported, Kernels, MappedBuffer, Module, ProbeOrdering, Stream,
-    WatchWord, KERNELS_CU,
+    WatchWord, DTYPE_CU, KERNELS_CU,
 };
 
 /// Probes for a usable CUDA driver. This build has no CUDA support (the

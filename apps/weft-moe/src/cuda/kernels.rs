@@ -7,7 +7,7 @@ use super::{GpuError, GpuRank};
 use crate::config::{DispatchFormat, OutDtype};
 use crate::error::Phase;
 use std::ffi::c_void;
-use weft_cuda::{Function, Gpu, Module, Stream, KERNELS_CU};
+use weft_cuda::{Function, Gpu, Module, Stream, DTYPE_CU, KERNELS_CU};
 
 const THREADS: u32 = 256;
 const COUNT_THREADS: u32 = 1024;
@@ -42,7 +42,7 @@ fn arg<T>(v: &T) -> *mut c_void {
 impl MoeKernels {
     /// Compiles the kernels for `gpu` (needs NVRTC).
     pub fn compile(gpu: &Gpu) -> Result<MoeKernels, GpuError> {
-        let src = format!("{KERNELS_CU}\n{MOE_CU}");
+        let src = format!("{KERNELS_CU}\n{DTYPE_CU}\n{MOE_CU}");
         let names = [
             "moe_count",
             "moe_pack",

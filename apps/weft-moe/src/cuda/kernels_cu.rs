@@ -1,5 +1,6 @@
 //! CUDA C++ source of the MoE kernels (compiled at run time with NVRTC,
-//! after `weft_cuda::KERNELS_CU`, whose device functions it uses).
+//! after `weft_cuda::KERNELS_CU` and `weft_cuda::DTYPE_CU`, whose device
+//! functions it uses).
 //!
 //! Every kernel reads its step-dependent values (token count, step number)
 //! from the rank's device-side control block, so a launch sequence can be
@@ -182,28 +183,6 @@ __device__ __forceinline__ float moe_clamp448(float y) {
     return y != y ? y : (y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y));
 }
 
-// weft::dtype::f32_to_e4m3, line for line.
-__device__ __forceinline__ unsigned char moe_e4m3(float x) {
-    if (x != x) return 0x7F;
-    const unsigned char sign = (__float_as_uint(x) >> 31) ? 0x80 : 0;
-    const float a = fabsf(x);
-    if (a >= 448.0f) return sign | 0x7E;
-    const unsigned bits = __float_as_uint(a);
-    const int exp = (int)(bits >> 23) - 127;
-    if (exp < -6) {
-        const unsigned q = (unsigned)rintf(__fmul_rn(a, 512.0f));
-        return sign | (unsigned char)(q < 8 ? q : 8);
-    }
-    unsigned e = (unsigned)(exp + 7);
-    const unsigned m = bits & 0x7FFFFF;
-    unsigned r = m >> 20;
-    const unsigned rem = m & 0xFFFFF;
-    if (rem > 0x80000 || (rem == 0x80000 && (r & 1))) r += 1;
-    if (r == 8) { r = 0; e += 1; }
-    if (e > 15 || (e == 15 && r == 7)) return sign | 0x7E;
-    return sign | (unsigned char)(e << 3) | (unsigned char)r;
-}
-
 // fp8 dispatch-send, part 2 (grid: one block per token slot 0..T, whole
 // warps): quantises bf16 token t (H = 128·G values) per 128 columns, one
 // warp per group, and writes the H e4m3 bytes and G f32 scales into the
@@ -234,11 +213,11 @@ extern "C" __global__ void moe_pack_fp8(const unsigned char* tokens, weft_u64* c
             if (round_scale) {
                 scale = moe_pow2_ceil(scale);
 #pragma unroll
-                for (int j = 0; j < 4; j++) q[j] = moe_e4m3(moe_clamp448(__fdiv_rn(v[j], scale)));
+                for (int j = 0; j < 4; j++) q[j] = weft_e4m3(moe_clamp448(__fdiv_rn(v[j], scale)));
             } else {
                 const float mul = __fdiv_rn(448.0f, amax);
 #pragma unroll
-                for (int j = 0; j < 4; j++) q[j] = moe_e4m3(moe_clamp448(__fmul_rn(v[j], mul)));
+                for (int j = 0; j < 4; j++) q[j] = weft_e4m3(moe_clamp448(__fmul_rn(v[j], mul)));
             }
             for (unsigned k = 0; k < R; k++) {
                 moe_u32 s = slots[t * R + k];

@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 
-use weft_cuda::{DeviceBuffer, Function, Gpu, Module, Stream};
+use weft_cuda::{DeviceBuffer, Function, Gpu, Module, Stream, DTYPE_CU};
 
 use super::kernels_cu::RL_CU;
 use super::GpuError;
@@ -130,7 +130,8 @@ impl RlKernels {
     /// Compiles the kernels for `gpu` (needs NVRTC).
     pub fn compile(gpu: &Gpu) -> Result<RlKernels, GpuError> {
         let names = ["rl_copy_boxes", "rl_quant_fp8_128", "rl_quant_fp8"];
-        let module = Module::compile(gpu, "weft-rl kernels", RL_CU, &names)
+        let src = format!("{DTYPE_CU}\n{RL_CU}");
+        let module = Module::compile(gpu, "weft-rl kernels", &src, &names)
             .map_err(GpuError::cuda("compiling the weft-rl kernels"))?;
         let f = |n| module.function(n).map_err(GpuError::cuda("kernel lookup"));
         Ok(RlKernels {

@@ -16,7 +16,8 @@
 //! operation for operation: `amax` is `fmaxf` over `|x|` from `+0` (NaN
 //! inputs ignored, as `f32::max` does), `scale = amax / 448` (IEEE
 //! division; `1` when `amax` is not `> 0`), `q = e4m3(x / scale)` with the
-//! same integer rounding code as `fp8::f32_to_e4m3` (ties to even,
+//! same integer rounding code as `fp8::f32_to_e4m3` (`weft_e4m3` of
+//! `weft_cuda::DTYPE_CU`, prepended; ties to even,
 //! saturating to ±448, NaN → 0x7F).
 
 /// The kernels' source.
@@ -65,28 +66,6 @@ extern "C" __global__ void rl_copy_boxes(RlBoxTable t) {
 
 __device__ __forceinline__ float rl_bf16(rl_u16 b) {
     return __uint_as_float(((unsigned)b) << 16);
-}
-
-// fp8::f32_to_e4m3, line for line.
-__device__ __forceinline__ rl_u8 rl_e4m3(float x) {
-    if (x != x) return 0x7F;
-    const rl_u8 sign = (__float_as_uint(x) >> 31) ? 0x80 : 0;
-    const float a = fabsf(x);
-    if (a >= 448.0f) return sign | 0x7E;
-    const unsigned bits = __float_as_uint(a);
-    const int exp = (int)(bits >> 23) - 127;
-    if (exp < -6) {
-        const unsigned q = (unsigned)rintf(a * 512.0f);
-        return sign | (rl_u8)(q < 8 ? q : 8);
-    }
-    unsigned e = (unsigned)(exp + 7);
-    const unsigned m = bits & 0x7FFFFF;
-    unsigned r = m >> 20;
-    const unsigned rem = m & 0xFFFFF;
-    if (rem > 0x80000 || (rem == 0x80000 && (r & 1))) r += 1;
-    if (r == 8) { r = 0; e += 1; }
-    if (e > 15 || (e == 15 && r == 7)) return sign | 0x7E;
-    return sign | (rl_u8)(e << 3) | (rl_u8)r;
 }
 
 __device__ __forceinline__ float rl_scale_of(float amax) {
@@ -141,8 +120,8 @@ rl_quant_fp8_128(const rl_u16* __restrict__ src, rl_u64 rows, rl_u64 cols,
             unsigned out[2] = {0, 0};
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const unsigned lo = rl_e4m3(__fdiv_rn(rl_bf16((rl_u16)(w[j] & 0xFFFF)), scale));
-                const unsigned hi = rl_e4m3(__fdiv_rn(rl_bf16((rl_u16)(w[j] >> 16)), scale));
+                const unsigned lo = weft_e4m3(__fdiv_rn(rl_bf16((rl_u16)(w[j] & 0xFFFF)), scale));
+                const unsigned hi = weft_e4m3(__fdiv_rn(rl_bf16((rl_u16)(w[j] >> 16)), scale));
                 out[j / 2] |= (lo | (hi << 8)) << (16 * (j % 2));
             }
             *(uint2*)(q + r * cols + c) = make_uint2(out[0], out[1]);
@@ -168,7 +147,7 @@ extern "C" __global__ void rl_quant_fp8(const rl_u16* __restrict__ src, rl_u64 r
     if (threadIdx.x == 0) scales[blockIdx.y * gridDim.x + blockIdx.x] = scale;
     for (rl_u64 i = threadIdx.x; i < h * w; i += blockDim.x) {
         const rl_u64 r = r0 + i / w, c = c0 + i % w;
-        q[r * cols + c] = rl_e4m3(__fdiv_rn(rl_bf16(src[r * cols + c]), scale));
+        q[r * cols + c] = weft_e4m3(__fdiv_rn(rl_bf16(src[r * cols + c]), scale));
     }
 }
 "#;

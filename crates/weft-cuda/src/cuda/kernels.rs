@@ -7,6 +7,33 @@ use std::ffi::{c_void, CString};
 use std::fmt;
 use std::sync::Arc;
 
+/// CUDA C++ source of the element conversions of host code (`weft::dtype`), for kernels to prepend: `weft_e4m3(float)` is f32 → e4m3fn,
+/// round to nearest even, saturating to ±448, NaN → 0x7F, operation for
+/// operation the host's `f32_to_e4m3`, so host and device agree bit for
+/// bit.
+pub const DTYPE_CU: &str = r#"
+__device__ __forceinline__ unsigned char weft_e4m3(float x) {
+    if (x != x) return 0x7F;
+    const unsigned char sign = (__float_as_uint(x) >> 31) ? 0x80 : 0;
+    const float a = fabsf(x);
+    if (a >= 448.0f) return sign | 0x7E;
+    const unsigned bits = __float_as_uint(a);
+    const int exp = (int)(bits >> 23) - 127;
+    if (exp < -6) {
+        const unsigned q = (unsigned)rintf(a * 512.0f);
+        return sign | (unsigned char)(q < 8 ? q : 8);
+    }
+    unsigned e = (unsigned)(exp + 7);
+    const unsigned m = bits & 0x7FFFFF;
+    unsigned r = m >> 20;
+    const unsigned rem = m & 0xFFFFF;
+    if (rem > 0x80000 || (rem == 0x80000 && (r & 1))) r += 1;
+    if (r == 8) { r = 0; e += 1; }
+    if (e > 15 || (e == 15 && r == 7)) return sign | 0x7E;
+    return sign | (unsigned char)(e << 3) | (unsigned char)r;
+}
+"#;
+
 /// CUDA C++ source of weft's kernels and device functions. MoE or KvCache
 /// kernels can prepend it to their own source to reuse the device functions
 /// (`weft_ld_acquire_sys`, `weft_st_release_sys`, `weft_wait_flag`,

@@ -24,7 +24,7 @@ mod stream;
 pub use copy::CudaCopy;
 pub use gpu::Gpu;
 pub use ipc::{Exported, ImportCache, Imported};
-pub use kernels::{Kernels, ProbeOrdering, KERNELS_CU};
+pub use kernels::{Kernels, ProbeOrdering, DTYPE_CU, KERNELS_CU};
 pub use mapped::{HostFlag, WatchWord};
 pub use memory::DeviceBuffer;
 pub use module::{Event, Function, MappedBuffer, Module};
