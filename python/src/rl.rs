@@ -114,7 +114,7 @@ pub struct PyRlPlan {
 #[pymethods]
 impl PyRlPlan {
     #[new]
-    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 8 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10, fp8_fallback = false, ramp = 2))]
+    #[pyo3(signature = (trainers, params, inference, block = 128, unit_bytes = 2 << 20, align = 256, watermark = 512 << 20, min_direct_bytes = 256 << 10, fp8_fallback = false, ramp = 2))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

@@ -132,7 +132,7 @@ struct SimArgs {
     #[arg(long, default_value_t = 400.0)]
     nic_gbps: f64,
     /// Unit size in MiB.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 2)]
     unit_mib: u64,
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]
@@ -198,7 +198,7 @@ struct LayoutArgs {
     #[arg(long, default_value_t = 1)]
     nics: usize,
     /// Unit size in MiB.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 2)]
     unit_mib: u64,
     /// Watermark in MiB.
     #[arg(long, default_value_t = 512)]

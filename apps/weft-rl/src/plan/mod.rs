@@ -55,7 +55,9 @@ use crate::RlError;
 pub struct PlanConfig {
     /// fp8 tile edge (128 for DeepSeek-V3 / Kimi-K2 checkpoints).
     pub block: u64,
-    /// Target size of one unit (bytes on the trainer, bf16).
+    /// Target size of one unit (bytes on the trainer, bf16); 2 MiB by
+    /// default (smaller units spread a wave more evenly over the writers
+    /// and fill the pipeline sooner, for a few more WRs).
     pub unit_bytes: u64,
     /// Alignment of tensors in inference regions and of arena slots.
     pub align: u64,
@@ -116,7 +118,7 @@ impl Default for PlanConfig {
     fn default() -> Self {
         PlanConfig {
             block: 128,
-            unit_bytes: 8 << 20,
+            unit_bytes: 2 << 20,
             align: 256,
             watermark: 512 << 20,
             ramp: 2,
