@@ -5,7 +5,8 @@
 //! 1. kernel-only (cuEvent): each rank's send kernels (count + pack),
 //!    recv kernel (unpack), combine-send and combine-recv (weighted sum),
 //!    with the recv flags pre-raised so nothing waits: EP8 (all 8 ranks,
-//!    one after another on one stream) and EP64 (rank 0's view);
+//!    one after another on one stream; once more with fp8 dispatch, bf16
+//!    tokens quantised by the pack kernel) and EP64 (rank 0's view);
 //! 2. end to end on one GPU, EP8 (8 ranks, each its own stream, buffers and
 //!    proxy thread): dispatch (send launch → unpack done) and combine
 //!    (combine-send → sum done) per rank, the proxy's signal → first
@@ -32,11 +33,11 @@ use weft::loopback::{Fabric, FabricConfig, FabricStats, NicModel};
 use weft::DeviceCopy;
 use weft_cuda::{Event, Gpu, Stream};
 use weft_moe::cuda::{EngineGroup, EngineGroupConfig, GpuRank, LocalGroup, MoeKernels, ProxyGroup};
-use weft_moe::{count_pairs, row_to_le_bytes, Dims};
+use weft_moe::{count_pairs, row_to_le_bytes, Dims, DispatchFormat};
 
 #[path = "common/dsv3.rs"]
 mod dsv3;
-use dsv3::{dims, input, pct, us, Input};
+use dsv3::{dims, dims_with, input, pct, us, Input};
 
 fn line(name: &str, v: &mut [f64]) {
     let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
@@ -46,8 +47,15 @@ fn line(name: &str, v: &mut [f64]) {
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Kernel-only times of rank `r` of an EP-`n` group (flags pre-raised).
-fn kernel_only(gpu: &Gpu, k: &MoeKernels, n: u32, ranks: &[u32], iters: usize) -> Res<()> {
-    let d = dims(n, 32);
+fn kernel_only(
+    gpu: &Gpu,
+    k: &MoeKernels,
+    n: u32,
+    ranks: &[u32],
+    iters: usize,
+    dispatch: DispatchFormat,
+) -> Res<()> {
+    let d = dims_with(n, 32, dispatch);
     let mut rng = ChaCha8Rng::seed_from_u64(u64::from(n));
     let ins: Vec<Input> = (0..n).map(|_| input(&d, &mut rng)).collect();
     let row_len = d.route_row_len() as usize;
@@ -116,8 +124,12 @@ fn kernel_only(gpu: &Gpu, k: &MoeKernels, n: u32, ranks: &[u32], iters: usize) -
         }
         rks[0].check_kernels()?;
     }
+    let what = match dispatch {
+        DispatchFormat::Raw => "",
+        _ => ", fp8 dispatch: bf16 tokens quantised by the pack kernel",
+    };
     println!(
-        "\n### kernel-only, EP{n}, ranks {:?} (µs, cuEventElapsedTime; flags pre-raised)\n",
+        "\n### kernel-only, EP{n}, ranks {:?}{what} (µs, cuEventElapsedTime; flags pre-raised)\n",
         ranks
     );
     println!("| kernel | p50 µs | p99 µs | samples |\n|---|---|---|---|");
@@ -355,8 +367,11 @@ fn main() -> Res<()> {
         "kernels: gather_blocks={} sum_blocks={}",
         k.gather_blocks, k.sum_blocks
     );
-    kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters)?;
-    kernel_only(&gpu, &k, 64, &[0], iters)?;
+    let raw = DispatchFormat::Raw;
+    let fp8 = DispatchFormat::Fp8 { round_scale: false };
+    kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters, raw)?;
+    kernel_only(&gpu, &k, 8, &(0..8).collect::<Vec<_>>(), iters, fp8)?;
+    kernel_only(&gpu, &k, 64, &[0], iters, raw)?;
 
     let modes = Mode::chosen();
     for &mode in &modes {

@@ -7,7 +7,8 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
-use weft_moe::{Dims, MoeConfig, RankInput};
+use weft_moe::num::f32_to_bf16;
+use weft_moe::{Dims, DispatchFormat, MoeConfig, RankInput};
 
 /// Bytes per dispatched token: 7168 fp8 and 56 f32 scales.
 pub const TOKEN_BYTES: u32 = 7168 + 56 * 4;
@@ -33,9 +34,16 @@ impl Input {
 
 /// The shape at EP `ranks` with `p` private slots.
 pub fn dims(ranks: u32, p: u32) -> Dims {
+    dims_with(ranks, p, DispatchFormat::Raw)
+}
+
+/// [`dims`] with the given dispatch format (fp8: bf16 tokens in, the
+/// send kernel quantises them to the same 7392-byte rows).
+pub fn dims_with(ranks: u32, p: u32, dispatch: DispatchFormat) -> Dims {
     let mut c = MoeConfig::new(ranks, 256, 8, 128, TOKEN_BYTES, HIDDEN);
     c.private_tokens = Some(p);
     c.max_buffer_bytes = 8 << 30;
+    c.dispatch = dispatch;
     c.validate().expect("DeepSeek-V3 shape")
 }
 
@@ -47,8 +55,14 @@ pub fn input(d: &Dims, rng: &mut ChaCha8Rng) -> Input {
     for _ in 0..t {
         ids.extend(experts.choose_multiple(rng, d.topk as usize).copied());
     }
+    let tokens = match d.dispatch {
+        DispatchFormat::Raw => (0..t * d.token_bytes as usize).map(|_| rng.gen()).collect(),
+        _ => (0..t * d.hidden as usize)
+            .flat_map(|_| f32_to_bf16(rng.gen_range(-4.0f32..4.0)).to_le_bytes())
+            .collect(),
+    };
     Input {
-        tokens: (0..t * d.token_bytes as usize).map(|_| rng.gen()).collect(),
+        tokens,
         weights: (0..ids.len()).map(|_| rng.gen_range(0.0f32..1.0)).collect(),
         ids,
     }

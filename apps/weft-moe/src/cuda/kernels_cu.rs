@@ -198,33 +198,37 @@ extern "C" __global__ void moe_pack_fp8(const unsigned char* tokens, weft_u64* c
         const unsigned lane = threadIdx.x & 31, warps = blockDim.x >> 5;
         const float inv448 = (float)(1.0 / 448.0);
         for (unsigned g = threadIdx.x >> 5; g < H / 128; g += warps) {
-            float v[4];
+            // Lane l: columns 4l .. 4l + 3 of the group (one 8-byte load,
+            // one 4-byte store per slot).
+            const uint2 w = *(const uint2*)(x + g * 128 + 4 * lane);
+            float v[4] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                          __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u)};
             float amax = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                v[j] = __uint_as_float(((unsigned)x[g * 128 + lane + 32 * j]) << 16);
-                amax = moe_nanmax(amax, fabsf(v[j]));
-            }
+            for (int j = 0; j < 4; j++) amax = moe_nanmax(amax, fabsf(v[j]));
             for (int o = 16; o > 0; o >>= 1)
                 amax = moe_nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             if (!(amax != amax) && amax < 1e-4f) amax = 1e-4f;
             float scale = __fmul_rn(amax, inv448);
-            unsigned char q[4];
+            unsigned q = 0;
             if (round_scale) {
                 scale = moe_pow2_ceil(scale);
 #pragma unroll
-                for (int j = 0; j < 4; j++) q[j] = weft_e4m3(moe_clamp448(__fdiv_rn(v[j], scale)));
+                for (int j = 0; j < 4; j++)
+                    q |= (unsigned)weft_e4m3(moe_clamp448(__fdiv_rn(v[j], scale))) << (8 * j);
             } else {
                 const float mul = __fdiv_rn(448.0f, amax);
 #pragma unroll
-                for (int j = 0; j < 4; j++) q[j] = weft_e4m3(moe_clamp448(__fmul_rn(v[j], mul)));
+                for (int j = 0; j < 4; j++)
+                    q |= (unsigned)weft_e4m3(moe_clamp448(__fmul_rn(v[j], mul))) << (8 * j);
             }
+            // Slots start 16-aligned (B_in is a multiple of 16), and so do
+            // the groups (H is a multiple of 128).
             for (unsigned k = 0; k < R; k++) {
                 moe_u32 s = slots[t * R + k];
                 if (s == 0xffffffffu) continue;
                 unsigned char* dst = send + (weft_u64)s * b_in;
-#pragma unroll
-                for (int j = 0; j < 4; j++) dst[g * 128 + lane + 32 * j] = q[j];
+                *(unsigned*)(dst + g * 128 + 4 * lane) = q;
                 if (lane == 0) *(float*)(dst + H + 4 * g) = scale;
             }
         }
