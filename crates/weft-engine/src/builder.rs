@@ -41,6 +41,13 @@ impl std::fmt::Debug for EngineBuilder {
     }
 }
 
+impl TransferEngine {
+    /// Starts a builder.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::new()
+    }
+}
+
 impl EngineBuilder {
     /// An empty builder with default settings.
     pub fn new() -> Self {

@@ -31,8 +31,7 @@
 //! the round was reported (or dropped unreported), so idle workers keep
 //! polling while a round waits.
 
-use crate::core::Event;
-use crate::ondone::{DoneResult, OnDone};
+use crate::ondone::{DoneCallback, DoneResult, OnDone};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 // `ImmWaits` is read by the workers' idle loop, outside the loom model:
 // plain std atomics, under loom too.
@@ -416,21 +415,40 @@ impl ImmDone {
 
     /// Resolves a round that never waited (a zero count): its count is
     /// dropped at once, before the result is reported.
-    pub(crate) fn resolve_unarmed(self, r: DoneResult) -> Option<Event> {
+    pub(crate) fn resolve_unarmed(self, r: DoneResult) -> Option<RoundCallback> {
         let ImmDone { on_done, round, .. } = self;
         drop(round);
-        let (cb, r) = on_done.resolve_inline(r)?;
-        Some(Event::Done(cb, r))
+        let (cb, result) = on_done.resolve_inline(r)?;
+        Some(RoundCallback {
+            cb,
+            result,
+            round: None,
+        })
     }
 
-    /// Resolves a flag or counter at once; a callback comes back as the
-    /// event that runs it on the callback thread, with the round's count
-    /// (dropped once the callback returned; no second box around it).
-    pub(crate) fn resolve(self, r: DoneResult) -> Option<Event> {
+    /// Resolves a flag or counter at once; a callback comes back to be run
+    /// on the callback thread, with the round's count (dropped once the
+    /// callback returned; no second box around it).
+    pub(crate) fn resolve(self, r: DoneResult) -> Option<RoundCallback> {
         let ImmDone { on_done, round, .. } = self;
-        let (cb, r) = on_done.resolve_inline(r)?;
-        Some(Event::RoundDone(cb, r, round))
+        let (cb, result) = on_done.resolve_inline(r)?;
+        Some(RoundCallback {
+            cb,
+            result,
+            round: Some(round),
+        })
     }
+}
+
+/// A resolved round whose callback must run on the callback thread.
+pub(crate) struct RoundCallback {
+    /// The callback.
+    pub(crate) cb: DoneCallback,
+    /// What it is told.
+    pub(crate) result: DoneResult,
+    /// The round's count, held until the callback returned (`None`: a
+    /// round that never waited, already dropped).
+    pub(crate) round: Option<ArmedRound>,
 }
 
 #[cfg(all(test, not(loom)))]

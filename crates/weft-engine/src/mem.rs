@@ -1,7 +1,6 @@
 //! Engine-owned registered buffers (send slots, receive pools) and memory
 //! handles.
 
-use crate::driver::GroupShared;
 use crate::error::EngineError;
 use crate::frame::{self, Rejected, HEADER_LEN};
 use crate::recvq::QueueSink;
@@ -259,7 +258,16 @@ pub(crate) struct RecvPool {
     max_out: u32,
     /// The group whose worker re-posts held buffers: woken when `out`
     /// falls below `max_out` (it may sleep with buffers held).
-    group: Arc<GroupShared>,
+    group: Arc<dyn PoolGroup>,
+}
+
+/// What a [`RecvPool`] needs of the domain group it belongs to (the
+/// driver's shared group state implements it).
+pub(crate) trait PoolGroup: Send + Sync {
+    /// Whether the group is shutting down.
+    fn closing(&self) -> bool;
+    /// Wakes the group's worker if it sleeps.
+    fn wake(&self);
 }
 
 impl RecvPool {
@@ -282,7 +290,7 @@ impl RecvPool {
         count: u32,
         sink: RecvSink,
         backlog_bytes: u64,
-        group: Arc<GroupShared>,
+        group: Arc<dyn PoolGroup>,
     ) -> Self {
         let max_out = (backlog_bytes / len.max(1)).clamp(1, u64::from(u32::MAX));
         Self {
@@ -308,7 +316,7 @@ impl RecvPool {
 
     /// Whether the pool's group is shutting down.
     pub(crate) fn group_closing(&self) -> bool {
-        self.group.closing.load(Ordering::SeqCst)
+        self.group.closing()
     }
 
     /// The largest message a buffer holds, in bytes.
@@ -364,7 +372,7 @@ impl RecvPool {
     /// Returns a message whose callback has returned, for reuse; wakes the
     /// worker when this brings the pool below its backlog bound. (The
     /// decrement and the worker's `sleeping` flag pair as every waker's
-    /// store and the worker's re-check do: `GroupShared::wake`.)
+    /// store and the worker's re-check do: the group's `wake`.)
     pub(crate) fn recycle(&self, msg: Vec<u8>) {
         let _ = self.spare.push(msg);
         if self.out.fetch_sub(1, Ordering::SeqCst) == self.max_out {

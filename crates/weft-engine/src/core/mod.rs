@@ -75,6 +75,15 @@ pub(crate) enum Event {
     },
 }
 
+impl From<crate::imm::RoundCallback> for Event {
+    fn from(c: crate::imm::RoundCallback) -> Event {
+        match c.round {
+            Some(round) => Event::RoundDone(c.cb, c.result, round),
+            None => Event::Done(c.cb, c.result),
+        }
+    }
+}
+
 /// Control-plane operations (registration, peers, pools): the core's
 /// input besides requests and completions.
 pub(crate) enum Control {
@@ -115,6 +124,26 @@ pub(crate) struct GroupInfo {
     pub(crate) paths: Vec<weft_transport::DataPath>,
     pub(crate) max_write_len: u64,
     pub(crate) max_send_len: u64,
+}
+
+impl GroupInfo {
+    /// The start-up log line of every NIC of group `g`.
+    pub(crate) fn log_data_paths(&self, g: usize) {
+        for (i, (name, p)) in self.names.iter().zip(&self.paths).enumerate() {
+            tracing::info!(
+                group = g,
+                nic = i,
+                name = %name,
+                provider = %p.provider,
+                fabric = %p.fabric,
+                gpu_memory = %p.device_memory,
+                max_write_len = p.max_write_len,
+                max_send_len = p.max_send_len,
+                progress = %p.progress,
+                "weft data path"
+            );
+        }
+    }
 }
 
 /// The per-group worker state machine: thread- and clock-free, driven from

@@ -528,8 +528,8 @@ impl WorkerCore {
                 });
             }
             Completion::Imm { imm } => {
-                if let Some(e) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
-                    self.events.push(e);
+                if let Some(c) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
+                    self.events.push(c.into());
                 }
             }
         }

@@ -95,6 +95,16 @@ impl GroupShared {
     }
 }
 
+impl crate::mem::PoolGroup for GroupShared {
+    fn closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
+    }
+
+    fn wake(&self) {
+        GroupShared::wake(self);
+    }
+}
+
 /// The UVM watcher thread: scans the watched words, idling per `idle`.
 pub(crate) fn watcher_main(w: &Arc<WatcherShared>, idle: Idle) {
     w.set_thread();

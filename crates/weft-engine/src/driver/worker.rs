@@ -64,7 +64,7 @@ impl WorkerCtx {
             self.incarnation,
         )?;
         let info = core.info();
-        crate::engine::log_data_paths(g, &info);
+        info.log_data_paths(g);
         let _ = self.shared.info.set(info);
         let _ = self.shared.send_pool.set(core.send_pool());
         Ok(Worker {

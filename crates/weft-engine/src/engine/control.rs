@@ -300,7 +300,7 @@ impl TransferEngine {
             count,
             sink,
             self.inner.config.recv_backlog_bytes,
-            Arc::clone(gs),
+            Arc::clone(gs) as Arc<dyn crate::mem::PoolGroup>,
         ));
         let posted = Arc::clone(&pool);
         self.control(gs, |reply| Control::RecvPool {

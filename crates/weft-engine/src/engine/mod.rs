@@ -13,11 +13,9 @@ mod targets;
 mod watches;
 
 pub use owned::{ImmLease, Registration, Resources};
-pub(crate) use report::log_data_paths;
 pub use report::{DataPathReport, NicReport, Reach};
 pub use targets::{ScatterSlice, ScatterTargets};
 
-use crate::builder::EngineBuilder;
 use crate::config::{EngineConfig, ExcessHandler};
 use crate::core::GroupInfo;
 use crate::driver::callback::{run_msg, IN_CALLBACK};
@@ -216,11 +214,6 @@ pub(crate) fn no_group(g: usize) -> EngineError {
 }
 
 impl TransferEngine {
-    /// Starts a builder.
-    pub fn builder() -> EngineBuilder {
-        EngineBuilder::new()
-    }
-
     pub(super) fn group(&self, g: usize) -> Result<&Arc<GroupShared>, EngineError> {
         self.inner.groups.get(g).ok_or_else(|| no_group(g))
     }

@@ -8,7 +8,6 @@ use std::fmt;
 use weft_transport::{DataPath, Device, DeviceMemoryPath, MemRegion, MrDesc};
 
 use super::TransferEngine;
-use crate::core::GroupInfo;
 use crate::{EngineError, MrHandle};
 
 /// One NIC's line of a [`DataPathReport`].
@@ -55,24 +54,6 @@ pub enum Reach {
     Direct,
     /// The memory's bytes go through host copies.
     Staged,
-}
-
-/// The start-up log line of every NIC of group `g`.
-pub(crate) fn log_data_paths(g: usize, info: &GroupInfo) {
-    for (i, (name, p)) in info.names.iter().zip(&info.paths).enumerate() {
-        tracing::info!(
-            group = g,
-            nic = i,
-            name = %name,
-            provider = %p.provider,
-            fabric = %p.fabric,
-            gpu_memory = %p.device_memory,
-            max_write_len = p.max_write_len,
-            max_send_len = p.max_send_len,
-            progress = %p.progress,
-            "weft data path"
-        );
-    }
 }
 
 impl TransferEngine {

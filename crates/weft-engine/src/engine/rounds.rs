@@ -140,8 +140,8 @@ impl TransferEngine {
     /// Reports a round: flags and counters here, callbacks on the callback
     /// thread.
     pub(super) fn finish_imm(&self, d: ImmDone, r: DoneResult) {
-        if let Some(e) = d.resolve(r) {
-            self.dispatch(e);
+        if let Some(c) = d.resolve(r) {
+            self.dispatch(c.into());
         }
     }
 
@@ -197,8 +197,8 @@ impl TransferEngine {
             return Err(EngineError::ShutDown);
         };
         if count == 0 {
-            if let Some(e) = d.resolve_unarmed(Ok(())) {
-                self.dispatch(e);
+            if let Some(c) = d.resolve_unarmed(Ok(())) {
+                self.dispatch(c.into());
             }
             return Ok(());
         }
