@@ -36,6 +36,7 @@ fn moe_err(py: Python<'_>, e: &MoeError) -> PyErr {
         MoeError::PeerInfo { .. } => "peer_info",
         MoeError::StaleLayout { .. } => "stale_layout",
         MoeError::OutOfOrder { .. } => "out_of_order",
+        MoeError::Masked { .. } => "masked",
         _ => "moe",
     };
     errors::new_err(py, "MoeError", kind, e.to_string())
@@ -227,9 +228,14 @@ impl PyMoeRank {
     /// `hidden` elements and send them as e4m3 with one f32 scale per 128
     /// columns (`token_bytes` must be `hidden + hidden // 32`: the row the
     /// experts receive), DeepEP's low-latency rule, the second with scales
-    /// rounded up to powers of two.
+    /// rounded up to powers of two. `masked`: ranks the group goes on
+    /// without (a dead rank, after the others rebuilt under a new
+    /// `instance`); pairs naming their experts are dropped, the other
+    /// ranks connect among themselves (`connect` takes the active ranks'
+    /// infos, in rank order), and ids and `source_rank` keep whole-group
+    /// numbers.
     #[new]
-    #[pyo3(signature = (engine, rank, ranks, experts, topk, max_tokens, token_bytes, hidden, *, out_dtype = "bf16", private_tokens = None, instance = 0, timeout = 10.0, dispatch = "raw"))]
+    #[pyo3(signature = (engine, rank, ranks, experts, topk, max_tokens, token_bytes, hidden, *, out_dtype = "bf16", private_tokens = None, instance = 0, timeout = 10.0, dispatch = "raw", masked = None))]
     // One parameter per Python argument.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -247,10 +253,12 @@ impl PyMoeRank {
         instance: u32,
         timeout: f64,
         dispatch: &str,
+        masked: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let mut cfg = MoeConfig::new(ranks, experts, topk, max_tokens, token_bytes, hidden);
         cfg.out_dtype = out_dtype_of(py, out_dtype)?;
         cfg.dispatch = dispatch_of(py, dispatch)?;
+        cfg.masked = masked.unwrap_or_default();
         cfg.private_tokens = private_tokens;
         cfg.instance = instance;
         if !(timeout.is_finite() && timeout > 0.0 && timeout <= 1e6) {
@@ -426,7 +434,7 @@ impl PyMoeRank {
     /// This rank.
     #[getter]
     fn rank(&self) -> u32 {
-        self.info.rank
+        self.dims.mask.global_rank(self.info.rank)
     }
 
     /// The shape: `(ranks, experts, topk, max_tokens, token_bytes, hidden,
@@ -435,8 +443,8 @@ impl PyMoeRank {
     fn shape(&self) -> (u32, u32, u32, u32, u32, u32, u32) {
         let d = &self.dims;
         (
-            d.ranks,
-            d.experts,
+            d.mask.global_ranks(),
+            d.mask.global_ranks() * d.local,
             d.topk,
             d.max_tokens,
             d.token_bytes,

@@ -194,6 +194,46 @@ def test_refusals_are_typed(engines):
         r.shutdown()
 
 
+def test_a_masked_rank_drops_its_pairs_and_the_others_match_the_reference(engines):
+    """Rank 2 masked: the others run as a group of three; pairs for rank
+    2's experts are dropped, the other ids renumbered (here, by hand), and
+    source ranks stay whole-group numbers."""
+    active, loc = [0, 1, 3], E // N
+    rs = [moe.MoeRank(engines[g], g, N, E, K, T, TB, H, out_dtype="f32", masked=[2]) for g in active]
+    infos = [r.info() for r in rs]
+    for r in rs:
+        r.connect(infos)
+    assert [r.rank for r in rs] == active
+    assert rs[0].shape[:2] == (N, E)
+    for step in range(3):
+        ins = inputs(300 + step)
+        act = []
+        for g in active:
+            toks, ids, w = ins[g]
+            owner = np.where(ids >= 0, ids // loc, -1)
+            mapped = np.where(owner == 2, -1, np.where(owner > 2, ids - loc, ids))
+            act.append((toks, mapped, w))
+        got = on_threads([lambda r=r, g=g: r.dispatch(*ins[g]) for r, g in zip(rs, active)])
+        outs = []
+        for a, (data, offs, src, pair, _) in enumerate(got):
+            wd, wo, ws, wp = ref_dispatch(act, a, n=3)
+            assert (data, offs, pair) == (wd, wo, wp), f"step {step} rank {active[a]}"
+            assert src == [active[s] for s in ws]
+            outs.append(outputs_of(data, offs, a, n=3))
+        ys = on_threads([lambda i=i, r=r: r.combine(outs[i], got[i][4]) for i, r in enumerate(rs)])
+        want = ref_combine(act, outs, n=3)
+        for a, y in enumerate(ys):
+            assert np.array_equal(np.frombuffer(y, np.float32).reshape(-1, H), want[a]), f"step {step}"
+    with pytest.raises(moe.MoeError) as e:
+        moe.MoeRank(engines[2], 2, N, E, K, T, TB, H, masked=[2])
+    assert e.value.kind == "masked"
+    with pytest.raises(moe.MoeError) as e:
+        moe.MoeRank(engines[2], 0, N, E, K, T, TB, H, masked=[5])
+    assert e.value.kind == "config"
+    for r in rs:
+        r.shutdown()
+
+
 def test_combine_refuses_missing_weights_wrong_output_types_and_a_second_connect(engines):
     rs = ranks_on(engines)
     ins = inputs(3)

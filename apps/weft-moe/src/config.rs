@@ -2,6 +2,7 @@
 //! from it, validated once: slot sizes, the receive bound, buffer lengths).
 
 use crate::error::ConfigError;
+use crate::mask::RankMask;
 use std::time::Duration;
 
 /// Element type of the expert outputs and of the combined tokens.
@@ -86,6 +87,11 @@ pub struct MoeConfig {
     pub step_timeout: Duration,
     /// Upper bound for each of the send and receive buffers, in bytes.
     pub max_buffer_bytes: u64,
+    /// Ranks the group goes on without (distinct, each `< ranks`, at least
+    /// one rank left): the protocol runs over the others, and a pair whose
+    /// expert sits on a masked rank is dropped ([`crate::mask`]). Every
+    /// active rank must be given the same list.
+    pub masked: Vec<u32>,
 }
 
 impl MoeConfig {
@@ -113,6 +119,7 @@ impl MoeConfig {
             instance: 0,
             step_timeout: Duration::from_secs(10),
             max_buffer_bytes: 4 << 30,
+            masked: Vec::new(),
         }
     }
 
@@ -146,10 +153,36 @@ impl MoeConfig {
                 ranks: self.ranks,
             });
         }
-        let n = u64::from(self.ranks);
+        let local = self.experts / self.ranks;
+        let mut masked = self.masked.clone();
+        masked.sort_unstable();
+        for w in masked.windows(2) {
+            if w[0] == w[1] {
+                return Err(ConfigError::BadMask {
+                    rank: w[0],
+                    why: "masked twice",
+                });
+            }
+        }
+        if let Some(&m) = masked.iter().find(|&&m| m >= self.ranks) {
+            return Err(ConfigError::BadMask {
+                rank: m,
+                why: "not a rank of the group",
+            });
+        }
+        if masked.len() as u64 >= u64::from(self.ranks) {
+            return Err(ConfigError::BadMask {
+                rank: self.ranks - 1,
+                why: "no rank would be left",
+            });
+        }
+        let mask = RankMask::new(self.ranks, masked);
+        // The protocol's group: the active ranks and their experts.
+        let ranks = mask.active();
+        let experts = ranks * local;
+        let n = u64::from(ranks);
         let t = u64::from(self.max_tokens);
         let r = u64::from(self.topk);
-        let local = self.experts / self.ranks;
         let max_pairs = t * r; // both < 2^32: no overflow
         let p = u64::from(self.private());
         if p > max_pairs {
@@ -193,8 +226,8 @@ impl MoeConfig {
             }
         }
         Ok(Dims {
-            ranks: self.ranks,
-            experts: self.experts,
+            ranks,
+            experts,
             local,
             topk: self.topk,
             max_tokens: self.max_tokens,
@@ -209,6 +242,7 @@ impl MoeConfig {
             recv_buf_len: recv,
             send_buf_len: send,
             instance: self.instance,
+            mask,
         })
     }
 }
@@ -272,6 +306,9 @@ pub struct Dims {
     pub send_buf_len: u64,
     /// Instance index (selects the reserved immediates).
     pub instance: u32,
+    /// The masked ranks of the whole group: `ranks` and `experts` above
+    /// count the active ones only.
+    pub mask: RankMask,
 }
 
 impl Dims {

@@ -47,6 +47,14 @@ pub enum ConfigError {
         /// `token_bytes`.
         token_bytes: u32,
     },
+    /// A `masked` list that cannot describe the group.
+    #[error("MoE config: masked rank {rank}: {why}")]
+    BadMask {
+        /// The rank in question.
+        rank: u32,
+        /// What is wrong.
+        why: &'static str,
+    },
     /// Slot indices would not fit in a `u32`.
     #[error("MoE config: {slots} receive slots do not fit in 32-bit slot indices")]
     TooManySlots {
@@ -150,6 +158,12 @@ pub enum MoeError {
         need: u64,
         /// Contiguous slots available (C).
         cap: u64,
+    },
+    /// The rank itself is masked in its config: it takes no part.
+    #[error("MoE: rank {rank} is masked")]
+    Masked {
+        /// The rank.
+        rank: u32,
     },
     /// A rank id outside `0..ranks`.
     #[error("MoE: rank {rank} is not in 0..{ranks}")]

@@ -174,8 +174,12 @@ pub(crate) fn config_hash(dims: &Dims, imms: &ImmValues) -> u64 {
         u64::from(dims.private),
         u64::from(imms.route),
         dims.dispatch.code(),
+        u64::from(dims.mask.global_ranks()),
     ] {
         h = fnv(h, v);
+    }
+    for &m in dims.mask.masked() {
+        h = fnv(h, u64::from(m));
     }
     h
 }
@@ -226,12 +230,17 @@ impl HostExec {
         rank: u32,
     ) -> Result<(HostExec, RankInfo, ImmCounts), MoeError> {
         let dims = cfg.validate()?;
-        if rank >= dims.ranks {
+        if rank >= dims.mask.global_ranks() {
             return Err(MoeError::NoSuchRank {
                 rank,
-                ranks: dims.ranks,
+                ranks: dims.mask.global_ranks(),
             });
         }
+        // The protocol numbers the active ranks only.
+        let rank = dims
+            .mask
+            .active_index(rank)
+            .ok_or(MoeError::Masked { rank })?;
         let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())?;
         let ic = engine.imm_counts(0).map_err(eng(Phase::Setup))?;
         let alloc = |len: u64| {

@@ -38,6 +38,7 @@ mod error;
 mod exec;
 mod expert;
 mod imm;
+pub mod mask;
 pub mod num;
 pub mod pack;
 mod plan;
@@ -54,6 +55,7 @@ pub use error::{ConfigError, MoeError, Phase};
 pub use exec::RankInfo;
 pub use expert::{ExpertTokens, RankInput, RowOrigin, TopkWeights, NO_EXPERT};
 pub use imm::{ExpectedCounts, ImmValues, COMBINE_MODE, DISPATCH_MODE};
+pub use mask::RankMask;
 pub use plan::{
     member_index, member_rank, n_to_rank, CombineSend, CombineSlot, DispatchDest, Overflow,
     SrcSlot, StepPlan,

@@ -64,6 +64,8 @@ pub struct MoeRank {
     released: bool,
     /// bf16 weights converted for the combine (reused across steps).
     weights_f32: Vec<f32>,
+    /// Top-k ids renumbered for the active group (masked configs; reused).
+    ids_active: Vec<u32>,
 }
 
 impl std::fmt::Debug for MoeRank {
@@ -109,13 +111,16 @@ fn drive(
 impl MoeRank {
     /// Validates `cfg`, allocates and registers the buffers and reserves
     /// the five immediates. Returns the rank and the info to send peers.
+    /// `rank` is the rank in the whole group, masked ranks included (a
+    /// masked rank itself is [`MoeError::Masked`]).
     pub fn prepare(
         engine: Arc<TransferEngine>,
         cfg: &MoeConfig,
         rank: u32,
     ) -> Result<(MoeRank, RankInfo), MoeError> {
         let (exec, info, ic) = HostExec::prepare(engine, cfg, rank)?;
-        let core = RankCore::new(exec.dims.clone(), rank, exec.imms, ic);
+        // The protocol numbers the active ranks only (`rank` is global).
+        let core = RankCore::new(exec.dims.clone(), exec.rank, exec.imms, ic);
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let me = MoeRank {
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -125,13 +130,15 @@ impl MoeRank {
             info: info.clone(),
             released: false,
             weights_f32: Vec::new(),
+            ids_active: Vec::new(),
         };
         Ok((me, info))
     }
 
-    /// Connects to every rank (`all[s]` is rank s's info, self included):
-    /// checks the infos and adds the peer group in rotated order. Once
-    /// only: a second call is [`MoeError::OutOfOrder`].
+    /// Connects to every rank (`all[s]` is rank s's info, self included;
+    /// with masked ranks, the active ranks' infos in rank order): checks
+    /// the infos and adds the peer group in rotated order. Once only: a
+    /// second call is [`MoeError::OutOfOrder`].
     pub fn connect(&mut self, all: &[RankInfo]) -> Result<(), MoeError> {
         if self.exec.peers.is_some() {
             return Err(MoeError::OutOfOrder {
@@ -185,7 +192,41 @@ impl MoeRank {
     /// one `ExpertTokens` across steps allocates nothing once it is large
     /// enough. Returns the layout `combine` needs. On an error `tokens`
     /// holds nothing meaningful.
+    ///
+    /// With masked ranks (`MoeConfig::masked`) the ids name the whole
+    /// group's experts: pairs for a masked rank's experts are dropped, and
+    /// `tokens.source_rank` gives whole-group ranks.
     pub fn dispatch_into(
+        &mut self,
+        input: &RankInput<'_>,
+        tokens: &mut ExpertTokens,
+    ) -> Result<Layout, MoeError> {
+        if self.exec.dims.mask.is_empty() {
+            return self.dispatch_active(input, tokens);
+        }
+        let mut ids = std::mem::take(&mut self.ids_active);
+        let d = &self.exec.dims;
+        let r = d
+            .mask
+            .map_ids(d.local, d.topk, input.topk_ids, &mut ids)
+            .and_then(|()| {
+                let active = RankInput {
+                    topk_ids: &ids,
+                    ..*input
+                };
+                self.dispatch_active(&active, tokens)
+            });
+        self.ids_active = ids;
+        let layout = r?;
+        let mask = &self.exec.dims.mask;
+        for s in &mut tokens.source_rank {
+            *s = mask.global_rank(*s);
+        }
+        Ok(layout)
+    }
+
+    /// [`MoeRank::dispatch_into`] with ids of the active group.
+    fn dispatch_active(
         &mut self,
         input: &RankInput<'_>,
         tokens: &mut ExpertTokens,

@@ -167,6 +167,12 @@ impl SimCluster {
         let mut hosts = Vec::new();
         let mut ranks = Vec::new();
         let mut infos: Vec<RankInfo> = Vec::new();
+        if let Some(&m) = dims.mask.masked().first() {
+            return Err(MoeError::Config(crate::ConfigError::BadMask {
+                rank: m,
+                why: "the simulation runs whole groups",
+            }));
+        }
         for r in 0..dims.ranks {
             let host = fabric.add_host_with(sim.nics, sim.nic);
             let p = Arc::new(fabric.provider(host));

@@ -173,6 +173,14 @@ impl GpuRank {
     /// Allocates rank `rank`'s buffers on `gpu`: the send and receive
     /// buffers of [`Dims`], and outputs for the receive bound of N·T·R rows.
     pub fn new(gpu: &Gpu, dims: &Dims, rank: u32) -> Result<GpuRank, GpuError> {
+        // The GPU path runs whole groups: masked ranks are the CPU path's.
+        if let Some(&m) = dims.mask.masked().first() {
+            return Err(MoeError::Config(crate::ConfigError::BadMask {
+                rank: m,
+                why: "the GPU path runs whole groups",
+            })
+            .into());
+        }
         if rank >= dims.ranks {
             return Err(MoeError::NoSuchRank {
                 rank,

@@ -11,6 +11,7 @@ mod dataflow;
 mod gpu_moe;
 mod gpu_xproc;
 mod loopback;
+mod masked;
 mod sim_adversarial;
 mod wire_fuzz;
 mod xproc_libfabric;
