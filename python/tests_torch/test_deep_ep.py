@@ -177,7 +177,25 @@ if case == "dies":
     try:
         buf.low_latency_dispatch(x.to(dev), idx.to(dev), T.TM, T.E)
     except __import__("weft").MoeError as e:
-        print("raised", e.kind, round(time.monotonic() - t0, 1), flush=True)
+        print("raised", e.kind, round(time.monotonic() - t0, 1), end=" ", flush=True)
+    # The survivors mask the dead rank and go on without it: pairs naming
+    # its experts are dropped, exactly as ids of -1 in the reference, and
+    # it sends nothing (all its ids -1 there).
+    buf.low_latency_update_mask_buffer(n - 1, True)
+    status = torch.zeros(n, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * (n - 1) + [1], status
+    loc = T.E // n
+    for step, seed in enumerate([6, 7]):
+        ins = T.make(seed, n, "random")
+        dropped = [(xx, torch.where((ii // loc == n - 1) | (s == n - 1), -1, ii), ww)
+                   for s, (xx, ii, ww) in enumerate(ins)]
+        x, idx, w = ins[rank]
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x.to(dev), idx.to(dev), T.TM, T.E)
+        T.check_dispatch(rank, n, dropped, recv_x, recv_count, handle, True, False)
+        comb, _, _ = buf.low_latency_combine(T.outputs(rank, n, recv_x, True).to(dev), idx.to(dev), w.to(dev), handle)
+        assert torch.equal(comb.cpu(), T.ref_combine(rank, n, dropped, True, False)), step
+    print("masked-ok", flush=True)
     sys.exit(0)
 seed = 10
 for routing in ["random", "none_ids", "one_expert", "empty_rank", "ragged"]:
@@ -265,13 +283,15 @@ def test_dispatch_combine_match_the_reference(tmp_path, n):
     assert run(tmp_path, n, "steps") == ["ok"] * n
 
 
-def test_a_dead_rank_raises_timeout_on_the_others(tmp_path):
+def test_a_dead_rank_raises_timeout_on_the_others_who_then_mask_it(tmp_path):
     outs = run(tmp_path, 4, "dies")
     assert outs[3] == ""
     for line in outs[:3]:
         kind, secs = line.split()[1], float(line.split()[2])
         # A dead peer is a round that never completes, or a failed WRITE.
         assert kind in ("timeout", "engine") and secs < 30, line
+        # Then the survivors masked it and went on, checked per step.
+        assert line.split()[3] == "masked-ok", line
 
 
 @pytest.mark.gpu

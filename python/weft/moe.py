@@ -75,6 +75,38 @@ def connect(rank: MoeRank, group: Optional[Any] = None) -> None:
     rank.connect(all_gather_bytes(rank.info(), group=group))
 
 
+def _exchange(info: bytes, me: int, active: List[int], group: Any) -> List[bytes]:
+    """Every active rank's ``info()`` (in rank order), exchanged point to
+    point over the ``torch.distributed`` group with the active ranks only:
+    lengths first, then the bytes."""
+    import torch
+    import torch.distributed as dist
+
+    def glob(g: int) -> int:
+        return dist.get_global_rank(group, g) if group is not None and group != dist.group.WORLD else g
+
+    peers = [g for g in active if g != me]
+    mine = torch.frombuffer(bytearray(info), dtype=torch.uint8)
+    lens = {g: torch.zeros(1, dtype=torch.int64) for g in peers}
+    ops = [dist.P2POp(dist.isend, torch.tensor([len(info)], dtype=torch.int64), glob(g), group) for g in peers]
+    ops += [dist.P2POp(dist.irecv, lens[g], glob(g), group) for g in peers]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    bufs = {}
+    for g in peers:
+        n = int(lens[g][0])
+        if not 0 < n <= 1 << 16:
+            raise _err("peer_info", f"rank {g} announced {n} bytes of info")
+        bufs[g] = torch.empty(n, dtype=torch.uint8)
+    ops = [dist.P2POp(dist.isend, mine, glob(g), group) for g in peers]
+    ops += [dist.P2POp(dist.irecv, bufs[g], glob(g), group) for g in peers]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return [info if g == me else bytes(bufs[g].numpy()) for g in active]
+
+
 class EventOverlap:
     """DeepEP's ``EventOverlap``: a CUDA event recorded after an operation
     (``None`` when there is nothing to wait for), usable as a context
@@ -169,7 +201,8 @@ class Buffer:
     expert-parallel ranks, one process each. ``num_nvl_bytes``,
     ``num_rdma_bytes``, ``num_qps_per_rank``, the NVLink and fabric flags
     and ``enable_shrink`` are accepted and ignored: buffers are sized per
-    shape when a shape is first used. A step that fails on any rank (a
+    shape when a shape is first used (masking works without
+    ``enable_shrink``). A step that fails on any rank (a
     refused argument, a dead or stalled peer) fails on every rank — the
     others time out — and the shape's rank is rebuilt, on every rank, by
     the next call. Keyword-only extras: ``engine`` (a ``weft.TransferEngine`` to use),
@@ -220,6 +253,7 @@ class Buffer:
         self._ranks: Dict[tuple, MoeRank] = {}
         self._retired: List[MoeRank] = []
         self._destroyed = False
+        self._masked: List[int] = []
 
     # ---- sizes ----
 
@@ -304,10 +338,58 @@ class Buffer:
                 dispatch=("raw", "fp8", "fp8_round_scale")[fp8],
                 instance=instance,
                 timeout=self._timeout,
+                masked=self._masked,
             )
-            connect(r, self.group)
+            if self._masked:
+                # No collective: a masked rank may be dead.
+                active = [g for g in range(self.group_size) if g not in self._masked]
+                r.connect(_exchange(r.info(), self.rank, active, self.group))
+            else:
+                connect(r, self.group)
             self._ranks[key] = r
         return r
+
+    # ---- masked ranks (DeepEP's shrink mode) ----
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or unmasks rank `rank_to_mask`: later steps
+        neither send to it nor wait for it, and pairs naming its experts are
+        dropped (not sent, not summed). Every active rank must make the same
+        change before its next step; the shapes' ranks are rebuilt over the
+        active ranks then, exchanging their infos point to point (no
+        collective: the masked rank may be dead). A dead rank is not masked
+        by itself: a step that times out raises ``MoeError``, and the caller
+        masks."""
+        if not 0 <= rank_to_mask < self.group_size:
+            raise _err("config", f"rank {rank_to_mask} is not in 0..{self.group_size}")
+        if mask and rank_to_mask == self.rank:
+            raise _err("config", f"rank {rank_to_mask} cannot mask itself")
+        masked = set(self._masked)
+        masked = masked | {rank_to_mask} if mask else masked - {rank_to_mask}
+        self._set_mask(sorted(masked))
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Writes 1 for every masked rank and 0 for the others into
+        ``mask_status`` (``[num_ranks]``, an integer tensor)."""
+        import torch
+
+        if mask_status.numel() < self.group_size:
+            raise _err("shape", f"mask_status holds {mask_status.numel()} of {self.group_size} ranks")
+        status = torch.zeros(self.group_size, dtype=mask_status.dtype)
+        for m in self._masked:
+            status[m] = 1
+        mask_status.view(-1)[: self.group_size].copy_(status.to(mask_status.device))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank."""
+        self._set_mask([])
+
+    def _set_mask(self, masked: List[int]) -> None:
+        if masked == self._masked:
+            return
+        self._masked = masked
+        for key in list(self._ranks):
+            self._forget(key)
 
     def low_latency_dispatch(
         self,
