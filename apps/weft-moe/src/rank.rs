@@ -217,8 +217,26 @@ impl MoeRank {
                 self.dispatch_active(&active, tokens)
             });
         self.ids_active = ids;
-        let layout = r?;
         let mask = &self.exec.dims.mask;
+        // Errors about a peer name it by its whole-group rank too.
+        let layout = r.map_err(|e| match e {
+            MoeError::BadOrigin {
+                rank,
+                row,
+                pair,
+                max,
+            } => MoeError::BadOrigin {
+                rank: mask.global_rank(rank),
+                row,
+                pair,
+                max,
+            },
+            MoeError::BadRoutes { rank, what } => MoeError::BadRoutes {
+                rank: mask.global_rank(rank),
+                what,
+            },
+            other => other,
+        })?;
         for s in &mut tokens.source_rank {
             *s = mask.global_rank(*s);
         }
