@@ -185,6 +185,13 @@ if case == "dies":
     status = torch.zeros(n, dtype=torch.int32)
     buf.low_latency_query_mask_buffer(status)
     assert status.tolist() == [0] * (n - 1) + [1], status
+    for call in [lambda: buf.low_latency_update_mask_buffer(n - 1, False), buf.low_latency_clean_mask_buffer]:
+        try:
+            call()
+            raise SystemExit("unmasking not refused")
+        except NotImplementedError:
+            pass
+    buf.low_latency_update_mask_buffer(0 if rank else 1, False)  # not masked: nothing to do
     loc = T.E // n
     for step, seed in enumerate([6, 7]):
         ins = T.make(seed, n, "random")

@@ -254,6 +254,14 @@ class Buffer:
         self._retired: List[MoeRank] = []
         self._destroyed = False
         self._masked: List[int] = []
+        # Where the active ranks exchange infos once a rank is masked: the
+        # group itself when it is gloo's, else a gloo group over the same
+        # ranks, made now while every rank is alive (point-to-point sends
+        # of host tensors; a NCCL communicator with a dead peer is gone).
+        self._p2p = group
+        if dist.get_backend(group) != "gloo":
+            ranks = [dist.get_global_rank(group, g) for g in range(self.group_size)] if group != dist.group.WORLD else None
+            self._p2p = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
     # ---- sizes ----
 
@@ -343,7 +351,7 @@ class Buffer:
             if self._masked:
                 # No collective: a masked rank may be dead.
                 active = [g for g in range(self.group_size) if g not in self._masked]
-                r.connect(_exchange(r.info(), self.rank, active, self.group))
+                r.connect(_exchange(r.info(), self.rank, active, self._p2p))
             else:
                 connect(r, self.group)
             self._ranks[key] = r
@@ -359,14 +367,17 @@ class Buffer:
         active ranks then, exchanging their infos point to point (no
         collective: the masked rank may be dead). A dead rank is not masked
         by itself: a step that times out raises ``MoeError``, and the caller
-        masks."""
+        masks. Unmasking a masked rank (a replacement joining) is not
+        supported: build a new ``Buffer`` on every rank instead."""
         if not 0 <= rank_to_mask < self.group_size:
             raise _err("config", f"rank {rank_to_mask} is not in 0..{self.group_size}")
         if mask and rank_to_mask == self.rank:
             raise _err("config", f"rank {rank_to_mask} cannot mask itself")
-        masked = set(self._masked)
-        masked = masked | {rank_to_mask} if mask else masked - {rank_to_mask}
-        self._set_mask(sorted(masked))
+        if not mask:
+            if rank_to_mask in self._masked:
+                raise _not_supported("low_latency_update_mask_buffer(rank, mask=False) of a masked rank")
+            return
+        self._set_mask(sorted(set(self._masked) | {rank_to_mask}))
 
     def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
         """Writes 1 for every masked rank and 0 for the others into
@@ -381,8 +392,10 @@ class Buffer:
         mask_status.view(-1)[: self.group_size].copy_(status.to(mask_status.device))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmasks every rank."""
-        self._set_mask([])
+        """Nothing to do while no rank is masked; unmasking is not
+        supported (see ``low_latency_update_mask_buffer``)."""
+        if self._masked:
+            raise _not_supported("low_latency_clean_mask_buffer with masked ranks")
 
     def _set_mask(self, masked: List[int]) -> None:
         if masked == self._masked:

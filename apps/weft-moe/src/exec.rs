@@ -22,7 +22,8 @@ use weft::{
 /// [`RankInfo::to_bytes`] / [`RankInfo::from_bytes`] give its wire form).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RankInfo {
-    /// The rank.
+    /// The rank: its index among the active ranks when some are masked
+    /// (`MoeConfig::masked`), its rank in the group otherwise.
     pub rank: u32,
     /// Its engine's group-0 address.
     pub addr: GroupAddress,
@@ -161,6 +162,12 @@ fn fnv(h: u64, v: u64) -> u64 {
 
 /// Hash of the shape and the immediate values: equal on every rank of a
 /// group, whatever its data path (host or GPU buffers have one layout).
+/// The layout of what ranks write into each other's buffers, in every
+/// rank's config hash: ranks of different layouts refuse each other's
+/// infos instead of misreading each other's bytes. 2: dispatch slots carry
+/// the row's origin after the token.
+const WIRE_VERSION: u64 = 2;
+
 pub(crate) fn config_hash(dims: &Dims, imms: &ImmValues) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in [
@@ -175,6 +182,7 @@ pub(crate) fn config_hash(dims: &Dims, imms: &ImmValues) -> u64 {
         u64::from(imms.route),
         dims.dispatch.code(),
         u64::from(dims.mask.global_ranks()),
+        WIRE_VERSION,
     ] {
         h = fnv(h, v);
     }

@@ -57,8 +57,8 @@ impl RankMask {
         }
     }
 
-    /// The global rank of active index `a` (`a` itself when `a` is out of
-    /// range, which no caller of this crate passes).
+    /// The global rank of active index `a` (`a < active()`; beyond that,
+    /// `a` plus the masked ranks, which no caller of this crate asks).
     pub fn global_rank(&self, a: u32) -> u32 {
         let mut g = a;
         for &m in &self.masked {

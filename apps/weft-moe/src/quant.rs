@@ -3,7 +3,9 @@
 //! in f32:
 //!
 //! * `amax = max(|x|)` over the 128 values, at least `1e-4` (NaN if any
-//!   value is NaN);
+//!   value is NaN: then the scale is the quiet NaN `0x7fc00000` and every
+//!   value of the group becomes e4m3's NaN, unlike DeepEP's `fmaxf`, which
+//!   skips NaNs);
 //! * `scale = amax · f32(1/448)`;
 //! * without `round_scale`: `q = e4m3(clamp(x · (448 / amax), ±448))`;
 //! * with `round_scale`: `scale = 2^ceil(log2(scale))` (exact, from the
@@ -18,6 +20,9 @@ use weft::dtype::{bf16_to_f32, f32_to_e4m3, E4M3_MAX};
 
 /// Columns per scale.
 pub const GROUP: usize = 128;
+
+/// The bits of the scale of a group holding a NaN.
+pub const CANONICAL_NAN: u32 = 0x7fc0_0000;
 
 /// `2^ceil(log2(s))` for a positive normal or subnormal `s` (NaN and
 /// infinities pass through), from the bits.
@@ -72,7 +77,13 @@ pub fn quantize_token(row: &[u8], round_scale: bool, out: &mut [u8]) -> bool {
         if !amax.is_nan() && amax < 1e-4 {
             amax = 1e-4;
         }
-        let mut scale = amax * inv_max;
+        // A NaN scale is the canonical quiet NaN, whatever the input's
+        // payload (the GPU kernel writes the same bits).
+        let mut scale = if amax.is_nan() {
+            f32::from_bits(CANONICAL_NAN)
+        } else {
+            amax * inv_max
+        };
         if round_scale {
             scale = pow2_ceil(scale);
             for (i, d) in dst.iter_mut().enumerate() {
@@ -163,7 +174,13 @@ mod tests {
         v[5] = f32::NAN;
         let mut out = vec![0u8; 132];
         assert!(quantize_token(&token(&v), false, &mut out));
-        assert!(scale_of(&out, 128, 0).is_nan());
+        assert_eq!(scale_of(&out, 128, 0).to_bits(), CANONICAL_NAN);
+        assert!(out[..128].iter().all(|&q| q == 0x7f));
+        // A signalling bf16 NaN's payload does not leak into the scale.
+        let mut raw = token(&[1.0; 128]);
+        raw[10..12].copy_from_slice(&0x7f81u16.to_le_bytes());
+        assert!(quantize_token(&raw, true, &mut out));
+        assert_eq!(scale_of(&out, 128, 0).to_bits(), CANONICAL_NAN);
         assert!(!quantize_token(&token(&v[..64]), false, &mut out));
         assert!(!quantize_token(&token(&v), false, &mut out[..131]));
     }

@@ -36,8 +36,13 @@ pub fn dispatch(dims: &Dims, inputs: &[RankInput<'_>]) -> Result<Vec<ExpertToken
                     match dims.dispatch {
                         DispatchFormat::Raw => x.data[at..].copy_from_slice(row),
                         DispatchFormat::Fp8 { round_scale } => {
-                            // Sizes checked by check_all and Dims::validate.
-                            quant::quantize_token(row, round_scale, &mut x.data[at..]);
+                            if !quant::quantize_token(row, round_scale, &mut x.data[at..]) {
+                                return Err(MoeError::Shape {
+                                    what: "fp8 token",
+                                    got: tb as u64,
+                                    want: u64::from(dims.hidden) + u64::from(dims.hidden) / 32,
+                                });
+                            }
                         }
                     }
                     x.source_rank.push(s as u32);

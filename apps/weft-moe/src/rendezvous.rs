@@ -69,7 +69,10 @@ impl MoeRendezvous {
     }
 
     /// Every rank's info, `0..ranks` in order, waiting up to `timeout` in
-    /// all for ranks that have not published yet.
+    /// all for ranks that have not published yet. With masked ranks, infos
+    /// name the active ranks by their index among them: gather
+    /// `Dims::ranks` (the active count) in a namespace of their own, not
+    /// the one the whole group used.
     pub fn gather(&self, ranks: u32, timeout: Duration) -> Result<Vec<RankInfo>, MoeError> {
         let deadline = Instant::now() + timeout;
         (0..ranks)

@@ -209,7 +209,8 @@ extern "C" __global__ void moe_pack_fp8(const unsigned char* tokens, weft_u64* c
             for (int o = 16; o > 0; o >>= 1)
                 amax = moe_nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             if (!(amax != amax) && amax < 1e-4f) amax = 1e-4f;
-            float scale = __fmul_rn(amax, inv448);
+            // quant::CANONICAL_NAN for a group holding a NaN.
+            float scale = amax != amax ? __int_as_float(0x7fc00000) : __fmul_rn(amax, inv448);
             unsigned q = 0;
             if (round_scale) {
                 scale = moe_pow2_ceil(scale);

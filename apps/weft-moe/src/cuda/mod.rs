@@ -367,12 +367,29 @@ impl GpuRank {
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect())
         };
+        let (source_rank, source_pair) = (read_u32s(&self.src_rank)?, read_u32s(&self.src_pair)?);
+        // Pair indices came from peers: checked as the CPU path checks them.
+        let max = self.dims.max_pairs();
+        if let Some((row, (&rank, &pair))) = source_rank
+            .iter()
+            .zip(&source_pair)
+            .enumerate()
+            .find(|(_, (_, &p))| u64::from(p) >= max)
+        {
+            return Err(MoeError::BadOrigin {
+                rank,
+                row: row as u32,
+                pair,
+                max,
+            }
+            .into());
+        }
         Ok(ExpertTokens {
             data,
             token_bytes: self.dims.token_bytes,
             expert_offsets,
-            source_rank: read_u32s(&self.src_rank)?,
-            source_pair: read_u32s(&self.src_pair)?,
+            source_rank,
+            source_pair,
             topk: self.dims.topk,
             max_tokens: self.dims.max_tokens,
         })

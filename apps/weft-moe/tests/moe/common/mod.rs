@@ -89,15 +89,20 @@ pub fn inputs(d: &Dims, routing: Routing, seed: u64, ragged: bool) -> Vec<Owned>
                 }
             }
             let tokens = match d.dispatch {
-                // bf16 values of many magnitudes, some zero.
+                // bf16 values of many magnitudes, some zero, and now and
+                // then the edges: NaN (quiet and signalling), ±Inf, ±max.
                 DispatchFormat::Fp8 { .. } => (0..t as usize * d.hidden as usize)
                     .flat_map(|_| {
-                        let v = if rng.gen_bool(0.05) {
-                            0.0
+                        let b = if rng.gen_bool(0.002) {
+                            [0x7fc0u16, 0x7f81, 0x7f80, 0xff80, 0x7f7f, 0xff7f][rng.gen_range(0..6)]
+                        } else if rng.gen_bool(0.05) {
+                            0
                         } else {
-                            rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-20..8))
+                            num::f32_to_bf16(
+                                rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-20..8)),
+                            )
                         };
-                        num::f32_to_bf16(v).to_le_bytes()
+                        b.to_le_bytes()
                     })
                     .collect(),
                 _ => (0..t as usize * d.token_bytes as usize)
