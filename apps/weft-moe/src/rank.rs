@@ -145,7 +145,14 @@ impl MoeRank {
                 expected: "one connect per rank",
             });
         }
-        self.exec.connect(&self.info, all)
+        let mask = self.exec.dims.mask.clone();
+        self.exec.connect(&self.info, all).map_err(|e| match e {
+            MoeError::PeerInfo { rank, what } if !mask.is_empty() => MoeError::PeerInfo {
+                rank: mask.global_rank(rank),
+                what: format!("{what} (active rank {rank})"),
+            },
+            other => other,
+        })
     }
 
     /// The validated shape.
