@@ -6,11 +6,11 @@
 //! every four go through the caller-buffer calls (`dispatch_into`,
 //! `combine_into`) with buffers kept across steps.
 
-use crate::common::{check_origins, expert_outputs, inputs, Routing};
+use crate::common::{check_origins, engine_on, expert_outputs, inputs, Routing, NICS};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
-use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft::TransferEngine;
 use weft_moe::num::{bf16_to_f32, f32_to_bf16};
 use weft_moe::{
     reference, ConfigError, Dims, DispatchFormat, ExpertTokens, MoeConfig, MoeError, MoeRank,
@@ -18,26 +18,8 @@ use weft_moe::{
 };
 use weft_testkit::seeds_or;
 
-const NICS: usize = 2;
-
 fn engine(fabric: &Fabric) -> Arc<TransferEngine> {
     engine_on(fabric, fabric.add_host(NICS))
-}
-
-fn engine_on(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
-    let p = Arc::new(fabric.provider(host));
-    let cfg = {
-        let mut c = EngineConfig::default();
-        c.idle_sleep = Some(Duration::from_micros(200));
-        c
-    };
-    Arc::new(
-        TransferEngine::builder()
-            .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))
-            .config(cfg)
-            .build()
-            .expect("engine builds"),
-    )
 }
 
 fn run(c: &MoeConfig, routing: Routing, seed: u64, steps: u64, max_write_len: u64) {

@@ -4,28 +4,13 @@
 //! expert sits on a masked rank is dropped, every other expert id is
 //! renumbered densely, and rows report whole-group source ranks.
 
-use crate::common::{expert_outputs, inputs, Owned, Routing};
+use crate::common::{engine_on, expert_outputs, inputs, Owned, Routing, NICS};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
-use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft::TransferEngine;
 use weft_moe::{reference, ConfigError, Dims, MoeConfig, MoeError, MoeRank, NO_EXPERT};
 use weft_testkit::seeds_or;
-
-const NICS: usize = 2;
-
-fn engine_on(fabric: &Fabric, host: HostId) -> Arc<TransferEngine> {
-    let p = Arc::new(fabric.provider(host));
-    let mut cfg = EngineConfig::default();
-    cfg.idle_sleep = Some(Duration::from_micros(200));
-    Arc::new(
-        TransferEngine::builder()
-            .group(DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))
-            .config(cfg)
-            .build()
-            .expect("engine builds"),
-    )
-}
 
 fn cfg(n: u32, masked: &[u32]) -> MoeConfig {
     let mut c = MoeConfig::new(n, n * 2, 3, 6, 40, 12);

@@ -190,3 +190,24 @@ pub fn routings(d: &Dims) -> Vec<Routing> {
 
 /// Both output types.
 pub const DTYPES: [OutDtype; 2] = [OutDtype::Bf16, OutDtype::F32];
+
+/// NICs of every test engine on the loopback fabric.
+pub const NICS: usize = 2;
+
+/// An engine on `host` of the loopback `fabric` (all its NICs, workers
+/// parking for 200 µs when idle).
+pub fn engine_on(
+    fabric: &weft::loopback::Fabric,
+    host: weft::loopback::HostId,
+) -> std::sync::Arc<weft::TransferEngine> {
+    let p = std::sync::Arc::new(fabric.provider(host));
+    let mut cfg = weft::EngineConfig::default();
+    cfg.idle_sleep = Some(std::time::Duration::from_micros(200));
+    std::sync::Arc::new(
+        weft::TransferEngine::builder()
+            .group(weft::DomainGroupSpec::new(p, (0..NICS).collect::<Vec<_>>()))
+            .config(cfg)
+            .build()
+            .expect("engine builds"),
+    )
+}
