@@ -65,9 +65,7 @@ impl ExpertTokens {
     }
 }
 
-/// The expert id of a (token, k) pair that goes to no expert (DeepEP's
-/// `-1`): the pair is neither sent nor summed.
-pub const NO_EXPERT: u32 = u32::MAX;
+pub use crate::mask::NO_EXPERT;
 
 /// One rank's inputs of a step: `T_r` tokens of
 /// [`Dims::in_row_bytes`] bytes (`token_bytes`, or bf16 of `hidden` with

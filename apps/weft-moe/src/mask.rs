@@ -7,7 +7,10 @@
 //! every other id is renumbered to the active group's expert.
 
 use crate::error::MoeError;
-use crate::expert::NO_EXPERT;
+
+/// The expert id of a (token, k) pair that goes to no expert (DeepEP's
+/// `-1`): the pair is neither sent nor summed.
+pub const NO_EXPERT: u32 = u32::MAX;
 
 /// Which ranks of a group of `ranks` are masked.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
