@@ -74,6 +74,49 @@ impl RankMask {
         g
     }
 
+    /// `e` with the peer it names given by its whole-group rank: the
+    /// protocol numbers active ranks only, callers know whole-group ranks.
+    /// Errors that name no peer pass unchanged; so does everything when
+    /// no rank is masked.
+    pub fn globalise(&self, e: MoeError) -> MoeError {
+        if self.is_empty() {
+            return e;
+        }
+        match e {
+            MoeError::BadOrigin {
+                rank,
+                row,
+                pair,
+                max,
+            } => MoeError::BadOrigin {
+                rank: self.global_rank(rank),
+                row,
+                pair,
+                max,
+            },
+            MoeError::BadRoutes { rank, what } => MoeError::BadRoutes {
+                rank: self.global_rank(rank),
+                what,
+            },
+            MoeError::PeerInfo { rank, what } => MoeError::PeerInfo {
+                rank: self.global_rank(rank),
+                what: format!("{what} (active rank {rank})"),
+            },
+            other => other,
+        }
+    }
+
+    /// Turns the active ranks in `ranks` (rows' source ranks) into
+    /// whole-group ranks in place.
+    pub fn globalise_ranks(&self, ranks: &mut [u32]) {
+        if self.is_empty() {
+            return;
+        }
+        for s in ranks {
+            *s = self.global_rank(*s);
+        }
+    }
+
     /// Renumbers global top-k ids (`t·R + k`) for the active group of
     /// `local` experts per rank into `out`: an id on a masked rank becomes
     /// [`NO_EXPERT`]. An id beyond the whole group's experts is

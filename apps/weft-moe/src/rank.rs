@@ -146,13 +146,9 @@ impl MoeRank {
             });
         }
         let mask = self.exec.dims.mask.clone();
-        self.exec.connect(&self.info, all).map_err(|e| match e {
-            MoeError::PeerInfo { rank, what } if !mask.is_empty() => MoeError::PeerInfo {
-                rank: mask.global_rank(rank),
-                what: format!("{what} (active rank {rank})"),
-            },
-            other => other,
-        })
+        self.exec
+            .connect(&self.info, all)
+            .map_err(|e| mask.globalise(e))
     }
 
     /// The validated shape.
@@ -226,27 +222,8 @@ impl MoeRank {
         self.ids_active = ids;
         let mask = &self.exec.dims.mask;
         // Errors about a peer name it by its whole-group rank too.
-        let layout = r.map_err(|e| match e {
-            MoeError::BadOrigin {
-                rank,
-                row,
-                pair,
-                max,
-            } => MoeError::BadOrigin {
-                rank: mask.global_rank(rank),
-                row,
-                pair,
-                max,
-            },
-            MoeError::BadRoutes { rank, what } => MoeError::BadRoutes {
-                rank: mask.global_rank(rank),
-                what,
-            },
-            other => other,
-        })?;
-        for s in &mut tokens.source_rank {
-            *s = mask.global_rank(*s);
-        }
+        let layout = r.map_err(|e| mask.globalise(e))?;
+        mask.globalise_ranks(&mut tokens.source_rank);
         Ok(layout)
     }
 

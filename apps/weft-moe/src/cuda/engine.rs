@@ -161,6 +161,12 @@ impl EngineRank {
     /// within it. Waits for the caller (the next step's launch, the
     /// combine's launch after the experts) have no bound: an idle rank
     /// naps 50 µs between checks after 10 ms.
+    ///
+    /// `rank` is the rank in the whole group. With masked ranks
+    /// (`MoeConfig::masked`) the group runs over the active ranks: a masked
+    /// `rank` is [`MoeError::Masked`], top-k ids name whole-group experts
+    /// (a masked rank's are dropped), rows report whole-group source ranks,
+    /// and errors name peers by whole-group rank.
     pub fn new(
         gpu: &Gpu,
         dims: &Dims,
@@ -168,6 +174,19 @@ impl EngineRank {
         engine: Arc<TransferEngine>,
         timeout: Duration,
     ) -> Result<EngineRank, GpuError> {
+        let global = dims.mask.global_ranks();
+        if rank >= global {
+            return Err(MoeError::NoSuchRank {
+                rank,
+                ranks: global,
+            }
+            .into());
+        }
+        // The protocol numbers the active ranks only.
+        let rank = dims
+            .mask
+            .active_index(rank)
+            .ok_or(MoeError::Masked { rank })?;
         let gr = Arc::new(GpuRank::new(gpu, dims, rank)?);
         let e = eng(rank, Phase::Setup);
         let mut held = Resources::new();
@@ -211,10 +230,11 @@ impl EngineRank {
         &self.info
     }
 
-    /// Checks every rank's info (`all[r]` is rank r's; from peers or a
-    /// store, so untrusted: wrong rank numbers, another shape or buffers
-    /// too short are [`MoeError::PeerInfo`]), adds the peers to the engine
-    /// and starts the proxy thread. Once only.
+    /// Checks every rank's info (`all[r]` is rank r's; with masked ranks,
+    /// the active ranks' infos in rank order; from peers or a store, so
+    /// untrusted: wrong rank numbers, another shape or buffers too short
+    /// are [`MoeError::PeerInfo`]), adds the peers to the engine and starts
+    /// the proxy thread. Once only.
     pub fn connect(&mut self, all: &[RankInfo]) -> Result<(), GpuError> {
         let r = self.info.rank;
         if self.setup.is_none() {
@@ -223,7 +243,8 @@ impl EngineRank {
             }
             .into());
         }
-        let members = check_infos(&self.sh.dims, r, self.info.config_hash, all)?;
+        let members = check_infos(&self.sh.dims, r, self.info.config_hash, all)
+            .map_err(|e| self.sh.dims.mask.globalise(e))?;
         let peers = Peers::connect(&self.engine, &members)?;
         let Some(s) = self.setup.take() else {
             return Err(MoeError::NotConnected.into());
@@ -273,8 +294,8 @@ impl EngineRank {
 
     fn stop(&mut self) -> Result<(), GpuError> {
         self.request_stop();
-        let r = self.info.rank;
-        match self.thread.take() {
+        let r = self.sh.rank.global_rank();
+        let res = match self.thread.take() {
             Some(h) => h.join().unwrap_or_else(|_| {
                 Err(GpuError::Proxy {
                     rank: r,
@@ -282,7 +303,12 @@ impl EngineRank {
                 })
             }),
             None => Ok(()),
-        }
+        };
+        // What the proxy saw names peers by active rank.
+        res.map_err(|e| match e {
+            GpuError::Moe(m) => GpuError::Moe(self.sh.dims.mask.globalise(m)),
+            other => other,
+        })
     }
 
     /// Stops the proxy (between steps it first waits for the last BAR_C
@@ -335,7 +361,8 @@ impl EngineGroup {
                 .config(cfg.engine.clone())
                 .build()
                 .map_err(eng(r, Phase::Setup))?;
-            let rank = EngineRank::new(gpu, dims, r, Arc::new(engine), cfg.timeout)?;
+            let g = dims.mask.global_rank(r);
+            let rank = EngineRank::new(gpu, dims, g, Arc::new(engine), cfg.timeout)?;
             group.ranks.push(rank);
         }
         let infos: Vec<RankInfo> = group.ranks.iter().map(|r| r.info().clone()).collect();

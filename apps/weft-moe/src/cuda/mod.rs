@@ -172,15 +172,11 @@ fn usz(v: u64, rank: u32) -> Result<usize, GpuError> {
 impl GpuRank {
     /// Allocates rank `rank`'s buffers on `gpu`: the send and receive
     /// buffers of [`Dims`], and outputs for the receive bound of N·T·R rows.
+    /// `rank` is the protocol's rank: with masked ranks
+    /// (`MoeConfig::masked`), the index among the active ranks
+    /// ([`crate::RankMask::active_index`]), else the rank in the group.
+    /// [`EngineRank::new`] takes the whole-group rank and maps it.
     pub fn new(gpu: &Gpu, dims: &Dims, rank: u32) -> Result<GpuRank, GpuError> {
-        // The GPU path runs whole groups: masked ranks are the CPU path's.
-        if let Some(&m) = dims.mask.masked().first() {
-            return Err(MoeError::Config(crate::ConfigError::BadMask {
-                rank: m,
-                why: "the GPU path runs whole groups",
-            })
-            .into());
-        }
         if rank >= dims.ranks {
             return Err(MoeError::NoSuchRank {
                 rank,
@@ -233,9 +229,15 @@ impl GpuRank {
         })
     }
 
-    /// The rank.
+    /// The protocol's rank (the index among the active ranks when some are
+    /// masked).
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The rank in the whole group, masked ranks included.
+    pub fn global_rank(&self) -> u32 {
+        self.dims.mask.global_rank(self.rank)
     }
 
     /// The shape.
@@ -272,7 +274,21 @@ impl GpuRank {
     /// trust the ids). Synchronous; call it while no kernel of this rank
     /// runs. Returns T_r.
     pub fn set_inputs(&self, input: &RankInput<'_>) -> Result<u32, GpuError> {
-        let t = input.check(&self.dims)?;
+        let mut active = Vec::new();
+        let d = &self.dims;
+        let input = if d.mask.is_empty() {
+            *input
+        } else {
+            // Ids name the whole group's experts: renumbered for the active
+            // group, a masked rank's expert dropped (as on the CPU path).
+            d.mask
+                .map_ids(d.local, d.topk, input.topk_ids, &mut active)?;
+            RankInput {
+                topk_ids: &active,
+                ..*input
+            }
+        };
+        let t = input.check(d)?;
         let ph = Phase::Setup;
         self.tokens.write(0, input.tokens).map_err(self.cu(ph))?;
         let ids: Vec<u8> = input
@@ -346,7 +362,8 @@ impl GpuRank {
             .map_err(self.cu(Phase::Combine))
     }
 
-    /// Reads the expert layout the last unpack produced.
+    /// Reads the expert layout the last unpack produced. Source ranks are
+    /// whole-group ranks (masked ranks included in the numbering).
     pub fn read_expert_tokens(&self) -> Result<ExpertTokens, GpuError> {
         let ph = Phase::Dispatch;
         let l = self.dims.local as usize;
@@ -376,14 +393,16 @@ impl GpuRank {
             .enumerate()
             .find(|(_, (_, &p))| u64::from(p) >= max)
         {
-            return Err(MoeError::BadOrigin {
+            let e = MoeError::BadOrigin {
                 rank,
                 row: row as u32,
                 pair,
                 max,
-            }
-            .into());
+            };
+            return Err(self.dims.mask.globalise(e).into());
         }
+        let mut source_rank = source_rank;
+        self.dims.mask.globalise_ranks(&mut source_rank);
         Ok(ExpertTokens {
             data,
             token_bytes: self.dims.token_bytes,

@@ -12,8 +12,11 @@
 //!
 //! Cases: random routings at EP 2/4/8 (EP8: 20 seeds), every edge-case
 //! routing, both output types, the DeepSeek-V3 decode shape, graph replay;
-//! and a rank killed in the middle of a step (the survivors must report
-//! typed errors within a bound, and neither hang nor crash).
+//! a group with a rank masked from the start (DeepEP's `mask_buffer`); and
+//! a rank killed in the middle of a step: the survivors must report typed
+//! errors within a bound, neither hang nor crash, and then go on without
+//! it as a masked group (bit-exact against the reference over the active
+//! ranks, the mask applied to the inputs by the test).
 //!
 //! Skips without a GPU (prints `SKIP`; fails under
 //! `WEFT_CUDA_REQUIRE_GPU=1`). The `shm` case needs a libfabric built with
@@ -21,7 +24,7 @@
 //! unless `WEFT_REQUIRE_CUDA_LIBFABRIC=1`.
 #![cfg(feature = "cuda")]
 
-use crate::common::{expert_outputs, inputs, routings, Routing};
+use crate::common::{expert_outputs, inputs, masked_inputs, routings, Owned, Routing};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::rendezvous::{self, Session};
@@ -51,8 +54,11 @@ struct Case {
     steps: u64,
     seed: u64,
     graphs: bool,
-    /// Rank killed (by the parent) after launching this step's send.
+    /// Rank killed (by the parent) after launching this step's send; the
+    /// survivors then run `steps` more steps with it masked.
     kill: Option<(u32, u64)>,
+    /// Ranks masked from the start.
+    masked: Vec<u32>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -61,6 +67,25 @@ fn dims(n: u32, l: u32, r: u32, t: u32, p: u32, tb: u32, h: u32, dt: OutDtype) -
     c.private_tokens = Some(p);
     c.out_dtype = dt;
     c.validate().expect("valid config")
+}
+
+/// `d` (a whole group's shape) over its active ranks: `masked` out, the
+/// immediates of `instance` (a group rebuilt after a failure takes the next
+/// one: nothing of the failed step counts in it).
+fn masked_dims(d: &Dims, masked: &[u32], instance: u32) -> Dims {
+    let mut c = MoeConfig::new(
+        d.ranks,
+        d.experts,
+        d.topk,
+        d.max_tokens,
+        d.token_bytes,
+        d.hidden,
+    );
+    c.private_tokens = Some(d.private);
+    c.out_dtype = d.out_dtype;
+    c.masked = masked.to_vec();
+    c.instance = instance;
+    c.validate().expect("valid masked config")
 }
 
 /// The cases, by index (parent and children build the same table).
@@ -72,6 +97,7 @@ fn case(i: usize) -> Option<Case> {
         seed,
         graphs: false,
         kill: None,
+        masked: Vec::new(),
     };
     let edge = |dims: Dims, seed| Case {
         routings: routings(&dims),
@@ -98,6 +124,11 @@ fn case(i: usize) -> Option<Case> {
         8 => Case {
             kill: Some((2, 2)),
             ..plain(dims(4, 4, 4, 24, 3, 64, 40, OutDtype::Bf16), 4, 9)
+        },
+        9 => Case {
+            masked: vec![1, 4],
+            routings: vec![Routing::Random, Routing::SomeNone, Routing::OneExpert(3)],
+            ..plain(dims(6, 2, 4, 16, 2, 64, 40, OutDtype::F32), 2, 10)
         },
         _ => return None,
     })
@@ -180,19 +211,23 @@ fn cu(e: weft_cuda::CudaError) -> GpuError {
     }
 }
 
-/// One step of this rank; `Err` names what failed.
+/// One step of this rank: `mine` is what it passes (whole-group expert
+/// ids), `views` every active rank's inputs with the mask applied (the
+/// reference's), `a` its index among the `active` ranks (whole-group
+/// numbers). `Err` names what failed.
+#[allow(clippy::too_many_arguments)]
 fn step(
     l: &Launcher,
     rank: &EngineRank,
     d: &Dims,
+    mine: &RankInput<'_>,
     views: &[RankInput<'_>],
-    r: u32,
+    a: usize,
+    active: &[u32],
     victim: bool,
 ) -> Result<(), String> {
     let gr = rank.gpu_rank();
-    let t = gr
-        .set_inputs(&views[r as usize])
-        .map_err(|e| format!("inputs: {e}"))?;
+    let t = gr.set_inputs(mine).map_err(|e| format!("inputs: {e}"))?;
     l.dispatch_send(rank)
         .map_err(|e| format!("dispatch send: {e}"))?;
     if victim {
@@ -203,9 +238,14 @@ fn step(
     l.dispatch_recv(rank)
         .map_err(|e| format!("dispatch recv: {e}"))?;
     l.sync(rank).map_err(|e| format!("dispatch: {e:?}"))?;
-    let want = reference::dispatch(d, views).map_err(|e| e.to_string())?;
+    let mut want = reference::dispatch(d, views).map_err(|e| e.to_string())?;
+    for w in &mut want {
+        for s in &mut w.source_rank {
+            *s = active[*s as usize];
+        }
+    }
     let got = gr.read_expert_tokens().map_err(|e| e.to_string())?;
-    if got != want[r as usize] {
+    if got != want[a] {
         return Err("expert tokens differ from the reference".into());
     }
     let outs: Vec<Vec<u8>> = want
@@ -213,8 +253,7 @@ fn step(
         .enumerate()
         .map(|(x, w)| expert_outputs(d, x as u32, w))
         .collect();
-    gr.set_expert_outputs(&outs[r as usize])
-        .map_err(|e| e.to_string())?;
+    gr.set_expert_outputs(&outs[a]).map_err(|e| e.to_string())?;
     // The weights come again with the combine, different from dispatch's
     // (DeepEP's order).
     let late: Vec<Vec<f32>> = views
@@ -229,17 +268,47 @@ fn step(
             ..*v
         })
         .collect();
-    gr.set_weights(&late[r as usize])
-        .map_err(|e| e.to_string())?;
+    gr.set_weights(&late[a]).map_err(|e| e.to_string())?;
     l.combine(rank)
         .map_err(|e| format!("combine launch: {e}"))?;
     l.sync(rank).map_err(|e| format!("combine: {e:?}"))?;
     let want = reference::combine(d, &views2, &outs).map_err(|e| e.to_string())?;
     let got = gr.read_combined(t).map_err(|e| e.to_string())?;
-    if got != want[r as usize] {
+    if got != want[a] {
         return Err("combined tokens differ from the reference".into());
     }
     Ok(())
+}
+
+/// A group this child runs steps in: the protocol's shape, the whole
+/// group's, and the active ranks (whole-group numbers, ascending).
+struct Group<'a> {
+    d: &'a Dims,
+    full: &'a Dims,
+    active: Vec<u32>,
+}
+
+impl Group<'_> {
+    /// Step `s` of routing `rt` (seed `seed`) for whole-group rank `r`.
+    fn step(
+        &self,
+        l: &Launcher,
+        rank: &EngineRank,
+        r: u32,
+        (rt, seed, s): (Routing, u64, u64),
+        victim: bool,
+    ) -> Result<(), String> {
+        let ins = inputs(self.full, rt, seed, s % 2 == 1);
+        let act: Vec<Owned> = masked_inputs(self.full, self.d.mask.masked(), &ins);
+        let views: Vec<RankInput<'_>> = act.iter().map(Owned::input).collect();
+        let a = self
+            .active
+            .iter()
+            .position(|&g| g == r)
+            .ok_or_else(|| format!("rank {r} is masked"))?;
+        let mine = ins[r as usize].input();
+        step(l, rank, self.d, &mine, &views, a, &self.active, victim)
+    }
 }
 
 /// Whether `e` is what a survivor of a dead peer may see from its proxy:
@@ -253,6 +322,31 @@ fn peer_loss(e: &GpuError) -> bool {
     )
 }
 
+/// Publishes `rank`'s info under `name`, gathers the group's `n` and
+/// connects.
+fn join(
+    rank: &mut EngineRank,
+    store: &Arc<dyn weft::rendezvous::Store>,
+    session: &Session,
+    name: &str,
+    n: u32,
+) {
+    let rdv = MoeRendezvous::new(store.clone(), name);
+    rdv.publish(session, rank.info()).expect("publish");
+    let all = rdv.gather(n, Duration::from_secs(120)).expect("gather");
+    rank.connect(&all).expect("connect");
+}
+
+/// Shuts `rank` down and checks that none of its immediates is left
+/// pending on `e`.
+fn finish(rank: EngineRank, e: &TransferEngine, d: &Dims, r: u32) {
+    let imms = weft_moe::ImmValues::for_instance(d.instance, e.imm_capacity()).unwrap();
+    rank.shutdown().expect("shutdown");
+    for v in imms.all() {
+        assert_eq!(e.imm_pending(v), 0, "rank {r}: immediates left pending");
+    }
+}
+
 /// The child: role `case/rank/provider`.
 #[test]
 fn moe_gpu_rank_entry() {
@@ -260,7 +354,12 @@ fn moe_gpu_rank_entry() {
     let f: Vec<&str> = role.split('/').collect();
     let (ci, r, prov): (usize, u32, &str) = (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2]);
     let c = case(ci).expect("case");
-    let d = &c.dims;
+    let full = &c.dims;
+    let d = if c.masked.is_empty() {
+        full.clone()
+    } else {
+        masked_dims(full, &c.masked, 0)
+    };
     if std::env::var_os("RUST_LOG").is_some() {
         // Logs of the engine and the proxy on this child's stderr.
         let _ = tracing_subscriber::fmt()
@@ -276,7 +375,18 @@ fn moe_gpu_rank_entry() {
             return;
         }
     };
-    let mut rank = match EngineRank::new(&gpu, d, r, e.clone(), WAIT) {
+    if c.masked.contains(&r) {
+        // A masked rank takes no part.
+        match EngineRank::new(&gpu, &d, r, e.clone(), WAIT) {
+            Err(GpuError::Moe(MoeError::Masked { rank })) if rank == r => {
+                child::send_line("masked").unwrap()
+            }
+            other => panic!("rank {r} is masked, yet: {other:?}"),
+        }
+        e.shutdown();
+        std::process::exit(0);
+    }
+    let mut rank = match EngineRank::new(&gpu, &d, r, e.clone(), WAIT) {
         Ok(rk) => rk,
         Err(why) => {
             // libfabric without CUDA refuses the registration.
@@ -301,56 +411,87 @@ fn moe_gpu_rank_entry() {
     let spec = std::env::var(RDV_ENV).expect("store spec");
     let store = rendezvous::open(&spec.parse().expect("spec")).expect("store");
     let session = Session::new(store.clone(), Duration::from_secs(10)).expect("session");
-    let rdv = MoeRendezvous::new(store, &format!("gpu-case{ci}"));
-    rdv.publish(&session, rank.info()).expect("publish");
-    let all = rdv
-        .gather(d.ranks, Duration::from_secs(120))
-        .expect("gather");
-    rank.connect(&all).expect("connect");
+    join(
+        &mut rank,
+        &store,
+        &session,
+        &format!("gpu-case{ci}"),
+        d.ranks,
+    );
     child::send_line("connected").unwrap();
+    let g = Group {
+        d: &d,
+        full,
+        active: (0..full.ranks).filter(|x| !c.masked.contains(x)).collect(),
+    };
     let mut i = 0u64;
     for &rt in &c.routings {
         for s in 0..c.steps {
             let seed = c.seed * 1000 + i;
-            let ins = inputs(d, rt, seed, s % 2 == 1);
-            let views: Vec<RankInput<'_>> = ins.iter().map(|o| o.input()).collect();
             let victim = c.kill == Some((r, s));
             let start = Instant::now();
-            if let Err(what) = step(&l, &rank, d, &views, r, victim) {
-                if c.kill.is_none() {
-                    // What the proxy saw says which round stalled.
-                    let proxy = rank.shutdown().err();
+            let Err(what) = g.step(&l, &rank, r, (rt, seed, s), victim) else {
+                child::send_line(&format!("ok {i}")).unwrap();
+                i += 1;
+                continue;
+            };
+            let Some((v, _)) = c.kill else {
+                // What the proxy saw says which round stalled.
+                let proxy = rank.shutdown().err();
+                panic!("rank {r} step {i} ({rt:?}, seed {seed}, {prov}): {what}; proxy: {proxy:?}");
+            };
+            // A survivor of the killed rank: the proxy must have stopped
+            // with a typed error too.
+            let waited = start.elapsed();
+            // Its own wait runs out within WAIT (asking it to stop
+            // earlier would end it cleanly).
+            while rank.healthy() && start.elapsed() < WAIT * 3 {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let proxy = rank.shutdown().err();
+            let typed = proxy.as_ref().is_some_and(peer_loss);
+            child::send_line(&format!(
+                "failed {} typed={typed} after {what}; proxy: {proxy:?}",
+                waited.as_millis()
+            ))
+            .unwrap();
+            // No replacement: the survivors go on with the dead rank
+            // masked, under the next instance.
+            assert!(l.graphs.is_none(), "graphs hold the old rank's buffers");
+            let d2 = masked_dims(full, &[v], 1);
+            let mut rank2 = EngineRank::new(&gpu, &d2, r, e.clone(), WAIT).expect("survivor rank");
+            join(
+                &mut rank2,
+                &store,
+                &session,
+                &format!("gpu-case{ci}-masked"),
+                d2.ranks,
+            );
+            let g2 = Group {
+                d: &d2,
+                full,
+                active: (0..full.ranks).filter(|&x| x != v).collect(),
+            };
+            for s in 0..c.steps {
+                let seed = c.seed * 1000 + 500 + s;
+                if let Err(what) = g2.step(&l, &rank2, r, (Routing::Random, seed, s), false) {
+                    let proxy = rank2.shutdown().err();
                     panic!(
-                        "rank {r} step {i} ({rt:?}, seed {seed}, {prov}): {what}; proxy: {proxy:?}"
+                        "rank {r} masked step {s} (seed {seed}, {prov}): {what}; proxy: {proxy:?}"
                     );
                 }
-                // A survivor of the killed rank: the proxy must have
-                // stopped with a typed error too.
-                let waited = start.elapsed();
-                // Its own wait runs out within WAIT (asking it to stop
-                // earlier would end it cleanly).
-                while rank.healthy() && start.elapsed() < WAIT * 3 {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                let proxy = rank.shutdown().err();
-                let typed = proxy.as_ref().is_some_and(peer_loss);
-                child::send_line(&format!(
-                    "failed {} typed={typed} after {what}; proxy: {proxy:?}",
-                    waited.as_millis()
-                ))
-                .unwrap();
-                e.shutdown();
-                std::process::exit(0);
+                child::send_line(&format!("ok masked {s}")).unwrap();
             }
-            child::send_line(&format!("ok {i}")).unwrap();
-            i += 1;
+            // (Immediates of the failed step may arrive after its rank was
+            // shut down: the excess counter is not checked here.)
+            finish(rank2, &e, &d2, r);
+            session.close().expect("leave the store");
+            child::send_line("done").unwrap();
+            e.shutdown();
+            std::process::exit(0);
         }
     }
-    let imms = weft_moe::ImmValues::for_instance(d.instance, e.imm_capacity()).unwrap();
-    rank.shutdown().expect("shutdown");
-    for v in imms.all() {
-        assert_eq!(e.imm_pending(v), 0, "rank {r}: immediates left pending");
-    }
+    finish(rank, &e, &d, r);
     assert_eq!(e.stats().imm_excess, 0);
     session.close().expect("leave the store");
     child::send_line("done").unwrap();
@@ -395,6 +536,10 @@ fn cluster(ci: usize, prov: &str) -> bool {
         .collect();
     let long = Duration::from_secs(180);
     for (r, k) in kids.iter_mut().enumerate() {
+        if c.masked.contains(&(r as u32)) {
+            assert_eq!(expect(k, "masked", r, long), "masked", "rank {r}");
+            continue;
+        }
         let l = expect(k, "connected", r, long);
         if let Some(why) = l.strip_prefix("skip ") {
             assert!(
@@ -430,6 +575,24 @@ fn cluster(ci: usize, prov: &str) -> bool {
             assert!(killed.elapsed() < DEATH_BOUND, "rank {r}: {l}");
             println!("rank {r} after the kill: {l}");
         }
+        // Then they go on without it, masked.
+        for (r, k) in kids.iter_mut().enumerate() {
+            if r == v {
+                continue;
+            }
+            for s in 0..c.steps {
+                assert_eq!(
+                    expect(k, "masked step", r, long),
+                    format!("ok masked {s}"),
+                    "rank {r}"
+                );
+            }
+            assert_eq!(expect(k, "done", r, long), "done", "rank {r}");
+        }
+        println!(
+            "the survivors ran {} steps with rank {victim} masked",
+            c.steps
+        );
         for (r, k) in kids.iter_mut().enumerate() {
             if r != v {
                 assert!(k.wait().expect("wait").success(), "rank {r} exit status");
@@ -439,6 +602,9 @@ fn cluster(ci: usize, prov: &str) -> bool {
         return true;
     }
     for (r, k) in kids.iter_mut().enumerate() {
+        if c.masked.contains(&(r as u32)) {
+            continue;
+        }
         for i in 0..steps {
             assert_eq!(expect(k, "step", r, long), format!("ok {i}"), "rank {r}");
         }
@@ -471,6 +637,14 @@ fn gpu_xproc_shm_hmem_ep4_ep8() {
             return;
         }
     }
+}
+
+#[test]
+fn gpu_xproc_masked_rank() {
+    if !have_gpu("gpu_xproc_masked_rank") {
+        return;
+    }
+    assert!(cluster(9, "nvlink"));
 }
 
 #[test]

@@ -4,12 +4,12 @@
 //! expert sits on a masked rank is dropped, every other expert id is
 //! renumbered densely, and rows report whole-group source ranks.
 
-use crate::common::{engine_on, expert_outputs, inputs, Owned, Routing, NICS};
+use crate::common::{engine_on, expert_outputs, inputs, masked_inputs, Owned, Routing, NICS};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
 use weft::TransferEngine;
-use weft_moe::{reference, ConfigError, Dims, MoeConfig, MoeError, MoeRank, NO_EXPERT};
+use weft_moe::{reference, ConfigError, MoeConfig, MoeError, MoeRank};
 use weft_testkit::seeds_or;
 
 fn cfg(n: u32, masked: &[u32]) -> MoeConfig {
@@ -18,29 +18,6 @@ fn cfg(n: u32, masked: &[u32]) -> MoeConfig {
     c.step_timeout = Duration::from_secs(30);
     c.masked = masked.to_vec();
     c
-}
-
-/// The active ranks' inputs with the mask applied by hand.
-fn masked_inputs(full: &Dims, masked: &[u32], ins: &[Owned]) -> Vec<Owned> {
-    let l = full.local;
-    let active: Vec<u32> = (0..full.ranks).filter(|r| !masked.contains(r)).collect();
-    active
-        .iter()
-        .map(|&g| {
-            let mut o = ins[g as usize].clone();
-            for id in &mut o.ids {
-                if *id == NO_EXPERT {
-                    continue;
-                }
-                let owner = *id / l;
-                *id = match active.iter().position(|&a| a == owner) {
-                    Some(a) => a as u32 * l + *id % l,
-                    None => NO_EXPERT,
-                };
-            }
-            o
-        })
-        .collect()
 }
 
 /// Prepares and connects the active ranks of `c` on `engines` (one per

@@ -211,3 +211,28 @@ pub fn engine_on(
             .expect("engine builds"),
     )
 }
+
+/// The active ranks' inputs with the mask applied by hand (independently
+/// of `weft_moe::mask`): a pair for a masked rank's expert is dropped,
+/// every other id renumbered densely over the active ranks.
+pub fn masked_inputs(full: &Dims, masked: &[u32], ins: &[Owned]) -> Vec<Owned> {
+    let l = full.local;
+    let active: Vec<u32> = (0..full.ranks).filter(|r| !masked.contains(r)).collect();
+    active
+        .iter()
+        .map(|&g| {
+            let mut o = ins[g as usize].clone();
+            for id in &mut o.ids {
+                if *id == NO_EXPERT {
+                    continue;
+                }
+                let owner = *id / l;
+                *id = match active.iter().position(|&a| a == owner) {
+                    Some(a) => a as u32 * l + *id % l,
+                    None => NO_EXPERT,
+                };
+            }
+            o
+        })
+        .collect()
+}
