@@ -75,35 +75,46 @@ def connect(rank: MoeRank, group: Optional[Any] = None) -> None:
     rank.connect(all_gather_bytes(rank.info(), group=group))
 
 
+def _global_ranks(group: Any) -> Optional[List[int]]:
+    """The global ranks of ``group``'s members in group-rank order
+    (``None`` for the default group: group ranks are global ranks)."""
+    import torch.distributed as dist
+
+    if group is None or group == dist.group.WORLD:
+        return None
+    return [dist.get_global_rank(group, g) for g in range(dist.get_world_size(group))]
+
+
+def _swap(send: Any, recv: Dict[int, Any], group: Any) -> None:
+    """Sends ``send`` to and receives ``recv[g]`` from every group rank
+    ``g`` of ``recv``, in one batch of point-to-point operations."""
+    import torch.distributed as dist
+
+    glob = _global_ranks(group)
+    to = (lambda g: g) if glob is None else glob.__getitem__
+    ops = [dist.P2POp(dist.isend, send, to(g), group) for g in recv]
+    ops += [dist.P2POp(dist.irecv, t, to(g), group) for g, t in recv.items()]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+
 def _exchange(info: bytes, me: int, active: List[int], group: Any) -> List[bytes]:
     """Every active rank's ``info()`` (in rank order), exchanged point to
     point over the ``torch.distributed`` group with the active ranks only:
     lengths first, then the bytes."""
     import torch
-    import torch.distributed as dist
-
-    def glob(g: int) -> int:
-        return dist.get_global_rank(group, g) if group is not None and group != dist.group.WORLD else g
 
     peers = [g for g in active if g != me]
-    mine = torch.frombuffer(bytearray(info), dtype=torch.uint8)
     lens = {g: torch.zeros(1, dtype=torch.int64) for g in peers}
-    ops = [dist.P2POp(dist.isend, torch.tensor([len(info)], dtype=torch.int64), glob(g), group) for g in peers]
-    ops += [dist.P2POp(dist.irecv, lens[g], glob(g), group) for g in peers]
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+    _swap(torch.tensor([len(info)], dtype=torch.int64), lens, group)
     bufs = {}
     for g in peers:
         n = int(lens[g][0])
         if not 0 < n <= 1 << 16:
             raise _err("peer_info", f"rank {g} announced {n} bytes of info")
         bufs[g] = torch.empty(n, dtype=torch.uint8)
-    ops = [dist.P2POp(dist.isend, mine, glob(g), group) for g in peers]
-    ops += [dist.P2POp(dist.irecv, bufs[g], glob(g), group) for g in peers]
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+    _swap(torch.frombuffer(bytearray(info), dtype=torch.uint8), bufs, group)
     return [info if g == me else bytes(bufs[g].numpy()) for g in active]
 
 
@@ -260,8 +271,7 @@ class Buffer:
         # of host tensors; a NCCL communicator with a dead peer is gone).
         self._p2p = group
         if dist.get_backend(group) != "gloo":
-            ranks = [dist.get_global_rank(group, g) for g in range(self.group_size)] if group != dist.group.WORLD else None
-            self._p2p = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._p2p = dist.new_group(_global_ranks(group), backend="gloo", use_local_synchronization=True)
 
     # ---- sizes ----
 

@@ -6,7 +6,9 @@
 //! every four go through the caller-buffer calls (`dispatch_into`,
 //! `combine_into`) with buffers kept across steps.
 
-use crate::common::{check_origins, engine_on, expert_outputs, inputs, Routing, NICS};
+use crate::common::{
+    check_origins, engine_on, expert_outputs, inputs, survivors_fail, Routing, NICS,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
@@ -243,20 +245,7 @@ fn dead_peer_gives_typed_error_and_poisons_then_a_replacement_continues() {
     let dead = ranks.pop().expect("four ranks");
     fabric.kill_host(hosts[3]);
     let ins = inputs(&d, Routing::Random, 11, false);
-    std::thread::scope(|sc| {
-        for (r, rank) in ranks.iter_mut().enumerate() {
-            let ins = &ins;
-            sc.spawn(move || {
-                let err = rank.dispatch(&ins[r].input()).expect_err("a peer is dead");
-                assert!(
-                    matches!(err, MoeError::Engine { .. } | MoeError::Timeout { .. }),
-                    "rank {r}: {err}"
-                );
-                let again = rank.dispatch(&ins[r].input()).expect_err("poisoned");
-                assert!(matches!(again, MoeError::Poisoned), "rank {r}: {again}");
-            });
-        }
-    });
+    survivors_fail(&mut ranks, &[0, 1, 2], &ins);
     drop(dead);
     for rank in ranks {
         let _ = rank.shutdown();

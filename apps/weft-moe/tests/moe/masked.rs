@@ -4,7 +4,9 @@
 //! expert sits on a masked rank is dropped, every other expert id is
 //! renumbered densely, and rows report whole-group source ranks.
 
-use crate::common::{engine_on, expert_outputs, inputs, masked_inputs, Owned, Routing, NICS};
+use crate::common::{
+    engine_on, expert_outputs, inputs, masked_inputs, survivors_fail, Owned, Routing, NICS,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use weft::loopback::{Fabric, FabricConfig, HostId};
@@ -131,18 +133,7 @@ fn a_dead_rank_is_masked_and_the_survivors_go_on() {
     let dead = ranks.remove(1);
     fabric.kill_host(hosts[1]);
     let ins = inputs(&d, Routing::Random, 21, false);
-    std::thread::scope(|sc| {
-        for (r, rank) in [0usize, 2, 3].into_iter().zip(ranks.iter_mut()) {
-            let ins = &ins;
-            sc.spawn(move || {
-                let err = rank.dispatch(&ins[r].input()).expect_err("a peer is dead");
-                assert!(
-                    matches!(err, MoeError::Engine { .. } | MoeError::Timeout { .. }),
-                    "rank {r}: {err}"
-                );
-            });
-        }
-    });
+    survivors_fail(&mut ranks, &[0, 2, 3], &ins);
     drop(dead);
     for r in ranks {
         let _ = r.shutdown();

@@ -236,3 +236,23 @@ pub fn masked_inputs(full: &Dims, masked: &[u32], ins: &[Owned]) -> Vec<Owned> {
         })
         .collect()
 }
+
+/// Every survivor of a dead peer fails its dispatch with a typed error (the
+/// engine's, or a round's timeout) and is poisoned after it: `ranks[i]` is
+/// whole-group rank `who[i]`, whose inputs are `ins[who[i]]`.
+pub fn survivors_fail(ranks: &mut [weft_moe::MoeRank], who: &[usize], ins: &[Owned]) {
+    use weft_moe::MoeError;
+    std::thread::scope(|sc| {
+        for (&r, rank) in who.iter().zip(ranks.iter_mut()) {
+            sc.spawn(move || {
+                let err = rank.dispatch(&ins[r].input()).expect_err("a peer is dead");
+                assert!(
+                    matches!(err, MoeError::Engine { .. } | MoeError::Timeout { .. }),
+                    "rank {r}: {err}"
+                );
+                let again = rank.dispatch(&ins[r].input()).expect_err("poisoned");
+                assert!(matches!(again, MoeError::Poisoned), "rank {r}: {again}");
+            });
+        }
+    });
+}
