@@ -63,7 +63,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 rc=0
 if [ "$what" != bench ]; then
-  "$dir/gpu_rl" gpu_rl:: --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" || rc=1
+  "$dir/gpu_rl" gpu_rl:: gpu_xproc:: --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" || rc=1
   if grep -q 'SKIP ' "$out/tests.txt"; then echo "a GPU test skipped on the GPU machine" >&2; rc=1; fi
 fi
 if [ "$what" != tests ]; then

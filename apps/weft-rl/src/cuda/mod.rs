@@ -10,14 +10,16 @@
 //!   with one f32 scale per `block × block` tile, bit-identical to
 //!   [`crate::fp8::quantize_block`]: same scale convention, rounding,
 //!   saturation, NaN handling and partial edge tiles).
-//! - [`GpuUpdate`] ([`pipeline`]): one trainer holding every trainer
-//!   region of a [`crate::Plan`] in device memory, one inference rank's
-//!   weight region in device memory, two `TransferEngine`s on a realtime
-//!   loopback fabric that copies GPU memory with the GPU's copy engine;
-//!   a step runs unshard → fuse → quantise into a registered device
-//!   staging image of the inference region, then WRITEs every tensor (and
-//!   its scales) into the inference rank's buffer, which counts the
-//!   immediates.
+//! - [`GpuTrainer`] (`trainer.rs`): one trainer holding every trainer
+//!   region of a [`crate::Plan`] in device memory; a step runs unshard →
+//!   fuse → quantise into a registered device staging image of one
+//!   inference rank's region, then WRITEs every tensor (and its scales)
+//!   into that rank's [`GpuTarget`], in this process or another.
+//! - [`GpuInference`] (`target.rs`): one inference rank's weight region in
+//!   device memory, registered with its own engine, which counts the
+//!   immediates of an update.
+//! - [`GpuUpdate`] (`pipeline.rs`): both in one process, an engine each,
+//!   by default over the same-host backend `nvlink`.
 //!
 //! Needs a CUDA 13 driver and NVRTC at run time (see `weft-cuda`); builds
 //! without either.
@@ -25,12 +27,17 @@
 #[allow(unsafe_code)] // kernel launches with raw device pointers
 mod kernels;
 mod kernels_cu;
-#[allow(unsafe_code)] // registering device memory with the engines
 mod pipeline;
+#[allow(unsafe_code)] // registering device memory with the engine
+mod target;
+#[allow(unsafe_code)] // registering device memory with the engine
+mod trainer;
 
 pub use kernels::{DevMat, RlKernels, MAX_BOXES};
 pub use kernels_cu::RL_CU;
 pub use pipeline::{GpuStepTimes, GpuUpdate, GpuUpdateConfig, RoleHosts};
+pub use target::{GpuInference, GpuTarget, UpdateRound};
+pub use trainer::GpuTrainer;
 
 use weft_cuda::CudaError;
 

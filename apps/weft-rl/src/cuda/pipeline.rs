@@ -1,35 +1,21 @@
-//! [`GpuUpdate`]: one trainer and one inference rank on one GPU.
-//!
-//! The trainer holds every trainer region of the plan back to back in one
-//! device buffer (the FSDP / TP shards as the training ranks hold them;
-//! here all on the one GPU), so the **unshard** stage reads real shards
-//! with their real, possibly uneven, splits. A step:
-//! 1. unshard every parameter the inference rank needs into a device
-//!    buffer of full tensors;
-//! 2. per inference tensor, **fuse** its segments (q/k/v, gate/up,
-//!    stacked experts) — straight into a registered device *image* of the
-//!    inference region for bf16 targets, into a bf16 staging buffer for fp8
-//!    ones, which are then **quantised** into the image (fp8 bytes and
-//!    scales at the plan's offsets);
-//! 3. WRITE every tensor's bytes and scales from the image into the
-//!    inference rank's registered device region (one-sided, with an
-//!    immediate the inference engine counts), over the provider the
-//!    configuration gives each side ([`GpuUpdateConfig::hosts`]; by default
-//!    the same-host backend `nvlink`, whose copies run on the GPU's copy
-//!    engines).
+//! [`GpuUpdate`]: a [`GpuTrainer`] and the [`GpuInference`] it updates, in
+//! one process, each with its own engine on the provider the configuration
+//! gives its side ([`GpuUpdateConfig::hosts`]; by default the same-host
+//! backend `nvlink`, whose copies run on the GPU's copy engines). The two
+//! sides also run in separate processes: build each with its own engine
+//! and pass the inference side's [`super::GpuTarget`] across.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft::{
-    DomainGroupSpec, DoneCounter, EngineConfig, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
-};
-use weft_cuda::{DeviceBuffer, Gpu, Stream};
+use weft::{DomainGroupSpec, EngineConfig, TransferEngine};
+use weft_cuda::Gpu;
 
-use super::kernels::{DevMat, RlKernels};
+use super::kernels::RlKernels;
+use super::target::{GpuInference, INFERENCE};
+use super::trainer::{GpuTrainer, TRAINER};
 use super::GpuError;
-use crate::meta::{ModelLayout, Quant};
+use crate::meta::ModelLayout;
 use crate::plan::Plan;
 
 /// The provider a side's engine opens its NICs on, by role (`"trainer"`,
@@ -92,117 +78,33 @@ pub struct GpuStepTimes {
     pub bytes: u64,
 }
 
-const TRAINER: &str = "trainer";
-const INFERENCE: &str = "inference";
-
-/// One trainer and one inference rank on one GPU (see the module docs).
+/// A trainer and the inference rank it updates, in this process (see the
+/// module docs).
 pub struct GpuUpdate {
-    // Engines first: they are shut down (in `Drop`) before the buffers
-    // they have registered are freed.
+    // Taken in `Drop`: their registrations are released before the engines
+    // are shut down.
+    sides: Option<(GpuTrainer, GpuInference)>,
     trainer: Arc<TransferEngine>,
     inference: Arc<TransferEngine>,
-    /// The registrations of `image` (trainer) and `target` (inference),
-    /// and the inference side's immediate.
-    held: Resources,
-    image_mr: MrHandle,
-    target_desc: MrDesc,
-    imm: u32,
-    cfg: GpuUpdateConfig,
-    ml: ModelLayout,
-    plan: Arc<Plan>,
-    kernels: RlKernels,
-    stream: Stream,
-    /// Trainer regions back to back; region `t` at `shard_base[t]`.
-    shards: DeviceBuffer,
-    shard_base: Vec<u64>,
-    /// Unsharded parameters: param → byte offset in `full`.
-    full: DeviceBuffer,
-    full_off: BTreeMap<usize, u64>,
-    /// bf16 staging of one fused fp8 tensor.
-    fused: DeviceBuffer,
-    /// The trainer's image of the inference region (registered).
-    image: DeviceBuffer,
-    /// The inference rank's weight region (registered).
-    target: DeviceBuffer,
 }
 
 impl std::fmt::Debug for GpuUpdate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuUpdate")
-            .field("inference_rank", &self.cfg.inference_rank)
-            .field("shards", &self.shards.len())
-            .field("image", &self.image.len())
+            .field("sides", &self.sides)
             .finish_non_exhaustive()
     }
 }
 
-fn align(x: u64, a: u64) -> u64 {
-    x.div_ceil(a.max(1)) * a.max(1)
-}
-
 impl GpuUpdate {
-    /// Allocates the device buffers for `plan` (of `ml`), compiles the
-    /// kernels, builds the two engines and registers the image (trainer)
-    /// and the weight region (inference).
+    /// Builds the two engines, then the [`GpuTrainer`] and the
+    /// [`GpuInference`] of `cfg.inference_rank` on them.
     pub fn new(
         gpu: &Gpu,
         ml: ModelLayout,
         plan: Arc<Plan>,
         cfg: GpuUpdateConfig,
     ) -> Result<GpuUpdate, GpuError> {
-        let inf = cfg.inference_rank as usize;
-        let (region, tensors) = match (plan.inference.get(inf), ml.inference.get(inf)) {
-            (Some(r), Some(t)) if r.tensors.len() == t.len() => (r, t),
-            _ => {
-                return Err(GpuError::Invalid(format!(
-                    "inference rank {inf} not in the plan or the layout"
-                )))
-            }
-        };
-        let a = plan.config.align.max(16);
-        let mut shard_base = Vec::with_capacity(plan.trainers.len());
-        let mut at = 0;
-        for t in &plan.trainers {
-            shard_base.push(at);
-            at = align(at + t.len, a);
-        }
-        let shards_len = at;
-        let mut full_off = BTreeMap::new();
-        let mut at = 0;
-        let mut fused_len = 0;
-        for t in tensors {
-            for s in &t.segments {
-                let p = ml.params.get(s.param).ok_or_else(|| {
-                    GpuError::Invalid(format!("{}: no parameter {}", t.name, s.param))
-                })?;
-                if p.dtype != crate::DType::Bf16 {
-                    return Err(GpuError::Invalid(format!(
-                        "{}: {:?} source (the GPU stages take bf16)",
-                        p.name, p.dtype
-                    )));
-                }
-                full_off.entry(s.param).or_insert_with(|| {
-                    let o = at;
-                    at = align(at + 2 * p.rows * p.cols, a);
-                    o
-                });
-            }
-            if t.quant == Quant::Fp8Block {
-                fused_len = fused_len.max(2 * t.rows() * t.cols());
-            }
-        }
-        let alloc = |len: u64, what: &str| {
-            gpu.alloc(len.max(16) as usize)
-                .map_err(GpuError::cuda(format!("allocating {what} ({len} bytes)")))
-        };
-        let shards = alloc(shards_len, "trainer shards")?;
-        let full = alloc(at, "unsharded parameters")?;
-        let fused = alloc(fused_len, "fused staging")?;
-        let image = alloc(region.len, "trainer image of the inference region")?;
-        let target = alloc(region.len, "inference weights")?;
-        let kernels = RlKernels::compile(gpu)?;
-        let stream = gpu.stream().map_err(GpuError::cuda("creating a stream"))?;
-
         let nics = cfg.nics.max(1);
         let hosts = match &cfg.hosts {
             Some(h) => h.clone(),
@@ -227,224 +129,70 @@ impl GpuUpdate {
                 .map_err(GpuError::engine(role, "building the engine"))
         };
         let trainer = engine(TRAINER)?;
-        let inference = engine(INFERENCE)?;
-        // SAFETY: `image` and `target` are fields of the returned value,
-        // whose Drop deregisters them and shuts the engines down before the
-        // buffers are freed; on the error paths below the engines are shut
-        // down before the buffers go out of scope.
-        let (image_region, target_region) = unsafe { (image.region(), target.region()) };
-        let fail = |e: GpuError| {
-            trainer.shutdown();
-            inference.shutdown();
-            e
+        let inference = match engine(INFERENCE) {
+            Ok(e) => e,
+            Err(e) => {
+                trainer.shutdown();
+                return Err(e);
+            }
         };
-        let mut held = Resources::new();
-        let (image_mr, _) = held
-            .register(&trainer, image_region)
-            .map_err(GpuError::engine(TRAINER, "registering the image"))
-            .map_err(fail)?;
-        let (_, target_desc) = held
-            .register(&inference, target_region)
-            .map_err(GpuError::engine(INFERENCE, "registering the weights"))
-            .map_err(fail)?;
-        let imm = inference.imm_capacity().saturating_sub(1);
-        held.lease_imm_value(&inference, imm)
-            .map_err(GpuError::engine(INFERENCE, "reserving the immediate"))
-            .map_err(fail)?;
-        Ok(GpuUpdate {
-            trainer,
-            inference,
-            held,
-            image_mr,
-            target_desc,
-            imm,
-            cfg,
-            ml,
-            plan,
-            kernels,
-            stream,
-            shards,
-            shard_base,
-            full,
-            full_off,
-            fused,
-            image,
-            target,
-        })
+        let rank = cfg.inference_rank;
+        let sides =
+            GpuInference::new(gpu, &plan, rank, inference.clone(), cfg.timeout).and_then(|i| {
+                GpuTrainer::new(gpu, ml, plan, rank, trainer.clone(), cfg.timeout).map(|t| (t, i))
+            });
+        match sides {
+            Ok(sides) => Ok(GpuUpdate {
+                sides: Some(sides),
+                trainer,
+                inference,
+            }),
+            Err(e) => {
+                trainer.shutdown();
+                inference.shutdown();
+                Err(e)
+            }
+        }
+    }
+
+    fn sides(&self) -> &(GpuTrainer, GpuInference) {
+        self.sides.as_ref().expect("present until dropped")
+    }
+
+    /// The trainer side.
+    pub fn trainer(&self) -> &GpuTrainer {
+        &self.sides().0
+    }
+
+    /// The inference side.
+    pub fn inference(&self) -> &GpuInference {
+        &self.sides().1
     }
 
     /// The kernels (compiled for this GPU).
     pub fn kernels(&self) -> &RlKernels {
-        &self.kernels
+        self.trainer().kernels()
     }
 
-    /// Puts trainer `t`'s shard bytes (its plan region: every piece
-    /// row-major bf16 at the offsets of `plan.trainers[t].pieces`) into
-    /// device memory: the framework's host → device copy.
+    /// Puts trainer `t`'s shard bytes (its plan region) into device memory
+    /// ([`GpuTrainer::load_trainer`]).
     pub fn load_trainer(&self, t: usize, region: &[u8]) -> Result<(), GpuError> {
-        match (self.plan.trainers.get(t), self.shard_base.get(t)) {
-            (Some(r), Some(&base)) if r.len == region.len() as u64 => self
-                .shards
-                .write(base as usize, region)
-                .map_err(GpuError::cuda(format!("loading trainer {t}'s shards"))),
-            _ => Err(GpuError::Invalid(format!(
-                "trainer {t}: {} bytes for its region",
-                region.len()
-            ))),
-        }
+        self.trainer().load_trainer(t, region)
     }
 
-    /// Enqueues unshard → fuse → quantise for every tensor of the inference
-    /// rank and waits for the stream.
+    /// Unshard → fuse → quantise ([`GpuTrainer::run_stages`]).
     pub fn run_stages(&self) -> Result<(), GpuError> {
-        let s = &self.stream;
-        let k = &self.kernels;
-        for (&p, &off) in &self.full_off {
-            let param = &self.ml.params[p];
-            let dst = DevMat::dense(&self.full, off as usize, param.rows, param.cols);
-            let pieces = self.ml.pieces(p);
-            // The unshard kernel concatenates along one dimension: pieces
-            // all of full width (rows split) or all of full height.
-            let dim = if pieces.iter().all(|(_, b)| b.width() == param.cols) {
-                0
-            } else if pieces.iter().all(|(_, b)| b.height() == param.rows) {
-                1
-            } else {
-                return Err(GpuError::Invalid(format!(
-                    "{}: a 2-D grid of shards (unshard on the GPU takes one split dimension)",
-                    param.name
-                )));
-            };
-            let mut shards = Vec::new();
-            for (holders, b) in pieces {
-                let &t = holders.first().ok_or_else(|| {
-                    GpuError::Invalid(format!("{}: a piece without holder", param.name))
-                })?;
-                let base = self.shard_base.get(t as usize).copied();
-                let piece = self
-                    .plan
-                    .trainers
-                    .get(t as usize)
-                    .and_then(|r| r.piece(p, &b));
-                let (Some(base), Some((_, pb, po))) = (base, piece) else {
-                    return Err(GpuError::Invalid(format!(
-                        "{}: trainer {t} does not hold {b:?}",
-                        param.name
-                    )));
-                };
-                let whole =
-                    DevMat::dense(&self.shards, (base + po) as usize, pb.height(), pb.width());
-                shards.push(whole.sub(
-                    b.rows.start - pb.rows.start,
-                    b.cols.start - pb.cols.start,
-                    b.height(),
-                    b.width(),
-                )?);
-            }
-            k.unshard(s, dim, &shards, &dst)?;
-        }
-        let inf = self.cfg.inference_rank as usize;
-        for (t, slot) in self.ml.inference[inf]
-            .iter()
-            .zip(&self.plan.inference[inf].tensors)
-        {
-            let mut segs = Vec::with_capacity(t.segments.len());
-            for seg in &t.segments {
-                let param = &self.ml.params[seg.param];
-                let off = self.full_off[&seg.param] as usize;
-                let full = DevMat::dense(&self.full, off, param.rows, param.cols);
-                segs.push(full.sub(
-                    seg.src.rows.start,
-                    seg.src.cols.start,
-                    seg.src.height(),
-                    seg.src.width(),
-                )?);
-            }
-            let (rows, cols) = (t.rows(), t.cols());
-            let segs: Vec<_> = segs.into_iter().zip(t.offsets()).collect();
-            match (t.quant, slot.scales) {
-                (Quant::Fp8Block, Some((so, _))) => {
-                    let fused = DevMat::dense(&self.fused, 0, rows, cols);
-                    k.fuse_at(s, &segs, &fused)?;
-                    k.quantize(
-                        s,
-                        &fused,
-                        slot.block,
-                        (&self.image, slot.data.0 as usize),
-                        (&self.image, so as usize),
-                    )?;
-                }
-                (Quant::None, _) => {
-                    let dst = DevMat::dense(&self.image, slot.data.0 as usize, rows, cols);
-                    k.fuse_at(s, &segs, &dst)?;
-                }
-                _ => {
-                    return Err(GpuError::Invalid(format!(
-                        "{}: unsupported storage or missing scales",
-                        t.name
-                    )))
-                }
-            }
-        }
-        s.synchronize()
-            .map_err(GpuError::cuda("waiting for the update kernels"))
+        self.trainer().run_stages()
     }
 
-    /// WRITEs every tensor's bytes (and scales) from the image into the
-    /// inference rank's region; returns once the inference engine counted
-    /// every immediate and every WRITE completed at the trainer.
+    /// WRITEs the image into the inference rank and waits until its engine
+    /// counted every immediate; returns the WRITEs and the bytes.
     pub fn write(&self) -> Result<(u64, u64), GpuError> {
-        let inf = self.cfg.inference_rank as usize;
-        let mut ranges = Vec::new();
-        for slot in &self.plan.inference[inf].tensors {
-            ranges.push(slot.data);
-            ranges.extend(slot.scales);
-        }
-        ranges.retain(|&(_, len)| len > 0);
-        let counts = self
-            .inference
-            .imm_counts(0)
-            .map_err(GpuError::engine(INFERENCE, "immediate counts"))?;
-        let expected: u64 = ranges.iter().map(|&(_, l)| counts.single_write(l)).sum();
-        let (od, flag) = OnDone::flag();
-        self.inference
-            .expect_imm_count_with(self.imm, expected, od)
-            .map_err(GpuError::engine(INFERENCE, "arming the weights round"))?;
-        let done = Arc::new(DoneCounter::new());
-        let mut bytes = 0;
-        for &(off, len) in &ranges {
-            self.trainer
-                .submit_single_write(
-                    len,
-                    Some(self.imm),
-                    (&self.image_mr, off),
-                    (&self.target_desc, off),
-                    OnDone::counter(&done),
-                )
-                .map_err(GpuError::engine(
-                    TRAINER,
-                    format!("WRITE of {len} bytes at {off}"),
-                ))?;
-            bytes += len;
-        }
-        let t = self.cfg.timeout;
-        let timeout = |role, what: &str| GpuError::Timeout {
-            role,
-            what: what.to_string(),
-            waited_ms: t.as_millis() as u64,
-        };
-        let n = ranges.len() as u64;
-        if !done.wait_for_timeout(n, t) {
-            return Err(timeout(TRAINER, "WRITE completions"));
-        }
-        if let Some(e) = done.first_error() {
-            return Err(GpuError::engine(TRAINER, "WRITE")(e));
-        }
-        match flag.wait_timeout(t) {
-            Some(Ok(())) => Ok((n, bytes)),
-            Some(Err(e)) => Err(GpuError::engine(INFERENCE, "weights round")(e)),
-            None => Err(timeout(INFERENCE, "weights round")),
-        }
+        let (t, i) = self.sides();
+        let round = i.arm()?;
+        let r = t.write(i.target())?;
+        i.wait(round)?;
+        Ok(r)
     }
 
     /// One update: [`Self::run_stages`] then [`Self::write`], timed.
@@ -464,25 +212,19 @@ impl GpuUpdate {
     /// The inference rank's whole weight region (device → host), laid out
     /// as `plan.inference[rank]` says.
     pub fn read_inference(&self) -> Result<Vec<u8>, GpuError> {
-        self.target
-            .to_vec()
-            .map_err(GpuError::cuda("reading the inference weights"))
+        self.inference().read()
     }
 
     /// The trainer's staging image of the inference region (what the
     /// stages produced, before the WRITEs).
     pub fn read_image(&self) -> Result<Vec<u8>, GpuError> {
-        self.image
-            .to_vec()
-            .map_err(GpuError::cuda("reading the trainer image"))
+        self.trainer().read_image()
     }
 }
 
 impl Drop for GpuUpdate {
     fn drop(&mut self) {
-        if let Err(e) = self.held.release() {
-            tracing::debug!("GPU update: releasing: {e}");
-        }
+        drop(self.sides.take());
         self.trainer.shutdown();
         self.inference.shutdown();
     }

@@ -10,6 +10,7 @@ mod worker;
 #[macro_use]
 mod common;
 mod gpu_rl;
+mod gpu_xproc;
 mod hf_configs;
 mod loopback_e2e;
 mod plan_props;
