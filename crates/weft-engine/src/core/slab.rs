@@ -31,6 +31,16 @@ pub(super) struct Transfer {
     pub(super) probe: crate::probe::TransferProbe,
 }
 
+/// What a finished transfer leaves to its group ([`Slab::finish`]).
+pub(super) struct Finished {
+    /// Its outcome: the first error of any piece.
+    pub(super) result: Result<(), EngineError>,
+    /// Who to tell.
+    pub(super) on_done: Option<OnDone>,
+    /// A SEND's send-pool slot or owned buffer, to give back.
+    pub(super) send: Option<SendRes>,
+}
+
 /// Every transfer slot of a group, live or free.
 #[derive(Default)]
 pub(super) struct Slab {
@@ -54,11 +64,6 @@ impl std::ops::IndexMut<usize> for Slab {
 }
 
 impl Slab {
-    #[inline]
-    pub(super) fn get_mut(&mut self, slot: usize) -> Option<&mut Transfer> {
-        self.transfers.get_mut(slot)
-    }
-
     /// Number of slots, live or free.
     pub(super) fn len(&self) -> usize {
         self.transfers.len()
@@ -71,11 +76,6 @@ impl Slab {
 
     pub(super) fn any_live(&self) -> bool {
         self.transfers.iter().any(|t| t.live)
-    }
-
-    /// Returns a finished transfer's slot to the free list.
-    pub(super) fn release(&mut self, slot: u32) {
-        self.free.push(slot);
     }
 
     /// A slot for a new transfer: `(slot, generation)`.
@@ -154,6 +154,58 @@ impl Slab {
             _ => None,
         }
     }
+
+    /// Records `e` as transfer `slot`'s error unless it already has one
+    /// (the first error is the one reported).
+    pub(super) fn set_error(&mut self, slot: u32, e: EngineError) {
+        if let Some(t) = self.transfers.get_mut(slot as usize) {
+            if t.error.is_none() {
+                t.error = Some(e);
+            }
+        }
+    }
+
+    /// One piece of the live transfer `wr` belongs to will never reach
+    /// the backend: it counts as done, failed with `error(id)` when given
+    /// (unless the transfer already failed). Returns the transfer's slot,
+    /// `None` for a finished or unknown transfer.
+    pub(super) fn piece_resolved(
+        &mut self,
+        wr: WrId,
+        error: Option<impl FnOnce(TransferId) -> EngineError>,
+    ) -> Option<u32> {
+        let slot = self.lookup(wr)?;
+        let t = &mut self.transfers[slot as usize];
+        t.unposted = t.unposted.saturating_sub(1);
+        t.remaining = t.remaining.saturating_sub(1);
+        if let Some(f) = error {
+            if t.error.is_none() {
+                t.error = Some(f(t.id));
+            }
+        }
+        Some(slot)
+    }
+
+    /// Ends transfer `slot` if it is live with no piece left: frees the
+    /// slot and returns its result, callback and send resources. `None`
+    /// while pieces remain (or for a slot already finished).
+    pub(super) fn finish(&mut self, slot: u32) -> Option<Finished> {
+        let t = self.transfers.get_mut(slot as usize)?;
+        if !t.live || t.remaining != 0 {
+            return None;
+        }
+        // Pieces never planned because planning failed part-way may still
+        // sit in `fresh`/`backlog`; they are skipped when reached, and they
+        // hold `remaining` up, so we only get here when all are accounted.
+        t.live = false;
+        let f = Finished {
+            result: t.error.take().map_or(Ok(()), Err),
+            on_done: t.on_done.take(),
+            send: t.send.take(),
+        };
+        self.free.push(slot);
+        Some(f)
+    }
 }
 
 impl WorkerCore {
@@ -169,10 +221,8 @@ impl WorkerCore {
     /// A piece never reached the backend (failed transfer): resolve it.
     pub(super) fn skip_piece(&mut self, wr: WrId) {
         self.pending_pieces = self.pending_pieces.saturating_sub(1);
-        if let Some(slot) = self.slab.lookup(wr) {
-            let t = &mut self.slab[slot as usize];
-            t.unposted = t.unposted.saturating_sub(1);
-            t.remaining = t.remaining.saturating_sub(1);
+        let none: Option<fn(TransferId) -> EngineError> = None;
+        if let Some(slot) = self.slab.piece_resolved(wr, none) {
             self.maybe_finish(slot);
         }
     }
@@ -191,53 +241,28 @@ impl WorkerCore {
     ) {
         self.pending_pieces = self.pending_pieces.saturating_sub(1);
         self.note_unreachable(nic, &e);
-        let Some(slot) = self.slab.lookup(wr) else {
-            return;
-        };
         let addr = peer.and_then(|p| self.nics[nic].peer_addrs.get(&p).cloned());
-        let t = &mut self.slab[slot as usize];
-        t.unposted = t.unposted.saturating_sub(1);
-        t.remaining = t.remaining.saturating_sub(1);
-        if t.error.is_none() {
-            t.error = Some(transport(self.group, nic, t.id, addr, e));
+        let group = self.group;
+        let error = |id| transport(group, nic, id, addr, e);
+        if let Some(slot) = self.slab.piece_resolved(wr, Some(error)) {
+            self.maybe_finish(slot);
         }
-        self.maybe_finish(slot);
     }
 
     pub(super) fn fail_transfer(&mut self, slot: u32, e: EngineError) {
-        if let Some(t) = self.slab.get_mut(slot as usize) {
-            if t.error.is_none() {
-                t.error = Some(e);
-            }
-        }
+        self.slab.set_error(slot, e);
     }
 
     /// Resolves a transfer whose pieces have all completed.
     pub(super) fn maybe_finish(&mut self, slot: u32) {
-        let Some(t) = self.slab.get_mut(slot as usize) else {
+        let Some(f) = self.slab.finish(slot) else {
             return;
         };
-        if !t.live || t.remaining != 0 {
-            return;
+        match &f.result {
+            Err(e) => self.counters.transfer_failed(e.kind()),
+            Ok(()) => self.counters.transfer_ok(),
         }
-        // Pieces never planned because planning failed part-way may still
-        // sit in `fresh`/`backlog`; they are skipped when reached, and they
-        // hold `remaining` up, so we only get here when all are accounted.
-        t.live = false;
-        let result = match t.error.take() {
-            Some(e) => {
-                self.counters.transfer_failed(e.kind());
-                Err(e)
-            }
-            None => {
-                self.counters.transfer_ok();
-                Ok(())
-            }
-        };
-        let on_done = t.on_done.take();
-        let send = t.send.take();
-        self.slab.release(slot);
-        if let Some(res) = send {
+        if let Some(res) = f.send {
             if let Some(s) = res.slot {
                 let _ = self.send_pool.free.push(s);
             }
@@ -246,7 +271,7 @@ impl WorkerCore {
                 drop(buf);
             }
         }
-        match (on_done, result) {
+        match (f.on_done, f.result) {
             // Counted in a batch (`flush_counts`).
             (Some(OnDone::Counter(c)), Ok(())) => self.counts.push(c),
             (Some(od), result) => {
@@ -256,5 +281,89 @@ impl WorkerCore {
             }
             (None, _) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wrid::{wr_transfer, KIND_WRITE};
+
+    fn err(id: TransferId, what: &str) -> EngineError {
+        EngineError::Transport {
+            transfer: id,
+            group: 0,
+            nic: 0,
+            peer: None,
+            source: Box::new(TransportError::Failed {
+                nic: what.into(),
+                wr: None,
+                what: what.into(),
+            }),
+        }
+    }
+
+    /// A transfer of `pieces` pieces, none posted yet.
+    fn live(s: &mut Slab, id: u64, pieces: u64) -> (u32, WrId) {
+        let (slot, gen) = s.alloc(TransferId(id), OnDone::Ignore);
+        s[slot as usize].remaining = pieces;
+        s[slot as usize].unposted = pieces;
+        (slot, wr_transfer(KIND_WRITE, slot, gen))
+    }
+
+    #[test]
+    fn a_transfer_finishes_when_its_last_piece_is_resolved() {
+        let mut s = Slab::default();
+        let (slot, wr) = live(&mut s, 7, 2);
+        let none: Option<fn(TransferId) -> EngineError> = None;
+        assert_eq!(s.piece_resolved(wr, none), Some(slot));
+        assert!(s.finish(slot).is_none(), "one piece left");
+        assert_eq!(s.piece_resolved(wr, none), Some(slot));
+        let f = s.finish(slot).expect("finished");
+        assert!(f.result.is_ok());
+        assert_eq!(s.live_count(), 0);
+        // Finished once: its ids no longer resolve, and it does not finish
+        // twice.
+        assert!(s.finish(slot).is_none());
+        assert_eq!(s.lookup(wr), None);
+        assert_eq!(s.piece_resolved(wr, none), None);
+    }
+
+    #[test]
+    fn the_first_error_is_the_one_reported() {
+        let mut s = Slab::default();
+        let (slot, wr) = live(&mut s, 3, 3);
+        s.piece_resolved(wr, Some(|id| err(id, "first")));
+        s.set_error(slot, err(TransferId(3), "second"));
+        s.piece_resolved(wr, Some(|id| err(id, "third")));
+        s.piece_resolved(wr, None::<fn(TransferId) -> EngineError>);
+        let f = s.finish(slot).expect("finished");
+        let e = f.result.expect_err("failed");
+        assert!(e.to_string().contains("first"), "{e}");
+        assert!(matches!(
+            e,
+            EngineError::Transport {
+                transfer: TransferId(3),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_reused_slot_gets_a_new_generation() {
+        let mut s = Slab::default();
+        let (slot, old) = live(&mut s, 1, 1);
+        s.piece_resolved(old, None::<fn(TransferId) -> EngineError>);
+        assert!(s.finish(slot).is_some());
+        let (again, new) = live(&mut s, 2, 1);
+        assert_eq!(again, slot, "the free slot is reused");
+        assert_ne!(old, new);
+        // A late completion id of the finished transfer touches nothing.
+        assert_eq!(
+            s.piece_resolved(old, None::<fn(TransferId) -> EngineError>),
+            None
+        );
+        assert_eq!(s[slot as usize].remaining, 1);
+        assert_eq!(s.lookup(new), Some(slot));
     }
 }
