@@ -199,3 +199,72 @@ impl Drop for GpuInference {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::{self, InferLayout, TrainLayout};
+    use crate::{plan, PlanConfig};
+
+    fn tiny_plan() -> Plan {
+        let t = TrainLayout {
+            fsdp: 2,
+            pp: 1,
+            ep: 2,
+            tp: 1,
+            replicas: 1,
+        };
+        let i = InferLayout {
+            ranks: 2,
+            instance: 2,
+            attn_tp: 2,
+            pp: 1,
+        };
+        let ml = models::build(&models::TINY_MOE, t, i).unwrap();
+        plan(&ml, &PlanConfig::default()).unwrap()
+    }
+
+    fn target(rank: u32, len: u64) -> GpuTarget {
+        GpuTarget {
+            rank,
+            weights: MrDesc {
+                addr: 0x10_0000,
+                len,
+                rkeys: Vec::new(),
+                incarnation: Default::default(),
+            },
+            imm: 65535,
+        }
+    }
+
+    #[test]
+    fn a_target_round_trips_and_garbage_is_refused() {
+        let t = target(1, 4096);
+        let b = t.encode().unwrap();
+        assert_eq!(GpuTarget::decode(&b).unwrap(), t);
+        assert!(matches!(
+            GpuTarget::decode(&b[..b.len() - 1]),
+            Err(GpuError::Invalid(_))
+        ));
+        assert!(matches!(
+            GpuTarget::decode(&[0xff; 3]),
+            Err(GpuError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn a_target_the_plan_cannot_have_is_refused() {
+        let p = tiny_plan();
+        let len = p.inference[1].len;
+        assert!(target(1, len).check(&p).is_ok());
+        // A rank the plan does not have, a region too short for the rank.
+        let e = target(2, len).check(&p).unwrap_err().to_string();
+        assert!(e.contains("rank 2 of 2"), "{e}");
+        let e = target(1, len - 1).check(&p).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} bytes for {len}", len - 1)), "{e}");
+        // What one update writes lies inside the rank's region.
+        let r = ranges(&p, 1);
+        assert!(!r.is_empty());
+        assert!(r.iter().all(|&(o, l)| l > 0 && o + l <= len));
+    }
+}

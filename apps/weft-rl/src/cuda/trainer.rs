@@ -293,13 +293,7 @@ impl GpuTrainer {
     /// bytes are in the target's memory). The target's engine counts the
     /// immediates: its [`super::GpuInference::wait`] says when all landed.
     pub fn write(&self, target: &GpuTarget) -> Result<(u64, u64), GpuError> {
-        target.check(&self.plan)?;
-        if target.rank != self.rank {
-            return Err(GpuError::Invalid(format!(
-                "a target of inference rank {} for a trainer of rank {}",
-                target.rank, self.rank
-            )));
-        }
+        self.check(target)?;
         let ranges = ranges(&self.plan, self.rank as usize);
         let done = Arc::new(DoneCounter::new());
         let mut bytes = 0;
@@ -329,7 +323,7 @@ impl GpuTrainer {
     /// the image (the same bytes a [`GpuTrainer::write`] of the same step
     /// puts there).
     pub fn write_whole(&self, target: &GpuTarget) -> Result<u64, GpuError> {
-        target.check(&self.plan)?;
+        self.check(target)?;
         let len = self.plan.inference[self.rank as usize].len;
         let done = Arc::new(DoneCounter::new());
         self.engine
@@ -343,6 +337,18 @@ impl GpuTrainer {
             .map_err(GpuError::engine(TRAINER, format!("WRITE of {len} bytes")))?;
         self.wait_writes(&done, 1)?;
         Ok(len)
+    }
+
+    /// `target` must be this trainer's inference rank, as the plan has it.
+    fn check(&self, target: &GpuTarget) -> Result<(), GpuError> {
+        target.check(&self.plan)?;
+        if target.rank != self.rank {
+            return Err(GpuError::Invalid(format!(
+                "a target of inference rank {} for a trainer of rank {}",
+                target.rank, self.rank
+            )));
+        }
+        Ok(())
     }
 
     fn wait_writes(&self, done: &DoneCounter, n: u64) -> Result<(), GpuError> {
