@@ -207,10 +207,11 @@ mod tests {
     use crate::{plan, PlanConfig};
 
     fn tiny_plan() -> Plan {
+        // FSDP 4 → two inference ranks of one instance.
         let t = TrainLayout {
-            fsdp: 2,
+            fsdp: 4,
             pp: 1,
-            ep: 2,
+            ep: 1,
             tp: 1,
             replicas: 1,
         };

@@ -16,7 +16,7 @@ use weft_cuda::{Gpu, Stream};
 use weft_rl::cuda::{DevMat, GpuUpdate, GpuUpdateConfig, RlKernels};
 use weft_rl::fp8::quantize_block;
 use weft_rl::meta::{Box2, Concat, InferTensor, Layout, ModelLayout, Quant, Segment, TrainParam};
-use weft_rl::models::{self, InferLayout, TrainLayout};
+use weft_rl::models;
 use weft_rl::{plan, DType, PlanConfig};
 use weft_testkit::{seeds_or, SeedGuard};
 
@@ -435,19 +435,7 @@ fn pipeline_tiny_models_bit_exact() {
         let _g = SeedGuard::new(seed, "rl gpu pipeline tiny models");
         for (name, pp) in [("tiny-moe", 1), ("tiny-mla", 2)] {
             let m = models::model(name).unwrap();
-            let t = TrainLayout {
-                fsdp: 2,
-                pp,
-                ep: 2,
-                tp: 1,
-                replicas: 1,
-            };
-            let i = InferLayout {
-                ranks: 2,
-                instance: 2,
-                attn_tp: 2,
-                pp: 1,
-            };
+            let (t, i) = crate::common::tiny_gpu_layouts(pp);
             let ml = models::build(&m, t, i).unwrap();
             assert!(ml.inference[0].iter().any(|t| t.quant == Quant::Fp8Block));
             let p = plan(&ml, &PlanConfig::default()).unwrap();

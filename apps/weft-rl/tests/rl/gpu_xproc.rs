@@ -27,7 +27,7 @@ use weft::{DomainGroupSpec, EngineConfig, ProviderConfig, TransferEngine};
 use weft_cuda::Gpu;
 use weft_rl::cuda::{GpuInference, GpuTarget, GpuTrainer};
 use weft_rl::meta::ModelLayout;
-use weft_rl::models::{self, Attn, InferLayout, ModelConfig, TrainLayout};
+use weft_rl::models::{self, Attn, ModelConfig};
 use weft_rl::{plan, Plan, PlanConfig};
 use weft_testkit::child::{self, spawn_role, ChildProcess};
 
@@ -82,19 +82,7 @@ fn case(c: usize) -> Option<(ModelLayout, Plan, bool)> {
         2 => (BENCH, 1, false),
         _ => return None,
     };
-    let t = TrainLayout {
-        fsdp: 2,
-        pp,
-        ep: 2,
-        tp: 1,
-        replicas: 1,
-    };
-    let i = InferLayout {
-        ranks: 2,
-        instance: 2,
-        attn_tp: 2,
-        pp: 1,
-    };
+    let (t, i) = crate::common::tiny_gpu_layouts(pp);
     let ml = models::build(&m, t, i).expect("layout");
     let p = plan(&ml, &PlanConfig::default()).expect("plan");
     Some((ml, p, exact))

@@ -156,3 +156,22 @@ pub fn random_layout(seed: u64, block: u64) -> ModelLayout {
 }
 
 pub use crate::demo::*;
+
+/// The GPU tests' layouts: FSDP 2 × EP 2 trainers (`pp` stages) → two
+/// inference ranks, attention TP 2, one instance.
+pub fn tiny_gpu_layouts(pp: u32) -> (weft_rl::models::TrainLayout, weft_rl::models::InferLayout) {
+    let t = weft_rl::models::TrainLayout {
+        fsdp: 2,
+        pp,
+        ep: 2,
+        tp: 1,
+        replicas: 1,
+    };
+    let i = weft_rl::models::InferLayout {
+        ranks: 2,
+        instance: 2,
+        attn_tp: 2,
+        pp: 1,
+    };
+    (t, i)
+}
