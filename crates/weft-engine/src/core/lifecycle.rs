@@ -190,7 +190,7 @@ impl WorkerCore {
     /// Fails the WRs to `peer` on `nic` that wait for send-queue room.
     fn fail_queued_to(&mut self, nic: usize, peer: PeerId, err: &TransportError) {
         for fresh in [true, false] {
-            let ring = std::mem::take(self.ring(nic, fresh));
+            let ring = std::mem::take(self.nics[nic].ring(fresh));
             let mut keep = VecDeque::with_capacity(ring.len());
             let mut failed = Vec::new();
             for op in ring {
@@ -200,7 +200,7 @@ impl WorkerCore {
                     keep.push_back(op);
                 }
             }
-            *self.ring(nic, fresh) = keep;
+            *self.nics[nic].ring(fresh) = keep;
             for op in failed {
                 self.unposted_failed(nic, op, err.clone());
             }

@@ -174,8 +174,6 @@ pub(crate) struct WorkerCore {
     pieces: Vec<Piece>,
     comps: Vec<Completion>,
     pending_pieces: usize,
-    /// Receive buffers held back by pools at their backlog bound (`registry`).
-    held_recvs: usize,
     /// Paged writes with pages left to plan, oldest first (`paged`).
     partial: VecDeque<paged::Partial>,
     /// Pages of a paged write planned at a time (`paged`).
@@ -290,7 +288,6 @@ impl WorkerCore {
             pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
-            held_recvs: 0,
             partial: VecDeque::new(),
             plan_window: plan_window.max(1),
             counters,

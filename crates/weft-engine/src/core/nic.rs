@@ -99,6 +99,15 @@ impl Nic {
         self.peer_addrs.insert(p, addr.clone());
         Ok(Some(p))
     }
+
+    /// The WRs of the request being taken (`fresh`) or the backlog.
+    pub(super) fn ring(&mut self, fresh: bool) -> &mut VecDeque<Op> {
+        if fresh {
+            &mut self.fresh
+        } else {
+            &mut self.backlog
+        }
+    }
 }
 
 impl WorkerCore {
@@ -186,15 +195,6 @@ impl WorkerCore {
         any
     }
 
-    pub(super) fn ring(&mut self, nic: usize, fresh: bool) -> &mut VecDeque<Op> {
-        let n = &mut self.nics[nic];
-        if fresh {
-            &mut n.fresh
-        } else {
-            &mut n.backlog
-        }
-    }
-
     /// Posts from one ring of one NIC while there is room. Returns whether
     /// anything was posted or resolved.
     ///
@@ -206,7 +206,7 @@ impl WorkerCore {
         loop {
             if let Some(e) = self.nics[nic].dead.clone() {
                 // Everything queued on a dead NIC fails.
-                while let Some(op) = self.ring(nic, fresh).pop_front() {
+                while let Some(op) = self.nics[nic].ring(fresh).pop_front() {
                     self.unposted_failed(nic, op, e.clone());
                 }
                 return true;
@@ -218,17 +218,17 @@ impl WorkerCore {
             }
             let max = room.min(n.caps.max_batch);
             // Skip (and resolve) pieces of transfers that already failed.
-            let Some(front) = self.ring(nic, fresh).front().copied() else {
+            let Some(front) = self.nics[nic].ring(fresh).front().copied() else {
                 return progressed;
             };
             if self.slab.failed(front.wr) {
-                self.ring(nic, fresh).pop_front();
+                self.nics[nic].ring(fresh).pop_front();
                 self.skip_piece(front.wr);
                 progressed = true;
                 continue;
             }
             if is_send(front.wr) {
-                self.ring(nic, fresh).pop_front();
+                self.nics[nic].ring(fresh).pop_front();
                 match self.nics[nic]
                     .domain
                     .post_send(front.wr, front.peer, front.src)
@@ -242,7 +242,7 @@ impl WorkerCore {
                         progressed = true;
                     }
                     Err(e) if e.is_retryable() => {
-                        self.ring(nic, fresh).push_front(front);
+                        self.nics[nic].ring(fresh).push_front(front);
                         return progressed;
                     }
                     Err(e) => {
@@ -330,7 +330,7 @@ impl WorkerCore {
             progressed |= accepted > 0;
             // The accepted WRs (and a rejected one) leave the ring.
             let taken = accepted + usize::from(rejected.is_some());
-            let ring = self.ring(nic, fresh);
+            let ring = self.nics[nic].ring(fresh);
             if taken == ring.len() {
                 ring.clear();
             } else if taken > 0 {

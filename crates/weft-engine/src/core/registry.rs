@@ -49,6 +49,9 @@ pub(super) struct Registry {
     pub(super) mr_gens: Vec<u32>,
     pub(super) peer_groups: Vec<PeerGroup>,
     pub(super) pools: BTreeMap<u16, PoolState>,
+    /// Receive buffers held back by pools at their backlog bound, over all
+    /// pools.
+    held: usize,
 }
 
 impl Registry {
@@ -69,6 +72,75 @@ impl Registry {
                 .and_then(Option::as_ref)
                 .ok_or_else(|| EngineError::UnknownMr(u64::from(id))),
         }
+    }
+
+    /// Takes a slot for a registration of `nics` (one per NIC); returns its
+    /// key (the slot and its current generation).
+    pub(super) fn insert_mr(&mut self, nics: Vec<LocalMr>) -> Result<u64, EngineError> {
+        let id = match self.mrs.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.mrs.push(None);
+                self.mr_gens.push(0);
+                self.mrs.len() - 1
+            }
+        };
+        let id32 = u32::try_from(id).map_err(|_| EngineError::InvalidArgument {
+            what: "too many registrations".into(),
+        })?;
+        self.mrs[id] = Some(MrEntry { nics });
+        Ok(mr_key(id32, self.mr_gens[id]))
+    }
+
+    /// Frees the registration `key` names and bumps its slot's generation
+    /// (the key is stale from now on); returns it for deregistering.
+    pub(super) fn remove_mr(&mut self, key: u64) -> Result<MrEntry, EngineError> {
+        self.mr_entry(key)?;
+        let id = split_mr_key(key).0 as usize;
+        let entry = self
+            .mrs
+            .get_mut(id)
+            .and_then(Option::take)
+            .ok_or(EngineError::UnknownMr(id as u64))?;
+        if let Some(g) = self.mr_gens.get_mut(id) {
+            *g = g.wrapping_add(1);
+        }
+        Ok(entry)
+    }
+
+    /// Holds finished buffer `idx` of `pool` back (the pool is at its
+    /// backlog bound) until [`Registry::take_releasable`] finds the pool
+    /// below it.
+    pub(super) fn hold_recv(&mut self, pool: u16, idx: u32) {
+        if let Some(ps) = self.pools.get_mut(&pool) {
+            ps.held.push_back(idx);
+            self.held += 1;
+        }
+    }
+
+    /// Whether a pool holds buffers back but is below its backlog bound.
+    pub(super) fn held_releasable(&self) -> bool {
+        self.held > 0
+            && self
+                .pools
+                .values()
+                .any(|p| !p.held.is_empty() && !p.pool.backlogged())
+    }
+
+    /// The held buffers `(pool, index)` of every pool below its backlog
+    /// bound, no longer held.
+    pub(super) fn take_releasable(&mut self) -> Vec<(u16, u32)> {
+        if self.held == 0 {
+            return Vec::new();
+        }
+        let mut ready = Vec::new();
+        for (&id, p) in &mut self.pools {
+            if !p.held.is_empty() && !p.pool.backlogged() {
+                ready.extend(p.held.drain(..).map(|i| (id, i)));
+            }
+        }
+        self.held -= ready.len();
+        ready
     }
 
     pub(super) fn check_peer_group(
@@ -153,22 +225,8 @@ impl WorkerCore {
                 }
             }
         }
-        let id = match self.reg.mrs.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                self.reg.mrs.push(None);
-                self.reg.mr_gens.push(0);
-                self.reg.mrs.len() - 1
-            }
-        };
-        let id32 = u32::try_from(id).map_err(|_| EngineError::InvalidArgument {
-            what: "too many registrations".into(),
-        })?;
-        if let Some(slot) = self.reg.mrs.get_mut(id) {
-            *slot = Some(MrEntry { nics: nics.clone() });
-        }
-        let gen = self.reg.mr_gens.get(id).copied().unwrap_or(0);
-        Ok((mr_key(id32, gen), nics))
+        let key = self.reg.insert_mr(nics.clone())?;
+        Ok((key, nics))
     }
 
     pub(super) fn nics_dereg(&mut self, nic: usize, key: MrKey) -> Result<(), TransportError> {
@@ -179,17 +237,7 @@ impl WorkerCore {
     }
 
     pub(super) fn unreg_mr(&mut self, key: u64) -> Result<(), EngineError> {
-        self.reg.mr_entry(key)?;
-        let id = split_mr_key(key).0 as usize;
-        let entry = self
-            .reg
-            .mrs
-            .get_mut(id)
-            .and_then(Option::take)
-            .ok_or(EngineError::UnknownMr(id as u64))?;
-        if let Some(g) = self.reg.mr_gens.get_mut(id) {
-            *g = g.wrapping_add(1);
-        }
+        let entry = self.reg.remove_mr(key)?;
         let mut first = Ok(());
         for (i, mr) in entry.nics.iter().enumerate() {
             if let Err(e) = self.nics_dereg(i, mr.key) {
@@ -268,40 +316,22 @@ impl WorkerCore {
         Ok(())
     }
 
-    /// Holds finished buffer `idx` of `pool` back (the pool is at its
-    /// backlog bound) until `release_held` finds the pool below it.
+    /// Holds finished buffer `idx` of `pool` back ([`Registry::hold_recv`]).
     pub(super) fn hold_recv(&mut self, pool: u16, idx: u32) {
-        if let Some(ps) = self.reg.pools.get_mut(&pool) {
-            ps.held.push_back(idx);
-            self.held_recvs += 1;
-        }
+        self.reg.hold_recv(pool, idx);
     }
 
     /// Whether a pool holds buffers back but is below its backlog bound
     /// (`release_held` has work).
     pub(crate) fn held_releasable(&self) -> bool {
-        self.held_recvs > 0
-            && self
-                .reg
-                .pools
-                .values()
-                .any(|p| !p.held.is_empty() && !p.pool.backlogged())
+        self.reg.held_releasable()
     }
 
     /// Re-posts the held buffers of every pool below its backlog bound.
     /// Returns whether it re-posted any.
     #[inline]
     pub(crate) fn release_held(&mut self) -> bool {
-        if self.held_recvs == 0 {
-            return false;
-        }
-        let mut ready = Vec::new();
-        for (&id, p) in &mut self.reg.pools {
-            if !p.held.is_empty() && !p.pool.backlogged() {
-                ready.extend(p.held.drain(..).map(|i| (id, i)));
-            }
-        }
-        self.held_recvs -= ready.len();
+        let ready = self.reg.take_releasable();
         for &(id, i) in &ready {
             self.repost(id, i);
         }
@@ -340,5 +370,57 @@ impl WorkerCore {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_transport::{Device, Rkey};
+
+    fn mr(k: u64) -> LocalMr {
+        LocalMr {
+            key: MrKey(k),
+            rkey: Rkey(k),
+            addr: 0x1000 * k,
+            len: 64,
+            device: Device::Host,
+        }
+    }
+
+    #[test]
+    fn a_removed_registration_leaves_a_stale_key_and_its_slot_is_reused() {
+        let mut r = Registry::default();
+        let a = r.insert_mr(vec![mr(1), mr(2)]).unwrap();
+        let b = r.insert_mr(vec![mr(3)]).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(r.mr_entry(a).unwrap().nics.len(), 2);
+        let gone = r.remove_mr(a).unwrap();
+        assert_eq!(gone.nics[1].key, MrKey(2));
+        assert!(matches!(
+            r.mr_entry(a),
+            Err(EngineError::StaleMr {
+                gen: 0,
+                current: 1,
+                ..
+            })
+        ));
+        assert!(matches!(r.remove_mr(a), Err(EngineError::StaleMr { .. })));
+        // The slot comes back under the next generation; `b` is untouched.
+        let c = r.insert_mr(vec![mr(4)]).unwrap();
+        assert_eq!(split_mr_key(c), (split_mr_key(a).0, 1));
+        assert_eq!(r.mr_entry(b).unwrap().nics[0].key, MrKey(3));
+        assert!(matches!(
+            r.mr_entry(mr_key(9, 0)),
+            Err(EngineError::UnknownMr(9))
+        ));
+    }
+
+    #[test]
+    fn held_buffers_of_an_unknown_pool_are_not_counted() {
+        let mut r = Registry::default();
+        r.hold_recv(7, 0);
+        assert!(!r.held_releasable());
+        assert!(r.take_releasable().is_empty());
     }
 }
