@@ -7,9 +7,10 @@
 //! (CUDA IPC imports, copies on the copy engines). The inference side
 //! checks every byte of two versions against the host reference (tiny MoE
 //! and MLA models) or, for a model of ~1 GB, against a hash of the
-//! trainer's image; the trainer also times one WRITE of its whole image over
-//! the same engines (the cross-process copy bound of the same run) and the
-//! parent prints both rates.
+//! trainer's image; the trainers then also time one WRITE of their whole
+//! image over the same engines, all at once as their updates were (the
+//! cross-process copy bound of the same run), and the parent prints both
+//! rates.
 //!
 //! A trainer process here holds every trainer region of the plan (as
 //! `GpuTrainer` does): the unshard reads real, uneven shards, but the
@@ -190,15 +191,13 @@ fn rl_gpu_rank_entry() {
             let w = t0.elapsed();
             let image = tr.read_image().expect("image");
             let h = hash_ranges(&p, r as usize, &image);
+            child::send_line(&format!("wrote {n} {bytes} {} {h:016x}", w.as_nanos())).unwrap();
+            // The bound, timed as the update was: every trainer at once.
+            assert_eq!(recv(), "whole");
             let t0 = Instant::now();
             let whole = tr.write_whole(&target).expect("whole image");
             let wh = t0.elapsed();
-            child::send_line(&format!(
-                "wrote {n} {bytes} {} {whole} {} {h:016x}",
-                w.as_nanos(),
-                wh.as_nanos()
-            ))
-            .unwrap();
+            child::send_line(&format!("whole {whole} {}", wh.as_nanos())).unwrap();
         }
     }
     assert_eq!(recv(), "quit");
@@ -254,22 +253,27 @@ fn run(c: usize) {
         for t in &mut trs {
             t.send_line("write").unwrap();
         }
-        for (r, (t, i)) in trs.iter_mut().zip(&mut infs).enumerate() {
-            let w = expect(t, "wrote");
+        let wrote: Vec<String> = trs.iter_mut().map(|t| expect(t, "wrote")).collect();
+        for t in &mut trs {
+            t.send_line("whole").unwrap();
+        }
+        let wholes: Vec<String> = trs.iter_mut().map(|t| expect(t, "whole")).collect();
+        for (r, ((w, wh), i)) in wrote.iter().zip(&wholes).zip(&mut infs).enumerate() {
             let v: Vec<&str> = w.split_whitespace().collect();
-            assert_eq!(v[0], "wrote", "{w}");
+            let x: Vec<&str> = wh.split_whitespace().collect();
+            assert_eq!((v[0], x[0]), ("wrote", "whole"), "{w} / {wh}");
             let (wrs, bytes, ns, whole, wns) = (
                 v[1].parse::<u64>().unwrap(),
                 v[2].parse::<u64>().unwrap(),
                 v[3].parse::<u64>().unwrap(),
-                v[4].parse::<u64>().unwrap(),
-                v[5].parse::<u64>().unwrap(),
+                x[1].parse::<u64>().unwrap(),
+                x[2].parse::<u64>().unwrap(),
             );
             let got = expect(i, "check");
             if exact {
                 assert!(got.starts_with("ok "), "inference {r} step {step}: {got}");
             } else {
-                assert_eq!(got, format!("hash {}", v[6]), "inference {r} step {step}");
+                assert_eq!(got, format!("hash {}", v[4]), "inference {r} step {step}");
             }
             let gbs = |b: u64, ns: u64| b as f64 / ns.max(1) as f64;
             if step > 0 {
