@@ -182,13 +182,14 @@ impl EngineRank {
             }
             .into());
         }
-        // The protocol numbers the active ranks only.
+        // Errors name the whole-group rank; the protocol numbers the active
+        // ranks only.
+        let e = eng(rank, Phase::Setup);
         let rank = dims
             .mask
             .active_index(rank)
             .ok_or(MoeError::Masked { rank })?;
         let gr = Arc::new(GpuRank::new(gpu, dims, rank)?);
-        let e = eng(rank, Phase::Setup);
         let mut held = Resources::new();
         let (handles, route, recv) = register(&engine, &gr, &mut held)?;
         let imms = ImmValues::for_instance(dims.instance, engine.imm_capacity())

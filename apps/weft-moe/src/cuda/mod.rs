@@ -384,7 +384,8 @@ impl GpuRank {
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect())
         };
-        let (source_rank, source_pair) = (read_u32s(&self.src_rank)?, read_u32s(&self.src_pair)?);
+        let (mut source_rank, source_pair) =
+            (read_u32s(&self.src_rank)?, read_u32s(&self.src_pair)?);
         // Pair indices came from peers: checked as the CPU path checks them.
         let max = self.dims.max_pairs();
         if let Some((row, (&rank, &pair))) = source_rank
@@ -401,7 +402,6 @@ impl GpuRank {
             };
             return Err(self.dims.mask.globalise(e).into());
         }
-        let mut source_rank = source_rank;
         self.dims.mask.globalise_ranks(&mut source_rank);
         Ok(ExpertTokens {
             data,
