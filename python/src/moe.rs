@@ -335,17 +335,21 @@ impl PyMoeRank {
             Some(w) => read_weights(py, w)?,
             None => vec![0.0; ids.len()],
         };
+        // The tokens are read in place: the export pins them while the GIL
+        // is released (as numpy's own GIL-free operations, a thread that
+        // writes them meanwhile races with the call).
         let mut g = BufferGuard::acquire(tokens)?;
-        let toks = g.as_slice().to_vec();
-        g.release(py);
+        let toks = g.as_slice();
         let pairs = ids.len();
-        let (x, layout) = self.with(py, |r| {
+        let r = self.with(py, |r| {
             r.dispatch(&weft_moe::RankInput {
-                tokens: &toks,
+                tokens: toks,
                 topk_ids: &ids,
                 topk_weights: &weights,
             })
-        })?;
+        });
+        g.release(py);
+        let (x, layout) = r?;
         Ok((
             PyBytes::new(py, &x.data),
             x.expert_offsets,
@@ -390,11 +394,10 @@ impl PyMoeRank {
                 ));
             }
         }
+        // Read in place, as dispatch's tokens.
         let mut g = BufferGuard::acquire(outputs)?;
         let fmt = g.format();
         let fmt = fmt.trim_start_matches(['<', '=', '@']).to_string();
-        let ys = g.as_slice().to_vec();
-        g.release(py);
         // Raw bytes, or elements of the rank's output type (bf16 has no
         // buffer format: its 16-bit patterns).
         let ok: &[&str] = match self.dims.out_dtype {
@@ -412,11 +415,13 @@ impl PyMoeRank {
             ));
         }
         let l = &layout.layout;
+        let ys = g.as_slice();
         let out = self.with(py, |r| match &weights {
-            Some(w) => r.combine_with_weights(&ys, l, w),
-            None => r.combine(&ys, l),
-        })?;
-        Ok(PyBytes::new(py, &out))
+            Some(w) => r.combine_with_weights(ys, l, w),
+            None => r.combine(ys, l),
+        });
+        g.release(py);
+        Ok(PyBytes::new(py, &out?))
     }
 
     /// Waits for the last round, frees the immediates and unregisters the
