@@ -12,7 +12,8 @@ use pyo3::types::PyBytes;
 use std::sync::Arc;
 use std::time::Duration;
 use weft_moe::{
-    Dims, DispatchFormat, Layout, MoeConfig, MoeError, MoeRank, OutDtype, RankInfo, NO_EXPERT,
+    Dims, DispatchFormat, ExpertTokens, Layout, MoeConfig, MoeError, MoeRank, OutDtype, RankInfo,
+    NO_EXPERT,
 };
 
 use crate::buffer_ffi::BufferGuard;
@@ -190,6 +191,9 @@ impl PyMoeLayout {
 #[pyclass(name = "MoeRank", module = "weft._weft", frozen)]
 pub struct PyMoeRank {
     rank: Mutex<Option<MoeRank>>,
+    /// The last dispatch's rows, kept for the next one to reuse (taken
+    /// for the call, put back after; never locked across a GIL change).
+    spare: Mutex<ExpertTokens>,
     info: RankInfo,
     dims: Dims,
     _engine: Py<PyTransferEngine>,
@@ -277,6 +281,7 @@ impl PyMoeRank {
             .map_err(|e| moe_err(py, &e))?;
         Ok(Self {
             rank: Mutex::new(Some(r)),
+            spare: Mutex::new(ExpertTokens::default()),
             info,
             dims,
             _engine: engine,
@@ -341,26 +346,34 @@ impl PyMoeRank {
         let mut g = BufferGuard::acquire(tokens)?;
         let toks = g.as_slice();
         let pairs = ids.len();
+        // Into the last call's rows: no new allocation per step once they
+        // are large enough.
+        let mut x = std::mem::take(&mut *self.spare.lock());
         let r = self.with(py, |r| {
-            r.dispatch(&weft_moe::RankInput {
-                tokens: toks,
-                topk_ids: &ids,
-                topk_weights: &weights,
-            })
+            r.dispatch_into(
+                &weft_moe::RankInput {
+                    tokens: toks,
+                    topk_ids: &ids,
+                    topk_weights: &weights,
+                },
+                &mut x,
+            )
         });
         g.release(py);
-        let (x, layout) = r?;
-        Ok((
+        let layout = r?;
+        let out = (
             PyBytes::new(py, &x.data),
-            x.expert_offsets,
-            x.source_rank,
-            x.source_pair,
+            x.expert_offsets.clone(),
+            x.source_rank.clone(),
+            x.source_pair.clone(),
             PyMoeLayout {
                 layout,
                 pairs,
                 weighted,
             },
-        ))
+        );
+        *self.spare.lock() = x;
+        Ok(out)
     }
 
     /// Sends the expert outputs back (`outputs`: one row of `hidden`

@@ -601,11 +601,17 @@ fn pool_run(seed: u64) {
     // its work and the client stops routing to it.
     assert!(pfollow.wait_until(HANG, |m| m.iter().all(|x| x.name != "decode-1")));
     assert!(router.wait_until(HANG, |m| m.iter().all(|x| x.name != "decode-1")));
+    // The prefiller learns of the death from whichever comes first: the
+    // record leaving the store, a heartbeat SEND to the dead decoder
+    // failing, or its silence.
     let parked: Vec<Serve> = held.lock().clone();
     for s in &parked {
         match s.wait_timeout(HANG).expect("parked serve ends") {
             Err(KvError::DecoderDead {
-                loss: PeerLoss::Left { .. },
+                loss:
+                    PeerLoss::Left { .. }
+                    | PeerLoss::SendFailed { .. }
+                    | PeerLoss::HeartbeatTimeout { .. },
                 ..
             }) => {}
             other => panic!("parked serve of the killed decoder: {other:?}"),
