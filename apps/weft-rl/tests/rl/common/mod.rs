@@ -175,3 +175,19 @@ pub fn tiny_gpu_layouts(pp: u32) -> (weft_rl::models::TrainLayout, weft_rl::mode
     };
     (t, i)
 }
+
+/// Checks an inference region against [`reference_region`]'s bytes (every
+/// byte it names, at least one) and returns how many it checked; `what`
+/// names the region in a failure.
+pub fn check_region(got: &[u8], want: &[Option<u8>], what: &str) -> usize {
+    assert_eq!(got.len(), want.len(), "{what}: region length");
+    let mut checked = 0;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if let Some(w) = w {
+            assert_eq!(g, w, "{what}: byte {i}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "{what}: nothing to check");
+    checked
+}
