@@ -5,6 +5,7 @@
 //! sides also run in separate processes: build each with its own engine
 //! and pass the inference side's [`super::GpuTarget`] across.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -86,6 +87,8 @@ pub struct GpuUpdate {
     sides: Option<(GpuTrainer, GpuInference)>,
     trainer: Arc<TransferEngine>,
     inference: Arc<TransferEngine>,
+    /// The version the next [`GpuUpdate::write`] pushes.
+    next: AtomicU64,
 }
 
 impl std::fmt::Debug for GpuUpdate {
@@ -146,6 +149,7 @@ impl GpuUpdate {
                 sides: Some(sides),
                 trainer,
                 inference,
+                next: AtomicU64::new(0),
             }),
             Err(e) => {
                 trainer.shutdown();
@@ -185,14 +189,28 @@ impl GpuUpdate {
         self.trainer().run_stages()
     }
 
-    /// WRITEs the image into the inference rank and waits until its engine
-    /// counted every immediate; returns the WRITEs and the bytes.
+    /// WRITEs the image into the inference rank as the next version and
+    /// waits until its engine counted every immediate (the version is then
+    /// live); returns the WRITEs and the bytes. After a failure the last
+    /// good version stays live and the next call pushes the same version
+    /// again.
     pub fn write(&self) -> Result<(u64, u64), GpuError> {
         let (t, i) = self.sides();
-        let round = i.arm()?;
-        let r = t.write(i.target())?;
-        i.wait(round)?;
-        Ok(r)
+        let v = self.next.load(Ordering::Acquire);
+        let round = i.arm(v)?;
+        let r = t
+            .write(i.target(), v)
+            .and_then(|r| i.wait(round).map(|()| r));
+        match r {
+            Ok(r) => {
+                self.next.store(v + 1, Ordering::Release);
+                Ok(r)
+            }
+            Err(e) => {
+                i.recover();
+                Err(e)
+            }
+        }
     }
 
     /// One update: [`Self::run_stages`] then [`Self::write`], timed.
@@ -209,9 +227,10 @@ impl GpuUpdate {
         })
     }
 
-    /// The inference rank's whole weight region (device → host), laid out
-    /// as `plan.inference[rank]` says.
-    pub fn read_inference(&self) -> Result<Vec<u8>, GpuError> {
+    /// The inference rank's live weights (device → host), laid out as
+    /// `plan.inference[rank]` says, with their version; `None` before the
+    /// first [`GpuUpdate::write`] completed.
+    pub fn read_inference(&self) -> Result<Option<(u64, Vec<u8>)>, GpuError> {
         self.inference().read()
     }
 

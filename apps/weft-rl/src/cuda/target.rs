@@ -1,11 +1,17 @@
-//! [`GpuInference`]: an inference rank's weight region in device memory,
-//! registered with the rank's own engine, which counts the trainers'
-//! immediates; and [`GpuTarget`], what a trainer needs to write into it
-//! (from another process too: it serializes).
+//! [`GpuInference`]: an inference rank's two weight buffers in device
+//! memory, registered with the rank's own engine, which counts the
+//! trainers' immediates; and [`GpuTarget`], what a trainer needs to write
+//! into them (from another process too: it serializes).
+//!
+//! Version `v` goes into buffer `v % 2` with that buffer's immediate, so an
+//! update that fails (a trainer died mid-write) leaves the other buffer,
+//! the last good version, live; [`GpuInference::recover`] drops the failed
+//! round's partial counts before the version is pushed again.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use weft::{MrDesc, OnDone, Resources, TransferEngine};
 use weft_cuda::{DeviceBuffer, Gpu};
 
@@ -15,17 +21,18 @@ use crate::plan::Plan;
 pub(super) const INFERENCE: &str = "inference";
 
 /// Where a [`super::GpuTrainer`] writes one inference rank's weights: the
-/// rank's registered region and the immediate its engine counts. Comes
-/// from the inference process (untrusted: a trainer checks it against the
-/// plan before writing).
+/// rank's two registered buffers and the immediate its engine counts for
+/// each. Comes from the inference process (untrusted: a trainer checks it
+/// against the plan before writing).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GpuTarget {
     /// The inference rank of the plan.
     pub rank: u32,
-    /// Its weight region (`plan.inference[rank].len` bytes).
-    pub weights: MrDesc,
-    /// The immediate every WRITE into it carries.
-    pub imm: u32,
+    /// Its two weight buffers (`plan.inference[rank].len` bytes each):
+    /// version `v` goes into `weights[v % 2]`.
+    pub weights: [MrDesc; 2],
+    /// The immediate every WRITE into `weights[i]` carries.
+    pub imms: [u32; 2],
 }
 
 impl GpuTarget {
@@ -40,8 +47,14 @@ impl GpuTarget {
         weft::decode(bytes).map_err(|e| GpuError::Invalid(format!("a GPU target: {e}")))
     }
 
-    /// Checks the target against `plan`: a rank it has, a region at least
-    /// as long as the rank's.
+    /// The buffer version `version` goes into and its immediate.
+    pub fn buffer(&self, version: u64) -> (&MrDesc, u32) {
+        let i = (version % 2) as usize;
+        (&self.weights[i], self.imms[i])
+    }
+
+    /// Checks the target against `plan`: a rank it has, buffers at least
+    /// as long as the rank's region, two different immediates.
     pub(super) fn check(&self, plan: &Plan) -> Result<(), GpuError> {
         let Some(r) = plan.inference.get(self.rank as usize) else {
             return Err(GpuError::Invalid(format!(
@@ -50,10 +63,16 @@ impl GpuTarget {
                 plan.inference.len()
             )));
         };
-        if self.weights.len < r.len {
+        if let Some(w) = self.weights.iter().find(|w| w.len < r.len) {
             return Err(GpuError::Invalid(format!(
-                "inference rank {}: a region of {} bytes for {}",
-                self.rank, self.weights.len, r.len
+                "inference rank {}: a buffer of {} bytes for {}",
+                self.rank, w.len, r.len
+            )));
+        }
+        if self.imms[0] == self.imms[1] {
+            return Err(GpuError::Invalid(format!(
+                "inference rank {}: both buffers count immediate {}",
+                self.rank, self.imms[0]
             )));
         }
         Ok(())
@@ -62,14 +81,16 @@ impl GpuTarget {
 
 /// One inference rank's weights in device memory (see the module docs).
 pub struct GpuInference {
-    // The registration goes before the memory it covers.
+    // The registrations go before the memory they cover.
     held: Resources,
     engine: Arc<TransferEngine>,
     target: GpuTarget,
     /// Immediates one update brings (one per WRITE piece).
     expected: u64,
     timeout: Duration,
-    weights: DeviceBuffer,
+    /// The version whose round completed last (its buffer is live).
+    live: Mutex<Option<u64>>,
+    weights: [DeviceBuffer; 2],
 }
 
 impl std::fmt::Debug for GpuInference {
@@ -78,6 +99,7 @@ impl std::fmt::Debug for GpuInference {
             .field("rank", &self.target.rank)
             .field("bytes", &self.weights.len())
             .field("expected", &self.expected)
+            .field("live", &self.live())
             .finish_non_exhaustive()
     }
 }
@@ -95,11 +117,12 @@ pub(super) fn ranges(plan: &Plan, rank: usize) -> Vec<(u64, u64)> {
 }
 
 impl GpuInference {
-    /// Allocates inference rank `rank`'s weight region of `plan` on `gpu`,
-    /// registers it with `engine` (whose domain group names `gpu`'s device,
-    /// on a provider that registers GPU memory; every engine of the update
-    /// has the same NIC count) and reserves the engine's last immediate.
-    /// `timeout` bounds [`GpuInference::wait`].
+    /// Allocates inference rank `rank`'s two weight buffers of `plan` on
+    /// `gpu`, registers them with `engine` (whose domain group names
+    /// `gpu`'s device, on a provider that registers GPU memory; every
+    /// engine of the update has the same NIC count) and reserves the
+    /// engine's last two immediates. `timeout` bounds
+    /// [`GpuInference::wait`].
     pub fn new(
         gpu: &Gpu,
         plan: &Plan,
@@ -112,21 +135,35 @@ impl GpuInference {
                 "inference rank {rank} not in the plan"
             )));
         };
-        let weights = gpu
-            .alloc(region.len.max(16) as usize)
-            .map_err(GpuError::cuda("allocating the inference weights"))?;
+        let alloc = |i: usize| {
+            gpu.alloc(region.len.max(16) as usize)
+                .map_err(GpuError::cuda(format!("allocating inference buffer {i}")))
+        };
+        let weights = [alloc(0)?, alloc(1)?];
         let mut held = Resources::new();
-        // SAFETY: `weights` is a field of the returned value, declared
-        // after `held`, and its Drop releases the registration before the
-        // buffer is freed; on the error paths below `held` is dropped
-        // (deregistering) before `weights`, declared earlier, is.
-        let region_mr = unsafe { weights.region() };
-        let (_, desc) = held
-            .register(&engine, region_mr)
-            .map_err(GpuError::engine(INFERENCE, "registering the weights"))?;
-        let imm = engine.imm_capacity().saturating_sub(1);
-        held.lease_imm_value(&engine, imm)
-            .map_err(GpuError::engine(INFERENCE, "reserving the immediate"))?;
+        let mut descs = Vec::with_capacity(2);
+        for (i, w) in weights.iter().enumerate() {
+            // SAFETY: `weights` is a field of the returned value, declared
+            // after `held`, and its Drop releases the registrations before
+            // the buffers are freed; on the error paths below `held` is
+            // dropped (deregistering) before `weights`, declared earlier,
+            // is.
+            let mr = unsafe { w.region() };
+            let (_, desc) = held.register(&engine, mr).map_err(GpuError::engine(
+                INFERENCE,
+                format!("registering buffer {i}"),
+            ))?;
+            descs.push(desc);
+        }
+        let last = engine.imm_capacity().saturating_sub(1);
+        let imms = [last, last.saturating_sub(1)];
+        for imm in imms {
+            held.lease_imm_value(&engine, imm)
+                .map_err(GpuError::engine(
+                    INFERENCE,
+                    format!("reserving immediate {imm}"),
+                ))?;
+        }
         let counts = engine
             .imm_counts(0)
             .map_err(GpuError::engine(INFERENCE, "immediate counts"))?;
@@ -134,16 +171,18 @@ impl GpuInference {
             .iter()
             .map(|&(_, l)| counts.single_write(l))
             .sum();
+        let [d0, d1]: [MrDesc; 2] = descs.try_into().expect("two buffers registered");
         Ok(GpuInference {
             held,
             engine,
             target: GpuTarget {
                 rank,
-                weights: desc,
-                imm,
+                weights: [d0, d1],
+                imms,
             },
             expected,
             timeout,
+            live: Mutex::new(None),
             weights,
         })
     }
@@ -153,36 +192,63 @@ impl GpuInference {
         &self.target
     }
 
-    /// Arms the round of one update: the returned waiter fires once every
-    /// WRITE of it has landed (immediates that came before arming count).
-    pub fn arm(&self) -> Result<UpdateRound, GpuError> {
+    /// Arms the round of version `version`: the returned waiter fires
+    /// once every WRITE of it has landed in buffer `version % 2`
+    /// (immediates that came before arming count).
+    pub fn arm(&self, version: u64) -> Result<UpdateRound, GpuError> {
+        let (_, imm) = self.target.buffer(version);
         let (od, flag) = OnDone::flag();
         self.engine
-            .expect_imm_count_with(self.target.imm, self.expected, od)
-            .map_err(GpuError::engine(INFERENCE, "arming the weights round"))?;
-        Ok(UpdateRound { flag })
+            .expect_imm_count_with(imm, self.expected, od)
+            .map_err(GpuError::engine(
+                INFERENCE,
+                format!("arming the round of version {version}"),
+            ))?;
+        Ok(UpdateRound { flag, version })
     }
 
     /// Waits (up to the timeout given to [`GpuInference::new`]) for the
-    /// round `r` armed.
+    /// round `r` armed; on success its version is live. On failure the
+    /// live version is untouched: call [`GpuInference::recover`] before
+    /// the version is pushed again.
     pub fn wait(&self, r: UpdateRound) -> Result<(), GpuError> {
+        let what = || format!("the round of version {}", r.version);
         match r.flag.wait_timeout(self.timeout) {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(GpuError::engine(INFERENCE, "weights round")(e)),
+            Some(Ok(())) => {
+                *self.live.lock() = Some(r.version);
+                Ok(())
+            }
+            Some(Err(e)) => Err(GpuError::engine(INFERENCE, what())(e)),
             None => Err(GpuError::Timeout {
                 role: INFERENCE,
-                what: "weights round".into(),
+                what: what(),
                 waited_ms: self.timeout.as_millis() as u64,
             }),
         }
     }
 
-    /// The whole weight region (device → host), laid out as
-    /// `plan.inference[rank]` says.
-    pub fn read(&self) -> Result<Vec<u8>, GpuError> {
-        self.weights
+    /// Drops the partial counts a failed round left (a dead trainer's
+    /// WRITEs that landed) and fails a round still armed; the live
+    /// version stays.
+    pub fn recover(&self) {
+        self.held.reset_imms();
+    }
+
+    /// The live version: the last whose round completed.
+    pub fn live(&self) -> Option<u64> {
+        *self.live.lock()
+    }
+
+    /// The live version and its buffer (device → host), laid out as
+    /// `plan.inference[rank]` says; `None` before the first round.
+    pub fn read(&self) -> Result<Option<(u64, Vec<u8>)>, GpuError> {
+        let Some(v) = self.live() else {
+            return Ok(None);
+        };
+        let bytes = self.weights[(v % 2) as usize]
             .to_vec()
-            .map_err(GpuError::cuda("reading the inference weights"))
+            .map_err(GpuError::cuda(format!("reading version {v}")))?;
+        Ok(Some((v, bytes)))
     }
 }
 
@@ -190,6 +256,14 @@ impl GpuInference {
 #[derive(Debug)]
 pub struct UpdateRound {
     flag: Arc<weft::DoneFlag>,
+    version: u64,
+}
+
+impl UpdateRound {
+    /// The version the round brings.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
 }
 
 impl Drop for GpuInference {
@@ -226,15 +300,16 @@ mod tests {
     }
 
     fn target(rank: u32, len: u64) -> GpuTarget {
+        let desc = |addr| MrDesc {
+            addr,
+            len,
+            rkeys: Vec::new(),
+            incarnation: Default::default(),
+        };
         GpuTarget {
             rank,
-            weights: MrDesc {
-                addr: 0x10_0000,
-                len,
-                rkeys: Vec::new(),
-                incarnation: Default::default(),
-            },
-            imm: 65535,
+            weights: [desc(0x10_0000), desc(0x20_0000)],
+            imms: [65535, 65534],
         }
     }
 
@@ -263,6 +338,18 @@ mod tests {
         assert!(e.contains("rank 2 of 2"), "{e}");
         let e = target(1, len - 1).check(&p).unwrap_err().to_string();
         assert!(e.contains(&format!("{} bytes for {len}", len - 1)), "{e}");
+        // Only the second buffer short; one immediate for both.
+        let mut t = target(1, len);
+        t.weights[1].len = len - 1;
+        assert!(t.check(&p).is_err());
+        let mut t = target(1, len);
+        t.imms[1] = t.imms[0];
+        let e = t.check(&p).unwrap_err().to_string();
+        assert!(e.contains("both buffers"), "{e}");
+        // Versions alternate buffers.
+        let t = target(1, len);
+        assert_eq!(t.buffer(4).0.addr, 0x10_0000);
+        assert_eq!(t.buffer(7), (&t.weights[1], 65534));
         // What one update writes lies inside the rank's region.
         let r = ranges(&p, 1);
         assert!(!r.is_empty());

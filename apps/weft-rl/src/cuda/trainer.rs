@@ -287,13 +287,15 @@ impl GpuTrainer {
     }
 
     /// WRITEs every tensor's bytes (and scales) from the image into
-    /// `target` (checked against the plan: it must be this trainer's
-    /// inference rank), each with the target's immediate; returns the
-    /// WRITEs posted and the bytes once every WRITE completed here (its
-    /// bytes are in the target's memory). The target's engine counts the
-    /// immediates: its [`super::GpuInference::wait`] says when all landed.
-    pub fn write(&self, target: &GpuTarget) -> Result<(u64, u64), GpuError> {
+    /// `target`'s buffer of version `version` (`target` is checked against
+    /// the plan: it must be this trainer's inference rank), each with that
+    /// buffer's immediate; returns the WRITEs posted and the bytes once
+    /// every WRITE completed here (its bytes are in the target's memory).
+    /// The target's engine counts the immediates: its
+    /// [`super::GpuInference::wait`] says when all landed.
+    pub fn write(&self, target: &GpuTarget, version: u64) -> Result<(u64, u64), GpuError> {
         self.check(target)?;
+        let (dst, imm) = target.buffer(version);
         let ranges = ranges(&self.plan, self.rank as usize);
         let done = Arc::new(DoneCounter::new());
         let mut bytes = 0;
@@ -301,14 +303,14 @@ impl GpuTrainer {
             self.engine
                 .submit_single_write(
                     len,
-                    Some(target.imm),
+                    Some(imm),
                     (&self.image_mr, off),
-                    (&target.weights, off),
+                    (dst, off),
                     OnDone::counter(&done),
                 )
                 .map_err(GpuError::engine(
                     TRAINER,
-                    format!("WRITE of {len} bytes at {off}"),
+                    format!("version {version}: WRITE of {len} bytes at {off}"),
                 ))?;
             bytes += len;
         }
@@ -317,13 +319,14 @@ impl GpuTrainer {
     }
 
     /// The bound [`GpuTrainer::write`] is measured against: the whole
-    /// image in one WRITE without an immediate to `target`'s region, the
-    /// same bytes over the same engines and path. Returns the bytes once
-    /// the WRITE completed here. It overwrites the target's weights with
-    /// the image (the same bytes a [`GpuTrainer::write`] of the same step
-    /// puts there).
-    pub fn write_whole(&self, target: &GpuTarget) -> Result<u64, GpuError> {
+    /// image in one WRITE without an immediate to `target`'s buffer of
+    /// version `version`, the same bytes over the same engines and path.
+    /// Returns the bytes once the WRITE completed here. It overwrites that
+    /// buffer with the image (the same bytes a [`GpuTrainer::write`] of
+    /// the same version puts there).
+    pub fn write_whole(&self, target: &GpuTarget, version: u64) -> Result<u64, GpuError> {
         self.check(target)?;
+        let (dst, _) = target.buffer(version);
         let len = self.plan.inference[self.rank as usize].len;
         let done = Arc::new(DoneCounter::new());
         self.engine
@@ -331,7 +334,7 @@ impl GpuTrainer {
                 len,
                 None,
                 (&self.image_mr, 0),
-                (&target.weights, 0),
+                (dst, 0),
                 OnDone::counter(&done),
             )
             .map_err(GpuError::engine(TRAINER, format!("WRITE of {len} bytes")))?;

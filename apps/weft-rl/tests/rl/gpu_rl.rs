@@ -391,14 +391,19 @@ fn e2e(gpu: &Gpu, ml: &ModelLayout, p: weft_rl::Plan, seed: u64) {
             ..GpuUpdateConfig::default()
         };
         let u = GpuUpdate::new(gpu, ml.clone(), p.clone(), cfg).expect("GpuUpdate");
-        for step in [100, 101] {
+        assert!(
+            u.read_inference().unwrap().is_none(),
+            "live before any version"
+        );
+        for (version, step) in [100, 101].into_iter().enumerate() {
             for t in 0..p.trainers.len() {
                 u.load_trainer(t, &crate::common::trainer_image(&p, t, step))
                     .unwrap();
             }
             let st = u.step().expect("step");
             assert!(st.write_count > 0);
-            let got = u.read_inference().unwrap();
+            let (live, got) = u.read_inference().unwrap().expect("a live version");
+            assert_eq!(live, version as u64);
             let want = crate::common::reference_region(ml, &p, inf as usize, step);
             crate::common::check_region(&got, &want, &format!("inference {inf} step {step}"));
         }

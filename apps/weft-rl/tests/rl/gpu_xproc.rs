@@ -12,6 +12,11 @@
 //! cross-process copy bound of the same run), and the parent prints both
 //! rates.
 //!
+//! A trainer killed mid-update (SIGKILL while it WRITEs): its inference
+//! rank's round fails typed within its deadline, the last good version
+//! stays live and bit-exact, a replacement trainer process pushes the
+//! failed version again and the next version goes to every rank.
+//!
 //! A trainer process here holds every trainer region of the plan (as
 //! `GpuTrainer` does): the unshard reads real, uneven shards, but the
 //! gathers between training ranks are not part of it.
@@ -35,14 +40,30 @@ use weft_testkit::child::{self, spawn_role, ChildProcess};
 const ENTRY: &str = "rl_gpu_rank_entry";
 /// Deadline of each wait of a step (a WRITE round, the whole image).
 const WAIT: Duration = Duration::from_secs(60);
+/// The inference ranks' deadline in the killed-trainer case: the bound
+/// the survivors learn of the death within.
+const KILL_WAIT: Duration = Duration::from_secs(3);
+
+fn wait_of(c: usize) -> Duration {
+    if c == 3 {
+        KILL_WAIT
+    } else {
+        WAIT
+    }
+}
+
+/// The trainer shards' seed of version `v`.
+fn seed(v: u64) -> u64 {
+    100 + v
+}
 /// Versions pushed per case (the ~1 GB case: `WEFT_RL_XPROC_STEPS`, at
-/// least 2; the first version pays the IPC imports and is left out of the
-/// summary).
+/// least 3). The first use of each of an inference rank's two buffers
+/// pays its IPC import: versions 0 and 1 are left out of the summary.
 fn steps(c: usize) -> u64 {
     let env = std::env::var("WEFT_RL_XPROC_STEPS").ok();
     match (c, env.and_then(|v| v.parse::<u64>().ok())) {
-        (2, Some(n)) => n.max(2),
-        _ => 2,
+        (2, Some(n)) => n.max(3),
+        _ => 3,
     }
 }
 
@@ -76,9 +97,10 @@ const BENCH: ModelConfig = ModelConfig {
 
 /// Case `c`: the layout, its plan, and whether the inference side checks
 /// against the host reference (else against the trainer image's hash).
+/// Case 3 is case 0's model for the killed trainer.
 fn case(c: usize) -> Option<(ModelLayout, Plan, bool)> {
     let (m, pp, exact) = match c {
-        0 => (models::TINY_MOE, 1, true),
+        0 | 3 => (models::TINY_MOE, 1, true),
         1 => (models::TINY_MLA, 2, true),
         2 => (BENCH, 1, false),
         _ => return None,
@@ -135,7 +157,20 @@ fn recv() -> String {
         .expect("a line from the parent")
 }
 
-/// The children: `inference/<case>/<rank>` or `trainer/<case>/<rank>`.
+/// The check line of `got`, inference rank `r`'s bytes of version `v`:
+/// `ok <bytes checked>` against the host reference, or `hash <h>`.
+fn check_line(ml: &ModelLayout, p: &Plan, exact: bool, r: u32, v: u64, got: &[u8]) -> String {
+    if exact {
+        let want = crate::common::reference_region(ml, p, r as usize, seed(v));
+        let checked = crate::common::check_region(got, &want, &format!("inference {r} v{v}"));
+        format!("ok {checked}")
+    } else {
+        format!("hash {:016x}", hash_ranges(p, r as usize, got))
+    }
+}
+
+/// The children: `inference/<case>/<rank>` or `trainer/<case>/<rank>`,
+/// each serving the parent's commands until `quit`.
 #[test]
 fn rl_gpu_rank_entry() {
     let Some(role) = child::role() else { return };
@@ -145,24 +180,47 @@ fn rl_gpu_rank_entry() {
     let p = Arc::new(p);
     let gpu = Gpu::open(0).expect("GPU (the parent found one)");
     let e = engine(&gpu);
+    let arg = |l: &str, cmd: &str| -> u64 {
+        l.strip_prefix(cmd)
+            .and_then(|x| x.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{role}: not a {cmd}line: {l}"))
+    };
     if f[0] == "inference" {
-        let inf = GpuInference::new(&gpu, &p, r, e.clone(), WAIT).expect("inference rank");
+        let inf = GpuInference::new(&gpu, &p, r, e.clone(), wait_of(c)).expect("inference rank");
         let t = inf.target().encode().expect("encode");
         child::send_line(&format!("target {}", hex(&t))).unwrap();
-        for step in 0..steps(c) {
-            assert_eq!(recv(), "arm");
-            let round = inf.arm().expect("arm");
-            child::send_line("armed").unwrap();
-            inf.wait(round).expect("the update's WRITEs");
-            let got = inf.read().expect("read");
-            if exact {
-                let want = crate::common::reference_region(&ml, &p, r as usize, 100 + step);
-                let what = format!("inference {r} step {step}");
-                let checked = crate::common::check_region(&got, &want, &what);
-                child::send_line(&format!("ok {checked}")).unwrap();
+        loop {
+            let l = recv();
+            if l.starts_with("arm ") {
+                let v = arg(&l, "arm ");
+                let round = inf.arm(v).expect("arm");
+                child::send_line("armed").unwrap();
+                let t0 = Instant::now();
+                match inf.wait(round) {
+                    Ok(()) => {
+                        let (live, got) = inf.read().expect("read").expect("live");
+                        assert_eq!(live, v, "{role}: live after the round");
+                        child::send_line(&check_line(&ml, &p, exact, r, v, &got)).unwrap();
+                    }
+                    Err(e) => {
+                        let ms = t0.elapsed().as_millis();
+                        child::send_line(&format!("failed {ms} {e}")).unwrap();
+                    }
+                }
+            } else if l == "live" {
+                match inf.read().expect("read") {
+                    Some((v, got)) => {
+                        let c = check_line(&ml, &p, exact, r, v, &got);
+                        child::send_line(&format!("live {v} {c}")).unwrap();
+                    }
+                    None => child::send_line("live none").unwrap(),
+                }
+            } else if l == "recover" {
+                inf.recover();
+                child::send_line("recovered").unwrap();
             } else {
-                let h = hash_ranges(&p, r as usize, &got);
-                child::send_line(&format!("hash {h:016x}")).unwrap();
+                assert_eq!(l, "quit", "{role}");
+                break;
             }
         }
     } else {
@@ -170,43 +228,39 @@ fn rl_gpu_rank_entry() {
         let line = recv();
         let hexed = line.strip_prefix("target ").expect("a target line");
         let target = GpuTarget::decode(&unhex(hexed)).expect("the target");
-        for step in 0..steps(c) {
-            for t in 0..p.trainers.len() {
-                tr.load_trainer(t, &crate::common::trainer_image(&p, t, 100 + step))
-                    .expect("shards");
+        loop {
+            let l = recv();
+            if l.starts_with("load ") {
+                let v = arg(&l, "load ");
+                for t in 0..p.trainers.len() {
+                    tr.load_trainer(t, &crate::common::trainer_image(&p, t, seed(v)))
+                        .expect("shards");
+                }
+                let t0 = Instant::now();
+                tr.run_stages().expect("stages");
+                child::send_line(&format!("staged {}", t0.elapsed().as_micros())).unwrap();
+            } else if l.starts_with("write ") {
+                let v = arg(&l, "write ");
+                let t0 = Instant::now();
+                let (n, bytes) = tr.write(&target, v).expect("write");
+                let w = t0.elapsed();
+                let image = tr.read_image().expect("image");
+                let h = hash_ranges(&p, r as usize, &image);
+                child::send_line(&format!("wrote {n} {bytes} {} {h:016x}", w.as_nanos())).unwrap();
+            } else if l.starts_with("whole ") {
+                let v = arg(&l, "whole ");
+                let t0 = Instant::now();
+                let whole = tr.write_whole(&target, v).expect("whole image");
+                let wh = t0.elapsed();
+                child::send_line(&format!("whole {whole} {}", wh.as_nanos())).unwrap();
+            } else {
+                assert_eq!(l, "quit", "{role}");
+                break;
             }
-            let t0 = Instant::now();
-            tr.run_stages().expect("stages");
-            let stages = t0.elapsed();
-            child::send_line(&format!("staged {}", stages.as_micros())).unwrap();
-            assert_eq!(recv(), "write");
-            let t0 = Instant::now();
-            let (n, bytes) = tr.write(&target).expect("write");
-            let w = t0.elapsed();
-            let image = tr.read_image().expect("image");
-            let h = hash_ranges(&p, r as usize, &image);
-            child::send_line(&format!("wrote {n} {bytes} {} {h:016x}", w.as_nanos())).unwrap();
-            // The bound, timed as the update was: every trainer at once.
-            assert_eq!(recv(), "whole");
-            let t0 = Instant::now();
-            let whole = tr.write_whole(&target).expect("whole image");
-            let wh = t0.elapsed();
-            child::send_line(&format!("whole {whole} {}", wh.as_nanos())).unwrap();
         }
     }
-    assert_eq!(recv(), "quit");
     drop(e);
     std::process::exit(0);
-}
-
-fn expect(c: &mut ChildProcess, what: &str) -> String {
-    match c.recv_line_timeout(Duration::from_secs(300)) {
-        Ok(Some(l)) => l,
-        other => {
-            let _ = c.kill();
-            panic!("no {what} line: {other:?}");
-        }
-    }
 }
 
 fn have_gpu(test: &str) -> bool {
@@ -220,66 +274,169 @@ fn have_gpu(test: &str) -> bool {
     }
 }
 
-/// Runs case `c`: an inference process and a trainer process per
-/// inference rank; prints each step's rates.
-fn run(c: usize) {
-    let (_, p, exact) = case(c).expect("case");
-    let n = p.inference.len();
-    let spawn = |role: String| spawn_role(ENTRY, &role, &[]).expect("spawn");
-    let mut infs: Vec<ChildProcess> = (0..n)
-        .map(|r| spawn(format!("inference/{c}/{r}")))
-        .collect();
-    let mut trs: Vec<ChildProcess> = (0..n).map(|r| spawn(format!("trainer/{c}/{r}"))).collect();
-    for (i, t) in infs.iter_mut().zip(&mut trs) {
-        let l = expect(i, "target");
-        t.send_line(&l).unwrap();
+/// A rank process: which side and its rank.
+#[derive(Clone, Copy, Debug)]
+enum Who {
+    Inf(usize),
+    Tr(usize),
+}
+
+/// One inference rank's rates of one version: the update's GB/s and the
+/// whole image's.
+type Rates = (f64, f64);
+
+/// The processes of case `c`: an inference process and a trainer process
+/// per inference rank.
+struct Ranks {
+    c: usize,
+    exact: bool,
+    infs: Vec<ChildProcess>,
+    trs: Vec<ChildProcess>,
+    /// Each inference rank's target line (for replacement trainers).
+    targets: Vec<String>,
+}
+
+impl Ranks {
+    fn spawn(c: usize) -> Ranks {
+        let (_, p, exact) = case(c).expect("case");
+        let n = p.inference.len();
+        let spawn = |role: String| spawn_role(ENTRY, &role, &[]).expect("spawn");
+        let infs = (0..n)
+            .map(|r| spawn(format!("inference/{c}/{r}")))
+            .collect();
+        let trs = (0..n).map(|r| spawn(format!("trainer/{c}/{r}"))).collect();
+        let mut k = Ranks {
+            c,
+            exact,
+            infs,
+            trs,
+            targets: Vec::new(),
+        };
+        for r in 0..n {
+            let l = k.line(Who::Inf(r), "target");
+            k.send(Who::Tr(r), &l);
+            k.targets.push(l);
+        }
+        k
     }
-    let mut rates = Vec::new();
-    for step in 0..steps(c) {
-        for t in &mut trs {
-            let l = expect(t, "staged");
-            assert!(l.starts_with("staged "), "{l}");
+
+    fn child(&mut self, w: Who) -> &mut ChildProcess {
+        match w {
+            Who::Inf(r) => &mut self.infs[r],
+            Who::Tr(r) => &mut self.trs[r],
         }
-        for i in &mut infs {
-            i.send_line("arm").unwrap();
-            assert_eq!(expect(i, "armed"), "armed");
-        }
-        for t in &mut trs {
-            t.send_line("write").unwrap();
-        }
-        let wrote: Vec<String> = trs.iter_mut().map(|t| expect(t, "wrote")).collect();
-        for t in &mut trs {
-            t.send_line("whole").unwrap();
-        }
-        let wholes: Vec<String> = trs.iter_mut().map(|t| expect(t, "whole")).collect();
-        for (r, ((w, wh), i)) in wrote.iter().zip(&wholes).zip(&mut infs).enumerate() {
-            let v: Vec<&str> = w.split_whitespace().collect();
-            let x: Vec<&str> = wh.split_whitespace().collect();
-            assert_eq!((v[0], x[0]), ("wrote", "whole"), "{w} / {wh}");
-            let (wrs, bytes, ns, whole, wns) = (
-                v[1].parse::<u64>().unwrap(),
-                v[2].parse::<u64>().unwrap(),
-                v[3].parse::<u64>().unwrap(),
-                x[1].parse::<u64>().unwrap(),
-                x[2].parse::<u64>().unwrap(),
-            );
-            let got = expect(i, "check");
-            if exact {
-                assert!(got.starts_with("ok "), "inference {r} step {step}: {got}");
-            } else {
-                assert_eq!(got, format!("hash {}", v[4]), "inference {r} step {step}");
+    }
+
+    fn send(&mut self, w: Who, l: &str) {
+        self.child(w).send_line(l).expect("a child's stdin");
+    }
+
+    /// `w`'s next line; without one, every child's state in the panic.
+    fn line(&mut self, w: Who, what: &str) -> String {
+        match self.child(w).recv_line_timeout(Duration::from_secs(300)) {
+            Ok(Some(l)) => l,
+            other => {
+                let mut states = Vec::new();
+                for (k, c) in self.infs.iter_mut().chain(&mut self.trs).enumerate() {
+                    states.push(format!("child {k} (pid {}): {:?}", c.id(), c.try_wait()));
+                }
+                for c in self.infs.iter_mut().chain(&mut self.trs) {
+                    let _ = c.kill();
+                }
+                panic!(
+                    "case {}: no {what} line from {w:?}: {other:?}; {states:?}",
+                    self.c
+                );
             }
+        }
+    }
+
+    /// Checks `w`'s check line of a completed round.
+    fn expect_ok(&mut self, r: usize, v: u64, want_hash: &str) {
+        let got = self.line(Who::Inf(r), "check");
+        if self.exact {
+            assert!(got.starts_with("ok "), "inference {r} v{v}: {got}");
+        } else {
+            assert_eq!(got, format!("hash {want_hash}"), "inference {r} v{v}");
+        }
+    }
+
+    /// Pushes version `v` to inference ranks `ranks` (their trainers
+    /// staged it: [`Ranks::load`]), checks it there and times the whole
+    /// image into the same buffers; returns each rank's rates.
+    fn push(&mut self, v: u64, ranks: &[usize]) -> Vec<Rates> {
+        for &r in ranks {
+            self.send(Who::Inf(r), &format!("arm {v}"));
+            assert_eq!(self.line(Who::Inf(r), "armed"), "armed");
+        }
+        for &r in ranks {
+            self.send(Who::Tr(r), &format!("write {v}"));
+        }
+        let wrote: Vec<String> = ranks
+            .iter()
+            .map(|&r| self.line(Who::Tr(r), "wrote"))
+            .collect();
+        for &r in ranks {
+            self.send(Who::Tr(r), &format!("whole {v}"));
+        }
+        let wholes: Vec<String> = ranks
+            .iter()
+            .map(|&r| self.line(Who::Tr(r), "whole"))
+            .collect();
+        let mut rates = Vec::new();
+        for ((&r, w), wh) in ranks.iter().zip(&wrote).zip(&wholes) {
+            let x: Vec<&str> = w.split_whitespace().collect();
+            let y: Vec<&str> = wh.split_whitespace().collect();
+            assert_eq!((x[0], y[0]), ("wrote", "whole"), "{w} / {wh}");
+            let n = |s: &str| s.parse::<u64>().unwrap();
+            let (wrs, bytes, ns, whole, wns) = (n(x[1]), n(x[2]), n(x[3]), n(y[1]), n(y[2]));
+            self.expect_ok(r, v, x[4]);
             let gbs = |b: u64, ns: u64| b as f64 / ns.max(1) as f64;
-            if step > 0 {
-                rates.push((gbs(bytes, ns), gbs(whole, wns)));
-            }
             println!(
-                "case {c} step {step} inference {r}: {wrs} WRITEs, {bytes} B: {:.2} GB/s; \
+                "case {} version {v} inference {r}: {wrs} WRITEs, {bytes} B: {:.2} GB/s; \
                  the whole image ({whole} B) in one WRITE: {:.2} GB/s; ratio {:.2}",
+                self.c,
                 gbs(bytes, ns),
                 gbs(whole, wns),
                 gbs(bytes, ns) / gbs(whole, wns)
             );
+            rates.push((gbs(bytes, ns), gbs(whole, wns)));
+        }
+        rates
+    }
+
+    /// The trainers of `ranks` stage version `v`.
+    fn load(&mut self, v: u64, ranks: &[usize]) {
+        for &r in ranks {
+            self.send(Who::Tr(r), &format!("load {v}"));
+        }
+        for &r in ranks {
+            let l = self.line(Who::Tr(r), "staged");
+            assert!(l.starts_with("staged "), "{l}");
+        }
+    }
+
+    fn quit(mut self) {
+        for k in self.infs.iter_mut().chain(self.trs.iter_mut()) {
+            k.send_line("quit").unwrap();
+        }
+        for (r, k) in self.infs.iter_mut().chain(&mut self.trs).enumerate() {
+            assert!(k.wait().expect("wait").success(), "child {r} exit status");
+        }
+    }
+}
+
+/// Runs case `c`: every version to every inference rank; prints each
+/// version's rates and their spread.
+fn run(c: usize) {
+    let mut k = Ranks::spawn(c);
+    let all: Vec<usize> = (0..k.infs.len()).collect();
+    let mut rates = Vec::new();
+    for v in 0..steps(c) {
+        k.load(v, &all);
+        let r = k.push(v, &all);
+        if v > 1 {
+            rates.extend(r);
         }
     }
     let mmm = |mut v: Vec<f64>| {
@@ -294,17 +451,12 @@ fn run(c: usize) {
     println!(
         "case {c}, versions 2..{}, every inference rank, min / median / max: update {} GB/s, \
          whole image {} GB/s, ratio {}",
-        steps(c),
+        steps(c) - 1,
         mmm(rates.iter().map(|r| r.0).collect()),
         mmm(rates.iter().map(|r| r.1).collect()),
         mmm(rates.iter().map(|r| r.0 / r.1).collect())
     );
-    for k in infs.iter_mut().chain(trs.iter_mut()) {
-        k.send_line("quit").unwrap();
-    }
-    for (r, mut k) in infs.into_iter().chain(trs).enumerate() {
-        assert!(k.wait().expect("wait").success(), "child {r} exit status");
-    }
+    k.quit();
 }
 
 #[test]
@@ -322,4 +474,83 @@ fn gpu_xproc_rl_one_gigabyte_model() {
         return;
     }
     run(2);
+}
+
+/// Trainer 1 SIGKILLed while it WRITEs version 2 (after a delay that
+/// varies by attempt, so the kill lands before, during or after its
+/// WRITEs): inference rank 1 either completed version 2 or its round
+/// failed typed within its deadline with version 1 still live and
+/// bit-exact; a replacement trainer process then pushes version 2 again
+/// (to rank 1 only) and version 3 goes to both ranks.
+#[test]
+fn gpu_xproc_rl_trainer_killed_mid_update() {
+    if !have_gpu("gpu_xproc_rl_trainer_killed_mid_update") {
+        return;
+    }
+    let mut failed_rounds = 0;
+    for (attempt, delay_us) in [0u64, 200, 1000].into_iter().enumerate() {
+        let mut k = Ranks::spawn(3);
+        assert_eq!(k.infs.len(), 2, "the case has two inference ranks");
+        let all = [0, 1];
+        for v in 0..2 {
+            k.load(v, &all);
+            k.push(v, &all);
+        }
+        k.load(2, &all);
+        for r in all {
+            k.send(Who::Inf(r), "arm 2");
+            assert_eq!(k.line(Who::Inf(r), "armed"), "armed");
+        }
+        for r in all {
+            k.send(Who::Tr(r), "write 2");
+        }
+        std::thread::sleep(Duration::from_micros(delay_us));
+        let status = k.trs[1].kill().expect("kill trainer 1");
+        let w = k.line(Who::Tr(0), "wrote");
+        assert!(w.starts_with("wrote "), "{w}");
+        k.expect_ok(0, 2, "");
+        let got = k.line(Who::Inf(1), "round");
+        let redo = if let Some(rest) = got.strip_prefix("failed ") {
+            failed_rounds += 1;
+            let ms: u64 = rest.split_whitespace().next().unwrap().parse().unwrap();
+            let bound = KILL_WAIT.as_millis() as u64 + 2000;
+            assert!(
+                ms <= bound,
+                "attempt {attempt}: failed after {ms} ms (> {bound})"
+            );
+            assert!(
+                rest.contains("no completion within"),
+                "attempt {attempt}: not the typed deadline: {rest}"
+            );
+            k.send(Who::Inf(1), "live");
+            let live = k.line(Who::Inf(1), "live");
+            assert!(live.starts_with("live 1 ok "), "attempt {attempt}: {live}");
+            true
+        } else {
+            assert!(got.starts_with("ok "), "attempt {attempt}: {got}");
+            false
+        };
+        println!(
+            "attempt {attempt}: trainer 1 killed {delay_us} µs into version 2 ({status:?}); \
+             inference 1: {}",
+            if redo {
+                "round failed, version 1 live"
+            } else {
+                "version 2 had landed"
+            }
+        );
+        k.trs[1] = spawn_role(ENTRY, "trainer/3/1", &[]).expect("replacement trainer");
+        let t = k.targets[1].clone();
+        k.send(Who::Tr(1), &t);
+        if redo {
+            k.send(Who::Inf(1), "recover");
+            assert_eq!(k.line(Who::Inf(1), "recovered"), "recovered");
+            k.load(2, &[1]);
+            k.push(2, &[1]);
+        }
+        k.load(3, &all);
+        k.push(3, &all);
+        k.quit();
+    }
+    println!("{failed_rounds} of 3 kills failed inference 1's round");
 }
