@@ -27,7 +27,8 @@
 //!   callback thread (flags and counters are set inline, not as events).
 //!
 //! One module per piece of state: `nic` (per-NIC rings, posting and
-//! completion queues), `slab` (transfers in flight), `registry`
+//! completion queues), `slab` (transfers in flight), `outbox` (events and
+//! held-back counter bumps), `registry`
 //! (registrations, peer groups, receive pools), `lifecycle` (removed and replaced peer
 //! incarnations), `route` (per-NIC routes of
 //! a destination), `plan` (turning a request body into WRs) and `paged`
@@ -36,6 +37,7 @@
 mod lanes;
 mod lifecycle;
 mod nic;
+mod outbox;
 mod paged;
 mod plan;
 mod registry;
@@ -45,13 +47,14 @@ mod slab;
 use crate::error::{EngineError, TransferId};
 use crate::imm::{ImmDone, ImmTable};
 use crate::mem::{RecvPool, SendPool};
-use crate::ondone::{runs, DoneCallback, DoneCounter, DoneResult};
+use crate::ondone::{DoneCallback, DoneResult};
 use crate::request::{AddrBook, Body, GroupAddress, Submitted};
 use crate::shard::{Piece, ShardConfig};
 use crate::stats::GroupCounters;
 use crate::wrid::{wr_transfer, KIND_SEND, KIND_WRITE};
 use crate::MAX_NICS;
 use nic::Nic;
+use outbox::Outbox;
 use registry::Registry;
 use slab::Slab;
 use std::collections::VecDeque;
@@ -165,11 +168,8 @@ pub(crate) struct WorkerCore {
     shard: ShardConfig,
     max_write_len: u64,
     rr: usize,
-    events: Vec<Event>,
-    /// Counters of transfers that finished successfully since the last
-    /// [`WorkerCore::flush_counts`], one entry per transfer, in finishing
-    /// order (see there).
-    counts: Vec<Arc<DoneCounter>>,
+    /// Events for the driver and held-back counter bumps.
+    out: Outbox,
     /// Reused buffer of planned pieces.
     pieces: Vec<Piece>,
     comps: Vec<Completion>,
@@ -283,8 +283,7 @@ impl WorkerCore {
             shard,
             max_write_len,
             rr: 0,
-            events: Vec::new(),
-            counts: Vec::new(),
+            out: Outbox::default(),
             pieces: Vec::new(),
             comps: Vec::new(),
             pending_pieces: 0,
@@ -323,37 +322,15 @@ impl WorkerCore {
     /// Events produced since the last call (and every counter bump held
     /// back until now, see [`WorkerCore::flush_counts`]).
     pub(crate) fn take_events(&mut self, out: &mut Vec<Event>) {
-        self.flush_counts();
-        out.append(&mut self.events);
+        self.out.take(out);
     }
 
     /// Bumps the counters of the transfers that finished successfully
-    /// since the last call: one add per run of the same counter, then the
-    /// transfers' references to it dropped together. The counter's cache
-    /// line then crosses to this thread once per run rather than once per
-    /// transfer (its submitter takes it back for every `OnDone::counter`
-    /// clone and every read of the count). Called after each NIC's
-    /// completions and with every hand-over of events (at the end of every
-    /// worker lap, before the lap's events go to the callback thread), so
-    /// a bump waits at most for the rest of that lap.
+    /// since the last call, one add per run of the same counter
+    /// ([`Outbox::flush_counts`]).
     #[inline]
     pub(crate) fn flush_counts(&mut self) {
-        if !self.counts.is_empty() {
-            self.bump_counts();
-        }
-    }
-
-    #[inline(never)]
-    fn bump_counts(&mut self) {
-        // Taken out first: were an add to panic, the runs after it would be
-        // dropped uncounted, never counted twice by the failure path's
-        // flush.
-        let mut counts = std::mem::take(&mut self.counts);
-        for (c, n) in runs(&counts) {
-            c.add_ok(n as u64);
-        }
-        counts.clear();
-        self.counts = counts;
+        self.out.flush_counts();
     }
 
     /// WRs planned but not yet handed to the backend (backpressure signal).
@@ -442,28 +419,22 @@ impl WorkerCore {
         self.stage_fresh();
     }
 
-    /// Holds transfer `slot` open while it is planned (see
-    /// [`WorkerCore::take_request`]).
+    /// Holds transfer `slot` open while it is planned ([`Slab::hold`]).
     fn hold_plan(&mut self, slot: u32) {
-        let t = &mut self.slab[slot as usize];
-        t.remaining += 1;
-        t.unposted += 1;
+        self.slab.hold(slot);
     }
 
     /// Drops a planning hold of transfer `slot`, and resolves the transfer
     /// if nothing else holds it.
     fn release_plan(&mut self, slot: u32) {
-        {
-            let t = &mut self.slab[slot as usize];
-            t.remaining -= 1;
-            t.unposted -= 1;
-            // Every piece was posted before the last hold went: the probe's
-            // "all posted" is now (`posted` saw the hold and did not record
-            // it). A failed transfer's unposted pieces were dropped, not
-            // posted: it is not recorded, as elsewhere.
-            if t.unposted == 0 && t.error.is_none() {
-                t.probe.all_posted_at_release(&self.probes);
-            }
+        // Every piece was posted before the last hold went: the probe's
+        // "all posted" is now (`posted` saw the hold and did not record
+        // it). A failed transfer's unposted pieces were dropped, not
+        // posted: it is not recorded, as elsewhere.
+        if self.slab.release(slot) {
+            self.slab[slot as usize]
+                .probe
+                .all_posted_at_release(&self.probes);
         }
         self.maybe_finish(slot);
     }
@@ -471,17 +442,7 @@ impl WorkerCore {
     /// Moves the WRs left in the fresh rings to the end of their backlogs.
     fn stage_fresh(&mut self) {
         for n in &mut self.nics {
-            if !n.fresh.is_empty() {
-                if n.backlog.is_empty() {
-                    // Common case: no copy, the rings trade buffers.
-                    std::mem::swap(&mut n.fresh, &mut n.backlog);
-                } else {
-                    n.backlog.append(&mut n.fresh);
-                }
-                // Empty: start the next request's WRs at the buffer's
-                // start, so growing it never moves a wrapped ring.
-                n.fresh.clear();
-            }
+            n.stage_fresh();
         }
     }
 
@@ -522,7 +483,7 @@ impl WorkerCore {
     pub(crate) fn reject(&mut self, req: Submitted, e: EngineError) {
         self.counters.transfer_failed(e.kind());
         if let Some((cb, r)) = req.on_done.resolve_inline(Err(e)) {
-            self.events.push(Event::Done(cb, r));
+            self.out.push(Event::Done(cb, r));
         }
     }
 

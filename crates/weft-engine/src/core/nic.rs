@@ -108,6 +108,22 @@ impl Nic {
             &mut self.backlog
         }
     }
+
+    /// Moves the WRs left in the fresh ring to the end of the backlog.
+    pub(super) fn stage_fresh(&mut self) {
+        if self.fresh.is_empty() {
+            return;
+        }
+        if self.backlog.is_empty() {
+            // Common case: no copy, the rings trade buffers.
+            std::mem::swap(&mut self.fresh, &mut self.backlog);
+        } else {
+            self.backlog.append(&mut self.fresh);
+        }
+        // Empty: start the next request's WRs at the buffer's start, so
+        // growing it never moves a wrapped ring.
+        self.fresh.clear();
+    }
 }
 
 impl WorkerCore {
@@ -521,7 +537,7 @@ impl WorkerCore {
                 } else {
                     self.repost(pool, idx);
                 }
-                self.events.push(Event::Recv {
+                self.out.push(Event::Recv {
                     pool: pool_ref,
                     result,
                     from: sender,
@@ -529,7 +545,7 @@ impl WorkerCore {
             }
             Completion::Imm { imm } => {
                 if let Some(c) = self.imms.arrive(imm).and_then(|d| d.resolve(Ok(()))) {
-                    self.events.push(c.into());
+                    self.out.push(c.into());
                 }
             }
         }
@@ -584,5 +600,51 @@ fn peer_of(e: &TransportError) -> Option<NetAddr> {
         | TransportError::ReceiverNotReady { peer, .. }
         | TransportError::MessageTooLong { peer, .. } => Some(peer.clone()),
         _ => None,
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use weft_loopback::{Fabric, FabricConfig};
+    use weft_transport::MrKey;
+
+    fn op(wr: u64) -> Op {
+        let src = LocalSlice {
+            mr: MrKey(0),
+            addr: 0,
+            len: 0,
+        };
+        send_op(WrId(wr), PeerId(0), src)
+    }
+
+    fn ids(r: &VecDeque<Op>) -> Vec<u64> {
+        r.iter().map(|o| o.wr.0).collect()
+    }
+
+    #[test]
+    fn staging_moves_fresh_wrs_behind_the_backlog_and_resolving_adds_a_peer_once() {
+        let fabric = Fabric::new(FabricConfig::default());
+        let (a, b) = (fabric.add_host(1), fabric.add_host(1));
+        let mut n = Nic::new(Box::new(fabric.open(a, 0).unwrap()));
+        let other = fabric.open(b, 0).unwrap();
+        // Into an empty backlog: the rings trade buffers.
+        n.ring(true).extend([op(1), op(2)]);
+        n.stage_fresh();
+        assert_eq!((ids(&n.fresh), ids(&n.backlog)), (vec![], vec![1, 2]));
+        // Behind what waits already, oldest first.
+        n.ring(true).push_back(op(3));
+        n.stage_fresh();
+        assert_eq!((ids(&n.fresh), ids(&n.backlog)), (vec![], vec![1, 2, 3]));
+        n.stage_fresh();
+        assert_eq!(ids(&n.backlog), [1, 2, 3], "nothing fresh: unchanged");
+        // A peer resolves once per address; another incarnation is refused
+        // until the first is dropped.
+        let addr = other.local_addr().clone();
+        let (i1, i2) = (Incarnation(1), Incarnation(2));
+        let p = n.resolve(&addr, i1).unwrap().expect("resolved");
+        assert_eq!(n.resolve(&addr, i1).unwrap(), Some(p));
+        assert_eq!(n.peer_addrs.get(&p), Some(&addr));
+        assert_eq!(n.resolve(&addr, i2).unwrap(), None);
     }
 }

@@ -363,7 +363,7 @@ impl WorkerCore {
                     op: "post_recv",
                     source: Box::new(e),
                 };
-                self.events.push(Event::Recv {
+                self.out.push(Event::Recv {
                     pool: Arc::clone(&ps.pool),
                     result: Err(err),
                     from: None,

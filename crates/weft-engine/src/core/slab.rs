@@ -155,6 +155,25 @@ impl Slab {
         }
     }
 
+    /// Holds transfer `slot` open while it is planned: one count of
+    /// `remaining` and of `unposted`, so pieces posted early can neither
+    /// finish it nor count as all posted before every piece is planned.
+    pub(super) fn hold(&mut self, slot: u32) {
+        let t = &mut self[slot as usize];
+        t.remaining += 1;
+        t.unposted += 1;
+    }
+
+    /// Drops a hold of [`Slab::hold`]. Returns whether every piece was
+    /// posted before the hold went (nothing unposted, no error): the
+    /// transfer's "all posted" moment is then now.
+    pub(super) fn release(&mut self, slot: u32) -> bool {
+        let t = &mut self[slot as usize];
+        t.remaining -= 1;
+        t.unposted -= 1;
+        t.unposted == 0 && t.error.is_none()
+    }
+
     /// Records `e` as transfer `slot`'s error unless it already has one
     /// (the first error is the one reported).
     pub(super) fn set_error(&mut self, slot: u32, e: EngineError) {
@@ -273,10 +292,10 @@ impl WorkerCore {
         }
         match (f.on_done, f.result) {
             // Counted in a batch (`flush_counts`).
-            (Some(OnDone::Counter(c)), Ok(())) => self.counts.push(c),
+            (Some(OnDone::Counter(c)), Ok(())) => self.out.count_ok(c),
             (Some(od), result) => {
                 if let Some((cb, r)) = od.resolve_inline(result) {
-                    self.events.push(Event::Done(cb, r));
+                    self.out.push(Event::Done(cb, r));
                 }
             }
             (None, _) => {}
@@ -347,6 +366,31 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_hold_keeps_a_transfer_open_until_released() {
+        let none: Option<fn(TransferId) -> EngineError> = None;
+        // Its one piece resolved (never posted) while held: still open.
+        let mut s = Slab::default();
+        let (slot, wr) = live(&mut s, 7, 1);
+        s.hold(slot);
+        assert_eq!(s.piece_resolved(wr, none), Some(slot));
+        assert!(s.finish(slot).is_none(), "the hold keeps it open");
+        s.release(slot);
+        assert!(s.finish(slot).is_some());
+        // Its one piece posted under the hold: all posted when the hold
+        // goes, the piece still in flight.
+        let (slot, wr) = live(&mut s, 8, 1);
+        s.hold(slot);
+        s.posted_run(0, wr, 1, &Default::default());
+        assert!(s.release(slot), "everything was posted under the hold");
+        assert!(s.finish(slot).is_none(), "its piece is in flight");
+        // A transfer that failed under its hold does not report all posted.
+        let (slot, _) = live(&mut s, 9, 0);
+        s.hold(slot);
+        s.set_error(slot, err(TransferId(9), "x"));
+        assert!(!s.release(slot));
     }
 
     #[test]
