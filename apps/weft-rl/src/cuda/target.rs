@@ -104,8 +104,16 @@ impl std::fmt::Debug for GpuInference {
     }
 }
 
-/// What one update writes into inference rank `rank`: every tensor's
-/// bytes and scales, as `(offset, len)`, empty ones left out.
+/// Gaps of up to this many bytes between two tensors' ranges (the plan's
+/// alignment padding) are written along with them: one WRITE per run of
+/// tensors instead of one per tensor (each WRITE costs a copy launch and an
+/// immediate).
+pub(super) const MERGE_GAP: u64 = 4096;
+
+/// What one update writes into inference rank `rank`: the runs of its
+/// tensors' bytes and scales, as `(offset, len)` in offset order, ranges
+/// at most [`MERGE_GAP`] apart merged (the padding between them goes too),
+/// empty ones left out.
 pub(super) fn ranges(plan: &Plan, rank: usize) -> Vec<(u64, u64)> {
     let mut ranges = Vec::new();
     for slot in plan.inference.get(rank).map_or(&[][..], |r| &r.tensors) {
@@ -113,7 +121,17 @@ pub(super) fn ranges(plan: &Plan, rank: usize) -> Vec<(u64, u64)> {
         ranges.extend(slot.scales);
     }
     ranges.retain(|&(_, len)| len > 0);
-    ranges
+    ranges.sort_unstable();
+    let mut runs: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (off, len) in ranges {
+        match runs.last_mut() {
+            Some((o, l)) if off <= (*o + *l).saturating_add(MERGE_GAP) => {
+                *l = (*o + *l).max(off + len) - *o;
+            }
+            _ => runs.push((off, len)),
+        }
+    }
+    runs
 }
 
 impl GpuInference {
@@ -350,9 +368,23 @@ mod tests {
         let t = target(1, len);
         assert_eq!(t.buffer(4).0.addr, 0x10_0000);
         assert_eq!(t.buffer(7), (&t.weights[1], 65534));
-        // What one update writes lies inside the rank's region.
+        // What one update writes lies inside the rank's region, in runs
+        // more than MERGE_GAP apart that cover every tensor's bytes.
         let r = ranges(&p, 1);
         assert!(!r.is_empty());
         assert!(r.iter().all(|&(o, l)| l > 0 && o + l <= len));
+        assert!(r.windows(2).all(|w| w[1].0 > w[0].0 + w[0].1 + MERGE_GAP));
+        let inside = |(o, l): (u64, u64)| r.iter().any(|&(ro, rl)| o >= ro && o + l <= ro + rl);
+        for slot in &p.inference[1].tensors {
+            assert!(inside(slot.data), "{:?}", slot.data);
+            if let Some(s) = slot.scales {
+                assert!(inside(s) || s.1 == 0, "{s:?}");
+            }
+        }
+        assert!(
+            r.len() < p.inference[1].tensors.len(),
+            "runs merged: {}",
+            r.len()
+        );
     }
 }

@@ -287,7 +287,8 @@ impl GpuTrainer {
     }
 
     /// WRITEs every tensor's bytes (and scales) from the image into
-    /// `target`'s buffer of version `version` (`target` is checked against
+    /// `target`'s buffer of version `version`, a WRITE per run of tensors
+    /// (alignment padding between them goes along) (`target` is checked against
     /// the plan: it must be this trainer's inference rank), each with that
     /// buffer's immediate; returns the WRITEs posted and the bytes once
     /// every WRITE completed here (its bytes are in the target's memory).
