@@ -145,17 +145,6 @@ fn read_weights(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
     })
 }
 
-/// A `bytes` object of `data`, copied with the GIL released: the object is
-/// this frame's alone until returned, so no Python code can see it filled.
-/// (Megabytes per step: copied under the GIL, ranks on threads of one
-/// process take turns for it.)
-fn bytes_detached<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
-    PyBytes::new_with(py, data.len(), |buf| {
-        py.detach(|| buf.copy_from_slice(data));
-        Ok(())
-    })
-}
-
 /// What `MoeRank.dispatch` returns: rows, expert offsets, source ranks,
 /// layout.
 type Dispatched<'py> = (
@@ -373,7 +362,7 @@ impl PyMoeRank {
         g.release(py);
         let layout = r?;
         let out = (
-            bytes_detached(py, &x.data)?,
+            PyBytes::new(py, &x.data),
             x.expert_offsets.clone(),
             x.source_rank.clone(),
             x.source_pair.clone(),
@@ -445,7 +434,7 @@ impl PyMoeRank {
             None => r.combine(ys, l),
         });
         g.release(py);
-        bytes_detached(py, &out?)
+        Ok(PyBytes::new(py, &out?))
     }
 
     /// Waits for the last round, frees the immediates and unregisters the
