@@ -409,7 +409,7 @@ impl WorkerCore {
         // Planning holds one count of `remaining` and of `unposted`, so
         // pieces posted early (see the scatter plan) can neither finish the
         // transfer nor count as "all posted" before every piece is planned.
-        self.hold_plan(slot);
+        self.slab.hold(slot);
         if let Err(e) = self.plan(slot, wr, body) {
             self.fail_transfer(slot, e);
         }
@@ -417,11 +417,6 @@ impl WorkerCore {
         // Post the fresh WRs now; what does not fit joins the backlog.
         self.post_fresh();
         self.stage_fresh();
-    }
-
-    /// Holds transfer `slot` open while it is planned ([`Slab::hold`]).
-    fn hold_plan(&mut self, slot: u32) {
-        self.slab.hold(slot);
     }
 
     /// Drops a planning hold of transfer `slot`, and resolves the transfer

@@ -43,7 +43,7 @@ impl WorkerCore {
     ) -> Result<(), EngineError> {
         let next = self.plan_pages(slot, wr, &p, 0)?;
         if next < p.src_pages.len() {
-            self.hold_plan(slot);
+            self.slab.hold(slot);
             self.partial.push_back(Partial {
                 slot,
                 wr,
