@@ -159,20 +159,21 @@ impl GpuInference {
         };
         let weights = [alloc(0)?, alloc(1)?];
         let mut held = Resources::new();
-        let mut descs = Vec::with_capacity(2);
-        for (i, w) in weights.iter().enumerate() {
+        let mut register = |i: usize| {
             // SAFETY: `weights` is a field of the returned value, declared
             // after `held`, and its Drop releases the registrations before
             // the buffers are freed; on the error paths below `held` is
             // dropped (deregistering) before `weights`, declared earlier,
             // is.
-            let mr = unsafe { w.region() };
-            let (_, desc) = held.register(&engine, mr).map_err(GpuError::engine(
-                INFERENCE,
-                format!("registering buffer {i}"),
-            ))?;
-            descs.push(desc);
-        }
+            let mr = unsafe { weights[i].region() };
+            held.register(&engine, mr)
+                .map(|(_, desc)| desc)
+                .map_err(GpuError::engine(
+                    INFERENCE,
+                    format!("registering buffer {i}"),
+                ))
+        };
+        let descs = [register(0)?, register(1)?];
         let last = engine.imm_capacity().saturating_sub(1);
         let imms = [last, last.saturating_sub(1)];
         for imm in imms {
@@ -189,13 +190,12 @@ impl GpuInference {
             .iter()
             .map(|&(_, l)| counts.single_write(l))
             .sum();
-        let [d0, d1]: [MrDesc; 2] = descs.try_into().expect("two buffers registered");
         Ok(GpuInference {
             held,
             engine,
             target: GpuTarget {
                 rank,
-                weights: [d0, d1],
+                weights: descs,
                 imms,
             },
             expected,

@@ -287,11 +287,12 @@ impl GpuTrainer {
     }
 
     /// WRITEs every tensor's bytes (and scales) from the image into
-    /// `target`'s buffer of version `version`, a WRITE per run of tensors
-    /// (alignment padding between them goes along) (`target` is checked against
-    /// the plan: it must be this trainer's inference rank), each with that
-    /// buffer's immediate; returns the WRITEs posted and the bytes once
-    /// every WRITE completed here (its bytes are in the target's memory).
+    /// `target`'s buffer of version `version`: one WRITE per run of
+    /// tensors, the alignment padding between them included, each with
+    /// that buffer's immediate. `target` is checked against the plan (it
+    /// must be this trainer's inference rank). Returns the WRITEs posted
+    /// and the bytes once every WRITE completed here (its bytes are in the
+    /// target's memory).
     /// The target's engine counts the immediates: its
     /// [`super::GpuInference::wait`] says when all landed.
     pub fn write(&self, target: &GpuTarget, version: u64) -> Result<(u64, u64), GpuError> {
