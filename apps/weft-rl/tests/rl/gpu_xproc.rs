@@ -369,20 +369,8 @@ impl Ranks {
             self.send(Who::Inf(r), &format!("arm {v}"));
             assert_eq!(self.line(Who::Inf(r), "armed"), "armed");
         }
-        for &r in ranks {
-            self.send(Who::Tr(r), &format!("write {v}"));
-        }
-        let wrote: Vec<String> = ranks
-            .iter()
-            .map(|&r| self.line(Who::Tr(r), "wrote"))
-            .collect();
-        for &r in ranks {
-            self.send(Who::Tr(r), &format!("whole {v}"));
-        }
-        let wholes: Vec<String> = ranks
-            .iter()
-            .map(|&r| self.line(Who::Tr(r), "whole"))
-            .collect();
+        let wrote = self.ask_trainers(ranks, &format!("write {v}"), "wrote");
+        let wholes = self.ask_trainers(ranks, &format!("whole {v}"), "whole");
         let mut rates = Vec::new();
         for ((&r, w), wh) in ranks.iter().zip(&wrote).zip(&wholes) {
             let x: Vec<&str> = w.split_whitespace().collect();
@@ -405,13 +393,18 @@ impl Ranks {
         rates
     }
 
+    /// Sends `cmd` to the trainers of `ranks` (all at once), then reads
+    /// each one's `what` line.
+    fn ask_trainers(&mut self, ranks: &[usize], cmd: &str, what: &str) -> Vec<String> {
+        for &r in ranks {
+            self.send(Who::Tr(r), cmd);
+        }
+        ranks.iter().map(|&r| self.line(Who::Tr(r), what)).collect()
+    }
+
     /// The trainers of `ranks` stage version `v`.
     fn load(&mut self, v: u64, ranks: &[usize]) {
-        for &r in ranks {
-            self.send(Who::Tr(r), &format!("load {v}"));
-        }
-        for &r in ranks {
-            let l = self.line(Who::Tr(r), "staged");
+        for l in self.ask_trainers(ranks, &format!("load {v}"), "staged") {
             assert!(l.starts_with("staged "), "{l}");
         }
     }
