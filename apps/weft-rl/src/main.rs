@@ -337,8 +337,8 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         cfg.seed, cfg.nics, cfg.nic_gbps, cfg.latency_us, cfg.nvlink_gbs, cfg.gpus_per_node, cfg.quant_gbs,
         cfg.kernel_us, cfg.submit_us
     );
-    println!("| model | layout | into inference | weft P2P (fabric) | unshard / quantise / write / wait (slowest rank) | cost model | bytes / aggregate bw | Rank0 (model) | paper | WRs / fabric events | plan + sim wall |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| model | layout | into inference | weft P2P (fabric) | unshard / quantise / write / wait (slowest rank) | cost model | bytes / aggregate bw | P2P ÷ bound | Rank0 (model) | paper | WRs / fabric events | plan + sim wall |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for n in names {
         let t0 = Instant::now();
         let la = LayoutArgs {
@@ -365,12 +365,12 @@ fn cmd_simulate(a: &SimArgs) -> Result<(), String> {
         let planned = t0.elapsed();
         let r = simulate(&ml, &p, &cfg).map_err(|e| e.to_string())?;
         println!(
-            "| {n} | FSDP/PP/EP{} {}/{}/{}{} x{} -> {} (TP{}{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
+            "| {n} | FSDP/PP/EP{} {}/{}/{}{} x{} -> {} (TP{}{}, instances of {}) | {} | {:.3} s | {:.3} / {:.3} / {:.3} / {:.3} s | {:.3} s | {:.3} s | {:.3} | {:.1} s | {} | {:.2} M / {:.2} M | {:.1} + {:.1} s |",
             if t.tp > 1 { "/TP" } else { "" }, t.fsdp, t.pp, t.ep,
             if t.tp > 1 { format!("/{}", t.tp) } else { String::new() }, t.ranks(), i.ranks, i.attn_tp,
             if i.pp > 1 { format!(" PP{}", i.pp) } else { String::new() }, i.instance,
             weft_rl::summary::human(r.bytes as f64),
-            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.model.p2p_s, r.bound_s, r.rank0_s, paper(&n),
+            r.p2p_s, r.unshard_s, r.quant_s, r.write_s, r.wait_s, r.model.p2p_s, r.bound_s, r.p2p_s / r.bound_s, r.rank0_s, paper(&n),
             r.wrs as f64 / 1e6, r.events as f64 / 1e6,
             planned.as_secs_f64(), (t0.elapsed() - planned).as_secs_f64()
         );

@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use weft::{Imm, ImmCounts, MrDesc, Pages, Resources, TransferEngine};
 
-use crate::plan::{Plan, Run, Xfer};
+use crate::plan::{GatherPost, Plan, Run, Xfer};
 use crate::RlError;
 
 pub use inference::Inference;
@@ -179,6 +179,85 @@ pub(crate) fn imm_count(c: &ImmCounts, x: &Xfer) -> u64 {
     }
 }
 
+/// Immediates the writer of a gather post sees: one transfer as
+/// [`imm_count`], a batch as paged writes of its pages (however
+/// [`page_sets`] cuts it: the count is linear in the pages).
+pub(crate) fn post_imm_count(c: &ImmCounts, p: &GatherPost) -> u64 {
+    match p {
+        GatherPost::One { xfer, .. } => imm_count(c, xfer),
+        GatherPost::Batch { page_len, src, .. } => c.paged_writes(*page_len, src.len() as u64),
+    }
+}
+
+/// Page offsets `src[i] → dst[i]` as engine page lists, as few as fit: each
+/// side's offsets become `offset + index × stride` with the stride the
+/// greatest common divisor of their distances from the smallest, and a new
+/// list starts where an index would not fit in `u32`.
+pub(crate) fn page_sets(src: &[u64], dst: &[u64]) -> Vec<(Pages, Pages)> {
+    /// One side of a list being built: smallest offset, stride (0 while
+    /// every offset is equal).
+    #[derive(Clone, Copy)]
+    struct Side {
+        lo: u64,
+        hi: u64,
+        g: u64,
+    }
+    impl Side {
+        fn with(self, o: u64) -> Side {
+            let (lo, hi) = (self.lo.min(o), self.hi.max(o));
+            // The distances from the new smallest offset keep the same
+            // divisors: every old distance moves by `self.lo - lo`.
+            let g = gcd(gcd(self.g, self.lo - lo), o - lo);
+            Side { lo, hi, g }
+        }
+        fn fits(&self) -> bool {
+            self.g == 0 || (self.hi - self.lo) / self.g <= u64::from(u32::MAX)
+        }
+        fn pages(&self, offs: &[u64]) -> Pages {
+            let stride = self.g.max(1);
+            Pages {
+                // `fits` held when the list was closed.
+                indices: offs
+                    .iter()
+                    .map(|o| ((o - self.lo) / stride) as u32)
+                    .collect(),
+                stride,
+                offset: self.lo,
+            }
+        }
+    }
+    let new = |o: u64| Side { lo: o, hi: o, g: 0 };
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut cur: Option<(Side, Side)> = None;
+    for (i, (&s, &d)) in src.iter().zip(dst).enumerate() {
+        cur = Some(match cur {
+            None => (new(s), new(d)),
+            Some((a, b)) => {
+                let (a2, b2) = (a.with(s), b.with(d));
+                if a2.fits() && b2.fits() {
+                    (a2, b2)
+                } else {
+                    out.push((a.pages(&src[start..i]), b.pages(&dst[start..i])));
+                    start = i;
+                    (new(s), new(d))
+                }
+            }
+        });
+    }
+    if let Some((a, b)) = cur {
+        out.push((a.pages(&src[start..]), b.pages(&dst[start..])));
+    }
+    out
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 /// A run as engine pages (indices `0..count`).
 pub(crate) fn pages(r: &Run) -> Result<Pages, RlError> {
     let n = u32::try_from(r.count)
@@ -202,5 +281,43 @@ pub(crate) fn eng(
         rank,
         phase,
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offsets(p: &Pages) -> Vec<u64> {
+        (0..p.len()).map(|i| p.page_offset(i).unwrap()).collect()
+    }
+
+    #[test]
+    fn page_sets_keep_every_pair_in_order() {
+        let src = [8192, 0, 16384, 40960, 8192 * 3];
+        let dst = [0, 2048, 4096, 6144, 8192];
+        let sets = page_sets(&src, &dst);
+        assert_eq!(sets.len(), 1);
+        let (s, d) = &sets[0];
+        assert_eq!(offsets(s), src);
+        assert_eq!(offsets(d), dst);
+        assert_eq!((s.stride, s.offset), (8192, 0));
+        assert_eq!((d.stride, d.offset), (2048, 0));
+    }
+
+    #[test]
+    fn page_sets_split_where_an_index_would_overflow() {
+        // Distance 1 then a page 2^33 bytes away: stride 1 cannot reach it.
+        let src = [0, 1, 1 << 33, (1 << 33) + 2];
+        let dst = [0, 10, 20, 30];
+        let sets = page_sets(&src, &dst);
+        assert_eq!(sets.len(), 2);
+        let all_src: Vec<u64> = sets.iter().flat_map(|(s, _)| offsets(s)).collect();
+        let all_dst: Vec<u64> = sets.iter().flat_map(|(_, d)| offsets(d)).collect();
+        assert_eq!(all_src, src);
+        assert_eq!(all_dst, dst);
+        assert!(page_sets(&[], &[]).is_empty());
+        let one = page_sets(&[7], &[9]);
+        assert_eq!((offsets(&one[0].0), offsets(&one[0].1)), (vec![7], vec![9]));
     }
 }

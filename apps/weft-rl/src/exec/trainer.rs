@@ -6,10 +6,12 @@ use weft::{
     DoneCounter, HostBuffer, Imm, ImmCounts, MrDesc, MrHandle, OnDone, Resources, TransferEngine,
 };
 
-use super::{eng, imm_count, pages, Directory, ImmPlan, StepConfig, TrainerEndpoint};
+use super::{
+    eng, page_sets, pages, post_imm_count, Directory, ImmPlan, StepConfig, TrainerEndpoint,
+};
 use crate::fp8::quantize_block;
 use crate::meta::{Box2, Quant, Rank};
-use crate::plan::{Plan, Unit, Xfer};
+use crate::plan::{GatherPost, Plan, Unit, Xfer};
 use crate::RlError;
 
 const ROLE: &str = "trainer";
@@ -21,7 +23,8 @@ pub struct StepStats {
     pub writes: u64,
     /// Bytes written into inference memory.
     pub bytes: u64,
-    /// Gather WRITEs into other trainers' arenas.
+    /// Gather submits into other trainers' arenas (small pieces to one
+    /// writer in one wave share a paged submit: [`GatherPost`]).
     pub gathers: u64,
     /// Bytes gathered out to other trainers.
     pub gather_bytes: u64,
@@ -48,6 +51,8 @@ pub struct Trainer {
     endpoint: TrainerEndpoint,
     /// Immediates of the gather round of each (group, wave) into this rank.
     gather_in: Vec<Vec<u64>>,
+    /// The gathers this rank sources, per (group, wave).
+    gather_out: Vec<Vec<Vec<GatherPost>>>,
 }
 
 impl Trainer {
@@ -89,7 +94,7 @@ impl Trainer {
         let counts = engine
             .imm_counts(0)
             .map_err(eng(ROLE, rank, "imm counts"))?;
-        let gather_in = gather_counts(&plan, rank, &counts);
+        let (gather_in, gather_out) = gathers_of(&plan, rank, &counts);
         Ok(Trainer {
             engine,
             rank,
@@ -106,6 +111,7 @@ impl Trainer {
                 arena: arena_desc,
             },
             gather_in,
+            gather_out,
         })
     }
 
@@ -251,21 +257,41 @@ impl Trainer {
         let phase = |what: &str| format!("group {} wave {k}: {what}", g.id);
         let units = &self.plan.units[wave.clone()];
         // Gathers this rank sources.
-        for u in units {
-            for gth in u.gathers.iter().filter(|x| x.from == self.rank) {
-                let d = self.trainer(dir, u.writer)?;
-                self.post(
-                    &shifted(&gth.xfer, 0, base),
-                    &self.shards_mr,
-                    &d.arena,
-                    self.imms.gather[gi],
-                    done,
-                    &phase("gather"),
-                )?;
-                *posted += 1;
-                st.gathers += 1;
-                st.gather_bytes += gth.xfer.src.bytes();
+        for p in &self.gather_out[gi][k] {
+            let d = self.trainer(dir, p.writer())?;
+            match p {
+                GatherPost::One { xfer, .. } => {
+                    self.post(
+                        &shifted(xfer, 0, base),
+                        &self.shards_mr,
+                        &d.arena,
+                        self.imms.gather[gi],
+                        done,
+                        &phase("gather"),
+                    )?;
+                    *posted += 1;
+                    st.gathers += 1;
+                }
+                GatherPost::Batch {
+                    page_len, src, dst, ..
+                } => {
+                    let dst: Vec<u64> = dst.iter().map(|o| o + base).collect();
+                    for (sp, dp) in page_sets(src, &dst) {
+                        self.engine
+                            .submit_paged_writes(
+                                *page_len,
+                                Some(self.imms.gather[gi]),
+                                (&self.shards_mr, &sp),
+                                (&d.arena, &dp),
+                                OnDone::counter(done),
+                            )
+                            .map_err(eng(ROLE, self.rank, phase("gather")))?;
+                        *posted += 1;
+                        st.gathers += 1;
+                    }
+                }
             }
+            st.gather_bytes += p.bytes();
         }
         let gathered = self.arm(
             self.imms.gather[gi],
@@ -479,24 +505,33 @@ fn shifted(x: &Xfer, src: u64, dst: u64) -> Xfer {
     y
 }
 
-/// Immediates each (group, wave) gather round of `rank` receives.
-fn gather_counts(plan: &Plan, rank: Rank, c: &ImmCounts) -> Vec<Vec<u64>> {
-    plan.groups
-        .iter()
-        .map(|g| {
-            g.waves
-                .iter()
-                .map(|w| {
-                    plan.units[w.clone()]
-                        .iter()
-                        .filter(|u| u.writer == rank)
-                        .flat_map(|u| &u.gathers)
-                        .map(|x| imm_count(c, &x.xfer))
-                        .sum()
-                })
-                .collect()
-        })
-        .collect()
+/// Per (group, wave): the immediates `rank`'s gather round receives, and
+/// the gathers it sources.
+#[allow(clippy::type_complexity)]
+fn gathers_of(
+    plan: &Plan,
+    rank: Rank,
+    c: &ImmCounts,
+) -> (Vec<Vec<u64>>, Vec<Vec<Vec<GatherPost>>>) {
+    let mut counts = Vec::with_capacity(plan.groups.len());
+    let mut out = Vec::with_capacity(plan.groups.len());
+    for gi in 0..plan.groups.len() {
+        let (mut gc, mut go) = (Vec::new(), Vec::new());
+        for k in 0..plan.groups[gi].waves.len() {
+            let posts = plan.gather_posts(gi, k);
+            gc.push(
+                posts
+                    .iter()
+                    .filter(|p| p.writer() == rank)
+                    .map(|p| post_imm_count(c, p))
+                    .sum(),
+            );
+            go.push(posts.into_iter().filter(|p| p.from() == rank).collect());
+        }
+        counts.push(gc);
+        out.push(go);
+    }
+    (counts, out)
 }
 
 impl Drop for Trainer {

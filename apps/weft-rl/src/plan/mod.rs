@@ -40,8 +40,11 @@
 
 use std::collections::BTreeMap;
 
+mod batch;
 mod order;
 mod runs;
+
+pub use batch::{gather_posts, GatherPost, BATCH_PAGE_MAX};
 
 pub(crate) use runs::box_run;
 use runs::pair;
@@ -729,6 +732,16 @@ impl Plan {
     pub fn arena_half(&self, group: usize, wave: usize) -> usize {
         let before: usize = self.groups.iter().take(group).map(|g| g.waves.len()).sum();
         (before + wave) % 2
+    }
+
+    /// The gathers of wave `wave` of group `group` as submits
+    /// ([`gather_posts`]); empty for a wave that does not exist.
+    pub fn gather_posts(&self, group: usize, wave: usize) -> Vec<GatherPost> {
+        self.groups
+            .get(group)
+            .and_then(|g| g.waves.get(wave))
+            .and_then(|w| self.units.get(w.clone()))
+            .map_or_else(Vec::new, gather_posts)
     }
 
     /// Bytes each trainer writes into inference memory.

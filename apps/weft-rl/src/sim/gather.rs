@@ -7,8 +7,9 @@
 //! ~7.9 M pages), too many events to post one by one; a source's
 //! cross-node gathers into one writer in one wave are posted as WRITEs of
 //! their summed bytes, cut into chunks of at most [`CHUNK`] (the bytes and
-//! their timing on both links are kept; per-page costs are charged as
-//! submits on the source's proxy lane, one per planned transfer).
+//! their timing on both links are kept; the host cost is charged as
+//! submits on the source's proxy lane, one per submit the trainer makes:
+//! [`crate::plan::gather_posts`]).
 
 use std::collections::BTreeMap;
 
@@ -32,7 +33,7 @@ pub(super) fn imm(plan: &Plan, gi: usize, k: usize) -> u32 {
 pub(super) struct WaveGather {
     /// Per writer: when its NVLink gathers are in (ns after its barrier).
     pub nvlink_done: BTreeMap<u32, u64>,
-    /// Per source: gather transfers of the plan it submits (host cost).
+    /// Per source: gather submits (host cost; [`crate::plan::gather_posts`]).
     pub submits: BTreeMap<u32, u64>,
     /// Per source: `(writer, bytes, chunk)` it sends across nodes, in
     /// WRITEs of at most `chunk` bytes.
@@ -54,7 +55,6 @@ impl WaveGather {
         for u in &plan.units[plan.groups[gi].waves[k].clone()] {
             for g in &u.gathers {
                 let b = g.xfer.src.bytes();
-                *out.submits.entry(g.from).or_default() += 1;
                 if node(g.from) == node(u.writer) {
                     nvl.entry(u.writer).or_default()[0] += b;
                     nvl.entry(g.from).or_default()[1] += b;
@@ -63,6 +63,11 @@ impl WaveGather {
                     *cross.entry((g.from, u.writer)).or_default() += b;
                 }
             }
+        }
+        // Host cost: one submit per post (a source's small pieces into one
+        // writer share a paged submit, as the trainer posts them).
+        for p in plan.gather_posts(gi, k) {
+            *out.submits.entry(p.from()).or_default() += 1;
         }
         let t = |b: u64| (b as f64 / nvl_bs * 1e9) as u64;
         // A source sends once it submitted its gathers, then at its rate.
