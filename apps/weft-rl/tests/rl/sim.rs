@@ -443,3 +443,27 @@ fn listing_order_does_not_change_the_update() {
         );
     }
 }
+
+/// The tightest shipped layout at the paper's scale: Qwen3-235B as one
+/// 128-GPU instance with inference PP 2 (few bytes per rank, experts
+/// sharded finely: about 2 100 gather pieces per trainer). The predicted
+/// update stays within 1.15× the bytes/bandwidth bound (the gathers go out
+/// as one paged submit per source, writer and page length), as
+/// docs/benchmarks.md's table says.
+#[test]
+#[ignore = "slow: a paper-scale plan and simulation"]
+fn qwen3_one_instance_pp2_stays_within_the_bound() {
+    let text = include_str!("../../configs/paper-moe-to-pp2.layout.json");
+    let (t, i) = models::LayoutFile::parse(text).unwrap().layouts();
+    let m = models::load("qwen3-235b-a22b").unwrap();
+    let ml = models::build(&m, t, i).unwrap();
+    let p = plan(&ml, &PlanConfig::default()).unwrap();
+    let r = simulate(&ml, &p, &SimConfig::default()).unwrap();
+    let ratio = r.p2p_s / r.bound_s;
+    assert!(
+        (1.0..=1.15).contains(&ratio),
+        "Qwen3-235B PP 2: {:.4} s against the bound {:.4} s ({ratio:.3}×): {r:?}",
+        r.p2p_s,
+        r.bound_s
+    );
+}
