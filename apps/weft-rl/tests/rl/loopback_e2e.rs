@@ -110,6 +110,45 @@ impl Cluster {
         Arc::new(Trainer::new(e, r, self.plan.clone(), self.cfg).unwrap())
     }
 
+    /// Trainer `r`'s gathers per step: planned transfers, submits (as
+    /// `gather_posts` batches them) and bytes.
+    fn gathers_of(&self, r: u32) -> (u64, u64, u64) {
+        let (mut xfers, mut posts, mut bytes) = (0, 0, 0);
+        for (gi, g) in self.plan.groups.iter().enumerate() {
+            for (k, w) in g.waves.iter().enumerate() {
+                xfers += self.plan.units[w.clone()]
+                    .iter()
+                    .flat_map(|u| &u.gathers)
+                    .filter(|x| x.from == r)
+                    .count() as u64;
+                for p in self
+                    .plan
+                    .gather_posts(gi, k)
+                    .iter()
+                    .filter(|p| p.from() == r)
+                {
+                    posts += 1;
+                    bytes += p.bytes();
+                }
+            }
+        }
+        (xfers, posts, bytes)
+    }
+
+    /// Every trainer's step made one submit per gather post and moved the
+    /// planned bytes; returns the posts and the planned transfers of all
+    /// trainers (fewer posts: the batched, paged path ran).
+    fn check_gathers(&self, stats: &[weft_rl::exec::StepStats]) -> (u64, u64) {
+        let (mut xfers, mut posts) = (0, 0);
+        for (r, st) in stats.iter().enumerate() {
+            let (x, p, b) = self.gathers_of(r as u32);
+            assert_eq!((st.gathers, st.gather_bytes), (p, b), "trainer {r}");
+            xfers += x;
+            posts += p;
+        }
+        (posts, xfers)
+    }
+
     fn dir(&self) -> Directory {
         Directory {
             trainers: self.trainers.iter().map(|t| t.endpoint()).collect(),
@@ -285,10 +324,18 @@ fn run(model: &str, t: TrainLayout, i: InferLayout) {
         for version in 0..3 {
             c.load(100 + version);
             let (tr, ir) = c.step(version, || {});
-            for r in &tr {
-                let st = r.as_ref().expect("trainer step");
+            let stats: Vec<_> = tr
+                .iter()
+                .map(|r| *r.as_ref().expect("trainer step"))
+                .collect();
+            for st in &stats {
                 assert!(st.waves > 0);
             }
+            let (posts, xfers) = c.check_gathers(&stats);
+            assert!(
+                posts < xfers,
+                "no gather batched: {posts} posts of {xfers} transfers"
+            );
             for r in ir {
                 r.expect("inference step");
             }
@@ -443,9 +490,8 @@ fn random_layouts_over_real_engines() {
         for version in 0..2 {
             c.load(300 + version);
             let (tr, ir) = c.step(version, || {});
-            for r in tr {
-                r.expect("trainer step");
-            }
+            let stats: Vec<_> = tr.into_iter().map(|r| r.expect("trainer step")).collect();
+            c.check_gathers(&stats);
             for r in ir {
                 r.expect("inference step");
             }
