@@ -57,6 +57,9 @@ pub struct Summary {
     pub paged_writes: (u64, u64),
     /// Unshard traffic between trainers (bytes, transfers).
     pub gather: (u64, u64),
+    /// Submits the trainers make for the unshard (small pieces into one
+    /// writer share a paged submit: [`crate::plan::gather_posts`]).
+    pub gather_submits: u64,
     /// Bytes each trainer writes to inference.
     pub trainer: Spread,
     /// Bytes each trainer NIC carries (engine sharding applied).
@@ -131,6 +134,10 @@ impl Summary {
             single_writes: single,
             paged_writes: paged,
             gather,
+            gather_submits: (0..plan.groups.len())
+                .flat_map(|g| (0..plan.groups[g].waves.len()).map(move |k| (g, k)))
+                .map(|(g, k)| plan.gather_posts(g, k).len() as u64)
+                .sum(),
             trainer: Spread::of(&plan.trainer_load()),
             trainer_nic: Spread::of(&nic),
             inference: Spread::of(&inf),
@@ -184,9 +191,10 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "unshard traffic     {} in {} transfers",
+            "unshard traffic     {} in {} transfers ({} submits)",
             human(self.gather.0 as f64),
-            self.gather.1
+            self.gather.1,
+            self.gather_submits
         )?;
         writeln!(f, "per trainer         {}", sp(&self.trainer))?;
         writeln!(f, "per trainer NIC     {}", sp(&self.trainer_nic))?;
